@@ -1,0 +1,3 @@
+from megatronish.cli import main
+
+main()

@@ -1,0 +1,50 @@
+"""`megatronish check`: the resolved config and its derived sizes, without starting anything."""
+
+from __future__ import annotations
+
+import yaml
+
+from megatronish.config import Config, derive
+from megatronish.metrics import model_flops_per_step, parameter_count
+
+
+def check_config(cfg: Config, world_size: int | None) -> str:
+    """The report `check` prints. world_size defaults to tp * pp * (parallel.dp or 1)."""
+    from megatronish.data import ByteTokenizer, dataset_vocab_size
+
+    p = cfg.parallel
+    if world_size is None:
+        world_size = p.tp * p.pp * (p.dp or 1)
+    if cfg.model.vocab_size is not None:
+        vocab = cfg.model.vocab_size
+    elif cfg.data.path is not None:
+        vocab = dataset_vocab_size(cfg.data.path)
+    else:
+        vocab = ByteTokenizer().vocab_size  # the built-in corpus is byte-level
+    d = derive(cfg, world_size, vocab_size=vocab)
+    params = parameter_count(cfg, d)
+    lines = [
+        "# resolved config",
+        yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
+        "",
+        "# derived",
+        f"world_size: {d.world_size}  (tp {d.tp} x dp {d.dp} x pp {d.pp}, tp innermost)",
+        f"parameters: {params:,} ({params / 1e6:.2f} M)",
+        f"parameters per tp rank: ~{_per_rank(cfg, d, params):,}",
+        f"gradient accumulation steps: {d.grad_accum_steps}",
+        f"tokens per step: {d.tokens_per_step:,}",
+        f"heads per tp rank: {cfg.model.n_head // d.tp} query, {d.n_kv_head // d.tp} kv"
+        f" (head dim {d.head_dim})",
+        f"d_ff: {d.d_ff} ({d.d_ff // d.tp} per tp rank)",
+        f"vocab: {d.vocab_size}, padded to {d.padded_vocab_size} "
+        f"({d.padded_vocab_size // d.tp} per tp rank)",
+        f"tie_embeddings: {str(d.tie_embeddings).lower()}",
+        f"model FLOPs per step: {model_flops_per_step(cfg, d):.3e}",
+        "ok",
+    ]
+    return "\n".join(lines)
+
+
+def _per_rank(cfg: Config, d, params: int) -> int:
+    replicated = cfg.model.max_seq_len * cfg.model.d_model if cfg.model.arch == "gpt2" else 0
+    return (params - replicated) // d.tp + replicated

@@ -1,0 +1,489 @@
+"""Typed, strict configuration: YAML and `--set key=value` into dataclasses, validated once.
+
+Every key of CONTRACT.md is a field below, documented where it is declared. An unknown key is
+an error that suggests the nearest valid key; a value of the wrong type or out of range names
+the key and what is allowed. Sizes that follow from others (data-parallel degree, gradient
+accumulation, padded vocab, d_ff, kv heads) are computed in one place: `Derived`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from megatronish.errors import UserError
+
+VOCAB_PAD_MULTIPLE = 128
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    """gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings. llama: RoPE, RMSNorm,
+    SwiGLU, grouped-query attention, no biases, untied output layer."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention (query) heads; divisible by parallel.tp."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention); divides n_head and is divisible by parallel.tp.
+    Default: n_head (gpt2 always uses n_head)."""
+    d_model: int = 128
+    """Hidden size; divisible by n_head."""
+    d_ff: int | None = None
+    """MLP inner size, divisible by parallel.tp. Default: 4 * d_model for gpt2, and for llama
+    8/3 * d_model rounded up to a multiple of 256 (the same at every tp)."""
+    vocab_size: int | None = None
+    """Tokens in the vocabulary. Default: the dataset's vocabulary (from its metadata)."""
+    max_seq_len: int = 256
+    """Longest sequence the model accepts (size of gpt2's position table)."""
+    dropout: float = 0.0
+    """Dropout probability on attention probabilities and residual branches."""
+    tie_embeddings: bool | None = None
+    """Share the token embedding with the output layer. Default: true for gpt2, false for llama."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base (llama)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split each layer's weights (adjacent ranks)."""
+    dp: int | None = None
+    """Data-parallel degree. Default: world size / (tp * pp)."""
+    pp: int = 1
+    """Pipeline-parallel degree. Only 1 is supported in this version."""
+    sequence_parallel: bool = False
+    """Split the activations between blocks along the sequence over the tp ranks (Megatron's
+    sequence parallelism: all-gather / reduce-scatter instead of all-reduce)."""
+    timeout_s: float = 600.0
+    """Seconds a collective may wait for the other ranks before the run fails instead of hanging."""
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    """Seed of the weights, the data order and dropout; the same at every parallel layout."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all data-parallel ranks; a multiple of
+    micro_batch_size * dp (the quotient is the number of gradient accumulation steps)."""
+    seq_len: int = 128
+    """Tokens per training sequence; at most model.max_seq_len."""
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to biases and norm weights)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 autocast with fp32 weights, gradients and optimizer state."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """none; selective: recompute the attention core in backward; full: recompute each block."""
+    log_every: int = 1
+    """Write a metrics line (and update the progress bar) every this many steps."""
+    eval_every: int = 50
+    """Compute the validation loss every this many steps (and at the last step); 0: never."""
+    eval_steps: int = 4
+    """Global batches of the validation split per evaluation."""
+
+
+@dataclass
+class OptimConfig:
+    zero: Literal[0, 1] = 0
+    """0: every data-parallel rank holds the whole optimizer state; 1: the state is sharded
+    across data-parallel ranks (ZeRO stage 1)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """A directory written by `megatronish prepare`. Default: the built-in corpus (the Python
+    standard library's source), prepared on first use into a cache directory."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go. Default: <run.out_dir>/checkpoints."""
+    every: int = 0
+    """Save every this many steps (and at the end of the run); 0: only at the end."""
+    keep: int = 2
+    """Newest checkpoints to keep; older ones are deleted. 0 keeps all."""
+    resume: str = "auto"
+    """auto: continue from the newest checkpoint in checkpoint.dir if there is one; never;
+    or the path of a checkpoint to continue from."""
+    save: bool = True
+    """Write checkpoints at all."""
+    init_from_hf: str | None = None
+    """A Hugging Face model directory (config.json + model.safetensors) to start from."""
+
+
+@dataclass
+class KernelsConfig:
+    backend: Literal["auto", "triton", "torch"] = "auto"
+    """auto: Triton kernels on CUDA, torch ops elsewhere; triton; torch."""
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    """Where metrics.jsonl, the resolved config and (by default) checkpoints go."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def _nearest(name: str, options: list[str], prefix: str) -> str:
+    full = [f"{prefix}.{o}" if prefix else o for o in options]
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{full[options.index(close[0])]}'?"
+    return "valid keys: " + ", ".join(full)
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        parts = [_describe(a) for a in get_args(tp) if a is not type(None)]
+        return " or ".join(parts) + " or null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
+    """value as type tp, or a UserError naming key and what is allowed."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        if value is None or (from_string and str(value).lower() in ("null", "none", "~")):
+            return None
+        return _coerce(key, value, inner[0], from_string)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if from_string and all(isinstance(a, int) for a in allowed):
+            try:
+                value = int(value)
+            except ValueError:
+                pass
+        if value not in allowed:
+            raise UserError(f"{key}: {value!r} is not valid; valid: {_describe(tp)}")
+        return value
+    bad = UserError(f"{key}: {value!r} is not {_describe(tp)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_string and str(value).lower() in ("true", "false", "yes", "no", "1", "0"):
+            return str(value).lower() in ("true", "yes", "1")
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                try:
+                    as_float = float(value)
+                except ValueError:
+                    raise bad from None
+                if as_float.is_integer():
+                    return int(as_float)
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                result = float(value)
+            except ValueError:
+                raise bad from None
+            if math.isfinite(result):
+                return result
+        raise bad
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    raise bad
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise UserError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in types_:
+            raise UserError(f"unknown key '{dotted}'; {_nearest(str(key), sorted(types_), prefix)}")
+        tp = types_[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, dotted)
+        else:
+            kwargs[key] = _coerce(dotted, value, tp, from_string=False)
+    return cls(**kwargs)
+
+
+def _apply_override(cfg: Config, assignment: str) -> None:
+    if "=" not in assignment:
+        raise UserError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.steps=20")
+    key, raw = assignment.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    target: Any = cfg
+    for depth, part in enumerate(parts):
+        types_ = _field_types(type(target))
+        seen = ".".join(parts[:depth])
+        if part not in types_:
+            where = f"'{seen}.{part}'" if seen else f"'{part}'"
+            raise UserError(f"--set: unknown key {where}; {_nearest(part, sorted(types_), seen)}")
+        tp = types_[part]
+        if depth == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise UserError(f"--set {key}: is a section; set one of its keys, e.g. {key}.x=...")
+            setattr(target, part, _coerce(key, raw, tp, from_string=True))
+        else:
+            if not dataclasses.is_dataclass(tp):
+                raise UserError(f"--set {key}: '{'.'.join(parts[: depth + 1])}' has no sub-keys")
+            target = getattr(target, part)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of YAML file `path` (None: defaults) with `--set` overrides applied, checked."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise UserError(f"config file {path}: not valid YAML{where}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"config file {path}: not a text file") from None
+    cfg = _build(Config, data, "")
+    for assignment in overrides:
+        _apply_override(cfg, assignment)
+    check_values(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """A Config from a dict such as Config.to_dict() wrote (a checkpoint's resolved config)."""
+    cfg = _build(Config, data, "")
+    check_values(cfg)
+    return cfg
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise UserError(message)
+
+
+def check_values(cfg: Config) -> None:
+    """Ranges of single values; checks between values and the world size are in `derive`."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    for key, value in [
+        ("model.n_layer", m.n_layer),
+        ("model.n_head", m.n_head),
+        ("model.d_model", m.d_model),
+        ("model.max_seq_len", m.max_seq_len),
+        ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
+        ("train.steps", t.steps),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.seq_len", t.seq_len),
+        ("train.log_every", t.log_every),
+    ]:
+        _require(value >= 1, f"{key}: {value} is not valid; must be a positive integer")
+    for key, value in [
+        ("model.n_kv_head", m.n_kv_head),
+        ("model.d_ff", m.d_ff),
+        ("model.vocab_size", m.vocab_size),
+        ("parallel.dp", p.dp),
+    ]:
+        _require(value is None or value >= 1, f"{key}: {value} is not valid; must be >= 1 or null")
+    _require(p.pp == 1, f"parallel.pp: {p.pp} is not supported yet; valid: 1")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout: {m.dropout} is not valid; must be in [0, 1)")
+    _require(m.norm_eps > 0, f"model.norm_eps: {m.norm_eps} must be > 0")
+    _require(t.lr > 0, f"train.lr: {t.lr} must be > 0")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr: {t.min_lr} must be in [0, train.lr={t.lr}]")
+    _require(t.warmup_steps >= 0, f"train.warmup_steps: {t.warmup_steps} must be >= 0")
+    _require(t.weight_decay >= 0, f"train.weight_decay: {t.weight_decay} must be >= 0")
+    _require(t.grad_clip >= 0, f"train.grad_clip: {t.grad_clip} must be >= 0 (0 disables)")
+    _require(t.eval_every >= 0, f"train.eval_every: {t.eval_every} must be >= 0 (0: never)")
+    _require(t.eval_steps >= 1, f"train.eval_steps: {t.eval_steps} must be >= 1")
+    _require(cfg.checkpoint.every >= 0, f"checkpoint.every: {cfg.checkpoint.every} must be >= 0")
+    _require(cfg.checkpoint.keep >= 0, f"checkpoint.keep: {cfg.checkpoint.keep} must be >= 0")
+    _require(p.timeout_s > 0, f"parallel.timeout_s: {p.timeout_s} must be > 0")
+    _require(
+        0 < cfg.optim.beta1 < 1 and 0 < cfg.optim.beta2 < 1,
+        "optim.beta1 and optim.beta2 must be in (0, 1)",
+    )
+    _require(
+        t.seq_len <= m.max_seq_len,
+        f"train.seq_len: {t.seq_len} is longer than model.max_seq_len={m.max_seq_len}",
+    )
+    _require(
+        m.arch != "gpt2" or m.n_kv_head in (None, m.n_head),
+        f"model.n_kv_head: gpt2 uses n_kv_head = n_head = {m.n_head}; got {m.n_kv_head}",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Derived sizes
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Sizes that follow from the config and the world size, computed only here."""
+
+    world_size: int
+    tp: int
+    dp: int
+    pp: int
+    grad_accum_steps: int
+    n_kv_head: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    padded_vocab_size: int
+    tie_embeddings: bool
+    tokens_per_step: int
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """vocab_size rounded up to a multiple of 128 * tp (Megatron's padding)."""
+    multiple = VOCAB_PAD_MULTIPLE * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Derived:
+    """Every derived size, after the checks between values; vocab_size is the dataset's when the
+    config leaves model.vocab_size unset."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp = p.tp, p.pp
+    _require(
+        world_size % (tp * pp) == 0,
+        f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp * pp}",
+    )
+    dp = p.dp if p.dp is not None else world_size // (tp * pp)
+    _require(
+        tp * dp * pp == world_size,
+        f"world size {world_size} != parallel.tp * parallel.dp * parallel.pp = "
+        f"{tp} * {dp} * {pp}; launch {tp * dp * pp} processes or change parallel.dp",
+    )
+    n_kv = m.n_kv_head if m.n_kv_head is not None else m.n_head
+    _require(
+        m.n_head % tp == 0,
+        f"model.n_head: {m.n_head} is not divisible by parallel.tp={tp}; "
+        f"valid tp: {', '.join(str(d) for d in _divisors(m.n_head))}",
+    )
+    _require(m.n_head % n_kv == 0, f"model.n_kv_head: {n_kv} does not divide model.n_head={m.n_head}")
+    _require(
+        n_kv % tp == 0,
+        f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; "
+        f"valid tp: {', '.join(str(d) for d in _divisors(n_kv))}",
+    )
+    _require(
+        m.d_model % m.n_head == 0,
+        f"model.d_model: {m.d_model} is not divisible by model.n_head={m.n_head}",
+    )
+    head_dim = m.d_model // m.n_head
+    if m.arch == "llama":
+        _require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
+    if m.d_ff is not None:
+        d_ff = m.d_ff
+    elif m.arch == "gpt2":
+        d_ff = 4 * m.d_model
+    else:
+        d_ff = -(-(8 * m.d_model // 3) // 256) * 256
+    _require(d_ff % tp == 0, f"model.d_ff: {d_ff} is not divisible by parallel.tp={tp}")
+    micro_total = t.micro_batch_size * dp
+    _require(
+        t.global_batch_size % micro_total == 0,
+        f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+        f"train.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {micro_total}",
+    )
+    vocab = m.vocab_size if m.vocab_size is not None else vocab_size
+    _require(vocab is not None, "model.vocab_size: not set and no dataset to take it from")
+    tie = m.tie_embeddings if m.tie_embeddings is not None else m.arch == "gpt2"
+    _require(
+        not (p.sequence_parallel and tp > 1 and t.seq_len % tp != 0),
+        f"train.seq_len: {t.seq_len} must be divisible by parallel.tp={tp} with sequence_parallel",
+    )
+    return Derived(
+        world_size=world_size,
+        tp=tp,
+        dp=dp,
+        pp=pp,
+        grad_accum_steps=t.global_batch_size // micro_total,
+        n_kv_head=n_kv,
+        head_dim=head_dim,
+        d_ff=d_ff,
+        vocab_size=vocab,
+        padded_vocab_size=padded_vocab(vocab, tp),
+        tie_embeddings=tie,
+        tokens_per_step=t.global_batch_size * t.seq_len,
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,213 @@
+"""Column- and row-parallel linear layers (Megatron-LM's split of Y = X A^T + b).
+
+Shapes: b batch, s sequence, t tp group size; weights are [out, in] as in nn.Linear.
+  ColumnParallelLinear  weight [out / t, in], bias [out / t]     input [b, s, in] (replicated)
+                        output [b, s, out / t] (or [b, s, out] with gather_output)
+  RowParallelLinear     weight [out, in / t], bias [out]         input [b, s, in / t]
+                        output [b, s, out] (summed over the group), bias added once after it
+With sequence_parallel the replicated activations are [b, s / t, h] instead: the column layer
+all-gathers its input along the sequence, the row layer reduce-scatters its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish import comm
+from megatronish.layers import mappings
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def normal_init(std: float = 0.02) -> InitMethod:
+    """In-place normal(0, std) init of a full-size weight (uses the default generator)."""
+
+    def init(tensor: torch.Tensor) -> None:
+        nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init
+
+
+def mark_parallel(param: nn.Parameter, split_dim: int | None, full_shape: tuple[int, ...]) -> None:
+    """Tags param with how it is split over the tp group: split_dim (None: replicated) and the
+    full (unsplit) shape. Checkpoints, re-sharding and the gradient norm read these tags."""
+    param.tp_split_dim = split_dim
+    param.full_shape = tuple(full_shape)
+
+
+def init_sharded(
+    param: nn.Parameter, init_method: InitMethod | None, split_dim: int, group
+) -> None:
+    """Initializes the full-size tensor and keeps this rank's block, so the same seed gives
+    the same full weight at every tp."""
+    if init_method is None:
+        return
+    full = torch.empty(param.full_shape, dtype=param.dtype, device=param.device)
+    init_method(full)
+    size, rank = comm.group_size(group), comm.group_rank(group)
+    with torch.no_grad():
+        param.copy_(full.chunk(size, dim=split_dim)[rank])
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """X A^T + b whose backward all-reduces dX asynchronously while computing dA (or, with
+    sequence parallelism, all-gathers X forward and reduce-scatters dX backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.has_bias = bias is not None
+        full_x = mappings.gather_seq(x, group) if sequence_parallel else x
+        out = F.linear(full_x, weight, bias)
+        ctx.save_for_backward(x if sequence_parallel else full_x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        full_x = mappings.gather_seq(x, group) if ctx.sequence_parallel else x
+        grad_in = grad_out.matmul(weight.to(grad_out.dtype))
+        handle = None
+        if not ctx.sequence_parallel:
+            grad_in = grad_in.contiguous()
+            handle = comm.all_reduce(grad_in, group, async_op=True)
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        x_2d = full_x.reshape(-1, full_x.shape[-1]).to(grad_out.dtype)
+        grad_weight = grad_2d.t().matmul(x_2d).to(weight.dtype)  # overlaps the all-reduce
+        grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
+        if handle is not None:
+            handle.wait()
+        if ctx.sequence_parallel:
+            grad_in = mappings.reduce_scatter_seq(grad_in, group).contiguous()
+        return grad_in, grad_weight, grad_bias, None, None
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    sequence_parallel: bool = False,
+) -> torch.Tensor:
+    """x [b, s, in] (or [b, s / t, in] with sequence_parallel) times this rank's block of the
+    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group."""
+    if comm.group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer whose output features are split over the tp group (rank r holds the r-th
+    contiguous block). Forward needs no communication (the input is replicated); backward
+    all-reduces the input gradient, overlapped with the weight-gradient matmul. With
+    skip_bias_add the bias is left for the caller to fuse into the next op."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
+        skip_bias_add: bool = False,
+        init_method: InitMethod | None = normal_init(),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = comm.group_size(tp_group)
+        self.skip_bias_add = skip_bias_add
+        if out_features % self.tp_size:
+            raise ValueError(f"out_features {out_features} not divisible by tp {self.tp_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        local_out = out_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        mark_parallel(self.weight, 0, (out_features, in_features))
+        init_sharded(self.weight, init_method, 0, tp_group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(local_out, device=device, dtype=dtype))
+            mark_parallel(self.bias, 0, (out_features,))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.skip_bias_add else self.bias
+        out = column_parallel_linear(x, self.weight, bias, self.tp_group, self.sequence_parallel)
+        if self.gather_output:
+            out = mappings.gather_from_tensor_parallel_region(out, self.tp_group)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+            f"tp={self.tp_size}, bias={self.bias is not None}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer whose input features are split over the tp group. Forward all-reduces the
+    partial outputs (reduce-scatters them along the sequence with sequence_parallel); the bias
+    is replicated and added once, after the reduction."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        tp_group: dist.ProcessGroup | None = None,
+        init_method: InitMethod | None = normal_init(),
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = comm.group_size(tp_group)
+        if in_features % self.tp_size:
+            raise ValueError(f"in_features {in_features} not divisible by tp {self.tp_size}")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        local_in = in_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
+        mark_parallel(self.weight, 1, (out_features, in_features))
+        init_sharded(self.weight, init_method, 1, tp_group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+            mark_parallel(self.bias, None, (out_features,))
+            # Under sequence parallelism each rank sees part of the sequence: the bias gradient
+            # must be summed over the tp group (the trainer does it for tagged parameters).
+            self.bias.sequence_parallel_grad = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            out = mappings.reduce_from_tensor_parallel_region(partial, self.tp_group)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+            f"tp={self.tp_size}, bias={self.bias is not None}"
+        )

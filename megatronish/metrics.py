@@ -1,0 +1,108 @@
+"""Model FLOPs, the device peak that MFU divides by, and the metrics.jsonl writer."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from megatronish.config import Config, Derived
+
+# Dense bf16 peak per GPU (no sparsity), TFLOP/s, matched against torch.cuda.get_device_name.
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+    "V100": 125.0,
+}
+
+
+def matmul_params(cfg: Config, derived: Derived) -> int:
+    """Parameters that take part in a matmul per token: every block's linear weights and the
+    output layer (the embedding lookup and norms are not matmuls)."""
+    m, h = cfg.model, cfg.model.d_model
+    qkv = h * (m.n_head + 2 * derived.n_kv_head) * derived.head_dim
+    proj = m.n_head * derived.head_dim * h
+    mlp = (3 if m.arch == "llama" else 2) * h * derived.d_ff
+    return m.n_layer * (qkv + proj + mlp) + h * derived.vocab_size
+
+
+def model_flops_per_step(cfg: Config, derived: Derived) -> float:
+    """Training FLOPs of one optimizer step (Narayanan et al. 2021, written for any MLP):
+    3 x forward, forward per token = 2 x matmul parameters + 4 l s h for attention scores and
+    values; x 4/3 with full recompute. With d_ff = 4h this is 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    t, m = cfg.train, cfg.model
+    attn = 4 * m.n_layer * t.seq_len * m.n_head * derived.head_dim
+    forward = 2 * matmul_params(cfg, derived) + attn
+    passes = 4 if t.activation_checkpointing == "full" else 3
+    return float(passes * forward * derived.tokens_per_step)
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    """FLOP/s that MFU divides by for one device, with where the figure comes from: the dense
+    bf16 peak of a known GPU, else a measured fp32 matmul rate (CPU, or an unknown GPU)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12, f"{name} dense bf16 peak"
+    return measured_matmul_flops(device), f"measured fp32 matmul on {device.type}"
+
+
+def measured_matmul_flops(device: torch.device, size: int = 512, reps: int = 8) -> float:
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+class MetricsWriter:
+    """Appends one JSON object a line to <out_dir>/metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, out_dir: Path, enabled: bool, append: bool = False):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self._file = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a" if append else "w")
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def parameter_count(cfg: Config, derived: Derived) -> int:
+    """Parameters of the full model (all tp ranks together), at the real (unpadded) vocab."""
+    m, h = cfg.model, cfg.model.d_model
+    bias = m.arch == "gpt2"
+    norm = 2 * h if bias else h
+    qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim
+    attn = h * qkv_out + m.n_head * derived.head_dim * h + (qkv_out + h if bias else 0)
+    mlp = (3 if m.arch == "llama" else 2) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
+    per_layer = attn + mlp + 2 * norm
+    embed = derived.vocab_size * h + (m.max_seq_len * h if m.arch == "gpt2" else 0)
+    head = 0 if derived.tie_embeddings else derived.vocab_size * h
+    return m.n_layer * per_layer + embed + norm + head

@@ -1,0 +1,273 @@
+"""GPT-2 and Llama, written tensor-parallel from the start.
+
+Shapes: b batch, s sequence (s / t inside blocks with sequence parallelism), h d_model,
+n query heads, k kv heads, d head dim, f d_ff, V padded vocab, t tp size.
+Attention: qkv column-parallel [h -> (n + 2k) d], heads split over tp; output row-parallel.
+MLP: column-parallel up (and gate for llama), row-parallel down. Logits come out split over
+the vocab, [b, s, V / t], and go straight into the vocab-parallel loss.
+
+The fused qkv weight is laid out by kv group: for each of the k groups, its n/k query heads,
+then its key head, then its value head. Contiguous blocks of it are whole groups, so every tp
+rank gets the heads it needs and the full weight is the same at every tp.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from megatronish import ops
+from megatronish.config import Config, Derived
+from megatronish.layers import mappings
+from megatronish.layers.embedding import VocabParallelEmbedding
+from megatronish.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    column_parallel_linear,
+    mark_parallel,
+)
+from megatronish.parallel import ParallelState, RNGTracker
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt2) or RMSNorm (llama) over h; its parameters are replicated on tp ranks."""
+
+    def __init__(self, dim: int, kind: str, eps: float, backend: str, sequence_parallel: bool):
+        super().__init__()
+        self.kind, self.eps, self.backend = kind, eps, backend
+        self.weight = nn.Parameter(torch.ones(dim))
+        mark_parallel(self.weight, None, (dim,))
+        self.weight.sequence_parallel_grad = sequence_parallel
+        if kind == "layernorm":
+            self.bias = nn.Parameter(torch.zeros(dim))
+            mark_parallel(self.bias, None, (dim,))
+            self.bias.sequence_parallel_grad = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layernorm":
+            return ops.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+        return ops.rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker):
+        super().__init__()
+        m, t = cfg.model, derived.tp
+        self.head_dim = derived.head_dim
+        self.local_heads, self.local_groups = m.n_head // t, derived.n_kv_head // t
+        self.heads_per_group = m.n_head // derived.n_kv_head
+        self.is_llama, self.rope_theta = m.arch == "llama", m.rope_theta
+        self.dropout, self.tracker = m.dropout, tracker
+        self.backend = cfg.kernels.backend
+        self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
+        bias, sp, group = m.arch == "gpt2", cfg.parallel.sequence_parallel, ps.tp_group
+        qkv_out = (m.n_head + 2 * derived.n_kv_head) * self.head_dim
+        self.qkv = ColumnParallelLinear(
+            m.d_model, qkv_out, bias=bias, sequence_parallel=sp, tp_group=group, init_method=None
+        )
+        self.proj = RowParallelLinear(
+            m.n_head * self.head_dim, m.d_model, bias=bias, sequence_parallel=sp,
+            tp_group=group, init_method=None,
+        )  # fmt: skip
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, n/t, s, d], k and v [b, k/t, s, d] -> [b, n/t, s, d]."""
+        if self.is_llama:
+            q = ops.rope(q, self.rope_theta, backend=self.backend)
+            k = ops.rope(k, self.rope_theta, backend=self.backend)
+        if self.dropout > 0 and self.training:
+            group = self.heads_per_group
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            with self.tracker.fork():  # heads differ per tp rank: a per-rank stream
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return ops.attention(q, k, v, causal=True, backend=self.backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [b, s, (n + 2k) / t * d]
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.local_heads, self.head_dim)
+        q = q.transpose(1, 2)  # [b, n/t, s, d]
+        k = qkv[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, k/t, s, d]
+        v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
+        if self.selective_checkpoint and self.training:
+            y = checkpoint(self.core, self.tracker, q, k, v)
+        else:
+            y = self.core(q, k, v)
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
+        super().__init__()
+        m, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
+        self.is_llama, self.backend = m.arch == "llama", cfg.kernels.backend
+        common = dict(sequence_parallel=sp, tp_group=group, init_method=None)
+        if self.is_llama:
+            self.gate = ColumnParallelLinear(m.d_model, derived.d_ff, bias=False, **common)
+            self.up = ColumnParallelLinear(m.d_model, derived.d_ff, bias=False, **common)
+        else:
+            self.up = ColumnParallelLinear(
+                m.d_model, derived.d_ff, bias=True, skip_bias_add=True, **common
+            )
+        self.down = RowParallelLinear(derived.d_ff, m.d_model, bias=not self.is_llama, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_llama:
+            hidden = ops.swiglu(self.gate(x), self.up(x), backend=self.backend)  # [b, s, f/t]
+        else:
+            hidden = ops.bias_gelu(self.up(x), self.up.bias, backend=self.backend)
+        return self.down(hidden)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker):
+        super().__init__()
+        m, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
+        kind = "rmsnorm" if m.arch == "llama" else "layernorm"
+        backend = cfg.kernels.backend
+        self.norm1 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
+        self.attn = Attention(cfg, derived, ps, tracker)
+        self.norm2 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
+        self.mlp = MLP(cfg, derived, ps)
+        self.dropout, self.tracker, self.sequence_parallel = m.dropout, tracker, sp
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout == 0 or not self.training:
+            return x
+        if self.sequence_parallel:  # each tp rank holds different tokens
+            with self.tracker.fork():
+                return F.dropout(x, self.dropout, training=True)
+        return F.dropout(x, self.dropout, training=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.norm1(x)))
+        return x + self._drop(self.mlp(self.norm2(x)))
+
+
+def checkpoint(fn, tracker: RNGTracker, *args):
+    """torch.utils.checkpoint that also replays the tracker's streams on recompute, so
+    dropout inside the recomputed region draws the same masks as the first forward."""
+    snapshot = tracker.get_states()
+    calls = [0]
+
+    def run(*inner):
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*inner)
+        after = tracker.get_states()
+        tracker.set_states(snapshot)
+        try:
+            return fn(*inner)
+        finally:
+            tracker.set_states(after)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+class GPT(nn.Module):
+    """The model on one tp rank. forward(tokens [b, s]) -> this rank's logits [b, s, V / t]
+    (padding ids beyond the real vocab are -inf); loss(tokens, targets) -> mean loss."""
+
+    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
+        super().__init__()
+        m = cfg.model
+        self.cfg, self.derived, self.ps = cfg, derived, ps
+        self.tracker = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)
+        self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
+        self.backend = cfg.kernels.backend
+        self.full_checkpoint = cfg.train.activation_checkpointing == "full"
+        V = derived.padded_vocab_size
+        self.tok_emb = VocabParallelEmbedding(V, m.d_model, tp_group=ps.tp_group, init_method=None)
+        self.tok_emb.weight.valid_rows = derived.vocab_size
+        if m.arch == "gpt2":
+            self.pos_emb = nn.Embedding(m.max_seq_len, m.d_model)
+            mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
+        else:
+            self.pos_emb = None
+        self.blocks = nn.ModuleList(Block(cfg, derived, ps, self.tracker) for _ in range(m.n_layer))
+        kind = "rmsnorm" if m.arch == "llama" else "layernorm"
+        self.norm_f = Norm(m.d_model, kind, m.norm_eps, self.backend, self.sequence_parallel)
+        if derived.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = ColumnParallelLinear(
+                m.d_model, V, bias=False, sequence_parallel=self.sequence_parallel,
+                tp_group=ps.tp_group, init_method=None,
+            )  # fmt: skip
+            self.lm_head.weight.valid_rows = derived.vocab_size
+        local_v = V // derived.tp
+        ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)
+        self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
+        self.has_padding = bool(self.vocab_padding.any())
+        self.to(ps.device)
+        init_weights(self, cfg.train.seed, m.n_layer)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(tokens)  # [b, s, h]
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        if self.cfg.model.dropout > 0 and self.training:
+            x = F.dropout(x, self.cfg.model.dropout)
+        if self.sequence_parallel:
+            x = mappings.scatter_to_sequence_parallel_region(x, self.ps.tp_group)  # [b, s/t, h]
+        for block in self.blocks:
+            if self.full_checkpoint and self.training:
+                x = checkpoint(block, self.tracker, x)
+            else:
+                x = block(x)
+        x = self.norm_f(x)
+        weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        if not self.sequence_parallel:
+            # f: the input is replicated; its gradient is summed over the tp ranks.
+            x = mappings.copy_to_tensor_parallel_region(x, self.ps.tp_group)
+            logits = F.linear(x, weight)
+        else:
+            logits = column_parallel_linear(x, weight, None, self.ps.tp_group, True)
+        if self.has_padding:
+            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
+        return logits  # [b, s, V/t]
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over the tokens whose target is not -100."""
+        logits = self(tokens)
+        per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
+        count = (targets != -100).sum().clamp(min=1)
+        return per_token.float().sum() / count
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_weights(model: GPT, seed: int, n_layer: int) -> None:
+    """GPT-2-style initialization, layout-invariant: each full weight is drawn from a
+    generator seeded by (seed, parameter name) and this rank keeps its block.
+    Matrices and embeddings: normal(0, 0.02); residual outputs (attention proj, MLP down):
+    normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm weights 1."""
+    ps = model.ps
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.zero_()
+            continue
+        if "norm" in name:
+            param.fill_(1.0)
+            continue
+        std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
+        full_shape = list(param.full_shape)
+        rows = getattr(param, "valid_rows", full_shape[0])
+        gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+        full = torch.zeros(full_shape)
+        full[:rows].normal_(0.0, std, generator=gen)
+        if param.tp_split_dim is not None:
+            full = full.chunk(model.derived.tp, dim=param.tp_split_dim)[ps.tp_rank]
+        param.copy_(full)

@@ -1,0 +1,113 @@
+"""The compute ops of the model, each with a torch reference and a Triton kernel.
+
+Every op takes ``backend="auto" | "triton" | "torch"``; autograd works on both. ``auto`` picks
+Triton for CUDA tensors and torch elsewhere. ``triton`` on CPU tensors runs the kernels under
+Triton's interpreter when ``TRITON_INTERPRET=1`` is set, and otherwise raises a clear error.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from megatronish.ops import reference
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+class BackendUnavailable(RuntimeError):
+    """The Triton backend was asked for where it cannot run."""
+
+
+def _triton_usable(x: torch.Tensor) -> bool:
+    if x.is_cuda:
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """The backend an op runs with for tensor x: "torch" or "triton"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if x.is_cuda and _kernels() is not None else "torch"
+    if not _triton_usable(x):
+        raise BackendUnavailable(
+            "kernels.backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; "
+            "use 'torch' or 'auto' on this machine"
+        )
+    if _kernels() is None:
+        raise BackendUnavailable("kernels.backend 'triton' needs the triton package: pip install triton")
+    return "triton"
+
+
+_KERNELS: Any = None
+
+
+def _kernels() -> Any:
+    """The megatronish_kernels module, or None when triton is not installed."""
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            import megatronish_kernels
+        except ImportError:
+            _KERNELS = False
+        else:
+            _KERNELS = megatronish_kernels
+    return _KERNELS or None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto"):
+    """RMSNorm of x [..., h] with weight [h]."""
+    if resolve_backend(backend, x) == "triton":
+        return _kernels().rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):
+    """LayerNorm of x [..., h] with weight [h] and bias [h] (or None)."""
+    if resolve_backend(backend, x) == "triton":
+        return _kernels().layer_norm(x, weight, bias, eps)
+    return reference.layer_norm(x, weight, bias, eps)
+
+
+def attention(q, k, v, causal: bool = True, backend: str = "auto"):
+    """Scaled dot-product attention. q [b, n_head, s, d], k and v [b, n_kv_head, s, d]."""
+    if resolve_backend(backend, q) == "triton":
+        return _kernels().attention(q, k, v, causal)
+    return reference.attention(q, k, v, causal)
+
+
+def rope(x, theta: float = 10000.0, backend: str = "auto"):
+    """Rotary position embedding of x [b, n, s, d], rotate-half pairing."""
+    if resolve_backend(backend, x) == "triton":
+        return _kernels().rope(x, theta)
+    return reference.rope(x, theta)
+
+
+def swiglu(gate, up, backend: str = "auto"):
+    """silu(gate) * up."""
+    if resolve_backend(backend, gate) == "triton":
+        return _kernels().swiglu(gate, up)
+    return reference.swiglu(gate, up)
+
+
+def bias_gelu(x, bias, backend: str = "auto"):
+    """gelu(x + bias), tanh approximation; bias may be None."""
+    if resolve_backend(backend, x) == "triton":
+        return _kernels().bias_gelu(x, bias)
+    return reference.bias_gelu(x, bias)
+
+
+def cross_entropy(logits, target, tp_group=None, backend: str = "auto"):
+    """Per-token loss of logits [..., vocab / tp] (this rank's vocab shard) against global target
+    ids [...]; vocab-parallel over tp_group when it has more than one rank; -100 is ignored."""
+    if resolve_backend(backend, logits) == "triton":
+        return _kernels().cross_entropy(logits, target, tp_group)
+    from megatronish.layers.cross_entropy import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits, target, tp_group=tp_group)

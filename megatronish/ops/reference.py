@@ -1,0 +1,66 @@
+"""Plain torch implementations of every op: the reference the Triton kernels are tested against.
+
+Shapes: b batch, n heads, s sequence, d head dim, h hidden.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., h] * rsqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """LayerNorm over the last dim of x [..., h]."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """q [b, n_head, s, d], k and v [b, n_kv_head, s, d] -> [b, n_head, s, d]; scale 1/sqrt(d)."""
+    n_head, n_kv_head = q.shape[1], k.shape[1]
+    if n_head != n_kv_head:
+        group = n_head // n_kv_head
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+def rope_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [s, d/2] in fp32 for positions 0..s-1."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of x [b, n, s, d], rotate-half pairing (dim i with dim i + d/2)."""
+    seq_len, head_dim = x.shape[-2], x.shape[-1]
+    cos, sin = rope_cos_sin(seq_len, head_dim, theta, x.device)
+    x32 = x.float()
+    x1, x2 = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """gelu(x + bias), tanh approximation (GPT-2)."""
+    if bias is not None:
+        x = x + bias
+    return F.gelu(x, approximate="tanh")

@@ -1,0 +1,160 @@
+"""AdamW, the learning-rate schedule, gradient reduction and clipping.
+
+Parameters carry tags from megatronish.layers.linear.mark_parallel: tp_split_dim (None for
+replicated parameters) and, under sequence parallelism, sequence_parallel_grad.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatronish import comm
+from megatronish.config import Config
+from megatronish.parallel import ParallelState
+
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warmup to train.lr over
+    warmup_steps, then cosine decay to min_lr at train.steps."""
+    t = cfg.train
+    if t.warmup_steps > 0 and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    decay_steps = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (2-D and up: linear weights and embeddings) only."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def zero_owners(params: list[nn.Parameter], dp: int) -> list[int]:
+    """Data-parallel rank that owns each parameter's optimizer state under ZeRO-1: greedy
+    balancing of element counts, largest first, deterministic on every rank."""
+    loads = [0] * dp
+    owners = [0] * len(params)
+    for index in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        owner = min(range(dp), key=lambda d: (loads[d], d))
+        owners[index] = owner
+        loads[owner] += params[index].numel()
+    return owners
+
+
+class Optimizer:
+    """AdamW over the model's parameters, or (optim.zero = 1) over the parameters this
+    data-parallel rank owns, followed by a broadcast of each updated parameter from its owner."""
+
+    def __init__(self, model: nn.Module, cfg: Config, ps: ParallelState):
+        self.cfg, self.ps = cfg, ps
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.zero = cfg.optim.zero == 1 and ps.dp > 1
+        groups = param_groups(model, cfg.train.weight_decay)
+        if self.zero:
+            self.owners = zero_owners(self.params, ps.dp)
+            owned = {id(p) for p, o in zip(self.params, self.owners) if o == ps.dp_rank}
+            groups = [
+                {**g, "params": [p for p in g["params"] if id(p) in owned]} for g in groups
+            ]
+        fused_ok = ps.device.type == "cuda"
+        self.inner = torch.optim.AdamW(
+            groups,
+            lr=cfg.train.lr,
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            eps=cfg.optim.eps,
+            fused=fused_ok or None,
+        )
+
+    def step(self, lr: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        if self.zero:
+            # The owner's updated values go to every other rank of the data-parallel group.
+            for param, owner in zip(self.params, self.owners):
+                comm.broadcast(param.data, self.ps.tp_rank + owner * self.ps.tp, self.ps.dp_group)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def reduce_gradients(params: list[nn.Parameter], ps: ParallelState) -> None:
+    """Sums the gradients of sequence-parallel replicated parameters over the tp group, then
+    averages every gradient over the data-parallel group in flat buckets of ~25 MB."""
+    if ps.tp > 1:
+        tagged = [p for p in params if getattr(p, "sequence_parallel_grad", False) and p.grad is not None]
+        _bucketed_all_reduce([p.grad for p in tagged], ps.tp_group, scale=1.0)
+    if ps.dp > 1:
+        grads = [p.grad for p in params if p.grad is not None]
+        _bucketed_all_reduce(grads, ps.dp_group, scale=1.0 / ps.dp)
+
+
+def _bucketed_all_reduce(grads: list[torch.Tensor], group, scale: float) -> None:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    handles = []
+    for grad in grads:
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        if size >= BUCKET_BYTES:
+            handles.append(_launch(bucket, group))
+            bucket, size = [], 0
+    if bucket:
+        handles.append(_launch(bucket, group))
+    for work, flat, members in handles:
+        work.wait()
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for grad in members:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def _launch(bucket: list[torch.Tensor], group):
+    flat = torch.cat([g.reshape(-1) for g in bucket])
+    return comm.all_reduce(flat, group, async_op=True), flat, bucket
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, ps: ParallelState) -> float:
+    """Global gradient norm, each parameter counted once: the squares of tp-split gradients
+    are summed over the tp group, replicated ones are taken once. Scales the gradients down to
+    max_norm when it is exceeded (max_norm 0: no clipping). Returns the norm before clipping."""
+    device = params[0].device
+    split_sq = torch.zeros((), dtype=torch.float64, device=device)
+    replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for param in params:
+        if param.grad is None:
+            continue
+        sq = param.grad.detach().double().pow(2).sum()
+        if getattr(param, "tp_split_dim", None) is not None:
+            split_sq += sq
+        else:
+            replicated_sq += sq
+    if ps.tp > 1:
+        comm.all_reduce(split_sq, ps.tp_group, op=dist.ReduceOp.SUM)
+    norm = float((split_sq + replicated_sq).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        factor = max_norm / (norm + 1e-6)
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
+    return norm

@@ -1,0 +1,153 @@
+"""Process groups of a run: one object, built once, passed to whatever needs a group.
+
+Ranks are laid out dp x tp with tp innermost: global rank = dp_rank * tp + tp_rank, so the
+ranks of one tensor-parallel group are adjacent (on one node, where the fast links are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    """The run's process groups, ranks and sizes. With world size 1 and no process group
+    initialized, the groups are None and every layer is the plain single-device op."""
+
+    world_size: int
+    rank: int
+    tp: int
+    dp: int
+    tp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    device: torch.device
+    tp_ranks: tuple[int, ...] = (0,)
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that prints and writes metrics."""
+        return self.rank == 0
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> ParallelState:
+        """One process, no process group."""
+        return cls(1, 0, 1, 1, 0, 0, None, None, torch.device(device))
+
+    @classmethod
+    def from_world(cls, tp: int, dp: int) -> ParallelState:
+        """Builds the tp and dp groups over the initialized default group (every rank calls
+        this, in the same order, because new_group is collective)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if tp * dp != world:
+            raise ValueError(f"tp * dp = {tp} * {dp} != world size {world}")
+        tp_group = dp_group = None
+        tp_ranks: tuple[int, ...] = ()
+        for d in range(dp):
+            ranks = list(range(d * tp, (d + 1) * tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                tp_group, tp_ranks = group, tuple(ranks)
+        for t in range(tp):
+            ranks = list(range(t, world, tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                dp_group = group
+        return cls(
+            world_size=world,
+            rank=rank,
+            tp=tp,
+            dp=dp,
+            tp_rank=rank % tp,
+            dp_rank=rank // tp,
+            tp_group=tp_group,
+            dp_group=dp_group,
+            device=default_device(),
+            tp_ranks=tp_ranks,
+        )
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as torchrun sets it; 1 for a plain process."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(tp: int, dp: int, timeout_s: float) -> ParallelState:
+    """Joins the process group torchrun described in the environment (NCCL on CUDA, gloo on
+    CPU) and builds the run's groups; a single process with world size 1 joins nothing."""
+    world = world_size_from_env()
+    if world == 1 and not dist.is_initialized():
+        return ParallelState.single(default_device())
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(default_device())
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return ParallelState.from_world(tp, dp)
+
+
+class RNGTracker:
+    """Named random streams beside the default one (Megatron's RNG tracker).
+
+    "tensor-parallel" is seeded with seed + 2718 + tp_rank: dropout on activations that are
+    split across tp ranks (attention heads) draws different numbers on each rank. The default
+    stream (seed) is the same on every tp rank, for dropout on replicated activations.
+    """
+
+    TP_OFFSET = 2718
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device):
+        self.device = device
+        self._states: dict[str, torch.Tensor] = {}
+        with self._isolated():
+            torch.manual_seed(seed + self.TP_OFFSET + tp_rank)
+            self._states["tensor-parallel"] = self._get()
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def _isolated(self):
+        saved = self._get()
+        try:
+            yield
+        finally:
+            self._set(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "tensor-parallel"):
+        """Runs the body with stream `name` as the device's RNG, then restores the default."""
+        with self._isolated():
+            self._set(self._states[name])
+            try:
+                yield
+            finally:
+                self._states[name] = self._get()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = {k: v.clone() for k, v in states.items()}

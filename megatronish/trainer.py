@@ -1,0 +1,198 @@
+"""The training loop: micro-batches -> backward -> gradient reduction -> clip -> AdamW.
+
+Rank 0 shows a progress bar and writes metrics.jsonl; the other ranks print nothing but errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+from tqdm import tqdm
+
+from megatronish import comm
+from megatronish.config import Config, Derived, derive
+from megatronish.data import BatchLoader, dataset_vocab_size, resolve_dataset
+from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
+from megatronish.model import GPT
+from megatronish.optim import Optimizer, clip_grad_norm, lr_at, reduce_gradients
+from megatronish.parallel import ParallelState, init_distributed, world_size_from_env
+
+
+@dataclass
+class Setup:
+    """Everything a run is built from, before the loop starts."""
+
+    cfg: Config
+    derived: Derived
+    ps: ParallelState
+    dataset_dir: Path
+
+
+def setup(cfg: Config) -> Setup:
+    """Checks the config against the world size and the dataset, then joins the process group.
+    Every user error surfaces here, before any collective, so no rank waits on a failed one."""
+    world = world_size_from_env()
+    dataset_dir = resolve_dataset(cfg.data.path)
+    derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset_dir))
+    ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s)
+    return Setup(cfg, derived, ps, dataset_dir)
+
+
+def autocast(cfg: Config, device: torch.device):
+    """bf16 autocast when train.precision is bf16 (weights, grads and optimizer stay fp32)."""
+    if cfg.train.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_loader(s: Setup, split: str) -> BatchLoader:
+    t = s.cfg.train
+    return BatchLoader(
+        s.dataset_dir,
+        split=split,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=s.ps.dp_rank,
+        dp_size=s.ps.dp,
+        seed=t.seed,
+    )
+
+
+def mean_over_dp(value: torch.Tensor, ps: ParallelState) -> float:
+    """Mean of a per-rank scalar over the data-parallel group."""
+    value = value.detach().float().reshape(1).clone()
+    if ps.dp > 1:
+        comm.all_reduce(value, ps.dp_group)
+        value /= ps.dp
+    return float(value)
+
+
+class Trainer:
+    def __init__(self, s: Setup):
+        self.s, self.cfg, self.ps = s, s.cfg, s.ps
+        self.model = GPT(s.cfg, s.derived, s.ps)
+        self.optimizer = Optimizer(self.model, s.cfg, s.ps)
+        self.loader = make_loader(s, "train")
+        self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
+        self.step = 0
+        self.out_dir = Path(s.cfg.run.out_dir)
+        self.flops_per_step = model_flops_per_step(s.cfg, s.derived)
+        self.peak, self.peak_source = peak_flops(s.ps.device)
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step over the next global batch: (loss, grad_norm)."""
+        batch = self.loader.next_step().to(self.ps.device)  # [accum, micro, seq + 1]
+        accum = batch.shape[0]
+        loss_sum = torch.zeros((), device=self.ps.device)
+        for micro in batch:
+            with autocast(self.cfg, self.ps.device):
+                loss = self.model.loss(micro[:, :-1], micro[:, 1:])
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        params = self.optimizer.params
+        reduce_gradients(params, self.ps)
+        grad_norm = clip_grad_norm(params, self.cfg.train.grad_clip, self.ps)
+        self.optimizer.step(lr_at(self.step + 1, self.cfg))
+        self.optimizer.zero_grad()
+        self.step += 1
+        return mean_over_dp(loss_sum / accum, self.ps), grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first train.eval_steps global batches of the validation split."""
+        assert self.val_loader is not None
+        self.model.eval()
+        self.val_loader.reset()
+        total = torch.zeros((), device=self.ps.device)
+        count = 0
+        for _ in range(self.cfg.train.eval_steps):
+            for micro in self.val_loader.next_step().to(self.ps.device):
+                with autocast(self.cfg, self.ps.device):
+                    total += self.model.loss(micro[:, :-1], micro[:, 1:]).float()
+                count += 1
+        self.model.train()
+        return mean_over_dp(total / count, self.ps)
+
+    def write_run_files(self) -> None:
+        if not self.ps.is_main:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        derived = dict(vars(self.s.derived), dataset=str(self.s.dataset_dir))
+        (self.out_dir / "derived.json").write_text(json.dumps(derived, indent=2) + "\n")
+
+    def run(self) -> dict:
+        """Trains to train.steps; returns the last metrics line (and val_loss if computed)."""
+        cfg, ps = self.cfg, self.ps
+        self.write_run_files()
+        metrics = MetricsWriter(self.out_dir, enabled=ps.is_main)
+        bar = tqdm(
+            total=cfg.train.steps, initial=self.step, disable=not ps.is_main,
+            desc="train", unit="step", dynamic_ncols=True,
+        )  # fmt: skip
+        last: dict = {}
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            while self.step < cfg.train.steps:
+                loss, grad_norm = self.train_step()
+                window_steps += 1
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss became {loss} at step {self.step}")
+                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
+                    elapsed = time.perf_counter() - window_start
+                    step_time = elapsed / window_steps
+                    last = {
+                        "step": self.step,
+                        "loss": loss,
+                        "lr": lr_at(self.step, cfg),
+                        "grad_norm": grad_norm,
+                        "tokens_per_s": self.s.derived.tokens_per_step / step_time,
+                        "mfu": self.flops_per_step / step_time / (self.peak * ps.world_size),
+                        "step_time_s": step_time,
+                    }
+                    metrics.write(last)
+                    bar.set_postfix(
+                        loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                        mfu=f"{100 * last['mfu']:.1f}%",
+                    )  # fmt: skip
+                    window_start, window_steps = time.perf_counter(), 0
+                bar.update(1)
+                every = cfg.train.eval_every
+                if self.val_loader is not None and (
+                    self.step % every == 0 or self.step == cfg.train.steps
+                ):
+                    val_loss = self.evaluate()
+                    metrics.write({"step": self.step, "val_loss": val_loss})
+                    last = dict(last, val_loss=val_loss)
+                    window_start = time.perf_counter()
+        finally:
+            bar.close()
+            metrics.close()
+        return last
+
+
+def train(cfg: Config) -> dict:
+    """Runs `megatronish train` for this process (one rank); returns the last metrics."""
+    s = setup(cfg)
+    try:
+        trainer = Trainer(s)
+        summary = trainer.run()
+        if s.ps.is_main and summary:
+            line = f"step {summary['step']}: loss {summary['loss']:.4f}"
+            if "val_loss" in summary:
+                line += f", val_loss {summary['val_loss']:.4f}"
+            line += f", {summary['tokens_per_s']:.0f} tokens/s ({trainer.peak_source} for MFU)"
+            print(line, flush=True)
+        return summary
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
