@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from torch.distributed import run as torchrun
 
 from megatronish.config import Config
@@ -26,9 +28,12 @@ def launch(
         raise UserError(
             f"world size tp * dp * pp = {world} is not divisible by --nnodes {nnodes}"
         )
+    nproc = world // nnodes
+    # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     args = [
         f"--nnodes={nnodes}",
-        f"--nproc-per-node={world // nnodes}",
+        f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
     ]
     if nnodes > 1:

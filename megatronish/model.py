@@ -122,7 +122,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_llama:
-            hidden = ops.swiglu(self.gate(x), self.up(x), backend=self.backend)  # [b, s, f/t]
+            # gate and up read the same input: one f (or one sequence all-gather) for both, so
+            # backward all-reduces their summed input gradient once, as a fused fc1 would.
+            group = self.gate.tp_group
+            if self.gate.sequence_parallel:
+                x = mappings.gather_from_sequence_parallel_region(x, group)  # [b, s, h]
+            else:
+                x = mappings.copy_to_tensor_parallel_region(x, group)
+            gate, up = F.linear(x, self.gate.weight), F.linear(x, self.up.weight)  # [b, s, f/t]
+            hidden = ops.swiglu(gate, up, backend=self.backend)
         else:
             hidden = ops.bias_gelu(self.up(x), self.up.bias, backend=self.backend)
         return self.down(hidden)

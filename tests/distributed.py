@@ -8,7 +8,9 @@ does not finish within ``timeout`` seconds fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import io
 import os
+import queue as queue_module
 import socket
 import traceback
 from collections.abc import Callable
@@ -34,7 +36,9 @@ def _worker(rank, world_size, port, fn, args, queue, timeout):
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        buffer = io.BytesIO()  # bytes, not shared-memory tensors, so they outlive this process
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -58,11 +62,11 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120
         for _ in range(world_size):
             try:
                 rank, ok, value = queue.get(timeout=timeout)
-            except Exception as exc:  # queue.Empty
+            except queue_module.Empty as exc:
                 raise TimeoutError(f"a rank did not finish within {timeout} s") from exc
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for proc in procs:
             proc.join(timeout=10)
