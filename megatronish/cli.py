@@ -32,13 +32,32 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--input", "inputs", multiple=True, help="File, directory or .jsonl file (repeatable).")
-@click.option("--tokenizer", default="byte", show_default=True, help="byte | bpe | path to a tokenizer.json.")
+@click.option(
+    "--input", "inputs", multiple=True, help="File, directory or .jsonl file (repeatable)."
+)
+@click.option(
+    "--tokenizer", default="byte", show_default=True, help="byte | bpe | path to a tokenizer.json."
+)
 @click.option("--vocab-size", type=int, default=None, help="Vocab size of a trained BPE tokenizer.")
-@click.option("--glob", "glob_pattern", default=None, help="Files to take from input directories, e.g. '*.txt'.")
-@click.option("--jsonl-field", default="text", show_default=True, help="Field of each JSON Lines record.")
-@click.option("--val-fraction", type=float, default=0.01, show_default=True, help="Share of documents held out.")
-@click.option("--seed", type=int, default=1234, show_default=True, help="Seed of the train/validation split.")
+@click.option(
+    "--glob",
+    "glob_pattern",
+    default=None,
+    help="Files to take from input directories, e.g. '*.txt'.",
+)
+@click.option(
+    "--jsonl-field", default="text", show_default=True, help="Field of each JSON Lines record."
+)
+@click.option(
+    "--val-fraction",
+    type=float,
+    default=0.01,
+    show_default=True,
+    help="Share of documents held out.",
+)
+@click.option(
+    "--seed", type=int, default=1234, show_default=True, help="Seed of the train/validation split."
+)
 @click.option("--output", required=True, help="Directory to write the dataset to.")
 @user_errors
 def prepare(inputs, tokenizer, vocab_size, glob_pattern, jsonl_field, val_fraction, seed, output):
@@ -108,6 +127,20 @@ def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restart
     sys.exit(
         run_launch(cfg, config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restarts)
     )
+
+
+@cli.command()
+@config_option
+@set_option
+@click.option("--steps", type=int, default=10, show_default=True, help="Timed training steps.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
+@user_errors
+def bench(config_path, overrides, steps, warmup):
+    """Time training steps; the last line is one JSON object with tokens_per_s, step_time_s,
+    mfu and the bytes each rank sends per step (counted and by the analytic formula)."""
+    from megatronish.bench import bench as run_bench
+
+    sys.exit(run_bench(config_path, overrides, steps, warmup))
 
 
 def main() -> None:

@@ -94,7 +94,9 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
     dist.all_gather_into_tensor(output, tensor.contiguous(), group=group)
 
 
-def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
+def reduce_scatter_into(
+    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None
+):
     """Sums tensor [n * output.shape[0], ...] over ranks; rank r keeps the r-th block of dim 0."""
     n = group_size(group)
     if n == 1:

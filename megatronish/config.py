@@ -436,7 +436,9 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         f"model.n_head: {m.n_head} is not divisible by parallel.tp={tp}; "
         f"valid tp: {', '.join(str(d) for d in _divisors(m.n_head))}",
     )
-    _require(m.n_head % n_kv == 0, f"model.n_kv_head: {n_kv} does not divide model.n_head={m.n_head}")
+    _require(
+        m.n_head % n_kv == 0, f"model.n_kv_head: {n_kv} does not divide model.n_head={m.n_head}"
+    )
     _require(
         n_kv % tp == 0,
         f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; "
@@ -448,7 +450,9 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
     )
     head_dim = m.d_model // m.n_head
     if m.arch == "llama":
-        _require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
+        _require(
+            head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)"
+        )
     if m.d_ff is not None:
         d_ff = m.d_ff
     elif m.arch == "gpt2":

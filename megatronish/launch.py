@@ -25,9 +25,7 @@ def launch(
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is not valid for --nnodes {nnodes}")
     if world % nnodes:
-        raise UserError(
-            f"world size tp * dp * pp = {world} is not divisible by --nnodes {nnodes}"
-        )
+        raise UserError(f"world size tp * dp * pp = {world} is not divisible by --nnodes {nnodes}")
     nproc = world // nnodes
     # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -37,7 +35,11 @@ def launch(
         f"--max-restarts={max_restarts}",
     ]
     if nnodes > 1:
-        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--node-rank={node_rank}"]
+        args += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--node-rank={node_rank}",
+        ]
     else:
         args += ["--standalone"]
     args += ["-m", "megatronish", "train", "--config", config_path]

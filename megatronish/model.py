@@ -86,7 +86,9 @@ class Attention(nn.Module):
             group = self.heads_per_group
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             with self.tracker.fork():  # heads differ per tp rank: a per-rank stream
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+                return F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=self.dropout, is_causal=True
+                )
         return ops.attention(q, k, v, causal=True, backend=self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +180,9 @@ def checkpoint(fn, tracker: RNGTracker, *args):
         finally:
             tracker.set_states(after)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+    return torch.utils.checkpoint.checkpoint(
+        run, *args, use_reentrant=False, preserve_rng_state=True
+    )
 
 
 class GPT(nn.Module):
@@ -270,7 +274,9 @@ def init_weights(model: GPT, seed: int, n_layer: int) -> None:
         if "norm" in name:
             param.fill_(1.0)
             continue
-        std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
+        std = (
+            0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
+        )
         full_shape = list(param.full_shape)
         rows = getattr(param, "valid_rows", full_shape[0])
         gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))

@@ -64,9 +64,7 @@ class Optimizer:
         if self.zero:
             self.owners = zero_owners(self.params, ps.dp)
             owned = {id(p) for p, o in zip(self.params, self.owners) if o == ps.dp_rank}
-            groups = [
-                {**g, "params": [p for p in g["params"] if id(p) in owned]} for g in groups
-            ]
+            groups = [{**g, "params": [p for p in g["params"] if id(p) in owned]} for g in groups]
         fused_ok = ps.device.type == "cuda"
         self.inner = torch.optim.AdamW(
             groups,
@@ -100,7 +98,9 @@ def reduce_gradients(params: list[nn.Parameter], ps: ParallelState) -> None:
     """Sums the gradients of sequence-parallel replicated parameters over the tp group, then
     averages every gradient over the data-parallel group in flat buckets of ~25 MB."""
     if ps.tp > 1:
-        tagged = [p for p in params if getattr(p, "sequence_parallel_grad", False) and p.grad is not None]
+        tagged = [
+            p for p in params if getattr(p, "sequence_parallel_grad", False) and p.grad is not None
+        ]
         _bucketed_all_reduce([p.grad for p in tagged], ps.tp_group, scale=1.0)
     if ps.dp > 1:
         grads = [p.grad for p in params if p.grad is not None]

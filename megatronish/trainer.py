@@ -20,6 +20,7 @@ from tqdm import tqdm
 from megatronish import comm
 from megatronish.config import Config, Derived, derive
 from megatronish.data import BatchLoader, dataset_vocab_size, resolve_dataset
+from megatronish.errors import UserError
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
 from megatronish.optim import Optimizer, clip_grad_norm, lr_at, reduce_gradients
@@ -41,7 +42,13 @@ def setup(cfg: Config) -> Setup:
     Every user error surfaces here, before any collective, so no rank waits on a failed one."""
     world = world_size_from_env()
     dataset_dir = resolve_dataset(cfg.data.path)
-    derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset_dir))
+    data_vocab = dataset_vocab_size(dataset_dir)
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < data_vocab:
+        raise UserError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the vocabulary of the "
+            f"dataset {dataset_dir} ({data_vocab}); set at least {data_vocab}, or leave it unset"
+        )
+    derived = derive(cfg, world, vocab_size=data_vocab)
     ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s)
     return Setup(cfg, derived, ps, dataset_dir)
 
@@ -126,7 +133,9 @@ class Trainer:
         if not self.ps.is_main:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        (self.out_dir / "config.yaml").write_text(
+            yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
+        )
         derived = dict(vars(self.s.derived), dataset=str(self.s.dataset_dir))
         (self.out_dir / "derived.json").write_text(json.dumps(derived, indent=2) + "\n")
 

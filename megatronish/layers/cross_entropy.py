@@ -51,9 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, outside, ignored = ctx.saved_tensors
         grad = softmax.clone()
-        grad.scatter_add_(
-            -1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1)
-        )
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
         return (grad * scale).to(ctx.logits_dtype), None, None
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from megatronish import comm
 from megatronish.layers import mappings
-from megatronish.layers.linear import InitMethod, init_sharded, mark_parallel, normal_init
+from megatronish.layers.linear import DEFAULT_INIT, InitMethod, init_sharded, mark_parallel
 
 
 def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -32,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         tp_group: dist.ProcessGroup | None = None,
-        init_method: InitMethod | None = normal_init(),
+        init_method: InitMethod | None = DEFAULT_INIT,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):

@@ -33,6 +33,9 @@ def normal_init(std: float = 0.02) -> InitMethod:
     return init
 
 
+DEFAULT_INIT = normal_init(0.02)
+
+
 def mark_parallel(param: nn.Parameter, split_dim: int | None, full_shape: tuple[int, ...]) -> None:
     """Tags param with how it is split over the tp group: split_dim (None: replicated) and the
     full (unsplit) shape. Checkpoints, re-sharding and the gradient norm read these tags."""
@@ -118,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         tp_group: dist.ProcessGroup | None = None,
         skip_bias_add: bool = False,
-        init_method: InitMethod | None = normal_init(),
+        init_method: InitMethod | None = DEFAULT_INIT,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -168,7 +171,7 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         tp_group: dist.ProcessGroup | None = None,
-        init_method: InitMethod | None = normal_init(),
+        init_method: InitMethod | None = DEFAULT_INIT,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):

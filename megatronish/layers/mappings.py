@@ -179,6 +179,8 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group = None) -
     return x if comm.group_size(group) == 1 else _GatherFromSequence.apply(x, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: Group = None
+) -> torch.Tensor:
     """[b, s, h] partial sums -> [b, s/t, h] reduce-scatter forward; all-gather backward."""
     return x if comm.group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)

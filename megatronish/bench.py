@@ -1,0 +1,380 @@
+"""`megatronish bench`: times training steps and checks the bytes each rank sends per step
+against the analytic count.
+
+The run is the config's training run with evaluation and checkpointing switched off: W warm-up
+steps, then N timed steps, each inside a ``comm.CommCounter``. Rank 0 prints a short summary and,
+as its last line, one JSON object. Run as a plain process with a config whose world size
+(tp * dp) is above 1, the command re-launches itself under torchrun with one process per rank.
+
+Communication formula (bytes one rank sends per optimizer step, ring algorithm, as
+``comm.CommCounter`` counts them): see ``collectives_per_step``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatronish import comm
+from megatronish.config import Config, Derived, load_config
+from megatronish.errors import UserError
+
+FP32_BYTES = 4
+FP64_BYTES = 8
+
+
+# --------------------------------------------------------------------------------------------
+# The analytic count
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a training step issues: `count` calls of `payload` bytes each on
+    the `group` ("tp" or "dp") of `size` ranks. payload is what ``comm`` counts: the tensor of
+    an all-reduce or broadcast, the full (gathered) tensor of an all-gather or reduce-scatter."""
+
+    what: str
+    kind: str
+    group: str
+    size: int
+    payload: int
+    count: int
+
+    @property
+    def sent(self) -> float:
+        """Bytes this rank sends for all `count` calls: ring all-reduce 2 (n-1)/n x payload,
+        all-gather, reduce-scatter and broadcast (n-1)/n x payload."""
+        factor = (2 if self.kind == "all_reduce" else 1) * (self.size - 1) / self.size
+        return self.count * self.payload * factor
+
+
+def local_parameter_count(cfg: Config, derived: Derived) -> int:
+    """Parameters one tp rank holds (the padded vocab included): the elements its data-parallel
+    gradient all-reduce and its ZeRO-1 broadcasts carry."""
+    m, t, h = cfg.model, derived.tp, cfg.model.d_model
+    gpt2 = m.arch == "gpt2"
+    norm = 2 * h if gpt2 else h
+    qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim // t
+    attn = qkv_out * h + h * (m.n_head * derived.head_dim // t)
+    attn += qkv_out + h if gpt2 else 0
+    f_local = derived.d_ff // t
+    mlp = (2 if gpt2 else 3) * f_local * h + (f_local + h if gpt2 else 0)
+    vocab_local = derived.padded_vocab_size // t
+    embed = vocab_local * h + (m.max_seq_len * h if gpt2 else 0)
+    head = 0 if derived.tie_embeddings else vocab_local * h
+    return m.n_layer * (attn + mlp + 2 * norm) + embed + norm + head
+
+
+def sequence_parallel_grad_count(cfg: Config) -> int:
+    """Elements of the replicated parameters whose gradients the trainer sums over the tp group
+    under sequence parallelism: every norm, and (gpt2) the row-parallel biases."""
+    h, gpt2 = cfg.model.d_model, cfg.model.arch == "gpt2"
+    norm = 2 * h if gpt2 else h
+    row_biases = 2 * h if gpt2 else 0
+    return cfg.model.n_layer * (2 * norm + row_biases) + norm
+
+
+def collectives_per_step(cfg: Config, derived: Derived) -> list[Collective]:
+    """Every collective one rank issues in one optimizer step, from the config alone.
+
+    Legend: b micro-batch, s sequence, h hidden, L layers, A accumulation steps, t tp size,
+    P local parameters (``local_parameter_count``). Under bf16 autocast the matmuls run in
+    bf16 (c = 2 bytes), everything else in fp32; with fp32, c = 4. Which dtype each tensor has:
+
+    - the embedding output is a lookup of fp32 weights: fp32 [b, s, h];
+    - a row-parallel output (attention projection, MLP down) is a matmul output: c [b, s, h];
+    - a column-parallel input (qkv, MLP up / gate+up, LM head) is a matmul input, so its
+      sequence-parallel all-gather needs only c bytes an element, and its gradient is the
+      gradient of the matmul's (bf16) input: c [b, s, h];
+    - the vocab-parallel cross entropy's max [b, s] and stats [2, b, s] are fp32;
+    - the grad-norm partial sum is one fp64 scalar; gradients, parameters and the loss fp32.
+
+    Per micro-batch without sequence parallelism (tp > 1): one fp32 all-reduce after the
+    embedding; per layer 2 all-reduces forward (attention projection, MLP down) and 2 backward
+    (input gradients of qkv and of the MLP's first projection), each c [b, s, h]; the LM head's
+    input gradient c [b, s, h] backward; the loss's two small all-reduces. With sequence
+    parallelism each activation all-reduce becomes an all-gather plus a reduce-scatter of the
+    same full tensor: forward all-gathers of the norm outputs before qkv, the MLP and the LM
+    head, reduce-scatters of the row-parallel outputs; backward the matching reduce-scatters
+    of the input gradients and all-gathers of the output gradients, the all-gather of the
+    embedding's gradient, and a second all-gather of the input of qkv, of gpt2's MLP up and of
+    the LM head (these recompute their gathered input instead of keeping it; llama's gate and
+    up keep it). Full activation checkpointing reruns each block's forward, up to the last op
+    that saves a tensor for backward (torch.utils.checkpoint stops there): the attention
+    projection's collective, and the MLP down's only with dropout after it.
+
+    Per step: the grad-norm all-reduce (fp64 scalar, tp > 1); under sequence parallelism the
+    sum over tp of the replicated parameters' gradients; with dp > 1 the data-parallel
+    all-reduce of every local gradient (fp32, 4 P bytes), the loss mean (fp32 scalar), and with
+    optim.zero = 1 one broadcast per parameter (4 P bytes in all).
+
+    Ring bytes sent: all-reduce 2 (n-1)/n x payload; the others (n-1)/n x payload. Without
+    sequence parallelism, fp32 or bf16, no recompute, at dp = 1 that totals
+    2 (t-1)/t x A [(4 + c (4 L + 1)) b s h + 12 b s] + 2 (t-1)/t x 8.
+    """
+    m, p, tr = cfg.model, cfg.parallel, cfg.train
+    t, dp, accum = derived.tp, derived.dp, derived.grad_accum_steps
+    b, s, h, n_layer = tr.micro_batch_size, tr.seq_len, m.d_model, m.n_layer
+    c = 2 if tr.precision == "bf16" else FP32_BYTES
+    act_fp32, act_c = b * s * h * FP32_BYTES, b * s * h * c
+    out: list[Collective] = []
+
+    def add(what: str, kind: str, group: str, size: int, payload: int, count: int) -> None:
+        if size > 1 and count > 0:
+            out.append(Collective(what, kind, group, size, payload, count))
+
+    def tp_op(what: str, kind: str, payload: int, per_micro: int) -> None:
+        add(what, kind, "tp", t, payload, per_micro * accum)
+
+    full_recompute = tr.activation_checkpointing == "full"
+    attn_runs = 2 if full_recompute else 1
+    down_runs = 2 if full_recompute and m.dropout > 0 else 1
+    gpt2 = m.arch == "gpt2"
+    if not (p.sequence_parallel and t > 1):
+        tp_op("embedding output (forward)", "all_reduce", act_fp32, 1)
+        tp_op("attention projection output (forward)", "all_reduce", act_c, n_layer * attn_runs)
+        tp_op("MLP down output (forward)", "all_reduce", act_c, n_layer * down_runs)
+        tp_op("qkv input gradient (backward)", "all_reduce", act_c, n_layer)
+        tp_op("MLP first projection input gradient (backward)", "all_reduce", act_c, n_layer)
+        tp_op("LM head input gradient (backward)", "all_reduce", act_c, 1)
+    else:
+        tp_op("embedding output (forward)", "all_reduce", act_fp32, 1)
+        tp_op("embedding output gradient (backward)", "all_gather", act_fp32, 1)
+        # Forward all-gathers of norm outputs; qkv, gpt2's MLP up and the LM head gather again
+        # in backward. Under full recompute the rerun block forward gathers once more.
+        qkv_gathers = 2 + (1 if full_recompute else 0)
+        mlp_gathers = (2 if gpt2 else 1) + (1 if full_recompute else 0)
+        tp_op("qkv input (forward, backward)", "all_gather", act_c, n_layer * qkv_gathers)
+        tp_op("MLP input (forward, backward)", "all_gather", act_c, n_layer * mlp_gathers)
+        tp_op("LM head input (forward, backward)", "all_gather", act_c, 2)
+        tp_op("qkv input gradient (backward)", "reduce_scatter", act_c, n_layer)
+        tp_op("MLP first projection input gradient (backward)", "reduce_scatter", act_c, n_layer)
+        tp_op("LM head input gradient (backward)", "reduce_scatter", act_c, 1)
+        tp_op("attention projection output (forward)", "reduce_scatter", act_c, n_layer * attn_runs)
+        tp_op("MLP down output (forward)", "reduce_scatter", act_c, n_layer * down_runs)
+        tp_op("row-parallel output gradients (backward)", "all_gather", act_c, 2 * n_layer)
+    tp_op("cross-entropy row max (forward)", "all_reduce", b * s * FP32_BYTES, 1)
+    tp_op("cross-entropy target logit and sum of exp (forward)", "all_reduce", 2 * b * s * 4, 1)
+    add("gradient norm (fp64 partial sum)", "all_reduce", "tp", t, FP64_BYTES, 1)
+    if p.sequence_parallel:
+        sp_bytes = sequence_parallel_grad_count(cfg) * FP32_BYTES
+        add(
+            "replicated-parameter gradients (sequence parallel)", "all_reduce", "tp", t, sp_bytes, 1
+        )
+    local_bytes = local_parameter_count(cfg, derived) * FP32_BYTES
+    add("data-parallel gradient average", "all_reduce", "dp", dp, local_bytes, 1)
+    add("loss mean", "all_reduce", "dp", dp, FP32_BYTES, 1)
+    if cfg.optim.zero == 1:
+        add("ZeRO-1 parameter broadcasts (all parameters)", "broadcast", "dp", dp, local_bytes, 1)
+    return out
+
+
+def formula_bytes_per_step(cfg: Config, derived: Derived) -> float:
+    """Bytes one rank sends per optimizer step by the analytic count (``collectives_per_step``)."""
+    return float(sum(op.sent for op in collectives_per_step(cfg, derived)))
+
+
+def formula_payload_by_kind(cfg: Config, derived: Derived) -> dict[str, int]:
+    """Payload bytes per collective kind per step, as ``CommCounter.payload_bytes`` keys them."""
+    totals: dict[str, int] = {}
+    for op in collectives_per_step(cfg, derived):
+        totals[op.kind] = totals.get(op.kind, 0) + op.payload * op.count
+    return totals
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclass
+class BenchResult:
+    """What `time_steps` measured on this rank. The byte and call counts are per step (the
+    mean over the timed steps; every step issues the same collectives)."""
+
+    step_times: list[float]
+    bytes_sent_per_step: float
+    payload_per_step: dict[str, float]
+    calls_per_step: float
+    tokens_per_step: int
+    flops_per_step: float
+    peak_flops: float
+    peak_source: str
+    world_size: int
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def step_time_s(self) -> float:
+        return statistics.median(self.step_times)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        return self.flops_per_step / self.step_time_s / (self.peak_flops * self.world_size)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(trainer, steps: int, warmup: int) -> BenchResult:
+    """Runs `warmup` untimed and then `steps` timed optimizer steps of a ``Trainer``, counting
+    each timed step's collectives. Every rank calls it; the ranks line up at a barrier first."""
+    device = trainer.ps.device
+    for _ in range(warmup):
+        trainer.train_step()
+    _sync(device)
+    if dist.is_initialized():
+        dist.barrier()
+    times, losses = [], []
+    with comm.CommCounter() as counter:
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss, _ = trainer.train_step()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+            losses.append(loss)
+    return BenchResult(
+        step_times=times,
+        bytes_sent_per_step=counter.total_sent / steps,
+        payload_per_step={k: v / steps for k, v in counter.payload_bytes.items()},
+        calls_per_step=sum(counter.calls.values()) / steps,
+        tokens_per_step=trainer.s.derived.tokens_per_step,
+        flops_per_step=trainer.flops_per_step,
+        peak_flops=trainer.peak,
+        peak_source=trainer.peak_source,
+        world_size=trainer.ps.world_size,
+        losses=losses,
+    )
+
+
+def bench_overrides(steps: int, warmup: int) -> list[str]:
+    """`--set` overrides that turn a training config into a benchmark run: exactly
+    warmup + steps steps, no evaluation, no checkpoints written or resumed."""
+    from megatronish.config import CheckpointConfig
+
+    sets = [f"train.steps={warmup + steps}", "train.eval_every=0"]
+    fields = CheckpointConfig.__dataclass_fields__
+    if "save" in fields:
+        sets.append("checkpoint.save=false")
+    if "resume" in fields:
+        sets.append("checkpoint.resume=never")
+    return sets
+
+
+def _format_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def report(cfg: Config, derived: Derived, result: BenchResult, steps: int, warmup: int) -> dict:
+    """The JSON record of a benchmark (the last line the command prints)."""
+    formula = formula_bytes_per_step(cfg, derived)
+    return {
+        "tokens_per_s": result.tokens_per_s,
+        "step_time_s": result.step_time_s,
+        "mfu": result.mfu,
+        "tp": derived.tp,
+        "dp": derived.dp,
+        "world_size": derived.world_size,
+        "bytes_sent_per_step": result.bytes_sent_per_step,
+        "bytes_sent_per_step_formula": formula,
+        "comm_calls_per_step": result.calls_per_step,
+        "steps": steps,
+        "warmup": warmup,
+        "step_time_min_s": min(result.step_times),
+        "step_time_max_s": max(result.step_times),
+        "tokens_per_step": derived.tokens_per_step,
+        "arch": cfg.model.arch,
+        "precision": cfg.train.precision,
+        "peak_source": result.peak_source,
+    }
+
+
+def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
+    """The human-readable lines printed before the JSON record."""
+    m, t = cfg.model, cfg.train
+    sent, formula = record["bytes_sent_per_step"], record["bytes_sent_per_step_formula"]
+    verdict = "matches" if abs(sent - formula) <= 1e-9 * max(1.0, formula) else "DIFFERS"
+    return [
+        f"bench: {m.arch} {m.n_layer} layers, d_model {m.d_model}, {t.precision}; "
+        f"tp {derived.tp} x dp {derived.dp} (world {derived.world_size}); micro-batch "
+        f"{t.micro_batch_size} x seq {t.seq_len}, {derived.grad_accum_steps} accumulation steps",
+        f"step time {record['step_time_s']:.4f} s (median of {record['steps']} after "
+        f"{record['warmup']} warm-up; min {record['step_time_min_s']:.4f}, max "
+        f"{record['step_time_max_s']:.4f}); {record['tokens_per_s']:.0f} tokens/s; "
+        f"MFU {100 * record['mfu']:.2f}% ({record['peak_source']})",
+        f"sent per step by rank 0: {_format_bytes(sent)} in {record['comm_calls_per_step']:.0f} "
+        f"collectives; analytic count {_format_bytes(formula)} ({verdict})",
+    ]
+
+
+def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
+    """Benchmarks this process's rank of `cfg` (already carrying ``bench_overrides``); rank 0
+    prints the summary and the JSON line. Returns the JSON record."""
+    from megatronish.trainer import Trainer, setup
+
+    s = setup(cfg)
+    try:
+        trainer = Trainer(s)
+        result = time_steps(trainer, steps, warmup)
+        record = report(cfg, s.derived, result, steps, warmup)
+        if s.ps.is_main:
+            for line in summary_lines(cfg, s.derived, record):
+                print(line)
+            print(json.dumps(record), flush=True)
+        return record
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _torchrun(args: list[str]) -> int:
+    """torch.distributed.run's main with args; its exit status (2 when every rank failed with a
+    user error, 1 for any other failure)."""
+    from torch.distributed import run as torchrun
+
+    try:
+        torchrun.main(args)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except Exception as exc:  # ChildFailedError: the ranks printed their own errors
+        failures = getattr(exc, "failures", {})
+        codes = [f.exitcode for f in failures.values()] if failures else [1]
+        return 2 if all(code == 2 for code in codes) else 1
+    return 0
+
+
+def bench(config_path: str, overrides: tuple[str, ...], steps: int, warmup: int) -> int:
+    """`megatronish bench`: benchmarks in this process under torchrun or when the world is 1;
+    otherwise starts tp * dp processes through torchrun with the same arguments (sharing this
+    machine's cores between them unless OMP_NUM_THREADS is set). Returns the exit status."""
+    if steps < 1:
+        raise UserError(f"--steps {steps}: must be at least 1")
+    if warmup < 0:
+        raise UserError(f"--warmup {warmup}: must be at least 0")
+    cfg = load_config(config_path, list(overrides) + bench_overrides(steps, warmup))
+    p = cfg.parallel
+    world = p.tp * p.pp * (p.dp or 1)
+    if "WORLD_SIZE" in os.environ or world == 1:
+        run_bench(cfg, steps, warmup)
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    args = ["--standalone", f"--nproc-per-node={world}", "-m", "megatronish", "bench"]
+    args += ["--config", config_path, "--steps", str(steps), "--warmup", str(warmup)]
+    for override in overrides:
+        args += ["--set", override]
+    sys.stdout.flush()
+    return _torchrun(args)

@@ -1,0 +1,118 @@
+"""Config: strict loading, typed overrides, derived sizes, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatronish.config import derive, load_config, padded_vocab
+from megatronish.errors import UserError
+from tests.conftest import CONFIGS, run_cli
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_set_overrides_are_typed_by_the_field_and_win_over_the_file(tmp_path):
+    cfg = load_config(
+        write(tmp_path, "train:\n  lr: 1.0e-3\n  steps: 5\n"),
+        ["train.steps=7", "train.lr=3e-4", "model.tie_embeddings=false", "model.d_ff=null"],
+    )
+    assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
+    assert cfg.train.lr == 3e-4 and cfg.model.tie_embeddings is False and cfg.model.d_ff is None
+
+
+def test_unknown_key_suggests_the_nearest_valid_key(tmp_path):
+    with pytest.raises(UserError, match=r"unknown key 'train.setps'; did you mean 'train.steps'"):
+        load_config(write(tmp_path, "train:\n  setps: 3\n"))
+    with pytest.raises(UserError, match=r"did you mean 'model.n_head'"):
+        load_config(None, ["model.n_heads=4"])
+
+
+def test_derived_sizes_are_computed_in_one_place():
+    cfg = load_config(
+        None, ["parallel.tp=2", "train.micro_batch_size=2", "train.global_batch_size=16"]
+    )
+    d = derive(cfg, world_size=8, vocab_size=257)
+    assert (d.dp, d.grad_accum_steps, d.padded_vocab_size) == (4, 2, 512)
+    assert padded_vocab(50257, 1) == 50304 and padded_vocab(50257, 4) == 50688
+    llama = derive(
+        load_config(None, ["model.arch=llama", "model.d_model=4096", "model.n_head=32"]), 1, 100
+    )
+    assert llama.d_ff == 11008 and not llama.tie_embeddings
+
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.tp=3"], 3, "model.n_head: 4 is not divisible by parallel.tp=3"),
+        (["parallel.tp=2", "parallel.dp=2"], 2, "world size 2 != parallel.tp * parallel.dp"),
+        (["train.global_batch_size=12", "train.micro_batch_size=8"], 1, "train.global_batch_size"),
+        (["model.arch=llama", "model.n_kv_head=3"], 1, "model.n_kv_head: 3 does not divide"),
+    ],
+)
+def test_cross_checks_name_the_keys(overrides, world, message):
+    with pytest.raises(UserError, match=message.replace("*", r"\*")):
+        derive(load_config(None, overrides), world, vocab_size=257)
+
+
+def test_seq_len_longer_than_max_seq_len_is_an_error():
+    with pytest.raises(UserError, match="train.seq_len: 512 is longer than model.max_seq_len=256"):
+        load_config(None, ["train.seq_len=512"])
+
+
+def one_line_error(result, *needles):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_cli_unknown_key_exits_2_with_one_line(tmp_path):
+    path = write(tmp_path, "model:\n  n_layr: 2\n")
+    one_line_error(run_cli("check", "--config", str(path)), "model.n_layr", "model.n_layer")
+
+
+def test_cli_tp_not_dividing_n_head_exits_2(tmp_path):
+    result = run_cli("check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=3")
+    one_line_error(result, "model.n_head", "parallel.tp=3")
+
+
+def test_cli_world_size_mismatch_exits_2():
+    tiny = str(CONFIGS / "tiny.yaml")
+    one_line_error(
+        run_cli("check", "--config", tiny, "--set", "parallel.tp=2", "--world-size", "3"),
+        "world size 3",
+    )
+    result = run_cli("train", "--config", tiny, "--set", "parallel.tp=2", env={"WORLD_SIZE": "3"})
+    one_line_error(result, "world size 3")
+
+
+def test_cli_missing_config_file_exits_2(tmp_path):
+    one_line_error(run_cli("train", "--config", str(tmp_path / "nope.yaml")), "nope.yaml")
+
+
+def test_cli_non_numeric_value_exits_2(tmp_path):
+    tiny = str(CONFIGS / "tiny.yaml")
+    one_line_error(
+        run_cli("check", "--config", tiny, "--set", "train.lr=fast"), "train.lr", "number"
+    )
+    path = write(tmp_path, "train:\n  steps: many\n")
+    one_line_error(run_cli("check", "--config", str(path)), "train.steps", "integer")
+
+
+def test_cli_bad_yaml_and_bad_choice_exit_2(tmp_path):
+    one_line_error(run_cli("check", "--config", str(write(tmp_path, "model: [1,\n"))), "YAML")
+    tiny = str(CONFIGS / "tiny.yaml")
+    one_line_error(run_cli("check", "--config", tiny, "--set", "model.arch=bert"), "gpt2 | llama")
+
+
+def test_cli_check_prints_resolved_config_and_derived_sizes():
+    result = run_cli("check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=2")
+    assert result.returncode == 0, result.stderr
+    for needle in ("parameters:", "gradient accumulation steps: 2", "padded to 512", "ok"):
+        assert needle in result.stdout

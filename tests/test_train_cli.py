@@ -1,0 +1,78 @@
+"""End to end: `megatronish train` in a subprocess gives the same loss curve at every layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import CONFIGS, read_metrics, run_cli
+
+TINY = [
+    "model.n_layer=2",
+    "model.d_model=64",
+    "model.max_seq_len=64",
+    "train.seq_len=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.steps=20",
+    "train.log_every=1",
+    "train.eval_every=10",
+    "train.eval_steps=1",
+]
+ARCH = {
+    "gpt2": ["model.arch=gpt2", "model.n_head=4"],
+    "llama": ["model.arch=llama", "model.n_head=4", "model.n_kv_head=2"],
+}
+
+
+def train(tmp_path, name: str, overrides: list[str], launch: bool):
+    out = tmp_path / name
+    sets = [
+        a for o in overrides + [f"run.out_dir={out}", "checkpoint.save=false"] for a in ("--set", o)
+    ]
+    command = "launch" if launch else "train"
+    result = run_cli(command, "--config", str(CONFIGS / "tiny.yaml"), *sets, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(out)
+
+
+def assert_same_curve(a, b, rtol=1e-4):
+    (train_a, val_a), (train_b, val_b) = a, b
+    assert [x["step"] for x in train_a] == [x["step"] for x in train_b] == list(range(1, 21))
+    for x, y in zip(train_a + val_a, train_b + val_b):
+        key = "loss" if "loss" in x else "val_loss"
+        assert abs(x[key] - y[key]) <= rtol * abs(y[key]), (x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path, arch):
+    base = TINY + ARCH[arch]
+    tp1 = train(tmp_path, "tp1", base, launch=False)
+    tp2 = train(tmp_path, "tp2", base + ["parallel.tp=2"], launch=True)
+    dp2 = train(tmp_path, "dp2", base + ["parallel.dp=2"], launch=True)
+    assert_same_curve(tp2, tp1)
+    assert_same_curve(dp2, tp1)
+    losses = [x["loss"] for x in tp1[0]]
+    assert losses[-1] < losses[0] - 0.5, "the model learns"
+
+
+@pytest.mark.slow
+def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path):
+    base = TINY + ARCH["llama"]
+    tp1 = train(tmp_path, "tp1", base, launch=False)
+    mixed = base + [
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "optim.zero=1",
+        "parallel.sequence_parallel=true",
+    ]
+    assert_same_curve(train(tmp_path, "tp2dp2", mixed, launch=True), tp1)
+
+
+def test_train_writes_metrics_and_resolved_config(tmp_path):
+    (lines, evals) = train(tmp_path, "run", TINY + ARCH["gpt2"] + ["train.steps=3"], launch=False)
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+        assert all(key in x for x in lines), key
+    assert evals and evals[-1]["step"] == 3
+    assert (tmp_path / "run" / "config.yaml").is_file()
