@@ -1,0 +1,215 @@
+"""`megatronish plan`: per-rank memory, FLOPs and communication of a config at each layout, and
+the layout to use, computed from formulas without starting anything.
+
+Memory per rank (bytes), P the parameters one tp rank holds:
+  weights 4P, gradients 4P, AdamW state 8P (8P / dp with optim.zero = 1), the bf16 copies
+  autocast makes of the weights 2P (bf16 only);
+  activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
+  b micro-batch, h hidden, t tp), with a fused attention kernel (no s x s scores kept):
+    tensor parallel        s b h (10 + 24 / t)
+    + sequence parallel    s b h (34 / t)
+    full recompute         2 s b h (/ t with sequence parallel) kept per layer, plus one layer's
+                           working set during its backward
+  times 2 for fp32 activations; plus the logits and the loss's softmax, b s V / t x 6 bytes
+  (bf16 logits, fp32 softmax). Llama's SwiGLU MLP and GQA move these by a few percent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatronish.config import Config, derive
+from megatronish.errors import UserError
+from megatronish.metrics import GPU_PEAK_TFLOPS, model_flops_per_step
+
+GPU_MEMORY_GB = {
+    "H200": 141.0,
+    "H100": 80.0,
+    "H800": 80.0,
+    "GH200": 96.0,
+    "B200": 180.0,
+    "A100": 80.0,
+    "A800": 80.0,
+    "L40S": 48.0,
+    "A10G": 24.0,
+    "L4": 24.0,
+    "V100": 32.0,
+}
+ASSUMED_MFU = 0.40
+HEADROOM = 0.90  # plan to use at most 90% of the device memory (allocator, NCCL, kernels)
+GB = 1024**3
+
+
+@dataclass
+class Estimate:
+    """One layout's per-rank figures."""
+
+    tp: int
+    dp: int
+    sequence_parallel: bool
+    zero: int
+    activation_checkpointing: str
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    logits_gb: float
+    step_time_s: float
+    comm_gb_per_step: float
+
+    @property
+    def total_gb(self) -> float:
+        return (
+            self.weights_gb
+            + self.grads_gb
+            + self.optimizer_gb
+            + self.activations_gb
+            + self.logits_gb
+        )
+
+
+def activation_bytes_per_layer(
+    cfg: Config, tp: int, sequence_parallel: bool, recompute: str
+) -> float:
+    """Bytes one transformer layer keeps for backward for one micro-batch (see module doc)."""
+    s, b, h = cfg.train.seq_len, cfg.train.micro_batch_size, cfg.model.d_model
+    sbh = s * b * h
+    width = 1.0 if cfg.train.precision == "bf16" else 2.0  # the formula counts 16-bit values
+    if recompute == "full":
+        kept = 2 * sbh / (tp if sequence_parallel else 1)
+        return kept * width
+    per = 34 / tp if sequence_parallel else 10 + 24 / tp
+    return sbh * per * width
+
+
+def estimate(cfg: Config, world: int, tp: int, peak_flops: float, **changes) -> Estimate:
+    """Per-rank memory, step time and traffic of cfg at tensor-parallel degree tp on world
+    devices; `changes` override parallel.sequence_parallel, optim.zero, activation_checkpointing."""
+    from megatronish.bench import formula_bytes_per_step, local_parameter_count
+
+    sp = changes.get("sequence_parallel", tp > 1)
+    zero = changes.get("zero", cfg.optim.zero)
+    recompute = changes.get("activation_checkpointing", cfg.train.activation_checkpointing)
+    layout = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=world // tp, sequence_parallel=sp),
+        optim=dataclasses.replace(cfg.optim, zero=zero),
+        train=dataclasses.replace(cfg.train, activation_checkpointing=recompute),
+    )
+    d = derive(layout, world, vocab_size=cfg.model.vocab_size)
+    params = local_parameter_count(layout, d)
+    bf16 = cfg.train.precision == "bf16"
+    layers = cfg.model.n_layer
+    act = activation_bytes_per_layer(layout, tp, sp, recompute) * layers
+    if recompute == "full":  # one layer is rebuilt at a time during backward
+        act += activation_bytes_per_layer(layout, tp, sp, "none")
+    t = cfg.train
+    logits = t.micro_batch_size * t.seq_len * d.padded_vocab_size / tp * 6
+    flops = model_flops_per_step(layout, d)
+    return Estimate(
+        tp=tp,
+        dp=d.dp,
+        sequence_parallel=sp,
+        zero=zero,
+        activation_checkpointing=recompute,
+        weights_gb=params * (4 + (2 if bf16 else 0)) / GB,
+        grads_gb=params * 4 / GB,
+        optimizer_gb=params * 8 / (d.dp if zero == 1 else 1) / GB,
+        activations_gb=act / GB,
+        logits_gb=logits / GB,
+        step_time_s=flops / (world * peak_flops * ASSUMED_MFU),
+        comm_gb_per_step=formula_bytes_per_step(layout, d) / GB,
+    )
+
+
+def gpu_spec(gpu: str | None, memory_gb: float | None) -> tuple[str, float, float]:
+    """(name, memory GB, dense bf16 peak FLOP/s) of a GPU name such as H100 (default H100)."""
+    name = (gpu or "H100").upper()
+    if name not in GPU_MEMORY_GB:
+        raise UserError(f"--gpu {gpu}: unknown GPU; valid: {', '.join(GPU_MEMORY_GB)}")
+    if memory_gb is not None and memory_gb <= 0:
+        raise UserError(f"--gpu-memory {memory_gb}: must be > 0 (GB)")
+    return name, memory_gb or GPU_MEMORY_GB[name], GPU_PEAK_TFLOPS[name] * 1e12
+
+
+def candidate_tps(cfg: Config, world: int) -> list[int]:
+    """Tensor-parallel degrees that divide the world, the heads, the kv heads and d_ff, up to 8
+    (one node's fast links)."""
+    n_kv = cfg.model.n_kv_head or cfg.model.n_head
+    out = []
+    for tp in (1, 2, 4, 8):
+        if world % tp or cfg.model.n_head % tp or n_kv % tp:
+            continue
+        if cfg.model.d_ff is not None and cfg.model.d_ff % tp:
+            continue
+        if cfg.train.global_batch_size % (cfg.train.micro_batch_size * (world // tp)):
+            continue
+        out.append(tp)
+    return out
+
+
+def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None) -> str:
+    """The report `megatronish plan` prints."""
+    if cfg.model.vocab_size is None:
+        raise UserError("model.vocab_size: plan needs it set (--set model.vocab_size=N)")
+    world = gpus or cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+    if world < 1:
+        raise UserError(f"--gpus {gpus}: must be >= 1")
+    name, mem, peak = gpu_spec(gpu, memory_gb)
+    tps = candidate_tps(cfg, world)
+    if not tps:
+        raise UserError(
+            f"no tensor-parallel degree in 1, 2, 4, 8 fits {world} GPUs with model.n_head="
+            f"{cfg.model.n_head} and train.global_batch_size={cfg.train.global_batch_size}"
+        )
+    budget = mem * HEADROOM
+    rows, choice = [], None
+    # With a fused attention kernel selective recompute keeps what no recompute keeps (the
+    # s x s scores are never stored), so the fallback when nothing fits is full recompute.
+    levels = (
+        ["full"]
+        if cfg.train.activation_checkpointing == "full"
+        else [
+            cfg.train.activation_checkpointing,
+            "full",
+        ]
+    )
+    for recompute in levels:
+        for tp in tps:
+            est = estimate(cfg, world, tp, peak, activation_checkpointing=recompute, zero=1)
+            rows.append(est)
+            if choice is None and est.total_gb <= budget:
+                choice = est
+        if choice is not None:
+            break
+    lines = [
+        f"plan for {world} x {name} ({mem:.0f} GB each, bf16 peak {peak / 1e12:.0f} TFLOP/s; "
+        f"step time assumes {ASSUMED_MFU:.0%} MFU)",
+        "",
+        f"{'tp':>3} {'dp':>4} {'sp':>3} {'recompute':>9} {'weights':>8} {'grads':>7} "
+        f"{'adam':>7} {'activ.':>8} {'logits':>7} {'total GB':>9} {'comm GB':>8} {'compute s':>9}",
+    ]
+    for e in rows:
+        mark = "  <- fits" if e.total_gb <= budget else ""
+        lines.append(
+            f"{e.tp:>3} {e.dp:>4} {'y' if e.sequence_parallel else 'n':>3} "
+            f"{e.activation_checkpointing:>9} {e.weights_gb:>8.2f} {e.grads_gb:>7.2f} "
+            f"{e.optimizer_gb:>7.2f} {e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
+            f"{e.total_gb:>9.2f} {e.comm_gb_per_step:>8.2f} {e.step_time_s:>9.2f}{mark}"
+        )
+    lines.append("")
+    if choice is None:
+        lines.append(
+            f"does not fit: no layout stays under {budget:.0f} GB per GPU; use more GPUs, a "
+            "smaller train.micro_batch_size or a GPU with more memory"
+        )
+    else:
+        lines.append(
+            f"recommended: --set parallel.tp={choice.tp} --set parallel.dp={choice.dp} "
+            f"--set parallel.sequence_parallel={str(choice.sequence_parallel).lower()} "
+            f"--set optim.zero={choice.zero} "
+            f"--set train.activation_checkpointing={choice.activation_checkpointing} "
+            f"({choice.total_gb:.1f} GB per GPU, ~{choice.step_time_s:.2f} s of compute per step)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""`plan`: memory formulas per rank, and a recommended layout that fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatronish.config import load_config
+from megatronish.plan import GB, activation_bytes_per_layer, estimate, plan
+from tests.conftest import CONFIGS, run_cli
+
+
+def test_activation_formula_is_korthikanti_with_fused_attention():
+    cfg = load_config(None, ["train.seq_len=256", "train.micro_batch_size=2", "model.d_model=128",
+                             "model.max_seq_len=256", "train.precision=bf16"])  # fmt: skip
+    sbh = 256 * 2 * 128
+    assert activation_bytes_per_layer(cfg, 1, False, "none") == sbh * 34
+    assert activation_bytes_per_layer(cfg, 4, False, "none") == sbh * (10 + 24 / 4)
+    assert activation_bytes_per_layer(cfg, 4, True, "none") == sbh * 34 / 4
+    assert activation_bytes_per_layer(cfg, 4, True, "full") == 2 * sbh / 4
+
+
+def test_memory_per_rank_falls_with_tp_and_zero_shards_adam():
+    cfg = load_config(CONFIGS / "gpt2-1.3b.yaml")
+    peak = 989e12
+    per_tp = [estimate(cfg, 8, tp, peak).total_gb for tp in (1, 2, 4, 8)]
+    assert per_tp == sorted(per_tp, reverse=True)
+    no_zero = estimate(cfg, 8, 1, peak, zero=0)
+    zero = estimate(cfg, 8, 1, peak, zero=1)
+    assert zero.optimizer_gb == pytest.approx(no_zero.optimizer_gb / 8)
+    params = 1.3136e9
+    assert no_zero.grads_gb == pytest.approx(params * 4 / GB, rel=0.01)
+
+
+def test_plan_recommends_a_layout_that_fits_or_says_it_does_not():
+    cfg = load_config(CONFIGS / "gpt2-1.3b.yaml")
+    report = plan(cfg, gpus=8, gpu="H100", memory_gb=None)
+    assert "recommended: --set parallel.tp=1" in report
+    small = plan(cfg, gpus=8, gpu="H100", memory_gb=4)
+    assert "recommended: --set parallel.tp=8" in small and "full" in small
+    assert "does not fit" in plan(cfg, gpus=1, gpu="H100", memory_gb=2)
+
+
+def test_cli_plan_unknown_gpu_exits_2():
+    result = run_cli("plan", "--config", str(CONFIGS / "gpt2-124m.yaml"), "--gpu", "TPU9")
+    assert result.returncode == 2 and "--gpu TPU9" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
