@@ -1,0 +1,24 @@
+"""`plot` turns a run's metrics.jsonl into a PNG; a directory without metrics is exit 2."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import run_cli
+
+
+def test_plot_writes_a_png_of_the_curves(tmp_path):
+    lines = [
+        {"step": s, "loss": 5 - s / 10, "lr": 1e-3, "tokens_per_s": 1000.0} for s in range(1, 6)
+    ]
+    lines.append({"step": 5, "val_loss": 4.6})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = run_cli("plot", str(tmp_path), "--output", str(tmp_path / "c.png"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_directory_without_metrics_exits_2(tmp_path):
+    result = run_cli("plot", str(tmp_path))
+    assert result.returncode == 2 and "metrics.jsonl does not exist" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
