@@ -18,6 +18,7 @@ import yaml
 from tqdm import tqdm
 
 from megatronish import comm
+from megatronish.checkpoint import training as checkpoints
 from megatronish.config import Config, Derived, derive
 from megatronish.data import BatchLoader, dataset_vocab_size, resolve_dataset
 from megatronish.errors import UserError
@@ -41,6 +42,14 @@ def setup(cfg: Config) -> Setup:
     """Checks the config against the world size and the dataset, then joins the process group.
     Every user error surfaces here, before any collective, so no rank waits on a failed one."""
     world = world_size_from_env()
+    p = cfg.parallel
+    wanted = p.tp * p.pp * (p.dp or 1)
+    if world == 1 and wanted > 1:
+        raise UserError(
+            f"parallel.tp * parallel.dp * parallel.pp = {wanted} needs {wanted} processes; start "
+            f"them with `megatronish launch --config ...` or `torchrun --nproc-per-node {wanted} "
+            "-m megatronish train --config ...`"
+        )
     dataset_dir = resolve_dataset(cfg.data.path)
     data_vocab = dataset_vocab_size(dataset_dir)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < data_vocab:
@@ -94,6 +103,9 @@ class Trainer:
         self.out_dir = Path(s.cfg.run.out_dir)
         self.flops_per_step = model_flops_per_step(s.cfg, s.derived)
         self.peak, self.peak_source = peak_flops(s.ps.device)
+        # The step resumed from (checkpoint.resume), or None for a fresh start.
+        self.resumed_from = checkpoints.start(self)
+        self.saved_step = self.resumed_from
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step over the next global batch: (loss, grad_norm)."""
@@ -143,7 +155,10 @@ class Trainer:
         """Trains to train.steps; returns the last metrics line (and val_loss if computed)."""
         cfg, ps = self.cfg, self.ps
         self.write_run_files()
-        metrics = MetricsWriter(self.out_dir, enabled=ps.is_main)
+        resumed = self.resumed_from is not None
+        if resumed and ps.is_main:
+            checkpoints.trim_metrics(self.out_dir, self.step)
+        metrics = MetricsWriter(self.out_dir, enabled=ps.is_main, append=resumed)
         bar = tqdm(
             total=cfg.train.steps, initial=self.step, disable=not ps.is_main,
             desc="train", unit="step", dynamic_ncols=True,
@@ -183,10 +198,22 @@ class Trainer:
                     metrics.write({"step": self.step, "val_loss": val_loss})
                     last = dict(last, val_loss=val_loss)
                     window_start = time.perf_counter()
+                if checkpoints.due(self.step, cfg):
+                    self.save_checkpoint()
+                    window_start = time.perf_counter()
+            if cfg.checkpoint.save and self.saved_step != self.step:
+                self.save_checkpoint()
         finally:
             bar.close()
             metrics.close()
         return last
+
+    def save_checkpoint(self) -> None:
+        """Saves a checkpoint of this step (every rank calls it)."""
+        path = checkpoints.save(self)
+        self.saved_step = self.step
+        if self.ps.is_main:
+            tqdm.write(f"saved {path}")
 
 
 def train(cfg: Config) -> dict:

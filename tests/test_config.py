@@ -116,3 +116,8 @@ def test_cli_check_prints_resolved_config_and_derived_sizes():
     assert result.returncode == 0, result.stderr
     for needle in ("parameters:", "gradient accumulation steps: 2", "padded to 512", "ok"):
         assert needle in result.stdout
+
+
+def test_cli_train_of_a_parallel_config_in_one_process_says_how_to_launch():
+    result = run_cli("train", "--config", str(CONFIGS / "tiny-tp2.yaml"))
+    one_line_error(result, "needs 2 processes", "megatronish launch")
