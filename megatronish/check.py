@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import yaml
 
-from megatronish.config import Config, derive
+from megatronish.config import Config, check_dataset_vocab, derive
 from megatronish.metrics import model_flops_per_step, parameter_count
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
     """The report `check` prints. world_size defaults to tp * pp * (parallel.dp or 1)."""
-    from megatronish.data import ByteTokenizer, dataset_vocab_size
+    from megatronish.data import ByteTokenizer, dataset_vocab_size, resolve_dataset
 
     p = cfg.parallel
     if world_size is None:
         world_size = p.tp * p.pp * (p.dp or 1)
-    if cfg.model.vocab_size is not None:
-        vocab = cfg.model.vocab_size
-    elif cfg.data.path is not None:
-        vocab = dataset_vocab_size(cfg.data.path)
+    if cfg.data.path is not None:
+        data_vocab = dataset_vocab_size(resolve_dataset(cfg.data.path))  # validates the dataset
+        check_dataset_vocab(cfg, data_vocab, cfg.data.path)
     else:
-        vocab = ByteTokenizer().vocab_size  # the built-in corpus is byte-level
-    d = derive(cfg, world_size, vocab_size=vocab)
+        data_vocab = ByteTokenizer().vocab_size  # the built-in corpus is byte-level
+    d = derive(cfg, world_size, vocab_size=data_vocab)
     params = parameter_count(cfg, d)
     lines = [
         "# resolved config",

@@ -489,5 +489,14 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
     )
 
 
+def check_dataset_vocab(cfg: Config, data_vocab: int, dataset: str | Path) -> None:
+    """model.vocab_size, when set, must hold every token id of the dataset."""
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < data_vocab:
+        raise UserError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the vocabulary of the "
+            f"dataset {dataset} ({data_vocab}); set at least {data_vocab}, or leave it unset"
+        )
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -14,9 +14,9 @@ from megatronish.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    mappings,
     vocab_parallel_cross_entropy,
 )
-from megatronish.layers import mappings
 from tests.distributed import run_on_ranks
 
 RTOL = 1e-5

@@ -76,3 +76,40 @@ def test_train_writes_metrics_and_resolved_config(tmp_path):
         assert all(key in x for x in lines), key
     assert evals and evals[-1]["step"] == 3
     assert (tmp_path / "run" / "config.yaml").is_file()
+
+
+TRITON_TINY = [
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.max_seq_len=16",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.steps=20",
+    "train.log_every=1",
+    "train.eval_every=0",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_cli_triton_kernels_interpreted_give_the_torch_losses(tmp_path, arch):
+    pytest.importorskip("triton")
+    settings = TRITON_TINY + [f"model.arch={arch}"]
+    torch_run = train(tmp_path, "torch", settings + ["kernels.backend=torch"], launch=False)
+    out = tmp_path / "triton"
+    sets = settings + ["kernels.backend=triton", f"run.out_dir={out}", "checkpoint.save=false"]
+    result = run_cli(
+        "train",
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        *[a for o in sets for a in ("--set", o)],
+        env={"TRITON_INTERPRET": "1"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    triton_lines, _ = read_metrics(out)
+    assert len(triton_lines) == 20
+    for x, y in zip(triton_lines, torch_run[0]):
+        assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(y["loss"]), (x, y)

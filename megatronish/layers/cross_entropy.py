@@ -50,10 +50,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_target, outside, ignored = ctx.saved_tensors
-        grad = softmax.clone()
+        # d loss / d logits = softmax - onehot(target), scaled by the incoming gradient; built
+        # in the saved softmax buffer (used once: this graph is not retained for a second pass).
+        grad = softmax
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
-        scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
-        return (grad * scale).to(ctx.logits_dtype), None, None
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None
 
 
 def vocab_parallel_cross_entropy(

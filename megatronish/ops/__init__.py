@@ -41,7 +41,9 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
             "use 'torch' or 'auto' on this machine"
         )
     if _kernels() is None:
-        raise BackendUnavailable("kernels.backend 'triton' needs the triton package: pip install triton")
+        raise BackendUnavailable(
+            "kernels.backend 'triton' needs the triton package: pip install triton"
+        )
     return "triton"
 
 

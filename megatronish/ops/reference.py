@@ -25,21 +25,27 @@ def layer_norm(
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+) -> torch.Tensor:
     """q [b, n_head, s, d], k and v [b, n_kv_head, s, d] -> [b, n_head, s, d]; scale 1/sqrt(d)."""
     n_head, n_kv_head = q.shape[1], k.shape[1]
     if n_head != n_kv_head:
         group = n_head // n_kv_head
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1]))
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1])
+    )
 
 
 def rope_cos_sin(
     seq_len: int, head_dim: int, theta: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [s, d/2] in fp32 for positions 0..s-1."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 

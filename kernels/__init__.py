@@ -1,0 +1,15 @@
+"""Triton kernels behind megatronish.ops (installed as ``megatronish_kernels``).
+
+Every function is autograd-capable (a torch.autograd.Function with a Triton forward and
+backward), takes CUDA tensors (fp32 or bf16; math in fp32, results in the input dtype), or CPU
+fp32 tensors when TRITON_INTERPRET=1 is set before this package is imported. Block sizes are
+fixed functions of the shapes (no autotuning), so every rank compiles the same kernels.
+"""
+
+from .attention import attention
+from .cross_entropy import cross_entropy
+from .elementwise import bias_gelu, swiglu
+from .norms import layer_norm, rms_norm
+from .rope import rope
+
+__all__ = ["attention", "bias_gelu", "cross_entropy", "layer_norm", "rms_norm", "rope", "swiglu"]

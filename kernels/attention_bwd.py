@@ -1,0 +1,239 @@
+"""Backward of the fused attention in attention.py: delta preprocess, dK/dV kernel, dQ kernel.
+
+Shapes (as in attention.py): q, o, do, dq [b, n_head, s, d]; k, v, dk, dv [b, n_kv, s, d];
+lse, delta [b, n_head, s] fp32 (lse in base 2). group = n_head / n_kv query heads per kv head.
+
+With p = softmax(q k^T * scale) recomputed from lse, and delta_i = sum_d o_id do_id:
+    dv = p^T do,   ds = p * (do v^T - delta),   dq = scale * ds k,   dk = scale * ds^T q.
+
+1. _delta_kernel: delta per query row.
+2. _dkdv_kernel: one program per (key block, batch * kv head). It keeps dk, dv for its keys in
+   fp32 registers and walks the query blocks of every query head of its group, so the GQA sum
+   over the group happens in registers: no atomics, no races, deterministic.
+3. _dq_kernel: one program per (query block, batch * head); it walks the key blocks.
+Both recompute p from q, k and lse; query/key blocks that need no mask run without one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import LOG2_E, dot_precision
+
+if TYPE_CHECKING:
+    from .attention import AttentionBlocks
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (rows < n_rows)[:, None]
+    offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + rows, tl.sum(o * do, 1), mask=rows < n_rows)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, Q, DO, LSE, DELTA, offs_n, offs_m, offs_d, lo, hi, seq_len, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        if MASKED:
+            row_ok = rows < seq_len
+            q = tl.load(Q + q_offs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_offs, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(Q + q_offs)
+            do = tl.load(DO + q_offs)
+            lse = tl.load(LSE + rows)
+            delta = tl.load(DELTA + rows)
+        # Transposed tiles [BLOCK_N keys, BLOCK_M queries], so dk and dv need no transpose.
+        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+        if MASKED:
+            valid = row_ok[None, :] & (offs_n < seq_len)[:, None]
+            if CAUSAL:
+                valid = valid & (rows[None, :] >= offs_n[:, None])
+            p_t = tl.where(valid, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, seq_len, n_head, group, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    start_n = tl.program_id(0) * BLOCK_N
+    kv_bh = tl.program_id(1)
+    n_kv = n_head // group
+    first_head = (kv_bh // n_kv) * n_head + (kv_bh % n_kv) * group  # its group's first q head
+    kv_base = kv_bh.to(tl.int64) * seq_len * HEAD_DIM
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_offs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    col_ok = (offs_n < seq_len)[:, None]
+    k = tl.load(K + kv_base + kv_offs, mask=col_ok, other=0.0)
+    v = tl.load(V + kv_base + kv_offs, mask=col_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Query ranges: [lo, diag_hi) straddles the diagonal (causal only, masked); [mid_lo, mid_hi)
+    # needs no mask (whole query blocks, whole key block, past the diagonal); [tail_lo, s) is
+    # the masked tail. A key block that runs past s is handled entirely by the masked tail.
+    full_m = (seq_len // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = start_n
+        diag_hi = tl.minimum(start_n + BLOCK_N, seq_len)
+        mid_lo = start_n + BLOCK_N
+    else:
+        lo = 0
+        diag_hi = 0
+        mid_lo = 0
+    mid_hi = tl.where(start_n + BLOCK_N <= seq_len, full_m, mid_lo)
+    tail_lo = tl.maximum(mid_lo, mid_hi)
+    for g in range(group):
+        bh = (first_head + g).to(tl.int64)
+        Qh, DOh = Q + bh * seq_len * HEAD_DIM, DO + bh * seq_len * HEAD_DIM
+        LSEh, DELTAh = LSE + bh * seq_len, DELTA + bh * seq_len
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, offs_n, offs_m, offs_d, lo, diag_hi, seq_len,
+            qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, PREC,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, offs_n, offs_m, offs_d, mid_lo, mid_hi,
+            seq_len, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_M, PREC,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, offs_n, offs_m, offs_d, tail_lo, seq_len,
+            seq_len, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, PREC,
+        )  # fmt: skip
+    tl.store(DK + kv_base + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
+    tl.store(DV + kv_base + kv_offs, dv.to(DV.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse, delta, K, V, offs_m, offs_n, offs_d, lo, hi, seq_len, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_offs = cols[:, None] * HEAD_DIM + offs_d[None, :]
+        if MASKED:
+            k = tl.load(K + kv_offs, mask=(cols < seq_len)[:, None], other=0.0)
+            v = tl.load(V + kv_offs, mask=(cols < seq_len)[:, None], other=0.0)
+        else:
+            k = tl.load(K + kv_offs)
+            v = tl.load(V + kv_offs)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+        if MASKED:
+            valid = (cols < seq_len)[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, seq_len, n_head, group, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    # Causal: the last query blocks have the most keys; launch them first (as the forward).
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    bh = tl.program_id(1)
+    kv_bh = (bh // n_head) * (n_head // group) + (bh % n_head) // group
+    q_base = bh.to(tl.int64) * seq_len * HEAD_DIM
+    kv_base = kv_bh.to(tl.int64) * seq_len * HEAD_DIM
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_len
+    q_offs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(Q + q_base + q_offs, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + q_base + q_offs, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * seq_len + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * seq_len + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    full_n = (seq_len // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        free_hi = tl.minimum(start_m, full_n)
+        hi = tl.minimum(start_m + BLOCK_M, seq_len)
+    else:
+        free_hi = full_n
+        hi = seq_len
+    Kh, Vh = K + kv_base, V + kv_base
+    dq = _dq_inner(
+        dq, q, do, lse, delta, Kh, Vh, offs_m, offs_n, offs_d, 0, free_hi, seq_len, qk_scale,
+        False, CAUSAL, HEAD_DIM, BLOCK_N, PREC,
+    )  # fmt: skip
+    dq = _dq_inner(
+        dq, q, do, lse, delta, Kh, Vh, offs_m, offs_n, offs_d, free_hi, hi, seq_len, qk_scale,
+        True, CAUSAL, HEAD_DIM, BLOCK_N, PREC,
+    )  # fmt: skip
+    tl.store(DQ + q_base + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    causal: bool,
+    blocks: AttentionBlocks,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq [b, n_head, s, d], dk and dv [b, n_kv, s, d] in the inputs' dtype, from the saved
+    contiguous q, k, v, out, the base-2 lse [b, n_head, s] and the output gradient dout."""
+    b, n_head, seq_len, head_dim = q.shape
+    n_kv = k.shape[1]
+    dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0:
+        return dq, dk, dv
+    delta = torch.empty_like(lse)
+    n_rows = b * n_head * seq_len
+    rows_per_program = 32 if head_dim >= 128 else 64
+    _delta_kernel[(triton.cdiv(n_rows, rows_per_program),)](
+        out, dout, delta, n_rows, HEAD_DIM=head_dim, BLOCK=rows_per_program
+    )
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    group = n_head // n_kv
+    common = dict(
+        CAUSAL=causal, HEAD_DIM=head_dim, PREC=dot_precision(q.dtype), num_stages=blocks.num_stages
+    )
+    tile = blocks.dkdv
+    _dkdv_kernel[(triton.cdiv(seq_len, tile.block_n), b * n_kv)](
+        q, k, v, dout, lse, delta, dk, dv, seq_len, n_head, group, sm_scale * LOG2_E, sm_scale,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, **common,
+    )  # fmt: skip
+    tile = blocks.dq
+    _dq_kernel[(triton.cdiv(seq_len, tile.block_m), b * n_head)](
+        q, k, v, dout, lse, delta, dq, seq_len, n_head, group, sm_scale * LOG2_E, sm_scale,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, **common,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,151 @@
+"""SwiGLU and bias + GELU (tanh), forward and backward, as flat elementwise Triton kernels.
+
+Shapes: gate, up, x [..., f] are viewed as flat arrays of n elements; bias [f] is broadcast over
+the last dim (element i uses bias[i % f]).
+
+Each program handles BLOCK consecutive elements with an int64 offset, so n may pass 2^31. The
+backward kernels recompute silu / the GELU tanh term from the saved inputs instead of keeping
+activations. GELU's tanh form is written as x * sigmoid(2 z), which equals
+0.5 x (1 + tanh(z)) with z = sqrt(2/pi) (x + 0.044715 x^3).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_device
+
+_BLOCK = 1024
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, OUT, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up
+    tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(G, U, DOUT, DG, DU, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    # d silu / d gate = sig * (1 + gate * (1 - sig))
+    dgate = dout * up * sig * (1.0 + gate * (1.0 - sig))
+    tl.store(DG + offs, dgate.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + offs, (dout * silu).to(DU.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_input(X, BIAS, offs, mask, f, HAS_BIAS: tl.constexpr):
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(BIAS + offs % f, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(X, BIAS, OUT, n, f, k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = _gelu_input(X, BIAS, offs, mask, f, HAS_BIAS)
+    out = x * tl.sigmoid(2.0 * k * (x + 0.044715 * x * x * x))
+    tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(X, BIAS, DOUT, DX, n, f, k, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = _gelu_input(X, BIAS, offs, mask, f, HAS_BIAS)
+    dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(2.0 * k * (x + 0.044715 * x * x * x))
+    # d/dx [x s(2z)] = s + x s (1 - s) 2 dz/dx, dz/dx = k (1 + 3 * 0.044715 x^2)
+    grad = s + x * s * (1.0 - s) * 2.0 * k * (1.0 + 0.134145 * x * x)
+    tl.store(DX + offs, (dout * grad).to(DX.dtype.element_ty), mask=mask)
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, _BLOCK),)
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        check_device(gate, up)
+        if gate.shape != up.shape:
+            raise ValueError(f"swiglu: gate {list(gate.shape)} and up {list(up.shape)} differ")
+        if gate.dtype != up.dtype:
+            raise ValueError(f"swiglu: gate is {gate.dtype} and up is {up.dtype}; use one dtype")
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        if gate.numel() > 0:
+            _swiglu_fwd_kernel[_grid(gate.numel())](gate, up, out, gate.numel(), BLOCK=_BLOCK)
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dout = dout.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n > 0:
+            _swiglu_bwd_kernel[_grid(n)](gate, up, dout, dgate, dup, n, BLOCK=_BLOCK)
+        return dgate, dup
+
+
+class _BiasGeluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias):
+        check_device(x, bias)
+        f = x.shape[-1] if x.dim() > 0 else 1
+        if bias is not None and tuple(bias.shape) != (f,):
+            raise ValueError(f"bias_gelu: bias must have shape [{f}], got {list(bias.shape)}")
+        x = x.contiguous()
+        bias = bias.contiguous() if bias is not None else None
+        out = torch.empty_like(x)
+        if x.numel() > 0:
+            _bias_gelu_fwd_kernel[_grid(x.numel())](
+                x, bias if bias is not None else x, out, x.numel(), f, _SQRT_2_OVER_PI,
+                HAS_BIAS=bias is not None, BLOCK=_BLOCK,
+            )  # fmt: skip
+        ctx.save_for_backward(x, bias)
+        ctx.f = f
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, bias = ctx.saved_tensors
+        dout = dout.contiguous()
+        dx = torch.empty_like(x)
+        if x.numel() > 0:
+            _bias_gelu_bwd_kernel[_grid(x.numel())](
+                x, bias if bias is not None else x, dout, dx, x.numel(), ctx.f, _SQRT_2_OVER_PI,
+                HAS_BIAS=bias is not None, BLOCK=_BLOCK,
+            )  # fmt: skip
+        dbias = None
+        if bias is not None:
+            dbias = dx.view(-1, ctx.f).sum(0, dtype=torch.float32).to(bias.dtype)
+        return dx, dbias
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate, up of one shape and dtype; fp32 math, output in their dtype."""
+    return _SwiGLUFunction.apply(gate, up)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """gelu(x + bias) with the tanh approximation; x [..., f], bias [f] or None. The bias
+    gradient is the fp32 sum of dx over all leading dims."""
+    return _BiasGeluFunction.apply(x, bias)

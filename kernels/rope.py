@@ -1,0 +1,82 @@
+"""Rotary position embedding (rotate-half pairing, as Llama in transformers) as a Triton kernel.
+
+Shapes: x [b, n, s, d] is viewed as [rows = b * n * s, d]; row r is at position r % s.
+cos, sin [s, d/2] fp32 come from megatronish.ops.reference.rope_cos_sin, so the angles are
+bit-identical to the torch reference. Dim i pairs with dim i + d/2:
+
+    out[i]       = x[i] cos - x[i + d/2] sin
+    out[i + d/2] = x[i + d/2] cos + x[i] sin
+
+The backward is the same kernel rotating by the negative angle (the rotation is orthogonal).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatronish.ops.reference import rope_cos_sin
+
+from ._utils import check_device
+
+
+@triton.jit
+def _rope_kernel(
+    X, OUT, COS, SIN, n_rows, seq_len, half,
+    INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_H)
+    mask = (rows < n_rows)[:, None] & (cols < half)[None, :]
+    x_offs = rows[:, None] * (2 * half) + cols[None, :]
+    table_offs = (rows % seq_len)[:, None] * half + cols[None, :]
+    x1 = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(COS + table_offs, mask=mask, other=0.0)
+    sin = tl.load(SIN + table_offs, mask=mask, other=0.0)
+    if INVERSE:
+        sin = -sin
+    tl.store(OUT + x_offs, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + x_offs + half, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    seq_len, head_dim = x.shape[-2], x.shape[-1]
+    half = head_dim // 2
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n_rows = x.numel() // head_dim
+    block_h = triton.next_power_of_2(half)
+    block_r = max(1, 1024 // block_h)
+    if n_rows > 0:
+        _rope_kernel[(triton.cdiv(n_rows, block_r),)](
+            x, out, cos, sin, n_rows, seq_len, half,
+            INVERSE=inverse, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, theta: float):
+        check_device(x)
+        if x.dim() != 4:
+            raise ValueError(f"rope: x must be [b, n, s, d], got shape {list(x.shape)}")
+        head_dim = x.shape[-1]
+        if head_dim % 2 != 0:
+            raise ValueError(f"rope: head dim must be even, got {head_dim}")
+        cos, sin = rope_cos_sin(x.shape[-2], head_dim, theta, x.device)
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, inverse=False)
+
+    @staticmethod
+    def backward(ctx, dout):
+        cos, sin = ctx.saved_tensors
+        return _rotate(dout, cos, sin, inverse=True), None
+
+
+def rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of x [b, n, s, d] at positions 0..s-1 (rotate-half pairing); fp32
+    math, output in x's dtype."""
+    return _RopeFunction.apply(x, float(theta))

@@ -1,0 +1,195 @@
+"""The batch loader: deterministic, data-parallel-sharded batches from a memory-mapped dataset.
+
+Legend: G global batch size (samples per optimizer step, all dp ranks), m micro-batch size,
+dp data-parallel degree, accum = G / (m * dp) micro-batches per step, s seq_len.
+
+A split's documents (each with its end-of-text token) are concatenated, in document order,
+into one virtual token stream of length L. Sample i is stream[i*s : i*s + s + 1]: windows that
+start at multiples of s and take one token more, so inputs and targets shift by one. There are
+N = (L - 1) // s samples. Epoch e visits them in the order of a permutation seeded by
+(seed, e); the samples of all epochs, in order, form one global sequence, and step k takes the
+k-th run of G of them, crossing into the next epoch's order when an epoch runs out. dp rank d
+takes the contiguous slice [d*G/dp, (d+1)*G/dp) of a step's samples, so the concatenation of
+the dp ranks' slices in rank order is the same global batch at every dp, and every tp rank of
+one dp group (same dp_rank) gets the same batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from megatronish.data.dataset import SPLITS, load_documents, open_tokens, read_metadata
+from megatronish.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+STATE_VERSION = 1
+# Keys of a saved state that must match the loader it is loaded into.
+_MATCHING_KEYS = ("split", "seq_len", "global_batch_size", "seed", "dataset_sha256", "n_samples")
+
+
+class BatchLoader:
+    """Batches of one split for one dp rank. next_step() returns torch.int64
+    [accum, micro_batch_size, seq_len + 1]; a model takes [..., :-1] as input and [..., 1:] as
+    target. The dataset is validated (every token against the vocabulary) at construction.
+
+    state_dict() counts consumed global samples, so a run resumed from it sees exactly the
+    batches an uninterrupted run would, also at another dp_size or micro_batch_size; a state
+    from another dataset, split, seed, seq_len or global batch size is a UserError."""
+
+    def __init__(
+        self,
+        dataset_dir: str | Path,
+        split: str,
+        seq_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+    ) -> None:
+        if split not in SPLITS:
+            raise UserError(f"data split {split!r}: must be one of {', '.join(SPLITS)}")
+        if seq_len < 1 or micro_batch_size < 1 or dp_size < 1 or global_batch_size < 1:
+            raise UserError(
+                f"seq_len {seq_len}, micro_batch_size {micro_batch_size}, global_batch_size "
+                f"{global_batch_size} and dp_size {dp_size} must all be positive"
+            )
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise UserError(
+                f"train.global_batch_size {global_batch_size} must be a multiple of "
+                f"train.micro_batch_size {micro_batch_size} x dp {dp_size}"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise UserError(f"dp_rank {dp_rank}: must be in [0, {dp_size})")
+        self.dataset_dir = Path(dataset_dir)
+        self.split = split
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.accum = global_batch_size // (micro_batch_size * dp_size)
+        self.meta = read_metadata(self.dataset_dir, validate=True)
+        self._tokens = open_tokens(self.dataset_dir, self.meta)
+        self._build_runs()
+        self.n_samples = (self.stream_len - 1) // seq_len
+        if self.n_samples < 1:
+            what = "is empty" if self.stream_len == 0 else f"has only {self.stream_len} tokens"
+            raise UserError(
+                f"{self.dataset_dir}: the {split} split {what}, fewer than one sample of "
+                f"seq_len + 1 = {seq_len + 1} tokens; use a smaller train.seq_len or more data"
+            )
+        self.consumed_samples = 0
+        self._permutations: dict[int, np.ndarray] = {}
+
+    def _build_runs(self) -> None:
+        """Maximal runs of consecutive documents of this split: file ranges and where each
+        starts in the virtual stream."""
+        offsets, flags = load_documents(self.dataset_dir, self.meta)
+        chosen = np.flatnonzero(np.asarray(flags) == SPLITS[self.split])
+        starts = np.asarray(offsets[chosen], dtype=np.int64)
+        ends = np.asarray(offsets[chosen + 1], dtype=np.int64)
+        if len(chosen):
+            breaks = starts[1:] != ends[:-1]
+            starts = starts[np.concatenate(([True], breaks))]
+            ends = ends[np.concatenate((breaks, [True]))]
+        lengths = ends - starts
+        self._run_file_start = starts
+        self._run_length = lengths
+        self._run_stream_start = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        self.stream_len = int(lengths.sum())
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // self.n_samples
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        order = self._permutations.get(epoch)
+        if order is None:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
+            self._permutations = {e: p for e, p in self._permutations.items() if e >= epoch - 1}
+            self._permutations[epoch] = order
+        return order
+
+    def sample_ids(self, first: int, count: int) -> np.ndarray:
+        """Sample indices (into the split's N windows) at global positions first..first+count."""
+        positions = np.arange(first, first + count, dtype=np.int64)
+        epochs = positions // self.n_samples
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            out[mask] = self._permutation(int(epoch))[positions[mask] % self.n_samples]
+        return out
+
+    def _read_window(self, stream_start: int, out: np.ndarray) -> None:
+        """Copies stream[stream_start : stream_start + len(out)] into out, across runs."""
+        run = int(np.searchsorted(self._run_stream_start, stream_start, side="right")) - 1
+        filled = 0
+        while filled < len(out):
+            offset = stream_start + filled - int(self._run_stream_start[run])
+            take = min(len(out) - filled, int(self._run_length[run]) - offset)
+            begin = int(self._run_file_start[run]) + offset
+            out[filled : filled + take] = self._tokens[begin : begin + take]
+            filled += take
+            run += 1
+
+    def next_step(self) -> torch.Tensor:
+        """This dp rank's share of the next global batch: int64 [accum, m, s + 1]."""
+        import torch
+
+        share = self.global_batch_size // self.dp_size
+        first = self.consumed_samples + self.dp_rank * share
+        batch = np.empty((share, self.seq_len + 1), dtype=np.int64)
+        for row, sample in enumerate(self.sample_ids(first, share)):
+            self._read_window(int(sample) * self.seq_len, batch[row])
+        self.consumed_samples += self.global_batch_size
+        shaped = batch.reshape(self.accum, self.micro_batch_size, self.seq_len + 1)
+        return torch.from_numpy(shaped)
+
+    def reset(self) -> None:
+        """Back to the first sample of epoch 0 (evaluation runs the same batches every time)."""
+        self.consumed_samples = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable position and the settings a resumed loader must share."""
+        return {
+            "version": STATE_VERSION,
+            "split": self.split,
+            "epoch": self.epoch,
+            "position": self.consumed_samples % self.n_samples,
+            "consumed_samples": self.consumed_samples,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "n_samples": self.n_samples,
+            "dataset_sha256": self.meta["sha256"],
+            "dataset_dir": str(self.dataset_dir.resolve()),
+            "dp_size": self.dp_size,
+            "micro_batch_size": self.micro_batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from a state_dict(); dp_size and micro_batch_size may differ."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise UserError(f"data loader state: version {state.get('version')!r} is not supported")
+        for key in _MATCHING_KEYS:
+            mine = getattr(self, key) if key != "dataset_sha256" else self.meta["sha256"]
+            if state.get(key) != mine:
+                what = "dataset (sha256 of tokens.bin)" if key == "dataset_sha256" else key
+                raise UserError(
+                    f"data loader state: {what} is {state.get(key)!r} in the checkpoint but "
+                    f"{mine!r} now; resume with the same {what} or start a new run"
+                )
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError("data loader state: needs integer 'epoch' and 'position'") from None
+        if not 0 <= position < self.n_samples or epoch < 0:
+            raise UserError(f"data loader state: epoch {epoch} position {position} out of range")
+        self.consumed_samples = epoch * self.n_samples + position

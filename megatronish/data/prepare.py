@@ -1,0 +1,315 @@
+"""`prepare`: tokenize a corpus into a dataset directory (layout in dataset.py).
+
+The corpus streams through in batches of documents: each batch is encoded (byte tokenizer:
+numpy views of the UTF-8 bytes; BPE: `encode_batch` on the library's thread pool) and appended
+to tokens.bin, so memory stays flat however large the corpus. Everything is written into a
+hidden temporary sibling of the output directory, renamed into place only once complete: a
+failed or interrupted prepare leaves nothing at the output path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from array import array
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatronish.data.corpus import Corpus
+from megatronish.data.dataset import (
+    FORMAT,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    OFFSETS_FILE,
+    SPLIT_FILE,
+    SPLITS,
+    TOKENIZER_FILE,
+    TOKENS_FILE,
+    token_dtype,
+)
+from megatronish.data.tokenizer import (
+    DEFAULT_BPE_VOCAB,
+    ByteTokenizer,
+    HFTokenizer,
+    check_bpe_vocab_size,
+    load_tokenizer_file,
+    train_bpe,
+)
+from megatronish.errors import UserError
+
+BATCH_CHARS = 4 << 20  # characters of text encoded per batch
+BATCH_PIECES = 4096  # documents (pieces) encoded per batch
+
+
+@dataclass(frozen=True)
+class TokenizerChoice:
+    """What --tokenizer resolved to: kind byte | bpe | file, and for file the loaded tokenizer."""
+
+    kind: str
+    bpe_vocab_size: int | None = None
+    path: Path | None = None
+    loaded: HFTokenizer | None = None
+
+
+def prepare_dataset(
+    inputs: list[str],
+    output: str,
+    tokenizer: str = "byte",
+    vocab_size: int | None = None,
+    glob_pattern: str | None = None,
+    jsonl_field: str = "text",
+    val_fraction: float = 0.01,
+    seed: int = 1234,
+) -> Path:
+    """Tokenizes `inputs` (files, directories, *.jsonl files; none: the built-in corpus) into a
+    new dataset directory `output` and returns its path. tokenizer is "byte", "bpe" (trained on
+    the corpus with vocab_size ids, default 8192) or the path of a tokenizer.json. Whole
+    documents form the validation split: round(n_docs * val_fraction) of them (at least one
+    when val_fraction > 0 and there are two or more), drawn by `seed`. UserError, with nothing
+    left at `output`, for a bad input, an existing non-empty output or a bad option."""
+    out = Path(output).expanduser()
+    _check_output_free(out)
+    if not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"--val-fraction {val_fraction}: must be at least 0 and below 1")
+    choice = resolve_tokenizer(tokenizer, vocab_size)
+    corpus = Corpus.from_inputs(inputs, glob_pattern, jsonl_field) if inputs else Corpus.builtin()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise UserError(f"{out}: cannot create the output directory ({exc.strerror})") from None
+    with _sigterm_as_interrupt():
+        try:
+            write_dataset(corpus, staging, choice, val_fraction, seed)
+            _check_output_free(out)
+            if out.is_dir():
+                out.rmdir()  # empty: replaced by the finished dataset
+            os.rename(staging, out)
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise UserError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return out
+
+
+def resolve_tokenizer(tokenizer: str, vocab_size: int | None) -> TokenizerChoice:
+    """Checks --tokenizer and --vocab-size together; a tokenizer file is loaded now, so a bad
+    one fails before any work."""
+    if tokenizer == "byte":
+        if vocab_size is not None:
+            raise UserError(
+                "--vocab-size: applies to --tokenizer bpe only (the byte tokenizer has 257 ids)"
+            )
+        return TokenizerChoice("byte")
+    if tokenizer == "bpe":
+        size = DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size
+        check_bpe_vocab_size(size)
+        return TokenizerChoice("bpe", bpe_vocab_size=size)
+    path = Path(tokenizer).expanduser()
+    if not path.is_file():
+        raise UserError(f"--tokenizer {tokenizer}: not byte, bpe or an existing tokenizer.json")
+    if vocab_size is not None:
+        raise UserError(f"--vocab-size: a tokenizer file ({path}) brings its own vocabulary")
+    return TokenizerChoice("file", path=path.resolve(), loaded=load_tokenizer_file(path))
+
+
+def write_dataset(
+    corpus: Corpus, directory: Path, choice: TokenizerChoice, val_fraction: float, seed: int
+) -> dict[str, Any]:
+    """Writes every file of a dataset into the existing empty `directory`; returns the
+    metadata. The caller renames the directory into place."""
+    started = time.perf_counter()
+    training_s = 0.0
+    if choice.kind == "byte":
+        tok: ByteTokenizer | HFTokenizer = ByteTokenizer()
+    elif choice.kind == "bpe":
+        tok = train_bpe(corpus.texts(), choice.bpe_vocab_size or DEFAULT_BPE_VOCAB)
+        tok.save(directory / TOKENIZER_FILE)
+        training_s = time.perf_counter() - started
+    else:
+        assert choice.loaded is not None and choice.path is not None
+        tok = choice.loaded
+        shutil.copyfile(choice.path, directory / TOKENIZER_FILE)
+    encoding_started = time.perf_counter()
+    dtype = token_dtype(tok.vocab_size)
+    offsets, max_id, digest = _encode_corpus(corpus, tok, directory / TOKENS_FILE, dtype)
+    encoding_s = time.perf_counter() - encoding_started
+    n_docs = len(offsets) - 1
+    if n_docs == 0:
+        skipped = (
+            f" ({len(corpus.skipped_files)} binary files skipped)" if corpus.skipped_files else ""
+        )
+        raise UserError(f"{', '.join(corpus.description)}: no text documents found{skipped}")
+    split = split_documents(n_docs, val_fraction, seed)
+    np.save(directory / OFFSETS_FILE, offsets)
+    np.save(directory / SPLIT_FILE, split)
+    doc_tokens = np.diff(offsets)
+    val_tokens = int(doc_tokens[split == SPLITS["val"]].sum())
+    val_docs = int(np.count_nonzero(split == SPLITS["val"]))
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"megatronish {_version()}",
+        "tokenizer": {
+            "kind": choice.kind,
+            "file": TOKENIZER_FILE if choice.kind != "byte" else None,
+            "source": str(choice.path) if choice.path else None,
+        },
+        "vocab_size": int(tok.vocab_size),
+        "eot_id": int(tok.eot_id),
+        "dtype": dtype.name,
+        "n_tokens": int(offsets[-1]),
+        "n_docs": n_docs,
+        "train_tokens": int(offsets[-1]) - val_tokens,
+        "train_docs": n_docs - val_docs,
+        "val_tokens": val_tokens,
+        "val_docs": val_docs,
+        "val_fraction": val_fraction,
+        "split_seed": seed,
+        "max_token_id": max_id,
+        "sha256": digest,
+        "builtin": corpus.is_builtin,
+        "sources": corpus.description,
+        "n_files": len(corpus.sources),
+        "skipped_files": len(corpus.skipped_files),
+        "text_bytes": corpus.text_bytes,
+        "seconds": {"tokenizer_training": round(training_s, 3), "encoding": round(encoding_s, 3)},
+    }
+    with open(directory / METADATA_FILE, "w", encoding="utf-8") as handle:
+        json.dump(meta, handle, indent=2)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    return meta
+
+
+def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
+    """uint8 [n_docs], 1 for the round(n_docs * val_fraction) validation documents (at least
+    one if val_fraction > 0 and n_docs >= 2, never all), drawn without replacement by seed."""
+    n_val = round(n_docs * val_fraction)
+    if val_fraction > 0 and n_docs >= 2:
+        n_val = max(n_val, 1)
+    n_val = min(n_val, max(n_docs - 1, 0))
+    flags = np.zeros(n_docs, dtype=np.uint8)
+    if n_val:
+        chosen = np.random.default_rng(seed).choice(n_docs, size=n_val, replace=False)
+        flags[chosen] = SPLITS["val"]
+    return flags
+
+
+def _encode_corpus(
+    corpus: Corpus, tok: ByteTokenizer | HFTokenizer, path: Path, dtype: np.dtype
+) -> tuple[np.ndarray, int, str]:
+    """Appends every document's ids and an end-of-text id to `path`, batch by batch; returns
+    (offsets int64 [n_docs + 1], the largest id, sha256 of the file)."""
+    eot = np.array([tok.eot_id], dtype=dtype)
+    offsets = array("q", [0])
+    position = 0  # tokens written so far, including the current batch
+    doc_len = 0  # tokens of the document in progress
+    max_id = -1
+    digest = hashlib.sha256()
+    with open(path, "wb") as handle:
+        for batch, arrays in _encoded_batches(corpus, tok):
+            parts = []
+            for ids, (_, ends_document) in zip(arrays, batch, strict=True):
+                if len(ids):
+                    parts.append(ids)
+                    doc_len += len(ids)
+                    position += len(ids)
+                if ends_document and doc_len:
+                    parts.append(eot)
+                    position += 1
+                    offsets.append(position)
+                    doc_len = 0
+            if not parts:
+                continue
+            chunk = np.concatenate(parts)
+            max_id = max(max_id, int(chunk.max()))
+            if max_id >= tok.vocab_size:
+                raise RuntimeError(f"tokenizer {tok.name} produced id {max_id} >= {tok.vocab_size}")
+            chunk = chunk.astype(dtype, copy=False)
+            handle.write(memoryview(chunk))
+            digest.update(memoryview(chunk))
+        handle.flush()
+        os.fsync(handle.fileno())
+    return np.frombuffer(offsets, dtype=np.int64).copy(), max_id, digest.hexdigest()
+
+
+def _encoded_batches(
+    corpus: Corpus, tok: ByteTokenizer | HFTokenizer
+) -> Iterator[tuple[list[tuple[str, bool]], list[np.ndarray]]]:
+    """(batch of pieces, their id arrays), in order. A worker thread encodes one batch while
+    this thread reads the next one from disk and the caller writes the previous one (the BPE
+    encoder releases the GIL and runs on all cores)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
+        pending = None
+        for batch in _batches(corpus.pieces()):
+            future = pool.submit(tok.encode_arrays, [text for text, _ in batch])
+            if pending is not None:
+                yield pending[0], pending[1].result()
+            pending = (batch, future)
+        if pending is not None:
+            yield pending[0], pending[1].result()
+
+
+def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+    batch: list[tuple[str, bool]] = []
+    chars = 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece[0])
+        if chars >= BATCH_CHARS or len(batch) >= BATCH_PIECES:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _check_output_free(out: Path) -> None:
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return
+    if out.exists() or out.is_symlink():
+        raise UserError(
+            f"{out}: output already exists and is not an empty directory; "
+            "choose another --output or remove it"
+        )
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM raises KeyboardInterrupt, so the staging directory is removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatronish")
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,169 @@
+"""`megatronish prepare` and dataset errors as a user meets them: in a subprocess, exit status 2,
+exactly one line on stderr naming the file, no traceback, nothing left at the output path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Reads a dataset the way the training commands do (resolve_dataset), behind the CLI's own
+# UserError handler, until a command that only reads a dataset exists.
+READ_DATASET = (
+    "import sys; from megatronish.cli import user_errors; "
+    "from megatronish.data import resolve_dataset; user_errors(resolve_dataset)(sys.argv[1])"
+)
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MEGATRONISH_CACHE=str(tmp_path / "cache"))
+    return subprocess.run(
+        [sys.executable, "-m", "megatronish", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess, names: str) -> None:
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and names in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def assert_nothing_left(parent: Path, expected: set[str]) -> None:
+    assert set(os.listdir(parent)) == expected  # no output, no hidden staging directory
+
+
+def prepare(tmp_path: Path, *inputs: str, extra: tuple[str, ...] = ()):
+    args = ["prepare", *(a for path in inputs for a in ("--input", path)), *extra]
+    return run_cli(tmp_path, *args, "--output", str(tmp_path / "out"))
+
+
+@pytest.fixture
+def text_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "texts"
+    directory.mkdir()
+    for index in range(5):
+        (directory / f"{index}.txt").write_text(f"document {index} with ünïcode ✓\n" * 20)
+    return directory
+
+
+def test_prepare_writes_a_readable_dataset(tmp_path, text_dir):
+    result = prepare(tmp_path, str(text_dir), extra=("--val-fraction", "0.2"))
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
+    assert (meta["n_docs"], meta["val_docs"]) == (5, 1)
+    checked = subprocess.run([sys.executable, "-c", READ_DATASET, str(tmp_path / "out")])
+    assert checked.returncode == 0
+
+
+def test_missing_input_path(tmp_path):
+    result = prepare(tmp_path, str(tmp_path / "no_such_dir"))
+    assert_user_error(result, str(tmp_path / "no_such_dir"))
+    assert_nothing_left(tmp_path, set())
+
+
+def test_empty_input_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_user_error(prepare(tmp_path, str(tmp_path / "empty")), str(tmp_path / "empty"))
+    assert_nothing_left(tmp_path, {"empty"})
+
+
+def test_binary_input_file(tmp_path):
+    (tmp_path / "model.bin").write_bytes(bytes(range(256)) * 4)
+    result = prepare(tmp_path, str(tmp_path / "model.bin"))
+    assert_user_error(result, str(tmp_path / "model.bin"))
+    assert_nothing_left(tmp_path, {"model.bin"})
+
+
+def test_directory_of_only_binary_files(tmp_path):
+    (tmp_path / "bins").mkdir()
+    (tmp_path / "bins" / "a.bin").write_bytes(b"\x00\xff" * 100)
+    assert_user_error(prepare(tmp_path, str(tmp_path / "bins")), str(tmp_path / "bins"))
+    assert_nothing_left(tmp_path, {"bins"})
+
+
+def test_jsonl_records_without_the_field(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"content": "x"}) + "\n")
+    result = prepare(tmp_path, str(path))
+    assert_user_error(result, f"{path}:2")
+    assert "content" in result.stderr and "--jsonl-field" in result.stderr
+    assert_nothing_left(tmp_path, {"data.jsonl"})
+
+
+def test_jsonl_that_is_not_json(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": \n')
+    assert_user_error(prepare(tmp_path, str(path)), f"{path}:2")
+    assert_nothing_left(tmp_path, {"data.jsonl"})
+
+
+def test_existing_non_empty_output(tmp_path, text_dir):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "precious.txt").write_text("keep me")
+    assert_user_error(prepare(tmp_path, str(text_dir)), str(tmp_path / "out"))
+    assert os.listdir(tmp_path / "out") == ["precious.txt"]
+    assert_nothing_left(tmp_path, {"out", "texts"})
+
+
+@pytest.mark.parametrize(
+    "extra, names",
+    [
+        (("--tokenizer", "wordpiece"), "--tokenizer wordpiece"),
+        (("--tokenizer", "bpe", "--vocab-size", "100"), "--vocab-size 100"),
+        (("--vocab-size", "1000"), "--vocab-size"),
+        (("--val-fraction", "1.5"), "--val-fraction 1.5"),
+    ],
+)
+def test_bad_options(tmp_path, text_dir, extra, names):
+    assert_user_error(prepare(tmp_path, str(text_dir), extra=extra), names)
+    assert_nothing_left(tmp_path, {"texts"})
+
+
+def test_tokenizer_file_that_is_not_a_tokenizer(tmp_path, text_dir):
+    (tmp_path / "tok.json").write_text('{"hello": 1}')
+    result = prepare(tmp_path, str(text_dir), extra=("--tokenizer", str(tmp_path / "tok.json")))
+    assert_user_error(result, str(tmp_path / "tok.json"))
+    assert_nothing_left(tmp_path, {"texts", "tok.json"})
+
+
+@pytest.fixture
+def dataset(tmp_path, text_dir) -> Path:
+    assert prepare(tmp_path, str(text_dir)).returncode == 0
+    return tmp_path / "out"
+
+
+def read_dataset(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", READ_DATASET, str(path)], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_token_id_beyond_the_vocabulary(dataset):
+    tokens = np.fromfile(dataset / "tokens.bin", dtype=np.uint16)
+    tokens[-3] = 257  # the byte vocabulary is 0..256
+    tokens.tofile(dataset / "tokens.bin")
+    result = read_dataset(dataset)
+    assert_user_error(result, str(dataset / "tokens.bin"))
+    assert "257" in result.stderr
+
+
+def test_truncated_token_file(dataset):
+    data = (dataset / "tokens.bin").read_bytes()
+    (dataset / "tokens.bin").write_bytes(data[: len(data) // 2])
+    assert_user_error(read_dataset(dataset), str(dataset / "tokens.bin"))
+
+
+def test_corrupt_metadata(dataset):
+    (dataset / "metadata.json").write_text('{"format": "megatronish-tokens"')
+    assert_user_error(read_dataset(dataset), str(dataset / "metadata.json"))
