@@ -62,9 +62,9 @@ def cli() -> None:
 @user_errors
 def prepare(inputs, tokenizer, vocab_size, glob_pattern, jsonl_field, val_fraction, seed, output):
     """Tokenize text into a training dataset (default input: the Python standard library)."""
-    from megatronish.data import prepare_dataset
+    from megatronish.data import prepare_dataset, read_metadata
 
-    prepare_dataset(
+    path = prepare_dataset(
         inputs=list(inputs),
         output=output,
         tokenizer=tokenizer,
@@ -73,6 +73,12 @@ def prepare(inputs, tokenizer, vocab_size, glob_pattern, jsonl_field, val_fracti
         jsonl_field=jsonl_field,
         val_fraction=val_fraction,
         seed=seed,
+    )
+    meta = read_metadata(path)
+    click.echo(
+        f"wrote {path}: {meta['n_tokens']:,} tokens in {meta['n_docs']:,} documents "
+        f"({meta['val_docs']:,} for validation), {meta['tokenizer']['kind']} tokenizer, "
+        f"vocab {meta['vocab_size']:,}"
     )
 
 
@@ -141,6 +147,130 @@ def bench(config_path, overrides, steps, warmup):
     from megatronish.bench import bench as run_bench
 
     sys.exit(run_bench(config_path, overrides, steps, warmup))
+
+
+@cli.command()
+@config_option
+@set_option
+@click.option("--gpus", type=int, default=None, help="GPUs to plan for (default: the config's).")
+@click.option("--gpu", default=None, help="GPU model: H100 (default), H200, A100, B200, ...")
+@click.option("--gpu-memory", type=float, default=None, help="Memory per GPU in GB.")
+@user_errors
+def plan(config_path, overrides, gpus, gpu, gpu_memory):
+    """Per-rank memory, FLOPs, communication and a recommended layout, without starting anything."""
+    from megatronish.plan import plan as make_plan
+
+    click.echo(make_plan(load_config(config_path, overrides), gpus, gpu, gpu_memory))
+
+
+@cli.command()
+@click.argument("run_dir")
+@click.option("--output", default=None, help="PNG to write (default: RUN_DIR/curves.png).")
+@user_errors
+def plot(run_dir, output):
+    """Loss, learning rate and throughput curves from a run's metrics.jsonl."""
+    from megatronish.plot import plot_run
+
+    click.echo(plot_run(run_dir, output))
+
+
+checkpoint_option = click.option(
+    "--checkpoint", "checkpoint_path", required=True,
+    help="A checkpoint: a step directory, or a checkpoint.dir (its newest complete checkpoint).",
+)  # fmt: skip
+
+
+@cli.command("eval")
+@checkpoint_option
+@set_option
+@user_errors
+def eval_command(checkpoint_path, overrides):
+    """Validation loss and perplexity of a checkpoint; the last line is one JSON object."""
+    import json
+
+    from megatronish.checkpoint.evaluate import evaluate_checkpoint
+
+    result = evaluate_checkpoint(checkpoint_path, overrides)
+    click.echo(
+        f"step {result['step']}: val_loss {result['val_loss']:.4f}, perplexity "
+        f"{result['perplexity']:.2f} ({result['tokens']:,} tokens of {result['dataset']})"
+    )
+    click.echo(json.dumps(result))
+
+
+@cli.command()
+@checkpoint_option
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--max-new-tokens", type=int, default=200, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0: greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0: no limit.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass.")
+@click.option("--seed", type=int, default=1234, show_default=True)
+@user_errors
+def generate(checkpoint_path, prompt, max_new_tokens, temperature, top_k, top_p, seed):
+    """Continue a prompt, streaming the text as it is sampled (under torchrun: at tp = ranks)."""
+    import os
+
+    from megatronish.checkpoint.generate import Sampling, generate_text
+    from megatronish.parallel import world_size_from_env
+
+    main_rank = os.environ.get("RANK", "0") == "0"  # torchrun's global rank
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    sampling = Sampling(temperature, top_k, top_p)
+    if main_rank:
+        write(prompt)
+    reason = generate_text(checkpoint_path, prompt, max_new_tokens, sampling, seed, write)
+    if main_rank:
+        write("\n")
+        why = {
+            "eot": "end of text",
+            "max_new_tokens": f"--max-new-tokens {max_new_tokens}",
+            "max_seq_len": "the model's max_seq_len (its context is full)",
+        }[reason]
+        ranks = world_size_from_env()
+        click.echo(f"[stopped at {why}; tp {ranks}]", err=True)
+
+
+@cli.command()
+@checkpoint_option
+@click.option("--tp", type=int, required=True, help="Tensor-parallel degree to re-shard to.")
+@click.option("--output", required=True, help="New checkpoint directory.")
+@user_errors
+def convert(checkpoint_path, tp, output):
+    """Re-shard a checkpoint to another tensor-parallel degree (one process)."""
+    from megatronish.checkpoint.convert import convert_checkpoint
+
+    click.echo(f"wrote {convert_checkpoint(checkpoint_path, tp, output)} (tp {tp})")
+
+
+@cli.command()
+@checkpoint_option
+@click.option("--format", "fmt", type=click.Choice(["hf"]), default="hf", show_default=True)
+@click.option("--output", required=True, help="Directory to write.")
+@user_errors
+def export(checkpoint_path, fmt, output):
+    """A Hugging Face directory (config.json + model.safetensors) that transformers loads."""
+    from megatronish.checkpoint.hf import export_hf
+
+    for line in export_hf(checkpoint_path, output):
+        click.echo(line)
+
+
+@cli.command("import")
+@click.option("--hf", "hf_dir", required=True, help="Hugging Face directory (gpt2 or llama).")
+@click.option("--output", required=True, help="Checkpoint directory to write.")
+@set_option
+@user_errors
+def import_command(hf_dir, output, overrides):
+    """A checkpoint (step 0, weights only) of a Hugging Face GPT-2 or Llama directory."""
+    from megatronish.checkpoint.hf import import_hf
+
+    step_dir, has_tokenizer = import_hf(hf_dir, output, overrides)
+    click.echo(f"wrote {step_dir}" + ("" if has_tokenizer else " (no tokenizer found)"))
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from megatronish.layers.linear import (
     column_parallel_linear,
     mark_parallel,
 )
+from megatronish.ops import reference
 from megatronish.parallel import ParallelState, RNGTracker
 
 
@@ -106,6 +107,45 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
         return self.proj(y)
 
+    def forward_cached(
+        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, start_pos: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attention for incremental decoding: x [b, s, h] at positions start_pos.., cache the
+        (k, v) [b, k/t, start_pos, d] of the earlier positions (None at 0) -> (output [b, s, h],
+        the cache extended by these positions). RoPE rotates by the absolute positions."""
+        qkv = self.qkv(x)  # [b, s, (n + 2k) / t * d]
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.local_heads, self.head_dim)
+        q = q.transpose(1, 2)  # [b, n/t, s, d]
+        k = qkv[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, k/t, s, d]
+        v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
+        if self.is_llama:
+            q, k = rope_at(q, self.rope_theta, start_pos), rope_at(k, self.rope_theta, start_pos)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        keys, values = k, v  # [b, k/t, start_pos + s, d]
+        if self.heads_per_group > 1:
+            keys = k.repeat_interleave(self.heads_per_group, dim=1)
+            values = v.repeat_interleave(self.heads_per_group, dim=1)
+        positions = torch.arange(start_pos, start_pos + s, device=x.device)
+        visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+        y = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, scale=1.0 / math.sqrt(self.head_dim)
+        )
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
+        return self.proj(y), (k, v)
+
+
+def rope_at(x: torch.Tensor, theta: float, start_pos: int) -> torch.Tensor:
+    """ops.rope's rotation (torch reference) of x [b, n, s, d] at positions start_pos..."""
+    seq_len, head_dim = x.shape[-2], x.shape[-1]
+    cos, sin = reference.rope_cos_sin(start_pos + seq_len, head_dim, theta, x.device)
+    cos, sin = cos[start_pos:], sin[start_pos:]
+    x32 = x.float()
+    x1, x2 = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
@@ -161,6 +201,14 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._drop(self.attn(self.norm1(x)))
         return x + self._drop(self.mlp(self.norm2(x)))
+
+    def forward_cached(
+        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, start_pos: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """forward for incremental decoding (eval: no dropout); see Attention.forward_cached."""
+        attn, cache = self.attn.forward_cached(self.norm1(x), cache, start_pos)
+        x = x + attn
+        return x + self.mlp(self.norm2(x)), cache
 
 
 def checkpoint(fn, tracker: RNGTracker, *args):
@@ -254,6 +302,33 @@ class GPT(nn.Module):
         per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
         count = (targets != -100).sum().clamp(min=1)
         return per_token.float().sum() / count
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor, cache: list, start_pos: int) -> torch.Tensor:
+        """Incremental decoding (generation; eval mode, no sequence parallelism): tokens [b, s]
+        at positions start_pos..start_pos + s - 1 -> this rank's logits [b, s, V / t] for those
+        positions, as forward on the whole sequence gives them. `cache` is a list, empty at
+        start_pos 0, that holds each block's keys and values; it is updated in place."""
+        if self.sequence_parallel:
+            raise RuntimeError("forward_cached runs with parallel.sequence_parallel false")
+        s = tokens.shape[1]
+        if start_pos + s > self.cfg.model.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + s} > max_seq_len")
+        x = self.tok_emb(tokens)  # [b, s, h]
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start_pos, start_pos + s, device=tokens.device))
+        for index, block in enumerate(self.blocks):
+            x, kv = block.forward_cached(x, cache[index] if index < len(cache) else None, start_pos)
+            if index < len(cache):
+                cache[index] = kv
+            else:
+                cache.append(kv)
+        x = self.norm_f(x)
+        weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, weight)
+        if self.has_padding:
+            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
+        return logits  # [b, s, V/t]
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from megatronish import comm
 from megatronish.checkpoint import training as checkpoints
-from megatronish.config import Config, Derived, derive
-from megatronish.data import BatchLoader, dataset_vocab_size, resolve_dataset
+from megatronish.config import Config, Derived, check_dataset_vocab, derive
+from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
 from megatronish.errors import UserError
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
@@ -52,10 +52,11 @@ def setup(cfg: Config) -> Setup:
         )
     dataset_dir = resolve_dataset(cfg.data.path)
     data_vocab = dataset_vocab_size(dataset_dir)
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < data_vocab:
+    check_dataset_vocab(cfg, data_vocab, dataset_dir)
+    if cfg.train.eval_every > 0 and read_metadata(dataset_dir)["val_docs"] == 0:
         raise UserError(
-            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the vocabulary of the "
-            f"dataset {dataset_dir} ({data_vocab}); set at least {data_vocab}, or leave it unset"
+            f"train.eval_every: the dataset {dataset_dir} has no validation documents; prepare "
+            "it with --val-fraction > 0 (and more than one document) or set train.eval_every=0"
         )
     derived = derive(cfg, world, vocab_size=data_vocab)
     ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s)
@@ -95,6 +96,8 @@ def mean_over_dp(value: torch.Tensor, ps: ParallelState) -> float:
 class Trainer:
     def __init__(self, s: Setup):
         self.s, self.cfg, self.ps = s, s.cfg, s.ps
+        # The default stream (dropout on replicated activations) is the same on every rank.
+        torch.manual_seed(s.cfg.train.seed)
         self.model = GPT(s.cfg, s.derived, s.ps)
         self.optimizer = Optimizer(self.model, s.cfg, s.ps)
         self.loader = make_loader(s, "train")

@@ -1,0 +1,84 @@
+"""`megatronish convert`: rewrites a checkpoint at another tensor-parallel degree, in one
+process, on the tensors (no process group): model and optimizer state re-sharded, the vocab
+re-padded for the new tp, RNG states mapped as a resume at the new layout would map them."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from megatronish.checkpoint.format import (
+    TOKENIZER_FILE,
+    model_file,
+    optim_file,
+    rng_file,
+    step_dir_name,
+)
+from megatronish.checkpoint.load import rng_states_for
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize, write_safetensors
+from megatronish.config import derive
+from megatronish.errors import UserError
+
+
+def convert_checkpoint(source: str, tp: int, output: str) -> Path:
+    """Writes checkpoint `source` (saved at any tp, dp and ZeRO setting) as a checkpoint
+    directory `output` at tp ranks and dp 1, and returns its step directory. Resuming from it
+    at tp continues exactly as resuming from the source would."""
+    ckpt = Checkpoint(source)
+    out = Path(output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--output {out}: exists and is not empty; choose a new directory")
+    if tp < 1:
+        raise UserError(f"--tp {tp}: must be a positive integer")
+    cfg = copy.deepcopy(ckpt.config)
+    cfg.parallel.tp, cfg.parallel.dp = tp, None
+    try:
+        derived = derive(cfg, tp, vocab_size=ckpt.vocab_size)
+    except UserError as exc:
+        raise UserError(f"--tp {tp}: {exc}") from None
+    specs = {
+        name: spec
+        if spec.valid_rows is None
+        else replace(spec, full_shape=(derived.padded_vocab_size,) + spec.full_shape[1:])
+        for name, spec in ckpt.specs.items()
+    }
+    has_optimizer = ckpt.meta.get("optimizer") is not None
+    tmp = out / f"{step_dir_name(ckpt.step)}.tmp-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    try:
+        for tp_rank in range(tp):
+            mine = [n for n, s in specs.items() if s.split_dim is not None or tp_rank == 0]
+            write_safetensors(
+                tmp / model_file(tp_rank),
+                {n: ckpt.block(n, "param", specs[n], tp, tp_rank) for n in mine},
+            )
+            state = {}
+            for name in (n for n in mine if has_optimizer and ckpt.has_optimizer_state(n)):
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    state[f"{name}.{kind}"] = ckpt.block(name, kind, specs[name], tp, tp_rank)
+                state[f"{name}.step"] = ckpt.scalar(name, "step")
+            if state:
+                write_safetensors(tmp / optim_file(tp_rank, 0), state)
+            rng = rng_states_for(ckpt, tp, 1, tp_rank)
+            if rng is not None:
+                write_safetensors(tmp / rng_file(tp_rank), rng)
+        info = ckpt.meta.get("tokenizer")
+        tokenizer = None
+        if info is not None:
+            path = ckpt.dir / TOKENIZER_FILE
+            tokenizer = TokenizerInfo(
+                info["kind"], info["eot_id"], path if path.is_file() else None
+            )
+        layout = {"tp": tp, "dp": 1, "zero": 0, "world_size": tp}
+        meta = base_metadata(
+            ckpt.step, layout, specs, ckpt.vocab_size, derived.padded_vocab_size,
+            cfg.model.arch, has_optimizer, ckpt.loader_state, tokenizer,
+        )  # fmt: skip
+        return finalize(out, tmp, meta, cfg, tokenizer, keep=0)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

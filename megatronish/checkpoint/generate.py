@@ -1,0 +1,190 @@
+"""`megatronish generate`: sampling from a checkpoint with a KV cache (GPT.forward_cached).
+
+In one process the checkpoint is re-sharded to tp 1; under torchrun each of the WORLD_SIZE
+ranks holds its tp shard, the logits are all-gathered over the vocab, every rank samples with
+the same seeded generator and rank 0's token is broadcast, so all ranks feed the same token.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatronish import comm
+from megatronish.checkpoint.load import build_model, inference_config
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.config import derive
+from megatronish.errors import UserError
+from megatronish.layers import mappings
+from megatronish.parallel import (
+    ParallelState,
+    default_device,
+    init_distributed,
+    world_size_from_env,
+)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0: greedy (argmax). Otherwise softmax(logits / temperature), restricted to
+    the top_k most likely tokens (0: all) and to the smallest set whose probability reaches
+    top_p (nucleus; 1: all)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def check(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"--temperature {self.temperature}: must be >= 0 (0: greedy)")
+        if self.top_k < 0:
+            raise UserError(f"--top-k {self.top_k}: must be >= 0 (0: no limit)")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p {self.top_p}: must be in (0, 1]")
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """A token id drawn from logits [V] (on the CPU) as `sampling` says."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        ordered, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        outside = probs.cumsum(-1) - probs >= sampling.top_p  # keeps at least the first
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            0, order, ordered.masked_fill(outside, float("-inf"))
+        )
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class StreamDecoder:
+    """Text of a growing token sequence in printable pieces. Byte tokenizer: an incremental
+    UTF-8 decoder, so a multi-byte character comes out once all its bytes have. Others: the
+    whole sequence is decoded and the new text emitted, held back while it ends in U+FFFD
+    (an incomplete character)."""
+
+    def __init__(self, tokenizer):
+        from megatronish.data import ByteTokenizer
+
+        self.tokenizer = tokenizer
+        self.is_bytes = isinstance(tokenizer, ByteTokenizer)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, token: int) -> str:
+        if self.is_bytes:
+            return self._utf8.decode(bytes([token]))
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.emitted = text[self.emitted :], len(text)
+        return piece
+
+    def flush(self) -> str:
+        if self.is_bytes:
+            return self._utf8.decode(b"", final=True)
+        text = self.tokenizer.decode(self.ids)
+        piece, self.emitted = text[self.emitted :], len(text)
+        return piece
+
+
+class Generation:
+    """Iterating yields the new token ids (the end-of-text token ends it and is not yielded);
+    afterwards stop_reason is "eot", "max_new_tokens" or "max_seq_len"."""
+
+    def __init__(
+        self, model, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int,
+        eot_id: int | None, vocab_size: int,
+    ):  # fmt: skip
+        self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
+        self.sampling, self.seed, self.eot_id, self.vocab_size = sampling, seed, eot_id, vocab_size
+        self.stop_reason: str | None = None
+
+    def _agree(self, token: int) -> int:
+        value = torch.tensor([token], dtype=torch.int64, device=self.model.ps.device)
+        comm.broadcast(value, 0, None)
+        return int(value.item())
+
+    @torch.no_grad()
+    def __iter__(self) -> Iterator[int]:
+        model, ps = self.model, self.model.ps
+        max_len = model.cfg.model.max_seq_len
+        generator = torch.Generator().manual_seed(self.seed)
+        cache: list = []
+        prompt = torch.tensor([self.prompt_ids], dtype=torch.int64, device=ps.device)
+        logits = model.forward_cached(prompt, cache, 0)[:, -1]  # [1, V / t]
+        pos = len(self.prompt_ids)  # the position of the token sampled next
+        for produced in range(self.max_new_tokens):
+            if pos >= max_len:
+                self.stop_reason = "max_seq_len"
+                return
+            full = mappings.gather_from_tensor_parallel_region(logits, ps.tp_group)  # [1, V]
+            token = next_token(full[0, : self.vocab_size].float().cpu(), self.sampling, generator)
+            token = self._agree(token)
+            if token == self.eot_id:
+                self.stop_reason = "eot"
+                return
+            yield token
+            pos += 1
+            if produced + 1 < self.max_new_tokens and pos < max_len:
+                step = torch.tensor([[token]], dtype=torch.int64, device=ps.device)
+                logits = model.forward_cached(step, cache, pos - 1)[:, -1]
+        self.stop_reason = "max_new_tokens"
+
+
+def generate_text(
+    checkpoint: str | os.PathLike[str],
+    prompt: str,
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+    write: Callable[[str], None],
+) -> str:
+    """Streams the continuation of `prompt` through write() (rank 0 only) and returns the stop
+    reason. Runs at tp = WORLD_SIZE under torchrun, else in this process at tp 1."""
+    sampling.check()
+    if max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: must be >= 0")
+    ckpt = Checkpoint(checkpoint)
+    tokenizer = ckpt.tokenizer()
+    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    max_len = ckpt.config.model.max_seq_len
+    if len(ids) >= max_len:
+        raise UserError(
+            f"--prompt: {len(ids)} tokens, but the model's max_seq_len is {max_len}; use a "
+            "shorter prompt"
+        )
+    world = world_size_from_env()
+    if world > 1:
+        cfg = inference_config(ckpt.config, ckpt.vocab_size, world)
+        derive(cfg, world, vocab_size=ckpt.vocab_size)  # a tp that does not fit fails here
+        ps = init_distributed(world, 1, cfg.parallel.timeout_s)
+    else:
+        ps = ParallelState.single(default_device())
+    try:
+        model = build_model(ckpt, ps)
+        decoder = StreamDecoder(tokenizer)
+        generation = Generation(
+            model, ids, max_new_tokens, sampling, seed, tokenizer.eot_id, ckpt.vocab_size
+        )
+        for token in generation:
+            if ps.is_main:
+                write(decoder.push(token))
+        if ps.is_main:
+            write(decoder.flush())
+        return generation.stop_reason or "max_new_tokens"
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,136 @@
+"""Loading a checkpoint into a model (at any tp), an optimizer (any dp, ZeRO or not) and the
+RNGs; `load_model`, a checkpoint's model in one process."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from megatronish.checkpoint.format import model_specs
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.config import Config, derive
+from megatronish.parallel import ParallelState
+
+
+@torch.no_grad()
+def restore_model(source, model: nn.Module) -> None:
+    """Copies every parameter's block for this rank (model.derived.tp, model.ps.tp_rank) from a
+    Checkpoint or FullTensors, after checking that the saved shapes fit the model."""
+    wanted = model_specs(model)
+    source.check_compatible(wanted)
+    tp, tp_rank = model.derived.tp, model.ps.tp_rank
+    for name, param in model.named_parameters():
+        param.copy_(source.block(name, "param", wanted[name], tp, tp_rank))
+
+
+def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
+    """Loads the AdamW state of the parameters this rank's optimizer holds (under ZeRO-1 only
+    the owned ones), re-sharded for the model's tp rank. Parameters without saved state start
+    fresh; a checkpoint without optimizer state (e.g. imported) leaves the optimizer as is."""
+    if ckpt.meta.get("optimizer") is None:
+        return
+    wanted = model_specs(model)
+    names = {id(param): name for name, param in model.named_parameters()}
+    tp, tp_rank = model.derived.tp, model.ps.tp_rank
+    state_dict = optimizer.inner.state_dict()
+    state = {}
+    for group, saved_group in zip(optimizer.inner.param_groups, state_dict["param_groups"]):
+        for param, index in zip(group["params"], saved_group["params"]):
+            name = names[id(param)]
+            if not ckpt.has_optimizer_state(name):
+                continue
+            state[index] = {
+                "step": ckpt.scalar(name, "step").to(torch.float32),
+                "exp_avg": ckpt.block(name, "exp_avg", wanted[name], tp, tp_rank),
+                "exp_avg_sq": ckpt.block(name, "exp_avg_sq", wanted[name], tp, tp_rank),
+            }
+    state_dict["state"] = state
+    optimizer.inner.load_state_dict(state_dict)
+
+
+def rng_states_for(ckpt: Checkpoint, tp: int, dp: int, rank: int) -> dict[str, torch.Tensor] | None:
+    """Global rank `rank`'s RNG states for a run at (tp, dp). At the saved layout, its own saved
+    states (an exact resume). At another layout, the default streams of saved rank 0 (they are
+    the same on every rank) and the tracker streams of the saved rank with the same tp rank at
+    dp rank 0, if there is one (dropout inside tp regions draws other masks at another tp)."""
+    if (tp, dp) == (ckpt.tp, ckpt.dp):
+        return ckpt.rng_states(rank)
+    base = ckpt.rng_states(0)
+    if base is None:
+        return None
+    states = {k: v for k, v in base.items() if not k.startswith("tracker.")}
+    tp_rank = rank % tp
+    same_tp_rank = ckpt.rng_states(tp_rank) if tp_rank < ckpt.tp else None
+    if same_tp_rank is not None:
+        states.update({k: v for k, v in same_tp_rank.items() if k.startswith("tracker.")})
+    return states
+
+
+def restore_rng(ckpt: Checkpoint, model: nn.Module, ps: ParallelState) -> None:
+    """Sets this rank's CPU (and CUDA) generator and the model's tracker from the checkpoint;
+    states saved on another device type are skipped (their sizes differ)."""
+    states = rng_states_for(ckpt, ps.tp, ps.dp, ps.rank)
+    if states is None:
+        return
+    saved_on_cuda = "cuda" in states
+    torch.set_rng_state(states["cpu"])
+    if ps.device.type == "cuda" and saved_on_cuda:
+        torch.cuda.set_rng_state(states["cuda"], ps.device)
+    tracker = {k.removeprefix("tracker."): v for k, v in states.items() if k.startswith("tracker.")}
+    if tracker and saved_on_cuda == (ps.device.type == "cuda"):
+        model.tracker.set_states(tracker)
+
+
+def inference_config(cfg: Config, vocab_size: int, tp: int) -> Config:
+    """A copy of a checkpoint's config for inference at tp ranks (dp 1): no sequence
+    parallelism, no activation checkpointing, the saved vocab size."""
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp = tp, None, 1
+    cfg.parallel.sequence_parallel = False
+    cfg.train.activation_checkpointing = "none"
+    cfg.model.vocab_size = vocab_size
+    return cfg
+
+
+def build_model(ckpt: Checkpoint, ps: ParallelState, cfg: Config | None = None):
+    """A GPT holding the checkpoint's weights at ps's tp degree, in eval mode. cfg defaults to
+    the checkpoint's own config."""
+    from megatronish.model import GPT
+
+    cfg = inference_config(cfg if cfg is not None else ckpt.config, ckpt.vocab_size, ps.tp)
+    derived = derive(cfg, ps.tp, vocab_size=ckpt.vocab_size)
+    model = GPT(cfg, derived, ps)
+    restore_model(ckpt, model)
+    return model.eval()
+
+
+class CheckpointModel(nn.Module):
+    """A checkpoint's GPT at tp = 1 whose forward returns logits over the real vocabulary:
+    tokens [b, s] int64 -> logits [b, s, vocab_size] (the padding columns sliced off)."""
+
+    def __init__(self, gpt: nn.Module, vocab_size: int, step: int, path: str):
+        super().__init__()
+        self.gpt, self.vocab_size, self.step, self.path = gpt, vocab_size, step, path
+
+    @property
+    def config(self) -> Config:
+        return self.gpt.cfg
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt(tokens)[..., : self.vocab_size]
+
+
+def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> CheckpointModel:
+    """The model of a checkpoint (a step directory, or a checkpoint.dir whose newest complete
+    checkpoint is taken), saved at any layout, in eval mode, in this one process (it must not
+    be one rank of a larger initialized process group)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("load_model runs in one process; this one is a rank of a process group")
+    ckpt = Checkpoint(path)
+    model = build_model(ckpt, ParallelState.single(device))
+    return CheckpointModel(model, ckpt.vocab_size, ckpt.step, str(ckpt.dir))

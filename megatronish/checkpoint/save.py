@@ -1,0 +1,274 @@
+"""Saving a checkpoint, atomically, from every rank of a run.
+
+Protocol (each step ends with an agreement: an all-reduce of a failure flag, so a rank that
+fails makes every rank raise instead of leaving the others waiting in a barrier):
+  1. rank 0 creates <dir>/step_NNNNNN.tmp-<pid of rank 0> (the pid is broadcast);
+  2. every rank writes its files there and fsyncs them: dp rank 0 of each tp rank its model
+     shard; the ranks that hold optimizer state their optim shard (dp rank 0 without ZeRO,
+     every dp rank with ZeRO-1); every rank its RNG states;
+  3. rank 0 writes config.yaml, the tokenizer and metadata.json (which lists every file with
+     its size), fsyncs, renames the directory to step_NNNNNN, replaces `latest` atomically,
+     then deletes checkpoints beyond checkpoint.keep and leftovers of interrupted saves.
+A crash at any point leaves `latest` naming the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from safetensors.torch import save_file
+
+from megatronish import comm
+from megatronish.checkpoint.format import (
+    CONFIG_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    TOKENIZER_FILE,
+    TensorSpec,
+    complete_steps,
+    describe_file,
+    fsync_path,
+    metadata_json,
+    model_file,
+    model_specs,
+    optim_file,
+    rng_file,
+    step_dir_name,
+    write_text_atomic,
+)
+from megatronish.config import Config, Derived
+from megatronish.parallel import ParallelState
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The tokenizer to record: kind (byte, bpe, file), end-of-text id, tokenizer.json or None."""
+
+    kind: str
+    eot_id: int
+    file: Path | None = None
+
+
+def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo:
+    from megatronish.data import read_metadata
+
+    meta = read_metadata(dataset_dir)
+    path = Path(dataset_dir) / TOKENIZER_FILE
+    return TokenizerInfo(
+        meta["tokenizer"]["kind"], meta["eot_id"], path if path.is_file() else None
+    )
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One shard file, flushed to disk."""
+    cpu = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
+    save_file(cpu, str(path), metadata={"format": "pt", "writer": FORMAT})
+    fsync_path(path)
+
+
+def optimizer_tensors(model, optimizer, include_replicated: bool) -> dict[str, torch.Tensor]:
+    """This rank's AdamW state as '<param>.exp_avg', '.exp_avg_sq' and '.step' tensors."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for param, state in optimizer.inner.state.items():
+        if not state or (param.tp_split_dim is None and not include_replicated):
+            continue
+        name = names[id(param)]
+        out[f"{name}.exp_avg"] = state["exp_avg"]
+        out[f"{name}.exp_avg_sq"] = state["exp_avg_sq"]
+        out[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
+    return out
+
+
+def rng_tensors(model, ps: ParallelState) -> dict[str, torch.Tensor]:
+    """This rank's default CPU (and CUDA) generator states and the model's tracker streams."""
+    out = {"cpu": torch.get_rng_state()}
+    if ps.device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(ps.device)
+    for name, state in model.tracker.get_states().items():
+        out[f"tracker.{name}"] = state.cpu()
+    return out
+
+
+def rank_files(model, optimizer, ps: ParallelState) -> dict[str, dict[str, torch.Tensor]]:
+    """The files this rank writes, each as its tensors (replicated ones only on tp rank 0)."""
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    if ps.dp_rank == 0:
+        files[model_file(ps.tp_rank)] = {
+            name: param
+            for name, param in model.named_parameters()
+            if param.tp_split_dim is not None or ps.tp_rank == 0
+        }
+    if optimizer is not None and (optimizer.zero or ps.dp_rank == 0):
+        state = optimizer_tensors(model, optimizer, include_replicated=ps.tp_rank == 0)
+        if state:
+            files[optim_file(ps.tp_rank, ps.dp_rank)] = state
+    files[rng_file(ps.rank)] = rng_tensors(model, ps)
+    return files
+
+
+def base_metadata(
+    step: int,
+    layout: dict[str, int],
+    specs: dict[str, TensorSpec],
+    vocab_size: int,
+    padded_vocab_size: int,
+    arch: str,
+    has_optimizer: bool,
+    loader_state: dict | None,
+    tokenizer: TokenizerInfo | None,
+) -> dict[str, Any]:
+    """metadata.json's content, less the file list that finalize() adds."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        writer = f"megatronish {version('megatronish')}"
+    except PackageNotFoundError:
+        writer = "megatronish"
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "layout": layout,
+        "arch": arch,
+        "vocab_size": vocab_size,
+        "padded_vocab_size": padded_vocab_size,
+        "tensors": specs,
+        "optimizer": {"kind": "adamw"} if has_optimizer else None,
+        "loader": loader_state,
+        "tokenizer": None
+        if tokenizer is None
+        else {
+            "kind": tokenizer.kind,
+            "eot_id": tokenizer.eot_id,
+            "file": TOKENIZER_FILE if tokenizer.file is not None else None,
+        },
+        "created_by": writer,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def finalize(
+    directory: Path,
+    tmp: Path,
+    meta: dict[str, Any],
+    cfg: Config,
+    tokenizer: TokenizerInfo | None,
+    keep: int,
+) -> Path:
+    """Step 3 of the protocol (one process): returns the step directory."""
+    meta = dict(meta, files={})
+    for child in sorted(tmp.iterdir()):
+        described = describe_file(child.name)
+        if described is not None:
+            meta["files"][child.name] = dict(described, bytes=child.stat().st_size)
+    if tokenizer is not None and tokenizer.file is not None:
+        shutil.copyfile(tokenizer.file, tmp / TOKENIZER_FILE)
+        fsync_path(tmp / TOKENIZER_FILE)
+    for name, text in (
+        (CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False)),
+        (METADATA_FILE, metadata_json(meta)),
+    ):
+        with open(tmp / name, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    fsync_path(tmp)
+    final = directory / step_dir_name(meta["step"])
+    aside = None
+    if final.exists():  # the same step saved before (a run resumed from an older checkpoint)
+        aside = directory / f"{final.name}.old-{os.getpid()}"
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_path(directory)
+    write_text_atomic(directory / LATEST_FILE, final.name + "\n")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    prune(directory, keep, final)
+    return final
+
+
+def prune(directory: Path, keep: int, current: Path) -> None:
+    """Deletes all but the `keep` newest complete checkpoints (0: keeps all; never `current`),
+    and the temporary directories of interrupted saves."""
+    if keep > 0:
+        for old in complete_steps(directory)[:-keep]:
+            if old != current:
+                shutil.rmtree(old, ignore_errors=True)
+    for child in directory.iterdir():
+        if child.name.startswith("step_") and ".tmp-" in child.name and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _agree(error: BaseException | None, ps: ParallelState, what: str) -> None:
+    """Raises on every rank if any rank failed (this rank's own exception where it failed)."""
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=ps.device)
+    comm.all_reduce(failed, None, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if int(failed.item()):
+        raise RuntimeError(f"checkpoint save failed on another rank (while it tried to {what})")
+
+
+def save_checkpoint(
+    directory: str | Path,
+    step: int,
+    *,
+    cfg: Config,
+    derived: Derived,
+    ps: ParallelState,
+    model,
+    optimizer=None,
+    loader_state: dict | None = None,
+    tokenizer: TokenizerInfo | None = None,
+    keep: int = 0,
+) -> Path:
+    """Saves the model (and the optimizer, the loader position, every rank's RNG) as
+    <directory>/step_<step>; every rank of the run calls it. Returns the step directory."""
+    directory = Path(directory)
+    token = torch.tensor([os.getpid()], dtype=torch.int64, device=ps.device)
+    comm.broadcast(token, 0, None)
+    tmp = directory / f"{step_dir_name(step)}.tmp-{int(token.item())}"
+    error: BaseException | None = None
+    if ps.is_main:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            error = exc
+    _agree(error, ps, f"create {tmp}")
+    try:
+        for name, tensors in rank_files(model, optimizer, ps).items():
+            write_safetensors(tmp / name, tensors)
+    except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
+        error = exc
+    _agree(error, ps, f"write its files into {tmp}")
+    if ps.is_main:
+        layout = {
+            "tp": derived.tp,
+            "dp": derived.dp,
+            "zero": int(bool(optimizer is not None and optimizer.zero)),
+            "world_size": ps.world_size,
+        }
+        meta = base_metadata(
+            step, layout, model_specs(model), derived.vocab_size, derived.padded_vocab_size,
+            cfg.model.arch, optimizer is not None, loader_state, tokenizer,
+        )  # fmt: skip
+        try:
+            finalize(directory, tmp, meta, cfg, tokenizer, keep)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    _agree(error, ps, "finish the save")
+    return directory / step_dir_name(step)

@@ -1,0 +1,132 @@
+"""Hugging Face export and import: transformers loads an exported checkpoint with no custom code
+and computes the same logits; importing it back gives the same model; training can start from
+an HF directory's weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from megatronish import load_model
+from megatronish.checkpoint.hf import export_hf, import_hf
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.checkpoint.save import tokenizer_of_dataset
+from megatronish.cli import cli
+from megatronish.data import dataset_vocab_size, load_tokenizer
+from megatronish.errors import UserError
+from megatronish.trainer import Trainer, setup
+from tests.test_checkpoint_helpers import (
+    VOCAB,
+    prepare_small_dataset,
+    save_single,
+    tiny_cfg,
+    tokens,
+)
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "gpt2": (),  # tied embeddings, biases, learned positions
+    "llama": ("model.rope_theta=5000", "model.norm_eps=1e-6"),  # GQA 4/2 heads, untied
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def exported(request, tmp_path_factory):
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"hf-{arch}")
+    step_dir, _ = save_single(root / "ckpt", tiny_cfg(arch, *CONFIGS[arch]))
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            "--checkpoint",
+            str(root / "ckpt"),
+            "--format",
+            "hf",
+            "--output",
+            str(root / "hf"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "no tokenizer written" in result.output  # the tiny model is byte-level
+    return arch, step_dir, root / "hf"
+
+
+def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
+    arch, step_dir, hf_dir = exported
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["vocab_size"] == VOCAB and config["model_type"] == arch
+    cls = transformers.GPT2LMHeadModel if arch == "gpt2" else transformers.LlamaForCausalLM
+    hf_model = cls.from_pretrained(hf_dir).eval()
+    assert hf_model.dtype == torch.float32
+    if arch == "llama":
+        assert hf_model.config.num_key_value_heads == 2 and not hf_model.config.tie_word_embeddings
+    with torch.no_grad():
+        theirs = hf_model(tokens(2, 30)).logits
+        ours = load_model(step_dir)(tokens(2, 30))
+    assert theirs.shape == ours.shape == (2, 30, VOCAB)
+    assert (theirs - ours).abs().max() < 1e-4
+
+
+def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):
+    arch, step_dir, hf_dir = exported
+    result = CliRunner().invoke(
+        cli, ["import", "--hf", str(hf_dir), "--output", str(tmp_path / "back")]
+    )
+    assert result.exit_code == 0, result.output
+    back, original = load_model(tmp_path / "back"), load_model(step_dir)
+    assert back.step == 0 and back.config.model.arch == arch
+    for (name, a), b in zip(original.gpt.named_parameters(), back.gpt.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_training_can_start_from_an_hf_directory(exported, tmp_path):
+    arch, step_dir, hf_dir = exported
+    data = prepare_small_dataset(tmp_path / "data")
+    cfg = tiny_cfg(arch, *CONFIGS[arch], f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}")
+    cfg.run.out_dir = str(tmp_path / "run")
+    trainer = Trainer(setup(cfg))
+    assert trainer.resumed_from is None and trainer.step == 0
+    for (name, want), got in zip(
+        load_model(step_dir).gpt.named_parameters(), trainer.model.parameters()
+    ):
+        assert torch.equal(got, want), name
+    wrong = tiny_cfg(
+        arch, "model.n_head=2", f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}"
+    )
+    with pytest.raises(UserError, match=r"config.json: the model has n_head 4, this config 2"):
+        Trainer(setup(wrong))
+
+
+def test_import_refuses_what_it_cannot_run(tmp_path):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(UserError, match="model_type 'bert'"):
+        import_hf(str(hf_dir), str(tmp_path / "out"))
+    with pytest.raises(UserError, match="checkpoint does not exist"):
+        export_hf(str(tmp_path / "none"), str(tmp_path / "out"))
+
+
+def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):
+    data = prepare_small_dataset(tmp_path / "data", tokenizer="bpe", vocab_size=300)
+    vocab = dataset_vocab_size(data)
+    cfg = tiny_cfg("gpt2", f"model.vocab_size={vocab}")
+    save_single(tmp_path / "ckpt", cfg, tokenizer=tokenizer_of_dataset(data))
+    lines = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert "tokenizer: tokenizer.json (end of text '<|endoftext|>')" in lines
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = load_tokenizer(data)
+    text = 'def f(x):\n    return {"a": x}\n'
+    assert theirs.encode(text) == ours.encode(text) and theirs.eos_token == "<|endoftext|>"
+    assert (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.vocab_size
+        == vocab
+    )
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    back = Checkpoint(tmp_path / "back").tokenizer()
+    assert back.encode(text) == ours.encode(text) and back.eot_id == ours.eot_id
