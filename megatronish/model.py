@@ -30,6 +30,7 @@ from megatronish.layers.linear import (
     RowParallelLinear,
     column_parallel_linear,
     mark_parallel,
+    to_autocast_dtype,
 )
 from megatronish.ops import reference
 from megatronish.parallel import ParallelState, RNGTracker
@@ -92,14 +93,19 @@ class Attention(nn.Module):
                 )
         return ops.attention(q, k, v, causal=True, backend=self.backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def split_heads(self, x: torch.Tensor):
+        """x [b, s, h] -> q [b, n/t, s, d], k and v [b, k/t, s, d] of this rank's heads."""
         qkv = self.qkv(x)  # [b, s, (n + 2k) / t * d]
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.local_heads, self.head_dim)
-        q = q.transpose(1, 2)  # [b, n/t, s, d]
-        k = qkv[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, k/t, s, d]
-        v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
+        k = qkv[:, :, :, self.heads_per_group]
+        v = qkv[:, :, :, self.heads_per_group + 1]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split_heads(x)
+        b, s = q.shape[0], q.shape[2]
         if self.selective_checkpoint and self.training:
             y = checkpoint(self.core, self.tracker, q, k, v)
         else:
@@ -113,15 +119,11 @@ class Attention(nn.Module):
         """Attention for incremental decoding: x [b, s, h] at positions start_pos.., cache the
         (k, v) [b, k/t, start_pos, d] of the earlier positions (None at 0) -> (output [b, s, h],
         the cache extended by these positions). RoPE rotates by the absolute positions."""
-        qkv = self.qkv(x)  # [b, s, (n + 2k) / t * d]
-        b, s, _ = qkv.shape
-        qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.local_heads, self.head_dim)
-        q = q.transpose(1, 2)  # [b, n/t, s, d]
-        k = qkv[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, k/t, s, d]
-        v = qkv[:, :, :, self.heads_per_group + 1].transpose(1, 2)
+        q, k, v = self.split_heads(x)
+        b, s = q.shape[0], q.shape[2]
         if self.is_llama:
-            q, k = rope_at(q, self.rope_theta, start_pos), rope_at(k, self.rope_theta, start_pos)
+            q = reference.rope(q, self.rope_theta, start_pos)
+            k = reference.rope(k, self.rope_theta, start_pos)
         if cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         keys, values = k, v  # [b, k/t, start_pos + s, d]
@@ -135,16 +137,6 @@ class Attention(nn.Module):
         )
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
         return self.proj(y), (k, v)
-
-
-def rope_at(x: torch.Tensor, theta: float, start_pos: int) -> torch.Tensor:
-    """ops.rope's rotation (torch reference) of x [b, n, s, d] at positions start_pos..."""
-    seq_len, head_dim = x.shape[-2], x.shape[-1]
-    cos, sin = reference.rope_cos_sin(start_pos + seq_len, head_dim, theta, x.device)
-    cos, sin = cos[start_pos:], sin[start_pos:]
-    x32 = x.float()
-    x1, x2 = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -167,6 +159,7 @@ class MLP(nn.Module):
             # gate and up read the same input: one f (or one sequence all-gather) for both, so
             # backward all-reduces their summed input gradient once, as a fused fc1 would.
             group = self.gate.tp_group
+            x = to_autocast_dtype(x)
             if self.gate.sequence_parallel:
                 x = mappings.gather_from_sequence_parallel_region(x, group)  # [b, s, h]
             else:
@@ -284,17 +277,16 @@ class GPT(nn.Module):
                 x = checkpoint(block, self.tracker, x)
             else:
                 x = block(x)
-        x = self.norm_f(x)
+        return self.logits(self.norm_f(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer, column-parallel over the vocab: x [b, s, h] (or [b, s/t, h] with
+        sequence parallelism) -> this rank's logits [b, s, V/t], padding ids at -inf."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-        if not self.sequence_parallel:
-            # f: the input is replicated; its gradient is summed over the tp ranks.
-            x = mappings.copy_to_tensor_parallel_region(x, self.ps.tp_group)
-            logits = F.linear(x, weight)
-        else:
-            logits = column_parallel_linear(x, weight, None, self.ps.tp_group, True)
+        logits = column_parallel_linear(x, weight, None, self.ps.tp_group, self.sequence_parallel)
         if self.has_padding:
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
-        return logits  # [b, s, V/t]
+        return logits
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the tokens whose target is not -100."""
@@ -323,12 +315,7 @@ class GPT(nn.Module):
                 cache[index] = kv
             else:
                 cache.append(kv)
-        x = self.norm_f(x)
-        weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, weight)
-        if self.has_padding:
-            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
-        return logits  # [b, s, V/t]
+        return self.logits(self.norm_f(x))
 
 
 def _param_seed(seed: int, name: str) -> int:

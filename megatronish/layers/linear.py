@@ -91,6 +91,15 @@ class _ColumnLinear(torch.autograd.Function):
         return grad_in, grad_weight, grad_bias, None, None
 
 
+def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype when autocast is on for its device (else x): cast before a
+    collective, so activations and their gradients cross the wire in bf16, not fp32."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -102,7 +111,7 @@ def column_parallel_linear(
     weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group."""
     if comm.group_size(group) == 1:
         return F.linear(x, weight, bias)
-    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel)
+    return _ColumnLinear.apply(to_autocast_dtype(x), weight, bias, group, sequence_parallel)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -50,10 +50,12 @@ def rope_cos_sin(
     return angles.cos(), angles.sin()
 
 
-def rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding of x [b, n, s, d], rotate-half pairing (dim i with dim i + d/2)."""
+def rope(x: torch.Tensor, theta: float = 10000.0, start_pos: int = 0) -> torch.Tensor:
+    """Rotary embedding of x [b, n, s, d] at positions start_pos.., rotate-half pairing (dim i
+    with dim i + d/2)."""
     seq_len, head_dim = x.shape[-2], x.shape[-1]
-    cos, sin = rope_cos_sin(seq_len, head_dim, theta, x.device)
+    cos, sin = rope_cos_sin(start_pos + seq_len, head_dim, theta, x.device)
+    cos, sin = cos[start_pos:], sin[start_pos:]
     x32 = x.float()
     x1, x2 = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
