@@ -7,43 +7,26 @@ bf16 checks need CUDA and are marked `cuda`. Cross entropy has its own module.
 
 from __future__ import annotations
 
+import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-import megatronish_kernels as kernels  # noqa: E402  (defined now: interpreted on CPU)
-
-# The kernels are defined; give the rest of the session (other modules, CLI subprocesses) its
-# own environment back. ops reads the variable at call time: the fixture below sets it per test.
-_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if _ENV_BEFORE is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
-
-import math  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-from megatronish import ops  # noqa: E402
-from megatronish.ops import reference  # noqa: E402
+from megatronish import ops
+from megatronish.ops import reference
+from tests.kernel_env import INTERPRET as _INTERPRET
+from tests.kernel_env import (
+    interpreter_env,  # noqa: F401 (autouse fixture)
+    kernels,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch):
-    """TRITON_INTERPRET as it was when the kernels were defined, for ops.resolve_backend."""
-    if _INTERPRET is not None:
-        monkeypatch.setenv("TRITON_INTERPRET", _INTERPRET)
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):

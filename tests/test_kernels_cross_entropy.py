@@ -7,39 +7,20 @@ interpreter (set before they are imported).
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-_ENV_BEFORE = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-import megatronish_kernels as kernels  # noqa: E402  (defined now: interpreted on CPU)
-
-# The kernels are defined; give the rest of the session (other modules, CLI subprocesses) its
-# own environment back. ops reads the variable at call time: the fixture below sets it per test.
-_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if _ENV_BEFORE is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _ENV_BEFORE
-
-import pytest  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from megatronish import ops  # noqa: E402
-from megatronish.comm import CommCounter  # noqa: E402
-from tests.distributed import run_on_ranks  # noqa: E402
+from megatronish import ops
+from megatronish.comm import CommCounter
+from tests.distributed import run_on_ranks
+from tests.kernel_env import (
+    interpreter_env,  # noqa: F401 (autouse fixture)
+    kernels,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(monkeypatch):
-    """TRITON_INTERPRET as it was when the kernels were defined, for ops.resolve_backend."""
-    if _INTERPRET is not None:
-        monkeypatch.setenv("TRITON_INTERPRET", _INTERPRET)
 
 
 def make_problem(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,39 @@
+"""megatronish_kernels imported the way the kernel tests need it.
+
+Triton reads TRITON_INTERPRET when a kernel is defined, so on a machine without CUDA the
+variable is set while the kernels are imported (they then run under Triton's interpreter) and
+put back afterwards, so other test modules and CLI subprocesses keep their own environment.
+`interpreter_env` (an autouse fixture in the kernel test modules) sets it again inside each
+test, for ops.resolve_backend, which reads it at call time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def _import_kernels():
+    before = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import megatronish_kernels
+
+    interpret = os.environ.get("TRITON_INTERPRET")
+    if before is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
+    return megatronish_kernels, interpret
+
+
+kernels, INTERPRET = _import_kernels()
+
+
+@pytest.fixture(autouse=True)
+def interpreter_env(monkeypatch):
+    """TRITON_INTERPRET as it was when the kernels were defined."""
+    if INTERPRET is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", INTERPRET)
