@@ -65,13 +65,12 @@ class Optimizer:
             self.owners = zero_owners(self.params, ps.dp)
             owned = {id(p) for p, o in zip(self.params, self.owners) if o == ps.dp_rank}
             groups = [{**g, "params": [p for p in g["params"] if id(p) in owned]} for g in groups]
-        fused_ok = ps.device.type == "cuda"
         self.inner = torch.optim.AdamW(
             groups,
             lr=cfg.train.lr,
             betas=(cfg.optim.beta1, cfg.optim.beta2),
             eps=cfg.optim.eps,
-            fused=fused_ok or None,
+            fused=ps.device.type in ("cuda", "cpu"),
         )
 
     def step(self, lr: float) -> None:
@@ -134,27 +133,24 @@ def _launch(bucket: list[torch.Tensor], group):
     return comm.all_reduce(flat, group, async_op=True), flat, bucket
 
 
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squared elements of grads, as an fp64 scalar (per-tensor norms first)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, ps: ParallelState) -> float:
     """Global gradient norm, each parameter counted once: the squares of tp-split gradients
     are summed over the tp group, replicated ones are taken once. Scales the gradients down to
     max_norm when it is exceeded (max_norm 0: no clipping). Returns the norm before clipping."""
-    device = params[0].device
-    split_sq = torch.zeros((), dtype=torch.float64, device=device)
-    replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
-    for param in params:
-        if param.grad is None:
-            continue
-        sq = param.grad.detach().double().pow(2).sum()
-        if getattr(param, "tp_split_dim", None) is not None:
-            split_sq += sq
-        else:
-            replicated_sq += sq
+    with_grad = [p for p in params if p.grad is not None]
+    split = [p.grad for p in with_grad if getattr(p, "tp_split_dim", None) is not None]
+    replicated = [p.grad for p in with_grad if getattr(p, "tp_split_dim", None) is None]
+    split_sq = _sum_of_squares(split, params[0].device)
     if ps.tp > 1:
         comm.all_reduce(split_sq, ps.tp_group, op=dist.ReduceOp.SUM)
-    norm = float((split_sq + replicated_sq).sqrt())
+    norm = float((split_sq + _sum_of_squares(replicated, params[0].device)).sqrt())
     if max_norm > 0 and norm > max_norm:
-        factor = max_norm / (norm + 1e-6)
-        for param in params:
-            if param.grad is not None:
-                param.grad.mul_(factor)
+        torch._foreach_mul_([p.grad for p in with_grad], max_norm / (norm + 1e-6))
     return norm
