@@ -9,13 +9,26 @@ analytic formula.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from megatronish import shm
+from megatronish.shm import SharedMemoryGroup
+
 _ACTIVE: list[CommCounter] = []
+# Groups whose ranks share one host and exchange through shared memory (megatronish.shm).
+_SHARED: dict[dist.ProcessGroup, SharedMemoryGroup] = {}
+
+
+class _Done:
+    """The work handle of a collective that has already completed."""
+
+    def wait(self) -> bool:
+        return True
 
 
 @dataclass
@@ -70,6 +83,34 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def enable_shared_memory(group: dist.ProcessGroup, timeout_s: float) -> bool:
+    """Lets group's collectives go through shared memory when all its ranks can (they decide
+    together, so none waits on a path the others skip). Every rank of group calls this."""
+    ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    vote = torch.tensor([1 if shm.usable(group, ranks_per_host) else 0])
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    if int(vote):
+        _SHARED[group] = SharedMemoryGroup(group, timeout_s)
+    return bool(int(vote))
+
+
+def disable_shared_memory() -> None:
+    """Forgets every shared-memory group (before the process groups are destroyed)."""
+    _SHARED.clear()
+
+
+def _all_reduce(tensor, group, op, async_op):
+    shared = _SHARED.get(group)
+    if (
+        shared is not None
+        and tensor.is_contiguous()
+        and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
+    ):
+        shared.all_reduce(tensor, op)
+        return _Done() if async_op else None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
 def all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -81,7 +122,7 @@ def all_reduce(
     if n == 1:
         return None
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _all_reduce(tensor, group, op, async_op)
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
@@ -91,7 +132,11 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
         output.copy_(tensor)
         return
     _record("all_gather", _nbytes(output), (n - 1) / n)
-    dist.all_gather_into_tensor(output, tensor.contiguous(), group=group)
+    shared = _SHARED.get(group)
+    if shared is not None and shared.fits(tensor) and output.is_contiguous():
+        shared.all_gather_into(output, tensor.contiguous())
+    else:
+        dist.all_gather_into_tensor(output, tensor.contiguous(), group=group)
 
 
 def reduce_scatter_into(
@@ -106,7 +151,7 @@ def reduce_scatter_into(
     if dist.get_backend(group) == "gloo":
         # gloo has no reduce_scatter_tensor: all-reduce then keep the local block (same result).
         full = tensor.contiguous().clone()
-        dist.all_reduce(full, group=group)
+        _all_reduce(full, group, dist.ReduceOp.SUM, async_op=False)
         output.copy_(full.chunk(n, dim=0)[group_rank(group)])
     else:
         dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)

@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatronish import comm
+
 
 @dataclass
 class ParallelState:
@@ -88,7 +90,8 @@ def world_size_from_env() -> int:
 
 def init_distributed(tp: int, dp: int, timeout_s: float) -> ParallelState:
     """Joins the process group torchrun described in the environment (NCCL on CUDA, gloo on
-    CPU) and builds the run's groups; a single process with world size 1 joins nothing."""
+    CPU) and builds the run's groups; a single process with world size 1 joins nothing. On
+    CPU, groups whose ranks share a host exchange through shared memory (megatronish.shm)."""
     world = world_size_from_env()
     if world == 1 and not dist.is_initialized():
         return ParallelState.single(default_device())
@@ -97,7 +100,17 @@ def init_distributed(tp: int, dp: int, timeout_s: float) -> ParallelState:
         if backend == "nccl":
             torch.cuda.set_device(default_device())
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return ParallelState.from_world(tp, dp)
+    ps = ParallelState.from_world(tp, dp)
+    if backend_is_gloo():
+        # CPU ranks on one host: collectives through shared memory instead of loopback TCP.
+        for group, size in ((ps.tp_group, ps.tp), (ps.dp_group, ps.dp)):
+            if size > 1:
+                comm.enable_shared_memory(group, timeout_s)
+    return ps
+
+
+def backend_is_gloo() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 class RNGTracker:

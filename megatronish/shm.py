@@ -1,0 +1,123 @@
+"""All-reduce and all-gather through shared memory, for a group of CPU processes on one host.
+
+gloo moves tensors between processes on one machine over loopback TCP (about 1 GB/s here),
+which costs a CPU tensor-parallel step more than its matmuls can hide. Ranks of a group on one
+host instead map one shared buffer: each rank copies its tensor into its own slot and publishes
+a call counter; once every rank's counter has reached the call, each rank combines the slots in
+rank order, so every rank computes the same bits. Two sets of slots are used alternately: a
+rank can only be one call ahead of the slowest (it waits for every counter each call), so the
+set it writes is never one another rank still reads.
+
+Only x86-64 (whose stores are seen by other cores in program order, so a counter is never seen
+before the data written ahead of it), only contiguous tensors (all-gathers up to the slot size),
+and only SUM and MAX; everything else goes to gloo. MEGATRONISH_SHM=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+SLOT_BYTES = 8 << 20
+FLAG_BYTES = 4096
+SPIN_BEFORE_YIELD = 64
+
+
+class SharedMemoryGroup:
+    """The shared buffer of one process group. Built collectively by every rank of the group
+    (it uses the group's barrier once); `timeout_s` bounds every wait for the other ranks."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float, slot_bytes: int = SLOT_BYTES):
+        self.group, self.timeout_s, self.slot_bytes = group, timeout_s, slot_bytes
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        total = 2 * self.size * slot_bytes + FLAG_BYTES
+        ranks = dist.get_process_group_ranks(group)
+        name = f"megatronish-{os.environ.get('MASTER_PORT', '0')}-{'-'.join(map(str, ranks))}"
+        path = os.path.join(shm_dir(), name)
+        if self.rank == 0:
+            with open(path, "wb") as f:
+                f.truncate(total)
+        dist.barrier(group)
+        self.buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        dist.barrier(group)
+        if self.rank == 0:
+            os.unlink(path)  # the mapping stays until the last process exits
+        self.flags = self.buffer[-FLAG_BYTES:].view(torch.int64)  # flags[r]: calls rank r made
+        self.calls = 0
+
+    def _slot(self, rank: int, parity: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        start = (parity * self.size + rank) * self.slot_bytes
+        return self.buffer[start : start + nbytes].view(dtype)
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        """Whether all_gather_into can take tensor in one piece."""
+        return tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= self.slot_bytes
+
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Publishes tensor and waits for every rank's; returns the slots in rank order."""
+        self.calls += 1
+        parity = self.calls % 2
+        nbytes = tensor.numel() * tensor.element_size()
+        self._slot(self.rank, parity, nbytes, tensor.dtype).copy_(tensor.reshape(-1))
+        self.flags[self.rank] = self.calls
+        deadline = time.monotonic() + self.timeout_s
+        for rank in range(self.size):
+            polls = 0
+            while int(self.flags[rank]) < self.calls:
+                polls += 1
+                if polls > SPIN_BEFORE_YIELD:
+                    os.sched_yield()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"rank {rank} of a tensor-parallel group did not reach collective "
+                            f"{self.calls} within {self.timeout_s:.0f} s (parallel.timeout_s)"
+                        )
+        return [self._slot(r, parity, nbytes, tensor.dtype) for r in range(self.size)]
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        """In place: the sum (or max) over the group, combined in rank order on every rank;
+        a tensor larger than a slot goes through in slot-sized pieces."""
+        flat = tensor.view(-1)
+        per_slot = self.slot_bytes // tensor.element_size()
+        for piece in flat.split(per_slot):
+            parts = self._exchange(piece)
+            piece.copy_(parts[0])
+            for part in parts[1:]:
+                if op == dist.ReduceOp.SUM:
+                    piece.add_(part)
+                else:
+                    torch.maximum(piece, part, out=piece)
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+        """output [size * n, ...] <- every rank's tensor [n, ...] in rank order."""
+        parts = self._exchange(tensor)
+        torch.cat(parts, out=output.view(-1))
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def usable(group: dist.ProcessGroup, ranks_per_host: int) -> bool:
+    """Whether this rank can use shared memory for group: gloo on x86-64, all the group's ranks
+    on this host, room for the buffer, and not turned off with MEGATRONISH_SHM=0. (The ranks
+    of the group must agree: see comm.enable_shared_memory.)"""
+    if os.environ.get("MEGATRONISH_SHM", "1") == "0" or platform.machine() not in (
+        "x86_64",
+        "AMD64",
+    ):
+        return False
+    if dist.get_backend(group) != "gloo":
+        return False
+    ranks = dist.get_process_group_ranks(group)
+    # torchrun numbers ranks node by node: ranks r and r' share a host iff r // n == r' // n.
+    if len({r // ranks_per_host for r in ranks}) != 1:
+        return False
+    stat = os.statvfs(shm_dir())
+    need = 2 * len(ranks) * SLOT_BYTES + FLAG_BYTES
+    return stat.f_bavail * stat.f_frsize > 4 * need

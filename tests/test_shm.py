@@ -1,0 +1,79 @@
+"""The shared-memory path of CPU collectives on one host gives gloo's results, bit for bit the
+same on every rank, and fails with an error instead of hanging when a rank does not come."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatronish import comm
+from tests.distributed import run_on_ranks
+
+
+def _values(rank: int, call: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * call + rank)
+    return (torch.randn(numel, generator=gen) * 10).to(dtype)
+
+
+def _collectives(rank, world):
+    group = dist.new_group(list(range(world)))
+    assert comm.enable_shared_memory(group, timeout_s=60)
+    slot_elems = comm._SHARED[group].slot_bytes // 4
+    sizes = [1, 7, 1000, slot_elems + 3]  # the last goes through in two pieces
+    results = []
+    for call in range(40):  # many calls: both sets of slots are reused many times
+        numel = sizes[call % len(sizes)]
+        dtype = [torch.float32, torch.bfloat16, torch.float64, torch.int64][call % 4]
+        op = dist.ReduceOp.MAX if call % 5 == 0 else dist.ReduceOp.SUM
+        mine = _values(rank, call, numel, dtype)
+        got = mine.clone()
+        comm.all_reduce(got, group, op=op)
+        parts = [_values(r, call, numel, dtype) for r in range(world)]
+        expected = parts[0].clone()
+        for part in parts[1:]:
+            expected = torch.maximum(expected, part) if op == dist.ReduceOp.MAX else expected + part
+        assert torch.equal(got, expected), (call, numel, dtype, op)
+        results.append(got)
+    local = _values(rank, 99, 12, torch.float32).view(3, 4)
+    gathered = torch.empty(3 * world, 4)
+    comm.all_gather_into(gathered, local, group)
+    expected = torch.cat([_values(r, 99, 12, torch.float32).view(3, 4) for r in range(world)])
+    assert torch.equal(gathered, expected)
+    handle = comm.all_reduce(torch.ones(3), group, async_op=True)
+    assert handle.wait()
+    comm.disable_shared_memory()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shared_memory_collectives_equal_the_exact_result_on_every_rank(world):
+    per_rank = run_on_ranks(_collectives, world, timeout=120)
+    for results in per_rank[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results, per_rank[0]))
+
+
+def _absent_rank(rank, world):
+    group = dist.new_group([0, 1])
+    assert comm.enable_shared_memory(group, timeout_s=1.0)
+    if rank == 1:
+        return "stayed away"
+    try:
+        comm.all_reduce(torch.ones(4), group)
+    except TimeoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_that_never_comes_is_a_timeout_error_not_a_hang():
+    message = run_on_ranks(_absent_rank, 2, timeout=60)[0]
+    assert "did not reach collective 1 within 1 s" in message
+
+
+def _switched_off(rank, world):
+    return comm.enable_shared_memory(dist.new_group([0, 1]), timeout_s=10)
+
+
+def test_megatronish_shm_0_keeps_gloo(monkeypatch):
+    monkeypatch.setenv("MEGATRONISH_SHM", "0")
+    assert run_on_ranks(_switched_off, 2, timeout=60) == [False, False]
