@@ -221,8 +221,6 @@ def generate(checkpoint_path, prompt, max_new_tokens, temperature, top_k, top_p,
         sys.stdout.flush()
 
     sampling = Sampling(temperature, top_k, top_p)
-    if main_rank:
-        write(prompt)
     reason = generate_text(checkpoint_path, prompt, max_new_tokens, sampling, seed, write)
     if main_rank:
         write("\n")

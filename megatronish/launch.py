@@ -6,6 +6,7 @@ import os
 
 from torch.distributed import run as torchrun
 
+from megatronish.check import check_config
 from megatronish.config import Config
 from megatronish.errors import UserError
 
@@ -26,6 +27,7 @@ def launch(
         raise UserError(f"--node-rank {node_rank} is not valid for --nnodes {nnodes}")
     if world % nnodes:
         raise UserError(f"world size tp * dp * pp = {world} is not divisible by --nnodes {nnodes}")
+    check_config(cfg, world)  # a bad config is one line here, not an error from every rank
     nproc = world // nnodes
     # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

@@ -121,3 +121,8 @@ def test_cli_check_prints_resolved_config_and_derived_sizes():
 def test_cli_train_of_a_parallel_config_in_one_process_says_how_to_launch():
     result = run_cli("train", "--config", str(CONFIGS / "tiny-tp2.yaml"))
     one_line_error(result, "needs 2 processes", "megatronish launch")
+
+
+def test_cli_launch_checks_the_config_before_starting_ranks():
+    result = run_cli("launch", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=3")
+    one_line_error(result, "model.n_head: 4 is not divisible by parallel.tp=3")

@@ -152,8 +152,8 @@ def generate_text(
     seed: int,
     write: Callable[[str], None],
 ) -> str:
-    """Streams the continuation of `prompt` through write() (rank 0 only) and returns the stop
-    reason. Runs at tp = WORLD_SIZE under torchrun, else in this process at tp 1."""
+    """Streams the prompt, then its continuation, through write() (rank 0 only) and returns the
+    stop reason. Runs at tp = WORLD_SIZE under torchrun, else in this process at tp 1."""
     sampling.check()
     if max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {max_new_tokens}: must be >= 0")
@@ -176,6 +176,8 @@ def generate_text(
     try:
         model = build_model(ckpt, ps)
         decoder = StreamDecoder(tokenizer)
+        if ps.is_main:
+            write(prompt)
         generation = Generation(
             model, ids, max_new_tokens, sampling, seed, tokenizer.eot_id, ckpt.vocab_size
         )
