@@ -132,3 +132,14 @@ def test_resume_at_another_tp_dp_and_zero_continues_the_same_loss_curve(tp2_runs
         assert got[key] == pytest.approx(want[key], rel=1e-4)
     saved = sorted(p.name for p in (tp2_runs / "relaid" / "checkpoints" / "step_000006").iterdir())
     assert "optim_tp00_dp000.safetensors" in saved and "optim_tp00_dp001.safetensors" in saved
+
+
+def test_resume_at_a_higher_tp_continues_the_same_loss_curve(tp1_runs, tmp_path, dataset):
+    whole = tp1_runs[0]
+    step3 = whole / "checkpoints" / "step_000003"
+    sets = ["train.steps=6", "parallel.tp=2", f"checkpoint.resume={step3}"]
+    train(tmp_path / "tp2", dataset, *sets, launch=True)
+    for got, want in zip(curve(tmp_path / "tp2"), curve(whole)[4:]):
+        key = "loss" if "loss" in got else "val_loss"
+        assert got["step"] == want["step"]
+        assert got[key] == pytest.approx(want[key], rel=1e-4)

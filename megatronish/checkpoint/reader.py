@@ -229,7 +229,9 @@ class Checkpoint:
             shape[dim] = stop - max(start, real_stop)
             dtype = pieces[0].dtype if pieces else getattr(torch, spec.dtype)
             pieces.append(torch.zeros(shape, dtype=dtype))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        # Contiguous: a slice of one saved shard (a row-parallel block) is a strided view, and
+        # fused AdamW silently mis-updates non-contiguous state.
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)).contiguous()
 
     def block(
         self, name: str, kind: str, target: TensorSpec, tp: int, tp_rank: int
