@@ -5,13 +5,19 @@ from __future__ import annotations
 import yaml
 
 from megatronish.config import Config, check_dataset_vocab, derive
+from megatronish.errors import UserError
 from megatronish.metrics import model_flops_per_step, parameter_count
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
     """The report `check` prints. world_size defaults to tp * pp * (parallel.dp or 1)."""
+    from megatronish import ops
     from megatronish.data import ByteTokenizer, dataset_vocab_size, resolve_dataset
+    from megatronish.parallel import default_device
 
+    if world_size is not None and world_size < 1:
+        raise UserError(f"--world-size {world_size}: must be >= 1")
+    ops.check_backend(cfg.kernels.backend, default_device())
     p = cfg.parallel
     if world_size is None:
         world_size = p.tp * p.pp * (p.dp or 1)

@@ -255,6 +255,8 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
                 return result
         raise bad
     if tp is str:
+        if value is None:
+            raise UserError(f"{key}: null is not valid; expected a string")
         if isinstance(value, (dict, list)):
             raise bad
         return str(value)
@@ -420,6 +422,7 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
     config leaves model.vocab_size unset."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, pp = p.tp, p.pp
+    _require(world_size >= 1, f"world size {world_size} is not valid; must be >= 1")
     _require(
         world_size % (tp * pp) == 0,
         f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp * pp}",

@@ -153,7 +153,7 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
     """The report `megatronish plan` prints."""
     if cfg.model.vocab_size is None:
         raise UserError("model.vocab_size: plan needs it set (--set model.vocab_size=N)")
-    world = gpus or cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+    world = gpus if gpus is not None else cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
     if world < 1:
         raise UserError(f"--gpus {gpus}: must be >= 1")
     name, mem, peak = gpu_spec(gpu, memory_gb)

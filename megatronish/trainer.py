@@ -17,7 +17,7 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from megatronish import comm
+from megatronish import comm, ops
 from megatronish.checkpoint import training as checkpoints
 from megatronish.config import Config, Derived, check_dataset_vocab, derive
 from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
@@ -25,7 +25,12 @@ from megatronish.errors import UserError
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
 from megatronish.optim import Optimizer, clip_grad_norm, lr_at, reduce_gradients
-from megatronish.parallel import ParallelState, init_distributed, world_size_from_env
+from megatronish.parallel import (
+    ParallelState,
+    default_device,
+    init_distributed,
+    world_size_from_env,
+)
 
 
 @dataclass
@@ -59,6 +64,7 @@ def setup(cfg: Config) -> Setup:
             "it with --val-fraction > 0 (and more than one document) or set train.eval_every=0"
         )
     derived = derive(cfg, world, vocab_size=data_vocab)
+    ops.check_backend(cfg.kernels.backend, default_device())
     ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s)
     return Setup(cfg, derived, ps, dataset_dir)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatronish.config import derive, load_config, padded_vocab
 from megatronish.errors import UserError
@@ -126,3 +127,26 @@ def test_cli_train_of_a_parallel_config_in_one_process_says_how_to_launch():
 def test_cli_launch_checks_the_config_before_starting_ranks():
     result = run_cli("launch", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=3")
     one_line_error(result, "model.n_head: 4 is not divisible by parallel.tp=3")
+
+
+def test_cli_null_for_a_string_key_and_a_world_size_below_1_exit_2(tmp_path):
+    path = write(tmp_path, "checkpoint:\n  resume: null\n")
+    one_line_error(run_cli("check", "--config", str(path)), "checkpoint.resume: null is not valid")
+    tiny = str(CONFIGS / "tiny.yaml")
+    one_line_error(run_cli("check", "--config", tiny, "--world-size", "0"), "--world-size 0")
+    one_line_error(
+        run_cli("plan", "--config", tiny, "--set", "model.vocab_size=257", "--gpus", "0"),
+        "--gpus 0",
+    )
+
+
+def test_cli_triton_backend_without_gpu_or_interpreter_exits_2_before_writing(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the triton backend is valid here")
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", "--config", str(CONFIGS / "tiny.yaml"), "--set", "kernels.backend=triton",
+        "--set", f"run.out_dir={out}", env={"TRITON_INTERPRET": "0"},
+    )  # fmt: skip
+    one_line_error(result, "kernels.backend", "valid here: auto, torch")
+    assert not out.exists()

@@ -12,13 +12,19 @@ from typing import Any
 
 import torch
 
+from megatronish.errors import UserError
 from megatronish.ops import reference
 
 BACKENDS = ("auto", "triton", "torch")
 
 
-class BackendUnavailable(RuntimeError):
-    """The Triton backend was asked for where it cannot run."""
+class BackendUnavailable(UserError):
+    """The Triton backend was asked for where it cannot run (a user's choice: exit status 2)."""
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Raises BackendUnavailable when `backend` cannot run on device (before any work)."""
+    resolve_backend(backend, torch.empty(0, device=device))
 
 
 def _triton_usable(x: torch.Tensor) -> bool:
@@ -37,12 +43,13 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
         return "triton" if x.is_cuda and _kernels() is not None else "torch"
     if not _triton_usable(x):
         raise BackendUnavailable(
-            "kernels.backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; "
-            "use 'torch' or 'auto' on this machine"
+            "kernels.backend: 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 on CPU; "
+            "valid here: auto, torch"
         )
     if _kernels() is None:
         raise BackendUnavailable(
-            "kernels.backend 'triton' needs the triton package: pip install triton"
+            "kernels.backend: 'triton' needs the triton package (pip install triton); "
+            "valid here: auto, torch"
         )
     return "triton"
 
