@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatronish.errors import UserError
+from megatronish.errors import UserError, read_json_object
 
 FORMAT = "megatronish-checkpoint"
 FORMAT_VERSION = 1
@@ -130,14 +130,7 @@ def _int(value: Any, minimum: int = 0) -> bool:
 
 def parse_metadata(path: Path) -> dict[str, Any]:
     """metadata.json of a step directory, checked key by key; UserError naming the file."""
-    if not path.is_file():
-        raise _bad(path, "missing; not a complete checkpoint")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _bad(path, f"not valid JSON ({exc})") from None
-    if not isinstance(meta, dict):
-        raise _bad(path, "must hold a JSON object")
+    meta = read_json_object(path, "not a complete checkpoint")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise _bad(
             path,

@@ -22,7 +22,7 @@ from megatronish.checkpoint.load import inference_config, restore_model
 from megatronish.checkpoint.reader import Checkpoint, FullTensors
 from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
 from megatronish.config import Config, Derived, check_values, derive, load_config
-from megatronish.errors import UserError
+from megatronish.errors import UserError, read_json_object
 
 BYTE_TOKENIZER_KEY = "megatronish_tokenizer"  # config.json marker of the byte-level tokenizer
 
@@ -33,15 +33,7 @@ def _require_new_dir(path: Path, flag: str) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"{path}: missing; a Hugging Face model directory has a config.json")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: must hold a JSON object")
-    return data
+    return read_json_object(path, "a Hugging Face model directory has a config.json")
 
 
 def model_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:

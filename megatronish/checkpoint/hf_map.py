@@ -149,12 +149,17 @@ def from_hf_gpt2(hf: Tensors, n_layer: int, n_head: int, tied: bool) -> Tensors:
             ours[dst + b + ".bias"] = hf.pop(src + a + ".bias")
     ours["norm_f.weight"] = hf.pop("ln_f.weight")
     ours["norm_f.bias"] = hf.pop("ln_f.bias")
+    _take_head(hf, ours, tied)
+    return ours
+
+
+def _take_head(hf: Tensors, ours: Tensors, tied: bool) -> None:
+    """Moves lm_head.weight across when the model is untied (a tied one may omit it)."""
     head = hf.pop("lm_head.weight", None)
     if not tied:
         if head is None:
             raise KeyError("lm_head.weight")
         ours["lm_head.weight"] = head
-    return ours
 
 
 def from_hf_llama(hf: Tensors, n_layer: int, n_head: int, n_kv_head: int, tied: bool) -> Tensors:
@@ -175,9 +180,5 @@ def from_hf_llama(hf: Tensors, n_layer: int, n_head: int, n_kv_head: int, tied: 
         for a in ("gate", "up", "down"):
             ours[dst + f"mlp.{a}.weight"] = hf.pop(src + f"mlp.{a}_proj.weight")
     ours["norm_f.weight"] = hf.pop("model.norm.weight")
-    head = hf.pop("lm_head.weight", None)
-    if not tied:
-        if head is None:
-            raise KeyError("lm_head.weight")
-        ours["lm_head.weight"] = head
+    _take_head(hf, ours, tied)
     return ours

@@ -12,14 +12,13 @@ Layout of a dataset directory:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from megatronish.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer_file
-from megatronish.errors import UserError
+from megatronish.errors import UserError, read_json_object
 
 FORMAT = "megatronish-tokens"
 FORMAT_VERSION = 1
@@ -142,14 +141,7 @@ def dataset_eot_id(dataset_dir: str | Path) -> int:
 
 
 def _load_metadata_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"{path}: missing; the directory is not a dataset written by `prepare`")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(meta, dict):
-        raise UserError(f"{path}: must hold a JSON object")
+    meta = read_json_object(path, "the directory is not a dataset written by `prepare`")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise UserError(
             f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}; "
