@@ -164,3 +164,17 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
         return
     _record("broadcast", _nbytes(tensor), (n - 1) / n)
     dist.broadcast(tensor, src=src, group=group)
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+    """Point-to-point: sends each (tensor, global peer rank) and receives into each (buffer,
+    global peer rank), all posted together (so two neighbours that send to each other at once
+    cannot deadlock), and waits for them. Counted as "p2p": the bytes sent."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buffer, peer) for buffer, peer in recvs]
+    if not ops:
+        return
+    for tensor, _ in sends:
+        _record("p2p", _nbytes(tensor), 1.0)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

@@ -62,7 +62,15 @@ class ParallelConfig:
     dp: int | None = None
     """Data-parallel degree. Default: world size / (tp * pp)."""
     pp: int = 1
-    """Pipeline-parallel degree. Only 1 is supported in this version."""
+    """Pipeline-parallel degree: stages that split the transformer layers (embedding on the
+    first stage, the output layer and loss on the last)."""
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule over the gradient-accumulation micro-batches: 1f1b (one forward, one
+    backward; a stage holds at most pp micro-batches of activations) or gpipe (every forward,
+    then every backward; holds all of them)."""
+    pp_layers: str | None = None
+    """Transformer layers per pipeline stage, comma-separated (e.g. "3,2"), summing to
+    model.n_layer. Default: as even as possible, earlier stages taking the remainder."""
     sequence_parallel: bool = False
     """Split the activations between blocks along the sequence over the tp ranks (Megatron's
     sequence parallelism: all-gather / reduce-scatter instead of all-reduce)."""
@@ -362,7 +370,6 @@ def check_values(cfg: Config) -> None:
         ("parallel.dp", p.dp),
     ]:
         _require(value is None or value >= 1, f"{key}: {value} is not valid; must be >= 1 or null")
-    _require(p.pp == 1, f"parallel.pp: {p.pp} is not supported yet; valid: 1")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout: {m.dropout} is not valid; must be in [0, 1)")
     _require(m.norm_eps > 0, f"model.norm_eps: {m.norm_eps} must be > 0")
     _require(t.lr > 0, f"train.lr: {t.lr} must be > 0")
@@ -409,12 +416,42 @@ class Derived:
     padded_vocab_size: int
     tie_embeddings: bool
     tokens_per_step: int
+    stage_layers: tuple[int, ...] = (1,)
+    """Transformer layers on each pipeline stage, in stage order."""
+
+    def stage_range(self, pp_rank: int) -> range:
+        """The global indices of the transformer layers on pipeline stage pp_rank."""
+        start = sum(self.stage_layers[:pp_rank])
+        return range(start, start + self.stage_layers[pp_rank])
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """vocab_size rounded up to a multiple of 128 * tp (Megatron's padding)."""
     multiple = VOCAB_PAD_MULTIPLE * tp
     return -(-vocab_size // multiple) * multiple
+
+
+def stage_layers(cfg: Config) -> tuple[int, ...]:
+    """Transformer layers per pipeline stage: parallel.pp_layers, or an even split."""
+    n, pp, spec = cfg.model.n_layer, cfg.parallel.pp, cfg.parallel.pp_layers
+    _require(
+        n >= pp,
+        f"parallel.pp: {pp} stages need at least {pp} layers; model.n_layer is {n}",
+    )
+    base, extra = divmod(n, pp)
+    even = tuple(base + (1 if stage < extra else 0) for stage in range(pp))
+    if spec is None:
+        return even
+    try:
+        layers = tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        layers = ()
+    _require(
+        len(layers) == pp and all(x >= 1 for x in layers) and sum(layers) == n,
+        f"parallel.pp_layers: {spec!r} is not valid; expected {pp} positive integers, "
+        f'comma-separated, that sum to model.n_layer={n} (e.g. "{",".join(map(str, even))}")',
+    )
+    return layers
 
 
 def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Derived:
@@ -489,6 +526,7 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         padded_vocab_size=padded_vocab(vocab, tp),
         tie_embeddings=tie,
         tokens_per_step=t.global_batch_size * t.seq_len,
+        stage_layers=stage_layers(cfg),
     )
 
 

@@ -227,8 +227,16 @@ def checkpoint(fn, tracker: RNGTracker, *args):
 
 
 class GPT(nn.Module):
-    """The model on one tp rank. forward(tokens [b, s]) -> this rank's logits [b, s, V / t]
-    (padding ids beyond the real vocab are -inf); loss(tokens, targets) -> mean loss."""
+    """The model on one tp rank of one pipeline stage. With pp = 1 (one stage):
+    forward(tokens [b, s]) -> this rank's logits [b, s, V / t] (padding ids beyond the real vocab
+    are -inf); loss(tokens, targets) -> mean loss.
+
+    With pp > 1 the stage holds its slice of the transformer layers (derived.stage_range), under
+    their global names (blocks.<i>), so checkpoints are the same at any pp; the first stage also
+    holds the embeddings, the last the final norm and the output layer. stage_forward runs one
+    stage. Tied embeddings (gpt2) put a copy of tok_emb on the last stage too: both copies are
+    tagged pipeline_tied (their gradients are summed across the two stages) and the last
+    stage's is tagged pipeline_duplicate (not saved, not counted twice in the gradient norm)."""
 
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
         super().__init__()
@@ -238,25 +246,32 @@ class GPT(nn.Module):
         self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
         self.backend = cfg.kernels.backend
         self.full_checkpoint = cfg.train.activation_checkpointing == "full"
+        self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
         V = derived.padded_vocab_size
-        self.tok_emb = VocabParallelEmbedding(V, m.d_model, tp_group=ps.tp_group, init_method=None)
-        self.tok_emb.weight.valid_rows = derived.vocab_size
-        if m.arch == "gpt2":
+        self.tok_emb = self.pos_emb = self.norm_f = self.lm_head = None
+        if self.is_first_stage or (self.is_last_stage and derived.tie_embeddings):
+            self.tok_emb = VocabParallelEmbedding(
+                V, m.d_model, tp_group=ps.tp_group, init_method=None
+            )
+            self.tok_emb.weight.valid_rows = derived.vocab_size
+            if derived.pp > 1 and derived.tie_embeddings:
+                self.tok_emb.weight.pipeline_tied = True
+                self.tok_emb.weight.pipeline_duplicate = not self.is_first_stage
+        if self.is_first_stage and m.arch == "gpt2":
             self.pos_emb = nn.Embedding(m.max_seq_len, m.d_model)
             mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
-        else:
-            self.pos_emb = None
-        self.blocks = nn.ModuleList(Block(cfg, derived, ps, self.tracker) for _ in range(m.n_layer))
-        kind = "rmsnorm" if m.arch == "llama" else "layernorm"
-        self.norm_f = Norm(m.d_model, kind, m.norm_eps, self.backend, self.sequence_parallel)
-        if derived.tie_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = ColumnParallelLinear(
-                m.d_model, V, bias=False, sequence_parallel=self.sequence_parallel,
-                tp_group=ps.tp_group, init_method=None,
-            )  # fmt: skip
-            self.lm_head.weight.valid_rows = derived.vocab_size
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(cfg, derived, ps, self.tracker) for i in derived.stage_range(ps.pp_rank)}
+        )
+        if self.is_last_stage:
+            kind = "rmsnorm" if m.arch == "llama" else "layernorm"
+            self.norm_f = Norm(m.d_model, kind, m.norm_eps, self.backend, self.sequence_parallel)
+            if not derived.tie_embeddings:
+                self.lm_head = ColumnParallelLinear(
+                    m.d_model, V, bias=False, sequence_parallel=self.sequence_parallel,
+                    tp_group=ps.tp_group, init_method=None,
+                )  # fmt: skip
+                self.lm_head.weight.valid_rows = derived.vocab_size
         local_v = V // derived.tp
         ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)
         self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
@@ -264,7 +279,15 @@ class GPT(nn.Module):
         self.to(ps.device)
         init_weights(self, cfg.train.seed, m.n_layer)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
+        """The shape of the hidden states that pass between pipeline stages (this rank's
+        sequence shard under sequence parallelism)."""
+        local = seq_len // self.derived.tp if self.sequence_parallel else seq_len
+        return (micro_batch_size, local, self.cfg.model.d_model)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first stage's input layers: tokens [b, s] -> hidden [b, s, h] ([b, s/t, h] with
+        sequence parallelism)."""
         x = self.tok_emb(tokens)  # [b, s, h]
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
@@ -272,12 +295,23 @@ class GPT(nn.Module):
             x = F.dropout(x, self.cfg.model.dropout)
         if self.sequence_parallel:
             x = mappings.scatter_to_sequence_parallel_region(x, self.ps.tp_group)  # [b, s/t, h]
-        for block in self.blocks:
+        return x
+
+    def stage_forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """One pipeline stage: tokens (first stage) or the previous stage's hidden states ->
+        hidden states for the next stage, or this rank's logits on the last stage."""
+        x = self.embed(inputs) if self.is_first_stage else inputs
+        for block in self.blocks.values():
             if self.full_checkpoint and self.training:
                 x = checkpoint(block, self.tracker, x)
             else:
                 x = block(x)
-        return self.logits(self.norm_f(x))
+        return self.logits(self.norm_f(x)) if self.is_last_stage else x
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.derived.pp > 1:
+            raise RuntimeError("a model split into pipeline stages runs through stage_forward")
+        return self.stage_forward(tokens)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer, column-parallel over the vocab: x [b, s, h] (or [b, s/t, h] with
@@ -288,28 +322,32 @@ class GPT(nn.Module):
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_of_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the tokens whose target is not -100."""
-        logits = self(tokens)
         per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
         count = (targets != -100).sum().clamp(min=1)
         return per_token.float().sum() / count
 
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over the tokens whose target is not -100 (one stage only)."""
+        return self.loss_of_logits(self(tokens), targets)
+
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor, cache: list, start_pos: int) -> torch.Tensor:
-        """Incremental decoding (generation; eval mode, no sequence parallelism): tokens [b, s]
-        at positions start_pos..start_pos + s - 1 -> this rank's logits [b, s, V / t] for those
-        positions, as forward on the whole sequence gives them. `cache` is a list, empty at
-        start_pos 0, that holds each block's keys and values; it is updated in place."""
-        if self.sequence_parallel:
-            raise RuntimeError("forward_cached runs with parallel.sequence_parallel false")
+        """Incremental decoding (generation; eval mode, one stage, no sequence parallelism):
+        tokens [b, s] at positions start_pos..start_pos + s - 1 -> this rank's logits
+        [b, s, V / t] for those positions, as forward on the whole sequence gives them. `cache`
+        is a list, empty at start_pos 0, that holds each block's keys and values; it is
+        updated in place."""
+        if self.sequence_parallel or self.derived.pp > 1:
+            raise RuntimeError("forward_cached runs at pp 1 with sequence_parallel false")
         s = tokens.shape[1]
         if start_pos + s > self.cfg.model.max_seq_len:
             raise ValueError(f"positions up to {start_pos + s} > max_seq_len")
         x = self.tok_emb(tokens)  # [b, s, h]
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(start_pos, start_pos + s, device=tokens.device))
-        for index, block in enumerate(self.blocks):
+        for index, block in enumerate(self.blocks.values()):
             x, kv = block.forward_cached(x, cache[index] if index < len(cache) else None, start_pos)
             if index < len(cache):
                 cache[index] = kv

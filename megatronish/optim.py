@@ -79,8 +79,10 @@ class Optimizer:
         self.inner.step()
         if self.zero:
             # The owner's updated values go to every other rank of the data-parallel group.
+            ps = self.ps
             for param, owner in zip(self.params, self.owners):
-                comm.broadcast(param.data, self.ps.tp_rank + owner * self.ps.tp, self.ps.dp_group)
+                src = ps.global_rank(ps.tp_rank, owner, ps.pp_rank)
+                comm.broadcast(param.data, src, ps.dp_group)
 
     def zero_grad(self) -> None:
         for param in self.params:
@@ -94,8 +96,13 @@ class Optimizer:
 
 
 def reduce_gradients(params: list[nn.Parameter], ps: ParallelState) -> None:
-    """Sums the gradients of sequence-parallel replicated parameters over the tp group, then
+    """Sums the gradients of sequence-parallel replicated parameters over the tp group and
+    those of the two copies of tied embeddings over the first and last pipeline stage, then
     averages every gradient over the data-parallel group in flat buckets of ~25 MB."""
+    if ps.embedding_group is not None:
+        for p in params:
+            if getattr(p, "pipeline_tied", False) and p.grad is not None:
+                comm.all_reduce(p.grad, ps.embedding_group)
     if ps.tp > 1:
         tagged = [
             p for p in params if getattr(p, "sequence_parallel_grad", False) and p.grad is not None
@@ -142,15 +149,21 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, ps: ParallelState) -> float:
     """Global gradient norm, each parameter counted once: the squares of tp-split gradients
-    are summed over the tp group, replicated ones are taken once. Scales the gradients down to
-    max_norm when it is exceeded (max_norm 0: no clipping). Returns the norm before clipping."""
+    are summed over the tp group, replicated ones are taken once, and the stages' sums are
+    added over the pipeline (the last stage's copy of tied embeddings left out). Scales the
+    gradients down to max_norm when it is exceeded (max_norm 0: no clipping). Returns the norm
+    before clipping."""
     with_grad = [p for p in params if p.grad is not None]
-    split = [p.grad for p in with_grad if getattr(p, "tp_split_dim", None) is not None]
-    replicated = [p.grad for p in with_grad if getattr(p, "tp_split_dim", None) is None]
+    counted = [p for p in with_grad if not getattr(p, "pipeline_duplicate", False)]
+    split = [p.grad for p in counted if getattr(p, "tp_split_dim", None) is not None]
+    replicated = [p.grad for p in counted if getattr(p, "tp_split_dim", None) is None]
     split_sq = _sum_of_squares(split, params[0].device)
     if ps.tp > 1:
         comm.all_reduce(split_sq, ps.tp_group, op=dist.ReduceOp.SUM)
-    norm = float((split_sq + _sum_of_squares(replicated, params[0].device)).sqrt())
+    total_sq = split_sq + _sum_of_squares(replicated, params[0].device)
+    if ps.pp > 1:
+        comm.all_reduce(total_sq, ps.pp_group, op=dist.ReduceOp.SUM)
+    norm = float(total_sq.sqrt())
     if max_norm > 0 and norm > max_norm:
         torch._foreach_mul_([p.grad for p in with_grad], max_norm / (norm + 1e-6))
     return norm

@@ -1,7 +1,8 @@
 """Process groups of a run: one object, built once, passed to whatever needs a group.
 
-Ranks are laid out dp x tp with tp innermost: global rank = dp_rank * tp + tp_rank, so the
-ranks of one tensor-parallel group are adjacent (on one node, where the fast links are).
+Ranks are laid out pp x dp x tp with tp innermost, then dp, then pp:
+global rank = (pp_rank * dp + dp_rank) * tp + tp_rank, so the ranks of one tensor-parallel group
+are adjacent (on one node, where the fast links are) and pipeline neighbours are dp * tp apart.
 """
 
 from __future__ import annotations
@@ -32,11 +33,29 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None
     device: torch.device
     tp_ranks: tuple[int, ...] = (0,)
+    pp: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    # The first and last stage ranks with this rank's (dp, tp) coordinates, which hold the two
+    # copies of tied embeddings (None unless pp > 1 and this rank is on one of those stages).
+    embedding_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
         """True on global rank 0, the rank that prints and writes metrics."""
         return self.rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def global_rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        """The global rank at these coordinates."""
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
@@ -44,35 +63,54 @@ class ParallelState:
         return cls(1, 0, 1, 1, 0, 0, None, None, torch.device(device))
 
     @classmethod
-    def from_world(cls, tp: int, dp: int) -> ParallelState:
-        """Builds the tp and dp groups over the initialized default group (every rank calls
+    def from_world(cls, tp: int, dp: int, pp: int = 1) -> ParallelState:
+        """Builds the tp, dp and pp groups over the initialized default group (every rank calls
         this, in the same order, because new_group is collective)."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        if tp * dp != world:
-            raise ValueError(f"tp * dp = {tp} * {dp} != world size {world}")
-        tp_group = dp_group = None
-        tp_ranks: tuple[int, ...] = ()
-        for d in range(dp):
-            ranks = list(range(d * tp, (d + 1) * tp))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                tp_group, tp_ranks = group, tuple(ranks)
-        for t in range(tp):
-            ranks = list(range(t, world, tp))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                dp_group = group
+        if tp * dp * pp != world:
+            raise ValueError(f"tp * dp * pp = {tp} * {dp} * {pp} != world size {world}")
+        tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+        def at(t: int, d: int, p: int) -> int:
+            return (p * dp + d) * tp + t
+
+        def build(rank_lists: list[list[int]]):
+            mine = None
+            for ranks in rank_lists:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine = (group, tuple(ranks))
+            return mine if mine is not None else (None, ())
+
+        tp_group, tp_ranks = build(
+            [[at(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+        )
+        dp_group, _ = build(
+            [[at(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        )
+        pp_group = embedding_group = None
+        if pp > 1:
+            pp_group, _ = build(
+                [[at(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+            )
+            embedding_group, _ = build(
+                [[at(t, d, 0), at(t, d, pp - 1)] for d in range(dp) for t in range(tp)]
+            )
         return cls(
             world_size=world,
             rank=rank,
             tp=tp,
             dp=dp,
-            tp_rank=rank % tp,
-            dp_rank=rank // tp,
+            tp_rank=tp_rank,
+            dp_rank=dp_rank,
             tp_group=tp_group,
             dp_group=dp_group,
             device=default_device(),
             tp_ranks=tp_ranks,
+            pp=pp,
+            pp_rank=pp_rank,
+            pp_group=pp_group,
+            embedding_group=embedding_group,
         )
 
 
@@ -88,7 +126,7 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(tp: int, dp: int, timeout_s: float) -> ParallelState:
+def init_distributed(tp: int, dp: int, timeout_s: float, pp: int = 1) -> ParallelState:
     """Joins the process group torchrun described in the environment (NCCL on CUDA, gloo on
     CPU) and builds the run's groups; a single process with world size 1 joins nothing. On
     CPU, groups whose ranks share a host exchange through shared memory (megatronish.shm)."""
@@ -100,7 +138,7 @@ def init_distributed(tp: int, dp: int, timeout_s: float) -> ParallelState:
         if backend == "nccl":
             torch.cuda.set_device(default_device())
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    ps = ParallelState.from_world(tp, dp)
+    ps = ParallelState.from_world(tp, dp, pp)
     if backend_is_gloo():
         # CPU ranks on one host: collectives through shared memory instead of loopback TCP.
         for group, size in ((ps.tp_group, ps.tp), (ps.dp_group, ps.dp)):

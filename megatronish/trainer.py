@@ -31,6 +31,7 @@ from megatronish.parallel import (
     init_distributed,
     world_size_from_env,
 )
+from megatronish.pipeline import Pipeline
 
 
 @dataclass
@@ -65,7 +66,7 @@ def setup(cfg: Config) -> Setup:
         )
     derived = derive(cfg, world, vocab_size=data_vocab)
     ops.check_backend(cfg.kernels.backend, default_device())
-    ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s)
+    ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp)
     return Setup(cfg, derived, ps, dataset_dir)
 
 
@@ -90,12 +91,17 @@ def make_loader(s: Setup, split: str) -> BatchLoader:
     )
 
 
-def mean_over_dp(value: torch.Tensor, ps: ParallelState) -> float:
-    """Mean of a per-rank scalar over the data-parallel group."""
+def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
+    """Mean over the data-parallel group of a loss computed on the last pipeline stage, on
+    every rank (the other stages contribute zeros to a sum over the pipeline)."""
     value = value.detach().float().reshape(1).clone()
     if ps.dp > 1:
         comm.all_reduce(value, ps.dp_group)
         value /= ps.dp
+    if ps.pp > 1:
+        if not ps.is_last_stage:
+            value.zero_()
+        comm.all_reduce(value, ps.pp_group)
     return float(value)
 
 
@@ -105,6 +111,11 @@ class Trainer:
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(s.cfg.train.seed)
         self.model = GPT(s.cfg, s.derived, s.ps)
+        self.pipeline = (
+            Pipeline(self.model, s.ps, s.cfg.parallel.pp_schedule, s.cfg.train.seq_len)
+            if s.derived.pp > 1
+            else None
+        )
         self.optimizer = Optimizer(self.model, s.cfg, s.ps)
         self.loader = make_loader(s, "train")
         self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
@@ -120,19 +131,25 @@ class Trainer:
         """One optimizer step over the next global batch: (loss, grad_norm)."""
         batch = self.loader.next_step().to(self.ps.device)  # [accum, micro, seq + 1]
         accum = batch.shape[0]
-        loss_sum = torch.zeros((), device=self.ps.device)
-        for micro in batch:
-            with autocast(self.cfg, self.ps.device):
-                loss = self.model.loss(micro[:, :-1], micro[:, 1:])
-            (loss / accum).backward()
-            loss_sum += loss.detach()
+        if self.pipeline is not None:
+            loss_sum = self.pipeline.run(batch, 1.0 / accum, self.autocast)
+        else:
+            loss_sum = torch.zeros((), device=self.ps.device)
+            for micro in batch:
+                with self.autocast():
+                    loss = self.model.loss(micro[:, :-1], micro[:, 1:])
+                (loss / accum).backward()
+                loss_sum += loss.detach()
         params = self.optimizer.params
         reduce_gradients(params, self.ps)
         grad_norm = clip_grad_norm(params, self.cfg.train.grad_clip, self.ps)
         self.optimizer.step(lr_at(self.step + 1, self.cfg))
         self.optimizer.zero_grad()
         self.step += 1
-        return mean_over_dp(loss_sum / accum, self.ps), grad_norm
+        return mean_loss(loss_sum / accum, self.ps), grad_norm
+
+    def autocast(self):
+        return autocast(self.cfg, self.ps.device)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -143,12 +160,16 @@ class Trainer:
         total = torch.zeros((), device=self.ps.device)
         count = 0
         for _ in range(self.cfg.train.eval_steps):
-            for micro in self.val_loader.next_step().to(self.ps.device):
-                with autocast(self.cfg, self.ps.device):
-                    total += self.model.loss(micro[:, :-1], micro[:, 1:]).float()
-                count += 1
+            batch = self.val_loader.next_step().to(self.ps.device)
+            if self.pipeline is not None:
+                total += self.pipeline.run(batch, 1.0, self.autocast, forward_only=True)
+            else:
+                for micro in batch:
+                    with self.autocast():
+                        total += self.model.loss(micro[:, :-1], micro[:, 1:]).float()
+            count += batch.shape[0]
         self.model.train()
-        return mean_over_dp(total / count, self.ps)
+        return mean_loss(total / count, self.ps)
 
     def write_run_files(self) -> None:
         if not self.ps.is_main:

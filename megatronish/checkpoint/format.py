@@ -33,12 +33,17 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def model_file(tp_rank: int) -> str:
-    return f"model_tp{tp_rank:02d}.safetensors"
+def _stage_suffix(pp_rank: int | None) -> str:
+    """Files of pipeline stage pp_rank carry _ppNN; None (a run at pp 1) carries nothing."""
+    return "" if pp_rank is None else f"_pp{pp_rank:02d}"
 
 
-def optim_file(tp_rank: int, dp_rank: int) -> str:
-    return f"optim_tp{tp_rank:02d}_dp{dp_rank:03d}.safetensors"
+def model_file(tp_rank: int, pp_rank: int | None = None) -> str:
+    return f"model_tp{tp_rank:02d}{_stage_suffix(pp_rank)}.safetensors"
+
+
+def optim_file(tp_rank: int, dp_rank: int, pp_rank: int | None = None) -> str:
+    return f"optim_tp{tp_rank:02d}_dp{dp_rank:03d}{_stage_suffix(pp_rank)}.safetensors"
 
 
 def rng_file(rank: int) -> str:
@@ -46,8 +51,8 @@ def rng_file(rank: int) -> str:
 
 
 _FILE_RES = {
-    "model": re.compile(r"model_tp(\d+)\.safetensors"),
-    "optim": re.compile(r"optim_tp(\d+)_dp(\d+)\.safetensors"),
+    "model": re.compile(r"model_tp(\d+)(?:_pp(\d+))?\.safetensors"),
+    "optim": re.compile(r"optim_tp(\d+)_dp(\d+)(?:_pp(\d+))?\.safetensors"),
     "rng": re.compile(r"rng_rank(\d+)\.safetensors"),
 }
 
@@ -59,9 +64,14 @@ def describe_file(name: str) -> dict[str, Any] | None:
         if match is None:
             continue
         if kind == "model":
-            return {"kind": kind, "tp_rank": int(match[1])}
+            return {"kind": kind, "tp_rank": int(match[1]), "pp_rank": int(match[2] or 0)}
         if kind == "optim":
-            return {"kind": kind, "tp_rank": int(match[1]), "dp_rank": int(match[2])}
+            return {
+                "kind": kind,
+                "tp_rank": int(match[1]),
+                "dp_rank": int(match[2]),
+                "pp_rank": int(match[3] or 0),
+            }
         return {"kind": kind, "rank": int(match[1])}
     return None
 
@@ -116,6 +126,29 @@ def model_specs(model) -> dict[str, TensorSpec]:
     }
 
 
+def saved_parameters(model) -> dict:
+    """The parameters a stage saves: all but the last stage's copy of tied embeddings."""
+    return {
+        name: param
+        for name, param in model.named_parameters()
+        if not getattr(param, "pipeline_duplicate", False)
+    }
+
+
+def all_stage_specs(model, ps) -> dict[str, TensorSpec]:
+    """The TensorSpec of every saved parameter of the whole model, on every rank: each
+    pipeline stage's own, gathered over the pipeline group when pp > 1."""
+    saved = saved_parameters(model)
+    specs = {name: spec for name, spec in model_specs(model).items() if name in saved}
+    if ps.pp == 1:
+        return specs
+    import torch.distributed as dist
+
+    stages: list = [None] * ps.pp
+    dist.all_gather_object(stages, specs, group=ps.pp_group)
+    return {name: spec for stage in stages for name, spec in stage.items()}
+
+
 # --------------------------------------------------------------------------------------------
 # metadata.json
 
@@ -142,6 +175,9 @@ def parse_metadata(path: Path) -> dict[str, Any]:
         raise _bad(path, f"key 'step' must be a non-negative integer, got {meta.get('step')!r}")
     if not isinstance(layout, dict) or not all(_int(layout.get(k), 1) for k in ("tp", "dp")):
         raise _bad(path, "key 'layout' must hold positive integers 'tp' and 'dp'")
+    layout.setdefault("pp", 1)
+    if not _int(layout["pp"], 1):
+        raise _bad(path, "key 'layout': 'pp' must be a positive integer")
     for key in ("vocab_size", "padded_vocab_size"):
         if not _int(meta.get(key), 1):
             raise _bad(path, f"key '{key}' must be a positive integer, got {meta.get(key)!r}")

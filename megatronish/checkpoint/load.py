@@ -9,7 +9,7 @@ import os
 import torch
 from torch import nn
 
-from megatronish.checkpoint.format import model_specs
+from megatronish.checkpoint.format import all_stage_specs, model_specs
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import Config, derive
 from megatronish.parallel import ParallelState
@@ -18,9 +18,10 @@ from megatronish.parallel import ParallelState
 @torch.no_grad()
 def restore_model(source, model: nn.Module) -> None:
     """Copies every parameter's block for this rank (model.derived.tp, model.ps.tp_rank) from a
-    Checkpoint or FullTensors, after checking that the saved shapes fit the model."""
+    Checkpoint or FullTensors, after checking that the saved shapes fit the model (the whole
+    model: every rank of a pipeline checks every stage's parameters)."""
+    source.check_compatible(all_stage_specs(model, model.ps))
     wanted = model_specs(model)
-    source.check_compatible(wanted)
     tp, tp_rank = model.derived.tp, model.ps.tp_rank
     for name, param in model.named_parameters():
         param.copy_(source.block(name, "param", wanted[name], tp, tp_rank))
@@ -51,12 +52,14 @@ def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
     optimizer.inner.load_state_dict(state_dict)
 
 
-def rng_states_for(ckpt: Checkpoint, tp: int, dp: int, rank: int) -> dict[str, torch.Tensor] | None:
-    """Global rank `rank`'s RNG states for a run at (tp, dp). At the saved layout, its own saved
+def rng_states_for(
+    ckpt: Checkpoint, tp: int, dp: int, rank: int, pp: int = 1
+) -> dict[str, torch.Tensor] | None:
+    """Global rank `rank`'s RNG states for a run at (tp, dp, pp). At the saved layout, its own saved
     states (an exact resume). At another layout, the default streams of saved rank 0 (they are
     the same on every rank) and the tracker streams of the saved rank with the same tp rank at
     dp rank 0, if there is one (dropout inside tp regions draws other masks at another tp)."""
-    if (tp, dp) == (ckpt.tp, ckpt.dp):
+    if (tp, dp, pp) == (ckpt.tp, ckpt.dp, ckpt.pp):
         return ckpt.rng_states(rank)
     base = ckpt.rng_states(0)
     if base is None:
@@ -72,7 +75,7 @@ def rng_states_for(ckpt: Checkpoint, tp: int, dp: int, rank: int) -> dict[str, t
 def restore_rng(ckpt: Checkpoint, model: nn.Module, ps: ParallelState) -> None:
     """Sets this rank's CPU (and CUDA) generator and the model's tracker from the checkpoint;
     states saved on another device type are skipped (their sizes differ)."""
-    states = rng_states_for(ckpt, ps.tp, ps.dp, ps.rank)
+    states = rng_states_for(ckpt, ps.tp, ps.dp, ps.rank, ps.pp)
     if states is None:
         return
     saved_on_cuda = "cuda" in states

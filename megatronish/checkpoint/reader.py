@@ -78,6 +78,7 @@ class Checkpoint:
         self.step: int = self.meta["step"]
         self.tp: int = self.meta["layout"]["tp"]
         self.dp: int = self.meta["layout"]["dp"]
+        self.pp: int = self.meta["layout"]["pp"]
         self.vocab_size: int = self.meta["vocab_size"]
         self.specs: dict[str, TensorSpec] = self.meta["tensors"]
         self._handles: dict[str, object] = {}

@@ -35,14 +35,15 @@ from megatronish.checkpoint.format import (
     METADATA_FILE,
     TOKENIZER_FILE,
     TensorSpec,
+    all_stage_specs,
     complete_steps,
     describe_file,
     fsync_path,
     metadata_json,
     model_file,
-    model_specs,
     optim_file,
     rng_file,
+    saved_parameters,
     step_dir_name,
     write_text_atomic,
 )
@@ -78,10 +79,12 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def optimizer_tensors(model, optimizer, include_replicated: bool) -> dict[str, torch.Tensor]:
     """This rank's AdamW state as '<param>.exp_avg', '.exp_avg_sq' and '.step' tensors."""
-    names = {id(param): name for name, param in model.named_parameters()}
+    names = {id(param): name for name, param in saved_parameters(model).items()}
     out: dict[str, torch.Tensor] = {}
     for param, state in optimizer.inner.state.items():
-        if not state or (param.tp_split_dim is None and not include_replicated):
+        if not state or id(param) not in names:
+            continue
+        if param.tp_split_dim is None and not include_replicated:
             continue
         name = names[id(param)]
         out[f"{name}.exp_avg"] = state["exp_avg"]
@@ -103,16 +106,17 @@ def rng_tensors(model, ps: ParallelState) -> dict[str, torch.Tensor]:
 def rank_files(model, optimizer, ps: ParallelState) -> dict[str, dict[str, torch.Tensor]]:
     """The files this rank writes, each as its tensors (replicated ones only on tp rank 0)."""
     files: dict[str, dict[str, torch.Tensor]] = {}
+    stage = ps.pp_rank if ps.pp > 1 else None
     if ps.dp_rank == 0:
-        files[model_file(ps.tp_rank)] = {
+        files[model_file(ps.tp_rank, stage)] = {
             name: param
-            for name, param in model.named_parameters()
+            for name, param in saved_parameters(model).items()
             if param.tp_split_dim is not None or ps.tp_rank == 0
         }
     if optimizer is not None and (optimizer.zero or ps.dp_rank == 0):
         state = optimizer_tensors(model, optimizer, include_replicated=ps.tp_rank == 0)
         if state:
-            files[optim_file(ps.tp_rank, ps.dp_rank)] = state
+            files[optim_file(ps.tp_rank, ps.dp_rank, stage)] = state
     files[rng_file(ps.rank)] = rng_tensors(model, ps)
     return files
 
@@ -255,15 +259,17 @@ def save_checkpoint(
     except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
         error = exc
     _agree(error, ps, f"write its files into {tmp}")
+    specs = all_stage_specs(model, ps)
     if ps.is_main:
         layout = {
             "tp": derived.tp,
             "dp": derived.dp,
+            "pp": derived.pp,
             "zero": int(bool(optimizer is not None and optimizer.zero)),
             "world_size": ps.world_size,
         }
         meta = base_metadata(
-            step, layout, model_specs(model), derived.vocab_size, derived.padded_vocab_size,
+            step, layout, specs, derived.vocab_size, derived.padded_vocab_size,
             cfg.model.arch, optimizer is not None, loader_state, tokenizer,
         )  # fmt: skip
         try:
