@@ -4,7 +4,7 @@ against the analytic count.
 The run is the config's training run with evaluation and checkpointing switched off: W warm-up
 steps, then N timed steps, each inside a ``comm.CommCounter``. Rank 0 prints a short summary and,
 as its last line, one JSON object. Run as a plain process with a config whose world size
-(tp * dp) is above 1, the command re-launches itself under torchrun with one process per rank.
+(tp * dp * pp) is above 1, the command re-launches itself under torchrun with one process per rank.
 
 Communication formula (bytes one rank sends per optimizer step, ring algorithm, as
 ``comm.CommCounter`` counts them): see ``collectives_per_step``.
@@ -51,14 +51,19 @@ class Collective:
     def sent(self) -> float:
         """Bytes this rank sends for all `count` calls: ring all-reduce 2 (n-1)/n x payload,
         all-gather, reduce-scatter and broadcast (n-1)/n x payload."""
+        if self.kind == "p2p":
+            return self.count * self.payload
         factor = (2 if self.kind == "all_reduce" else 1) * (self.size - 1) / self.size
         return self.count * self.payload * factor
 
 
-def local_parameter_count(cfg: Config, derived: Derived) -> int:
-    """Parameters one tp rank holds (the padded vocab included): the elements its data-parallel
-    gradient all-reduce and its ZeRO-1 broadcasts carry."""
+def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
+    """Parameters one tp rank of pipeline stage pp_rank holds (the padded vocab included): the
+    elements its data-parallel gradient all-reduce and its ZeRO-1 broadcasts carry. The first
+    stage holds the embeddings, the last the final norm and the output layer (with tied
+    embeddings and pp > 1, a copy of the token embedding)."""
     m, t, h = cfg.model, derived.tp, cfg.model.d_model
+    first, last = pp_rank == 0, pp_rank == derived.pp - 1
     gpt2 = m.arch == "gpt2"
     norm = 2 * h if gpt2 else h
     qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim // t
@@ -67,22 +72,26 @@ def local_parameter_count(cfg: Config, derived: Derived) -> int:
     f_local = derived.d_ff // t
     mlp = (2 if gpt2 else 3) * f_local * h + (f_local + h if gpt2 else 0)
     vocab_local = derived.padded_vocab_size // t
-    embed = vocab_local * h + (m.max_seq_len * h if gpt2 else 0)
-    head = 0 if derived.tie_embeddings else vocab_local * h
-    return m.n_layer * (attn + mlp + 2 * norm) + embed + norm + head
+    embed = vocab_local * h + (m.max_seq_len * h if gpt2 else 0) if first else 0
+    head = vocab_local * h if last and (not derived.tie_embeddings or not first) else 0
+    layers = derived.stage_layers[pp_rank]
+    return layers * (attn + mlp + 2 * norm) + embed + (norm if last else 0) + head
 
 
-def sequence_parallel_grad_count(cfg: Config) -> int:
+def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Elements of the replicated parameters whose gradients the trainer sums over the tp group
-    under sequence parallelism: every norm, and (gpt2) the row-parallel biases."""
+    under sequence parallelism on stage pp_rank: every norm, and (gpt2) the row-parallel
+    biases."""
     h, gpt2 = cfg.model.d_model, cfg.model.arch == "gpt2"
     norm = 2 * h if gpt2 else h
     row_biases = 2 * h if gpt2 else 0
-    return cfg.model.n_layer * (2 * norm + row_biases) + norm
+    last = pp_rank == derived.pp - 1
+    return derived.stage_layers[pp_rank] * (2 * norm + row_biases) + (norm if last else 0)
 
 
-def collectives_per_step(cfg: Config, derived: Derived) -> list[Collective]:
-    """Every collective one rank issues in one optimizer step, from the config alone.
+def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> list[Collective]:
+    """Every collective one rank of pipeline stage pp_rank issues in one optimizer step, from
+    the config alone.
 
     Legend: b micro-batch, s sequence, h hidden, L layers, A accumulation steps, t tp size,
     P local parameters (``local_parameter_count``). Under bf16 autocast the matmuls run in
@@ -115,13 +124,22 @@ def collectives_per_step(cfg: Config, derived: Derived) -> list[Collective]:
     all-reduce of every local gradient (fp32, 4 P bytes), the loss mean (fp32 scalar), and with
     optim.zero = 1 one broadcast per parameter (4 P bytes in all).
 
+    With pp > 1 each stage counts its own L layers and parameters; the embedding's
+    collectives are the first stage's, the LM head's and the loss's the last stage's. Per
+    micro-batch a stage sends its fp32 hidden states [b, s, h] ([b, s/t, h] under sequence
+    parallelism) forward (all but the last stage) and their gradient backward (all but the
+    first), counted as sent once ("p2p"); per step the first and last stage all-reduce the
+    tied embedding's gradient, and the grad-norm partial sum and the loss are all-reduced over
+    the pipeline.
+
     Ring bytes sent: all-reduce 2 (n-1)/n x payload; the others (n-1)/n x payload. Without
     sequence parallelism, fp32 or bf16, no recompute, at dp = 1 that totals
     2 (t-1)/t x A [(4 + c (4 L + 1)) b s h + 12 b s] + 2 (t-1)/t x 8.
     """
     m, p, tr = cfg.model, cfg.parallel, cfg.train
-    t, dp, accum = derived.tp, derived.dp, derived.grad_accum_steps
-    b, s, h, n_layer = tr.micro_batch_size, tr.seq_len, m.d_model, m.n_layer
+    t, dp, pp, accum = derived.tp, derived.dp, derived.pp, derived.grad_accum_steps
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    b, s, h, n_layer = tr.micro_batch_size, tr.seq_len, m.d_model, derived.stage_layers[pp_rank]
     c = 2 if tr.precision == "bf16" else FP32_BYTES
     act_fp32, act_c = b * s * h * FP32_BYTES, b * s * h * c
     out: list[Collective] = []
@@ -130,61 +148,76 @@ def collectives_per_step(cfg: Config, derived: Derived) -> list[Collective]:
         if size > 1 and count > 0:
             out.append(Collective(what, kind, group, size, payload, count))
 
-    def tp_op(what: str, kind: str, payload: int, per_micro: int) -> None:
-        add(what, kind, "tp", t, payload, per_micro * accum)
+    def tp_op(what: str, kind: str, payload: int, per_micro: int, on: bool = True) -> None:
+        if on:
+            add(what, kind, "tp", t, payload, per_micro * accum)
 
     full_recompute = tr.activation_checkpointing == "full"
     attn_runs = 2 if full_recompute else 1
     down_runs = 2 if full_recompute and m.dropout > 0 else 1
     gpt2 = m.arch == "gpt2"
-    if not (p.sequence_parallel and t > 1):
-        tp_op("embedding output (forward)", "all_reduce", act_fp32, 1)
+    sp = p.sequence_parallel and t > 1
+    tp_op("embedding output (forward)", "all_reduce", act_fp32, 1, first)
+    if not sp:
         tp_op("attention projection output (forward)", "all_reduce", act_c, n_layer * attn_runs)
         tp_op("MLP down output (forward)", "all_reduce", act_c, n_layer * down_runs)
         tp_op("qkv input gradient (backward)", "all_reduce", act_c, n_layer)
         tp_op("MLP first projection input gradient (backward)", "all_reduce", act_c, n_layer)
-        tp_op("LM head input gradient (backward)", "all_reduce", act_c, 1)
+        tp_op("LM head input gradient (backward)", "all_reduce", act_c, 1, last)
     else:
-        tp_op("embedding output (forward)", "all_reduce", act_fp32, 1)
-        tp_op("embedding output gradient (backward)", "all_gather", act_fp32, 1)
+        tp_op("embedding output gradient (backward)", "all_gather", act_fp32, 1, first)
         # Forward all-gathers of norm outputs; qkv, gpt2's MLP up and the LM head gather again
         # in backward. Under full recompute the rerun block forward gathers once more.
         qkv_gathers = 2 + (1 if full_recompute else 0)
         mlp_gathers = (2 if gpt2 else 1) + (1 if full_recompute else 0)
         tp_op("qkv input (forward, backward)", "all_gather", act_c, n_layer * qkv_gathers)
         tp_op("MLP input (forward, backward)", "all_gather", act_c, n_layer * mlp_gathers)
-        tp_op("LM head input (forward, backward)", "all_gather", act_c, 2)
+        tp_op("LM head input (forward, backward)", "all_gather", act_c, 2, last)
         tp_op("qkv input gradient (backward)", "reduce_scatter", act_c, n_layer)
         tp_op("MLP first projection input gradient (backward)", "reduce_scatter", act_c, n_layer)
-        tp_op("LM head input gradient (backward)", "reduce_scatter", act_c, 1)
+        tp_op("LM head input gradient (backward)", "reduce_scatter", act_c, 1, last)
         tp_op("attention projection output (forward)", "reduce_scatter", act_c, n_layer * attn_runs)
         tp_op("MLP down output (forward)", "reduce_scatter", act_c, n_layer * down_runs)
         tp_op("row-parallel output gradients (backward)", "all_gather", act_c, 2 * n_layer)
-    tp_op("cross-entropy row max (forward)", "all_reduce", b * s * FP32_BYTES, 1)
-    tp_op("cross-entropy target logit and sum of exp (forward)", "all_reduce", 2 * b * s * 4, 1)
+    tp_op("cross-entropy row max (forward)", "all_reduce", b * s * FP32_BYTES, 1, last)
+    tp_op(
+        "cross-entropy target logit and sum of exp (forward)", "all_reduce", 2 * b * s * 4, 1, last
+    )
     add("gradient norm (fp64 partial sum)", "all_reduce", "tp", t, FP64_BYTES, 1)
     if p.sequence_parallel:
-        sp_bytes = sequence_parallel_grad_count(cfg) * FP32_BYTES
+        sp_bytes = sequence_parallel_grad_count(cfg, derived, pp_rank) * FP32_BYTES
         add(
             "replicated-parameter gradients (sequence parallel)", "all_reduce", "tp", t, sp_bytes, 1
         )
-    local_bytes = local_parameter_count(cfg, derived) * FP32_BYTES
+    if pp > 1:
+        hidden = b * (s // t if sp else s) * h * FP32_BYTES
+        sends = (0 if last else 1) + (0 if first else 1)  # forward to next, backward to previous
+        add("hidden states and their gradients (point to point)", "p2p", "pp", pp, hidden,
+            sends * accum)  # fmt: skip
+        if derived.tie_embeddings and (first or last):
+            vocab_local = derived.padded_vocab_size // t
+            add("tied embedding gradient (first and last stage)", "all_reduce", "embedding", 2,
+                vocab_local * h * FP32_BYTES, 1)  # fmt: skip
+        add("gradient norm over the stages", "all_reduce", "pp", pp, FP64_BYTES, 1)
+    local_bytes = local_parameter_count(cfg, derived, pp_rank) * FP32_BYTES
     add("data-parallel gradient average", "all_reduce", "dp", dp, local_bytes, 1)
     add("loss mean", "all_reduce", "dp", dp, FP32_BYTES, 1)
+    add("loss from the last stage", "all_reduce", "pp", pp, FP32_BYTES, 1)
     if cfg.optim.zero == 1:
         add("ZeRO-1 parameter broadcasts (all parameters)", "broadcast", "dp", dp, local_bytes, 1)
     return out
 
 
-def formula_bytes_per_step(cfg: Config, derived: Derived) -> float:
-    """Bytes one rank sends per optimizer step by the analytic count (``collectives_per_step``)."""
-    return float(sum(op.sent for op in collectives_per_step(cfg, derived)))
+def formula_bytes_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> float:
+    """Bytes one rank of stage pp_rank sends per optimizer step by the analytic count
+    (``collectives_per_step``)."""
+    return float(sum(op.sent for op in collectives_per_step(cfg, derived, pp_rank)))
 
 
-def formula_payload_by_kind(cfg: Config, derived: Derived) -> dict[str, int]:
+def formula_payload_by_kind(cfg: Config, derived: Derived, pp_rank: int = 0) -> dict[str, int]:
     """Payload bytes per collective kind per step, as ``CommCounter.payload_bytes`` keys them."""
     totals: dict[str, int] = {}
-    for op in collectives_per_step(cfg, derived):
+    for op in collectives_per_step(cfg, derived, pp_rank):
         totals[op.kind] = totals.get(op.kind, 0) + op.payload * op.count
     return totals
 
@@ -288,6 +321,7 @@ def report(cfg: Config, derived: Derived, result: BenchResult, steps: int, warmu
         "mfu": result.mfu,
         "tp": derived.tp,
         "dp": derived.dp,
+        "pp": derived.pp,
         "world_size": derived.world_size,
         "bytes_sent_per_step": result.bytes_sent_per_step,
         "bytes_sent_per_step_formula": formula,
@@ -310,8 +344,9 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
     verdict = "matches" if abs(sent - formula) <= 1e-9 * max(1.0, formula) else "DIFFERS"
     return [
         f"bench: {m.arch} {m.n_layer} layers, d_model {m.d_model}, {t.precision}; "
-        f"tp {derived.tp} x dp {derived.dp} (world {derived.world_size}); micro-batch "
-        f"{t.micro_batch_size} x seq {t.seq_len}, {derived.grad_accum_steps} accumulation steps",
+        f"tp {derived.tp} x dp {derived.dp} x pp {derived.pp} (world {derived.world_size}); "
+        f"micro-batch {t.micro_batch_size} x seq {t.seq_len}, {derived.grad_accum_steps} "
+        "accumulation steps",
         f"step time {record['step_time_s']:.4f} s (median of {record['steps']} after "
         f"{record['warmup']} warm-up; min {record['step_time_min_s']:.4f}, max "
         f"{record['step_time_max_s']:.4f}); {record['tokens_per_s']:.0f} tokens/s; "
@@ -359,7 +394,7 @@ def _torchrun(args: list[str]) -> int:
 
 def bench(config_path: str, overrides: tuple[str, ...], steps: int, warmup: int) -> int:
     """`megatronish bench`: benchmarks in this process under torchrun or when the world is 1;
-    otherwise starts tp * dp processes through torchrun with the same arguments (sharing this
+    otherwise starts tp * dp * pp processes through torchrun with the same arguments (sharing this
     machine's cores between them unless OMP_NUM_THREADS is set). Returns the exit status."""
     if steps < 1:
         raise UserError(f"--steps {steps}: must be at least 1")

@@ -17,6 +17,7 @@ of the ideal step time, when the stages take equal time.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -29,11 +30,46 @@ from megatronish.parallel import ParallelState
 @dataclass
 class ScheduleStats:
     """What one run of a schedule did on this stage: the most micro-batches whose activations
-    were held at once, and seconds spent computing and waiting for neighbours."""
+    were held at once, seconds spent computing and waiting for neighbours, and (when measured)
+    the peak bytes of the tensors autograd held for backward."""
 
     max_in_flight: int = 0
     compute_s: float = 0.0
     wait_s: float = 0.0
+    peak_saved_bytes: int = 0
+
+
+class SavedTensorMeter:
+    """Counts the bytes of the tensors autograd saves for backward while they are alive
+    (parameters excluded): each saved tensor is wrapped, and the wrapper, freed with the
+    graph after backward, takes its bytes off the count."""
+
+    def __init__(self, params):
+        self.skip = {p.data_ptr() for p in params}
+        self.live = self.peak = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.data_ptr() in self.skip:
+            return tensor
+        return _Saved(tensor, self)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    def __init__(self, tensor: torch.Tensor, meter: SavedTensorMeter):
+        self.tensor, self.meter = tensor, meter
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.live += self.nbytes
+        meter.peak = max(meter.peak, meter.live)
+
+    def __del__(self):
+        self.meter.live -= self.nbytes
 
 
 class Pipeline:
@@ -41,10 +77,13 @@ class Pipeline:
     (gpipe | 1f1b). The loss is computed on the last stage; run() returns the sum of the
     micro-batch losses there (and zero on other stages)."""
 
-    def __init__(self, model, ps: ParallelState, schedule: str, seq_len: int):
+    def __init__(
+        self, model, ps: ParallelState, schedule: str, seq_len: int, measure_memory: bool = False
+    ):
         self.model, self.ps, self.schedule, self.seq_len = model, ps, schedule, seq_len
         self.prev = ps.global_rank(ps.tp_rank, ps.dp_rank, ps.pp_rank - 1)
         self.next = ps.global_rank(ps.tp_rank, ps.dp_rank, ps.pp_rank + 1)
+        self.meter = SavedTensorMeter(model.parameters()) if measure_memory else None
         self.stats = ScheduleStats()
 
     # ---- communication with the neighbouring stages
@@ -103,7 +142,8 @@ class Pipeline:
         """(output, what backward starts from): hidden states on inner stages, the micro-batch
         loss scaled by `scale` on the last stage (its unscaled value added to the loss sum)."""
         start = time.perf_counter()
-        with autocast():
+        saving = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
+        with saving, autocast():
             output = self.model.stage_forward(inputs)
             if self.ps.is_last_stage:
                 loss = self.model.loss_of_logits(output, micro[:, 1:])
@@ -138,6 +178,8 @@ class Pipeline:
             self._gpipe(batch, scale, autocast)
         else:
             self._one_f_one_b(batch, scale, autocast)
+        if self.meter is not None:
+            self.stats.peak_saved_bytes, self.meter.peak = self.meter.peak, self.meter.live
         return self.loss_sum
 
     def _hold(self, held: list, item) -> None:

@@ -25,8 +25,8 @@ from megatronish.errors import UserError
 
 
 def convert_checkpoint(source: str, tp: int, output: str) -> Path:
-    """Writes checkpoint `source` (saved at any tp, dp and ZeRO setting) as a checkpoint
-    directory `output` at tp ranks and dp 1, and returns its step directory. Resuming from it
+    """Writes checkpoint `source` (saved at any tp, dp, pp and ZeRO setting) as a checkpoint
+    directory `output` at tp ranks, dp 1 and pp 1, and returns its step directory. Resuming from it
     at tp continues exactly as resuming from the source would."""
     ckpt = Checkpoint(source)
     out = Path(output)
@@ -35,7 +35,7 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
     if tp < 1:
         raise UserError(f"--tp {tp}: must be a positive integer")
     cfg = copy.deepcopy(ckpt.config)
-    cfg.parallel.tp, cfg.parallel.dp = tp, None
+    cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.pp_layers = tp, None, 1, None
     try:
         derived = derive(cfg, tp, vocab_size=ckpt.vocab_size)
     except UserError as exc:
@@ -73,7 +73,7 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
             tokenizer = TokenizerInfo(
                 info["kind"], info["eot_id"], path if path.is_file() else None
             )
-        layout = {"tp": tp, "dp": 1, "zero": 0, "world_size": tp}
+        layout = {"tp": tp, "dp": 1, "pp": 1, "zero": 0, "world_size": tp}
         meta = base_metadata(
             ckpt.step, layout, specs, ckpt.vocab_size, derived.padded_vocab_size,
             cfg.model.arch, has_optimizer, ckpt.loader_state, tokenizer,

@@ -91,7 +91,7 @@ def inference_config(cfg: Config, vocab_size: int, tp: int) -> Config:
     """A copy of a checkpoint's config for inference at tp ranks (dp 1): no sequence
     parallelism, no activation checkpointing, the saved vocab size."""
     cfg = copy.deepcopy(cfg)
-    cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp = tp, None, 1
+    cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.pp_layers = tp, None, 1, None
     cfg.parallel.sequence_parallel = False
     cfg.train.activation_checkpointing = "none"
     cfg.model.vocab_size = vocab_size
