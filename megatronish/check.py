@@ -45,9 +45,30 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"({d.padded_vocab_size // d.tp} per tp rank)",
         f"tie_embeddings: {str(d.tie_embeddings).lower()}",
         f"model FLOPs per step: {model_flops_per_step(cfg, d):.3e}",
-        "ok",
     ]
-    return "\n".join(lines)
+    if d.pp > 1:
+        lines += pipeline_lines(cfg, d)
+    return "\n".join(lines + ["ok"])
+
+
+def pipeline_lines(cfg: Config, d) -> list[str]:
+    """The stage split, each stage's parameters per rank and the schedule's bubble."""
+    from megatronish.bench import local_parameter_count
+
+    m = d.grad_accum_steps
+    per_stage = ", ".join(f"{local_parameter_count(cfg, d, r):,}" for r in range(d.pp))
+    lines = [
+        f"pipeline stages: {d.pp} (layers {', '.join(str(n) for n in d.stage_layers)}), "
+        f"schedule {cfg.parallel.pp_schedule}",
+        f"parameters per rank by stage (padded vocab): {per_stage}",
+        f"bubble (p - 1) / m = {d.pp - 1} / {m} = {(d.pp - 1) / m:.2f} of the ideal step time",
+    ]
+    if m < d.pp:
+        lines.append(
+            f"note: {m} micro-batches for {d.pp} stages leaves stages idle most of the step; "
+            "raise train.global_batch_size or lower train.micro_batch_size"
+        )
+    return lines
 
 
 def _per_rank(cfg: Config, d, params: int) -> int:

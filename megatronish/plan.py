@@ -12,6 +12,12 @@ Memory per rank (bytes), P the parameters one tp rank holds:
                            working set during its backward
   times 2 for fp32 activations; plus the logits and the loss's softmax, b s V / t x 6 bytes
   (bf16 logits, fp32 softmax). Llama's SwiGLU MLP and GQA move these by a few percent.
+
+With pipeline parallelism (pp stages, m micro-batches per step) each stage holds its own
+layers' parameters (the embeddings on the first stage, the output layer on the last) and the
+activations of the micro-batches in flight: under 1F1B stage r holds min(pp - r, m) of them,
+under GPipe all m (the last stage then also keeps m micro-batches of logits). A layout's
+memory is that of its fullest stage. The schedule's bubble stretches the step by (pp - 1) / m.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class Estimate:
 
     tp: int
     dp: int
+    pp: int
+    bubble: float
     sequence_parallel: bool
     zero: int
     activation_checkpointing: str
@@ -83,9 +91,12 @@ def activation_bytes_per_layer(
     return sbh * per * width
 
 
-def estimate(cfg: Config, world: int, tp: int, peak_flops: float, **changes) -> Estimate:
-    """Per-rank memory, step time and traffic of cfg at tensor-parallel degree tp on world
-    devices; `changes` override parallel.sequence_parallel, optim.zero, activation_checkpointing."""
+def estimate(
+    cfg: Config, world: int, tp: int, peak_flops: float, pp: int = 1, **changes
+) -> Estimate:
+    """Per-rank memory (of the fullest pipeline stage), step time and traffic of cfg at
+    tensor-parallel degree tp and pipeline degree pp on world devices; `changes` override
+    parallel.sequence_parallel, optim.zero, activation_checkpointing."""
     from megatronish.bench import formula_bytes_per_step, local_parameter_count
 
     sp = changes.get("sequence_parallel", tp > 1)
@@ -93,23 +104,36 @@ def estimate(cfg: Config, world: int, tp: int, peak_flops: float, **changes) -> 
     recompute = changes.get("activation_checkpointing", cfg.train.activation_checkpointing)
     layout = dataclasses.replace(
         cfg,
-        parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=world // tp, sequence_parallel=sp),
+        parallel=dataclasses.replace(
+            cfg.parallel, tp=tp, pp=pp, dp=world // (tp * pp), sequence_parallel=sp,
+            pp_layers=cfg.parallel.pp_layers if pp == cfg.parallel.pp else None,
+        ),
         optim=dataclasses.replace(cfg.optim, zero=zero),
         train=dataclasses.replace(cfg.train, activation_checkpointing=recompute),
-    )
+    )  # fmt: skip
     d = derive(layout, world, vocab_size=cfg.model.vocab_size)
-    params = local_parameter_count(layout, d)
-    bf16 = cfg.train.precision == "bf16"
-    layers = cfg.model.n_layer
-    act = activation_bytes_per_layer(layout, tp, sp, recompute) * layers
-    if recompute == "full":  # one layer is rebuilt at a time during backward
-        act += activation_bytes_per_layer(layout, tp, sp, "none")
-    t = cfg.train
-    logits = t.micro_batch_size * t.seq_len * d.padded_vocab_size / tp * 6
+    m, t, bf16 = d.grad_accum_steps, cfg.train, cfg.train.precision == "bf16"
+    gpipe = pp > 1 and layout.parallel.pp_schedule == "gpipe"
+    per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
+    logits_one = t.micro_batch_size * t.seq_len * d.padded_vocab_size / tp * 6
+    stages = []
+    for r in range(pp):
+        in_flight = m if gpipe else min(pp - r, m)
+        params = local_parameter_count(layout, d, r)
+        act = per_layer * d.stage_layers[r] * in_flight
+        if recompute == "full":  # one layer is rebuilt at a time during backward
+            act += activation_bytes_per_layer(layout, tp, sp, "none")
+        logits = logits_one * (m if gpipe else 1) if r == pp - 1 else 0.0
+        total = params * (4 + (2 if bf16 else 0) + 4 + 8 / (d.dp if zero == 1 else 1)) + act
+        stages.append((total + logits, params, act, logits, r))
+    _, params, act, logits, fullest = max(stages)
+    bubble = (pp - 1) / m
     flops = model_flops_per_step(layout, d)
     return Estimate(
         tp=tp,
         dp=d.dp,
+        pp=pp,
+        bubble=bubble,
         sequence_parallel=sp,
         zero=zero,
         activation_checkpointing=recompute,
@@ -118,8 +142,8 @@ def estimate(cfg: Config, world: int, tp: int, peak_flops: float, **changes) -> 
         optimizer_gb=params * 8 / (d.dp if zero == 1 else 1) / GB,
         activations_gb=act / GB,
         logits_gb=logits / GB,
-        step_time_s=flops / (world * peak_flops * ASSUMED_MFU),
-        comm_gb_per_step=formula_bytes_per_step(layout, d) / GB,
+        step_time_s=flops / (world * peak_flops * ASSUMED_MFU) * (1 + bubble),
+        comm_gb_per_step=max(formula_bytes_per_step(layout, d, r) for r in range(pp)) / GB,
     )
 
 
@@ -133,19 +157,24 @@ def gpu_spec(gpu: str | None, memory_gb: float | None) -> tuple[str, float, floa
     return name, memory_gb or GPU_MEMORY_GB[name], GPU_PEAK_TFLOPS[name] * 1e12
 
 
-def candidate_tps(cfg: Config, world: int) -> list[int]:
-    """Tensor-parallel degrees that divide the world, the heads, the kv heads and d_ff, up to 8
-    (one node's fast links)."""
+def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int]]:
+    """(tp, pp) pairs: tensor-parallel degrees up to 8 (one node's fast links) that divide the
+    heads, the kv heads and d_ff, and pipeline degrees up to 8 with a layer for every stage,
+    whose product divides the world and leaves a dp that divides the global batch."""
     n_kv = cfg.model.n_kv_head or cfg.model.n_head
     out = []
     for tp in (1, 2, 4, 8):
-        if world % tp or cfg.model.n_head % tp or n_kv % tp:
+        if cfg.model.n_head % tp or n_kv % tp:
             continue
         if cfg.model.d_ff is not None and cfg.model.d_ff % tp:
             continue
-        if cfg.train.global_batch_size % (cfg.train.micro_batch_size * (world // tp)):
-            continue
-        out.append(tp)
+        for pp in (1, 2, 4, 8):
+            if world % (tp * pp) or pp > cfg.model.n_layer:
+                continue
+            dp = world // (tp * pp)
+            if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
+                continue
+            out.append((tp, pp))
     return out
 
 
@@ -157,8 +186,8 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
     if world < 1:
         raise UserError(f"--gpus {gpus}: must be >= 1")
     name, mem, peak = gpu_spec(gpu, memory_gb)
-    tps = candidate_tps(cfg, world)
-    if not tps:
+    layouts = candidate_layouts(cfg, world)
+    if not layouts:
         raise UserError(
             f"no tensor-parallel degree in 1, 2, 4, 8 fits {world} GPUs with model.n_head="
             f"{cfg.model.n_head} and train.global_batch_size={cfg.train.global_batch_size}"
@@ -176,24 +205,28 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
         ]
     )
     for recompute in levels:
-        for tp in tps:
-            est = estimate(cfg, world, tp, peak, activation_checkpointing=recompute, zero=1)
-            rows.append(est)
-            if choice is None and est.total_gb <= budget:
-                choice = est
-        if choice is not None:
+        level = [
+            estimate(cfg, world, tp, peak, pp=pp, activation_checkpointing=recompute, zero=1)
+            for tp, pp in layouts
+        ]
+        rows += level
+        fits = [e for e in level if e.total_gb <= budget]
+        if fits:  # the fastest that fits; among equals, the least model parallelism
+            choice = min(fits, key=lambda e: (round(e.step_time_s, 6), e.tp * e.pp, e.pp))
             break
     lines = [
         f"plan for {world} x {name} ({mem:.0f} GB each, bf16 peak {peak / 1e12:.0f} TFLOP/s; "
         f"step time assumes {ASSUMED_MFU:.0%} MFU)",
         "",
-        f"{'tp':>3} {'dp':>4} {'sp':>3} {'recompute':>9} {'weights':>8} {'grads':>7} "
-        f"{'adam':>7} {'activ.':>8} {'logits':>7} {'total GB':>9} {'comm GB':>8} {'compute s':>9}",
+        f"{'tp':>3} {'dp':>4} {'pp':>3} {'bubble':>6} {'sp':>3} {'recompute':>9} "
+        f"{'weights':>8} {'grads':>7} {'adam':>7} {'activ.':>8} {'logits':>7} {'total GB':>9} "
+        f"{'comm GB':>8} {'compute s':>9}",
     ]
     for e in rows:
         mark = "  <- fits" if e.total_gb <= budget else ""
         lines.append(
-            f"{e.tp:>3} {e.dp:>4} {'y' if e.sequence_parallel else 'n':>3} "
+            f"{e.tp:>3} {e.dp:>4} {e.pp:>3} {e.bubble:>6.2f} "
+            f"{'y' if e.sequence_parallel else 'n':>3} "
             f"{e.activation_checkpointing:>9} {e.weights_gb:>8.2f} {e.grads_gb:>7.2f} "
             f"{e.optimizer_gb:>7.2f} {e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
             f"{e.total_gb:>9.2f} {e.comm_gb_per_step:>8.2f} {e.step_time_s:>9.2f}{mark}"
@@ -207,6 +240,7 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
     else:
         lines.append(
             f"recommended: --set parallel.tp={choice.tp} --set parallel.dp={choice.dp} "
+            f"--set parallel.pp={choice.pp} "
             f"--set parallel.sequence_parallel={str(choice.sequence_parallel).lower()} "
             f"--set optim.zero={choice.zero} "
             f"--set train.activation_checkpointing={choice.activation_checkpointing} "

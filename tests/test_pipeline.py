@@ -1,0 +1,319 @@
+"""Pipeline parallelism: every layout with pp > 1 trains the same losses as pp = 1 (fp32, 20
+steps, 1e-5 relative) under both schedules; 1F1B holds at most pp micro-batches of activations
+per stage and GPipe all of them (measured); each stage sends the bytes the analytic count
+says; checkpoints saved at pp = 2 resume at pp = 1 (tp 1 and tp 2) on the uninterrupted curve
+and load, evaluate and export as pp = 1 checkpoints do; config errors are one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronish.config import derive, load_config
+from megatronish.data import dataset_vocab_size, prepare_dataset
+from tests.conftest import CONFIGS, run_cli
+from tests.distributed import run_on_ranks
+
+STEPS = 20
+SMALL = [
+    "model.n_layer=4",
+    "model.d_model=32",
+    "model.n_head=4",
+    "model.max_seq_len=16",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    f"train.steps={STEPS}",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.eval_every=0",
+    "checkpoint.save=false",
+]
+GPT2 = ["model.arch=gpt2"]
+LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
+SP = ["parallel.sequence_parallel=true"]
+# name -> (tp, dp, pp, overrides); the reference of each is the same overrides at pp = 1 alone.
+TWO_RANKS = {
+    "gpt2 pp2 1f1b": (1, 1, 2, GPT2 + ["parallel.pp_schedule=1f1b"]),
+    "gpt2 pp2 gpipe": (1, 1, 2, GPT2 + ["parallel.pp_schedule=gpipe"]),
+    "llama pp2 1f1b uneven 3,1": (1, 1, 2, LLAMA + ["parallel.pp_layers=3,1"]),
+    "llama pp2 gpipe full recompute": (
+        1, 1, 2, LLAMA + ["parallel.pp_schedule=gpipe", "train.activation_checkpointing=full"],
+    ),
+}  # fmt: skip
+FOUR_RANKS = {
+    "gpt2 tp2 pp2 1f1b sp": (2, 1, 2, GPT2 + SP),
+    "gpt2 tp2 pp2 gpipe": (2, 1, 2, GPT2 + ["parallel.pp_schedule=gpipe"]),
+    "llama tp2 pp2 1f1b sp": (2, 1, 2, LLAMA + SP),
+    "llama tp2 pp2 gpipe sp": (2, 1, 2, LLAMA + SP + ["parallel.pp_schedule=gpipe"]),
+    "gpt2 dp2 pp2 zero1": (1, 2, 2, GPT2 + ["optim.zero=1"]),
+    "llama pp4 uneven": (1, 1, 4, LLAMA + ["model.n_layer=5"]),
+}
+SAVED = "gpt2 tp2 pp2 1f1b sp"  # also saves checkpoints at steps 10 and 20
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pipeline-data")
+    text = "".join(f"def g{i}(x):\n    return x - {i} * {i % 5}\n\n" for i in range(800))
+    (root / "corpus.txt").write_text(text)
+    return prepare_dataset([str(root / "corpus.txt")], str(root / "ds"), val_fraction=0.1)
+
+
+def make_config(tp: int, dp: int, pp: int, overrides: list[str], dataset: Path, extra=()):
+    sets = SMALL + overrides + [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.pp={pp}"]
+    return load_config(None, sets + [f"data.path={dataset}", *extra])
+
+
+def make_trainer(cfg, world: int, dataset: Path, ps=None):
+    from megatronish.parallel import ParallelState
+    from megatronish.trainer import Setup, Trainer
+
+    derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
+    if ps is None:
+        ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp)
+    return Trainer(Setup(cfg, derived, ps, dataset))
+
+
+def train_losses(trainer) -> list[float]:
+    return [trainer.train_step()[0] for _ in range(trainer.cfg.train.steps - trainer.step)]
+
+
+def _train_on_ranks(rank, world, variants, dataset, save_dir):
+    """For each variant: its losses and grad norms, and each stage's schedule statistics."""
+    from megatronish import comm
+    from megatronish.bench import formula_bytes_per_step
+
+    results = {}
+    for name, (tp, dp, pp, overrides) in variants.items():
+        extra = []
+        if name == SAVED:
+            extra = ["checkpoint.save=true", "checkpoint.every=10", f"checkpoint.dir={save_dir}"]
+        cfg = make_config(tp, dp, pp, overrides, dataset, extra)
+        trainer = make_trainer(cfg, world, dataset)
+        losses, norms = [], []
+        with comm.CommCounter() as counter:
+            loss, norm = trainer.train_step()
+        counted = counter.total_sent
+        losses.append(loss)
+        norms.append(norm)
+        while trainer.step < STEPS:
+            loss, norm = trainer.train_step()
+            losses.append(loss)
+            norms.append(norm)
+            if name == SAVED and trainer.step % 10 == 0:
+                trainer.save_checkpoint()
+        ps = trainer.ps
+        results[name] = {
+            "losses": losses,
+            "norms": norms,
+            "pp_rank": ps.pp_rank,
+            "sent": counted,
+            "formula": formula_bytes_per_step(cfg, trainer.s.derived, ps.pp_rank),
+        }
+    return results
+
+
+def _reference(overrides: list[str], dataset: Path, **sets) -> dict:
+    from megatronish.parallel import ParallelState
+
+    cfg = make_config(1, 1, 1, overrides, dataset, [f"{k}={v}" for k, v in sets.items()])
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss, norm = trainer.train_step()
+        losses.append(loss)
+        norms.append(norm)
+    return {"losses": losses, "norms": norms, "trainer": trainer}
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pp-checkpoints")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(dataset, saved_dir):
+    return run_on_ranks(_train_on_ranks, 2, TWO_RANKS, dataset, saved_dir, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(dataset, saved_dir):
+    return run_on_ranks(_train_on_ranks, 4, FOUR_RANKS, dataset, saved_dir, timeout=300)
+
+
+def reference_overrides(name: str, variants: dict) -> list[str]:
+    """The variant's model and training settings without its parallel ones."""
+    overrides = variants[name][3]
+    return [o for o in overrides if not o.startswith("parallel.")]
+
+
+def assert_close(actual: list[float], expected: list[float], rel: float = 1e-5) -> None:
+    assert len(actual) == len(expected) == STEPS
+    for step, (a, e) in enumerate(zip(actual, expected), start=1):
+        assert abs(a - e) <= rel * abs(e), f"step {step}: {a} vs {e}"
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_pp2_losses_and_grad_norms_equal_pp1(name, two_ranks, dataset):
+    ref = _reference(reference_overrides(name, TWO_RANKS), dataset)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
+    for rank_results in two_ranks:
+        assert_close(rank_results[name]["losses"], ref["losses"])
+        assert_close(rank_results[name]["norms"], ref["norms"])
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_tp_dp_pp_layouts_losses_and_grad_norms_equal_pp1(name, four_ranks, dataset):
+    ref = _reference(reference_overrides(name, FOUR_RANKS), dataset)
+    for rank_results in four_ranks:
+        assert_close(rank_results[name]["losses"], ref["losses"])
+        assert_close(rank_results[name]["norms"], ref["norms"])
+
+
+@pytest.mark.parametrize("group", ["two", "four"])
+def test_every_stage_sends_the_bytes_the_analytic_count_gives(group, two_ranks, four_ranks):
+    per_rank = two_ranks if group == "two" else four_ranks
+    for rank_results in per_rank:
+        for name, result in rank_results.items():
+            assert result["formula"] > 0
+            assert result["sent"] == pytest.approx(result["formula"], rel=1e-12), name
+
+
+def _schedule_memory(rank, world, dataset, micro_batches):
+    """Per schedule: (max micro-batches in flight, peak saved-tensor bytes) on this stage."""
+    from megatronish.parallel import ParallelState
+    from megatronish.pipeline import Pipeline
+
+    out = {}
+    ps = ParallelState.from_world(1, 1, world)
+    for schedule in ("1f1b", "gpipe"):
+        cfg = make_config(
+            1, 1, world, GPT2, dataset,
+            [f"train.global_batch_size={2 * micro_batches}", f"parallel.pp_schedule={schedule}"],
+        )  # fmt: skip
+        trainer = make_trainer(cfg, world, dataset, ps)
+        trainer.pipeline = Pipeline(
+            trainer.model, ps, schedule, cfg.train.seq_len, measure_memory=True
+        )
+        trainer.train_step()
+        stats = trainer.pipeline.stats
+        out[schedule] = (stats.max_in_flight, stats.peak_saved_bytes)
+    return out
+
+
+def test_1f1b_holds_at_most_pp_micro_batches_of_activations_gpipe_holds_all(dataset):
+    m = 8
+    per_rank = run_on_ranks(_schedule_memory, 4, dataset, m, timeout=180)
+    for pp_rank, result in enumerate(per_rank):
+        in_flight_1f1b, bytes_1f1b = result["1f1b"]
+        in_flight_gpipe, bytes_gpipe = result["gpipe"]
+        assert in_flight_1f1b == 4 - pp_rank <= 4
+        assert in_flight_gpipe == m
+        # Saved activations scale with the micro-batches held (within one micro-batch's worth).
+        per_micro = bytes_gpipe / m
+        assert bytes_1f1b <= in_flight_1f1b * per_micro * 1.01
+        assert bytes_1f1b >= (in_flight_1f1b - 1) * per_micro
+
+
+def _resume_tp2(rank, world, dataset, checkpoint_dir):
+    cfg = make_config(
+        2, 1, 1, GPT2 + SP, dataset,
+        [f"checkpoint.resume={checkpoint_dir}/step_000010", "checkpoint.save=false"],
+    )  # fmt: skip
+    trainer = make_trainer(cfg, world, dataset)
+    assert trainer.resumed_from == 10
+    return train_losses(trainer)
+
+
+def test_a_pp2_checkpoint_resumes_at_pp1_on_tp1_and_tp2_on_the_same_curve(
+    four_ranks, dataset, saved_dir
+):
+    from megatronish.parallel import ParallelState
+
+    ref = _reference(GPT2, dataset)
+    resume = f"checkpoint.resume={saved_dir}/step_000010"
+    cfg = make_config(1, 1, 1, GPT2, dataset, [resume])
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+    assert trainer.resumed_from == 10
+    tp1 = train_losses(trainer)
+    assert len(tp1) == 10
+    for a, e in zip(tp1, ref["losses"][10:]):
+        assert abs(a - e) <= 1e-5 * abs(e)
+    for tp2 in run_on_ranks(_resume_tp2, 2, dataset, saved_dir, timeout=180):
+        for a, e in zip(tp2, ref["losses"][10:], strict=True):
+            assert abs(a - e) <= 1e-5 * abs(e)
+
+
+def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
+    four_ranks, dataset, saved_dir, tmp_path
+):
+    from safetensors.torch import load_file
+
+    from megatronish import load_model
+    from megatronish.checkpoint.hf import export_hf
+    from megatronish.checkpoint.reader import Checkpoint
+
+    ckpt = Checkpoint(saved_dir / "step_000020")
+    assert ckpt.pp == 2 and ckpt.tp == 2
+    # The pp = 1 run's weights at step 20, saved through the same code.
+    ref = _reference(GPT2, dataset, **{"checkpoint.dir": tmp_path / "ref"})
+    ref["trainer"].save_checkpoint()
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = load_model(saved_dir / "step_000020")(tokens)
+        want = load_model(tmp_path / "ref" / "step_000020")(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    export_hf(str(saved_dir / "step_000020"), str(tmp_path / "hf_pp"))
+    export_hf(str(tmp_path / "ref" / "step_000020"), str(tmp_path / "hf_ref"))
+    got_hf = load_file(str(tmp_path / "hf_pp" / "model.safetensors"))
+    want_hf = load_file(str(tmp_path / "hf_ref" / "model.safetensors"))
+    assert got_hf.keys() == want_hf.keys()
+    for key in want_hf:
+        torch.testing.assert_close(got_hf[key], want_hf[key], rtol=1e-4, atol=1e-5)
+    result = run_cli("eval", "--checkpoint", str(saved_dir / "step_000020"), timeout=120)
+    assert result.returncode == 0, result.stderr
+    ref_eval = run_cli("eval", "--checkpoint", str(tmp_path / "ref" / "step_000020"), timeout=120)
+    assert result.stdout.splitlines()[0] == ref_eval.stdout.splitlines()[0]
+
+
+def test_cli_check_and_plan_show_the_stages_and_the_bubble():
+    result = run_cli(
+        "check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.pp=3",
+        "--set", "model.n_layer=5", "--set", "train.micro_batch_size=2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "pipeline stages: 3 (layers 2, 2, 1)" in result.stdout
+    assert "bubble (p - 1) / m = 2 / 8 = 0.25" in result.stdout
+    plan = run_cli(
+        "plan", "--config", str(CONFIGS / "gpt2-1.3b.yaml"), "--gpus", "16", "--gpu", "A10G",
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    lines = plan.stdout.splitlines()
+    assert lines[2].split()[:4] == ["tp", "dp", "pp", "bubble"]
+    rows = [line.split() for line in lines[3:] if line.strip()[:1].isdigit()]
+    by_pp = {int(row[2]): float(row[3]) for row in rows if row[0] == "1"}
+    # gpt2-1.3b: global batch 512 of micro-batches 8; tp 1 x pp 2 on 16 GPUs: dp 8, m = 8.
+    assert by_pp[1] == 0.0 and by_pp[2] == pytest.approx(1 / 8, abs=0.005)
+
+
+@pytest.mark.parametrize(
+    ("sets", "key"),
+    [
+        (["parallel.pp=2", "parallel.pp_layers=3,2"], "parallel.pp_layers"),
+        (["parallel.pp=2", "parallel.pp_layers=a,b"], "parallel.pp_layers"),
+        (["parallel.pp=8"], "parallel.pp"),
+        (["parallel.pp_schedule=zigzag"], "parallel.pp_schedule"),
+    ],
+)
+def test_cli_bad_pipeline_settings_exit_2_with_one_line(sets, key):
+    args = ["check", "--config", str(CONFIGS / "tiny.yaml")]
+    for s in sets:
+        args += ["--set", s]
+    result = run_cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
