@@ -28,6 +28,7 @@ from megatronish.errors import UserError
 
 FP32_BYTES = 4
 FP64_BYTES = 8
+STEP_FLAGS = 3  # faults.agree_on_step: loss non-finite, grad_norm non-finite, stop requested
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,8 +38,9 @@ FP64_BYTES = 8
 @dataclass(frozen=True)
 class Collective:
     """One kind of collective a training step issues: `count` calls of `payload` bytes each on
-    the `group` ("tp" or "dp") of `size` ranks. payload is what ``comm`` counts: the tensor of
-    an all-reduce or broadcast, the full (gathered) tensor of an all-gather or reduce-scatter."""
+    the `group` ("tp", "dp" or "world") of `size` ranks. payload is what ``comm`` counts: the
+    tensor of an all-reduce or broadcast, the full (gathered) tensor of an all-gather or
+    reduce-scatter."""
 
     what: str
     kind: str
@@ -113,11 +115,12 @@ def collectives_per_step(cfg: Config, derived: Derived) -> list[Collective]:
     Per step: the grad-norm all-reduce (fp64 scalar, tp > 1); under sequence parallelism the
     sum over tp of the replicated parameters' gradients; with dp > 1 the data-parallel
     all-reduce of every local gradient (fp32, 4 P bytes), the loss mean (fp32 scalar), and with
-    optim.zero = 1 one broadcast per parameter (4 P bytes in all).
+    optim.zero = 1 one broadcast per parameter (4 P bytes in all); then the step agreement over
+    the whole world (faults.agree_on_step: three fp32 flags, 12 bytes).
 
     Ring bytes sent: all-reduce 2 (n-1)/n x payload; the others (n-1)/n x payload. Without
     sequence parallelism, fp32 or bf16, no recompute, at dp = 1 that totals
-    2 (t-1)/t x A [(4 + c (4 L + 1)) b s h + 12 b s] + 2 (t-1)/t x 8.
+    2 (t-1)/t x A [(4 + c (4 L + 1)) b s h + 12 b s] + 2 (t-1)/t x (8 + 12).
     """
     m, p, tr = cfg.model, cfg.parallel, cfg.train
     t, dp, accum = derived.tp, derived.dp, derived.grad_accum_steps
@@ -173,6 +176,14 @@ def collectives_per_step(cfg: Config, derived: Derived) -> list[Collective]:
     add("loss mean", "all_reduce", "dp", dp, FP32_BYTES, 1)
     if cfg.optim.zero == 1:
         add("ZeRO-1 parameter broadcasts (all parameters)", "broadcast", "dp", dp, local_bytes, 1)
+    add(
+        "step agreement: non-finite and stop flags",
+        "all_reduce",
+        "world",
+        derived.world_size,
+        STEP_FLAGS * FP32_BYTES,
+        1,
+    )
     return out
 
 
@@ -240,7 +251,7 @@ def time_steps(trainer, steps: int, warmup: int) -> BenchResult:
     with comm.CommCounter() as counter:
         for _ in range(steps):
             start = time.perf_counter()
-            loss, _ = trainer.train_step()
+            loss = trainer.train_step().loss
             _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(loss)
