@@ -38,9 +38,8 @@ STEP_FLAGS = 3  # faults.agree_on_step: loss non-finite, grad_norm non-finite, s
 @dataclass(frozen=True)
 class Collective:
     """One kind of collective a training step issues: `count` calls of `payload` bytes each on
-    the `group` ("tp", "dp" or "world") of `size` ranks. payload is what ``comm`` counts: the
-    tensor of an all-reduce or broadcast, the full (gathered) tensor of an all-gather or
-    reduce-scatter."""
+    the `group` ("tp" or "dp") of `size` ranks. payload is what ``comm`` counts: the tensor of
+    an all-reduce or broadcast, the full (gathered) tensor of an all-gather or reduce-scatter."""
 
     what: str
     kind: str
@@ -115,8 +114,8 @@ def collectives_per_step(cfg: Config, derived: Derived) -> list[Collective]:
     Per step: the grad-norm all-reduce (fp64 scalar, tp > 1); under sequence parallelism the
     sum over tp of the replicated parameters' gradients; with dp > 1 the data-parallel
     all-reduce of every local gradient (fp32, 4 P bytes), the loss mean (fp32 scalar), and with
-    optim.zero = 1 one broadcast per parameter (4 P bytes in all); then the step agreement over
-    the whole world (faults.agree_on_step: three fp32 flags, 12 bytes).
+    optim.zero = 1 one broadcast per parameter (4 P bytes in all); then the step agreement
+    (faults.agree_on_step: three fp32 flags, 12 bytes, over tp and then over dp).
 
     Ring bytes sent: all-reduce 2 (n-1)/n x payload; the others (n-1)/n x payload. Without
     sequence parallelism, fp32 or bf16, no recompute, at dp = 1 that totals
@@ -176,14 +175,9 @@ def collectives_per_step(cfg: Config, derived: Derived) -> list[Collective]:
     add("loss mean", "all_reduce", "dp", dp, FP32_BYTES, 1)
     if cfg.optim.zero == 1:
         add("ZeRO-1 parameter broadcasts (all parameters)", "broadcast", "dp", dp, local_bytes, 1)
-    add(
-        "step agreement: non-finite and stop flags",
-        "all_reduce",
-        "world",
-        derived.world_size,
-        STEP_FLAGS * FP32_BYTES,
-        1,
-    )
+    for group, size in (("tp", t), ("dp", dp)):
+        add("step agreement: non-finite and stop flags", "all_reduce", group, size,
+            STEP_FLAGS * FP32_BYTES, 1)  # fmt: skip
     return out
 
 

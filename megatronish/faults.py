@@ -15,7 +15,8 @@
   skip that optimizer update alike.
 - Another rank fails: the collective this rank waits in fails (gloo sees the connection close,
   the shared-memory path sees the process gone, or parallel.timeout_s passes); `lost_peer`
-  recognises that, and the rank exits with one line instead of a second traceback.
+  recognises that, and the rank exits with status 1 and no traceback of its own (rank 0 says
+  in one line that another rank failed; the rank that failed has printed why).
 
 Importing this module is cheap (no torch): the CLI calls `die_with_parent` first thing.
 """
@@ -277,11 +278,13 @@ class StepVerdict:
 
 
 def agree_on_step(
-    loss: float | None, grad_norm: float, stop_requested: bool, device: torch.device
+    loss: float | None, grad_norm: float, stop_requested: bool, ps: ParallelState
 ) -> StepVerdict:
     """The StepVerdict of a step from this rank's view: its loss (None where this rank has no
-    loss), the gradient norm and whether it was asked to stop. One all-reduce (MAX) of three
-    fp32 flags over the whole world, so a rank that alone sees a NaN or a signal decides for all."""
+    loss), the gradient norm and whether it was asked to stop. Three fp32 flags, reduced (MAX)
+    over the tp group and then the dp group, so over every rank of the dp x tp grid: a rank
+    that alone sees a NaN or a signal decides for all. (Two tiny all-reduces rather than one
+    over the world: these groups take the shared-memory path on one host, the world does not.)"""
     import torch
     import torch.distributed as dist
 
@@ -292,8 +295,9 @@ def agree_on_step(
         not math.isfinite(grad_norm),
         stop_requested,
     ]
-    flags = torch.tensor(local, dtype=torch.float32, device=device)
-    comm.all_reduce(flags, None, op=dist.ReduceOp.MAX)
+    flags = torch.tensor(local, dtype=torch.float32, device=ps.device)
+    comm.all_reduce(flags, ps.tp_group, op=dist.ReduceOp.MAX)
+    comm.all_reduce(flags, ps.dp_group, op=dist.ReduceOp.MAX)
     loss_bad, norm_bad, stop = (bool(x) for x in flags.tolist())
     nonfinite = tuple(name for name, bad in (("loss", loss_bad), ("grad_norm", norm_bad)) if bad)
     return StepVerdict(nonfinite, stop)

@@ -112,7 +112,7 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, s: Setup):
+    def __init__(self, s: Setup, stop_signals: faults.StopSignals | None = None):
         self.s, self.cfg, self.ps = s, s.cfg, s.ps
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(s.cfg.train.seed)
@@ -127,14 +127,15 @@ class Trainer:
         # The step resumed from (checkpoint.resume), or None for a fresh start.
         self.resumed_from = checkpoints.start(self)
         self.saved_step = self.resumed_from
-        self.stop_signals = faults.StopSignals()  # active while run() trains
+        # Asks to stop at a step boundary once installed (train() installs it).
+        self.stop_signals = stop_signals or faults.StopSignals()
 
     def train_step(self) -> StepResult:
         """One optimizer step attempt over the next global batch. Its update is skipped on every
         rank when the loss or gradient norm is not finite on any; the step counts either way."""
         loss, grad_norm = self.compute_gradients()
         asked = self.stop_signals.requested is not None
-        verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps.device)
+        verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps)
         if not verdict.skip:
             self.optimizer.step(lr_at(self.step + 1, self.cfg))
         self.optimizer.zero_grad()
@@ -184,8 +185,9 @@ class Trainer:
         (self.out_dir / "derived.json").write_text(json.dumps(derived, indent=2) + "\n")
 
     def run(self) -> dict:
-        """Trains to train.steps, or until a rank is asked to stop (SIGTERM or SIGUSR1; it saves
-        first); returns the last metrics line (and val_loss if computed)."""
+        """Trains to train.steps, or until a rank is asked to stop (SIGTERM or SIGUSR1, once
+        stop_signals are installed; it saves first); returns the last metrics line (and
+        val_loss if computed)."""
         cfg, ps = self.cfg, self.ps
         self.write_run_files()
         resumed = self.resumed_from is not None
@@ -199,7 +201,6 @@ class Trainer:
         last: dict = {}
         window_start, window_steps = time.perf_counter(), 0
         skipped_in_a_row, stopped = 0, False
-        self.stop_signals.install()
         try:
             while self.step < cfg.train.steps and not stopped:
                 result = self.train_step()
@@ -241,7 +242,6 @@ class Trainer:
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
         finally:
-            self.stop_signals.restore()
             bar.close()
             metrics.close()
         if stopped and ps.is_main:
@@ -288,14 +288,18 @@ def train(cfg: Config) -> dict:
     another rank went away raises a one-line RunFailure (only rank 0 prints it): the rank that
     failed first has printed the error."""
     s = setup(cfg)
+    # From here to the end SIGTERM and SIGUSR1 only ask to stop, so a rank that torchrun
+    # terminates because another rank failed still gets to say so in one line.
+    stop_signals = faults.StopSignals()
     lock = (
         faults.run_lock(checkpoints.checkpoint_dir(cfg), s.ps)
         if cfg.checkpoint.save
         else contextlib.nullcontext()
     )
     try:
+        stop_signals.install()
         with lock:
-            trainer = Trainer(s)
+            trainer = Trainer(s, stop_signals)
             summary = trainer.run()
         if s.ps.is_main and summary:
             line = f"step {summary['step']}: loss {summary['loss']:.4f}"
@@ -312,5 +316,6 @@ def train(cfg: Config) -> dict:
             f"rank {s.ps.rank}: stopped because another rank failed ({reason})", rank0_prints=True
         ) from exc
     finally:
+        stop_signals.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
