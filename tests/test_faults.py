@@ -1,8 +1,9 @@
 """Faults, end to end on CPU gloo: ranks die with their launcher; a second run on a locked
 checkpoint.dir is refused in one line; a worker killed under --max-restarts, SIGTERM to the
 launcher and SIGUSR1 to one rank all end in the loss curve of an uninterrupted run; non-finite
-steps are skipped alike on every rank, counted, and never saved; a rank that raises brings
-every rank down with its message printed once.
+steps are skipped alike on every rank, counted, never saved, and stop the run after
+train.max_skipped_steps in a row; a rank that raises brings every rank down with its message
+printed once.
 
 Every command runs in a session of its own and is killed, with any process still naming its
 run directory, in a finally block whatever the test does.
@@ -23,9 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatronish.errors import UserError
+from megatronish.config import load_config
+from megatronish.errors import RunFailure, UserError
 from megatronish.faults import RunLock, child_pids, process_alive, run_lock
 from megatronish.parallel import ParallelState
+from megatronish.trainer import Trainer, setup
 from tests.conftest import CONFIGS, REPO
 from tests.test_checkpoint_helpers import prepare_small_dataset
 
@@ -373,25 +376,38 @@ def tensors(step_dir: Path, kind: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_non_finite_steps_are_skipped_alike_counted_and_never_saved(tmp_path, dataset):
-    out = tmp_path / "nan"
-    sets = ("train.steps=8", "checkpoint.every=1", "checkpoint.keep=0", "train.max_skipped_steps=2")
-    # Rank 1's loss (and so its gradients) is NaN at steps 3, 5 and 6; rank 0 computes finite
-    # losses and only learns of the NaN through the step agreement.
-    with started(faulty(out, dataset, *sets), out, FAULT="nan", FAULT_RANK="1",
-                 FAULT_STEPS="3,5,6") as run:  # fmt: skip
-        assert run.finish() == 1
-        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "steps 5 to 6" in errors[0], errors
-    assert "train.max_skipped_steps=2" in errors[0]
-    lines = metrics_lines(out)
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory, dataset) -> dict:
+    """tp = 2 under torchrun, checkpoints at every step: rank 1's loss (and so its gradients)
+    is NaN at step 3, while rank 0 computes a finite loss and learns of the NaN only through
+    the step agreement; at step 5 rank 1 raises."""
+    root = tmp_path_factory.mktemp("faulty")
+    out, logs = root / "run", root / "logs"
+    sets = ("train.steps=100000", "checkpoint.every=1", "checkpoint.keep=0",
+            "parallel.timeout_s=30")  # fmt: skip
+    command = faulty(out, dataset, *sets, torchrun=("--log-dir", str(logs), "--redirects", "3"))
+    with started(command, out, FAULT_RANK="1", FAULT_NAN_STEPS="3", FAULT_RAISE_STEP="5") as run:
+        run.wait_for_step(4)
+        before = time.monotonic()
+        status = run.finish()
+        seen = {"status": status, "down_after": time.monotonic() - before, "out": out}
+        seen["left"] = processes_naming(run.marker)
+        seen["console"] = run.stdout + run.stderr
+    seen["logs"] = {
+        rank: next(logs.glob(f"**/attempt_0/{rank}/stderr.log")).read_text() for rank in (0, 1)
+    }
+    return seen
+
+
+def test_a_non_finite_step_is_skipped_alike_on_every_rank_counted_and_never_saved(faulty_run):
+    lines = metrics_lines(faulty_run["out"])
     assert [x["step"] for x in lines if "loss" in x] == [1, 2, 4]
-    skipped = [(x["step"], x["skipped_in_a_row"]) for x in lines if "skipped" in x]
-    assert skipped == [(3, 1), (5, 1), (6, 2)]
-    assert all("loss" in x["skipped"] for x in lines if "skipped" in x)
-    ckpt = out / "checkpoints"
-    assert sorted(p.name for p in ckpt.glob("step_*")) == [f"step_{s:06d}" for s in range(1, 6)]
-    for step in range(1, 6):
+    assert [x for x in lines if "skipped" in x] == [
+        {"step": 3, "skipped": "non-finite loss and grad_norm", "skipped_in_a_row": 1}
+    ]
+    ckpt = faulty_run["out"] / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == [f"step_{s:06d}" for s in range(1, 5)]
+    for step in range(1, 5):
         for kind in ("model", "optim"):
             assert all(
                 v.isfinite().all() for v in tensors(ckpt / f"step_{step:06d}", kind).values()
@@ -401,29 +417,44 @@ def test_non_finite_steps_are_skipped_alike_counted_and_never_saved(tmp_path, da
         x, y = tensors(ckpt / f"step_{a:06d}", kind), tensors(ckpt / f"step_{b:06d}", kind)
         return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
-    for kind in ("model", "optim"):  # no update at a skipped step, on either tp shard
-        assert same(2, 3, kind) and same(4, 5, kind), kind
+    for kind in ("model", "optim"):  # no update at step 3, on either tp shard
+        assert same(2, 3, kind), kind
         assert not same(3, 4, kind), "step 4 updates again"
 
 
-def test_a_rank_that_raises_stops_every_rank_with_its_message_printed_once(tmp_path, dataset):
-    out, logs = tmp_path / "raise", tmp_path / "logs"
-    sets = ("train.steps=100000", "parallel.timeout_s=30")
-    command = faulty(out, dataset, *sets, torchrun=("--log-dir", str(logs), "--redirects", "3"))
-    with started(command, out, FAULT="raise", FAULT_RANK="1", FAULT_STEPS="3") as run:
-        run.wait_for_step(2)
-        before = time.monotonic()
-        assert run.finish() != 0
-        assert time.monotonic() - before < 30, "every rank is down within parallel.timeout_s"
-        assert not processes_naming(run.marker)
-        console = run.stdout + run.stderr
-    rank_logs = {
-        rank: (next(logs.glob(f"**/attempt_0/{rank}/stderr.log")).read_text()) for rank in (0, 1)
-    }
-    message = "injected failure on rank 1 at step 3"
-    assert sum(text.count(message) for text in [console, *rank_logs.values()]) == 1
-    assert message in rank_logs[1] and "Traceback" in rank_logs[1]
-    survivor = [line for line in rank_logs[0].splitlines() if line.strip()]
-    assert "Traceback" not in rank_logs[0]
+def test_a_rank_that_raises_stops_every_rank_with_its_message_printed_once(faulty_run):
+    assert faulty_run["status"] != 0
+    assert faulty_run["down_after"] < 30, "every rank is down within parallel.timeout_s"
+    assert faulty_run["left"] == []
+    logs = faulty_run["logs"]
+    message = "injected failure on rank 1 at step 5"
+    assert sum(text.count(message) for text in [faulty_run["console"], *logs.values()]) == 1
+    assert message in logs[1] and "Traceback" in logs[1]
+    survivor = [line for line in logs[0].splitlines() if line.strip()]
+    assert "Traceback" not in logs[0]
     assert [line for line in survivor if line.startswith("error:")] == [survivor[-1]]
     assert survivor[-1].startswith("error: rank 0: stopped because another rank failed (")
+
+
+def test_max_skipped_steps_non_finite_in_a_row_stop_the_run_with_status_1(tmp_path, dataset):
+    out = tmp_path / "run"
+    sets = [*SMALL, "parallel.tp=1", f"data.path={dataset}", f"run.out_dir={out}",
+            "train.steps=8", "checkpoint.every=1", "checkpoint.keep=0",
+            "train.max_skipped_steps=2"]  # fmt: skip
+    trainer = Trainer(setup(load_config(None, sets)))
+    compute_gradients = trainer.compute_gradients
+
+    def nan_from_step_3() -> tuple[float, float]:
+        loss, grad_norm = compute_gradients()
+        return (float("nan"), grad_norm) if trainer.step + 1 >= 3 else (loss, grad_norm)
+
+    trainer.compute_gradients = nan_from_step_3
+    with pytest.raises(RunFailure) as failed:
+        trainer.run()
+    assert failed.value.exit_status == 1 and failed.value.rank0_prints
+    assert "steps 3 to 4" in str(failed.value) and "train.max_skipped_steps=2" in str(failed.value)
+    lines = metrics_lines(out)
+    assert [(x["step"], x["skipped_in_a_row"]) for x in lines if "skipped" in x] == [(3, 1), (4, 2)]
+    assert all(x["skipped"] == "non-finite loss" for x in lines if "skipped" in x)
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert saved == ["step_000001", "step_000002", "step_000003"], "not the step that stopped it"
