@@ -28,6 +28,7 @@ from megatronish.errors import UserError
 
 FP32_BYTES = 4
 FP64_BYTES = 8
+STEP_FLAGS = 3  # faults.agree_on_step: loss non-finite, grad_norm non-finite, stop requested
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,7 +123,8 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     Per step: the grad-norm all-reduce (fp64 scalar, tp > 1); under sequence parallelism the
     sum over tp of the replicated parameters' gradients; with dp > 1 the data-parallel
     all-reduce of every local gradient (fp32, 4 P bytes), the loss mean (fp32 scalar), and with
-    optim.zero = 1 one broadcast per parameter (4 P bytes in all).
+    optim.zero = 1 one broadcast per parameter (4 P bytes in all); then the step agreement
+    (faults.agree_on_step: three fp32 flags, 12 bytes, over tp, then dp, then pp).
 
     With pp > 1 each stage counts its own L layers and parameters; the embedding's
     collectives are the first stage's, the LM head's and the loss's the last stage's. Per
@@ -134,7 +136,7 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
 
     Ring bytes sent: all-reduce 2 (n-1)/n x payload; the others (n-1)/n x payload. Without
     sequence parallelism, fp32 or bf16, no recompute, at dp = 1 that totals
-    2 (t-1)/t x A [(4 + c (4 L + 1)) b s h + 12 b s] + 2 (t-1)/t x 8.
+    2 (t-1)/t x A [(4 + c (4 L + 1)) b s h + 12 b s] + 2 (t-1)/t x (8 + 12).
     """
     m, p, tr = cfg.model, cfg.parallel, cfg.train
     t, dp, pp, accum = derived.tp, derived.dp, derived.pp, derived.grad_accum_steps
@@ -205,6 +207,9 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     add("loss from the last stage", "all_reduce", "pp", pp, FP32_BYTES, 1)
     if cfg.optim.zero == 1:
         add("ZeRO-1 parameter broadcasts (all parameters)", "broadcast", "dp", dp, local_bytes, 1)
+    for group, size in (("tp", t), ("dp", dp), ("pp", pp)):
+        add("step agreement: non-finite and stop flags", "all_reduce", group, size,
+            STEP_FLAGS * FP32_BYTES, 1)  # fmt: skip
     return out
 
 
@@ -273,7 +278,7 @@ def time_steps(trainer, steps: int, warmup: int) -> BenchResult:
     with comm.CommCounter() as counter:
         for _ in range(steps):
             start = time.perf_counter()
-            loss, _ = trainer.train_step()
+            loss = trainer.train_step().loss
             _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(loss)

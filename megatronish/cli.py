@@ -1,27 +1,32 @@
 """The `megatronish` command line. Each command parses its options and calls one function of the
-package; a UserError from there becomes one line on stderr and exit status 2."""
+package; a UserError from there becomes one line on stderr and exit status 2, a RunFailure one
+line and exit status 1."""
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
 
+from megatronish import faults
 from megatronish.config import load_config
-from megatronish.errors import UserError
+from megatronish.errors import ReportedError
 
 
 def user_errors(fn):
-    """Turns a UserError into `error: <message>` on stderr and exit status 2."""
+    """Turns a UserError or RunFailure into `error: <message>` on stderr and its exit status
+    (2 or 1); one raised alike on every rank (rank0_prints) is printed by global rank 0 only."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except UserError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
+        except ReportedError as exc:
+            if not exc.rank0_prints or os.environ.get("RANK", "0") == "0":
+                click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_status)
 
     return wrapper
 
@@ -272,4 +277,6 @@ def import_command(hf_dir, output, overrides):
 
 
 def main() -> None:
+    if faults.under_launcher():  # a rank: it must not outlive torchrun
+        faults.die_with_parent()
     cli(prog_name="megatronish")

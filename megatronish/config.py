@@ -101,6 +101,10 @@ class TrainConfig:
     """AdamW weight decay, applied to matrices only (not to biases and norm weights)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    max_skipped_steps: int = 5
+    """A step whose loss or gradient norm is not finite (NaN or inf, on any rank) is skipped: no
+    optimizer update, a `skipped` line in metrics.jsonl. After this many skipped in a row the
+    run stops with exit status 1."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 autocast with fp32 weights, gradients and optimizer state."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
@@ -361,6 +365,7 @@ def check_values(cfg: Config) -> None:
         ("train.global_batch_size", t.global_batch_size),
         ("train.seq_len", t.seq_len),
         ("train.log_every", t.log_every),
+        ("train.max_skipped_steps", t.max_skipped_steps),
     ]:
         _require(value >= 1, f"{key}: {value} is not valid; must be a positive integer")
     for key, value in [

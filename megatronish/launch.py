@@ -1,4 +1,10 @@
-"""`megatronish launch`: runs `megatronish train` under torchrun (torch.distributed.run)."""
+"""`megatronish launch`: runs `megatronish train` under torchrun (torch.distributed.run).
+
+The launcher passes SIGTERM and SIGUSR1 on to the ranks (torchrun is told to leave them alone),
+which save a checkpoint at the end of their step and exit 0, so the launch exits 0 as well.
+With --max-restarts, torchrun restarts every rank when one fails, and they resume from the
+newest checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,14 @@ import os
 
 from torch.distributed import run as torchrun
 
+from megatronish import faults
 from megatronish.check import check_config
+from megatronish.checkpoint.training import checkpoint_dir
 from megatronish.config import Config
 from megatronish.errors import UserError
+
+# torchrun's own signal handling (it stops the ranks), less the signals the launcher forwards.
+TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
 
 def launch(
@@ -28,13 +39,21 @@ def launch(
     if world % nnodes:
         raise UserError(f"world size tp * dp * pp = {world} is not divisible by --nnodes {nnodes}")
     check_config(cfg, world)  # a bad config is one line here, not an error from every rank
+    if cfg.checkpoint.save:
+        faults.ensure_unlocked(checkpoint_dir(cfg))  # another run writing there: one line, too
     nproc = world // nnodes
     # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if max_restarts > 0:
+        # torchrun's rendezvous store, shared with the ranks by default, keeps the first
+        # attempt's keys, so restarted ranks dial the dead ranks' addresses (pytorch#135712):
+        # each attempt's rank 0 hosts a fresh store instead.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = [
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
+        f"--signals-to-handle={TORCHRUN_SIGNALS}",
     ]
     if nnodes > 1:
         args += [
@@ -48,7 +67,8 @@ def launch(
     for override in overrides:
         args += ["--set", override]
     try:
-        torchrun.main(args)
+        with faults.forward_stop_signals():
+            torchrun.main(args)
     except SystemExit as exc:
         return int(exc.code or 0)
     except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors

@@ -8,6 +8,9 @@ rank order, so every rank computes the same bits. Two sets of slots are used alt
 rank can only be one call ahead of the slowest (it waits for every counter each call), so the
 set it writes is never one another rank still reads.
 
+Each rank also publishes its pid, so a rank waiting for one that has exited (killed, or failed
+and gone) raises PeerLost within PEER_CHECK_S instead of waiting for parallel.timeout_s.
+
 Only x86-64 (whose stores are seen by other cores in program order, so a counter is never seen
 before the data written ahead of it), only contiguous tensors (all-gathers up to the slot size),
 and only SUM and MAX; everything else goes to gloo. MEGATRONISH_SHM=0 turns it off.
@@ -23,9 +26,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatronish.errors import PeerLost
+from megatronish.faults import process_alive
+
 SLOT_BYTES = 8 << 20
 FLAG_BYTES = 4096
 SPIN_BEFORE_YIELD = 64
+PEER_CHECK_S = 0.5
 
 
 class SharedMemoryGroup:
@@ -44,10 +51,12 @@ class SharedMemoryGroup:
                 f.truncate(total)
         dist.barrier(group)
         self.buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        # flags[r]: calls rank r made; flags[size + r]: rank r's pid.
+        self.flags = self.buffer[-FLAG_BYTES:].view(torch.int64)
+        self.flags[self.size + self.rank] = os.getpid()
         dist.barrier(group)
         if self.rank == 0:
             os.unlink(path)  # the mapping stays until the last process exits
-        self.flags = self.buffer[-FLAG_BYTES:].view(torch.int64)  # flags[r]: calls rank r made
         self.calls = 0
 
     def _slot(self, rank: int, parity: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -68,16 +77,30 @@ class SharedMemoryGroup:
         deadline = time.monotonic() + self.timeout_s
         for rank in range(self.size):
             polls = 0
+            next_check = time.monotonic() + PEER_CHECK_S
             while int(self.flags[rank]) < self.calls:
                 polls += 1
                 if polls > SPIN_BEFORE_YIELD:
                     os.sched_yield()
-                    if time.monotonic() > deadline:
+                    now = time.monotonic()
+                    if now > next_check:
+                        self._check_alive(rank)
+                        next_check = now + PEER_CHECK_S
+                    if now > deadline:
                         raise TimeoutError(
                             f"rank {rank} of a tensor-parallel group did not reach collective "
                             f"{self.calls} within {self.timeout_s:.0f} s (parallel.timeout_s)"
                         )
         return [self._slot(r, parity, nbytes, tensor.dtype) for r in range(self.size)]
+
+    def _check_alive(self, rank: int) -> None:
+        """Raises PeerLost when rank's process has exited (or is a zombie)."""
+        pid = int(self.flags[self.size + rank])
+        if not process_alive(pid):
+            raise PeerLost(
+                f"rank {rank} of a process group on this host (pid {pid}) exited before "
+                f"collective {self.calls}"
+            )
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
         """In place: the sum (or max) over the group, combined in rank order on every rank;

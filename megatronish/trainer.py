@@ -1,13 +1,15 @@
 """The training loop: micro-batches -> backward -> gradient reduction -> clip -> AdamW.
 
 Rank 0 shows a progress bar and writes metrics.jsonl; the other ranks print nothing but errors.
+After the gradients of a step, the ranks agree (megatronish.faults) whether to apply the update
+(not when the loss or gradient norm is non-finite on any rank) and whether to stop after it (a
+rank got SIGTERM or SIGUSR1): then the run saves a checkpoint and exits 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +19,11 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from megatronish import comm, ops
+from megatronish import comm, faults, ops
 from megatronish.checkpoint import training as checkpoints
 from megatronish.config import Config, Derived, check_dataset_vocab, derive
 from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
-from megatronish.errors import UserError
+from megatronish.errors import RunFailure, UserError
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
 from megatronish.optim import Optimizer, clip_grad_norm, lr_at, reduce_gradients
@@ -105,8 +107,18 @@ def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
     return float(value)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step attempt: the loss (mean over the global batch), the gradient norm
+    before clipping, and what the ranks agreed to do with it."""
+
+    loss: float
+    grad_norm: float
+    verdict: faults.StepVerdict
+
+
 class Trainer:
-    def __init__(self, s: Setup):
+    def __init__(self, s: Setup, stop_signals: faults.StopSignals | None = None):
         self.s, self.cfg, self.ps = s, s.cfg, s.ps
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(s.cfg.train.seed)
@@ -126,9 +138,24 @@ class Trainer:
         # The step resumed from (checkpoint.resume), or None for a fresh start.
         self.resumed_from = checkpoints.start(self)
         self.saved_step = self.resumed_from
+        # Asks to stop at a step boundary once installed (train() installs it).
+        self.stop_signals = stop_signals or faults.StopSignals()
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step over the next global batch: (loss, grad_norm)."""
+    def train_step(self) -> StepResult:
+        """One optimizer step attempt over the next global batch. Its update is skipped on every
+        rank when the loss or gradient norm is not finite on any; the step counts either way."""
+        loss, grad_norm = self.compute_gradients()
+        asked = self.stop_signals.requested is not None
+        verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps)
+        if not verdict.skip:
+            self.optimizer.step(lr_at(self.step + 1, self.cfg))
+        self.optimizer.zero_grad()
+        self.step += 1
+        return StepResult(loss, grad_norm, verdict)
+
+    def compute_gradients(self) -> tuple[float, float]:
+        """Forward and backward over the next global batch, gradients reduced and clipped:
+        (loss mean over the global batch, global gradient norm before clipping)."""
         batch = self.loader.next_step().to(self.ps.device)  # [accum, micro, seq + 1]
         accum = batch.shape[0]
         if self.pipeline is not None:
@@ -143,9 +170,6 @@ class Trainer:
         params = self.optimizer.params
         reduce_gradients(params, self.ps)
         grad_norm = clip_grad_norm(params, self.cfg.train.grad_clip, self.ps)
-        self.optimizer.step(lr_at(self.step + 1, self.cfg))
-        self.optimizer.zero_grad()
-        self.step += 1
         return mean_loss(loss_sum / accum, self.ps), grad_norm
 
     def autocast(self):
@@ -182,7 +206,9 @@ class Trainer:
         (self.out_dir / "derived.json").write_text(json.dumps(derived, indent=2) + "\n")
 
     def run(self) -> dict:
-        """Trains to train.steps; returns the last metrics line (and val_loss if computed)."""
+        """Trains to train.steps, or until a rank is asked to stop (SIGTERM or SIGUSR1, once
+        stop_signals are installed; it saves first); returns the last metrics line (and
+        val_loss if computed)."""
         cfg, ps = self.cfg, self.ps
         self.write_run_files()
         resumed = self.resumed_from is not None
@@ -195,27 +221,29 @@ class Trainer:
         )  # fmt: skip
         last: dict = {}
         window_start, window_steps = time.perf_counter(), 0
+        skipped_in_a_row, stopped = 0, False
         try:
-            while self.step < cfg.train.steps:
-                loss, grad_norm = self.train_step()
+            while self.step < cfg.train.steps and not stopped:
+                result = self.train_step()
                 window_steps += 1
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {self.step}")
-                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
+                skipped_in_a_row = skipped_in_a_row + 1 if result.verdict.skip else 0
+                if result.verdict.skip:
+                    self.record_skip(metrics, result.verdict, skipped_in_a_row)
+                elif self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                     elapsed = time.perf_counter() - window_start
                     step_time = elapsed / window_steps
                     last = {
                         "step": self.step,
-                        "loss": loss,
+                        "loss": result.loss,
                         "lr": lr_at(self.step, cfg),
-                        "grad_norm": grad_norm,
+                        "grad_norm": result.grad_norm,
                         "tokens_per_s": self.s.derived.tokens_per_step / step_time,
                         "mfu": self.flops_per_step / step_time / (self.peak * ps.world_size),
                         "step_time_s": step_time,
                     }
                     metrics.write(last)
                     bar.set_postfix(
-                        loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                        loss=f"{result.loss:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
                         mfu=f"{100 * last['mfu']:.1f}%",
                     )  # fmt: skip
                     window_start, window_steps = time.perf_counter(), 0
@@ -231,12 +259,41 @@ class Trainer:
                 if checkpoints.due(self.step, cfg):
                     self.save_checkpoint()
                     window_start = time.perf_counter()
+                stopped = result.verdict.stop
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
         finally:
             bar.close()
             metrics.close()
+        if stopped and ps.is_main:
+            self.report_stop()
         return last
+
+    def report_stop(self) -> None:
+        """The line rank 0 prints when the run stopped early because a rank was asked to."""
+        why = self.stop_signals.requested or "asked on another rank"
+        saved = (
+            f"saved step {self.step}; run the same command again to continue"
+            if self.cfg.checkpoint.save
+            else "nothing saved (checkpoint.save is false)"
+        )
+        print(f"stopped at step {self.step} of {self.cfg.train.steps} ({why}): {saved}", flush=True)
+
+    def record_skip(self, metrics: MetricsWriter, verdict: faults.StepVerdict, in_a_row: int):
+        """Writes the metrics line of a skipped step; after train.max_skipped_steps in a row,
+        stops the run: a RunFailure on every rank, before this step is saved."""
+        names = " and ".join(verdict.nonfinite)
+        metrics.write(
+            {"step": self.step, "skipped": f"non-finite {names}", "skipped_in_a_row": in_a_row}
+        )
+        limit = self.cfg.train.max_skipped_steps
+        if in_a_row >= limit:
+            raise RunFailure(
+                f"steps {self.step - in_a_row + 1} to {self.step}: {in_a_row} in a row had a "
+                f"non-finite loss or gradient norm (train.max_skipped_steps={limit}); the run "
+                "stops here: lower train.lr, or check the data of these steps",
+                rank0_prints=True,
+            )
 
     def save_checkpoint(self) -> None:
         """Saves a checkpoint of this step (every rank calls it)."""
@@ -247,11 +304,24 @@ class Trainer:
 
 
 def train(cfg: Config) -> dict:
-    """Runs `megatronish train` for this process (one rank); returns the last metrics."""
+    """Runs `megatronish train` for this process (one rank); returns the last metrics. Rank 0
+    holds the lock of checkpoint.dir while the run may write there. A rank that fails because
+    another rank went away raises a one-line RunFailure (only rank 0 prints it): the rank that
+    failed first has printed the error."""
     s = setup(cfg)
+    # From here to the end SIGTERM and SIGUSR1 only ask to stop, so a rank that torchrun
+    # terminates because another rank failed still gets to say so in one line.
+    stop_signals = faults.StopSignals()
+    lock = (
+        faults.run_lock(checkpoints.checkpoint_dir(cfg), s.ps)
+        if cfg.checkpoint.save
+        else contextlib.nullcontext()
+    )
     try:
-        trainer = Trainer(s)
-        summary = trainer.run()
+        stop_signals.install()
+        with lock:
+            trainer = Trainer(s, stop_signals)
+            summary = trainer.run()
         if s.ps.is_main and summary:
             line = f"step {summary['step']}: loss {summary['loss']:.4f}"
             if "val_loss" in summary:
@@ -259,6 +329,14 @@ def train(cfg: Config) -> dict:
             line += f", {summary['tokens_per_s']:.0f} tokens/s ({trainer.peak_source} for MFU)"
             print(line, flush=True)
         return summary
+    except Exception as exc:
+        reason = faults.lost_peer(exc)
+        if reason is None:
+            raise
+        raise RunFailure(
+            f"rank {s.ps.rank}: stopped because another rank failed ({reason})", rank0_prints=True
+        ) from exc
     finally:
+        stop_signals.restore()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,13 +1,17 @@
 """The shared-memory path of CPU collectives on one host gives gloo's results, bit for bit the
-same on every rank, and fails with an error instead of hanging when a rank does not come."""
+same on every rank, and fails with an error instead of hanging when a rank does not come: at
+once when its process has exited, after parallel.timeout_s when it lives on elsewhere."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatronish import comm
+from megatronish.errors import PeerLost
 from tests.distributed import run_on_ranks
 
 
@@ -57,6 +61,7 @@ def _absent_rank(rank, world):
     group = dist.new_group([0, 1])
     assert comm.enable_shared_memory(group, timeout_s=1.0)
     if rank == 1:
+        time.sleep(2)  # alive, but never in the collective
         return "stayed away"
     try:
         comm.all_reduce(torch.ones(4), group)
@@ -68,6 +73,25 @@ def _absent_rank(rank, world):
 def test_a_rank_that_never_comes_is_a_timeout_error_not_a_hang():
     message = run_on_ranks(_absent_rank, 2, timeout=60)[0]
     assert "did not reach collective 1 within 1 s" in message
+
+
+def _exited_rank(rank, world):
+    group = dist.new_group([0, 1])
+    assert comm.enable_shared_memory(group, timeout_s=60.0)
+    if rank == 1:
+        return "left"  # and its process exits
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4), group)
+    except PeerLost as exc:
+        return str(exc), time.monotonic() - start
+    return "no error"
+
+
+def test_a_rank_whose_process_exited_is_peer_lost_at_once_not_at_the_timeout():
+    message, waited = run_on_ranks(_exited_rank, 2, timeout=60)[0]
+    assert "rank 1 of a process group on this host" in message and "exited" in message
+    assert waited < 30, "well before the 60 s timeout"
 
 
 def _switched_off(rank, world):

@@ -1,0 +1,460 @@
+"""Faults, end to end on CPU gloo: ranks die with their launcher; a second run on a locked
+checkpoint.dir is refused in one line; a worker killed under --max-restarts, SIGTERM to the
+launcher and SIGUSR1 to one rank all end in the loss curve of an uninterrupted run; non-finite
+steps are skipped alike on every rank, counted, never saved, and stop the run after
+train.max_skipped_steps in a row; a rank that raises brings every rank down with its message
+printed once.
+
+Every command runs in a session of its own and is killed, with any process still naming its
+run directory, in a finally block whatever the test does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatronish.config import load_config
+from megatronish.errors import RunFailure, UserError
+from megatronish.faults import RunLock, child_pids, process_alive, run_lock
+from megatronish.parallel import ParallelState
+from megatronish.trainer import Trainer, setup
+from tests.conftest import CONFIGS, REPO
+from tests.test_checkpoint_helpers import prepare_small_dataset
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+TIMEOUT = 180  # seconds any one command may take before the test fails
+STEPS = 40  # the uninterrupted curve: longer than the interrupted run gets
+# A model small enough that startup dominates: a run of STEPS steps takes a few seconds.
+SMALL = [
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.warmup_steps=1000",  # > any run's steps: a step's lr does not depend on train.steps
+    "train.log_every=1",
+    "train.eval_every=0",
+    "parallel.tp=2",
+    "checkpoint.every=2",
+]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+MEGATRONISH = [sys.executable, "-m", "megatronish"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return prepare_small_dataset(tmp_path_factory.mktemp("data") / "small")
+
+
+def config_args(out_dir: Path, dataset: Path, *overrides: str) -> list[str]:
+    sets = [*SMALL, f"data.path={dataset}", f"run.out_dir={out_dir}", *overrides]
+    return ["--config", str(CONFIGS / "tiny.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+
+
+def processes_naming(marker: str) -> list[int]:
+    """Live processes whose command line contains marker."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline and process_alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def metrics_lines(out_dir: Path) -> list[dict]:
+    """The complete lines of metrics.jsonl so far."""
+    path = out_dir / "metrics.jsonl"
+    lines = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            lines.append(json.loads(line))
+    return lines
+
+
+class Run:
+    """One command in its own session, its output in files beside its run directory."""
+
+    def __init__(self, command: list[str], out_dir: Path, name: str, env: dict[str, str]):
+        self.out_dir, self.marker = out_dir, f"run.out_dir={out_dir}"
+        self.stdout_path = out_dir.parent / f"{name}.stdout"
+        self.stderr_path = out_dir.parent / f"{name}.stderr"
+        with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(
+                command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True
+            )
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def last_step(self) -> int:
+        return max((x["step"] for x in metrics_lines(self.out_dir)), default=0)
+
+    def wait_for_step(self, step: int) -> int:
+        """Waits until metrics.jsonl reaches step (or later); returns the step it reached."""
+        deadline = time.monotonic() + TIMEOUT
+        while (reached := self.last_step()) < step:
+            assert self.proc.poll() is None, f"ended before step {step}:\n{self.stderr[-3000:]}"
+            assert time.monotonic() < deadline, f"no step {step} within {TIMEOUT} s"
+            time.sleep(0.02)
+        return reached
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the rank `rank` this command (torchrun or launch) started."""
+        for pid in child_pids(self.proc.pid):
+            with contextlib.suppress(OSError):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if f"RANK={rank}".encode() in environ:
+                    return pid
+        raise AssertionError(f"no rank {rank} among the children of {self.proc.pid}")
+
+    def finish(self) -> int:
+        return self.proc.wait(timeout=TIMEOUT)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        for pid in processes_naming(self.marker):  # ranks that outlived it (a failed test)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def started(command: list[str], out_dir: Path, name: str | None = None, **env: str):
+    run = Run(command, out_dir, name or out_dir.name, environment(**env))
+    try:
+        yield run
+    finally:
+        run.kill()
+
+
+def launch(out_dir: Path, dataset: Path, *overrides: str, options: tuple[str, ...] = ()):
+    return [*MEGATRONISH, "launch", *options, *config_args(out_dir, dataset, *overrides)]
+
+
+def training_curve(out_dir: Path) -> list[tuple[int, float]]:
+    return [(x["step"], x["loss"]) for x in metrics_lines(out_dir) if "loss" in x]
+
+
+def resumed_steps(stdout: str) -> list[int]:
+    return [int(line.rsplit(" ", 1)[1]) for line in stdout.splitlines() if "resumed from" in line]
+
+
+# --------------------------------------------------------------------------------------------
+# Parent death and the lock, without training
+
+GRANDPARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+RANK_LIKE = """
+import sys, time
+from megatronish.faults import die_with_parent
+die_with_parent(poll_s=0.2, use_prctl={use_prctl})
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("use_prctl", [True, False], ids=["prctl", "watchdog"])
+def test_a_process_dies_within_seconds_of_its_parent_being_killed(use_prctl):
+    code = RANK_LIKE.format(use_prctl=use_prctl)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", GRANDPARENT, code], stdout=subprocess.PIPE, text=True,
+        env=environment(), start_new_session=True,
+    )  # fmt: skip
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "ready"
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while process_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not process_alive(child), "the child outlived its parent by 5 s"
+    finally:
+        for pid in (parent.pid, child):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+
+
+HOLDER = """
+import sys, time
+from megatronish.faults import RunLock
+RunLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_lock_names_its_holder_and_is_taken_over_once_the_holder_is_killed(tmp_path):
+    directory = tmp_path / "checkpoints"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, text=True,
+        env=environment(), start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError) as refused:
+            RunLock(directory).acquire()
+        assert str(directory) in str(refused.value) and f"pid {holder.pid} " in str(refused.value)
+        with pytest.raises(UserError) as in_a_run, run_lock(directory, ParallelState.single()):
+            pass
+        assert in_a_run.value.rank0_prints, "raised on every rank; rank 0 prints it"
+        holder.kill()
+        holder.wait(timeout=30)
+        assert f"pid {holder.pid} " in (directory / "lock").read_text(), "a stale lock file"
+        lock = RunLock(directory)
+        lock.acquire()
+        assert (directory / "lock").read_text().startswith(f"pid {os.getpid()} ")
+        lock.release()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+# --------------------------------------------------------------------------------------------
+# The launcher killed, a second run meanwhile; restarts and preemption
+
+
+@pytest.fixture(scope="module")
+def killed_torchrun(tmp_path_factory, dataset) -> dict:
+    """A run under plain torchrun with no end, which a second run (through launch, on the same
+    checkpoint.dir) tries to join; after STEPS steps torchrun's process group gets kill -9. Its
+    first STEPS losses are the curve of a run never interrupted."""
+    root = tmp_path_factory.mktemp("killed")
+    out, checkpoints = root / "first", root / "first" / "checkpoints"
+    forever = config_args(out, dataset, "train.steps=100000", f"checkpoint.dir={checkpoints}")
+    seen: dict = {"checkpoints": checkpoints}
+    with started([*TORCHRUN, "-m", "megatronish", "train", *forever], out) as first:
+        first.wait_for_step(2)
+        seen["rank0"] = first.rank_pid(0)
+        second = root / "second"
+        again = launch(second, dataset, f"checkpoint.dir={checkpoints}", "train.steps=10")
+        with started(again, second) as refused:
+            seen["second"] = (refused.finish(), refused.stderr)
+        first.wait_for_step(STEPS)
+        ranks = [first.rank_pid(0), first.rank_pid(1)]
+
+        def left() -> list[int]:
+            alive = {pid for pid in ranks if process_alive(pid)}  # a dying one has no cmdline
+            return sorted(alive | set(processes_naming(first.marker)))
+
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seen["left"] = left()
+    seen["curve"] = training_curve(out)[:STEPS]
+    return seen
+
+
+def test_kill_9_of_torchrun_leaves_no_rank_after_10_s(killed_torchrun):
+    assert killed_torchrun["left"] == [], "a rank outlived torchrun by 10 s"
+
+
+def test_a_second_run_on_a_locked_checkpoint_dir_exits_2_naming_it_and_the_holder(killed_torchrun):
+    status, stderr = killed_torchrun["second"]
+    assert status == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert str(killed_torchrun["checkpoints"]) in lines[0]
+    assert f"pid {killed_torchrun['rank0']} " in lines[0], "rank 0 holds the lock"
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, dataset) -> dict:
+    """One run in two launches. The first (--max-restarts 1): kill -9 of rank 1 after step 3,
+    then, once the restarted ranks are three steps further, SIGTERM to the launcher. The second:
+    SIGUSR1 to rank 1 three steps after it resumed."""
+    out = tmp_path_factory.mktemp("interrupted") / "run"
+    phases: dict = {}
+    restarting = launch(out, dataset, f"train.steps={STEPS}", options=("--max-restarts", "1"))
+    with started(restarting, out, "restart") as run:
+        killed_after = run.wait_for_step(3)
+        os.kill(run.rank_pid(1), signal.SIGKILL)
+        deadline = time.monotonic() + TIMEOUT
+        while "resumed from" not in run.stdout:
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr[-3000:]
+            time.sleep(0.02)
+        run.wait_for_step(resumed_steps(run.stdout)[0] + 3)
+        run.proc.send_signal(signal.SIGTERM)
+        phases["restart"] = (run.finish(), run.stdout, run.stderr, killed_after, run.last_step())
+    with started(launch(out, dataset, f"train.steps={STEPS}"), out, "sigusr1") as run:
+        run.wait_for_step(phases["restart"][4] + 3)
+        os.kill(run.rank_pid(1), signal.SIGUSR1)
+        phases["sigusr1"] = (run.finish(), run.stdout, run.last_step())
+    phases["curve"] = training_curve(out)
+    phases["latest"] = (out / "checkpoints" / "latest").read_text().strip()
+    return phases
+
+
+def test_a_worker_killed_under_max_restarts_restarts_the_group_from_the_newest_checkpoint(
+    interrupted,
+):
+    status, stdout, stderr, killed_after, _ = interrupted["restart"]
+    assert status == 0, stderr[-3000:]
+    (restarted,) = resumed_steps(stdout)
+    # checkpoint.every=2: the newest checkpoint is at most two steps behind the kill.
+    assert killed_after - 2 <= restarted, (restarted, killed_after)
+    assert "Traceback" not in stderr, "the surviving rank exits with one line"
+
+
+def test_sigterm_to_the_launcher_saves_at_the_step_boundary_and_the_next_launch_continues(
+    interrupted,
+):
+    status, stdout, _, _, stopped = interrupted["restart"]
+    assert status == 0
+    assert stopped < STEPS
+    assert f"stopped at step {stopped} of {STEPS} (SIGTERM): saved step {stopped}" in stdout
+    assert resumed_steps(interrupted["sigusr1"][1]) == [stopped]
+
+
+def test_sigusr1_to_one_rank_saves_on_every_rank_and_exits_0(interrupted):
+    status, stdout, stopped = interrupted["sigusr1"]
+    assert status == 0
+    assert interrupted["restart"][4] + 3 <= stopped < STEPS
+    assert f"stopped at step {stopped} of {STEPS} (asked on another rank)" in stdout
+    assert interrupted["latest"] == f"step_{stopped:06d}"
+
+
+def test_interrupted_runs_have_the_losses_of_an_uninterrupted_run(interrupted, killed_torchrun):
+    curve, stopped = interrupted["curve"], interrupted["sigusr1"][2]
+    never_stopped = killed_torchrun["curve"]
+    assert [step for step, _ in curve] == list(range(1, stopped + 1)), "each step once"
+    assert [step for step, _ in never_stopped] == list(range(1, STEPS + 1))
+    for (step, loss), (_, expected) in zip(curve, never_stopped[:stopped], strict=True):
+        assert loss == pytest.approx(expected, rel=1e-5), step
+
+
+# --------------------------------------------------------------------------------------------
+# Injected faults
+
+
+def faulty(out_dir: Path, dataset: Path, *overrides: str, torchrun: tuple[str, ...] = ()):
+    script = str(REPO / "tests" / "faulty_rank.py")
+    return [*TORCHRUN, *torchrun, script, "train", *config_args(out_dir, dataset, *overrides)]
+
+
+def tensors(step_dir: Path, kind: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(step_dir.glob(f"{kind}_*.safetensors")):
+        out.update({f"{path.name}:{k}": v for k, v in load_file(path).items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory, dataset) -> dict:
+    """tp = 2 under torchrun, checkpoints at every step: rank 1's loss (and so its gradients)
+    is NaN at step 3, while rank 0 computes a finite loss and learns of the NaN only through
+    the step agreement; at step 5 rank 1 raises."""
+    root = tmp_path_factory.mktemp("faulty")
+    out, logs = root / "run", root / "logs"
+    sets = ("train.steps=100000", "checkpoint.every=1", "checkpoint.keep=0",
+            "parallel.timeout_s=30")  # fmt: skip
+    command = faulty(out, dataset, *sets, torchrun=("--log-dir", str(logs), "--redirects", "3"))
+    with started(command, out, FAULT_RANK="1", FAULT_NAN_STEPS="3", FAULT_RAISE_STEP="5") as run:
+        run.wait_for_step(4)
+        before = time.monotonic()
+        status = run.finish()
+        seen = {"status": status, "down_after": time.monotonic() - before, "out": out}
+        seen["left"] = processes_naming(run.marker)
+        seen["console"] = run.stdout + run.stderr
+    seen["logs"] = {
+        rank: next(logs.glob(f"**/attempt_0/{rank}/stderr.log")).read_text() for rank in (0, 1)
+    }
+    return seen
+
+
+def test_a_non_finite_step_is_skipped_alike_on_every_rank_counted_and_never_saved(faulty_run):
+    lines = metrics_lines(faulty_run["out"])
+    assert [x["step"] for x in lines if "loss" in x] == [1, 2, 4]
+    assert [x for x in lines if "skipped" in x] == [
+        {"step": 3, "skipped": "non-finite loss and grad_norm", "skipped_in_a_row": 1}
+    ]
+    ckpt = faulty_run["out"] / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == [f"step_{s:06d}" for s in range(1, 5)]
+    for step in range(1, 5):
+        for kind in ("model", "optim"):
+            assert all(
+                v.isfinite().all() for v in tensors(ckpt / f"step_{step:06d}", kind).values()
+            )
+
+    def same(a: int, b: int, kind: str) -> bool:
+        x, y = tensors(ckpt / f"step_{a:06d}", kind), tensors(ckpt / f"step_{b:06d}", kind)
+        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    for kind in ("model", "optim"):  # no update at step 3, on either tp shard
+        assert same(2, 3, kind), kind
+        assert not same(3, 4, kind), "step 4 updates again"
+
+
+def test_a_rank_that_raises_stops_every_rank_with_its_message_printed_once(faulty_run):
+    assert faulty_run["status"] != 0
+    assert faulty_run["down_after"] < 30, "every rank is down within parallel.timeout_s"
+    assert faulty_run["left"] == []
+    logs = faulty_run["logs"]
+    message = "injected failure on rank 1 at step 5"
+    assert sum(text.count(message) for text in [faulty_run["console"], *logs.values()]) == 1
+    assert message in logs[1] and "Traceback" in logs[1]
+    survivor = [line for line in logs[0].splitlines() if line.strip()]
+    assert "Traceback" not in logs[0]
+    assert [line for line in survivor if line.startswith("error:")] == [survivor[-1]]
+    assert survivor[-1].startswith("error: rank 0: stopped because another rank failed (")
+
+
+def test_max_skipped_steps_non_finite_in_a_row_stop_the_run_with_status_1(tmp_path, dataset):
+    out = tmp_path / "run"
+    sets = [*SMALL, "parallel.tp=1", f"data.path={dataset}", f"run.out_dir={out}",
+            "train.steps=8", "checkpoint.every=1", "checkpoint.keep=0",
+            "train.max_skipped_steps=2"]  # fmt: skip
+    trainer = Trainer(setup(load_config(None, sets)))
+    compute_gradients = trainer.compute_gradients
+
+    def nan_from_step_3() -> tuple[float, float]:
+        loss, grad_norm = compute_gradients()
+        return (float("nan"), grad_norm) if trainer.step + 1 >= 3 else (loss, grad_norm)
+
+    trainer.compute_gradients = nan_from_step_3
+    with pytest.raises(RunFailure) as failed:
+        trainer.run()
+    assert failed.value.exit_status == 1 and failed.value.rank0_prints
+    assert "steps 3 to 4" in str(failed.value) and "train.max_skipped_steps=2" in str(failed.value)
+    lines = metrics_lines(out)
+    assert [(x["step"], x["skipped_in_a_row"]) for x in lines if "skipped" in x] == [(3, 1), (4, 2)]
+    assert all(x["skipped"] == "non-finite loss" for x in lines if "skipped" in x)
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert saved == ["step_000001", "step_000002", "step_000003"], "not the step that stopped it"
