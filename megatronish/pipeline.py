@@ -30,12 +30,13 @@ from megatronish.parallel import ParallelState
 @dataclass
 class ScheduleStats:
     """What one run of a schedule did on this stage: the most micro-batches whose activations
-    were held at once, seconds spent computing and waiting for neighbours, and (when measured)
-    the peak bytes of the tensors autograd held for backward."""
+    were held at once, seconds spent computing, waiting for neighbours and in all, and (when
+    measured) the peak bytes of the tensors autograd held for backward."""
 
     max_in_flight: int = 0
     compute_s: float = 0.0
     wait_s: float = 0.0
+    total_s: float = 0.0
     peak_saved_bytes: int = 0
 
 
@@ -167,6 +168,7 @@ class Pipeline:
         """Forward (and, unless forward_only, backward) of every micro-batch of
         batch [m, micro, s + 1]; each micro-batch's loss is scaled by `scale` for backward.
         Returns the sum of the micro-batch losses (zero except on the last stage)."""
+        start = time.perf_counter()
         self.loss_sum = torch.zeros((), device=self.ps.device)
         self.stats = ScheduleStats()
         if forward_only:
@@ -180,6 +182,7 @@ class Pipeline:
             self._one_f_one_b(batch, scale, autocast)
         if self.meter is not None:
             self.stats.peak_saved_bytes, self.meter.peak = self.meter.peak, self.meter.live
+        self.stats.total_s = time.perf_counter() - start
         return self.loss_sum
 
     def _hold(self, held: list, item) -> None:
