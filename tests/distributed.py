@@ -108,8 +108,8 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
-        for proc in procs:
-            proc.join(timeout=10)
+        for proc in procs:  # after a failure the other ranks may wait forever: stop them
+            proc.join(timeout=10 if len(results) == world_size else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
