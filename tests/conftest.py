@@ -6,9 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+
+from megatronish.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -36,6 +42,24 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd=None)
         timeout=timeout,
         env=full_env,
         cwd=cwd or REPO,
+    )
+
+
+def invoke_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`megatronish ARGS` in this process (click's test runner), as the CompletedProcess that
+    run_cli would give: an exception other than exit is printed to stderr as a traceback with
+    status 1, as Python would. For commands that stop before training (user errors, `check`),
+    which then need no interpreter and no torch import of their own; fails the test if the
+    command leaves this process changed (environment, torch threads, a process group)."""
+    before = dict(os.environ), torch.get_num_threads(), dist.is_initialized()
+    result = CliRunner().invoke(cli, list(args), env=env, prog_name="megatronish")
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    after = dict(os.environ), torch.get_num_threads(), dist.is_initialized()
+    assert after == before, "the command changed the state of the process it ran in"
+    return subprocess.CompletedProcess(
+        ["megatronish", *args], result.exit_code, result.stdout, stderr
     )
 
 
