@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - sets TORCHINDUCTOR_CACHE_DIR once; torch.optim imports it
 import torch.distributed as dist
 from click.testing import CliRunner
 
@@ -45,19 +47,28 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd=None)
     )
 
 
+def _process_state() -> tuple:
+    """What a command run in this process must leave as it found it."""
+    handlers = tuple(signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM))
+    return dict(os.environ), torch.get_num_threads(), dist.is_initialized(), handlers
+
+
 def invoke_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`megatronish ARGS` in this process (click's test runner), as the CompletedProcess that
     run_cli would give: an exception other than exit is printed to stderr as a traceback with
-    status 1, as Python would. For commands that stop before training (user errors, `check`),
-    which then need no interpreter and no torch import of their own; fails the test if the
-    command leaves this process changed (environment, torch threads, a process group)."""
-    before = dict(os.environ), torch.get_num_threads(), dist.is_initialized()
-    result = CliRunner().invoke(cli, list(args), env=env, prog_name="megatronish")
+    status 1, as Python would. No interpreter and no torch import of its own: for user errors,
+    `check`, and single-process runs (run_cli keeps the end-to-end runs in a real process).
+    Fails the test if the command leaves this process changed (environment, torch threads, a
+    process group, signal handlers); torch's global random state is put back afterwards."""
+    before, rng = _process_state(), torch.get_rng_state()
+    try:
+        result = CliRunner().invoke(cli, list(args), env=env, prog_name="megatronish")
+    finally:
+        torch.set_rng_state(rng)
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "".join(traceback.format_exception(*result.exc_info))
-    after = dict(os.environ), torch.get_num_threads(), dist.is_initialized()
-    assert after == before, "the command changed the state of the process it ran in"
+    assert _process_state() == before, "the command changed the state of the process it ran in"
     return subprocess.CompletedProcess(
         ["megatronish", *args], result.exit_code, result.stdout, stderr
     )
