@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401 - sets TORCHINDUCTOR_CACHE_DIR once; torch.optim imports it
 import torch.distributed as dist
 from click.testing import CliRunner
 
@@ -47,10 +46,15 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd=None)
     )
 
 
+# Set by torch itself the first time anything imports torch._dynamo (torch.optim does).
+_SET_BY_TORCH = {"TORCHINDUCTOR_CACHE_DIR"}
+
+
 def _process_state() -> tuple:
     """What a command run in this process must leave as it found it."""
+    environ = {k: v for k, v in os.environ.items() if k not in _SET_BY_TORCH}
     handlers = tuple(signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM))
-    return dict(os.environ), torch.get_num_threads(), dist.is_initialized(), handlers
+    return environ, torch.get_num_threads(), dist.is_initialized(), handlers
 
 
 def invoke_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
