@@ -63,16 +63,21 @@ def invoke_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProce
     status 1, as Python would. No interpreter and no torch import of its own: for user errors,
     `check`, and single-process runs (run_cli keeps the end-to-end runs in a real process).
     Fails the test if the command leaves this process changed (environment, torch threads, a
-    process group, signal handlers); torch's global random state is put back afterwards."""
-    before, rng = _process_state(), torch.get_rng_state()
+    process group, signal handlers). Like run_cli's process it computes on one thread; torch's
+    thread count and global random state are put back afterwards."""
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    torch.set_num_threads(1)
     try:
+        before = _process_state()
         result = CliRunner().invoke(cli, list(args), env=env, prog_name="megatronish")
+        after = _process_state()
     finally:
+        torch.set_num_threads(threads)
         torch.set_rng_state(rng)
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "".join(traceback.format_exception(*result.exc_info))
-    assert _process_state() == before, "the command changed the state of the process it ran in"
+    assert after == before, "the command changed the state of the process it ran in"
     return subprocess.CompletedProcess(
         ["megatronish", *args], result.exit_code, result.stdout, stderr
     )
