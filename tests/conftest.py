@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+
+from megatronish.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -36,6 +43,43 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd=None)
         timeout=timeout,
         env=full_env,
         cwd=cwd or REPO,
+    )
+
+
+# Set by torch itself the first time anything imports torch._dynamo (torch.optim does).
+_SET_BY_TORCH = {"TORCHINDUCTOR_CACHE_DIR"}
+
+
+def _process_state() -> tuple:
+    """What a command run in this process must leave as it found it."""
+    environ = {k: v for k, v in os.environ.items() if k not in _SET_BY_TORCH}
+    handlers = tuple(signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM))
+    return environ, torch.get_num_threads(), dist.is_initialized(), handlers
+
+
+def invoke_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`megatronish ARGS` in this process (click's test runner), as the CompletedProcess that
+    run_cli would give: an exception other than exit is printed to stderr as a traceback with
+    status 1, as Python would. No interpreter and no torch import of its own: for user errors,
+    `check`, and single-process runs (run_cli keeps the end-to-end runs in a real process).
+    Fails the test if the command leaves this process changed (environment, torch threads, a
+    process group, signal handlers). Like run_cli's process it computes on one thread; torch's
+    thread count and global random state are put back afterwards."""
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    torch.set_num_threads(1)
+    try:
+        before = _process_state()
+        result = CliRunner().invoke(cli, list(args), env=env, prog_name="megatronish")
+        after = _process_state()
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*result.exc_info))
+    assert after == before, "the command changed the state of the process it ran in"
+    return subprocess.CompletedProcess(
+        ["megatronish", *args], result.exit_code, result.stdout, stderr
     )
 
 

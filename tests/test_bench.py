@@ -12,7 +12,7 @@ import pytest
 from megatronish.bench import collectives_per_step, formula_bytes_per_step
 from megatronish.config import derive, load_config
 from megatronish.data import prepare_dataset
-from tests.conftest import run_cli
+from tests.conftest import invoke_cli, run_cli
 from tests.distributed import run_on_ranks
 
 TINY = [
@@ -157,6 +157,6 @@ def test_bench_command_prints_one_json_object_last(tmp_path, dataset):
 def test_bench_command_rejects_a_bad_step_count(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text("model: {n_layer: 1}\n")
-    result = run_cli("bench", "--config", str(config), "--steps", "0", timeout=60, cwd=tmp_path)
+    result = invoke_cli("bench", "--config", str(config), "--steps", "0")
     assert result.returncode == 2
     assert "--steps" in result.stderr and "Traceback" not in result.stderr

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from megatronish.cli import cli
-from tests.conftest import CONFIGS, read_metrics, run_cli
+from tests.conftest import CONFIGS, invoke_cli, read_metrics, run_cli
 from tests.test_checkpoint_helpers import prepare_small_dataset
 
 # warmup_steps > steps: the learning rate of a step does not depend on train.steps, so a run of
@@ -36,9 +36,10 @@ def dataset(tmp_path_factory):
 
 
 def train(out_dir, dataset, *overrides: str, launch: bool = False):
+    """`megatronish launch` in a subprocess, or `megatronish train` in this process."""
     sets = [*BASE, f"data.path={dataset}", f"run.out_dir={out_dir}", *overrides]
-    args = [a for o in sets for a in ("--set", o)]
-    result = run_cli("launch" if launch else "train", "--config", str(CONFIGS / "tiny.yaml"), *args)
+    args = ["--config", str(CONFIGS / "tiny.yaml"), *[a for o in sets for a in ("--set", o)]]
+    result = run_cli("launch", *args) if launch else invoke_cli("train", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -106,21 +107,22 @@ def test_resume_restores_the_rng_so_dropout_continues_bitwise(tmp_path, dataset)
 
 @pytest.fixture(scope="module")
 def tp2_runs(tmp_path_factory, dataset):
+    """A tp=2 run of 6 steps, and its step-3 checkpoint continued at tp=2 and at tp=1 x dp=2
+    with ZeRO-1 (model and optimizer re-sharded). (At tp=1 the split run stops at step 3.)"""
     root = tmp_path_factory.mktemp("tp2")
-    train(root / "whole", dataset, "train.steps=6", "parallel.tp=2", launch=True)
-    train(root / "split", dataset, "train.steps=3", "parallel.tp=2", launch=True)
-    step3 = root / "split" / "checkpoints" / "step_000003"
-    moved = root / "split3"
-    shutil.copytree(step3, moved)
-    train(root / "split", dataset, "train.steps=6", "parallel.tp=2", launch=True)
-    # The tp=2 checkpoint continued at tp=1 x dp=2 with ZeRO-1: model and optimizer re-sharded.
-    sets = ["train.steps=6", "parallel.dp=2", "optim.zero=1", f"checkpoint.resume={moved}"]
+    sets = ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0"]
+    train(root / "whole", dataset, *sets, "parallel.tp=2", launch=True)
+    resume = f"checkpoint.resume={root / 'whole' / 'checkpoints' / 'step_000003'}"
+    train(root / "resumed", dataset, "train.steps=6", "parallel.tp=2", resume, launch=True)
+    sets = ["train.steps=6", "parallel.dp=2", "optim.zero=1", resume]
     train(root / "relaid", dataset, *sets, launch=True)
     return root
 
 
 def test_resume_at_tp2_continues_bitwise(tp2_runs):
-    assert curve(tp2_runs / "split") == curve(tp2_runs / "whole")
+    resumed = curve(tp2_runs / "resumed")
+    assert [x["step"] for x in resumed] == [4, 5, 6, 6]
+    assert resumed == curve(tp2_runs / "whole")[4:]
 
 
 def test_resume_at_another_tp_dp_and_zero_continues_the_same_loss_curve(tp2_runs):

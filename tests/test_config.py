@@ -7,7 +7,7 @@ import torch
 
 from megatronish.config import derive, load_config, padded_vocab
 from megatronish.errors import UserError
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, invoke_cli, run_cli
 
 
 def write(tmp_path, text: str):
@@ -74,68 +74,75 @@ def one_line_error(result, *needles):
 
 
 def test_cli_unknown_key_exits_2_with_one_line(tmp_path):
+    # In a real process; the other CLI errors run in this one (invoke_cli), for speed.
     path = write(tmp_path, "model:\n  n_layr: 2\n")
     one_line_error(run_cli("check", "--config", str(path)), "model.n_layr", "model.n_layer")
 
 
 def test_cli_tp_not_dividing_n_head_exits_2(tmp_path):
-    result = run_cli("check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=3")
+    result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=3")
     one_line_error(result, "model.n_head", "parallel.tp=3")
 
 
 def test_cli_world_size_mismatch_exits_2():
     tiny = str(CONFIGS / "tiny.yaml")
     one_line_error(
-        run_cli("check", "--config", tiny, "--set", "parallel.tp=2", "--world-size", "3"),
+        invoke_cli("check", "--config", tiny, "--set", "parallel.tp=2", "--world-size", "3"),
         "world size 3",
     )
-    result = run_cli("train", "--config", tiny, "--set", "parallel.tp=2", env={"WORLD_SIZE": "3"})
+    result = invoke_cli(
+        "train", "--config", tiny, "--set", "parallel.tp=2", env={"WORLD_SIZE": "3"}
+    )
     one_line_error(result, "world size 3")
 
 
 def test_cli_missing_config_file_exits_2(tmp_path):
-    one_line_error(run_cli("train", "--config", str(tmp_path / "nope.yaml")), "nope.yaml")
+    one_line_error(invoke_cli("train", "--config", str(tmp_path / "nope.yaml")), "nope.yaml")
 
 
 def test_cli_non_numeric_value_exits_2(tmp_path):
     tiny = str(CONFIGS / "tiny.yaml")
     one_line_error(
-        run_cli("check", "--config", tiny, "--set", "train.lr=fast"), "train.lr", "number"
+        invoke_cli("check", "--config", tiny, "--set", "train.lr=fast"), "train.lr", "number"
     )
     path = write(tmp_path, "train:\n  steps: many\n")
-    one_line_error(run_cli("check", "--config", str(path)), "train.steps", "integer")
+    one_line_error(invoke_cli("check", "--config", str(path)), "train.steps", "integer")
 
 
 def test_cli_bad_yaml_and_bad_choice_exit_2(tmp_path):
-    one_line_error(run_cli("check", "--config", str(write(tmp_path, "model: [1,\n"))), "YAML")
+    one_line_error(invoke_cli("check", "--config", str(write(tmp_path, "model: [1,\n"))), "YAML")
     tiny = str(CONFIGS / "tiny.yaml")
-    one_line_error(run_cli("check", "--config", tiny, "--set", "model.arch=bert"), "gpt2 | llama")
+    one_line_error(
+        invoke_cli("check", "--config", tiny, "--set", "model.arch=bert"), "gpt2 | llama"
+    )
 
 
 def test_cli_check_prints_resolved_config_and_derived_sizes():
-    result = run_cli("check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=2")
+    result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=2")
     assert result.returncode == 0, result.stderr
     for needle in ("parameters:", "gradient accumulation steps: 2", "padded to 512", "ok"):
         assert needle in result.stdout
 
 
 def test_cli_train_of_a_parallel_config_in_one_process_says_how_to_launch():
-    result = run_cli("train", "--config", str(CONFIGS / "tiny-tp2.yaml"))
+    result = invoke_cli("train", "--config", str(CONFIGS / "tiny-tp2.yaml"))
     one_line_error(result, "needs 2 processes", "megatronish launch")
 
 
 def test_cli_launch_checks_the_config_before_starting_ranks():
-    result = run_cli("launch", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=3")
+    result = invoke_cli("launch", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.tp=3")
     one_line_error(result, "model.n_head: 4 is not divisible by parallel.tp=3")
 
 
 def test_cli_null_for_a_string_key_and_a_world_size_below_1_exit_2(tmp_path):
     path = write(tmp_path, "checkpoint:\n  resume: null\n")
-    one_line_error(run_cli("check", "--config", str(path)), "checkpoint.resume: null is not valid")
-    tiny = str(CONFIGS / "tiny.yaml")
-    one_line_error(run_cli("check", "--config", tiny, "--world-size", "0"), "--world-size 0")
     one_line_error(
-        run_cli("plan", "--config", tiny, "--set", "model.vocab_size=257", "--gpus", "0"),
+        invoke_cli("check", "--config", str(path)), "checkpoint.resume: null is not valid"
+    )
+    tiny = str(CONFIGS / "tiny.yaml")
+    one_line_error(invoke_cli("check", "--config", tiny, "--world-size", "0"), "--world-size 0")
+    one_line_error(
+        invoke_cli("plan", "--config", tiny, "--set", "model.vocab_size=257", "--gpus", "0"),
         "--gpus 0",
     )
 
@@ -144,7 +151,7 @@ def test_cli_triton_backend_without_gpu_or_interpreter_exits_2_before_writing(tm
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the triton backend is valid here")
     out = tmp_path / "run"
-    result = run_cli(
+    result = invoke_cli(
         "train", "--config", str(CONFIGS / "tiny.yaml"), "--set", "kernels.backend=triton",
         "--set", f"run.out_dir={out}", env={"TRITON_INTERPRET": "0"},
     )  # fmt: skip

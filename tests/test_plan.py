@@ -6,7 +6,7 @@ import pytest
 
 from megatronish.config import load_config
 from megatronish.plan import GB, activation_bytes_per_layer, estimate, plan
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, invoke_cli
 
 
 def test_activation_formula_is_korthikanti_with_fused_attention():
@@ -41,6 +41,6 @@ def test_plan_recommends_a_layout_that_fits_or_says_it_does_not():
 
 
 def test_cli_plan_unknown_gpu_exits_2():
-    result = run_cli("plan", "--config", str(CONFIGS / "gpt2-124m.yaml"), "--gpu", "TPU9")
+    result = invoke_cli("plan", "--config", str(CONFIGS / "gpt2-124m.yaml"), "--gpu", "TPU9")
     assert result.returncode == 2 and "--gpu TPU9" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
