@@ -112,8 +112,7 @@ def main() -> None:
         held = max(per_rank[r][index][2] for r in range(args.pp))
         theory = (args.pp - 1) / m
         print(
-            f"{schedule:>8} {m:>3} {step:>8.3f} {theory:>8.3f} {step / busiest - 1:>9.3f} "
-            f"{held:>5}"
+            f"{schedule:>8} {m:>3} {step:>8.3f} {theory:>8.3f} {step / busiest - 1:>9.3f} {held:>5}"
         )
 
 
