@@ -116,6 +116,9 @@ def estimate(
     gpipe = pp > 1 and layout.parallel.pp_schedule == "gpipe"
     per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
     logits_one = t.micro_batch_size * t.seq_len * d.padded_vocab_size / tp * 6
+    bubble = (pp - 1) / m
+    step_time = model_flops_per_step(layout, d) / (world * peak_flops * ASSUMED_MFU) * (1 + bubble)
+    comm = max(formula_bytes_per_step(layout, d, r) for r in range(pp)) / GB
     stages = []
     for r in range(pp):
         in_flight = m if gpipe else min(pp - r, m)
@@ -124,27 +127,25 @@ def estimate(
         if recompute == "full":  # one layer is rebuilt at a time during backward
             act += activation_bytes_per_layer(layout, tp, sp, "none")
         logits = logits_one * (m if gpipe else 1) if r == pp - 1 else 0.0
-        total = params * (4 + (2 if bf16 else 0) + 4 + 8 / (d.dp if zero == 1 else 1)) + act
-        stages.append((total + logits, params, act, logits, r))
-    _, params, act, logits, fullest = max(stages)
-    bubble = (pp - 1) / m
-    flops = model_flops_per_step(layout, d)
-    return Estimate(
-        tp=tp,
-        dp=d.dp,
-        pp=pp,
-        bubble=bubble,
-        sequence_parallel=sp,
-        zero=zero,
-        activation_checkpointing=recompute,
-        weights_gb=params * (4 + (2 if bf16 else 0)) / GB,
-        grads_gb=params * 4 / GB,
-        optimizer_gb=params * 8 / (d.dp if zero == 1 else 1) / GB,
-        activations_gb=act / GB,
-        logits_gb=logits / GB,
-        step_time_s=flops / (world * peak_flops * ASSUMED_MFU) * (1 + bubble),
-        comm_gb_per_step=max(formula_bytes_per_step(layout, d, r) for r in range(pp)) / GB,
-    )
+        stages.append(
+            Estimate(
+                tp=tp,
+                dp=d.dp,
+                pp=pp,
+                bubble=bubble,
+                sequence_parallel=sp,
+                zero=zero,
+                activation_checkpointing=recompute,
+                weights_gb=params * (4 + (2 if bf16 else 0)) / GB,
+                grads_gb=params * 4 / GB,
+                optimizer_gb=params * 8 / (d.dp if zero == 1 else 1) / GB,
+                activations_gb=act / GB,
+                logits_gb=logits / GB,
+                step_time_s=step_time,
+                comm_gb_per_step=comm,
+            )
+        )
+    return max(stages, key=lambda e: e.total_gb)
 
 
 def gpu_spec(gpu: str | None, memory_gb: float | None) -> tuple[str, float, float]:
