@@ -47,7 +47,9 @@ class SharedMemoryGroup:
         dist.barrier(group)
         if self.rank == 0:
             os.unlink(path)  # the mapping stays until the last process exits
-        self.flags = self.buffer[-FLAG_BYTES:].view(torch.int64)  # flags[r]: calls rank r made
+        # flags[r]: calls rank r made; read and written through numpy, whose scalar access
+        # costs a tenth of torch indexing in the wait loop.
+        self.flags = self.buffer[-FLAG_BYTES:].view(torch.int64).numpy()
         self.calls = 0
 
     def _slot(self, rank: int, parity: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -68,7 +70,7 @@ class SharedMemoryGroup:
         deadline = time.monotonic() + self.timeout_s
         for rank in range(self.size):
             polls = 0
-            while int(self.flags[rank]) < self.calls:
+            while self.flags[rank] < self.calls:
                 polls += 1
                 if polls > SPIN_BEFORE_YIELD:
                     os.sched_yield()
@@ -79,19 +81,20 @@ class SharedMemoryGroup:
                         )
         return [self._slot(r, parity, nbytes, tensor.dtype) for r in range(self.size)]
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
-        """In place: the sum (or max) over the group, combined in rank order on every rank;
-        a tensor larger than a slot goes through in slot-sized pieces."""
-        flat = tensor.view(-1)
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, out: torch.Tensor | None = None
+    ) -> None:
+        """The sum (or max) of tensor over the group into out (default: tensor, in place; out
+        is contiguous, of tensor's shape and dtype), combined in rank order on every rank; a
+        tensor larger than a slot goes through in slot-sized pieces."""
+        combine = torch.add if op == dist.ReduceOp.SUM else torch.maximum
         per_slot = self.slot_bytes // tensor.element_size()
-        for piece in flat.split(per_slot):
+        target = tensor if out is None else out
+        for piece, result in zip(tensor.view(-1).split(per_slot), target.view(-1).split(per_slot)):
             parts = self._exchange(piece)
-            piece.copy_(parts[0])
-            for part in parts[1:]:
-                if op == dist.ReduceOp.SUM:
-                    piece.add_(part)
-                else:
-                    torch.maximum(piece, part, out=piece)
+            combine(parts[0], parts[1], out=result)
+            for part in parts[2:]:
+                combine(result, part, out=result)
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """output [size * n, ...] <- every rank's tensor [n, ...] in rank order."""

@@ -16,8 +16,23 @@ def _values(rank: int, call: int, numel: int, dtype: torch.dtype) -> torch.Tenso
     return (torch.randn(numel, generator=gen) * 10).to(dtype)
 
 
+def _all_reduce_into(rank, world, group, call, numel):
+    """all_reduce_into: what the in-place all_reduce gives (through shared memory the sum in
+    rank order), in the output, the input left as it was."""
+    mine = _values(rank, call, numel, torch.float32)
+    in_place, out = mine.clone(), torch.empty(numel)
+    comm.all_reduce_into(out, mine, group)
+    comm.all_reduce(in_place, group)
+    assert torch.equal(out, in_place)
+    assert torch.equal(mine, _values(rank, call, numel, torch.float32))
+    if group in comm._SHARED:
+        assert torch.equal(out, sum(_values(r, call, numel, torch.float32) for r in range(world)))
+    return out
+
+
 def _collectives(rank, world):
     group = dist.new_group(list(range(world)))
+    through_gloo = _all_reduce_into(rank, world, group, call=98, numel=1000)
     assert comm.enable_shared_memory(group, timeout_s=60)
     slot_elems = comm._SHARED[group].slot_bytes // 4
     sizes = [1, 7, 1000, slot_elems + 3]  # the last goes through in two pieces
@@ -26,6 +41,9 @@ def _collectives(rank, world):
         numel = sizes[call % len(sizes)]
         dtype = [torch.float32, torch.bfloat16, torch.float64, torch.int64][call % 4]
         op = dist.ReduceOp.MAX if call % 5 == 0 else dist.ReduceOp.SUM
+        if call % 8 in (5, 7):  # fp32 sums out of place, the larger in two pieces
+            results.append(_all_reduce_into(rank, world, group, call, numel))
+            continue
         mine = _values(rank, call, numel, dtype)
         got = mine.clone()
         comm.all_reduce(got, group, op=op)
@@ -40,6 +58,8 @@ def _collectives(rank, world):
     comm.all_gather_into(gathered, local, group)
     expected = torch.cat([_values(r, 99, 12, torch.float32).view(3, 4) for r in range(world)])
     assert torch.equal(gathered, expected)
+    through_shared_memory = _all_reduce_into(rank, world, group, call=98, numel=1000)
+    assert torch.allclose(through_shared_memory, through_gloo, rtol=1e-6, atol=1e-5)
     handle = comm.all_reduce(torch.ones(3), group, async_op=True)
     assert handle.wait()
     comm.disable_shared_memory()
