@@ -110,8 +110,8 @@ def _shared(group, tensor: torch.Tensor, op) -> SharedMemoryGroup | None:
 def _all_reduce(tensor, group, op, async_op):
     shared = _shared(group, tensor, op)
     if shared is not None:
-        shared.all_reduce(tensor, op)
-        return _Done() if async_op else None
+        pending = shared.all_reduce(tensor, op, async_op=async_op)
+        return (pending or _Done()) if async_op else None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 

@@ -1,5 +1,6 @@
 """The shared-memory path of CPU collectives on one host gives gloo's results, bit for bit the
-same on every rank, and fails with an error instead of hanging when a rank does not come."""
+same on every rank (in place, out of place and asynchronous), and fails with an error instead
+of hanging when a rank does not come."""
 
 from __future__ import annotations
 
@@ -62,6 +63,22 @@ def _collectives(rank, world):
     assert torch.allclose(through_shared_memory, through_gloo, rtol=1e-6, atol=1e-5)
     handle = comm.all_reduce(torch.ones(3), group, async_op=True)
     assert handle.wait()
+    # Asynchronous all-reduces: the next collective on the group completes a pending one first,
+    # so waiting after it, or never, gives the same results.
+    first, second = _values(rank, 96, 1000, torch.float32), _values(rank, 97, 7, torch.float32)
+    handle = comm.all_reduce(first, group, async_op=True)
+    comm.all_reduce(second, group)
+    assert handle.wait()
+    never_waited = _values(rank, 95, 5, torch.float32)
+    comm.all_reduce(never_waited, group, async_op=True)
+    gathered = torch.empty(3 * world, 4)
+    comm.all_gather_into(gathered, local, group)
+    for call, got in ((96, first), (97, second), (95, never_waited)):
+        expected = sum(_values(r, call, got.numel(), torch.float32) for r in range(world))
+        assert torch.equal(got, expected), call
+    assert torch.equal(
+        gathered, torch.cat([_values(r, 99, 12, torch.float32).view(3, 4) for r in range(world)])
+    )
     comm.disable_shared_memory()
     return results
 
