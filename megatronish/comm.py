@@ -99,16 +99,31 @@ def disable_shared_memory() -> None:
     _SHARED.clear()
 
 
-def _all_reduce(tensor, group, op, async_op):
+def _shared(group, tensor: torch.Tensor, op) -> SharedMemoryGroup | None:
+    """group's shared-memory path when it can reduce tensor with op, else None (gloo)."""
     shared = _SHARED.get(group)
-    if (
-        shared is not None
-        and tensor.is_contiguous()
-        and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX)
-    ):
-        shared.all_reduce(tensor, op)
-        return _Done() if async_op else None
+    if shared is None or not tensor.is_contiguous():
+        return None
+    return shared if op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX) else None
+
+
+def _all_reduce(tensor, group, op, async_op):
+    shared = _shared(group, tensor, op)
+    if shared is not None:
+        pending = shared.all_reduce(tensor, op, async_op=async_op)
+        return (pending or _Done()) if async_op else None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def _all_reduce_into(output, tensor, group) -> None:
+    """output <- the sum of tensor over group (shared memory writes it there directly; gloo
+    reduces a copy in place)."""
+    shared = _shared(group, tensor, dist.ReduceOp.SUM)
+    if shared is not None and output.is_contiguous():
+        shared.all_reduce(tensor, dist.ReduceOp.SUM, out=output)
+        return
+    output.copy_(tensor)
+    dist.all_reduce(output, group=group)
 
 
 def all_reduce(
@@ -123,6 +138,18 @@ def all_reduce(
         return None
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
     return _all_reduce(tensor, group, op, async_op)
+
+
+def all_reduce_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
+    """output (same shape and dtype) <- the sum of tensor over group; tensor is left as it is.
+    Counted as an all-reduce of tensor. Saves the copy an in-place all-reduce of a tensor that
+    must be kept would need."""
+    n = group_size(group)
+    if n == 1:
+        output.copy_(tensor)
+        return
+    _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
+    _all_reduce_into(output, tensor, group)
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
@@ -150,8 +177,8 @@ def reduce_scatter_into(
     _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
     if dist.get_backend(group) == "gloo":
         # gloo has no reduce_scatter_tensor: all-reduce then keep the local block (same result).
-        full = tensor.contiguous().clone()
-        _all_reduce(full, group, dist.ReduceOp.SUM, async_op=False)
+        full = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        _all_reduce_into(full, tensor.contiguous(), group)
         output.copy_(full.chunk(n, dim=0)[group_rank(group)])
     else:
         dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)

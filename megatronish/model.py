@@ -98,10 +98,11 @@ class Attention(nn.Module):
         qkv = self.qkv(x)  # [b, s, (n + 2k) / t * d]
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, : self.heads_per_group].reshape(b, s, self.local_heads, self.head_dim)
-        k = qkv[:, :, :, self.heads_per_group]
-        v = qkv[:, :, :, self.heads_per_group + 1]
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # One split (its backward is one concatenation, not a zero-filled buffer per slice);
+        # q is a view when each group has one query head (gpt2), a copy otherwise.
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.local_heads, self.head_dim)
+        return q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_heads(x)
@@ -166,8 +167,12 @@ class MLP(nn.Module):
                 x = mappings.copy_to_tensor_parallel_region(x, group)
             gate, up = F.linear(x, self.gate.weight), F.linear(x, self.up.weight)  # [b, s, f/t]
             hidden = ops.swiglu(gate, up, backend=self.backend)
-        else:
-            hidden = ops.bias_gelu(self.up(x), self.up.bias, backend=self.backend)
+        elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
+            hidden = ops.bias_gelu(self.up(x), self.up.bias, backend="triton")
+        else:  # torch adds the bias inside the matmul (addmm), as nn.Linear does
+            up = self.up
+            out = column_parallel_linear(x, up.weight, up.bias, up.tp_group, up.sequence_parallel)
+            hidden = ops.bias_gelu(out, None, backend="torch")  # [b, s, f/t]
         return self.down(hidden)
 
 

@@ -5,8 +5,9 @@ which costs a CPU tensor-parallel step more than its matmuls can hide. Ranks of 
 host instead map one shared buffer: each rank copies its tensor into its own slot and publishes
 a call counter; once every rank's counter has reached the call, each rank combines the slots in
 rank order, so every rank computes the same bits. Two sets of slots are used alternately: a
-rank can only be one call ahead of the slowest (it waits for every counter each call), so the
-set it writes is never one another rank still reads.
+rank can only be one call ahead of the slowest (it waits for every counter each call, and
+finishes an asynchronous all-reduce before it publishes the next call), so the set it writes is
+never one another rank still reads.
 
 Each rank also publishes its pid, so a rank waiting for one that has exited (killed, or failed
 and gone) raises PeerLost within PEER_CHECK_S instead of waiting for parallel.timeout_s.
@@ -52,12 +53,15 @@ class SharedMemoryGroup:
         dist.barrier(group)
         self.buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         # flags[r]: calls rank r made; flags[size + r]: rank r's pid.
-        self.flags = self.buffer[-FLAG_BYTES:].view(torch.int64)
+        # (read and written through numpy, whose scalar access costs a tenth of torch indexing
+        # in the wait loop).
+        self.flags = self.buffer[-FLAG_BYTES:].view(torch.int64).numpy()
         self.flags[self.size + self.rank] = os.getpid()
         dist.barrier(group)
         if self.rank == 0:
             os.unlink(path)  # the mapping stays until the last process exits
         self.calls = 0
+        self._pending: PendingAllReduce | None = None
 
     def _slot(self, rank: int, parity: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         start = (parity * self.size + rank) * self.slot_bytes
@@ -67,59 +71,104 @@ class SharedMemoryGroup:
         """Whether all_gather_into can take tensor in one piece."""
         return tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= self.slot_bytes
 
-    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Publishes tensor and waits for every rank's; returns the slots in rank order."""
+    def _publish(self, tensor: torch.Tensor) -> int:
+        """Copies tensor into this rank's slot of the next call and announces it; returns the
+        call. An all-reduce still pending completes first, so at most one call is in flight."""
+        if self._pending is not None:
+            self._pending.wait()
         self.calls += 1
-        parity = self.calls % 2
         nbytes = tensor.numel() * tensor.element_size()
-        self._slot(self.rank, parity, nbytes, tensor.dtype).copy_(tensor.reshape(-1))
+        self._slot(self.rank, self.calls % 2, nbytes, tensor.dtype).copy_(tensor.reshape(-1))
         self.flags[self.rank] = self.calls
+        return self.calls
+
+    def _collect(self, call: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Waits until every rank has published `call`; returns its slots in rank order."""
         deadline = time.monotonic() + self.timeout_s
         for rank in range(self.size):
             polls = 0
             next_check = time.monotonic() + PEER_CHECK_S
-            while int(self.flags[rank]) < self.calls:
+            while self.flags[rank] < call:
                 polls += 1
                 if polls > SPIN_BEFORE_YIELD:
                     os.sched_yield()
                     now = time.monotonic()
                     if now > next_check:
-                        self._check_alive(rank)
+                        self._check_alive(rank, call)
                         next_check = now + PEER_CHECK_S
                     if now > deadline:
                         raise TimeoutError(
                             f"rank {rank} of a tensor-parallel group did not reach collective "
-                            f"{self.calls} within {self.timeout_s:.0f} s (parallel.timeout_s)"
+                            f"{call} within {self.timeout_s:.0f} s (parallel.timeout_s)"
                         )
-        return [self._slot(r, parity, nbytes, tensor.dtype) for r in range(self.size)]
+        return [self._slot(r, call % 2, nbytes, dtype) for r in range(self.size)]
 
-    def _check_alive(self, rank: int) -> None:
+    def _check_alive(self, rank: int, call: int) -> None:
         """Raises PeerLost when rank's process has exited (or is a zombie)."""
         pid = int(self.flags[self.size + rank])
         if not process_alive(pid):
             raise PeerLost(
                 f"rank {rank} of a process group on this host (pid {pid}) exited before "
-                f"collective {self.calls}"
+                f"collective {call}"
             )
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
-        """In place: the sum (or max) over the group, combined in rank order on every rank;
-        a tensor larger than a slot goes through in slot-sized pieces."""
-        flat = tensor.view(-1)
+    def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Publishes tensor and waits for every rank's; returns the slots in rank order."""
+        call = self._publish(tensor)
+        return self._collect(call, tensor.numel() * tensor.element_size(), tensor.dtype)
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: dist.ReduceOp.RedOpType,
+        out: torch.Tensor | None = None,
+        async_op: bool = False,
+    ) -> PendingAllReduce | None:
+        """The sum (or max) of tensor over the group into out (default: tensor, in place; out
+        is contiguous, of tensor's shape and dtype), combined in rank order on every rank; a
+        tensor larger than a slot goes through in slot-sized pieces. With async_op a tensor
+        that fits one slot is only published: the returned handle's wait() (or the next call
+        on this group) waits for the other ranks and writes the result, so work done between
+        the two overlaps their lateness. Neither tensor nor out may change until then."""
+        combine = torch.add if op == dist.ReduceOp.SUM else torch.maximum
         per_slot = self.slot_bytes // tensor.element_size()
-        for piece in flat.split(per_slot):
+        target = tensor if out is None else out
+        if async_op and tensor.numel() <= per_slot:
+            self._pending = PendingAllReduce(self, self._publish(tensor), tensor, target, combine)
+            return self._pending
+        for piece, result in zip(tensor.view(-1).split(per_slot), target.view(-1).split(per_slot)):
             parts = self._exchange(piece)
-            piece.copy_(parts[0])
-            for part in parts[1:]:
-                if op == dist.ReduceOp.SUM:
-                    piece.add_(part)
-                else:
-                    torch.maximum(piece, part, out=piece)
+            _combine(parts, result, combine)
+        return None
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """output [size * n, ...] <- every rank's tensor [n, ...] in rank order."""
         parts = self._exchange(tensor)
         torch.cat(parts, out=output.view(-1))
+
+
+def _combine(parts: list[torch.Tensor], out: torch.Tensor, combine) -> None:
+    """out <- combine of the ranks' parts, in rank order (the same bits on every rank)."""
+    combine(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        combine(out, part, out=out)
+
+
+class PendingAllReduce:
+    """A published all-reduce whose result is written by wait()."""
+
+    def __init__(self, group: SharedMemoryGroup, call: int, tensor, out, combine):
+        self.group, self.call, self.out, self.combine = group, call, out, combine
+        self.nbytes, self.dtype = tensor.numel() * tensor.element_size(), tensor.dtype
+        self.done = False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.done = True
+            self.group._pending = None
+            parts = self.group._collect(self.call, self.nbytes, self.dtype)
+            _combine(parts, self.out.view(-1), self.combine)
+        return True
 
 
 def shm_dir() -> str:

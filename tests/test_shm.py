@@ -1,6 +1,7 @@
 """The shared-memory path of CPU collectives on one host gives gloo's results, bit for bit the
-same on every rank, and fails with an error instead of hanging when a rank does not come: at
-once when its process has exited, after parallel.timeout_s when it lives on elsewhere."""
+same on every rank (in place, out of place and asynchronous), and fails with an error instead
+of hanging when a rank does not come: at once when its process has exited, after
+parallel.timeout_s when it lives on elsewhere."""
 
 from __future__ import annotations
 
@@ -20,8 +21,23 @@ def _values(rank: int, call: int, numel: int, dtype: torch.dtype) -> torch.Tenso
     return (torch.randn(numel, generator=gen) * 10).to(dtype)
 
 
+def _all_reduce_into(rank, world, group, call, numel):
+    """all_reduce_into: what the in-place all_reduce gives (through shared memory the sum in
+    rank order), in the output, the input left as it was."""
+    mine = _values(rank, call, numel, torch.float32)
+    in_place, out = mine.clone(), torch.empty(numel)
+    comm.all_reduce_into(out, mine, group)
+    comm.all_reduce(in_place, group)
+    assert torch.equal(out, in_place)
+    assert torch.equal(mine, _values(rank, call, numel, torch.float32))
+    if group in comm._SHARED:
+        assert torch.equal(out, sum(_values(r, call, numel, torch.float32) for r in range(world)))
+    return out
+
+
 def _collectives(rank, world):
     group = dist.new_group(list(range(world)))
+    through_gloo = _all_reduce_into(rank, world, group, call=98, numel=1000)
     assert comm.enable_shared_memory(group, timeout_s=60)
     slot_elems = comm._SHARED[group].slot_bytes // 4
     sizes = [1, 7, 1000, slot_elems + 3]  # the last goes through in two pieces
@@ -30,6 +46,9 @@ def _collectives(rank, world):
         numel = sizes[call % len(sizes)]
         dtype = [torch.float32, torch.bfloat16, torch.float64, torch.int64][call % 4]
         op = dist.ReduceOp.MAX if call % 5 == 0 else dist.ReduceOp.SUM
+        if call % 8 in (5, 7):  # fp32 sums out of place, the larger in two pieces
+            results.append(_all_reduce_into(rank, world, group, call, numel))
+            continue
         mine = _values(rank, call, numel, dtype)
         got = mine.clone()
         comm.all_reduce(got, group, op=op)
@@ -44,8 +63,26 @@ def _collectives(rank, world):
     comm.all_gather_into(gathered, local, group)
     expected = torch.cat([_values(r, 99, 12, torch.float32).view(3, 4) for r in range(world)])
     assert torch.equal(gathered, expected)
+    through_shared_memory = _all_reduce_into(rank, world, group, call=98, numel=1000)
+    assert torch.allclose(through_shared_memory, through_gloo, rtol=1e-6, atol=1e-5)
     handle = comm.all_reduce(torch.ones(3), group, async_op=True)
     assert handle.wait()
+    # Asynchronous all-reduces: the next collective on the group completes a pending one first,
+    # so waiting after it, or never, gives the same results.
+    first, second = _values(rank, 96, 1000, torch.float32), _values(rank, 97, 7, torch.float32)
+    handle = comm.all_reduce(first, group, async_op=True)
+    comm.all_reduce(second, group)
+    assert handle.wait()
+    never_waited = _values(rank, 95, 5, torch.float32)
+    comm.all_reduce(never_waited, group, async_op=True)
+    gathered = torch.empty(3 * world, 4)
+    comm.all_gather_into(gathered, local, group)
+    for call, got in ((96, first), (97, second), (95, never_waited)):
+        expected = sum(_values(r, call, got.numel(), torch.float32) for r in range(world))
+        assert torch.equal(got, expected), call
+    assert torch.equal(
+        gathered, torch.cat([_values(r, 99, 12, torch.float32).view(3, 4) for r in range(world)])
+    )
     comm.disable_shared_memory()
     return results
 

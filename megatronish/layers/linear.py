@@ -207,6 +207,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
         partial = F.linear(x, self.weight)

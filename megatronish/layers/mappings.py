@@ -65,12 +65,12 @@ def reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum of x over the group (in place on a contiguous copy)."""
+    """Sum of x over the group, a new contiguous tensor (x is left as it is)."""
     if comm.group_size(group) == 1:
         return x
-    x = x.contiguous()
-    comm.all_reduce(x, group)
-    return x
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    comm.all_reduce_into(out, x.contiguous(), group)
+    return out
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -81,13 +81,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(), ctx.group), None
+        return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.clone(), group)
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
