@@ -36,20 +36,21 @@ def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
     wanted = model_specs(model)
     names = {id(param): name for name, param in model.named_parameters()}
     tp, tp_rank = model.derived.tp, model.ps.tp_rank
-    state_dict = optimizer.inner.state_dict()
-    state = {}
-    for group, saved_group in zip(optimizer.inner.param_groups, state_dict["param_groups"]):
-        for param, index in zip(group["params"], saved_group["params"]):
+    optimizer.inner.state.clear()
+    for group in optimizer.inner.param_groups:
+        for param in group["params"]:
             name = names[id(param)]
             if not ckpt.has_optimizer_state(name):
                 continue
-            state[index] = {
-                "step": ckpt.scalar(name, "step").to(torch.float32),
-                "exp_avg": ckpt.block(name, "exp_avg", wanted[name], tp, tp_rank),
-                "exp_avg_sq": ckpt.block(name, "exp_avg_sq", wanted[name], tp, tp_rank),
+            optimizer.inner.state[param] = {
+                "step": ckpt.scalar(name, "step").to(param.device, torch.float32, copy=True),
+                **{
+                    kind: ckpt.block(name, kind, wanted[name], tp, tp_rank).to(
+                        device=param.device, dtype=param.dtype
+                    )
+                    for kind in ("exp_avg", "exp_avg_sq")
+                },
             }
-    state_dict["state"] = state
-    optimizer.inner.load_state_dict(state_dict)
 
 
 def rng_states_for(
