@@ -20,10 +20,11 @@ def _collectives(rank, world):
     group = dist.new_group(list(range(world)))
     assert comm.enable_shared_memory(group, timeout_s=60)
     slot_elems = comm._SHARED[group].slot_bytes // 4
-    sizes = [1, 7, 1000, slot_elems + 3]  # the last goes through in two pieces
+    sizes = [1, 7, 1000, 513]
     results = []
     for call in range(40):  # many calls: both sets of slots are reused many times
-        numel = sizes[call % len(sizes)]
+        # Twice (summed, then maxed) a tensor that goes through in two pieces.
+        numel = slot_elems + 3 if call in (3, 15) else sizes[call % len(sizes)]
         dtype = [torch.float32, torch.bfloat16, torch.float64, torch.int64][call % 4]
         op = dist.ReduceOp.MAX if call % 5 == 0 else dist.ReduceOp.SUM
         mine = _values(rank, call, numel, dtype)
