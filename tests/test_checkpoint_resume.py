@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from megatronish.cli import cli
-from tests.conftest import CONFIGS, invoke_cli, read_metrics, run_cli
+from tests.conftest import CONFIGS, invoke_cli, read_metrics, run_cli, start_cli, wait_cli
 from tests.test_checkpoint_helpers import prepare_small_dataset
 
 # warmup_steps > steps: the learning rate of a step does not depend on train.steps, so a run of
@@ -35,13 +35,24 @@ def dataset(tmp_path_factory):
     return prepare_small_dataset(tmp_path_factory.mktemp("data") / "small")
 
 
+def cli_args(out_dir, dataset, overrides) -> list[str]:
+    sets = [*BASE, f"data.path={dataset}", f"run.out_dir={out_dir}", *overrides]
+    return ["--config", str(CONFIGS / "tiny.yaml"), *[a for o in sets for a in ("--set", o)]]
+
+
 def train(out_dir, dataset, *overrides: str, launch: bool = False):
     """`megatronish launch` in a subprocess, or `megatronish train` in this process."""
-    sets = [*BASE, f"data.path={dataset}", f"run.out_dir={out_dir}", *overrides]
-    args = ["--config", str(CONFIGS / "tiny.yaml"), *[a for o in sets for a in ("--set", o)]]
+    args = cli_args(out_dir, dataset, overrides)
     result = run_cli("launch", *args) if launch else invoke_cli("train", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def launch_side_by_side(dataset, runs: dict) -> None:
+    """`megatronish launch` of each {out_dir: overrides} at once, in subprocesses."""
+    started = [start_cli("launch", *cli_args(out, dataset, sets)) for out, sets in runs.items()]
+    for result in [wait_cli(s) for s in started]:
+        assert result.returncode == 0, result.stderr[-3000:]
 
 
 def curve(run_dir) -> list[dict]:
@@ -113,9 +124,13 @@ def tp2_runs(tmp_path_factory, dataset):
     sets = ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0"]
     train(root / "whole", dataset, *sets, "parallel.tp=2", launch=True)
     resume = f"checkpoint.resume={root / 'whole' / 'checkpoints' / 'step_000003'}"
-    train(root / "resumed", dataset, "train.steps=6", "parallel.tp=2", resume, launch=True)
-    sets = ["train.steps=6", "parallel.dp=2", "optim.zero=1", resume]
-    train(root / "relaid", dataset, *sets, launch=True)
+    launch_side_by_side(
+        dataset,
+        {
+            root / "resumed": ["train.steps=6", "parallel.tp=2", resume],
+            root / "relaid": ["train.steps=6", "parallel.dp=2", "optim.zero=1", resume],
+        },
+    )
     return root
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import CONFIGS, read_metrics, run_cli
+from tests.conftest import CONFIGS, read_metrics, start_cli, wait_cli
 
 TINY = [
     "model.n_layer=2",
@@ -24,15 +24,26 @@ ARCH = {
 }
 
 
-def train(tmp_path, name: str, overrides: list[str], launch: bool):
+def start(tmp_path, name: str, overrides: list[str], launch: bool, env: dict | None = None):
+    """Starts `megatronish train` (or `launch`) in a subprocess; returns a function that waits
+    for it and gives its metrics. Runs started one after the other run side by side."""
     out = tmp_path / name
     sets = [
         a for o in overrides + [f"run.out_dir={out}", "checkpoint.save=false"] for a in ("--set", o)
     ]
     command = "launch" if launch else "train"
-    result = run_cli(command, "--config", str(CONFIGS / "tiny.yaml"), *sets, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_metrics(out)
+    started = start_cli(command, "--config", str(CONFIGS / "tiny.yaml"), *sets, env=env)
+
+    def metrics():
+        result = wait_cli(started, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return read_metrics(out)
+
+    return metrics
+
+
+def train(tmp_path, name: str, overrides: list[str], launch: bool):
+    return start(tmp_path, name, overrides, launch)()
 
 
 def assert_same_curve(a, b, rtol=1e-4):
@@ -61,11 +72,11 @@ def tp1_curve(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path, arch, tp1_curve):
     base = TINY + ARCH[arch]
+    tp2 = start(tmp_path, "tp2", base + ["parallel.tp=2"], launch=True)
+    dp2 = start(tmp_path, "dp2", base + ["parallel.dp=2"], launch=True)
     tp1 = tp1_curve(arch)
-    tp2 = train(tmp_path, "tp2", base + ["parallel.tp=2"], launch=True)
-    dp2 = train(tmp_path, "dp2", base + ["parallel.dp=2"], launch=True)
-    assert_same_curve(tp2, tp1)
-    assert_same_curve(dp2, tp1)
+    assert_same_curve(tp2(), tp1)
+    assert_same_curve(dp2(), tp1)
     losses = [x["loss"] for x in tp1[0]]
     assert losses[-1] < losses[0] - 0.5, "the model learns"
 
@@ -112,20 +123,13 @@ TRITON_TINY = [
 def test_cli_triton_kernels_interpreted_give_the_torch_losses(tmp_path, arch):
     pytest.importorskip("triton")
     settings = TRITON_TINY + [f"model.arch={arch}"]
-    torch_run = train(tmp_path, "torch", settings + ["kernels.backend=torch"], launch=False)
-    out = tmp_path / "triton"
-    sets = settings + ["kernels.backend=triton", f"run.out_dir={out}", "checkpoint.save=false"]
-    result = run_cli(
-        "train",
-        "--config",
-        str(CONFIGS / "tiny.yaml"),
-        *[a for o in sets for a in ("--set", o)],
+    triton_run = start(
+        tmp_path, "triton", settings + ["kernels.backend=triton"], launch=False,
         env={"TRITON_INTERPRET": "1"},
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    triton_lines, _ = read_metrics(out)
-    assert [x["step"] for x in triton_lines] == [x["step"] for x in torch_run[0]] == [1, 2, 3, 4]
-    for x, y in zip(triton_lines, torch_run[0]):
+    )  # fmt: skip
+    torch_lines, _ = train(tmp_path, "torch", settings + ["kernels.backend=torch"], launch=False)
+    triton_lines, _ = triton_run()
+    assert [x["step"] for x in triton_lines] == [x["step"] for x in torch_lines] == [1, 2, 3, 4]
+    for x, y in zip(triton_lines, torch_lines):
         for key in ("loss", "grad_norm"):  # the forward, and every kernel's backward
             assert y[key] > 0 and abs(x[key] - y[key]) <= 1e-4 * y[key], (key, x, y)
