@@ -117,12 +117,20 @@ def test_resume_restores_the_rng_so_dropout_continues_bitwise(tmp_path, dataset)
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(tmp_path_factory, dataset):
-    """A tp=2 run of 6 steps, and its step-3 checkpoint continued at tp=2 and at tp=1 x dp=2
-    with ZeRO-1 (model and optimizer re-sharded). (At tp=1 the split run stops at step 3.)"""
+def tp2_runs(tmp_path_factory, dataset, tp1_runs):
+    """Launched, two at a time: a tp=2 run of 6 steps, and its step-3 checkpoint continued at
+    tp=2 and at tp=1 x dp=2 with ZeRO-1 (model and optimizer re-sharded); the tp=1 run's step-3
+    checkpoint continued at tp=2 ("higher"). (At tp=1 the split run stops at step 3.)"""
     root = tmp_path_factory.mktemp("tp2")
-    sets = ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0"]
-    train(root / "whole", dataset, *sets, "parallel.tp=2", launch=True)
+    tp1_step3 = tp1_runs[0] / "checkpoints" / "step_000003"
+    launch_side_by_side(
+        dataset,
+        {
+            root / "whole": ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0",
+                             "parallel.tp=2"],
+            root / "higher": ["train.steps=6", "parallel.tp=2", f"checkpoint.resume={tp1_step3}"],
+        },
+    )  # fmt: skip
     resume = f"checkpoint.resume={root / 'whole' / 'checkpoints' / 'step_000003'}"
     launch_side_by_side(
         dataset,
@@ -151,12 +159,8 @@ def test_resume_at_another_tp_dp_and_zero_continues_the_same_loss_curve(tp2_runs
     assert "optim_tp00_dp000.safetensors" in saved and "optim_tp00_dp001.safetensors" in saved
 
 
-def test_resume_at_a_higher_tp_continues_the_same_loss_curve(tp1_runs, tmp_path, dataset):
-    whole = tp1_runs[0]
-    step3 = whole / "checkpoints" / "step_000003"
-    sets = ["train.steps=6", "parallel.tp=2", f"checkpoint.resume={step3}"]
-    train(tmp_path / "tp2", dataset, *sets, launch=True)
-    for got, want in zip(curve(tmp_path / "tp2"), curve(whole)[4:]):
+def test_resume_at_a_higher_tp_continues_the_same_loss_curve(tp1_runs, tp2_runs):
+    for got, want in zip(curve(tp2_runs / "higher"), curve(tp1_runs[0])[4:], strict=True):
         key = "loss" if "loss" in got else "val_loss"
         assert got["step"] == want["step"]
         assert got[key] == pytest.approx(want[key], rel=1e-4)
