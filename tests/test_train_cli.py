@@ -55,26 +55,27 @@ def assert_same_curve(a, b, rtol=1e-4):
 
 
 @pytest.fixture(scope="module")
-def tp1_curve(tmp_path_factory):
-    """The tp = 1 curve of an arch, trained once for all the tests of this module."""
-    curves = {}
+def tp1_run(tmp_path_factory):
+    """The run directory of an arch at tp = 1, trained once for all the tests of this module."""
+    runs = {}
 
-    def curve(arch: str):
-        if arch not in curves:
+    def run(arch: str):
+        if arch not in runs:
             root = tmp_path_factory.mktemp(f"tp1-{arch}")
-            curves[arch] = train(root, "tp1", TINY + ARCH[arch], launch=False)
-        return curves[arch]
+            train(root, "tp1", TINY + ARCH[arch], launch=False)
+            runs[arch] = root / "tp1"
+        return runs[arch]
 
-    return curve
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path, arch, tp1_curve):
+def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path, arch, tp1_run):
     base = TINY + ARCH[arch]
     tp2 = start(tmp_path, "tp2", base + ["parallel.tp=2"], launch=True)
     dp2 = start(tmp_path, "dp2", base + ["parallel.dp=2"], launch=True)
-    tp1 = tp1_curve(arch)
+    tp1 = read_metrics(tp1_run(arch))
     assert_same_curve(tp2(), tp1)
     assert_same_curve(dp2(), tp1)
     losses = [x["loss"] for x in tp1[0]]
@@ -82,9 +83,9 @@ def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path, arch, tp1_curve):
 
 
 @pytest.mark.slow
-def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path, tp1_curve):
+def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path, tp1_run):
     base = TINY + ARCH["llama"]
-    tp1 = tp1_curve("llama")
+    tp1 = read_metrics(tp1_run("llama"))
     mixed = base + [
         "parallel.tp=2",
         "parallel.dp=2",
@@ -94,13 +95,13 @@ def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path, tp1_
     assert_same_curve(train(tmp_path, "tp2dp2", mixed, launch=True), tp1)
 
 
-def test_train_writes_metrics_and_resolved_config(tmp_path):
-    (lines, evals) = train(tmp_path, "run", TINY + ARCH["gpt2"] + ["train.steps=3"], launch=False)
-    assert [x["step"] for x in lines] == [1, 2, 3]
+def test_train_writes_metrics_and_resolved_config(tp1_run):
+    lines, evals = read_metrics(tp1_run("gpt2"))
+    assert [x["step"] for x in lines] == list(range(1, 21))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
         assert all(key in x for x in lines), key
-    assert evals and evals[-1]["step"] == 3
-    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert [x["step"] for x in evals] == [10, 20]
+    assert (tp1_run("gpt2") / "config.yaml").is_file()
 
 
 TRITON_TINY = [
