@@ -36,33 +36,25 @@ def _session_cache(tmp_path_factory):
 
 
 @dataclass
-class StartedCli:
-    """A start_cli command still running, with the files its output goes to."""
+class Started:
+    """A command started by `start`, still running, with the files its output goes to."""
 
     proc: subprocess.Popen
     stdout: IO[bytes]
     stderr: IO[bytes]
 
 
-def start_cli(*args: str, env: dict | None = None, cwd=None) -> StartedCli:
-    """`python -m megatronish ARGS` started in a subprocess, to finish with wait_cli: commands
-    that do not depend on each other run side by side (each writes to its own temporary files,
-    so one that is not being waited for never blocks on a full pipe)."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    full_env.setdefault("OMP_NUM_THREADS", "1")
+def start(command: list[str], env: dict | None = None, cwd=None) -> Started:
+    """command started in a subprocess, to `finish`: commands that do not depend on each other
+    run side by side (each writes to its own temporary files, so one that is not being waited
+    for never blocks on a full pipe)."""
     stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "megatronish", *args],
-        stdout=stdout,
-        stderr=stderr,
-        env=full_env,
-        cwd=cwd or REPO,
-    )
-    return StartedCli(proc, stdout, stderr)
+    proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=cwd or REPO)
+    return Started(proc, stdout, stderr)
 
 
-def wait_cli(started: StartedCli, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The CompletedProcess of a start_cli command; killed, and an error, after timeout s."""
+def finish(started: Started, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The CompletedProcess of a started command; killed, and an error, after timeout s."""
     proc = started.proc
     try:
         proc.wait(timeout=timeout)
@@ -79,9 +71,16 @@ def wait_cli(started: StartedCli, timeout: float = 300) -> subprocess.CompletedP
     return subprocess.CompletedProcess(proc.args, proc.returncode, *outputs)
 
 
+def start_cli(*args: str, env: dict | None = None, cwd=None) -> Started:
+    """`python -m megatronish ARGS` started in a subprocess (one thread), to `finish`."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    return start([sys.executable, "-m", "megatronish", *args], full_env, cwd)
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd=None):
     """`python -m megatronish ARGS` in a subprocess; returns the CompletedProcess."""
-    return wait_cli(start_cli(*args, env=env, cwd=cwd), timeout)
+    return finish(start_cli(*args, env=env, cwd=cwd), timeout)
 
 
 # Set by torch itself the first time anything imports torch._dynamo (torch.optim does).

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from megatronish.cli import cli
-from tests.conftest import CONFIGS, invoke_cli, read_metrics, run_cli, start_cli, wait_cli
+from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, run_cli, start_cli
 from tests.test_checkpoint_helpers import prepare_small_dataset
 
 # warmup_steps > steps: the learning rate of a step does not depend on train.steps, so a run of
@@ -51,7 +51,7 @@ def train(out_dir, dataset, *overrides: str, launch: bool = False):
 def launch_side_by_side(dataset, runs: dict) -> None:
     """`megatronish launch` of each {out_dir: overrides} at once, in subprocesses."""
     started = [start_cli("launch", *cli_args(out, dataset, sets)) for out, sets in runs.items()]
-    for result in [wait_cli(s) for s in started]:
+    for result in [finish(s) for s in started]:
         assert result.returncode == 0, result.stderr[-3000:]
 
 

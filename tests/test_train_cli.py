@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import CONFIGS, read_metrics, start_cli, wait_cli
+from tests.conftest import CONFIGS, finish, read_metrics, start_cli
 
 TINY = [
     "model.n_layer=2",
@@ -35,7 +35,7 @@ def start(tmp_path, name: str, overrides: list[str], launch: bool, env: dict | N
     started = start_cli(command, "--config", str(CONFIGS / "tiny.yaml"), *sets, env=env)
 
     def metrics():
-        result = wait_cli(started, timeout=600)
+        result = finish(started, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         return read_metrics(out)
 
