@@ -28,9 +28,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # Imported once by the fork server; a module that fails to import is left to each worker.
+# torch.optim imports torch._dynamo when first used (about 2 s), and that imports triton:
+# tests.kernel_env comes first so that triton is imported as the kernel tests need it.
 PRELOAD = [
     "torch",
     "torch.distributed",
+    "tests.kernel_env",
+    "torch._dynamo",
     "megatronish.trainer",
     "megatronish.bench",
     "megatronish.checkpoint.load",
