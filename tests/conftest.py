@@ -7,8 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -32,18 +35,52 @@ def _session_cache(tmp_path_factory):
     yield
 
 
-def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd=None):
-    """`python -m megatronish ARGS` in a subprocess; returns the CompletedProcess."""
+@dataclass
+class Started:
+    """A command started by `start`, still running, with the files its output goes to."""
+
+    proc: subprocess.Popen
+    stdout: IO[bytes]
+    stderr: IO[bytes]
+
+
+def start(command: list[str], env: dict | None = None, cwd=None) -> Started:
+    """command started in a subprocess, to `finish`: commands that do not depend on each other
+    run side by side (each writes to its own temporary files, so one that is not being waited
+    for never blocks on a full pipe)."""
+    stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=cwd or REPO)
+    return Started(proc, stdout, stderr)
+
+
+def finish(started: Started, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The CompletedProcess of a started command; killed, and an error, after timeout s."""
+    proc = started.proc
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        outputs = []
+        for file in (started.stdout, started.stderr):
+            file.seek(0)
+            outputs.append(file.read().decode(errors="replace"))
+            file.close()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, *outputs)
+
+
+def start_cli(*args: str, env: dict | None = None, cwd=None) -> Started:
+    """`python -m megatronish ARGS` started in a subprocess (one thread), to `finish`."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     full_env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run(
-        [sys.executable, "-m", "megatronish", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=cwd or REPO,
-    )
+    return start([sys.executable, "-m", "megatronish", *args], full_env, cwd)
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd=None):
+    """`python -m megatronish ARGS` in a subprocess; returns the CompletedProcess."""
+    return finish(start_cli(*args, env=env, cwd=cwd), timeout)
 
 
 # Set by torch itself the first time anything imports torch._dynamo (torch.optim does).

@@ -76,7 +76,7 @@ def _count_on_ranks(rank, world, variants, dataset):
         cfg = bench_config(tp, dp, overrides, dataset)
         derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
         trainer = Trainer(Setup(cfg, derived, ParallelState.from_world(tp, dp), dataset))
-        result = time_steps(trainer, steps=2, warmup=1)
+        result = time_steps(trainer, steps=1, warmup=1)
         results[name] = (
             (result.bytes_sent_per_step, formula_bytes_per_step(cfg, derived)),
             (result.payload_per_step, formula_payload_by_kind(cfg, derived)),

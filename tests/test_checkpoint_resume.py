@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from megatronish.cli import cli
-from tests.conftest import CONFIGS, invoke_cli, read_metrics, run_cli
+from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, run_cli, start_cli
 from tests.test_checkpoint_helpers import prepare_small_dataset
 
 # warmup_steps > steps: the learning rate of a step does not depend on train.steps, so a run of
@@ -35,13 +35,24 @@ def dataset(tmp_path_factory):
     return prepare_small_dataset(tmp_path_factory.mktemp("data") / "small")
 
 
+def cli_args(out_dir, dataset, overrides) -> list[str]:
+    sets = [*BASE, f"data.path={dataset}", f"run.out_dir={out_dir}", *overrides]
+    return ["--config", str(CONFIGS / "tiny.yaml"), *[a for o in sets for a in ("--set", o)]]
+
+
 def train(out_dir, dataset, *overrides: str, launch: bool = False):
     """`megatronish launch` in a subprocess, or `megatronish train` in this process."""
-    sets = [*BASE, f"data.path={dataset}", f"run.out_dir={out_dir}", *overrides]
-    args = ["--config", str(CONFIGS / "tiny.yaml"), *[a for o in sets for a in ("--set", o)]]
+    args = cli_args(out_dir, dataset, overrides)
     result = run_cli("launch", *args) if launch else invoke_cli("train", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def launch_side_by_side(dataset, runs: dict) -> None:
+    """`megatronish launch` of each {out_dir: overrides} at once, in subprocesses."""
+    started = [start_cli("launch", *cli_args(out, dataset, sets)) for out, sets in runs.items()]
+    for result in [finish(s) for s in started]:
+        assert result.returncode == 0, result.stderr[-3000:]
 
 
 def curve(run_dir) -> list[dict]:
@@ -106,16 +117,28 @@ def test_resume_restores_the_rng_so_dropout_continues_bitwise(tmp_path, dataset)
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(tmp_path_factory, dataset):
-    """A tp=2 run of 6 steps, and its step-3 checkpoint continued at tp=2 and at tp=1 x dp=2
-    with ZeRO-1 (model and optimizer re-sharded). (At tp=1 the split run stops at step 3.)"""
+def tp2_runs(tmp_path_factory, dataset, tp1_runs):
+    """Launched, two at a time: a tp=2 run of 6 steps, and its step-3 checkpoint continued at
+    tp=2 and at tp=1 x dp=2 with ZeRO-1 (model and optimizer re-sharded); the tp=1 run's step-3
+    checkpoint continued at tp=2 ("higher"). (At tp=1 the split run stops at step 3.)"""
     root = tmp_path_factory.mktemp("tp2")
-    sets = ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0"]
-    train(root / "whole", dataset, *sets, "parallel.tp=2", launch=True)
+    tp1_step3 = tp1_runs[0] / "checkpoints" / "step_000003"
+    launch_side_by_side(
+        dataset,
+        {
+            root / "whole": ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0",
+                             "parallel.tp=2"],
+            root / "higher": ["train.steps=6", "parallel.tp=2", f"checkpoint.resume={tp1_step3}"],
+        },
+    )  # fmt: skip
     resume = f"checkpoint.resume={root / 'whole' / 'checkpoints' / 'step_000003'}"
-    train(root / "resumed", dataset, "train.steps=6", "parallel.tp=2", resume, launch=True)
-    sets = ["train.steps=6", "parallel.dp=2", "optim.zero=1", resume]
-    train(root / "relaid", dataset, *sets, launch=True)
+    launch_side_by_side(
+        dataset,
+        {
+            root / "resumed": ["train.steps=6", "parallel.tp=2", resume],
+            root / "relaid": ["train.steps=6", "parallel.dp=2", "optim.zero=1", resume],
+        },
+    )
     return root
 
 
@@ -136,12 +159,8 @@ def test_resume_at_another_tp_dp_and_zero_continues_the_same_loss_curve(tp2_runs
     assert "optim_tp00_dp000.safetensors" in saved and "optim_tp00_dp001.safetensors" in saved
 
 
-def test_resume_at_a_higher_tp_continues_the_same_loss_curve(tp1_runs, tmp_path, dataset):
-    whole = tp1_runs[0]
-    step3 = whole / "checkpoints" / "step_000003"
-    sets = ["train.steps=6", "parallel.tp=2", f"checkpoint.resume={step3}"]
-    train(tmp_path / "tp2", dataset, *sets, launch=True)
-    for got, want in zip(curve(tmp_path / "tp2"), curve(whole)[4:]):
+def test_resume_at_a_higher_tp_continues_the_same_loss_curve(tp1_runs, tp2_runs):
+    for got, want in zip(curve(tp2_runs / "higher"), curve(tp1_runs[0])[4:], strict=True):
         key = "loss" if "loss" in got else "val_loss"
         assert got["step"] == want["step"]
         assert got[key] == pytest.approx(want[key], rel=1e-4)

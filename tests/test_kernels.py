@@ -7,9 +7,9 @@ bf16 checks need CUDA and are marked `cuda`. Cross entropy has its own module.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +18,7 @@ import torch
 
 from megatronish import ops
 from megatronish.ops import reference
+from tests.conftest import finish, start
 from tests.kernel_env import INTERPRET as _INTERPRET
 from tests.kernel_env import (
     interpreter_env,  # noqa: F401 (autouse fixture)
@@ -342,26 +343,43 @@ def compile_every_kernel_for_sm90() -> None:
     build(ce._ce_bwd_kernel, "bf16", dict(BLOCK=4096), num_warps=8)
 
 
-def test_every_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+SM90_TEST = "test_every_kernel_compiles_for_sm90_without_a_gpu"
+BENCH_TEST = "test_bench_script_checks_every_kernel_and_runs_its_pipeline"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def checks_in_subprocesses(request, tmp_path_factory):
+    """The two checks of this module that run in a subprocess (the sm90 compile, the benchmark
+    script), started with the module's first test when they are selected: each takes one core
+    while the interpreted tests run in this process; their tests below wait for them."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    started = {}
+    if SM90_TEST in selected and importlib.util.find_spec("triton.backends.nvidia"):
+        cache = tmp_path_factory.mktemp("triton-cache")
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache)}
+        code = "from tests.test_kernels import compile_every_kernel_for_sm90 as c; c()"
+        started[SM90_TEST] = start([sys.executable, "-c", code], env)
+    if BENCH_TEST in selected:
+        # On CPU the default run is the interpreter check plus a tiny dry run of the whole
+        # benchmark; on CUDA only --check (the real benchmark takes minutes).
+        args = ["--check"] if torch.cuda.is_available() else []
+        env = {**os.environ, "TRITON_INTERPRET": "1"} if _INTERPRET else dict(os.environ)
+        script = str(REPO_ROOT / "scripts" / "bench_kernels.py")
+        started[BENCH_TEST] = start([sys.executable, script, *args], env)
+    yield started
+    for leftover in started.values():  # not waited for: a test before it failed the module
+        leftover.proc.kill()
+        finish(leftover)
+
+
+def test_every_kernel_compiles_for_sm90_without_a_gpu(checks_in_subprocesses):
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    code = "from tests.test_kernels import compile_every_kernel_for_sm90 as c; c()"
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    result = finish(checks_in_subprocesses.pop(SM90_TEST), timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-def test_bench_script_checks_every_kernel_and_runs_its_pipeline():
-    # On CPU the default run is the interpreter check plus a tiny dry run of the whole benchmark;
-    # on CUDA only --check (the real benchmark takes minutes).
-    args = ["--check"] if torch.cuda.is_available() else []
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if _INTERPRET else dict(os.environ)
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "bench_kernels.py"), *args],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def test_bench_script_checks_every_kernel_and_runs_its_pipeline(checks_in_subprocesses):
+    result = finish(checks_in_subprocesses.pop(BENCH_TEST), timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     checked = [line for line in result.stdout.splitlines() if "max |ours - torch|" in line]
     names = ("rms_norm", "layer_norm", "rope", "swiglu", "bias_gelu", "attention", "cross_entropy")

@@ -40,10 +40,11 @@ def _collectives(rank, world):
     through_gloo = _all_reduce_into(rank, world, group, call=98, numel=1000)
     assert comm.enable_shared_memory(group, timeout_s=60)
     slot_elems = comm._SHARED[group].slot_bytes // 4
-    sizes = [1, 7, 1000, slot_elems + 3]  # the last goes through in two pieces
+    sizes = [1, 7, 1000, 513]
     results = []
     for call in range(40):  # many calls: both sets of slots are reused many times
-        numel = sizes[call % len(sizes)]
+        # Twice (summed, then maxed) a tensor that goes through in two pieces.
+        numel = slot_elems + 3 if call in (3, 10) else sizes[call % len(sizes)]
         dtype = [torch.float32, torch.bfloat16, torch.float64, torch.int64][call % 4]
         op = dist.ReduceOp.MAX if call % 5 == 0 else dist.ReduceOp.SUM
         if call % 8 in (5, 7):  # fp32 sums out of place, the larger in two pieces

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import CONFIGS, read_metrics, run_cli
+from tests.conftest import CONFIGS, finish, read_metrics, start_cli
 
 TINY = [
     "model.n_layer=2",
@@ -24,15 +24,26 @@ ARCH = {
 }
 
 
-def train(tmp_path, name: str, overrides: list[str], launch: bool):
+def start(tmp_path, name: str, overrides: list[str], launch: bool, env: dict | None = None):
+    """Starts `megatronish train` (or `launch`) in a subprocess; returns a function that waits
+    for it and gives its metrics. Runs started one after the other run side by side."""
     out = tmp_path / name
     sets = [
         a for o in overrides + [f"run.out_dir={out}", "checkpoint.save=false"] for a in ("--set", o)
     ]
     command = "launch" if launch else "train"
-    result = run_cli(command, "--config", str(CONFIGS / "tiny.yaml"), *sets, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_metrics(out)
+    started = start_cli(command, "--config", str(CONFIGS / "tiny.yaml"), *sets, env=env)
+
+    def metrics():
+        result = finish(started, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return read_metrics(out)
+
+    return metrics
+
+
+def train(tmp_path, name: str, overrides: list[str], launch: bool):
+    return start(tmp_path, name, overrides, launch)()
 
 
 def assert_same_curve(a, b, rtol=1e-4):
@@ -44,36 +55,37 @@ def assert_same_curve(a, b, rtol=1e-4):
 
 
 @pytest.fixture(scope="module")
-def tp1_curve(tmp_path_factory):
-    """The tp = 1 curve of an arch, trained once for all the tests of this module."""
-    curves = {}
+def tp1_run(tmp_path_factory):
+    """The run directory of an arch at tp = 1, trained once for all the tests of this module."""
+    runs = {}
 
-    def curve(arch: str):
-        if arch not in curves:
+    def run(arch: str):
+        if arch not in runs:
             root = tmp_path_factory.mktemp(f"tp1-{arch}")
-            curves[arch] = train(root, "tp1", TINY + ARCH[arch], launch=False)
-        return curves[arch]
+            train(root, "tp1", TINY + ARCH[arch], launch=False)
+            runs[arch] = root / "tp1"
+        return runs[arch]
 
-    return curve
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path, arch, tp1_curve):
+def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path, arch, tp1_run):
     base = TINY + ARCH[arch]
-    tp1 = tp1_curve(arch)
-    tp2 = train(tmp_path, "tp2", base + ["parallel.tp=2"], launch=True)
-    dp2 = train(tmp_path, "dp2", base + ["parallel.dp=2"], launch=True)
-    assert_same_curve(tp2, tp1)
-    assert_same_curve(dp2, tp1)
+    tp2 = start(tmp_path, "tp2", base + ["parallel.tp=2"], launch=True)
+    dp2 = start(tmp_path, "dp2", base + ["parallel.dp=2"], launch=True)
+    tp1 = read_metrics(tp1_run(arch))
+    assert_same_curve(tp2(), tp1)
+    assert_same_curve(dp2(), tp1)
     losses = [x["loss"] for x in tp1[0]]
     assert losses[-1] < losses[0] - 0.5, "the model learns"
 
 
 @pytest.mark.slow
-def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path, tp1_curve):
+def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path, tp1_run):
     base = TINY + ARCH["llama"]
-    tp1 = tp1_curve("llama")
+    tp1 = read_metrics(tp1_run("llama"))
     mixed = base + [
         "parallel.tp=2",
         "parallel.dp=2",
@@ -83,13 +95,13 @@ def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path, tp1_
     assert_same_curve(train(tmp_path, "tp2dp2", mixed, launch=True), tp1)
 
 
-def test_train_writes_metrics_and_resolved_config(tmp_path):
-    (lines, evals) = train(tmp_path, "run", TINY + ARCH["gpt2"] + ["train.steps=3"], launch=False)
-    assert [x["step"] for x in lines] == [1, 2, 3]
+def test_train_writes_metrics_and_resolved_config(tp1_run):
+    lines, evals = read_metrics(tp1_run("gpt2"))
+    assert [x["step"] for x in lines] == list(range(1, 21))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
         assert all(key in x for x in lines), key
-    assert evals and evals[-1]["step"] == 3
-    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert [x["step"] for x in evals] == [10, 20]
+    assert (tp1_run("gpt2") / "config.yaml").is_file()
 
 
 TRITON_TINY = [
@@ -112,20 +124,13 @@ TRITON_TINY = [
 def test_cli_triton_kernels_interpreted_give_the_torch_losses(tmp_path, arch):
     pytest.importorskip("triton")
     settings = TRITON_TINY + [f"model.arch={arch}"]
-    torch_run = train(tmp_path, "torch", settings + ["kernels.backend=torch"], launch=False)
-    out = tmp_path / "triton"
-    sets = settings + ["kernels.backend=triton", f"run.out_dir={out}", "checkpoint.save=false"]
-    result = run_cli(
-        "train",
-        "--config",
-        str(CONFIGS / "tiny.yaml"),
-        *[a for o in sets for a in ("--set", o)],
+    triton_run = start(
+        tmp_path, "triton", settings + ["kernels.backend=triton"], launch=False,
         env={"TRITON_INTERPRET": "1"},
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    triton_lines, _ = read_metrics(out)
-    assert [x["step"] for x in triton_lines] == [x["step"] for x in torch_run[0]] == [1, 2, 3, 4]
-    for x, y in zip(triton_lines, torch_run[0]):
+    )  # fmt: skip
+    torch_lines, _ = train(tmp_path, "torch", settings + ["kernels.backend=torch"], launch=False)
+    triton_lines, _ = triton_run()
+    assert [x["step"] for x in triton_lines] == [x["step"] for x in torch_lines] == [1, 2, 3, 4]
+    for x, y in zip(triton_lines, torch_lines):
         for key in ("loss", "grad_norm"):  # the forward, and every kernel's backward
             assert y[key] > 0 and abs(x[key] - y[key]) <= 1e-4 * y[key], (key, x, y)
