@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -55,7 +56,13 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
         for key, tflops in GPU_PEAK_TFLOPS.items():
             if key in name:
                 return tflops * 1e12, f"{name} dense bf16 peak"
-    return measured_matmul_flops(device), f"measured fp32 matmul on {device.type}"
+    return _measured(device, torch.get_num_threads()), f"measured fp32 matmul on {device.type}"
+
+
+@functools.cache
+def _measured(device: torch.device, threads: int) -> float:
+    """measured_matmul_flops once per process, device and thread count."""
+    return measured_matmul_flops(device)
 
 
 def measured_matmul_flops(device: torch.device, size: int = 1024, trials: int = 5) -> float:

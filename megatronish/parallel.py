@@ -138,9 +138,13 @@ def init_distributed(tp: int, dp: int, timeout_s: float, pp: int = 1) -> Paralle
         if backend == "nccl":
             torch.cuda.set_device(default_device())
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    ps = ParallelState.from_world(tp, dp, pp)
+    return use_shared_memory(ParallelState.from_world(tp, dp, pp), timeout_s)
+
+
+def use_shared_memory(ps: ParallelState, timeout_s: float) -> ParallelState:
+    """On gloo: the tp and dp groups whose ranks share a host exchange through shared memory
+    (megatronish.shm) instead of loopback TCP. Every rank calls it. Returns ps."""
     if backend_is_gloo():
-        # CPU ranks on one host: collectives through shared memory instead of loopback TCP.
         for group, size in ((ps.tp_group, ps.tp), (ps.dp_group, ps.dp)):
             if size > 1:
                 comm.enable_shared_memory(group, timeout_s)

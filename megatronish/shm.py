@@ -33,6 +33,10 @@ from megatronish.faults import process_alive
 SLOT_BYTES = 8 << 20
 FLAG_BYTES = 4096
 SPIN_BEFORE_YIELD = 64
+# A wait longer than this sleeps between polls: the rank it waits for may need this core (more
+# ranks than cores), and a rank that is this late costs far more than a poll's delay.
+YIELD_BEFORE_SLEEP_S = 2e-3
+SLEEP_S = 5e-5
 PEER_CHECK_S = 0.5
 
 
@@ -84,15 +88,19 @@ class SharedMemoryGroup:
 
     def _collect(self, call: int, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Waits until every rank has published `call`; returns its slots in rank order."""
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline, sleep_after = start + self.timeout_s, start + YIELD_BEFORE_SLEEP_S
         for rank in range(self.size):
             polls = 0
             next_check = time.monotonic() + PEER_CHECK_S
             while self.flags[rank] < call:
                 polls += 1
                 if polls > SPIN_BEFORE_YIELD:
-                    os.sched_yield()
                     now = time.monotonic()
+                    if now > sleep_after:
+                        time.sleep(SLEEP_S)
+                    else:
+                        os.sched_yield()
                     if now > next_check:
                         self._check_alive(rank, call)
                         next_check = now + PEER_CHECK_S

@@ -37,6 +37,7 @@ PRELOAD = [
     "megatronish.checkpoint.save",
     "megatronish.checkpoint.generate",
     "tests.distributed",
+    "tests.conftest",  # what test modules import (pytest, click's runner, the CLI)
 ]
 _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)

@@ -1,5 +1,6 @@
-"""`megatronish prepare` and dataset errors as a user meets them: in a subprocess, exit status 2,
-exactly one line on stderr naming the file, no traceback, nothing left at the output path."""
+"""`megatronish prepare` and dataset errors as a user meets them: exit status 2, exactly one line
+on stderr naming the file, no traceback, nothing left at the output path. The first prepare runs
+in a real process; the error cases run in this one (invoke_cli), for speed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import invoke_cli
+from tests.conftest import run_cli as real_cli
+
 # Reads a dataset the way the training commands do (resolve_dataset), behind the CLI's own
 # UserError handler, until a command that only reads a dataset exists.
 READ_DATASET = (
@@ -21,14 +25,8 @@ READ_DATASET = (
 
 
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MEGATRONISH_CACHE=str(tmp_path / "cache"))
-    return subprocess.run(
-        [sys.executable, "-m", "megatronish", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    """`megatronish ARGS` in this process, with a cache of the test's own."""
+    return invoke_cli(*args, env={"MEGATRONISH_CACHE": str(tmp_path / "cache")})
 
 
 def assert_user_error(result: subprocess.CompletedProcess, names: str) -> None:
@@ -43,8 +41,11 @@ def assert_nothing_left(parent: Path, expected: set[str]) -> None:
     assert set(os.listdir(parent)) == expected  # no output, no hidden staging directory
 
 
-def prepare(tmp_path: Path, *inputs: str, extra: tuple[str, ...] = ()):
+def prepare(tmp_path: Path, *inputs: str, extra: tuple[str, ...] = (), real: bool = False):
     args = ["prepare", *(a for path in inputs for a in ("--input", path)), *extra]
+    if real:
+        env = {"MEGATRONISH_CACHE": str(tmp_path / "cache")}
+        return real_cli(*args, "--output", str(tmp_path / "out"), env=env, timeout=120)
     return run_cli(tmp_path, *args, "--output", str(tmp_path / "out"))
 
 
@@ -58,7 +59,7 @@ def text_dir(tmp_path: Path) -> Path:
 
 
 def test_prepare_writes_a_readable_dataset(tmp_path, text_dir):
-    result = prepare(tmp_path, str(text_dir), extra=("--val-fraction", "0.2"))
+    result = prepare(tmp_path, str(text_dir), extra=("--val-fraction", "0.2"), real=True)
     assert result.returncode == 0, result.stderr
     meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
     assert (meta["n_docs"], meta["val_docs"]) == (5, 1)

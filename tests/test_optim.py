@@ -30,9 +30,7 @@ def _groups(params):
 def test_adamw_equals_torch_fused_adamw_bitwise_over_steps_with_skipped_gradients():
     ours, theirs = _pair()
     mine = AdamW(_groups(ours), lr=3e-2, betas=(0.9, 0.95), eps=1e-8)
-    reference = torch.optim.AdamW(
-        _groups(theirs), lr=3e-2, betas=(0.9, 0.95), eps=1e-8, fused=True
-    )
+    reference = torch.optim.AdamW(_groups(theirs), lr=3e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
     gen = torch.Generator().manual_seed(1)
     for step in range(6):
         for group in mine.param_groups + reference.param_groups:
@@ -58,7 +56,8 @@ def test_adamw_step_does_not_import_the_compiler_stack():
         "import sys, torch\n"
         "from megatronish.optim import AdamW\n"
         "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
-        "AdamW([{'params': [p], 'weight_decay': 0.1}], lr=0.1, betas=(0.9, 0.95), eps=1e-8).step()\n"
+        "groups = [{'params': [p], 'weight_decay': 0.1}]\n"
+        "AdamW(groups, lr=0.1, betas=(0.9, 0.95), eps=1e-8).step()\n"
         "assert not torch.equal(p.detach(), torch.ones(3))\n"
         "print('torch._dynamo' in sys.modules)\n"
     )

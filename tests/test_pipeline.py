@@ -13,7 +13,7 @@ import torch
 
 from megatronish.config import derive, load_config
 from megatronish.data import dataset_vocab_size, prepare_dataset
-from tests.conftest import CONFIGS, run_cli
+from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
 
 STEPS = 20
@@ -71,12 +71,16 @@ def make_config(tp: int, dp: int, pp: int, overrides: list[str], dataset: Path, 
 
 
 def make_trainer(cfg, world: int, dataset: Path, ps=None):
-    from megatronish.parallel import ParallelState
+    """A Trainer on the ranks' groups as a launched run builds them (tp and dp through shared
+    memory; the previous trainer's shared buffers released)."""
+    from megatronish import comm
+    from megatronish.parallel import ParallelState, use_shared_memory
     from megatronish.trainer import Setup, Trainer
 
     derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
     if ps is None:
-        ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp)
+        comm.disable_shared_memory()
+        ps = use_shared_memory(ParallelState.from_world(derived.tp, derived.dp, derived.pp), 120)
     return Trainer(Setup(cfg, derived, ps, dataset))
 
 
@@ -287,21 +291,21 @@ def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
     assert got_hf.keys() == want_hf.keys()
     for key in want_hf:
         torch.testing.assert_close(got_hf[key], want_hf[key], rtol=1e-4, atol=1e-5)
-    result = run_cli("eval", "--checkpoint", str(saved_dir / "step_000020"), timeout=120)
+    result = invoke_cli("eval", "--checkpoint", str(saved_dir / "step_000020"))
     assert result.returncode == 0, result.stderr
-    ref_eval = run_cli("eval", "--checkpoint", str(tmp_path / "ref" / "step_000020"), timeout=120)
+    ref_eval = invoke_cli("eval", "--checkpoint", str(tmp_path / "ref" / "step_000020"))
     assert result.stdout.splitlines()[0] == ref_eval.stdout.splitlines()[0]
 
 
 def test_cli_check_and_plan_show_the_stages_and_the_bubble():
-    result = run_cli(
+    result = invoke_cli(
         "check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.pp=3",
         "--set", "model.n_layer=5", "--set", "train.micro_batch_size=2",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "pipeline stages: 3 (layers 2, 2, 1)" in result.stdout
     assert "bubble (p - 1) / m = 2 / 8 = 0.25" in result.stdout
-    plan = run_cli(
+    plan = invoke_cli(
         "plan", "--config", str(CONFIGS / "gpt2-1.3b.yaml"), "--gpus", "16", "--gpu", "A10G",
     )  # fmt: skip
     assert plan.returncode == 0, plan.stderr
@@ -326,7 +330,7 @@ def test_cli_bad_pipeline_settings_exit_2_with_one_line(sets, key):
     args = ["check", "--config", str(CONFIGS / "tiny.yaml")]
     for s in sets:
         args += ["--set", s]
-    result = run_cli(*args)
+    result = invoke_cli(*args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], result.stderr

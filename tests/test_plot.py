@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import run_cli
+from tests.conftest import invoke_cli
 
 
 def test_plot_writes_a_png_of_the_curves(tmp_path):
@@ -13,12 +13,12 @@ def test_plot_writes_a_png_of_the_curves(tmp_path):
     ]
     lines.append({"step": 5, "val_loss": 4.6})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    result = run_cli("plot", str(tmp_path), "--output", str(tmp_path / "c.png"))
+    result = invoke_cli("plot", str(tmp_path), "--output", str(tmp_path / "c.png"))
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_of_a_directory_without_metrics_exits_2(tmp_path):
-    result = run_cli("plot", str(tmp_path))
+    result = invoke_cli("plot", str(tmp_path))
     assert result.returncode == 2 and "metrics.jsonl does not exist" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

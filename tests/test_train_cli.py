@@ -1,10 +1,11 @@
-"""End to end: `megatronish train` in a subprocess gives the same loss curve at every layout."""
+"""End to end: `megatronish train` gives the same loss curve at every layout. The launched runs
+are real processes; the single-process references run in this one (invoke_cli), beside them."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import CONFIGS, finish, read_metrics, start_cli
+from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, start_cli
 
 TINY = [
     "model.n_layer=2",
@@ -24,15 +25,20 @@ ARCH = {
 }
 
 
+def _args(out, overrides: list[str]) -> list[str]:
+    sets = [f"run.out_dir={out}", "checkpoint.save=false"]
+    return [
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        *(a for o in overrides + sets for a in ("--set", o)),
+    ]
+
+
 def start(tmp_path, name: str, overrides: list[str], launch: bool, env: dict | None = None):
     """Starts `megatronish train` (or `launch`) in a subprocess; returns a function that waits
     for it and gives its metrics. Runs started one after the other run side by side."""
     out = tmp_path / name
-    sets = [
-        a for o in overrides + [f"run.out_dir={out}", "checkpoint.save=false"] for a in ("--set", o)
-    ]
-    command = "launch" if launch else "train"
-    started = start_cli(command, "--config", str(CONFIGS / "tiny.yaml"), *sets, env=env)
+    started = start_cli("launch" if launch else "train", *_args(out, overrides), env=env)
 
     def metrics():
         result = finish(started, timeout=600)
@@ -44,6 +50,13 @@ def start(tmp_path, name: str, overrides: list[str], launch: bool, env: dict | N
 
 def train(tmp_path, name: str, overrides: list[str], launch: bool):
     return start(tmp_path, name, overrides, launch)()
+
+
+def train_here(tmp_path, name: str, overrides: list[str]):
+    """`megatronish train` in this process; its metrics."""
+    result = invoke_cli("train", *_args(tmp_path / name, overrides))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(tmp_path / name)
 
 
 def assert_same_curve(a, b, rtol=1e-4):
@@ -62,7 +75,7 @@ def tp1_run(tmp_path_factory):
     def run(arch: str):
         if arch not in runs:
             root = tmp_path_factory.mktemp(f"tp1-{arch}")
-            train(root, "tp1", TINY + ARCH[arch], launch=False)
+            train_here(root, "tp1", TINY + ARCH[arch])
             runs[arch] = root / "tp1"
         return runs[arch]
 
@@ -128,7 +141,7 @@ def test_cli_triton_kernels_interpreted_give_the_torch_losses(tmp_path, arch):
         tmp_path, "triton", settings + ["kernels.backend=triton"], launch=False,
         env={"TRITON_INTERPRET": "1"},
     )  # fmt: skip
-    torch_lines, _ = train(tmp_path, "torch", settings + ["kernels.backend=torch"], launch=False)
+    torch_lines, _ = train_here(tmp_path, "torch", settings + ["kernels.backend=torch"])
     triton_lines, _ = triton_run()
     assert [x["step"] for x in triton_lines] == [x["step"] for x in torch_lines] == [1, 2, 3, 4]
     for x, y in zip(triton_lines, torch_lines):
