@@ -3,13 +3,13 @@ importing torch.optim's compiler stack."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import torch
 from torch import nn
 
 from megatronish.optim import AdamW
+from tests.distributed import run_on_ranks
 
 
 def _pair(seed: int = 0):
@@ -51,16 +51,16 @@ def test_adamw_equals_torch_fused_adamw_bitwise_over_steps_with_skipped_gradient
     assert float(mine.state[ours[2]]["step"]) == 4.0
 
 
+def _step_in_a_fresh_process(rank, world):
+    """In a process that has imported torch and megatronish but not torch.optim's compiler
+    stack: one AdamW step; whether torch._dynamo got imported."""
+    assert "torch._dynamo" not in sys.modules
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    AdamW([{"params": [p], "weight_decay": 0.1}], lr=0.1, betas=(0.9, 0.95), eps=1e-8).step()
+    assert not torch.equal(p.detach(), torch.ones(3))
+    return "torch._dynamo" in sys.modules
+
+
 def test_adamw_step_does_not_import_the_compiler_stack():
-    code = (
-        "import sys, torch\n"
-        "from megatronish.optim import AdamW\n"
-        "p = torch.nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
-        "groups = [{'params': [p], 'weight_decay': 0.1}]\n"
-        "AdamW(groups, lr=0.1, betas=(0.9, 0.95), eps=1e-8).step()\n"
-        "assert not torch.equal(p.detach(), torch.ones(3))\n"
-        "print('torch._dynamo' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert run_on_ranks(_step_in_a_fresh_process, 1, timeout=60) == [False]
