@@ -71,6 +71,25 @@ def finish(started: Started, timeout: float = 300) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(proc.args, proc.returncode, *outputs)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def side_checks(request, tmp_path_factory):
+    """Checks that only wait on a subprocess, started as the session starts so that they run
+    beside the tests before them: a test module's SIDE_CHECKS maps a test's name to a function
+    of tmp_path_factory giving (command, env), or None when the check cannot run. Yields
+    {test name: Started} of the selected ones; the test finishes its own (pops it)."""
+    started = {}
+    for item in request.session.items:
+        factory = getattr(item.module, "SIDE_CHECKS", {}).get(item.name)
+        if factory is not None and item.name not in started:
+            command = factory(tmp_path_factory)
+            if command is not None:
+                started[item.name] = start(*command)
+    yield started
+    for leftover in started.values():  # never waited for: its test did not run to the end
+        leftover.proc.kill()
+        finish(leftover)
+
+
 def start_cli(*args: str, env: dict | None = None, cwd=None) -> Started:
     """`python -m megatronish ARGS` started in a subprocess (one thread), to `finish`."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

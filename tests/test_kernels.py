@@ -18,7 +18,7 @@ import torch
 
 from megatronish import ops
 from megatronish.ops import reference
-from tests.conftest import finish, start
+from tests.conftest import finish
 from tests.kernel_env import INTERPRET as _INTERPRET
 from tests.kernel_env import (
     interpreter_env,  # noqa: F401 (autouse fixture)
@@ -347,39 +347,36 @@ SM90_TEST = "test_every_kernel_compiles_for_sm90_without_a_gpu"
 BENCH_TEST = "test_bench_script_checks_every_kernel_and_runs_its_pipeline"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def checks_in_subprocesses(request, tmp_path_factory):
-    """The two checks of this module that run in a subprocess (the sm90 compile, the benchmark
-    script), started with the module's first test when they are selected: each takes one core
-    while the interpreted tests run in this process; their tests below wait for them."""
-    selected = {item.name for item in request.session.items if item.module is request.module}
-    started = {}
-    if SM90_TEST in selected and importlib.util.find_spec("triton.backends.nvidia"):
-        cache = tmp_path_factory.mktemp("triton-cache")
-        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache)}
-        code = "from tests.test_kernels import compile_every_kernel_for_sm90 as c; c()"
-        started[SM90_TEST] = start([sys.executable, "-c", code], env)
-    if BENCH_TEST in selected:
-        # On CPU the default run is the interpreter check plus a tiny dry run of the whole
-        # benchmark; on CUDA only --check (the real benchmark takes minutes).
-        args = ["--check"] if torch.cuda.is_available() else []
-        env = {**os.environ, "TRITON_INTERPRET": "1"} if _INTERPRET else dict(os.environ)
-        script = str(REPO_ROOT / "scripts" / "bench_kernels.py")
-        started[BENCH_TEST] = start([sys.executable, script, *args], env)
-    yield started
-    for leftover in started.values():  # not waited for: a test before it failed the module
-        leftover.proc.kill()
-        finish(leftover)
+def _sm90_command(tmp_path_factory):
+    if not importlib.util.find_spec("triton.backends.nvidia"):
+        return None
+    cache = tmp_path_factory.mktemp("triton-cache")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache)}
+    code = "from tests.test_kernels import compile_every_kernel_for_sm90 as c; c()"
+    return [sys.executable, "-c", code], env
 
 
-def test_every_kernel_compiles_for_sm90_without_a_gpu(checks_in_subprocesses):
+def _bench_command(tmp_path_factory):
+    # On CPU the default run is the interpreter check plus a tiny dry run of the whole
+    # benchmark; on CUDA only --check (the real benchmark takes minutes).
+    args = ["--check"] if torch.cuda.is_available() else []
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if _INTERPRET else dict(os.environ)
+    return [sys.executable, str(REPO_ROOT / "scripts" / "bench_kernels.py"), *args], env
+
+
+# The two checks of this module that run in a subprocess, started with the session when their
+# tests are selected (conftest's side_checks): each takes a core while other tests run here.
+SIDE_CHECKS = {SM90_TEST: _sm90_command, BENCH_TEST: _bench_command}
+
+
+def test_every_kernel_compiles_for_sm90_without_a_gpu(side_checks):
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
-    result = finish(checks_in_subprocesses.pop(SM90_TEST), timeout=300)
+    result = finish(side_checks.pop(SM90_TEST), timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-def test_bench_script_checks_every_kernel_and_runs_its_pipeline(checks_in_subprocesses):
-    result = finish(checks_in_subprocesses.pop(BENCH_TEST), timeout=300)
+def test_bench_script_checks_every_kernel_and_runs_its_pipeline(side_checks):
+    result = finish(side_checks.pop(BENCH_TEST), timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     checked = [line for line in result.stdout.splitlines() if "max |ours - torch|" in line]
     names = ("rms_norm", "layer_norm", "rope", "swiglu", "bias_gelu", "attention", "cross_entropy")

@@ -3,6 +3,10 @@ are real processes; the single-process references run in this one (invoke_cli), 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import pytest
 
 from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, start_cli
@@ -132,17 +136,43 @@ TRITON_TINY = [
 ]
 
 
+TRITON_TEST = "test_cli_triton_kernels_interpreted_give_the_torch_losses"
+
+
+def _triton_dir(tmp_path_factory, arch: str):
+    return tmp_path_factory.getbasetemp() / f"triton-{arch}"
+
+
+def _triton_command(arch: str):
+    """The interpreted-Triton run of an arch: a side check (conftest), started with the session,
+    as it takes a core for longer than its test's own run."""
+
+    def command(tmp_path_factory):
+        if importlib.util.find_spec("triton") is None:
+            return None
+        out = _triton_dir(tmp_path_factory, arch)
+        out.mkdir()
+        sets = TRITON_TINY + [f"model.arch={arch}", "kernels.backend=triton"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+        return [sys.executable, "-m", "megatronish", "train", *_args(out / "triton", sets)], env
+
+    return command
+
+
+SIDE_CHECKS = {f"{TRITON_TEST}[{arch}]": _triton_command(arch) for arch in ARCH}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_cli_triton_kernels_interpreted_give_the_torch_losses(tmp_path, arch):
+def test_cli_triton_kernels_interpreted_give_the_torch_losses(
+    tmp_path, tmp_path_factory, side_checks, arch
+):
     pytest.importorskip("triton")
     settings = TRITON_TINY + [f"model.arch={arch}"]
-    triton_run = start(
-        tmp_path, "triton", settings + ["kernels.backend=triton"], launch=False,
-        env={"TRITON_INTERPRET": "1"},
-    )  # fmt: skip
     torch_lines, _ = train_here(tmp_path, "torch", settings + ["kernels.backend=torch"])
-    triton_lines, _ = triton_run()
+    result = finish(side_checks.pop(f"{TRITON_TEST}[{arch}]"), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    triton_lines, _ = read_metrics(_triton_dir(tmp_path_factory, arch) / "triton")
     assert [x["step"] for x in triton_lines] == [x["step"] for x in torch_lines] == [1, 2, 3, 4]
     for x, y in zip(triton_lines, torch_lines):
         for key in ("loss", "grad_norm"):  # the forward, and every kernel's backward
