@@ -38,11 +38,11 @@ def _args(out, overrides: list[str]) -> list[str]:
     ]
 
 
-def start(tmp_path, name: str, overrides: list[str], launch: bool, env: dict | None = None):
+def start(tmp_path, name: str, overrides: list[str], launch: bool):
     """Starts `megatronish train` (or `launch`) in a subprocess; returns a function that waits
     for it and gives its metrics. Runs started one after the other run side by side."""
     out = tmp_path / name
-    started = start_cli("launch" if launch else "train", *_args(out, overrides), env=env)
+    started = start_cli("launch" if launch else "train", *_args(out, overrides))
 
     def metrics():
         result = finish(started, timeout=600)
@@ -86,15 +86,43 @@ def tp1_run(tmp_path_factory):
     return run
 
 
+def _side_dir(tmp_path_factory, name: str):
+    return tmp_path_factory.getbasetemp() / f"side-{name}"
+
+
+def _side_run(name: str, command: str, overrides: list[str], env: dict | None = None):
+    """A run that is a side check (conftest): started with the session, as it takes a core for
+    longer than its test's own work. Its output goes to _side_dir(name)."""
+
+    def start_it(tmp_path_factory):
+        out = _side_dir(tmp_path_factory, name)
+        out.mkdir()
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        args = _args(out / "run", overrides)
+        return [sys.executable, "-m", "megatronish", command, *args], full_env
+
+    return start_it
+
+
+def side_metrics(side_checks, tmp_path_factory, test: str, name: str):
+    """The metrics of a side run, once it has finished."""
+    result = finish(side_checks.pop(test), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(_side_dir(tmp_path_factory, name) / "run")
+
+
+EQUAL_TEST = "test_cli_losses_equal_at_tp1_tp2_and_dp2"
+LAYOUTS = {"tp2": ["parallel.tp=2"], "dp2": ["parallel.dp=2"]}
+EQUAL_CASES = [f"{arch} {layout}" for arch in ARCH for layout in LAYOUTS]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path, arch, tp1_run):
-    base = TINY + ARCH[arch]
-    tp2 = start(tmp_path, "tp2", base + ["parallel.tp=2"], launch=True)
-    dp2 = start(tmp_path, "dp2", base + ["parallel.dp=2"], launch=True)
+@pytest.mark.parametrize("case", EQUAL_CASES)
+def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path_factory, side_checks, case, tp1_run):
+    arch, _ = case.split()
+    launched = side_metrics(side_checks, tmp_path_factory, f"{EQUAL_TEST}[{case}]", case)
     tp1 = read_metrics(tp1_run(arch))
-    assert_same_curve(tp2(), tp1)
-    assert_same_curve(dp2(), tp1)
+    assert_same_curve(launched, tp1)
     losses = [x["loss"] for x in tp1[0]]
     assert losses[-1] < losses[0] - 0.5, "the model learns"
 
@@ -137,29 +165,24 @@ TRITON_TINY = [
 
 
 TRITON_TEST = "test_cli_triton_kernels_interpreted_give_the_torch_losses"
-
-
-def _triton_dir(tmp_path_factory, arch: str):
-    return tmp_path_factory.getbasetemp() / f"triton-{arch}"
-
-
-def _triton_command(arch: str):
-    """The interpreted-Triton run of an arch: a side check (conftest), started with the session,
-    as it takes a core for longer than its test's own run."""
-
-    def command(tmp_path_factory):
-        if importlib.util.find_spec("triton") is None:
-            return None
-        out = _triton_dir(tmp_path_factory, arch)
-        out.mkdir()
-        sets = TRITON_TINY + [f"model.arch={arch}", "kernels.backend=triton"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-        return [sys.executable, "-m", "megatronish", "train", *_args(out / "triton", sets)], env
-
-    return command
-
-
-SIDE_CHECKS = {f"{TRITON_TEST}[{arch}]": _triton_command(arch) for arch in ARCH}
+SIDE_CHECKS = {
+    **{
+        f"{EQUAL_TEST}[{case}]": _side_run(
+            case, "launch", TINY + ARCH[case.split()[0]] + LAYOUTS[case.split()[1]]
+        )
+        for case in EQUAL_CASES
+    },
+    **{
+        f"{TRITON_TEST}[{arch}]": _side_run(
+            f"triton {arch}",
+            "train",
+            TRITON_TINY + [f"model.arch={arch}", "kernels.backend=triton"],
+            {"TRITON_INTERPRET": "1"},
+        )
+        for arch in ARCH
+        if importlib.util.find_spec("triton") is not None
+    },
+}
 
 
 @pytest.mark.slow
@@ -170,9 +193,8 @@ def test_cli_triton_kernels_interpreted_give_the_torch_losses(
     pytest.importorskip("triton")
     settings = TRITON_TINY + [f"model.arch={arch}"]
     torch_lines, _ = train_here(tmp_path, "torch", settings + ["kernels.backend=torch"])
-    result = finish(side_checks.pop(f"{TRITON_TEST}[{arch}]"), timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    triton_lines, _ = read_metrics(_triton_dir(tmp_path_factory, arch) / "triton")
+    test = f"{TRITON_TEST}[{arch}]"
+    triton_lines, _ = side_metrics(side_checks, tmp_path_factory, test, f"triton {arch}")
     assert [x["step"] for x in triton_lines] == [x["step"] for x in torch_lines] == [1, 2, 3, 4]
     for x, y in zip(triton_lines, torch_lines):
         for key in ("loss", "grad_norm"):  # the forward, and every kernel's backward
