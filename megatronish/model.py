@@ -170,9 +170,7 @@ class MLP(nn.Module):
         elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
             hidden = ops.bias_gelu(self.up(x), self.up.bias, backend="triton")
         else:  # torch adds the bias inside the matmul (addmm), as nn.Linear does
-            up = self.up
-            out = column_parallel_linear(x, up.weight, up.bias, up.tp_group, up.sequence_parallel)
-            hidden = ops.bias_gelu(out, None, backend="torch")  # [b, s, f/t]
+            hidden = ops.bias_gelu(self.up(x, add_bias=True), None, backend="torch")  # [b, s, f/t]
         return self.down(hidden)
 
 

@@ -18,6 +18,11 @@ import torch.distributed as dist
 from megatronish import comm
 
 
+def layout_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    """The global rank at (tp_rank, dp_rank, pp_rank): tp innermost, then dp, then pp."""
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
 @dataclass
 class ParallelState:
     """The run's process groups, ranks and sizes. With world size 1 and no process group
@@ -55,7 +60,7 @@ class ParallelState:
 
     def global_rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         """The global rank at these coordinates."""
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return layout_rank(tp_rank, dp_rank, pp_rank, self.tp, self.dp)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
@@ -72,7 +77,7 @@ class ParallelState:
         tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
 
         def at(t: int, d: int, p: int) -> int:
-            return (p * dp + d) * tp + t
+            return layout_rank(t, d, p, tp, dp)
 
         def build(rank_lists: list[list[int]]):
             mine = None

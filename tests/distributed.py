@@ -13,6 +13,7 @@ for those imports again. Each sees the environment of the caller at the time of 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue as queue_module
@@ -72,10 +73,8 @@ def _next_result(queue, procs, deadline: float, timeout: float):
     """The next (rank, ok, value) a worker sent; an error once the deadline passes or a worker
     exits without sending one."""
     while True:
-        try:
+        with contextlib.suppress(queue_module.Empty):
             return queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-        except queue_module.Empty:
-            pass
         if time.monotonic() >= deadline:
             raise TimeoutError(f"a rank did not finish within {timeout} s")
         dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]

@@ -152,8 +152,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.skip_bias_add else self.bias
+    def forward(self, x: torch.Tensor, add_bias: bool | None = None) -> torch.Tensor:
+        """add_bias: whether the bias goes into the matmul (default: unless skip_bias_add)."""
+        if add_bias is None:
+            add_bias = not self.skip_bias_add
+        bias = self.bias if add_bias else None
         out = column_parallel_linear(x, self.weight, bias, self.tp_group, self.sequence_parallel)
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, self.tp_group)
