@@ -6,10 +6,20 @@ fp32 tensors when TRITON_INTERPRET=1 is set before this package is imported. Blo
 fixed functions of the shapes (no autotuning), so every rank compiles the same kernels.
 """
 
-from .attention import attention
+from .attention import attention, attention_block_backward, attention_block_forward
 from .cross_entropy import cross_entropy
 from .elementwise import bias_gelu, swiglu
 from .norms import layer_norm, rms_norm
 from .rope import rope
 
-__all__ = ["attention", "bias_gelu", "cross_entropy", "layer_norm", "rms_norm", "rope", "swiglu"]
+__all__ = [
+    "attention",
+    "attention_block_backward",
+    "attention_block_forward",
+    "bias_gelu",
+    "cross_entropy",
+    "layer_norm",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]

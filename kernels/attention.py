@@ -167,25 +167,32 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
 
 
+def _forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, n_head, s, d] in q's dtype, base-2 lse [b, n_head, s] fp32) of contiguous
+    q, k, v."""
+    b, n_head, seq_len, head_dim = q.shape
+    blocks = attention_blocks(seq_len, head_dim, q.dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
+    if out.numel() > 0:
+        grid = (triton.cdiv(seq_len, blocks.fwd.block_m), b * n_head)
+        _attn_fwd_kernel[grid](
+            q, k, v, out, lse, seq_len, n_head, n_head // k.shape[1],
+            LOG2_E / math.sqrt(head_dim),
+            CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=blocks.fwd.block_m,
+            BLOCK_N=blocks.fwd.block_n, PREC=dot_precision(q.dtype),
+            num_warps=blocks.fwd.num_warps, num_stages=blocks.num_stages,
+        )  # fmt: skip
+    return out, lse
+
+
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool):
         check_device(q, k, v)
         _check_shapes(q, k, v)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        b, n_head, seq_len, head_dim = q.shape
-        blocks = attention_blocks(seq_len, head_dim, q.dtype)
-        out = torch.empty_like(q)
-        lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
-        if out.numel() > 0:
-            grid = (triton.cdiv(seq_len, blocks.fwd.block_m), b * n_head)
-            _attn_fwd_kernel[grid](
-                q, k, v, out, lse, seq_len, n_head, n_head // k.shape[1],
-                LOG2_E / math.sqrt(head_dim),
-                CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=blocks.fwd.block_m,
-                BLOCK_N=blocks.fwd.block_n, PREC=dot_precision(q.dtype),
-                num_warps=blocks.fwd.num_warps, num_stages=blocks.num_stages,
-            )  # fmt: skip
+        out, lse = _forward(q, k, v, causal)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = causal
         return out
@@ -196,6 +203,28 @@ class _AttentionFunction(torch.autograd.Function):
         blocks = attention_blocks(q.shape[2], q.shape[3], q.dtype)
         dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.causal, blocks)
         return dq, dk, dv, None
+
+
+def attention_block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of ring attention, no autograd: (out in q's dtype, lse [b, n_head, s] fp32 in
+    natural log), shapes as in `attention`."""
+    check_device(q, k, v)
+    _check_shapes(q, k, v)
+    out, lse2 = _forward(q.contiguous(), k.contiguous(), v.contiguous(), causal)
+    return out, lse2 * (1.0 / LOG2_E)
+
+
+def attention_block_backward(q, k, v, out, lse, dout, causal: bool):
+    """The flash backward of one block from a given output `out` and natural-log `lse` (a ring's
+    final ones, so rowsum(dout * out) is the global one): dq, dk, dv in the inputs' dtype."""
+    check_device(q, k, v, out, dout)
+    _check_shapes(q, k, v)
+    blocks = attention_blocks(q.shape[2], q.shape[3], q.dtype)
+    lse2 = (lse.float() * LOG2_E).contiguous()
+    return attention_backward(
+        q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse2, dout, causal,
+        blocks,
+    )  # fmt: skip
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:

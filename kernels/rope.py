@@ -1,8 +1,9 @@
 """Rotary position embedding (rotate-half pairing, as Llama in transformers) as a Triton kernel.
 
-Shapes: x [b, n, s, d] is viewed as [rows = b * n * s, d]; row r is at position r % s.
-cos, sin [s, d/2] fp32 come from megatronish.ops.reference.rope_cos_sin, so the angles are
-bit-identical to the torch reference. Dim i pairs with dim i + d/2:
+Shapes: x [b, n, s, d] is viewed as [rows = b * n * s, d]; row r takes table row r % s.
+cos, sin [s, d/2] fp32 (table row i: the angles of x's i-th position, 0..s-1 or given
+positions) come from megatronish.ops.reference.rope_table, so the angles are bit-identical to
+the torch reference. Dim i pairs with dim i + d/2:
 
     out[i]       = x[i] cos - x[i + d/2] sin
     out[i + d/2] = x[i + d/2] cos + x[i] sin
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatronish.ops.reference import rope_cos_sin
+from megatronish.ops.reference import rope_table
 
 from ._utils import check_device
 
@@ -59,24 +60,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
 
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, theta: float):
+    def forward(ctx, x, theta: float, positions):
         check_device(x)
         if x.dim() != 4:
             raise ValueError(f"rope: x must be [b, n, s, d], got shape {list(x.shape)}")
         head_dim = x.shape[-1]
         if head_dim % 2 != 0:
             raise ValueError(f"rope: head dim must be even, got {head_dim}")
-        cos, sin = rope_cos_sin(x.shape[-2], head_dim, theta, x.device)
+        cos, sin = rope_table(x.shape[-2], head_dim, theta, x.device, positions=positions)
+        cos, sin = cos.contiguous(), sin.contiguous()
         ctx.save_for_backward(cos, sin)
         return _rotate(x, cos, sin, inverse=False)
 
     @staticmethod
     def backward(ctx, dout):
         cos, sin = ctx.saved_tensors
-        return _rotate(dout, cos, sin, inverse=True), None
+        return _rotate(dout, cos, sin, inverse=True), None, None
 
 
-def rope(x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding of x [b, n, s, d] at positions 0..s-1 (rotate-half pairing); fp32
-    math, output in x's dtype."""
-    return _RopeFunction.apply(x, float(theta))
+def rope(
+    x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rotary embedding of x [b, n, s, d] at positions 0..s-1, or at the given int64 positions
+    [s] (rotate-half pairing); fp32 math, output in x's dtype."""
+    return _RopeFunction.apply(x, float(theta), positions)

@@ -4,7 +4,8 @@ against the analytic count.
 The run is the config's training run with evaluation and checkpointing switched off: W warm-up
 steps, then N timed steps, each inside a ``comm.CommCounter``. Rank 0 prints a short summary and,
 as its last line, one JSON object. Run as a plain process with a config whose world size
-(tp * dp * pp) is above 1, the command re-launches itself under torchrun with one process per rank.
+(tp * cp * dp * pp) is above 1, the command re-launches itself under torchrun with one process
+per rank.
 
 Communication formula (bytes one rank sends per optimizer step, ring algorithm, as
 ``comm.CommCounter`` counts them): see ``collectives_per_step``.
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish import comm
-from megatronish.config import Config, Derived, load_config
+from megatronish.config import Config, Derived, load_config, world_size_of
 from megatronish.errors import UserError
 
 FP32_BYTES = 4
@@ -399,15 +400,15 @@ def _torchrun(args: list[str]) -> int:
 
 def bench(config_path: str, overrides: tuple[str, ...], steps: int, warmup: int) -> int:
     """`megatronish bench`: benchmarks in this process under torchrun or when the world is 1;
-    otherwise starts tp * dp * pp processes through torchrun with the same arguments (sharing this
-    machine's cores between them unless OMP_NUM_THREADS is set). Returns the exit status."""
+    otherwise starts tp * cp * dp * pp processes through torchrun with the same arguments
+    (sharing this machine's cores between them unless OMP_NUM_THREADS is set). Returns the
+    exit status."""
     if steps < 1:
         raise UserError(f"--steps {steps}: must be at least 1")
     if warmup < 0:
         raise UserError(f"--warmup {warmup}: must be at least 0")
     cfg = load_config(config_path, list(overrides) + bench_overrides(steps, warmup))
-    p = cfg.parallel
-    world = p.tp * p.pp * (p.dp or 1)
+    world = world_size_of(cfg)
     if "WORLD_SIZE" in os.environ or world == 1:
         run_bench(cfg, steps, warmup)
         return 0

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import yaml
 
-from megatronish.config import Config, check_dataset_vocab, derive
+from megatronish.config import Config, check_dataset_vocab, derive, world_size_of
 from megatronish.errors import UserError
 from megatronish.metrics import model_flops_per_step, parameter_count
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
-    """The report `check` prints. world_size defaults to tp * pp * (parallel.dp or 1)."""
+    """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1)."""
     from megatronish import ops
     from megatronish.data import ByteTokenizer, dataset_vocab_size, resolve_dataset
     from megatronish.parallel import default_device
@@ -18,9 +18,8 @@ def check_config(cfg: Config, world_size: int | None) -> str:
     if world_size is not None and world_size < 1:
         raise UserError(f"--world-size {world_size}: must be >= 1")
     ops.check_backend(cfg.kernels.backend, default_device())
-    p = cfg.parallel
     if world_size is None:
-        world_size = p.tp * p.pp * (p.dp or 1)
+        world_size = world_size_of(cfg)
     if cfg.data.path is not None:
         data_vocab = dataset_vocab_size(resolve_dataset(cfg.data.path))  # validates the dataset
         check_dataset_vocab(cfg, data_vocab, cfg.data.path)
@@ -33,7 +32,8 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
         "",
         "# derived",
-        f"world_size: {d.world_size}  (tp {d.tp} x dp {d.dp} x pp {d.pp}, tp innermost)",
+        f"world_size: {d.world_size}  (tp {d.tp} x cp {d.cp} x dp {d.dp} x pp {d.pp}, "
+        "tp innermost)",
         f"parameters: {params:,} ({params / 1e6:.2f} M)",
         f"parameters per tp rank: ~{_per_rank(cfg, d, params):,}",
         f"gradient accumulation steps: {d.grad_accum_steps}",
@@ -46,9 +46,21 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"tie_embeddings: {str(d.tie_embeddings).lower()}",
         f"model FLOPs per step: {model_flops_per_step(cfg, d):.3e}",
     ]
+    if d.cp > 1:
+        lines += context_lines(cfg, d)
     if d.pp > 1:
         lines += pipeline_lines(cfg, d)
     return "\n".join(lines + ["ok"])
+
+
+def context_lines(cfg: Config, d) -> list[str]:
+    """The zigzag split each cp rank holds."""
+    s, cp = cfg.train.seq_len, d.cp
+    chunk = s // (2 * cp)
+    return [
+        f"context parallel: {cp} ranks, {s // cp} tokens of every sequence each: chunks r and "
+        f"{2 * cp - 1} - r of {2 * cp} chunks of {chunk} tokens (zigzag), ring attention",
+    ]
 
 
 def pipeline_lines(cfg: Config, d) -> list[str]:

@@ -193,15 +193,40 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     dist.broadcast(tensor, src=src, group=group)
 
 
+class Pending:
+    """Point-to-point operations in flight (comm.start_exchange); wait() completes them."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+
+def start_exchange(
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    group: dist.ProcessGroup | None = None,
+    kind: str = "p2p",
+    tag: int = 0,
+) -> Pending:
+    """Posts sends of each (tensor, global peer rank) and receives into each (buffer, global
+    peer rank) together, over group (None: the default group), and returns at once; the
+    caller computes meanwhile and calls wait() before it reads a buffer or changes a sent
+    tensor. Counted under `kind`: the bytes sent."""
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buffer, peer, group, tag) for buffer, peer in recvs]
+    if not ops:
+        return Pending([])
+    for tensor, _ in sends:
+        _record(kind, _nbytes(tensor), 1.0)
+    return Pending(dist.batch_isend_irecv(ops))
+
+
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
     """Point-to-point: sends each (tensor, global peer rank) and receives into each (buffer,
     global peer rank), all posted together (so two neighbours that send to each other at once
     cannot deadlock), and waits for them. Counted as "p2p": the bytes sent."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, buffer, peer) for buffer, peer in recvs]
-    if not ops:
-        return
-    for tensor, _ in sends:
-        _record("p2p", _nbytes(tensor), 1.0)
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    start_exchange(sends, recvs).wait()

@@ -60,7 +60,10 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: ranks that split each layer's weights (adjacent ranks)."""
     dp: int | None = None
-    """Data-parallel degree. Default: world size / (tp * pp)."""
+    """Data-parallel degree. Default: world size / (tp * cp * pp)."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split every sequence (two zigzag chunks each, ring
+    attention between them). train.seq_len must be divisible by 2 * cp."""
     pp: int = 1
     """Pipeline-parallel degree: stages that split the transformer layers (embedding on the
     first stage, the output layer and loss on the last)."""
@@ -360,6 +363,7 @@ def check_values(cfg: Config) -> None:
         ("model.max_seq_len", m.max_seq_len),
         ("parallel.tp", p.tp),
         ("parallel.pp", p.pp),
+        ("parallel.cp", p.cp),
         ("train.steps", t.steps),
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.global_batch_size", t.global_batch_size),
@@ -423,6 +427,8 @@ class Derived:
     tokens_per_step: int
     stage_layers: tuple[int, ...] = (1,)
     """Transformer layers on each pipeline stage, in stage order."""
+    cp: int = 1
+    """Context-parallel degree; each rank holds seq_len / cp tokens of every sequence."""
 
     def stage_range(self, pp_rank: int) -> range:
         """The global indices of the transformer layers on pipeline stage pp_rank."""
@@ -459,22 +465,40 @@ def stage_layers(cfg: Config) -> tuple[int, ...]:
     return layers
 
 
+def world_size_of(cfg: Config) -> int:
+    """The processes a config asks for: tp * cp * pp * (parallel.dp, or 1 when unset)."""
+    p = cfg.parallel
+    return p.tp * p.cp * p.pp * (p.dp or 1)
+
+
 def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Derived:
     """Every derived size, after the checks between values; vocab_size is the dataset's when the
     config leaves model.vocab_size unset."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, pp = p.tp, p.pp
+    tp, pp, cp = p.tp, p.pp, p.cp
     _require(world_size >= 1, f"world size {world_size} is not valid; must be >= 1")
     _require(
-        world_size % (tp * pp) == 0,
-        f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp * pp}",
+        world_size % (tp * cp * pp) == 0,
+        f"world size {world_size} is not divisible by parallel.tp * parallel.cp * parallel.pp = "
+        f"{tp} * {cp} * {pp} = {tp * cp * pp}",
     )
-    dp = p.dp if p.dp is not None else world_size // (tp * pp)
+    dp = p.dp if p.dp is not None else world_size // (tp * cp * pp)
     _require(
-        tp * dp * pp == world_size,
-        f"world size {world_size} != parallel.tp * parallel.dp * parallel.pp = "
-        f"{tp} * {dp} * {pp}; launch {tp * dp * pp} processes or change parallel.dp",
+        tp * cp * dp * pp == world_size,
+        f"world size {world_size} != parallel.tp * parallel.cp * parallel.dp * parallel.pp = "
+        f"{tp} * {cp} * {dp} * {pp}; launch {tp * cp * dp * pp} processes or change parallel.dp",
     )
+    if cp > 1:
+        _require(
+            t.seq_len % (2 * cp) == 0,
+            f"train.seq_len: {t.seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp "
+            f"rank holds two chunks of every sequence); valid: a multiple of {2 * cp}",
+        )
+        _require(
+            m.dropout == 0,
+            f"model.dropout: {m.dropout} is not supported with parallel.cp={cp} (ring attention "
+            "has no attention dropout); set model.dropout=0 or parallel.cp=1",
+        )
     n_kv = m.n_kv_head if m.n_kv_head is not None else m.n_head
     _require(
         m.n_head % tp == 0,
@@ -515,8 +539,9 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
     _require(vocab is not None, "model.vocab_size: not set and no dataset to take it from")
     tie = m.tie_embeddings if m.tie_embeddings is not None else m.arch == "gpt2"
     _require(
-        not (p.sequence_parallel and tp > 1 and t.seq_len % tp != 0),
-        f"train.seq_len: {t.seq_len} must be divisible by parallel.tp={tp} with sequence_parallel",
+        not (p.sequence_parallel and tp > 1 and (t.seq_len // cp) % tp != 0),
+        f"train.seq_len: {t.seq_len} / parallel.cp={cp} must be divisible by parallel.tp={tp} "
+        "with sequence_parallel",
     )
     return Derived(
         world_size=world_size,
@@ -532,6 +557,7 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         tie_embeddings=tie,
         tokens_per_step=t.global_batch_size * t.seq_len,
         stage_layers=stage_layers(cfg),
+        cp=cp,
     )
 
 

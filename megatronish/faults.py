@@ -282,7 +282,7 @@ def agree_on_step(
 ) -> StepVerdict:
     """The StepVerdict of a step from this rank's view: its loss (None where this rank has no
     loss), the gradient norm and whether it was asked to stop. Three fp32 flags, reduced (MAX)
-    over the tp group, the dp group and then the pp group, so over every rank: a rank
+    over the tp group, the dp x cp group and then the pp group, so over every rank: a rank
     that alone sees a NaN or a signal decides for all. (Two tiny all-reduces rather than one
     over the world: these groups take the shared-memory path on one host, the world does not.)"""
     import torch
@@ -297,7 +297,7 @@ def agree_on_step(
     ]
     flags = torch.tensor(local, dtype=torch.float32, device=ps.device)
     comm.all_reduce(flags, ps.tp_group, op=dist.ReduceOp.MAX)
-    comm.all_reduce(flags, ps.dp_group, op=dist.ReduceOp.MAX)
+    comm.all_reduce(flags, ps.dp_cp_group, op=dist.ReduceOp.MAX)
     if ps.pp > 1:
         comm.all_reduce(flags, ps.pp_group, op=dist.ReduceOp.MAX)
     loss_bad, norm_bad, stop = (bool(x) for x in flags.tolist())

@@ -15,7 +15,7 @@ from torch.distributed import run as torchrun
 from megatronish import faults
 from megatronish.check import check_config
 from megatronish.checkpoint.training import checkpoint_dir
-from megatronish.config import Config
+from megatronish.config import Config, world_size_of
 from megatronish.errors import UserError
 
 # torchrun's own signal handling (it stops the ranks), less the signals the launcher forwards.
@@ -31,13 +31,15 @@ def launch(
     rdzv_endpoint: str,
     max_restarts: int,
 ) -> int:
-    """Starts tp * dp * pp / nnodes processes on this node; returns torchrun's exit status."""
-    p = cfg.parallel
-    world = p.tp * p.pp * (p.dp or 1)
+    """Starts tp * cp * dp * pp / nnodes processes on this node; returns torchrun's exit
+    status."""
+    world = world_size_of(cfg)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is not valid for --nnodes {nnodes}")
     if world % nnodes:
-        raise UserError(f"world size tp * dp * pp = {world} is not divisible by --nnodes {nnodes}")
+        raise UserError(
+            f"world size tp * cp * dp * pp = {world} is not divisible by --nnodes {nnodes}"
+        )
     check_config(cfg, world)  # a bad config is one line here, not an error from every rank
     if cfg.checkpoint.save:
         faults.ensure_unlocked(checkpoint_dir(cfg))  # another run writing there: one line, too

@@ -1,7 +1,9 @@
 """GPT-2 and Llama, written tensor-parallel from the start.
 
 Shapes: b batch, s sequence (s / t inside blocks with sequence parallelism), h d_model,
-n query heads, k kv heads, d head dim, f d_ff, V padded vocab, t tp size.
+n query heads, k kv heads, d head dim, f d_ff, V padded vocab, t tp size. With context
+parallelism (cp > 1) s is this rank's zigzag shard of the sequence, seq_len / cp tokens at
+their global positions (megatronish.context), and attention is ring attention over the cp group.
 Attention: qkv column-parallel [h -> (n + 2k) d], heads split over tp; output row-parallel.
 MLP: column-parallel up (and gate for llama), row-parallel down. Logits come out split over
 the vocab, [b, s, V / t], and go straight into the vocab-parallel loss.
@@ -21,8 +23,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from megatronish import ops
+from megatronish import comm, ops
 from megatronish.config import Config, Derived
+from megatronish.context import ring_attention, zigzag_positions
 from megatronish.layers import mappings
 from megatronish.layers.embedding import VocabParallelEmbedding
 from megatronish.layers.linear import (
@@ -69,6 +72,8 @@ class Attention(nn.Module):
         self.dropout, self.tracker = m.dropout, tracker
         self.backend = cfg.kernels.backend
         self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
+        self.cp = derived.cp
+        self.ring = ps.cp_ring() if derived.cp > 1 else None
         bias, sp, group = m.arch == "gpt2", cfg.parallel.sequence_parallel, ps.tp_group
         qkv_out = (m.n_head + 2 * derived.n_kv_head) * self.head_dim
         self.qkv = ColumnParallelLinear(
@@ -81,6 +86,12 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [b, n/t, s, d], k and v [b, k/t, s, d] -> [b, n/t, s, d]."""
+        if self.ring is not None:  # this rank's zigzag shard: global positions, ring attention
+            if self.is_llama:
+                positions = zigzag_positions(q.shape[2], self.cp, self.ring.rank, q.device)
+                q = ops.rope(q, self.rope_theta, backend=self.backend, positions=positions)
+                k = ops.rope(k, self.rope_theta, backend=self.backend, positions=positions)
+            return ring_attention(q, k, v, self.ring, backend=self.backend)
         if self.is_llama:
             q = ops.rope(q, self.rope_theta, backend=self.backend)
             k = ops.rope(k, self.rope_theta, backend=self.backend)
@@ -285,15 +296,23 @@ class GPT(nn.Module):
     def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
         """The shape of the hidden states that pass between pipeline stages (this rank's
         sequence shard under sequence parallelism)."""
-        local = seq_len // self.derived.tp if self.sequence_parallel else seq_len
+        local = seq_len // self.derived.cp
+        if self.sequence_parallel:
+            local //= self.derived.tp
         return (micro_batch_size, local, self.cfg.model.d_model)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The first stage's input layers: tokens [b, s] -> hidden [b, s, h] ([b, s/t, h] with
-        sequence parallelism)."""
+        sequence parallelism). Under cp, tokens are this rank's shard, at global positions."""
         x = self.tok_emb(tokens)  # [b, s, h]
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+            if self.derived.cp > 1:
+                positions = zigzag_positions(
+                    tokens.shape[1], self.derived.cp, self.ps.cp_rank, tokens.device
+                )
+            else:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.pos_emb(positions)
         if self.cfg.model.dropout > 0 and self.training:
             x = F.dropout(x, self.cfg.model.dropout)
         if self.sequence_parallel:
@@ -326,10 +345,17 @@ class GPT(nn.Module):
         return logits
 
     def loss_of_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over the tokens whose target is not -100."""
+        """Mean cross entropy over the tokens whose target is not -100. Under cp the count is
+        the whole sequences' (summed over the cp group) and the value is scaled by cp, so the
+        mean over the cp group of this loss (and of its gradients) is the full sequences'
+        mean, however the targets that count fall on the cp ranks."""
         per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
-        count = (targets != -100).sum().clamp(min=1)
-        return per_token.float().sum() / count
+        count = (targets != -100).sum()
+        if self.derived.cp > 1:
+            count = count.to(torch.float64).reshape(1)
+            comm.all_reduce(count, self.ps.cp_group)
+            return per_token.float().sum() * self.derived.cp / count.clamp(min=1).float()[0]
+        return per_token.float().sum() / count.clamp(min=1)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the tokens whose target is not -100 (one stage only)."""

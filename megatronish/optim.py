@@ -105,17 +105,17 @@ class AdamW:
 
 
 class Optimizer:
-    """AdamW over the model's parameters, or (optim.zero = 1) over the parameters this
-    data-parallel rank owns, followed by a broadcast of each updated parameter from its owner."""
+    """AdamW over the model's parameters, or (optim.zero = 1) over the parameters this rank of
+    the dp x cp group owns, followed by a broadcast of each updated parameter from its owner."""
 
     def __init__(self, model: nn.Module, cfg: Config, ps: ParallelState):
         self.cfg, self.ps = cfg, ps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.zero = cfg.optim.zero == 1 and ps.dp > 1
+        self.zero = cfg.optim.zero == 1 and ps.dp_cp > 1
         groups = param_groups(model, cfg.train.weight_decay)
         if self.zero:
-            self.owners = zero_owners(self.params, ps.dp)
-            owned = {id(p) for p, o in zip(self.params, self.owners) if o == ps.dp_rank}
+            self.owners = zero_owners(self.params, ps.dp_cp)
+            owned = {id(p) for p, o in zip(self.params, self.owners) if o == ps.dp_cp_rank}
             groups = [{**g, "params": [p for p in g["params"] if id(p) in owned]} for g in groups]
         self.inner = AdamW(
             groups, lr=cfg.train.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps
@@ -126,11 +126,10 @@ class Optimizer:
             group["lr"] = lr
         self.inner.step()
         if self.zero:
-            # The owner's updated values go to every other rank of the data-parallel group.
+            # The owner's updated values go to every other rank of the dp x cp group.
             ps = self.ps
             for param, owner in zip(self.params, self.owners):
-                src = ps.global_rank(ps.tp_rank, owner, ps.pp_rank)
-                comm.broadcast(param.data, src, ps.dp_group)
+                comm.broadcast(param.data, ps.dp_cp_global_rank(owner), ps.dp_cp_group)
 
     def zero_grad(self) -> None:
         for param in self.params:
@@ -140,7 +139,8 @@ class Optimizer:
 def reduce_gradients(params: list[nn.Parameter], ps: ParallelState) -> None:
     """Sums the gradients of sequence-parallel replicated parameters over the tp group and
     those of the two copies of tied embeddings over the first and last pipeline stage, then
-    averages every gradient over the data-parallel group in flat buckets of ~25 MB."""
+    averages every gradient over the dp x cp group (the data-parallel group when cp is 1) in
+    flat buckets of ~25 MB."""
     if ps.embedding_group is not None:
         for p in params:
             if getattr(p, "pipeline_tied", False) and p.grad is not None:
@@ -150,9 +150,9 @@ def reduce_gradients(params: list[nn.Parameter], ps: ParallelState) -> None:
             p for p in params if getattr(p, "sequence_parallel_grad", False) and p.grad is not None
         ]
         _bucketed_all_reduce([p.grad for p in tagged], ps.tp_group, scale=1.0)
-    if ps.dp > 1:
+    if ps.dp_cp > 1:
         grads = [p.grad for p in params if p.grad is not None]
-        _bucketed_all_reduce(grads, ps.dp_group, scale=1.0 / ps.dp)
+        _bucketed_all_reduce(grads, ps.dp_cp_group, scale=1.0 / ps.dp_cp)
 
 
 def _bucketed_all_reduce(grads: list[torch.Tensor], group, scale: float) -> None:

@@ -1,8 +1,14 @@
 """Process groups of a run: one object, built once, passed to whatever needs a group.
 
-Ranks are laid out pp x dp x tp with tp innermost, then dp, then pp:
-global rank = (pp_rank * dp + dp_rank) * tp + tp_rank, so the ranks of one tensor-parallel group
-are adjacent (on one node, where the fast links are) and pipeline neighbours are dp * tp apart.
+Ranks are laid out pp x dp x cp x tp with tp innermost, then cp, then dp, then pp (Megatron's
+order): global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank, so the ranks
+of one tensor-parallel group are adjacent (on one node, where the fast links are), a
+context-parallel ring comes next, and pipeline neighbours are dp * cp * tp apart.
+
+The cp ranks of one dp rank hold the same samples (each its zigzag share of every sequence),
+so gradients are averaged, and ZeRO-1 shards its state, over the combined dp x cp group
+(Megatron folds cp into the data-parallel reduction); its ranks are ordered dp-major, so its
+index is dp_rank * cp + cp_rank.
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ import torch
 import torch.distributed as dist
 
 from megatronish import comm
+from megatronish.context.ring import Ring
 
 
-def layout_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
-    """The global rank at (tp_rank, dp_rank, pp_rank): tp innermost, then dp, then pp."""
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+def layout_rank(
+    tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int, cp_rank: int = 0, cp: int = 1
+) -> int:
+    """The global rank at (tp_rank, cp_rank, dp_rank, pp_rank): tp innermost, then cp, dp, pp."""
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
 @dataclass
@@ -41,9 +50,15 @@ class ParallelState:
     pp: int = 1
     pp_rank: int = 0
     pp_group: dist.ProcessGroup | None = None
-    # The first and last stage ranks with this rank's (dp, tp) coordinates, which hold the two
-    # copies of tied embeddings (None unless pp > 1 and this rank is on one of those stages).
+    # The first and last stage ranks with this rank's (dp, cp, tp) coordinates, which hold the
+    # two copies of tied embeddings (None unless pp > 1 and this rank is on one of those stages).
     embedding_group: dist.ProcessGroup | None = None
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    # The dp x cp ranks with this rank's (tp, pp) coordinates: gradients are averaged over it
+    # (the dp group itself when cp is 1).
+    dp_cp_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -58,9 +73,38 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    def global_rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        """The global rank at these coordinates."""
-        return layout_rank(tp_rank, dp_rank, pp_rank, self.tp, self.dp)
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold one replica of the weights between them: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in the dp x cp group: dp_rank * cp + cp_rank."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    def global_rank(
+        self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int | None = None
+    ) -> int:
+        """The global rank at these coordinates (cp_rank: this rank's unless given)."""
+        cp_rank = self.cp_rank if cp_rank is None else cp_rank
+        return layout_rank(tp_rank, dp_rank, pp_rank, self.tp, self.dp, cp_rank, self.cp)
+
+    def dp_cp_global_rank(self, index: int) -> int:
+        """The global rank of index `index` of this rank's dp x cp group."""
+        return self.global_rank(self.tp_rank, index // self.cp, self.pp_rank, index % self.cp)
+
+    def cp_ring(self) -> Ring:
+        """This rank's ring attention ring: its cp group and cp neighbours."""
+        return Ring(
+            self.cp_group,
+            self.cp,
+            self.cp_rank,
+            next_rank=self.global_rank(self.tp_rank, self.dp_rank, self.pp_rank,
+                                       (self.cp_rank + 1) % self.cp),
+            prev_rank=self.global_rank(self.tp_rank, self.dp_rank, self.pp_rank,
+                                       (self.cp_rank - 1) % self.cp),
+        )  # fmt: skip
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
@@ -68,16 +112,19 @@ class ParallelState:
         return cls(1, 0, 1, 1, 0, 0, None, None, torch.device(device))
 
     @classmethod
-    def from_world(cls, tp: int, dp: int, pp: int = 1) -> ParallelState:
-        """Builds the tp, dp and pp groups over the initialized default group (every rank calls
-        this, in the same order, because new_group is collective)."""
+    def from_world(cls, tp: int, dp: int, pp: int = 1, cp: int = 1) -> ParallelState:
+        """Builds the tp, cp, dp, dp x cp and pp groups over the initialized default group
+        (every rank calls this, in the same order, because new_group is collective)."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        if tp * dp * pp != world:
-            raise ValueError(f"tp * dp * pp = {tp} * {dp} * {pp} != world size {world}")
-        tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        if tp * cp * dp * pp != world:
+            raise ValueError(
+                f"tp * cp * dp * pp = {tp} * {cp} * {dp} * {pp} != world size {world}"
+            )
+        tp_rank, cp_rank = rank % tp, (rank // tp) % cp
+        dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
 
-        def at(t: int, d: int, p: int) -> int:
-            return layout_rank(t, d, p, tp, dp)
+        def at(t: int, d: int, p: int, c: int) -> int:
+            return layout_rank(t, d, p, tp, dp, c, cp)
 
         def build(rank_lists: list[list[int]]):
             mine = None
@@ -87,19 +134,18 @@ class ParallelState:
                     mine = (group, tuple(ranks))
             return mine if mine is not None else (None, ())
 
-        tp_group, tp_ranks = build(
-            [[at(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
-        )
-        dp_group, _ = build(
-            [[at(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
-        )
+        T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+        tp_group, tp_ranks = build([[at(t, d, p, c) for t in T] for p in P for d in D for c in C])
+        dp_group, _ = build([[at(t, d, p, c) for d in D] for p in P for c in C for t in T])
+        cp_group, dp_cp_group = None, dp_group
+        if cp > 1:
+            cp_group, _ = build([[at(t, d, p, c) for c in C] for p in P for d in D for t in T])
+            dp_cp_group, _ = build([[at(t, d, p, c) for d in D for c in C] for p in P for t in T])
         pp_group = embedding_group = None
         if pp > 1:
-            pp_group, _ = build(
-                [[at(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
-            )
+            pp_group, _ = build([[at(t, d, p, c) for p in P] for d in D for c in C for t in T])
             embedding_group, _ = build(
-                [[at(t, d, 0), at(t, d, pp - 1)] for d in range(dp) for t in range(tp)]
+                [[at(t, d, 0, c), at(t, d, pp - 1, c)] for d in D for c in C for t in T]
             )
         return cls(
             world_size=world,
@@ -116,6 +162,10 @@ class ParallelState:
             pp_rank=pp_rank,
             pp_group=pp_group,
             embedding_group=embedding_group,
+            cp=cp,
+            cp_rank=cp_rank,
+            cp_group=cp_group,
+            dp_cp_group=dp_cp_group,
         )
 
 
@@ -131,7 +181,9 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(tp: int, dp: int, timeout_s: float, pp: int = 1) -> ParallelState:
+def init_distributed(
+    tp: int, dp: int, timeout_s: float, pp: int = 1, cp: int = 1
+) -> ParallelState:
     """Joins the process group torchrun described in the environment (NCCL on CUDA, gloo on
     CPU) and builds the run's groups; a single process with world size 1 joins nothing. On
     CPU, groups whose ranks share a host exchange through shared memory (megatronish.shm)."""
@@ -143,14 +195,17 @@ def init_distributed(tp: int, dp: int, timeout_s: float, pp: int = 1) -> Paralle
         if backend == "nccl":
             torch.cuda.set_device(default_device())
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return use_shared_memory(ParallelState.from_world(tp, dp, pp), timeout_s)
+    return use_shared_memory(ParallelState.from_world(tp, dp, pp, cp), timeout_s)
 
 
 def use_shared_memory(ps: ParallelState, timeout_s: float) -> ParallelState:
-    """On gloo: the tp and dp groups whose ranks share a host exchange through shared memory
-    (megatronish.shm) instead of loopback TCP. Every rank calls it. Returns ps."""
+    """On gloo: the tp, dp, cp and dp x cp groups whose ranks share a host exchange through
+    shared memory (megatronish.shm) instead of loopback TCP. Every rank calls it. Returns ps."""
     if backend_is_gloo():
-        for group, size in ((ps.tp_group, ps.tp), (ps.dp_group, ps.dp)):
+        groups = [(ps.tp_group, ps.tp), (ps.dp_group, ps.dp)]
+        if ps.cp > 1:
+            groups += [(ps.cp_group, ps.cp), (ps.dp_cp_group, ps.dp_cp)]
+        for group, size in groups:
             if size > 1:
                 comm.enable_shared_memory(group, timeout_s)
     return ps

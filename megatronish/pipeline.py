@@ -98,12 +98,13 @@ class Pipeline:
         comm.exchange(sends, recvs)
         self.stats.wait_s += time.perf_counter() - start
 
-    def _recv_forward(self, micro: torch.Tensor) -> torch.Tensor:
-        """This stage's input for micro-batch `micro` [b, s + 1]: its tokens on the first stage,
-        else the previous stage's hidden states (a leaf that collects their gradient)."""
+    def _recv_forward(self, micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """This stage's input for micro-batch `micro` (inputs, targets) [b, s] each: its tokens
+        on the first stage, else the previous stage's hidden states (a leaf that collects
+        their gradient)."""
         if self.ps.is_first_stage:
-            return micro[:, :-1]
-        buffer = self._buffer(micro.shape[0])
+            return micro[0]
+        buffer = self._buffer(micro[0].shape[0])
         self._exchange([], [(buffer, self.prev)])
         return buffer.requires_grad_(True)
 
@@ -130,16 +131,16 @@ class Pipeline:
         if not self.ps.is_first_stage:
             self._exchange([(grad, self.prev)], [])
 
-    def _send_backward_recv_forward(self, grad, micro: torch.Tensor) -> torch.Tensor:
+    def _send_backward_recv_forward(self, grad, micro: tuple) -> torch.Tensor:
         if self.ps.is_first_stage:
-            return micro[:, :-1]
-        buffer = self._buffer(micro.shape[0])
+            return micro[0]
+        buffer = self._buffer(micro[0].shape[0])
         self._exchange([(grad, self.prev)], [(buffer, self.prev)])
         return buffer.requires_grad_(True)
 
     # ---- compute
 
-    def _forward(self, inputs: torch.Tensor, micro: torch.Tensor, scale: float, autocast):
+    def _forward(self, inputs: torch.Tensor, micro: tuple, scale: float, autocast):
         """(output, what backward starts from): hidden states on inner stages, the micro-batch
         loss scaled by `scale` on the last stage (its unscaled value added to the loss sum)."""
         start = time.perf_counter()
@@ -147,7 +148,7 @@ class Pipeline:
         with saving, autocast():
             output = self.model.stage_forward(inputs)
             if self.ps.is_last_stage:
-                loss = self.model.loss_of_logits(output, micro[:, 1:])
+                loss = self.model.loss_of_logits(output, micro[1])
         if self.ps.is_last_stage:
             self.loss_sum += loss.detach()
             output = loss * scale
@@ -164,11 +165,20 @@ class Pipeline:
 
     # ---- schedules
 
-    def run(self, batch: torch.Tensor, scale: float, autocast, forward_only: bool = False):
-        """Forward (and, unless forward_only, backward) of every micro-batch of
-        batch [m, micro, s + 1]; each micro-batch's loss is scaled by `scale` for backward.
-        Returns the sum of the micro-batch losses (zero except on the last stage)."""
+    def run(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        scale: float,
+        autocast,
+        forward_only: bool = False,
+    ):
+        """Forward (and, unless forward_only, backward) of every micro-batch of inputs and
+        targets [m, micro, s] (this rank's sequence shard under cp); each micro-batch's loss is
+        scaled by `scale` for backward. Returns the sum of the micro-batch losses (zero except
+        on the last stage)."""
         start = time.perf_counter()
+        batch = list(zip(inputs, targets))  # (inputs, targets) of each micro-batch
         self.loss_sum = torch.zeros((), device=self.ps.device)
         self.stats = ScheduleStats()
         if forward_only:
@@ -201,7 +211,7 @@ class Pipeline:
             self._send_backward(self._backward(inputs, output, grad))
 
     def _one_f_one_b(self, batch, scale, autocast) -> None:
-        m, ps = batch.shape[0], self.ps
+        m, ps = len(batch), self.ps
         warmup = min(ps.pp - ps.pp_rank - 1, m)
         held: list = []
         for index in range(warmup):

@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from megatronish import comm, faults, ops
 from megatronish.checkpoint import training as checkpoints
-from megatronish.config import Config, Derived, check_dataset_vocab, derive
+from megatronish.config import Config, Derived, check_dataset_vocab, derive, world_size_of
+from megatronish.context import split_batch
 from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
 from megatronish.errors import RunFailure, UserError
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
@@ -50,11 +51,11 @@ def setup(cfg: Config) -> Setup:
     """Checks the config against the world size and the dataset, then joins the process group.
     Every user error surfaces here, before any collective, so no rank waits on a failed one."""
     world = world_size_from_env()
-    p = cfg.parallel
-    wanted = p.tp * p.pp * (p.dp or 1)
+    wanted = world_size_of(cfg)
     if world == 1 and wanted > 1:
         raise UserError(
-            f"parallel.tp * parallel.dp * parallel.pp = {wanted} needs {wanted} processes; start "
+            f"parallel.tp * parallel.cp * parallel.dp * parallel.pp = {wanted} needs {wanted} "
+            "processes; start "
             f"them with `megatronish launch --config ...` or `torchrun --nproc-per-node {wanted} "
             "-m megatronish train --config ...`"
         )
@@ -68,7 +69,7 @@ def setup(cfg: Config) -> Setup:
         )
     derived = derive(cfg, world, vocab_size=data_vocab)
     ops.check_backend(cfg.kernels.backend, default_device())
-    ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp)
+    ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp)
     return Setup(cfg, derived, ps, dataset_dir)
 
 
@@ -94,12 +95,12 @@ def make_loader(s: Setup, split: str) -> BatchLoader:
 
 
 def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
-    """Mean over the data-parallel group of a loss computed on the last pipeline stage, on
-    every rank (the other stages contribute zeros to a sum over the pipeline)."""
+    """Mean over the dp x cp group of a loss computed on the last pipeline stage, on every
+    rank (the other stages contribute zeros to a sum over the pipeline)."""
     value = value.detach().float().reshape(1).clone()
-    if ps.dp > 1:
-        comm.all_reduce(value, ps.dp_group)
-        value /= ps.dp
+    if ps.dp_cp > 1:
+        comm.all_reduce(value, ps.dp_cp_group)
+        value /= ps.dp_cp
     if ps.pp > 1:
         if not ps.is_last_stage:
             value.zero_()
@@ -156,21 +157,27 @@ class Trainer:
     def compute_gradients(self) -> tuple[float, float]:
         """Forward and backward over the next global batch, gradients reduced and clipped:
         (loss mean over the global batch, global gradient norm before clipping)."""
-        batch = self.loader.next_step().to(self.ps.device)  # [accum, micro, seq + 1]
-        accum = batch.shape[0]
+        inputs, targets = self.next_batch(self.loader)  # [accum, micro, seq / cp] each
+        accum = inputs.shape[0]
         if self.pipeline is not None:
-            loss_sum = self.pipeline.run(batch, 1.0 / accum, self.autocast)
+            loss_sum = self.pipeline.run(inputs, targets, 1.0 / accum, self.autocast)
         else:
             loss_sum = torch.zeros((), device=self.ps.device)
-            for micro in batch:
+            for micro_inputs, micro_targets in zip(inputs, targets):
                 with self.autocast():
-                    loss = self.model.loss(micro[:, :-1], micro[:, 1:])
+                    loss = self.model.loss(micro_inputs, micro_targets)
                 (loss / accum).backward()
                 loss_sum += loss.detach()
         params = self.optimizer.params
         reduce_gradients(params, self.ps)
         grad_norm = clip_grad_norm(params, self.cfg.train.grad_clip, self.ps)
         return mean_loss(loss_sum / accum, self.ps), grad_norm
+
+    def next_batch(self, loader: BatchLoader) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next global batch's inputs and targets for this rank, [accum, micro, seq / cp]
+        each: the loader's samples of this dp rank, this cp rank's zigzag shard of them."""
+        batch = loader.next_step().to(self.ps.device)  # [accum, micro, seq + 1]
+        return split_batch(batch, self.ps.cp, self.ps.cp_rank)
 
     def autocast(self):
         return autocast(self.cfg, self.ps.device)
@@ -184,14 +191,14 @@ class Trainer:
         total = torch.zeros((), device=self.ps.device)
         count = 0
         for _ in range(self.cfg.train.eval_steps):
-            batch = self.val_loader.next_step().to(self.ps.device)
+            inputs, targets = self.next_batch(self.val_loader)
             if self.pipeline is not None:
-                total += self.pipeline.run(batch, 1.0, self.autocast, forward_only=True)
+                total += self.pipeline.run(inputs, targets, 1.0, self.autocast, forward_only=True)
             else:
-                for micro in batch:
+                for micro_inputs, micro_targets in zip(inputs, targets):
                     with self.autocast():
-                        total += self.model.loss(micro[:, :-1], micro[:, 1:]).float()
-            count += batch.shape[0]
+                        total += self.model.loss(micro_inputs, micro_targets).float()
+            count += inputs.shape[0]
         self.model.train()
         return mean_loss(total / count, self.ps)
 

@@ -175,9 +175,10 @@ def parse_metadata(path: Path) -> dict[str, Any]:
         raise _bad(path, f"key 'step' must be a non-negative integer, got {meta.get('step')!r}")
     if not isinstance(layout, dict) or not all(_int(layout.get(k), 1) for k in ("tp", "dp")):
         raise _bad(path, "key 'layout' must hold positive integers 'tp' and 'dp'")
-    layout.setdefault("pp", 1)
-    if not _int(layout["pp"], 1):
-        raise _bad(path, "key 'layout': 'pp' must be a positive integer")
+    for key in ("pp", "cp"):
+        layout.setdefault(key, 1)
+        if not _int(layout[key], 1):
+            raise _bad(path, f"key 'layout': '{key}' must be a positive integer")
     for key in ("vocab_size", "padded_vocab_size"):
         if not _int(meta.get(key), 1):
             raise _bad(path, f"key '{key}' must be a positive integer, got {meta.get(key)!r}")

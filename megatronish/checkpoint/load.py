@@ -54,13 +54,14 @@ def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
 
 
 def rng_states_for(
-    ckpt: Checkpoint, tp: int, dp: int, rank: int, pp: int = 1
+    ckpt: Checkpoint, tp: int, dp: int, rank: int, pp: int = 1, cp: int = 1
 ) -> dict[str, torch.Tensor] | None:
-    """Global rank `rank`'s RNG states for a run at (tp, dp, pp). At the saved layout, its own saved
-    states (an exact resume). At another layout, the default streams of saved rank 0 (they are
-    the same on every rank) and the tracker streams of the saved rank with the same tp rank at
-    dp rank 0, if there is one (dropout inside tp regions draws other masks at another tp)."""
-    if (tp, dp, pp) == (ckpt.tp, ckpt.dp, ckpt.pp):
+    """Global rank `rank`'s RNG states for a run at (tp, dp, pp, cp). At the saved layout, its
+    own saved states (an exact resume). At another layout, the default streams of saved rank 0
+    (they are the same on every rank) and the tracker streams of the saved rank with the same
+    tp rank at cp, dp and pp rank 0, if there is one (dropout inside tp regions draws other
+    masks at another tp)."""
+    if (tp, dp, pp, cp) == (ckpt.tp, ckpt.dp, ckpt.pp, ckpt.cp):
         return ckpt.rng_states(rank)
     base = ckpt.rng_states(0)
     if base is None:
@@ -76,7 +77,7 @@ def rng_states_for(
 def restore_rng(ckpt: Checkpoint, model: nn.Module, ps: ParallelState) -> None:
     """Sets this rank's CPU (and CUDA) generator and the model's tracker from the checkpoint;
     states saved on another device type are skipped (their sizes differ)."""
-    states = rng_states_for(ckpt, ps.tp, ps.dp, ps.rank, ps.pp)
+    states = rng_states_for(ckpt, ps.tp, ps.dp, ps.rank, ps.pp, ps.cp)
     if states is None:
         return
     saved_on_cuda = "cuda" in states
@@ -89,10 +90,11 @@ def restore_rng(ckpt: Checkpoint, model: nn.Module, ps: ParallelState) -> None:
 
 
 def inference_config(cfg: Config, vocab_size: int, tp: int) -> Config:
-    """A copy of a checkpoint's config for inference at tp ranks (dp 1): no sequence
+    """A copy of a checkpoint's config for inference at tp ranks (dp, pp and cp 1): no sequence
     parallelism, no activation checkpointing, the saved vocab size."""
     cfg = copy.deepcopy(cfg)
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.pp_layers = tp, None, 1, None
+    cfg.parallel.cp = 1
     cfg.parallel.sequence_parallel = False
     cfg.train.activation_checkpointing = "none"
     cfg.model.vocab_size = vocab_size

@@ -79,6 +79,7 @@ class Checkpoint:
         self.tp: int = self.meta["layout"]["tp"]
         self.dp: int = self.meta["layout"]["dp"]
         self.pp: int = self.meta["layout"]["pp"]
+        self.cp: int = self.meta["layout"]["cp"]
         self.vocab_size: int = self.meta["vocab_size"]
         self.specs: dict[str, TensorSpec] = self.meta["tensors"]
         self._handles: dict[str, object] = {}

@@ -3,9 +3,9 @@
 Protocol (each step ends with an agreement: an all-reduce of a failure flag, so a rank that
 fails makes every rank raise instead of leaving the others waiting in a barrier):
   1. rank 0 creates <dir>/step_NNNNNN.tmp-<pid of rank 0> (the pid is broadcast);
-  2. every rank writes its files there and fsyncs them: dp rank 0 of each tp rank its model
-     shard; the ranks that hold optimizer state their optim shard (dp rank 0 without ZeRO,
-     every dp rank with ZeRO-1); every rank its RNG states;
+  2. every rank writes its files there and fsyncs them: dp x cp rank 0 of each tp rank (and
+     stage) its model shard; the ranks that hold optimizer state their optim shard (dp x cp
+     rank 0 without ZeRO, every dp x cp rank with ZeRO-1); every rank its RNG states;
   3. rank 0 writes config.yaml, the tokenizer and metadata.json (which lists every file with
      its size), fsyncs, renames the directory to step_NNNNNN, replaces `latest` atomically,
      then deletes checkpoints beyond checkpoint.keep and leftovers of interrupted saves.
@@ -107,16 +107,16 @@ def rank_files(model, optimizer, ps: ParallelState) -> dict[str, dict[str, torch
     """The files this rank writes, each as its tensors (replicated ones only on tp rank 0)."""
     files: dict[str, dict[str, torch.Tensor]] = {}
     stage = ps.pp_rank if ps.pp > 1 else None
-    if ps.dp_rank == 0:
+    if ps.dp_cp_rank == 0:
         files[model_file(ps.tp_rank, stage)] = {
             name: param
             for name, param in saved_parameters(model).items()
             if param.tp_split_dim is not None or ps.tp_rank == 0
         }
-    if optimizer is not None and (optimizer.zero or ps.dp_rank == 0):
+    if optimizer is not None and (optimizer.zero or ps.dp_cp_rank == 0):
         state = optimizer_tensors(model, optimizer, include_replicated=ps.tp_rank == 0)
         if state:
-            files[optim_file(ps.tp_rank, ps.dp_rank, stage)] = state
+            files[optim_file(ps.tp_rank, ps.dp_cp_rank, stage)] = state
     files[rng_file(ps.rank)] = rng_tensors(model, ps)
     return files
 
@@ -265,6 +265,7 @@ def save_checkpoint(
             "tp": derived.tp,
             "dp": derived.dp,
             "pp": derived.pp,
+            "cp": derived.cp,
             "zero": int(bool(optimizer is not None and optimizer.zero)),
             "world_size": ps.world_size,
         }

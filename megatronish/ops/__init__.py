@@ -91,11 +91,12 @@ def attention(q, k, v, causal: bool = True, backend: str = "auto"):
     return reference.attention(q, k, v, causal)
 
 
-def rope(x, theta: float = 10000.0, backend: str = "auto"):
-    """Rotary position embedding of x [b, n, s, d], rotate-half pairing."""
+def rope(x, theta: float = 10000.0, backend: str = "auto", positions=None):
+    """Rotary position embedding of x [b, n, s, d], rotate-half pairing, at positions 0..s-1
+    or at the given int64 positions [s] (a context-parallel shard's global positions)."""
     if resolve_backend(backend, x) == "triton":
-        return _kernels().rope(x, theta)
-    return reference.rope(x, theta)
+        return _kernels().rope(x, theta, positions)
+    return reference.rope(x, theta, positions=positions)
 
 
 def swiglu(gate, up, backend: str = "auto"):

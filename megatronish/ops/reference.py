@@ -50,16 +50,37 @@ def rope_cos_sin(
     return angles.cos(), angles.sin()
 
 
-def rope(x: torch.Tensor, theta: float = 10000.0, start_pos: int = 0) -> torch.Tensor:
-    """Rotary embedding of x [b, n, s, d] at positions start_pos.., rotate-half pairing (dim i
-    with dim i + d/2)."""
+def rope(
+    x: torch.Tensor,
+    theta: float = 10000.0,
+    start_pos: int = 0,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotary embedding of x [b, n, s, d] at positions start_pos.. (or at the given int64
+    positions [s]), rotate-half pairing (dim i with dim i + d/2)."""
     seq_len, head_dim = x.shape[-2], x.shape[-1]
-    cos, sin = rope_cos_sin(start_pos + seq_len, head_dim, theta, x.device)
-    cos, sin = cos[start_pos:], sin[start_pos:]
+    cos, sin = rope_table(seq_len, head_dim, theta, x.device, start_pos, positions)
     x32 = x.float()
     x1, x2 = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype)
+
+
+def rope_table(
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    start_pos: int = 0,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [s, d/2] fp32 for positions start_pos..start_pos + s - 1, or for the given
+    positions [s] (the same values at a position as in the 0.. table)."""
+    if positions is None:
+        cos, sin = rope_cos_sin(start_pos + seq_len, head_dim, theta, device)
+        return cos[start_pos:], sin[start_pos:]
+    cos, sin = rope_cos_sin(int(positions.max()) + 1, head_dim, theta, device)
+    return cos[positions], sin[positions]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

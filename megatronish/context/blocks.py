@@ -1,0 +1,93 @@
+"""One block of ring attention: queries against one block of keys, forward with its
+log-sum-exp, and the flash backward from a given (final) output and log-sum-exp.
+
+Shapes: b batch, n query heads, k kv heads (k divides n; query head i reads kv head
+i // (n / k)), L block length (queries and keys alike), d head dim. q, o, do [b, n, L, d];
+k, v [b, k, L, d]; lse [b, n, L] fp32 (fp64 for fp64 inputs), natural log. Scale 1/sqrt(d).
+
+Backward, with p = exp(q k^T * scale - lse) and delta = rowsum(do * o) taken from the final
+output: dv = p^T do, ds = p (do v^T - delta), dq = ds k * scale, dk = ds^T q * scale. It is
+linear in the blocks, so a ring sums each block's dq, dk, dv.
+
+The torch path materializes one block's L x L scores; the Triton path runs the flash kernels
+of megatronish_kernels (no L x L matrix).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 for fp64 inputs, else fp32: what partial outputs, lse and gradients are kept in."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype):
+    """q as [b, k, n/k, L, d] and k as [b, k, 1, L, d], in dtype."""
+    b, n, length, d = q.shape
+    kv = k.shape[1]
+    return q.to(dtype).view(b, kv, n // kv, length, d), k.to(dtype).unsqueeze(2)
+
+
+def _scores(q, k, causal: bool, dtype) -> torch.Tensor:
+    qg, kg = _grouped(q, k, dtype)
+    scores = qg @ kg.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))  # [b, k, n/k, L, L]
+    if causal:
+        length = q.shape[2]
+        above = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    return scores
+
+
+def torch_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [b, n, L, d], lse [b, n, L]), both in the accumulation dtype."""
+    dtype = accumulation_dtype(q.dtype)
+    b, n, length, d = q.shape
+    scores = _scores(q, k, causal, dtype)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.to(dtype).unsqueeze(2)
+    return out.view(b, n, length, d), lse.view(b, n, length)
+
+
+def torch_backward(q, k, v, out, lse, dout, causal: bool):
+    """(dq [b, n, L, d], dk and dv [b, k, L, d]) in the accumulation dtype, from the final
+    output `out` and log-sum-exp `lse` of these queries."""
+    dtype = accumulation_dtype(q.dtype)
+    b, n, length, d = q.shape
+    kv = k.shape[1]
+    qg, kg = _grouped(q, k, dtype)
+    probs = torch.exp(_scores(q, k, causal, dtype) - lse.to(dtype).view(b, kv, n // kv, length, 1))
+    dog = dout.to(dtype).view(b, kv, n // kv, length, d)
+    og = out.to(dtype).view(b, kv, n // kv, length, d)
+    dv = (probs.transpose(-1, -2) @ dog).sum(dim=2)
+    dprobs = dog @ v.to(dtype).unsqueeze(2).transpose(-1, -2)
+    delta = (dog * og).sum(dim=-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * (1.0 / math.sqrt(d))
+    dq = (dscores @ kg).view(b, n, length, d)
+    dk = (dscores.transpose(-1, -2) @ qg).sum(dim=2)
+    return dq, dk, dv
+
+
+def triton_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton flash forward: (o in q's dtype, lse fp32, natural log)."""
+    from megatronish.ops import _kernels
+
+    return _kernels().attention_block_forward(q, k, v, causal)
+
+
+def triton_backward(q, k, v, out, lse, dout, causal: bool):
+    """The Triton flash backward from a given output and natural-log lse: dq, dk, dv in the
+    inputs' dtype."""
+    from megatronish.ops import _kernels
+
+    return _kernels().attention_block_backward(q, k, v, out.to(q.dtype), lse, dout, causal)
+
+
+def block_ops(backend: str):
+    """(forward, backward) of the resolved backend "torch" or "triton"."""
+    if backend == "triton":
+        return triton_forward, triton_backward
+    return torch_forward, torch_backward

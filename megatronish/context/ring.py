@@ -1,0 +1,207 @@
+"""Ring attention over the zigzag split (megatronish.context.zigzag).
+
+Shapes: b batch, n query heads (this tp rank's), k kv heads (this tp rank's), c chunk length,
+d head dim. Local q [b, n, 2c, d] and k, v [b, k, 2c, d] hold this cp rank's chunks r and
+2 cp - 1 - r. Only the kv heads travel (grouped-query attention sends k, not n, heads).
+
+Forward: the keys and values go around the cp ring, cp - 1 hops; the send of the block held
+now to the next rank and the receive of the next block from the previous one are posted
+before the held block is computed, so the transfer overlaps the compute. At ring step i a rank
+holds the block of rank r - i (mod cp); every step is half a block of work, no offset mask:
+  i = 0:      local q against local k/v, causal (the local order is increasing positions);
+  0 < i <= r: all local q against the source's first chunk (earlier positions), unmasked;
+  i > r:      the second half of q against all of the source's k/v (both earlier), unmasked.
+Steps run as square c x c (or, at i = 0, 2c x 2c causal) blocks; partial outputs are merged in
+fp32 with their log-sum-exp: lse = logaddexp(lse_old, lse_b) and
+o = o e^(lse_old - lse) + o_b e^(lse_b - lse).
+
+Backward: the keys and values go around again, and with them an fp32 accumulator of dk, dv
+that belongs to the block's owner: each rank adds its blocks' dk, dv (flash backward from the
+final output and log-sum-exp, so rowsum(do * o) uses the global o) and passes it on; after cp
+hops it is back with its owner. dq accumulates locally in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatronish import comm
+from megatronish.context.blocks import accumulation_dtype, block_ops
+
+KV_TAG, DKV_TAG = 11, 12
+
+_COUNTERS: list[RingCounter] = []
+
+
+@dataclass
+class RingCounter:
+    """Attention work of the ring blocks run while active (``with RingCounter() as c:``):
+    query-key pairs scored (a causal block of L counts L (L + 1) / 2 per head) and forward
+    FLOPs (4 d per pair: q k^T and p v)."""
+
+    pairs: int = 0
+    flops: int = 0
+    blocks: list = field(default_factory=list)
+
+    def __enter__(self) -> RingCounter:
+        _COUNTERS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _COUNTERS.remove(self)
+
+
+def _count(q: torch.Tensor, causal: bool) -> None:
+    b, n, length, d = q.shape
+    pairs = b * n * (length * (length + 1) // 2 if causal else length * length)
+    for counter in _COUNTERS:
+        counter.pairs += pairs
+        counter.flops += 4 * d * pairs
+        counter.blocks.append((length, causal))
+
+
+@dataclass(frozen=True)
+class Ring:
+    """This rank's place in its cp group: cp size, cp rank, and the global ranks of the next
+    and previous cp ranks (the ring's direction of travel)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    next_rank: int
+    prev_rank: int
+
+    def shift(self, tensor: torch.Tensor, tag: int) -> tuple[torch.Tensor, comm.Pending]:
+        """Starts sending tensor to the next rank and receiving the previous rank's into a new
+        buffer: (buffer, pending); read the buffer after pending.wait()."""
+        incoming = torch.empty_like(tensor)
+        pending = comm.start_exchange(
+            [(tensor, self.next_rank)], [(incoming, self.prev_rank)], self.group, "cp_ring", tag
+        )
+        return incoming, pending
+
+
+def _units(step: int, rank: int) -> list[tuple[str, str, bool]]:
+    """(query part, key/value part, causal) blocks of ring step `step` on cp rank `rank`."""
+    if step == 0:
+        return [("all", "all", True)]
+    if step <= rank:
+        return [("first", "first", False), ("second", "first", False)]
+    return [("second", "first", False), ("second", "second", False)]
+
+
+def _part(x: torch.Tensor, part: str, c: int) -> torch.Tensor:
+    """The rows of x [.., 2c, ..] (sequence on dim 2) that `part` names."""
+    if part == "all":
+        return x
+    return x[:, :, :c] if part == "first" else x[:, :, c:]
+
+
+def _rows(part: str, c: int) -> slice:
+    return {"all": slice(None), "first": slice(0, c), "second": slice(c, 2 * c)}[part]
+
+
+def _merge(out, lse, rows: slice, out_b, lse_b) -> None:
+    """Merges a block's partial (out_b, lse_b) into rows of the running out, lse in place."""
+    lse_old = lse[:, :, rows]
+    lse_new = torch.logaddexp(lse_old, lse_b)
+    out[:, :, rows] = out[:, :, rows] * torch.exp(lse_old - lse_new).unsqueeze(-1) + out_b.to(
+        out.dtype
+    ) * torch.exp(lse_b - lse_new).unsqueeze(-1)
+    lse[:, :, rows] = lse_new
+
+
+def ring_forward(q, k, v, ring: Ring, forward) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in the accumulation dtype for local q, k, v; `forward` is a block forward."""
+    c = q.shape[2] // 2
+    dtype = accumulation_dtype(q.dtype)
+    out = lse = None
+    kv = torch.stack([k, v])  # [2, b, k, 2c, d]: one message a hop
+    for step in range(ring.size):
+        pending = None
+        if step + 1 < ring.size:
+            incoming, pending = ring.shift(kv, KV_TAG)
+        for q_part, kv_part, causal in _units(step, ring.rank):
+            q_block = _part(q, q_part, c)
+            _count(q_block, causal)
+            out_b, lse_b = forward(
+                q_block, _part(kv[0], kv_part, c), _part(kv[1], kv_part, c), causal
+            )
+            if out is None:  # step 0 covers every row
+                out, lse = out_b.to(dtype), lse_b.to(dtype)
+            else:
+                _merge(out, lse, _rows(q_part, c), out_b, lse_b.to(dtype))
+        if pending is not None:
+            pending.wait()
+            kv = incoming
+    return out, lse
+
+
+def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward):
+    """(dq, dk, dv) in the inputs' dtypes; `backward` is a block backward."""
+    c = q.shape[2] // 2
+    dtype = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    kv = torch.stack([k, v])
+    dkv = dkv_pending = None
+    for step in range(ring.size):
+        pending = None
+        if step + 1 < ring.size:
+            incoming, pending = ring.shift(kv, KV_TAG)
+        grads = []
+        for q_part, kv_part, causal in _units(step, ring.rank):
+            rows = _rows(q_part, c)
+            dq_b, dk_b, dv_b = backward(
+                _part(q, q_part, c), _part(kv[0], kv_part, c), _part(kv[1], kv_part, c),
+                out[:, :, rows], lse[:, :, rows], dout[:, :, rows], causal,
+            )  # fmt: skip
+            dq[:, :, rows] += dq_b
+            grads.append((_rows(kv_part, c), dk_b, dv_b))
+        if dkv_pending is None:  # step 0: this rank's own block
+            dkv = torch.zeros(kv.shape, dtype=dtype, device=q.device)
+        else:
+            dkv_pending[1].wait()
+            dkv = dkv_pending[0]
+        for rows, dk_b, dv_b in grads:
+            dkv[0][:, :, rows] += dk_b
+            dkv[1][:, :, rows] += dv_b
+        if ring.size > 1:  # on to the rank whose block comes next; the last hop reaches the owner
+            dkv_pending = ring.shift(dkv, DKV_TAG)
+        if pending is not None:
+            pending.wait()
+            kv = incoming
+    if dkv_pending is not None:
+        dkv_pending[1].wait()
+        dkv = dkv_pending[0]
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, backend: str):
+        forward, backward = block_ops(backend)
+        out, lse = ring_forward(q, k, v, ring, forward)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.block_backward = ring, backward
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.block_backward)
+        return dq, dk, dv, None, None
+
+
+def ring_attention(q, k, v, ring: Ring, backend: str = "auto") -> torch.Tensor:
+    """Causal attention of the full sequence, computed on this cp rank's zigzag shard:
+    q [b, n, 2c, d], k and v [b, k, 2c, d] -> [b, n, 2c, d] in q's dtype; the keys and values
+    of the other cp ranks' shards come around the ring. Every cp rank calls it together."""
+    from megatronish.ops import resolve_backend
+
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention: local sequence {q.shape[2]} must be two equal chunks")
+    return _RingAttention.apply(q, k, v, ring, resolve_backend(backend, q))
