@@ -53,7 +53,7 @@ class Collective:
     def sent(self) -> float:
         """Bytes this rank sends for all `count` calls: ring all-reduce 2 (n-1)/n x payload,
         all-gather, reduce-scatter and broadcast (n-1)/n x payload."""
-        if self.kind == "p2p":
+        if self.kind in ("p2p", "cp_ring"):
             return self.count * self.payload
         factor = (2 if self.kind == "all_reduce" else 1) * (self.size - 1) / self.size
         return self.count * self.payload * factor
@@ -127,6 +127,13 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     optim.zero = 1 one broadcast per parameter (4 P bytes in all); then the step agreement
     (faults.agree_on_step: three fp32 flags, 12 bytes, over tp, then dp, then pp).
 
+    With cp > 1, s is a rank's share seq_len / cp in all of the above, and per micro-batch and
+    layer the ring attention sends ("cp_ring") its k and v, c [2, b, k/t, s, d] with k kv heads
+    (only those travel), cp - 1 times forward and again backward, plus cp hops of their fp32
+    gradient accumulator backward; attention recompute (selective or full) reruns the forward
+    ring. The last stage's loss all-reduces its token count (one fp64) over cp per micro-batch.
+    The data-parallel collectives below run over the dp x cp group.
+
     With pp > 1 each stage counts its own L layers and parameters; the embedding's
     collectives are the first stage's, the LM head's and the loss's the last stage's. Per
     micro-batch a stage sends its fp32 hidden states [b, s, h] ([b, s/t, h] under sequence
@@ -140,9 +147,11 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     2 (t-1)/t x A [(4 + c (4 L + 1)) b s h + 12 b s] + 2 (t-1)/t x (8 + 12).
     """
     m, p, tr = cfg.model, cfg.parallel, cfg.train
-    t, dp, pp, accum = derived.tp, derived.dp, derived.pp, derived.grad_accum_steps
+    t, pp, accum, cp = derived.tp, derived.pp, derived.grad_accum_steps, derived.cp
+    dp = derived.dp * cp  # the data-parallel collectives run over dp x cp
     first, last = pp_rank == 0, pp_rank == pp - 1
-    b, s, h, n_layer = tr.micro_batch_size, tr.seq_len, m.d_model, derived.stage_layers[pp_rank]
+    b, h, n_layer = tr.micro_batch_size, m.d_model, derived.stage_layers[pp_rank]
+    s = tr.seq_len // cp
     c = 2 if tr.precision == "bf16" else FP32_BYTES
     act_fp32, act_c = b * s * h * FP32_BYTES, b * s * h * c
     out: list[Collective] = []
@@ -186,6 +195,15 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     tp_op(
         "cross-entropy target logit and sum of exp (forward)", "all_reduce", 2 * b * s * 4, 1, last
     )
+    if cp > 1:
+        kv_bytes = 2 * b * (derived.n_kv_head // t) * s * derived.head_dim
+        forward_rings = 2 if tr.activation_checkpointing != "none" else 1
+        add("ring attention k and v (forward, backward)", "cp_ring", "cp", cp, kv_bytes * c,
+            (cp - 1) * (forward_rings + 1) * n_layer * accum)  # fmt: skip
+        add("ring attention dk and dv accumulator (backward)", "cp_ring", "cp", cp,
+            kv_bytes * FP32_BYTES, cp * n_layer * accum)  # fmt: skip
+        if last:
+            add("loss token count", "all_reduce", "cp", cp, FP64_BYTES, accum)
     add("gradient norm (fp64 partial sum)", "all_reduce", "tp", t, FP64_BYTES, 1)
     if p.sequence_parallel:
         sp_bytes = sequence_parallel_grad_count(cfg, derived, pp_rank) * FP32_BYTES

@@ -80,7 +80,8 @@ def make_trainer(cfg, world: int, dataset: Path, ps=None):
     derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
     if ps is None:
         comm.disable_shared_memory()
-        ps = use_shared_memory(ParallelState.from_world(derived.tp, derived.dp, derived.pp), 120)
+        ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp, derived.cp)
+        ps = use_shared_memory(ps, 120)
     return Trainer(Setup(cfg, derived, ps, dataset))
 
 
@@ -168,8 +169,10 @@ def reference_overrides(name: str, variants: dict) -> list[str]:
     return [o for o in overrides if not o.startswith("parallel.")]
 
 
-def assert_close(actual: list[float], expected: list[float], rel: float = 1e-5) -> None:
-    assert len(actual) == len(expected) == STEPS
+def assert_close(
+    actual: list[float], expected: list[float], rel: float = 1e-5, steps: int = STEPS
+) -> None:
+    assert len(actual) == len(expected) == steps
     for step, (a, e) in enumerate(zip(actual, expected), start=1):
         assert abs(a - e) <= rel * abs(e), f"step {step}: {a} vs {e}"
 
