@@ -225,6 +225,27 @@ def start_exchange(
     return Pending(dist.batch_isend_irecv(ops))
 
 
+def ring_shift(
+    tensor: torch.Tensor,
+    out: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    next_rank: int,
+    prev_rank: int,
+    tag: int = 0,
+    kind: str = "p2p",
+) -> Pending | shm.PendingShift:
+    """One step around a ring of group's ranks: starts sending tensor to global rank next_rank
+    and receiving prev_rank's tensor into out (contiguous, tensor's shape and dtype), and
+    returns at once; wait() before reading out or changing tensor. Batched isend/irecv, or on a
+    shared-memory group a published slot (every rank of the group shifts together). Counted
+    under `kind`: the bytes sent."""
+    shared = _SHARED.get(group)
+    if shared is not None and shared.fits(tensor) and out.is_contiguous():
+        _record(kind, _nbytes(tensor), 1.0)
+        return shared.shift(tensor.contiguous(), out)
+    return start_exchange([(tensor, next_rank)], [(out, prev_rank)], group, kind, tag)
+
+
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
     """Point-to-point: sends each (tensor, global peer rank) and receives into each (buffer,
     global peer rank), all posted together (so two neighbours that send to each other at once

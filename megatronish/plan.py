@@ -2,7 +2,7 @@
 the layout to use, computed from formulas without starting anything.
 
 Memory per rank (bytes), P the parameters one tp rank holds:
-  weights 4P, gradients 4P, AdamW state 8P (8P / dp with optim.zero = 1), the bf16 copies
+  weights 4P, gradients 4P, AdamW state 8P (8P / (dp cp) with optim.zero = 1), the bf16 copies
   autocast makes of the weights 2P (bf16 only);
   activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
   b micro-batch, h hidden, t tp), with a fused attention kernel (no s x s scores kept):
@@ -18,6 +18,15 @@ layers' parameters (the embeddings on the first stage, the output layer on the l
 activations of the micro-batches in flight: under 1F1B stage r holds min(pp - r, m) of them,
 under GPipe all m (the last stage then also keeps m micro-batches of logits). A layout's
 memory is that of its fullest stage. The schedule's bubble stretches the step by (pp - 1) / m.
+
+With context parallelism (cp ranks split every sequence) a rank keeps the activations and
+logits of s / cp tokens: the formulas above with s / cp. Each ring step sends one block of k and
+v, c [2, b, k/t, s/cp, d] for k kv heads, while the rank computes one block of attention,
+4 b (n/t) d s^2 / (2 cp^2) FLOPs; the transfer hides when it is the shorter of the two. The ring
+stays inside a node (NVLink, GPU_LINK_GB_S) while tp x cp <= GPUS_PER_NODE, else it crosses
+nodes (INTER_NODE_GB_S). `ring` in the table is transfer time / block compute time (<= 1:
+hidden); what does not hide is added to the step time. cp > 1 is searched where every rank
+keeps at least MIN_CP_TOKENS tokens of a sequence.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatronish.config import Config, derive
+from megatronish.config import Config, derive, world_size_of
 from megatronish.errors import UserError
 from megatronish.metrics import GPU_PEAK_TFLOPS, model_flops_per_step
 
@@ -42,6 +51,23 @@ GPU_MEMORY_GB = {
     "L4": 24.0,
     "V100": 32.0,
 }
+# One direction of a GPU's NVLink (PCIe for the cards without it), GB/s.
+GPU_LINK_GB_S = {
+    "H200": 450.0,
+    "H100": 450.0,
+    "H800": 200.0,
+    "GH200": 450.0,
+    "B200": 900.0,
+    "A100": 300.0,
+    "A800": 200.0,
+    "L40S": 32.0,
+    "A10G": 32.0,
+    "L4": 32.0,
+    "V100": 150.0,
+}
+INTER_NODE_GB_S = 50.0  # one 400 Gb/s NIC per GPU
+GPUS_PER_NODE = 8
+MIN_CP_TOKENS = 1024
 ASSUMED_MFU = 0.40
 HEADROOM = 0.90  # plan to use at most 90% of the device memory (allocator, NCCL, kernels)
 GB = 1024**3
@@ -65,6 +91,9 @@ class Estimate:
     logits_gb: float
     step_time_s: float
     comm_gb_per_step: float
+    cp: int = 1
+    ring_ratio: float | None = None
+    """Ring transfer time / block compute time per ring step (None at cp 1)."""
 
     @property
     def total_gb(self) -> float:
@@ -80,8 +109,9 @@ class Estimate:
 def activation_bytes_per_layer(
     cfg: Config, tp: int, sequence_parallel: bool, recompute: str
 ) -> float:
-    """Bytes one transformer layer keeps for backward for one micro-batch (see module doc)."""
-    s, b, h = cfg.train.seq_len, cfg.train.micro_batch_size, cfg.model.d_model
+    """Bytes one transformer layer keeps for backward for one micro-batch (see module doc); s is
+    a rank's share of the sequence, seq_len / parallel.cp."""
+    s, b, h = cfg.train.seq_len // cfg.parallel.cp, cfg.train.micro_batch_size, cfg.model.d_model
     sbh = s * b * h
     width = 1.0 if cfg.train.precision == "bf16" else 2.0  # the formula counts 16-bit values
     if recompute == "full":
@@ -91,11 +121,28 @@ def activation_bytes_per_layer(
     return sbh * per * width
 
 
+def ring_seconds(cfg: Config, d, peak_flops: float, link_gb_s: float) -> tuple[float, float]:
+    """(transfer, compute) seconds of one forward ring step of one layer and micro-batch."""
+    b, s, cp, t = cfg.train.micro_batch_size, cfg.train.seq_len, d.cp, d.tp
+    width = 2 if cfg.train.precision == "bf16" else 4
+    kv_bytes = 2 * b * (d.n_kv_head // t) * (s // cp) * d.head_dim * width
+    flops = 4 * b * (cfg.model.n_head // t) * d.head_dim * s * s / (2 * cp * cp)
+    return kv_bytes / (link_gb_s * 1e9), flops / (peak_flops * ASSUMED_MFU)
+
+
 def estimate(
-    cfg: Config, world: int, tp: int, peak_flops: float, pp: int = 1, **changes
+    cfg: Config,
+    world: int,
+    tp: int,
+    peak_flops: float,
+    pp: int = 1,
+    cp: int = 1,
+    link_gb_s: float = GPU_LINK_GB_S["H100"],
+    **changes,
 ) -> Estimate:
     """Per-rank memory (of the fullest pipeline stage), step time and traffic of cfg at
-    tensor-parallel degree tp and pipeline degree pp on world devices; `changes` override
+    tensor-parallel degree tp, context-parallel degree cp and pipeline degree pp on world
+    devices (link_gb_s: the NVLink bandwidth of one GPU); `changes` override
     parallel.sequence_parallel, optim.zero, activation_checkpointing."""
     from megatronish.bench import formula_bytes_per_step, local_parameter_count
 
@@ -105,7 +152,7 @@ def estimate(
     layout = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(
-            cfg.parallel, tp=tp, pp=pp, dp=world // (tp * pp), sequence_parallel=sp,
+            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=world // (tp * cp * pp), sequence_parallel=sp,
             pp_layers=cfg.parallel.pp_layers if pp == cfg.parallel.pp else None,
         ),
         optim=dataclasses.replace(cfg.optim, zero=zero),
@@ -115,9 +162,19 @@ def estimate(
     m, t, bf16 = d.grad_accum_steps, cfg.train, cfg.train.precision == "bf16"
     gpipe = pp > 1 and layout.parallel.pp_schedule == "gpipe"
     per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
-    logits_one = t.micro_batch_size * t.seq_len * d.padded_vocab_size / tp * 6
+    logits_one = t.micro_batch_size * t.seq_len // cp * d.padded_vocab_size / tp * 6
     bubble = (pp - 1) / m
     step_time = model_flops_per_step(layout, d) / (world * peak_flops * ASSUMED_MFU) * (1 + bubble)
+    ring_ratio = None
+    if cp > 1:
+        link = link_gb_s if tp * cp <= GPUS_PER_NODE else INTER_NODE_GB_S
+        transfer, compute = ring_seconds(layout, d, peak_flops, link)
+        ring_ratio = transfer / compute
+        # Forward: k, v against one block; backward: k, v and the fp32 dk, dv (2 x the bytes
+        # at bf16) against about twice the block's compute.
+        dkv = transfer * (2 if t.precision == "bf16" else 1)
+        exposed = max(0.0, transfer - compute) + max(0.0, transfer + dkv - 2 * compute)
+        step_time += exposed * (cp - 1) * max(d.stage_layers) * m
     comm = max(formula_bytes_per_step(layout, d, r) for r in range(pp)) / GB
     stages = []
     for r in range(pp):
@@ -138,11 +195,13 @@ def estimate(
                 activation_checkpointing=recompute,
                 weights_gb=params * (4 + (2 if bf16 else 0)) / GB,
                 grads_gb=params * 4 / GB,
-                optimizer_gb=params * 8 / (d.dp if zero == 1 else 1) / GB,
+                optimizer_gb=params * 8 / (d.dp * d.cp if zero == 1 else 1) / GB,
                 activations_gb=act / GB,
                 logits_gb=logits / GB,
                 step_time_s=step_time,
                 comm_gb_per_step=comm,
+                cp=cp,
+                ring_ratio=ring_ratio,
             )
         )
     return max(stages, key=lambda e: e.total_gb)
@@ -158,24 +217,30 @@ def gpu_spec(gpu: str | None, memory_gb: float | None) -> tuple[str, float, floa
     return name, memory_gb or GPU_MEMORY_GB[name], GPU_PEAK_TFLOPS[name] * 1e12
 
 
-def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int]]:
-    """(tp, pp) pairs: tensor-parallel degrees up to 8 (one node's fast links) that divide the
-    heads, the kv heads and d_ff, and pipeline degrees up to 8 with a layer for every stage,
-    whose product divides the world and leaves a dp that divides the global batch."""
+def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
+    """(tp, cp, pp): tensor-parallel degrees up to 8 (one node's fast links) that divide the
+    heads, the kv heads and d_ff; context-parallel degrees up to 8 that split the sequence into
+    2 cp chunks and leave every rank at least MIN_CP_TOKENS tokens (and, with tp, a multiple of
+    tp); pipeline degrees up to 8 with a layer for every stage; whose product divides the
+    world and leaves a dp that divides the global batch."""
     n_kv = cfg.model.n_kv_head or cfg.model.n_head
+    s = cfg.train.seq_len
     out = []
     for tp in (1, 2, 4, 8):
         if cfg.model.n_head % tp or n_kv % tp:
             continue
         if cfg.model.d_ff is not None and cfg.model.d_ff % tp:
             continue
-        for pp in (1, 2, 4, 8):
-            if world % (tp * pp) or pp > cfg.model.n_layer:
+        for cp in (1, 2, 4, 8):
+            if cp > 1 and (s % (2 * cp) or s // cp < MIN_CP_TOKENS or (s // cp) % tp):
                 continue
-            dp = world // (tp * pp)
-            if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
-                continue
-            out.append((tp, pp))
+            for pp in (1, 2, 4, 8):
+                if world % (tp * cp * pp) or pp > cfg.model.n_layer:
+                    continue
+                dp = world // (tp * cp * pp)
+                if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
+                    continue
+                out.append((tp, cp, pp))
     return out
 
 
@@ -183,7 +248,7 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
     """The report `megatronish plan` prints."""
     if cfg.model.vocab_size is None:
         raise UserError("model.vocab_size: plan needs it set (--set model.vocab_size=N)")
-    world = gpus if gpus is not None else cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
+    world = gpus if gpus is not None else world_size_of(cfg)
     if world < 1:
         raise UserError(f"--gpus {gpus}: must be >= 1")
     name, mem, peak = gpu_spec(gpu, memory_gb)
@@ -194,6 +259,7 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
             f"{cfg.model.n_head} and train.global_batch_size={cfg.train.global_batch_size}"
         )
     budget = mem * HEADROOM
+    link = GPU_LINK_GB_S[name]
     rows, choice = [], None
     # With a fused attention kernel selective recompute keeps what no recompute keeps (the
     # s x s scores are never stored), so the fallback when nothing fits is full recompute.
@@ -207,26 +273,33 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
     )
     for recompute in levels:
         level = [
-            estimate(cfg, world, tp, peak, pp=pp, activation_checkpointing=recompute, zero=1)
-            for tp, pp in layouts
+            estimate(
+                cfg, world, tp, peak, pp=pp, cp=cp, link_gb_s=link,
+                activation_checkpointing=recompute, zero=1,
+            )  # fmt: skip
+            for tp, cp, pp in layouts
         ]
         rows += level
         fits = [e for e in level if e.total_gb <= budget]
         if fits:  # the fastest that fits; among equals, the least model parallelism
-            choice = min(fits, key=lambda e: (round(e.step_time_s, 6), e.tp * e.pp, e.pp))
+            choice = min(
+                fits, key=lambda e: (round(e.step_time_s, 6), e.tp * e.cp * e.pp, e.pp, e.cp)
+            )
             break
     lines = [
         f"plan for {world} x {name} ({mem:.0f} GB each, bf16 peak {peak / 1e12:.0f} TFLOP/s; "
         f"step time assumes {ASSUMED_MFU:.0%} MFU)",
         "",
-        f"{'tp':>3} {'dp':>4} {'pp':>3} {'bubble':>6} {'sp':>3} {'recompute':>9} "
+        f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} {'bubble':>6} {'ring':>5} {'sp':>3} "
+        f"{'recompute':>9} "
         f"{'weights':>8} {'grads':>7} {'adam':>7} {'activ.':>8} {'logits':>7} {'total GB':>9} "
         f"{'comm GB':>8} {'compute s':>9}",
     ]
     for e in rows:
         mark = "  <- fits" if e.total_gb <= budget else ""
+        ring = "-" if e.ring_ratio is None else f"{e.ring_ratio:.2f}"
         lines.append(
-            f"{e.tp:>3} {e.dp:>4} {e.pp:>3} {e.bubble:>6.2f} "
+            f"{e.tp:>3} {e.cp:>3} {e.dp:>4} {e.pp:>3} {e.bubble:>6.2f} {ring:>5} "
             f"{'y' if e.sequence_parallel else 'n':>3} "
             f"{e.activation_checkpointing:>9} {e.weights_gb:>8.2f} {e.grads_gb:>7.2f} "
             f"{e.optimizer_gb:>7.2f} {e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
@@ -240,8 +313,8 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
         )
     else:
         lines.append(
-            f"recommended: --set parallel.tp={choice.tp} --set parallel.dp={choice.dp} "
-            f"--set parallel.pp={choice.pp} "
+            f"recommended: --set parallel.tp={choice.tp} --set parallel.cp={choice.cp} "
+            f"--set parallel.dp={choice.dp} --set parallel.pp={choice.pp} "
             f"--set parallel.sequence_parallel={str(choice.sequence_parallel).lower()} "
             f"--set optim.zero={choice.zero} "
             f"--set train.activation_checkpointing={choice.activation_checkpointing} "

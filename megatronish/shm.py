@@ -1,4 +1,5 @@
-"""All-reduce and all-gather through shared memory, for a group of CPU processes on one host.
+"""All-reduce, all-gather and ring shifts through shared memory, for a group of CPU processes
+on one host.
 
 gloo moves tensors between processes on one machine over loopback TCP (about 1 GB/s here),
 which costs a CPU tensor-parallel step more than its matmuls can hide. Ranks of a group on one
@@ -65,7 +66,7 @@ class SharedMemoryGroup:
         if self.rank == 0:
             os.unlink(path)  # the mapping stays until the last process exits
         self.calls = 0
-        self._pending: PendingAllReduce | None = None
+        self._pending: PendingAllReduce | PendingShift | None = None
 
     def _slot(self, rank: int, parity: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         start = (parity * self.size + rank) * self.slot_bytes
@@ -77,7 +78,7 @@ class SharedMemoryGroup:
 
     def _publish(self, tensor: torch.Tensor) -> int:
         """Copies tensor into this rank's slot of the next call and announces it; returns the
-        call. An all-reduce still pending completes first, so at most one call is in flight."""
+        call. A call still pending completes first, so at most one call is in flight."""
         if self._pending is not None:
             self._pending.wait()
         self.calls += 1
@@ -154,6 +155,15 @@ class SharedMemoryGroup:
         parts = self._exchange(tensor)
         torch.cat(parts, out=output.view(-1))
 
+    def shift(self, tensor: torch.Tensor, out: torch.Tensor) -> PendingShift:
+        """A ring step: publishes tensor (contiguous, at most a slot) and returns a handle whose
+        wait() (or the next call on this group) copies the previous rank's (rank - 1 mod size)
+        tensor into out (contiguous, tensor's shape and dtype). It waits for every rank's
+        tensor, not only the previous one's, which keeps every rank within one call of the
+        slowest. Neither tensor nor out may change until then."""
+        self._pending = PendingShift(self, self._publish(tensor), tensor, out)
+        return self._pending
+
 
 def _combine(parts: list[torch.Tensor], out: torch.Tensor, combine) -> None:
     """out <- combine of the ranks' parts, in rank order (the same bits on every rank)."""
@@ -176,6 +186,23 @@ class PendingAllReduce:
             self.group._pending = None
             parts = self.group._collect(self.call, self.nbytes, self.dtype)
             _combine(parts, self.out.view(-1), self.combine)
+        return True
+
+
+class PendingShift:
+    """A published ring shift whose received tensor is written by wait()."""
+
+    def __init__(self, group: SharedMemoryGroup, call: int, tensor, out):
+        self.group, self.call, self.out = group, call, out
+        self.nbytes, self.dtype = tensor.numel() * tensor.element_size(), tensor.dtype
+        self.done = False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.done = True
+            self.group._pending = None
+            parts = self.group._collect(self.call, self.nbytes, self.dtype)
+            self.out.view(-1).copy_(parts[(self.group.rank - 1) % self.group.size])
         return True
 
 

@@ -24,6 +24,24 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
 
+def _import_pypi_kernels() -> None:
+    """transformers imports PyPI's `kernels` package (one of its dependencies) when it is
+    installed. The repo's own kernels/ folder, which installs as megatronish_kernels, would
+    shadow it while the repo root is on sys.path (as pytest puts it, for the tests package):
+    import the installed one first, with the repo root out of the way."""
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+    try:
+        import kernels  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_import_pypi_kernels()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory):
     """The built-in corpus is prepared once per session into a temporary cache, which the CLI

@@ -14,16 +14,11 @@ import pytest
 from megatronish.data import prepare_dataset
 from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
-from tests.test_pipeline import (
-    GPT2,
-    LLAMA,
-    SMALL,
-    SP,
-    STEPS,
-    assert_close,
-    make_trainer,
-    train_losses,
-)
+from tests.test_pipeline import SMALL, SP, STEPS, assert_close, make_trainer, train_losses
+
+# Two layers and two micro-batches of 4 a step: each ring step costs a wait on every cp rank.
+GPT2 = ["model.arch=gpt2", "model.n_layer=2", "train.micro_batch_size=4"]
+LLAMA = ["model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "train.micro_batch_size=4"]
 
 # name -> (tp, cp, dp, pp, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {

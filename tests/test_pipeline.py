@@ -313,9 +313,9 @@ def test_cli_check_and_plan_show_the_stages_and_the_bubble():
     )  # fmt: skip
     assert plan.returncode == 0, plan.stderr
     lines = plan.stdout.splitlines()
-    assert lines[2].split()[:4] == ["tp", "dp", "pp", "bubble"]
+    assert lines[2].split()[:5] == ["tp", "cp", "dp", "pp", "bubble"]
     rows = [line.split() for line in lines[3:] if line.strip()[:1].isdigit()]
-    by_pp = {int(row[2]): float(row[3]) for row in rows if row[0] == "1"}
+    by_pp = {int(row[3]): float(row[4]) for row in rows if row[:2] == ["1", "1"]}
     # gpt2-1.3b: global batch 512 of micro-batches 8; tp 1 x pp 2 on 16 GPUs: dp 8, m = 8.
     assert by_pp[1] == 0.0 and by_pp[2] == pytest.approx(1 / 8, abs=0.01)
 

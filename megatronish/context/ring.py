@@ -74,12 +74,12 @@ class Ring:
     next_rank: int
     prev_rank: int
 
-    def shift(self, tensor: torch.Tensor, tag: int) -> tuple[torch.Tensor, comm.Pending]:
+    def shift(self, tensor: torch.Tensor, tag: int):
         """Starts sending tensor to the next rank and receiving the previous rank's into a new
         buffer: (buffer, pending); read the buffer after pending.wait()."""
         incoming = torch.empty_like(tensor)
-        pending = comm.start_exchange(
-            [(tensor, self.next_rank)], [(incoming, self.prev_rank)], self.group, "cp_ring", tag
+        pending = comm.ring_shift(
+            tensor, incoming, self.group, self.next_rank, self.prev_rank, tag, "cp_ring"
         )
         return incoming, pending
 
