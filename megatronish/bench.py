@@ -339,6 +339,7 @@ def _format_bytes(n: float) -> str:
 def report(cfg: Config, derived: Derived, result: BenchResult, steps: int, warmup: int) -> dict:
     """The JSON record of a benchmark (the last line the command prints)."""
     formula = formula_bytes_per_step(cfg, derived)
+    ring_formula = formula_payload_by_kind(cfg, derived).get("cp_ring", 0)
     return {
         "tokens_per_s": result.tokens_per_s,
         "step_time_s": result.step_time_s,
@@ -346,9 +347,12 @@ def report(cfg: Config, derived: Derived, result: BenchResult, steps: int, warmu
         "tp": derived.tp,
         "dp": derived.dp,
         "pp": derived.pp,
+        "cp": derived.cp,
         "world_size": derived.world_size,
         "bytes_sent_per_step": result.bytes_sent_per_step,
         "bytes_sent_per_step_formula": formula,
+        "cp_ring_bytes_per_step": result.payload_per_step.get("cp_ring", 0.0),
+        "cp_ring_bytes_per_step_formula": ring_formula,
         "comm_calls_per_step": result.calls_per_step,
         "steps": steps,
         "warmup": warmup,
@@ -365,19 +369,36 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
     """The human-readable lines printed before the JSON record."""
     m, t = cfg.model, cfg.train
     sent, formula = record["bytes_sent_per_step"], record["bytes_sent_per_step_formula"]
-    verdict = "matches" if abs(sent - formula) <= 1e-9 * max(1.0, formula) else "DIFFERS"
+    calls = f" in {record['comm_calls_per_step']:.0f} collectives"
+    lines = [_sent_line("sent per step by rank 0", sent, formula, calls)]
+    if derived.cp > 1:
+        lines.append(
+            _sent_line(
+                "of which ring attention (k, v and their gradients)",
+                record["cp_ring_bytes_per_step"],
+                record["cp_ring_bytes_per_step_formula"],
+            )
+        )
     return [
         f"bench: {m.arch} {m.n_layer} layers, d_model {m.d_model}, {t.precision}; "
-        f"tp {derived.tp} x dp {derived.dp} x pp {derived.pp} (world {derived.world_size}); "
+        f"tp {derived.tp} x cp {derived.cp} x dp {derived.dp} x pp {derived.pp} "
+        f"(world {derived.world_size}); "
         f"micro-batch {t.micro_batch_size} x seq {t.seq_len}, {derived.grad_accum_steps} "
         "accumulation steps",
         f"step time {record['step_time_s']:.4f} s (median of {record['steps']} after "
         f"{record['warmup']} warm-up; min {record['step_time_min_s']:.4f}, max "
         f"{record['step_time_max_s']:.4f}); {record['tokens_per_s']:.0f} tokens/s; "
         f"MFU {100 * record['mfu']:.2f}% ({record['peak_source']})",
-        f"sent per step by rank 0: {_format_bytes(sent)} in {record['comm_calls_per_step']:.0f} "
-        f"collectives; analytic count {_format_bytes(formula)} ({verdict})",
+        *lines,
     ]
+
+
+def _sent_line(what: str, sent: float, formula: float, calls: str = "") -> str:
+    verdict = "matches" if abs(sent - formula) <= 1e-9 * max(1.0, formula) else "DIFFERS"
+    return (
+        f"{what}: {_format_bytes(sent)}{calls}; analytic count {_format_bytes(formula)} "
+        f"({verdict})"
+    )
 
 
 def run_bench(cfg: Config, steps: int, warmup: int) -> dict:

@@ -221,3 +221,50 @@ def test_cli_check_shows_the_zigzag_split():
     assert result.returncode == 0, result.stderr
     assert "world_size: 2  (tp 1 x cp 2 x dp 1 x pp 1" in result.stdout
     assert "64 tokens of every sequence each: chunks r and 3 - r of 4 chunks of 32" in result.stdout
+
+
+MASKED = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.vocab_size=64",
+          "model.max_seq_len=16", "train.seq_len=16", "model.arch=llama", "model.n_kv_head=2"]  # fmt: skip
+
+
+def _masked_batch():
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    inputs = torch.randint(0, 64, (2, 16), generator=gen)
+    targets = torch.randint(0, 64, (2, 16), generator=gen)
+    targets[:, :4] = -100  # all of cp rank 0's first chunk: the ranks count unequal tokens
+    targets[0, 9] = -100
+    return inputs, targets
+
+
+def _masked_loss(rank, world):
+    from megatronish.config import derive, load_config
+    from megatronish.context import shard_sequence
+    from megatronish.model import GPT
+    from megatronish.optim import reduce_gradients
+    from megatronish.parallel import ParallelState
+    from megatronish.trainer import mean_loss
+
+    if world == 1:
+        ps = ParallelState.single()
+    else:
+        ps = ParallelState.from_world(1, 1, 1, cp=world)
+    cfg = load_config(None, MASKED + [f"parallel.cp={world}"])
+    model = GPT(cfg, derive(cfg, world), ps)
+    inputs, targets = (shard_sequence(x, world, ps.cp_rank) for x in _masked_batch())
+    loss = model.loss(inputs, targets)
+    loss.backward()
+    params = [p for p in model.parameters()]
+    reduce_gradients(params, ps)
+    return mean_loss(loss, ps), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_loss_and_gradients_are_the_mean_over_every_counted_token_whatever_cp_and_masking():
+    import torch
+
+    want_loss, want_grads = _masked_loss(0, 1)
+    for loss, grads in run_on_ranks(_masked_loss, 2, timeout=60):
+        assert abs(loss - want_loss) <= 1e-6 * want_loss
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)

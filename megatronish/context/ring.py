@@ -180,10 +180,13 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward):
 
 
 class _RingAttention(torch.autograd.Function):
+    """Autocast is off inside: the blocks choose their own precision (fp32 accumulation)."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, backend: str):
         forward, backward = block_ops(backend)
-        out, lse = ring_forward(q, k, v, ring, forward)
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = ring_forward(q, k, v, ring, forward)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.block_backward = ring, backward
@@ -192,7 +195,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.block_backward)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.block_backward)
         return dq, dk, dv, None, None
 
 
