@@ -396,8 +396,7 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
 def _sent_line(what: str, sent: float, formula: float, calls: str = "") -> str:
     verdict = "matches" if abs(sent - formula) <= 1e-9 * max(1.0, formula) else "DIFFERS"
     return (
-        f"{what}: {_format_bytes(sent)}{calls}; analytic count {_format_bytes(formula)} "
-        f"({verdict})"
+        f"{what}: {_format_bytes(sent)}{calls}; analytic count {_format_bytes(formula)} ({verdict})"
     )
 
 

@@ -117,9 +117,7 @@ class ParallelState:
         (every rank calls this, in the same order, because new_group is collective)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp * cp * dp * pp != world:
-            raise ValueError(
-                f"tp * cp * dp * pp = {tp} * {cp} * {dp} * {pp} != world size {world}"
-            )
+            raise ValueError(f"tp * cp * dp * pp = {tp} * {cp} * {dp} * {pp} != world size {world}")
         tp_rank, cp_rank = rank % tp, (rank // tp) % cp
         dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
 
@@ -181,9 +179,7 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(
-    tp: int, dp: int, timeout_s: float, pp: int = 1, cp: int = 1
-) -> ParallelState:
+def init_distributed(tp: int, dp: int, timeout_s: float, pp: int = 1, cp: int = 1) -> ParallelState:
     """Joins the process group torchrun described in the environment (NCCL on CUDA, gloo on
     CPU) and builds the run's groups; a single process with world size 1 joins nothing. On
     CPU, groups whose ranks share a host exchange through shared memory (megatronish.shm)."""

@@ -273,10 +273,7 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
     )
     for recompute in levels:
         level = [
-            estimate(
-                cfg, world, tp, peak, pp=pp, cp=cp, link_gb_s=link,
-                activation_checkpointing=recompute, zero=1,
-            )  # fmt: skip
+            estimate(cfg, world, tp, peak, pp, cp, link, activation_checkpointing=recompute, zero=1)
             for tp, cp, pp in layouts
         ]
         rows += level

@@ -49,7 +49,11 @@ def test_derived_sizes_are_computed_in_one_place():
     "overrides,world,message",
     [
         (["parallel.tp=3"], 3, "model.n_head: 4 is not divisible by parallel.tp=3"),
-        (["parallel.tp=2", "parallel.dp=2"], 2, "world size 2 != parallel.tp * parallel.cp * parallel.dp"),
+        (
+            ["parallel.tp=2", "parallel.dp=2"],
+            2,
+            "world size 2 != parallel.tp * parallel.cp * parallel.dp",
+        ),
         (["train.global_batch_size=12", "train.micro_batch_size=8"], 1, "train.global_batch_size"),
         (["model.arch=llama", "model.n_kv_head=3"], 1, "model.n_kv_head: 3 does not divide"),
     ],
