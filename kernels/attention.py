@@ -167,12 +167,12 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
 
 
-def _forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, n_head, s, d] in q's dtype, base-2 lse [b, n_head, s] fp32) of contiguous
-    q, k, v."""
+def _forward(q, k, v, causal: bool, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, n_head, s, d] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
+    contiguous q, k, v."""
     b, n_head, seq_len, head_dim = q.shape
     blocks = attention_blocks(seq_len, head_dim, q.dtype)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
     if out.numel() > 0:
         grid = (triton.cdiv(seq_len, blocks.fwd.block_m), b * n_head)
@@ -206,11 +206,12 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def attention_block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of ring attention, no autograd: (out in q's dtype, lse [b, n_head, s] fp32 in
-    natural log), shapes as in `attention`."""
+    """One block of ring attention, no autograd: (out fp32 (fp64 for fp64 inputs), to be merged
+    with other blocks; lse [b, n_head, s] fp32 in natural log), shapes as in `attention`."""
     check_device(q, k, v)
     _check_shapes(q, k, v)
-    out, lse2 = _forward(q.contiguous(), k.contiguous(), v.contiguous(), causal)
+    out_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out, lse2 = _forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, out_dtype)
     return out, lse2 * (1.0 / LOG2_E)
 
 

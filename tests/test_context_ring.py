@@ -111,3 +111,30 @@ def test_ring_attention_on_triton_flash_blocks_equals_full_causal_attention(cp, 
     for index, name in enumerate(["out", "dq", "dk", "dv"]):
         got = unshard_sequence([r["grads"][index] for r in per_rank], dim=2)
         torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_flash_blocks_on_cuda_match_the_float64_blocks(causal):
+    from megatronish.context.blocks import (
+        torch_backward,
+        torch_forward,
+        triton_backward,
+        triton_forward,
+    )
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (
+        torch.randn(2, n, 200, 64, generator=gen, dtype=torch.float64) for n in (8, 2, 2, 8)
+    )
+    want_out, want_lse = torch_forward(q, k, v, causal)
+    want = torch_backward(q, k, v, want_out, want_lse, dout, causal)
+    cuda = [x.to("cuda", torch.bfloat16) for x in (q, k, v, dout)]
+    out, lse = triton_forward(*cuda[:3], causal)
+    got = triton_backward(*cuda[:3], want_out.to("cuda"), want_lse.to("cuda"), cuda[3], causal)
+    torch.testing.assert_close(out.double().cpu(), want_out, rtol=0, atol=3e-2)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=0, atol=3e-2)
+    for name, g, w in zip(["dq", "dk", "dv"], got, want):
+        scale = w.abs().max().item()
+        torch.testing.assert_close(g.double().cpu() / scale, w / scale, rtol=0, atol=3e-2, msg=name)

@@ -72,7 +72,7 @@ def torch_backward(q, k, v, out, lse, dout, causal: bool):
 
 
 def triton_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton flash forward: (o in q's dtype, lse fp32, natural log)."""
+    """The Triton flash forward: (o fp32, or fp64 for fp64 inputs; lse fp32, natural log)."""
     from megatronish.ops import _kernels
 
     return _kernels().attention_block_forward(q, k, v, causal)
