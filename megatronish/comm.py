@@ -233,7 +233,7 @@ def ring_shift(
     prev_rank: int,
     tag: int = 0,
     kind: str = "p2p",
-) -> Pending | shm.PendingShift:
+) -> Pending | shm.PendingCall:
     """One step around a ring of group's ranks: starts sending tensor to global rank next_rank
     and receiving prev_rank's tensor into out (contiguous, tensor's shape and dtype), and
     returns at once; wait() before reading out or changing tensor. Batched isend/irecv, or on a

@@ -66,7 +66,7 @@ class SharedMemoryGroup:
         if self.rank == 0:
             os.unlink(path)  # the mapping stays until the last process exits
         self.calls = 0
-        self._pending: PendingAllReduce | PendingShift | None = None
+        self._pending: PendingCall | None = None
 
     def _slot(self, rank: int, parity: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         start = (parity * self.size + rank) * self.slot_bytes
@@ -132,7 +132,7 @@ class SharedMemoryGroup:
         op: dist.ReduceOp.RedOpType,
         out: torch.Tensor | None = None,
         async_op: bool = False,
-    ) -> PendingAllReduce | None:
+    ) -> PendingCall | None:
         """The sum (or max) of tensor over the group into out (default: tensor, in place; out
         is contiguous, of tensor's shape and dtype), combined in rank order on every rank; a
         tensor larger than a slot goes through in slot-sized pieces. With async_op a tensor
@@ -143,7 +143,10 @@ class SharedMemoryGroup:
         per_slot = self.slot_bytes // tensor.element_size()
         target = tensor if out is None else out
         if async_op and tensor.numel() <= per_slot:
-            self._pending = PendingAllReduce(self, self._publish(tensor), tensor, target, combine)
+            call = self._publish(tensor)
+            self._pending = PendingCall(
+                self, call, tensor, lambda parts: _combine(parts, target.view(-1), combine)
+            )
             return self._pending
         for piece, result in zip(tensor.view(-1).split(per_slot), target.view(-1).split(per_slot)):
             parts = self._exchange(piece)
@@ -155,13 +158,17 @@ class SharedMemoryGroup:
         parts = self._exchange(tensor)
         torch.cat(parts, out=output.view(-1))
 
-    def shift(self, tensor: torch.Tensor, out: torch.Tensor) -> PendingShift:
+    def shift(self, tensor: torch.Tensor, out: torch.Tensor) -> PendingCall:
         """A ring step: publishes tensor (contiguous, at most a slot) and returns a handle whose
         wait() (or the next call on this group) copies the previous rank's (rank - 1 mod size)
         tensor into out (contiguous, tensor's shape and dtype). It waits for every rank's
         tensor, not only the previous one's, which keeps every rank within one call of the
         slowest. Neither tensor nor out may change until then."""
-        self._pending = PendingShift(self, self._publish(tensor), tensor, out)
+        previous = (self.rank - 1) % self.size
+        call = self._publish(tensor)
+        self._pending = PendingCall(
+            self, call, tensor, lambda parts: out.view(-1).copy_(parts[previous])
+        )
         return self._pending
 
 
@@ -172,11 +179,12 @@ def _combine(parts: list[torch.Tensor], out: torch.Tensor, combine) -> None:
         combine(out, part, out=out)
 
 
-class PendingAllReduce:
-    """A published all-reduce whose result is written by wait()."""
+class PendingCall:
+    """A published call whose result wait() (or the group's next call) writes, by handing
+    every rank's slot of the call, in rank order, to `finish`."""
 
-    def __init__(self, group: SharedMemoryGroup, call: int, tensor, out, combine):
-        self.group, self.call, self.out, self.combine = group, call, out, combine
+    def __init__(self, group: SharedMemoryGroup, call: int, tensor: torch.Tensor, finish):
+        self.group, self.call, self.finish = group, call, finish
         self.nbytes, self.dtype = tensor.numel() * tensor.element_size(), tensor.dtype
         self.done = False
 
@@ -184,25 +192,7 @@ class PendingAllReduce:
         if not self.done:
             self.done = True
             self.group._pending = None
-            parts = self.group._collect(self.call, self.nbytes, self.dtype)
-            _combine(parts, self.out.view(-1), self.combine)
-        return True
-
-
-class PendingShift:
-    """A published ring shift whose received tensor is written by wait()."""
-
-    def __init__(self, group: SharedMemoryGroup, call: int, tensor, out):
-        self.group, self.call, self.out = group, call, out
-        self.nbytes, self.dtype = tensor.numel() * tensor.element_size(), tensor.dtype
-        self.done = False
-
-    def wait(self) -> bool:
-        if not self.done:
-            self.done = True
-            self.group._pending = None
-            parts = self.group._collect(self.call, self.nbytes, self.dtype)
-            self.out.view(-1).copy_(parts[(self.group.rank - 1) % self.group.size])
+            self.finish(self.group._collect(self.call, self.nbytes, self.dtype))
         return True
 
 
