@@ -1,4 +1,6 @@
-"""Every collective the project runs goes through these wrappers, which count its bytes.
+"""Every collective the project runs goes through these wrappers, which count its bytes and
+record it in the flight recorder (megatronish.observe.record: its sequence number on its
+group, start and end, and the time this rank waited in it).
 
 A ``CommCounter`` used as a context manager records, for each collective issued inside it, the
 payload size and the bytes this rank sends under the ring algorithm NCCL and gloo use for large
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish import shm
+from megatronish.observe.record import RECORDER, Timed
 from megatronish.shm import SharedMemoryGroup
 
 _ACTIVE: list[CommCounter] = []
@@ -137,7 +140,12 @@ def all_reduce(
     if n == 1:
         return None
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
-    return _all_reduce(tensor, group, op, async_op)
+    entry = RECORDER.begin("all_reduce", group, tensor)
+    work = _all_reduce(tensor, group, op, async_op)
+    if async_op:
+        return Timed(work, entry)
+    RECORDER.end(entry, entry[5])
+    return None
 
 
 def all_reduce_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
@@ -149,7 +157,9 @@ def all_reduce_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
         output.copy_(tensor)
         return
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
+    entry = RECORDER.begin("all_reduce", group, tensor)
     _all_reduce_into(output, tensor, group)
+    RECORDER.end(entry, entry[5])
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
@@ -159,11 +169,13 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
         output.copy_(tensor)
         return
     _record("all_gather", _nbytes(output), (n - 1) / n)
+    entry = RECORDER.begin("all_gather", group, tensor)
     shared = _SHARED.get(group)
     if shared is not None and shared.fits(tensor) and output.is_contiguous():
         shared.all_gather_into(output, tensor.contiguous())
     else:
         dist.all_gather_into_tensor(output, tensor.contiguous(), group=group)
+    RECORDER.end(entry, entry[5])
 
 
 def reduce_scatter_into(
@@ -175,6 +187,7 @@ def reduce_scatter_into(
         output.copy_(tensor)
         return
     _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
+    entry = RECORDER.begin("reduce_scatter", group, tensor)
     if dist.get_backend(group) == "gloo":
         # gloo has no reduce_scatter_tensor: all-reduce then keep the local block (same result).
         full = torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -182,6 +195,7 @@ def reduce_scatter_into(
         output.copy_(full.chunk(n, dim=0)[group_rank(group)])
     else:
         dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)
+    RECORDER.end(entry, entry[5])
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
@@ -190,19 +204,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     if n == 1:
         return
     _record("broadcast", _nbytes(tensor), (n - 1) / n)
+    entry = RECORDER.begin("broadcast", group, tensor)
     dist.broadcast(tensor, src=src, group=group)
-
-
-class Pending:
-    """Point-to-point operations in flight (comm.start_exchange); wait() completes them."""
-
-    def __init__(self, works: list):
-        self._works = works
-
-    def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works = []
+    RECORDER.end(entry, entry[5])
 
 
 def start_exchange(
@@ -211,18 +215,29 @@ def start_exchange(
     group: dist.ProcessGroup | None = None,
     kind: str = "p2p",
     tag: int = 0,
-) -> Pending:
+) -> Timed:
     """Posts sends of each (tensor, global peer rank) and receives into each (buffer, global
     peer rank) together, over group (None: the default group), and returns at once; the
     caller computes meanwhile and calls wait() before it reads a buffer or changes a sent
     tensor. Counted under `kind`: the bytes sent."""
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, buffer, peer, group, tag) for buffer, peer in recvs]
-    if not ops:
-        return Pending([])
     for tensor, _ in sends:
         _record(kind, _nbytes(tensor), 1.0)
-    return Pending(dist.batch_isend_irecv(ops))
+    first = (sends or recvs)[0][0]
+    entry = RECORDER.begin("cp_ring" if kind == "cp_ring" else "p2p", group, first)
+    return Timed(_Works(dist.batch_isend_irecv(ops)), entry)
+
+
+class _Works:
+    """Point-to-point works posted together; wait() waits for all of them."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def ring_shift(
@@ -233,7 +248,7 @@ def ring_shift(
     prev_rank: int,
     tag: int = 0,
     kind: str = "p2p",
-) -> Pending | shm.PendingCall:
+) -> Timed:
     """One step around a ring of group's ranks: starts sending tensor to global rank next_rank
     and receiving prev_rank's tensor into out (contiguous, tensor's shape and dtype), and
     returns at once; wait() before reading out or changing tensor. Batched isend/irecv, or on a
@@ -242,7 +257,8 @@ def ring_shift(
     shared = _SHARED.get(group)
     if shared is not None and shared.fits(tensor) and out.is_contiguous():
         _record(kind, _nbytes(tensor), 1.0)
-        return shared.shift(tensor.contiguous(), out)
+        entry = RECORDER.begin("cp_ring" if kind == "cp_ring" else "p2p", group, tensor)
+        return Timed(shared.shift(tensor.contiguous(), out), entry)
     return start_exchange([(tensor, next_rank)], [(out, prev_rank)], group, kind, tag)
 
 
@@ -250,4 +266,5 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     """Point-to-point: sends each (tensor, global peer rank) and receives into each (buffer,
     global peer rank), all posted together (so two neighbours that send to each other at once
     cannot deadlock), and waits for them. Counted as "p2p": the bytes sent."""
-    start_exchange(sends, recvs).wait()
+    if sends or recvs:
+        start_exchange(sends, recvs).wait()

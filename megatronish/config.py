@@ -164,6 +164,27 @@ class KernelsConfig:
 
 
 @dataclass
+class ObserveConfig:
+    phase_times: bool = True
+    """Time every step's phases on every rank (data, forward, backward, gradient sync,
+    optimizer, and the wait inside tp, cp, dp and pp communication) and write their min /
+    median / max over the ranks to metrics.jsonl on each logged step."""
+    straggler_ratio: float = 1.2
+    """Rank 0 names a rank whose compute time (step time less communication wait) is more than
+    this times the median of the ranks'."""
+    profile_steps: str | None = None
+    """"A:B": record torch.profiler traces of steps A to B (inclusive) into
+    <run.out_dir>/traces/rank_R.json.gz; `megatronish trace` merges them."""
+    profile_ranks: str = "all"
+    """The ranks that record traces: all, or comma-separated global ranks ("0,3")."""
+    tensorboard: bool = False
+    """Write every metrics.jsonl scalar to <run.out_dir>/tb (needs the tensorboard package)."""
+    flight_recorder: int = 2000
+    """Collectives and point-to-point operations each rank remembers for a hang report
+    (<run.out_dir>/debug/rank_R.json, written on a timeout or SIGUSR2); 0 turns it off."""
+
+
+@dataclass
 class RunConfig:
     out_dir: str = "runs/default"
     """Where metrics.jsonl, the resolved config and (by default) checkpoints go."""
@@ -178,6 +199,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -403,6 +425,46 @@ def check_values(cfg: Config) -> None:
         m.arch != "gpt2" or m.n_kv_head in (None, m.n_head),
         f"model.n_kv_head: gpt2 uses n_kv_head = n_head = {m.n_head}; got {m.n_kv_head}",
     )
+    o = cfg.observe
+    _require(o.straggler_ratio > 1, f"observe.straggler_ratio: {o.straggler_ratio} must be > 1")
+    _require(o.flight_recorder >= 0, f"observe.flight_recorder: {o.flight_recorder} must be >= 0")
+    profile_steps(cfg)
+    profile_ranks(cfg)
+
+
+def profile_steps(cfg: Config) -> tuple[int, int] | None:
+    """observe.profile_steps as (first, last) step, both included; None when unset."""
+    spec = cfg.observe.profile_steps
+    if spec is None:
+        return None
+    first, _, last = str(spec).partition(":")
+    try:
+        steps = (int(first), int(last or first))
+    except ValueError:
+        steps = (0, 0)
+    _require(
+        1 <= steps[0] <= steps[1],
+        f'observe.profile_steps: {spec!r} is not valid; expected "A:B" with 1 <= A <= B '
+        '(steps, both included), e.g. "5:7"',
+    )
+    return steps
+
+
+def profile_ranks(cfg: Config) -> frozenset[int] | None:
+    """observe.profile_ranks as a set of global ranks; None for all."""
+    spec = str(cfg.observe.profile_ranks).strip()
+    if spec == "all":
+        return None
+    try:
+        ranks = frozenset(int(part) for part in spec.split(","))
+    except ValueError:
+        ranks = frozenset([-1])
+    _require(
+        all(r >= 0 for r in ranks),
+        f"observe.profile_ranks: {spec!r} is not valid; expected all, or comma-separated "
+        'global ranks such as "0,3"',
+    )
+    return ranks
 
 
 # --------------------------------------------------------------------------------------------

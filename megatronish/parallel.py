@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatronish import comm
 from megatronish.context.ring import Ring
+from megatronish.observe import record
 
 
 def layout_rank(
@@ -124,26 +125,36 @@ class ParallelState:
         def at(t: int, d: int, p: int, c: int) -> int:
             return layout_rank(t, d, p, tp, dp, c, cp)
 
-        def build(rank_lists: list[list[int]]):
+        def build(kind: str, rank_lists: list[list[int]]):
+            """Every rank list's group (collectively); this rank's, named for the recorder."""
             mine = None
             for ranks in rank_lists:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine = (group, tuple(ranks))
+                    record.name_group(group, kind, ranks)
             return mine if mine is not None else (None, ())
 
         T, C, D, P = range(tp), range(cp), range(dp), range(pp)
-        tp_group, tp_ranks = build([[at(t, d, p, c) for t in T] for p in P for d in D for c in C])
-        dp_group, _ = build([[at(t, d, p, c) for d in D] for p in P for c in C for t in T])
+        tp_group, tp_ranks = build(
+            "tp", [[at(t, d, p, c) for t in T] for p in P for d in D for c in C]
+        )
+        dp_group, _ = build("dp", [[at(t, d, p, c) for d in D] for p in P for c in C for t in T])
         cp_group, dp_cp_group = None, dp_group
         if cp > 1:
-            cp_group, _ = build([[at(t, d, p, c) for c in C] for p in P for d in D for t in T])
-            dp_cp_group, _ = build([[at(t, d, p, c) for d in D for c in C] for p in P for t in T])
+            cp_group, _ = build(
+                "cp", [[at(t, d, p, c) for c in C] for p in P for d in D for t in T]
+            )
+            dp_cp_group, _ = build(
+                "dp", [[at(t, d, p, c) for d in D for c in C] for p in P for t in T]
+            )
         pp_group = embedding_group = None
         if pp > 1:
-            pp_group, _ = build([[at(t, d, p, c) for p in P] for d in D for c in C for t in T])
+            pp_group, _ = build(
+                "pp", [[at(t, d, p, c) for p in P] for d in D for c in C for t in T]
+            )
             embedding_group, _ = build(
-                [[at(t, d, 0, c), at(t, d, pp - 1, c)] for d in D for c in C for t in T]
+                "pp", [[at(t, d, 0, c), at(t, d, pp - 1, c)] for d in D for c in C for t in T]
             )
         return cls(
             world_size=world,

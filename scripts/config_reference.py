@@ -18,6 +18,7 @@ SECTIONS = {
     "DataConfig": "data",
     "CheckpointConfig": "checkpoint",
     "KernelsConfig": "kernels",
+    "ObserveConfig": "observe",
     "RunConfig": "run",
 }
 
