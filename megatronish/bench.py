@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatronish import comm
 from megatronish.config import Config, Derived, load_config, world_size_of
 from megatronish.errors import UserError
+from megatronish.observe.phases import current_rss, peak_memory
 
 FP32_BYTES = 4
 FP64_BYTES = 8
@@ -393,11 +394,53 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
     ]
 
 
+def memory_line(record: dict) -> str:
+    """Measured peak memory next to plan's estimate."""
+    above = record["peak_memory_above_start_gb"]
+    return (
+        f"peak memory per rank (max over ranks): {record['peak_memory_gb'] * 1024:.1f} MiB, "
+        f"{above * 1024:.1f} MiB above the process before the model was built; plan's "
+        f"estimate {record['plan_memory_gb'] * 1024:.1f} MiB "
+        f"(measured above start / plan = {above / record['plan_memory_gb']:.2f})"
+    )
+
+
 def _sent_line(what: str, sent: float, formula: float, calls: str = "") -> str:
     verdict = "matches" if abs(sent - formula) <= 1e-9 * max(1.0, formula) else "DIFFERS"
     return (
         f"{what}: {_format_bytes(sent)}{calls}; analytic count {_format_bytes(formula)} ({verdict})"
     )
+
+
+def memory_record(cfg: Config, derived: Derived, ps, rss_before: float) -> dict:
+    """Peak memory per rank, the max over the ranks (every rank calls this), next to plan's
+    estimate for the same layout. On CPU the peak is the resident set size, which also holds
+    the interpreter and torch's libraries: `peak_memory_above_start_gb` leaves out what the
+    process held before it built the model."""
+    import dataclasses
+
+    from megatronish.metrics import peak_flops
+    from megatronish.plan import estimate
+
+    peak, reserved = peak_memory(ps.device)
+    above = peak - rss_before if ps.device.type == "cpu" else peak
+    mine = torch.tensor([peak, reserved, above], dtype=torch.float64, device=ps.device)
+    if ps.world_size > 1:
+        comm.all_reduce(mine, None, op=dist.ReduceOp.MAX)
+    sized = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, vocab_size=derived.vocab_size)
+    )
+    plan = estimate(
+        sized, derived.world_size, derived.tp, peak_flops(ps.device)[0], derived.pp, derived.cp,
+        sequence_parallel=cfg.parallel.sequence_parallel, zero=cfg.optim.zero,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+    )  # fmt: skip
+    return {
+        "peak_memory_gb": float(mine[0]) / 2**30,
+        "peak_reserved_gb": float(mine[1]) / 2**30,
+        "peak_memory_above_start_gb": float(mine[2]) / 2**30,
+        "plan_memory_gb": plan.total_gb,
+    }
 
 
 def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
@@ -407,11 +450,13 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
 
     s = setup(cfg)
     try:
+        before = current_rss()
         trainer = Trainer(s)
         result = time_steps(trainer, steps, warmup)
         record = report(cfg, s.derived, result, steps, warmup)
+        record.update(memory_record(cfg, s.derived, s.ps, before))
         if s.ps.is_main:
-            for line in summary_lines(cfg, s.derived, record):
+            for line in [*summary_lines(cfg, s.derived, record), memory_line(record)]:
                 print(line)
             print(json.dumps(record), flush=True)
         return record

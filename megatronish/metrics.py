@@ -89,25 +89,35 @@ def measured_matmul_flops(device: torch.device, size: int | None = None, trials:
 
 
 class MetricsWriter:
-    """Appends one JSON object a line to <out_dir>/metrics.jsonl (rank 0 only)."""
+    """Appends one JSON object a line to <out_dir>/metrics.jsonl (rank 0 only), and with
+    tensorboard its scalars to <out_dir>/tb."""
 
-    def __init__(self, out_dir: Path, enabled: bool, append: bool = False):
+    def __init__(self, out_dir: Path, enabled: bool, append: bool = False, tensorboard=False):
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
-        self._file = None
+        self._file = self._tensorboard = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a" if append else "w")
+            if tensorboard:
+                from megatronish.observe.tensorboard import TensorBoardWriter
+
+                self._tensorboard = TensorBoardWriter(out_dir)
 
     def write(self, record: dict) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.write(record)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 def parameter_count(cfg: Config, derived: Derived) -> int:

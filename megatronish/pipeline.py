@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megatronish import comm
+from megatronish.observe.phases import PhaseTimer
 from megatronish.parallel import ParallelState
 
 
@@ -79,9 +80,17 @@ class Pipeline:
     micro-batch losses there (and zero on other stages)."""
 
     def __init__(
-        self, model, ps: ParallelState, schedule: str, seq_len: int, measure_memory: bool = False
+        self,
+        model,
+        ps: ParallelState,
+        schedule: str,
+        seq_len: int,
+        measure_memory: bool = False,
+        timer: PhaseTimer | None = None,
     ):
         self.model, self.ps, self.schedule, self.seq_len = model, ps, schedule, seq_len
+        # The run's phase timer: forward, backward, and the waits for neighbours as "bubble".
+        self.timer = timer if timer is not None else PhaseTimer(False, ps.device)
         self.prev = ps.global_rank(ps.tp_rank, ps.dp_rank, ps.pp_rank - 1)
         self.next = ps.global_rank(ps.tp_rank, ps.dp_rank, ps.pp_rank + 1)
         self.meter = SavedTensorMeter(model.parameters()) if measure_memory else None
@@ -95,7 +104,8 @@ class Pipeline:
 
     def _exchange(self, sends, recvs) -> None:
         start = time.perf_counter()
-        comm.exchange(sends, recvs)
+        with self.timer.phase("bubble"):
+            comm.exchange(sends, recvs)
         self.stats.wait_s += time.perf_counter() - start
 
     def _recv_forward(self, micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -145,7 +155,7 @@ class Pipeline:
         loss scaled by `scale` on the last stage (its unscaled value added to the loss sum)."""
         start = time.perf_counter()
         saving = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
-        with saving, autocast():
+        with self.timer.phase("forward"), saving, autocast():
             output = self.model.stage_forward(inputs)
             if self.ps.is_last_stage:
                 loss = self.model.loss_of_logits(output, micro[1])
@@ -159,7 +169,8 @@ class Pipeline:
         """Backward of one micro-batch through this stage; the gradient of its input (None on
         the first stage)."""
         start = time.perf_counter()
-        torch.autograd.backward(output, grad_tensors=grad)
+        with self.timer.phase("backward"):
+            torch.autograd.backward(output, grad_tensors=grad)
         self.stats.compute_s += time.perf_counter() - start
         return None if self.ps.is_first_stage else inputs.grad
 

@@ -27,6 +27,8 @@ from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, res
 from megatronish.errors import RunFailure, UserError
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
+from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
+from megatronish.observe.tensorboard import check_available as check_tensorboard
 from megatronish.optim import Optimizer, clip_grad_norm, lr_at, reduce_gradients
 from megatronish.parallel import (
     ParallelState,
@@ -69,6 +71,8 @@ def setup(cfg: Config) -> Setup:
         )
     derived = derive(cfg, world, vocab_size=data_vocab)
     ops.check_backend(cfg.kernels.backend, default_device())
+    if cfg.observe.tensorboard:
+        check_tensorboard()
     ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp)
     return Setup(cfg, derived, ps, dataset_dir)
 
@@ -124,8 +128,14 @@ class Trainer:
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(s.cfg.train.seed)
         self.model = GPT(s.cfg, s.derived, s.ps)
+        # Phase times of every step on this rank (observe.phase_times).
+        self.timer = PhaseTimer(s.cfg.observe.phase_times, s.ps.device)
+        self.observed = False  # whether a logged window has been observed yet
         self.pipeline = (
-            Pipeline(self.model, s.ps, s.cfg.parallel.pp_schedule, s.cfg.train.seq_len)
+            Pipeline(
+                self.model, s.ps, s.cfg.parallel.pp_schedule, s.cfg.train.seq_len,
+                timer=self.timer,
+            )  # fmt: skip
             if s.derived.pp > 1
             else None
         )
@@ -145,33 +155,41 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step attempt over the next global batch. Its update is skipped on every
         rank when the loss or gradient norm is not finite on any; the step counts either way."""
-        loss, grad_norm = self.compute_gradients()
-        asked = self.stop_signals.requested is not None
-        verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps)
-        if not verdict.skip:
-            self.optimizer.step(lr_at(self.step + 1, self.cfg))
-        self.optimizer.zero_grad()
+        with self.timer.step():
+            loss, grad_norm = self.compute_gradients()
+            asked = self.stop_signals.requested is not None
+            with self.timer.phase("grad_sync"):
+                verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps)
+            with self.timer.phase("optimizer"):
+                if not verdict.skip:
+                    self.optimizer.step(lr_at(self.step + 1, self.cfg))
+                self.optimizer.zero_grad()
         self.step += 1
         return StepResult(loss, grad_norm, verdict)
 
     def compute_gradients(self) -> tuple[float, float]:
         """Forward and backward over the next global batch, gradients reduced and clipped:
         (loss mean over the global batch, global gradient norm before clipping)."""
-        inputs, targets = self.next_batch(self.loader)  # [accum, micro, seq / cp] each
+        timer = self.timer
+        with timer.phase("data"):
+            inputs, targets = self.next_batch(self.loader)  # [accum, micro, seq / cp] each
         accum = inputs.shape[0]
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(inputs, targets, 1.0 / accum, self.autocast)
         else:
             loss_sum = torch.zeros((), device=self.ps.device)
             for micro_inputs, micro_targets in zip(inputs, targets):
-                with self.autocast():
+                with timer.phase("forward"), self.autocast():
                     loss = self.model.loss(micro_inputs, micro_targets)
-                (loss / accum).backward()
+                with timer.phase("backward"):
+                    (loss / accum).backward()
                 loss_sum += loss.detach()
-        params = self.optimizer.params
-        reduce_gradients(params, self.ps)
-        grad_norm = clip_grad_norm(params, self.cfg.train.grad_clip, self.ps)
-        return mean_loss(loss_sum / accum, self.ps), grad_norm
+        with timer.phase("grad_sync"):
+            params = self.optimizer.params
+            reduce_gradients(params, self.ps)
+            grad_norm = clip_grad_norm(params, self.cfg.train.grad_clip, self.ps)
+            loss = mean_loss(loss_sum / accum, self.ps)
+        return loss, grad_norm
 
     def next_batch(self, loader: BatchLoader) -> tuple[torch.Tensor, torch.Tensor]:
         """The next global batch's inputs and targets for this rank, [accum, micro, seq / cp]
@@ -221,7 +239,9 @@ class Trainer:
         resumed = self.resumed_from is not None
         if resumed and ps.is_main:
             checkpoints.trim_metrics(self.out_dir, self.step)
-        metrics = MetricsWriter(self.out_dir, enabled=ps.is_main, append=resumed)
+        metrics = MetricsWriter(
+            self.out_dir, enabled=ps.is_main, append=resumed, tensorboard=cfg.observe.tensorboard
+        )
         bar = tqdm(
             total=cfg.train.steps, initial=self.step, disable=not ps.is_main,
             desc="train", unit="step", dynamic_ncols=True,
@@ -248,11 +268,15 @@ class Trainer:
                         "mfu": self.flops_per_step / step_time / (self.peak * ps.world_size),
                         "step_time_s": step_time,
                     }
+                    last.update(self.observe_step())
                     metrics.write(last)
-                    bar.set_postfix(
+                    postfix = dict(
                         loss=f"{result.loss:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
                         mfu=f"{100 * last['mfu']:.1f}%",
                     )  # fmt: skip
+                    if "peak_memory_gb" in last:
+                        postfix["mem"] = f"{last['peak_memory_gb']:.2f}GB"
+                    bar.set_postfix(**postfix)
                     window_start, window_steps = time.perf_counter(), 0
                 bar.update(1)
                 every = cfg.train.eval_every
@@ -275,6 +299,22 @@ class Trainer:
         if stopped and ps.is_main:
             self.report_stop()
         return last
+
+    def observe_step(self) -> dict:
+        """On a logged step: the phase times and peak memory of every rank since the last one,
+        gathered (every rank calls this), as metrics fields; rank 0 names a straggler. The
+        first logged window of a process, which pays one-time start-up costs (first kernels,
+        first connections) unevenly, names none."""
+        rows = gather_rows(self.timer.take(), self.ps.world_size, self.ps.device)
+        if rows is None:
+            return {}
+        ratio = self.cfg.observe.straggler_ratio
+        summary = summarize(rows, ratio)
+        if not self.observed:
+            summary["straggler"], self.observed = None, True
+        if summary["straggler"] is not None and self.ps.is_main:
+            tqdm.write(straggler_line(self.step, summary, ratio))
+        return summary
 
     def report_stop(self) -> None:
         """The line rank 0 prints when the run stopped early because a rank was asked to."""
