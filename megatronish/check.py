@@ -18,6 +18,10 @@ def check_config(cfg: Config, world_size: int | None) -> str:
     if world_size is not None and world_size < 1:
         raise UserError(f"--world-size {world_size}: must be >= 1")
     ops.check_backend(cfg.kernels.backend, default_device())
+    if cfg.observe.tensorboard:
+        from megatronish.observe.tensorboard import check_available
+
+        check_available()
     if world_size is None:
         world_size = world_size_of(cfg)
     if cfg.data.path is not None:

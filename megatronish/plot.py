@@ -1,4 +1,5 @@
-"""`megatronish plot`: loss, learning rate and throughput curves from a run's metrics.jsonl."""
+"""`megatronish plot`: loss, learning rate and throughput curves from a run's metrics.jsonl, and
+(when the run recorded phase times) the ranks' phase times and peak memory."""
 
 from __future__ import annotations
 
@@ -30,8 +31,13 @@ def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
+PHASE_CURVES = ("forward_s", "backward_s", "bubble_s", "grad_sync_s", "optimizer_s", "compute_s")
+
+
 def plot_run(run_dir: str, output: str | None) -> Path:
-    """Writes a PNG with three panels (loss and val_loss, lr, tokens/s) and returns its path."""
+    """Writes a PNG with three panels (loss and val_loss, lr, tokens/s), and two more when the
+    run has phase times: each phase's median over the ranks with the band from the fastest to
+    the slowest rank, and peak memory (the largest rank's and the median); returns its path."""
     try:
         import matplotlib
 
@@ -42,7 +48,10 @@ def plot_run(run_dir: str, output: str | None) -> Path:
     train, evals = read_run(Path(run_dir))
     out = Path(output) if output else Path(run_dir) / "curves.png"
     steps = [r["step"] for r in train]
-    fig, (ax_loss, ax_lr, ax_tps) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    observed = [r for r in train if "phases" in r]
+    panels = 5 if observed else 3
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3 * panels), sharex=True)
+    ax_loss, ax_lr, ax_tps = axes[:3]
     ax_loss.plot(steps, [r["loss"] for r in train], label="train loss")
     if evals:
         ax_loss.plot(
@@ -54,7 +63,9 @@ def plot_run(run_dir: str, output: str | None) -> Path:
     ax_lr.set_ylabel("learning rate")
     ax_tps.plot(steps, [r.get("tokens_per_s", float("nan")) for r in train])
     ax_tps.set_ylabel("tokens / s")
-    ax_tps.set_xlabel("step")
+    if observed:
+        _phase_panels(axes[3], axes[4], observed)
+    axes[-1].set_xlabel("step")
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     tmp = out.with_name(out.name + ".tmp.png")
@@ -62,3 +73,23 @@ def plot_run(run_dir: str, output: str | None) -> Path:
     plt.close(fig)
     tmp.replace(out)
     return out
+
+
+def _phase_panels(ax_time, ax_memory, records: list[dict]) -> None:
+    steps = [r["step"] for r in records]
+    for name in PHASE_CURVES:
+        stats = [r["phases"].get(name) for r in records]
+        if not all(stats) or max(s["max"] for s in stats) == 0:
+            continue
+        line = ax_time.plot(steps, [s["median"] for s in stats], label=name.removesuffix("_s"))
+        ax_time.fill_between(
+            steps, [s["min"] for s in stats], [s["max"] for s in stats],
+            color=line[0].get_color(), alpha=0.2,
+        )  # fmt: skip
+    ax_time.set_ylabel("s per step (ranks:\nmedian, min-max)")
+    ax_time.legend(fontsize="small", ncol=3)
+    memory = [r["phases"]["peak_memory"] for r in records]
+    ax_memory.plot(steps, [m["max"] / 2**30 for m in memory], label="largest rank")
+    ax_memory.plot(steps, [m["median"] / 2**30 for m in memory], label="median rank")
+    ax_memory.set_ylabel("peak memory GiB")
+    ax_memory.legend(fontsize="small")

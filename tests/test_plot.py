@@ -22,3 +22,22 @@ def test_plot_of_a_directory_without_metrics_exits_2(tmp_path):
     result = invoke_cli("plot", str(tmp_path))
     assert result.returncode == 2 and "metrics.jsonl does not exist" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_plot_adds_phase_time_and_memory_panels_when_the_run_recorded_them(tmp_path):
+    from PIL import Image
+
+    from megatronish.observe.phases import FIELDS
+
+    def stats(value):
+        return {"min": value, "median": value, "max": 2 * value, "max_rank": 1}
+
+    phases = {(n if n.startswith("peak") else f"{n}_s"): stats(0.1) for n in FIELDS}
+    lines = [
+        {"step": s, "loss": 5 - s / 10, "lr": 1e-3, "tokens_per_s": 1000.0, "phases": phases}
+        for s in range(1, 6)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = invoke_cli("plot", str(tmp_path), "--output", str(tmp_path / "c.png"))
+    assert result.returncode == 0, result.stderr
+    assert Image.open(tmp_path / "c.png").size[1] == 1500  # five panels of 3 inches at 100 dpi
