@@ -116,3 +116,20 @@ def dataset_dir(tmp_path: Path) -> str:
     source = tmp_path / "src.py"
     source.write_text("".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(400)))
     return str(prepare_dataset([str(source)], str(tmp_path / "ds"), val_fraction=0.0))
+
+
+def test_tensorboard_without_the_package_exits_2_with_one_line(monkeypatch):
+    import importlib.util
+
+    from tests.conftest import CONFIGS, invoke_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name)
+    )
+    result = invoke_cli(
+        "check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "observe.tensorboard=true"
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "observe.tensorboard" in lines[0] and "pip install" in lines[0]

@@ -51,7 +51,10 @@ class StepProfiler:
     after it, every step, and close() once at the end. Recording starts at the first step of the
     range it sees (a run resumed inside the range records the rest of it) and the trace is
     written when the last one ends, or at close() if the run stops before it. On any other rank,
-    or without profile_steps, every call returns at once."""
+    or without profile_steps, every call returns at once.
+
+    Starting the profiler takes a moment, longer on some ranks than on others, so the first
+    traced step's first collectives also hold the wait for the slowest rank to start."""
 
     def __init__(self, cfg: Config, rank: int, device: torch.device):
         steps, ranks = profile_steps(cfg), profile_ranks(cfg)

@@ -52,8 +52,10 @@ def merge_traces(run_dir: str | Path, output: str | Path | None = None) -> tuple
     _align(traces)
     merged = []
     for rank, trace in traces.items():
-        merged += _rank_events(rank, len(traces), trace["traceEvents"])
+        merged += _rank_events(rank, max(traces) + 1, trace["traceEvents"])
     out = Path(output) if output else directory / "merged.json"
+    if not out.parent.is_dir():
+        raise UserError(f"{out}: its directory does not exist")
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"traceEvents": merged, "displayTimeUnit": "ms"}))
     os.replace(tmp, out)
@@ -100,14 +102,14 @@ def _first_step_start(events: list) -> float | None:
     return min(steps, key=lambda e: (int(e["name"].split()[1]), e["ts"]))["ts"]
 
 
-def _rank_events(rank: int, world: int, events: list) -> list[dict]:
+def _rank_events(rank: int, ranks: int, events: list) -> list[dict]:
     """events as process `rank` of the merged trace: its own name and sort index, and flow ids
-    made unique among the ranks."""
+    made unique among ranks 0 to ranks - 1."""
+    names = {"process_name": {"name": f"rank {rank}"}, "process_sort_index": {"sort_index": rank}}
     out = [
         {"ph": "M", "name": name, "pid": rank, "tid": 0, "args": args}
-        for name, args in (("process_name", {"name": f"rank {rank}"}),
-                           ("process_sort_index", {"sort_index": rank}))
-    ]  # fmt: skip
+        for name, args in names.items()
+    ]
     for event in events:
         if not isinstance(event, dict):
             continue
@@ -115,7 +117,7 @@ def _rank_events(rank: int, world: int, events: list) -> list[dict]:
             continue
         event = dict(event, pid=rank)
         if isinstance(event.get("id"), int):
-            event["id"] = event["id"] * world + rank
+            event["id"] = event["id"] * ranks + rank
         out.append(event)
     return out
 
