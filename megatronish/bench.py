@@ -449,6 +449,7 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     from megatronish.trainer import Trainer, setup
 
     s = setup(cfg)
+    trainer = None
     try:
         before = current_rss()
         trainer = Trainer(s)
@@ -461,6 +462,8 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
             print(json.dumps(record), flush=True)
         return record
     finally:
+        if trainer is not None:
+            trainer.profiler.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

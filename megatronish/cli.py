@@ -179,6 +179,22 @@ def plot(run_dir, output):
     click.echo(plot_run(run_dir, output))
 
 
+@cli.command()
+@click.argument("run_dir")
+@click.option(
+    "--output", default=None, help="Merged trace to write (default: RUN_DIR/traces/merged.json)."
+)
+@user_errors
+def trace(run_dir, output):
+    """Merge the ranks' profiler traces into one trace (a process per rank) and print compute,
+    exposed communication and bubble per rank."""
+    from megatronish.observe.trace import merge_traces
+
+    text, status = merge_traces(run_dir, output)
+    click.echo(text)
+    sys.exit(status)
+
+
 checkpoint_option = click.option(
     "--checkpoint", "checkpoint_path", required=True,
     help="A checkpoint: a step directory, or a checkpoint.dir (its newest complete checkpoint).",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish import shm
+from megatronish.observe.profile import comm_range
 from megatronish.observe.record import RECORDER, Timed
 from megatronish.shm import SharedMemoryGroup
 
@@ -141,7 +142,8 @@ def all_reduce(
         return None
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
     entry = RECORDER.begin("all_reduce", group, tensor)
-    work = _all_reduce(tensor, group, op, async_op)
+    with comm_range("all_reduce", entry[2]):
+        work = _all_reduce(tensor, group, op, async_op)
     if async_op:
         return Timed(work, entry)
     RECORDER.end(entry, entry[5])
@@ -158,7 +160,8 @@ def all_reduce_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
         return
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
     entry = RECORDER.begin("all_reduce", group, tensor)
-    _all_reduce_into(output, tensor, group)
+    with comm_range("all_reduce", entry[2]):
+        _all_reduce_into(output, tensor, group)
     RECORDER.end(entry, entry[5])
 
 
@@ -171,10 +174,11 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
     _record("all_gather", _nbytes(output), (n - 1) / n)
     entry = RECORDER.begin("all_gather", group, tensor)
     shared = _SHARED.get(group)
-    if shared is not None and shared.fits(tensor) and output.is_contiguous():
-        shared.all_gather_into(output, tensor.contiguous())
-    else:
-        dist.all_gather_into_tensor(output, tensor.contiguous(), group=group)
+    with comm_range("all_gather", entry[2]):
+        if shared is not None and shared.fits(tensor) and output.is_contiguous():
+            shared.all_gather_into(output, tensor.contiguous())
+        else:
+            dist.all_gather_into_tensor(output, tensor.contiguous(), group=group)
     RECORDER.end(entry, entry[5])
 
 
@@ -188,13 +192,14 @@ def reduce_scatter_into(
         return
     _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
     entry = RECORDER.begin("reduce_scatter", group, tensor)
-    if dist.get_backend(group) == "gloo":
-        # gloo has no reduce_scatter_tensor: all-reduce then keep the local block (same result).
-        full = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        _all_reduce_into(full, tensor.contiguous(), group)
-        output.copy_(full.chunk(n, dim=0)[group_rank(group)])
-    else:
-        dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)
+    with comm_range("reduce_scatter", entry[2]):
+        if dist.get_backend(group) == "gloo":
+            # gloo has no reduce_scatter_tensor: all-reduce then keep the local block.
+            full = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            _all_reduce_into(full, tensor.contiguous(), group)
+            output.copy_(full.chunk(n, dim=0)[group_rank(group)])
+        else:
+            dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)
     RECORDER.end(entry, entry[5])
 
 
@@ -205,7 +210,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
         return
     _record("broadcast", _nbytes(tensor), (n - 1) / n)
     entry = RECORDER.begin("broadcast", group, tensor)
-    dist.broadcast(tensor, src=src, group=group)
+    with comm_range("broadcast", entry[2]):
+        dist.broadcast(tensor, src=src, group=group)
     RECORDER.end(entry, entry[5])
 
 
@@ -226,7 +232,9 @@ def start_exchange(
         _record(kind, _nbytes(tensor), 1.0)
     first = (sends or recvs)[0][0]
     entry = RECORDER.begin("cp_ring" if kind == "cp_ring" else "p2p", group, first)
-    return Timed(_Works(dist.batch_isend_irecv(ops)), entry)
+    with comm_range(entry[1], entry[2]):
+        works = dist.batch_isend_irecv(ops)
+    return Timed(_Works(works), entry)
 
 
 class _Works:
@@ -258,7 +266,9 @@ def ring_shift(
     if shared is not None and shared.fits(tensor) and out.is_contiguous():
         _record(kind, _nbytes(tensor), 1.0)
         entry = RECORDER.begin("cp_ring" if kind == "cp_ring" else "p2p", group, tensor)
-        return Timed(shared.shift(tensor.contiguous(), out), entry)
+        with comm_range(entry[1], entry[2]):
+            pending = shared.shift(tensor.contiguous(), out)
+        return Timed(pending, entry)
     return start_exchange([(tensor, next_rank)], [(out, prev_rank)], group, kind, tag)
 
 

@@ -80,16 +80,20 @@ def _invalid(report) -> str | None:
         return "rank or time is not a number"
     if not isinstance(report["entries"], list) or not isinstance(report["stacks"], list):
         return "entries or stacks is not a list"
+    if not all(isinstance(s, dict) for s in report["stacks"]):
+        return "a stack is not an object"
     for entry in report["entries"]:
         if not isinstance(entry, dict) or any(k not in entry for k in _ENTRY_KEYS):
             return f"an entry lacks one of {', '.join(_ENTRY_KEYS)}"
-        if not isinstance(entry["seq"], int) or not isinstance(entry["start"], (int, float)):
-            return "an entry's seq or start is not a number"
+        types = ((entry["seq"], int), (entry["start"], (int, float)), (entry["group"], str),
+                 (entry["op"], str))  # fmt: skip
+        if not all(isinstance(value, t) for value, t in types):
+            return f"an entry's seq, start, group or op has the wrong type: {entry}"
     return None
 
 
 def rank_list(ranks) -> str:
-    """ "rank 3", or "ranks 0-2, 5": the ranks sorted, runs compressed."""
+    """The ranks sorted, runs of consecutive ranks compressed: "rank 3", "ranks 0-2, 5"."""
     ranks = sorted(set(ranks))
     runs: list[list[int]] = []
     for r in ranks:
@@ -149,9 +153,8 @@ def _hangs(dumps: dict[int, dict], world_size: int | None) -> list[_Hang]:
                 flights = by_seq[seq]
                 start = min(e["start"] for _, e in flights)
                 waited = max(dumps[r]["time"] - e["start"] for r, e in flights)
-                waiters = [r for r, _ in flights]
-                hangs.append(_Hang(group, seq, flights[0][1]["op"], waiters, missing, start,
-                                   waited))  # fmt: skip
+                waiters, op = [r for r, _ in flights], flights[0][1]["op"]
+                hangs.append(_Hang(group, seq, op, waiters, missing, start, waited))
                 break
     return hangs
 
@@ -182,13 +185,15 @@ def _no_missing_rank(dumps: dict[int, dict]) -> list[str]:
     waited = dumps[rank]["time"] - oldest["start"]
     if _is_p2p(oldest):
         waiters = sorted({r for _, r, e in flights if _is_p2p(e)})
-        head = (f"{_verb(waiters, 'waits', 'wait')} in point-to-point {oldest['op']} (in flight "
-                f"{waited:.1f} s; the peer is not recorded) and no collective misses a rank")  # fmt: skip
+        head = f"{_verb(waiters, 'waits', 'wait')} in point-to-point {oldest['op']} "
+        head += (
+            f"(in flight {waited:.1f} s; the peer is not recorded) and no collective misses a rank"
+        )
     else:
         same = (oldest["group"], oldest["seq"])
         waiters = sorted({r for _, r, e in flights if (e["group"], e["seq"]) == same})
-        head = (f"no rank is missing from {oldest['op']} #{oldest['seq']} on {oldest['group']}: "
-                f"{_verb(waiters, 'waits', 'wait')} there (in flight {waited:.1f} s)")  # fmt: skip
+        head = f"no rank is missing from {oldest['op']} #{oldest['seq']} on {oldest['group']}: "
+        head += f"{_verb(waiters, 'waits', 'wait')} there (in flight {waited:.1f} s)"
     return [f"{head}; rank {rank}'s stack:", *_stack(dumps[rank])]
 
 

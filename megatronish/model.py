@@ -35,6 +35,7 @@ from megatronish.layers.linear import (
     mark_parallel,
     to_autocast_dtype,
 )
+from megatronish.observe.profile import annotate
 from megatronish.ops import reference
 from megatronish.parallel import ParallelState, RNGTracker
 
@@ -322,13 +323,21 @@ class GPT(nn.Module):
     def stage_forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """One pipeline stage: tokens (first stage) or the previous stage's hidden states ->
         hidden states for the next stage, or this rank's logits on the last stage."""
-        x = self.embed(inputs) if self.is_first_stage else inputs
-        for block in self.blocks.values():
-            if self.full_checkpoint and self.training:
-                x = checkpoint(block, self.tracker, x)
-            else:
-                x = block(x)
-        return self.logits(self.norm_f(x)) if self.is_last_stage else x
+        if self.is_first_stage:
+            with annotate("embed"):
+                x = self.embed(inputs)
+        else:
+            x = inputs
+        for name, block in self.blocks.items():  # names are the global layer indices
+            with annotate(f"block {name}"):
+                if self.full_checkpoint and self.training:
+                    x = checkpoint(block, self.tracker, x)
+                else:
+                    x = block(x)
+        if not self.is_last_stage:
+            return x
+        with annotate("logits"):
+            return self.logits(self.norm_f(x))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.derived.pp > 1:
@@ -349,7 +358,8 @@ class GPT(nn.Module):
         the whole sequences' (summed over the cp group) and the value is scaled by cp, so the
         mean over the cp group of this loss (and of its gradients) is the full sequences'
         mean, however the targets that count fall on the cp ranks."""
-        per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
+        with annotate("loss"):
+            per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
         count = (targets != -100).sum()
         if self.derived.cp > 1:
             count = count.to(torch.float64).reshape(1)

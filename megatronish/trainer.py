@@ -28,6 +28,7 @@ from megatronish.errors import RunFailure, UserError
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
+from megatronish.observe.profile import StepProfiler
 from megatronish.observe.tensorboard import check_available as check_tensorboard
 from megatronish.optim import Optimizer, clip_grad_norm, lr_at, reduce_gradients
 from megatronish.parallel import (
@@ -131,9 +132,13 @@ class Trainer:
         # Phase times of every step on this rank (observe.phase_times).
         self.timer = PhaseTimer(s.cfg.observe.phase_times, s.ps.device)
         self.observed = False  # whether a logged window has been observed yet
+        self.profiler = StepProfiler(s.cfg, s.ps.rank, s.ps.device)
         self.pipeline = (
             Pipeline(
-                self.model, s.ps, s.cfg.parallel.pp_schedule, s.cfg.train.seq_len,
+                self.model,
+                s.ps,
+                s.cfg.parallel.pp_schedule,
+                s.cfg.train.seq_len,
                 timer=self.timer,
             )  # fmt: skip
             if s.derived.pp > 1
@@ -155,6 +160,7 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step attempt over the next global batch. Its update is skipped on every
         rank when the loss or gradient norm is not finite on any; the step counts either way."""
+        self.profiler.begin_step(self.step + 1)
         with self.timer.step():
             loss, grad_norm = self.compute_gradients()
             asked = self.stop_signals.requested is not None
@@ -165,6 +171,7 @@ class Trainer:
                     self.optimizer.step(lr_at(self.step + 1, self.cfg))
                 self.optimizer.zero_grad()
         self.step += 1
+        self.profiler.end_step(self.step)
         return StepResult(loss, grad_norm, verdict)
 
     def compute_gradients(self) -> tuple[float, float]:
@@ -296,6 +303,7 @@ class Trainer:
         finally:
             bar.close()
             metrics.close()
+            self.profiler.close()
         if stopped and ps.is_main:
             self.report_stop()
         return last

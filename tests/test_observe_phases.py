@@ -19,7 +19,7 @@ SLOW_RANK, SLOW_S = 3, 0.02
 STEPS = 6
 
 
-def _slow_run(rank, world, dataset, out_dir):
+def _slow_run(rank, world, dataset, out_dir):  # noqa: F811
     from megatronish import trainer as trainer_module
 
     cfg = make_config(

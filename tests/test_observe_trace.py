@@ -129,3 +129,56 @@ def test_merge_without_readable_traces_exits_2_with_one_line(tmp_path, capsys, l
     assert exited.value.code == 2
     stderr = capsys.readouterr().err
     assert len(stderr.strip().splitlines()) == 1 and str(tmp_path / "traces") in stderr
+
+
+def _profiled_training(rank: int, world_size: int, dataset, out_dir: str) -> None:
+    from tests.test_pipeline import GPT2, make_config, make_trainer
+
+    cfg = make_config(
+        2, 1, 1, GPT2, dataset,
+        ["train.steps=4", "observe.profile_steps=3:4", f"run.out_dir={out_dir}"],
+    )  # fmt: skip
+    make_trainer(cfg, world_size, dataset).run()
+
+
+def test_profiling_steps_3_to_4_of_a_tp2_run_gives_a_trace_per_rank_and_a_merged_table(
+    tmp_path, tp2_dataset
+):
+    from tests.conftest import invoke_cli
+
+    run_on_ranks(_profiled_training, 2, tp2_dataset, str(tmp_path), timeout=120)
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
+        "rank_0.json.gz", "rank_1.json.gz",
+    ]  # fmt: skip
+    result = invoke_cli("trace", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line[:4].strip() in ("0", "1")]
+    computes = []
+    for row in rows[:2]:
+        step, compute, comm_ms, bubble = (float(x) for x in row[1:5])
+        assert compute + comm_ms + bubble == pytest.approx(step, rel=0.1)
+        computes.append(compute)
+    # The two tp ranks do the same work: what one waits for the other is not its compute.
+    assert max(computes) < 1.5 * min(computes), computes
+    merged = json.loads((tmp_path / "traces" / "merged.json").read_text())
+    events = merged["traceEvents"] if isinstance(merged, dict) else merged
+    names = {(e.get("pid"), e.get("name", "")) for e in events}
+    for rank in (0, 1):
+        assert (rank, "step 3") in names and (rank, "step 4") in names
+        assert (rank, "comm:all_reduce:tp[0,1]") in names
+        assert (rank, "block 0") in names and (rank, "loss") in names
+    for rank in (0, 1):
+        breakdown = step_breakdown([e for e in events if e.get("pid") == rank])
+        parts = breakdown["compute"] + breakdown["comm"] + breakdown["bubble"]
+        assert parts == pytest.approx(breakdown["step"], rel=0.1)
+        assert breakdown["comm"] > 0
+
+
+@pytest.fixture(scope="module")
+def tp2_dataset(tmp_path_factory):
+    from megatronish.data import prepare_dataset
+
+    root = tmp_path_factory.mktemp("trace-data")
+    source = root / "src.py"
+    source.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(600)))
+    return prepare_dataset([str(source)], str(root / "ds"), val_fraction=0.0)

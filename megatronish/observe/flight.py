@@ -33,6 +33,7 @@ from megatronish.observe.record import RECORDER
 
 TRIGGER = "DUMP_REQUESTED"
 _IMPORTED = time.time()
+_DUMPING = ("dump", "thread_stacks")  # the frames of a dump in progress
 
 
 def dump(out_dir: str | Path, rank: int, reason: str, world_size: int | None = None) -> Path:
@@ -60,14 +61,14 @@ def dump(out_dir: str | Path, rank: int, reason: str, world_size: int | None = N
 
 def thread_stacks() -> list[dict]:
     """[{"thread": name, "stack": text}] for every thread, the main thread first; the frames of
-    this module at the top of a stack (the dump itself) are left out."""
+    the dump itself are left out."""
     names = {t.ident: t.name for t in threading.enumerate()}
     frames = sys._current_frames()
     main = threading.main_thread().ident
     stacks = []
     for ident in sorted(frames, key=lambda i: i != main):
         summary = traceback.extract_stack(frames[ident])
-        while summary and summary[-1].filename == __file__:
+        while summary and summary[-1].filename == __file__ and summary[-1].name in _DUMPING:
             summary.pop()
         stack = "".join(traceback.format_list(summary))
         stacks.append({"thread": names.get(ident, f"thread {ident}"), "stack": stack})
@@ -152,7 +153,8 @@ class Watchdog:
         return self
 
     def close(self) -> None:
-        """Stops watching and restores SIGUSR2's handler and the wakeup fd; idempotent."""
+        """Stops watching and restores SIGUSR2's handler and the wakeup fd (call it from the
+        thread that called start()); idempotent."""
         self._stop.set()
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")

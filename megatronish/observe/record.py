@@ -99,9 +99,12 @@ class Timed:
     def wait(self) -> bool:
         if self.done:
             return True
+        from megatronish.observe.profile import comm_range
+
         start = time.time()
         if self.work is not None:
-            self.work.wait()
+            with comm_range(self.entry[1], self.entry[2]):
+                self.work.wait()
         self.done = True
         RECORDER.end(self.entry, start)
         return True
