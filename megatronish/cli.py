@@ -181,6 +181,18 @@ def plot(run_dir, output):
 
 @cli.command()
 @click.argument("run_dir")
+def diagnose(run_dir):
+    """Read the ranks' flight-recorder dumps (RUN_DIR/debug/rank_*.json) of a hung or failed
+    run and name the rank the others wait for, the collective, its group and sequence number."""
+    from megatronish.diagnose import diagnose_run
+
+    text, status = diagnose_run(run_dir)
+    click.echo(text, err=status != 0)
+    sys.exit(status)
+
+
+@cli.command()
+@click.argument("run_dir")
 @click.option(
     "--output", default=None, help="Merged trace to write (default: RUN_DIR/traces/merged.json)."
 )

@@ -27,6 +27,7 @@ from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, res
 from megatronish.errors import RunFailure, UserError
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
+from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
 from megatronish.observe.tensorboard import check_available as check_tensorboard
@@ -364,6 +365,9 @@ def train(cfg: Config) -> dict:
     another rank went away raises a one-line RunFailure (only rank 0 prints it): the rank that
     failed first has printed the error."""
     s = setup(cfg)
+    # The flight recorder's watchdog: a hang report in <run.out_dir>/debug on a collective that
+    # does not finish, on SIGUSR2, or when another rank asks (see megatronish diagnose).
+    watchdog = flight.watchdog_for(cfg, s.ps)
     # From here to the end SIGTERM and SIGUSR1 only ask to stop, so a rank that torchrun
     # terminates because another rank failed still gets to say so in one line.
     stop_signals = faults.StopSignals()
@@ -393,5 +397,7 @@ def train(cfg: Config) -> dict:
         ) from exc
     finally:
         stop_signals.restore()
+        if watchdog is not None:
+            watchdog.close()
         if dist.is_initialized():
             dist.destroy_process_group()

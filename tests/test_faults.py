@@ -458,3 +458,31 @@ def test_max_skipped_steps_non_finite_in_a_row_stop_the_run_with_status_1(tmp_pa
     assert all(x["skipped"] == "non-finite loss" for x in lines if "skipped" in x)
     saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert saved == ["step_000001", "step_000002", "step_000003"], "not the step that stopped it"
+
+
+def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_ranks_dump(
+    tmp_path, dataset
+):
+    out = tmp_path / "run"
+    timeout_s = 6.0  # the watchdog reports a collective in flight for half of it, 3 s
+    command = faulty(out, dataset, "train.steps=100000", f"parallel.timeout_s={timeout_s}")
+    with started(command, out, FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="12") as run:
+        run.wait_for_step(2)
+        stalled = time.monotonic()
+        debug = out / "debug"
+        while time.monotonic() - stalled < timeout_s + 10:
+            if all((debug / f"rank_{r}.json").is_file() for r in (0, 1)):
+                break
+            time.sleep(0.2)
+        written = time.monotonic() - stalled
+        assert written <= timeout_s + 10, "every rank's dump within timeout_s + 10 s"
+        run.finish()
+    dump = json.loads((debug / "rank_0.json").read_text())
+    waiting = dump["in_flight"]
+    assert waiting is not None and waiting["group"] == "tp[0,1]"
+    result = subprocess.run([*MEGATRONISH, "diagnose", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first.startswith(f"rank 1 never entered {waiting['op']} #{waiting['seq']} on tp[0,1]")
+    assert "rank 0 wait" in first
+    assert "faulty_rank.py" in result.stdout  # rank 1's stack: where it is blocked

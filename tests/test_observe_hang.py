@@ -122,6 +122,8 @@ def test_watchdog_clears_stale_files_answers_requests_and_restores_sigusr2(tmp_p
         (debug / name).write_text("{}")
         os.utime(debug / name, (1e9, 1e9))  # from a run long ago
     before = signal.getsignal(signal.SIGUSR2)
+    wakeup_fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup_fd)
     watchdog = Watchdog(tmp_path, 0, 2, 30.0, poll_s=0.05).start()
     try:
         assert not (debug / "rank_0.json").exists() and not (debug / TRIGGER).exists()
@@ -137,7 +139,7 @@ def test_watchdog_clears_stale_files_answers_requests_and_restores_sigusr2(tmp_p
     finally:
         watchdog.close()
     assert signal.getsignal(signal.SIGUSR2) is before
-    assert signal.set_wakeup_fd(-1) == -1
+    assert signal.set_wakeup_fd(wakeup_fd) == wakeup_fd
 
 
 def test_watchdog_for_follows_the_config(tmp_path):
