@@ -58,7 +58,7 @@ def main() -> None:
             calls = record["comm_calls_per_step"]
             print(f"round {round_ + 1} {name:>3}: step {record['step_time_s'] * 1e3:.2f} ms")
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    print(f"median step time: on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, on / off {on / off:.3f}")
+    print(f"median step time: on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, on/off {on / off:.3f}")
     pair = bookkeeping_seconds()
     print(
         f"recorder bookkeeping: {pair * 1e6:.2f} us per collective x {calls:.0f} collectives per "
