@@ -131,6 +131,12 @@ class OptimConfig:
     """AdamW beta2."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    bucket_mb: float = 25.0
+    """Size of the gradient-reduction buckets (MB of fp32 gradients), in the reverse order of
+    the parameters."""
+    overlap_grad_reduce: bool = True
+    """Start each bucket's data-parallel reduction during the step's last backward, as soon as
+    its gradients are ready (false: all of them after backward)."""
 
 
 @dataclass
@@ -413,6 +419,7 @@ def check_values(cfg: Config) -> None:
     _require(cfg.checkpoint.every >= 0, f"checkpoint.every: {cfg.checkpoint.every} must be >= 0")
     _require(cfg.checkpoint.keep >= 0, f"checkpoint.keep: {cfg.checkpoint.keep} must be >= 0")
     _require(p.timeout_s > 0, f"parallel.timeout_s: {p.timeout_s} must be > 0")
+    _require(cfg.optim.bucket_mb > 0, f"optim.bucket_mb: {cfg.optim.bucket_mb} must be > 0")
     _require(
         0 < cfg.optim.beta1 < 1 and 0 < cfg.optim.beta2 < 1,
         "optim.beta1 and optim.beta2 must be in (0, 1)",

@@ -25,6 +25,7 @@ from megatronish.config import Config, Derived, check_dataset_vocab, derive, wor
 from megatronish.context import split_batch
 from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
 from megatronish.errors import RunFailure, UserError
+from megatronish.grads import GradBuffer
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
 from megatronish.observe import flight
@@ -146,6 +147,10 @@ class Trainer:
             else None
         )
         self.optimizer = Optimizer(self.model, s.cfg, s.ps)
+        o = s.cfg.optim
+        self.grads = GradBuffer(
+            self.optimizer.params, s.ps, int(o.bucket_mb * 2**20), o.overlap_grad_reduce
+        )
         self.loader = make_loader(s, "train")
         self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
         self.step = 0
@@ -171,6 +176,7 @@ class Trainer:
                 if not verdict.skip:
                     self.optimizer.step(lr_at(self.step + 1, self.cfg))
                 self.optimizer.zero_grad()
+                self.grads.zero()
         self.step += 1
         self.profiler.end_step(self.step)
         return StepResult(loss, grad_norm, verdict)
@@ -182,6 +188,7 @@ class Trainer:
         with timer.phase("data"):
             inputs, targets = self.next_batch(self.loader)  # [accum, micro, seq / cp] each
         accum = inputs.shape[0]
+        self.grads.start_step(accum)
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(inputs, targets, 1.0 / accum, self.autocast)
         else:
@@ -194,7 +201,8 @@ class Trainer:
                 loss_sum += loss.detach()
         with timer.phase("grad_sync"):
             params = self.optimizer.params
-            reduce_gradients(params, self.ps)
+            self.grads.finish()
+            reduce_gradients([p for p in params if not self.grads.holds(p)], self.ps)
             grad_norm = clip_grad_norm(params, self.cfg.train.grad_clip, self.ps)
             loss = mean_loss(loss_sum / accum, self.ps)
         return loss, grad_norm

@@ -1,0 +1,59 @@
+"""Gradient reduction from a contiguous buffer, overlapped with backward: at dp2, dp2 x tp2
+(sequence parallel), dp2 x pp2 (tied embeddings across stages) and with ZeRO-1, the losses
+and gradient norms are bitwise those of the unbuffered reduction (optim.reduce_gradients over
+every gradient), with the overlap on and off, and with buckets small enough that every layer
+has its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_on_ranks
+from tests.test_pipeline import GPT2, LLAMA, SP, dataset, make_config, make_trainer  # noqa: F401
+
+STEPS = 8
+SMALL_BUCKETS = "optim.bucket_mb=0.01"  # 10 kB: many buckets
+TWO = {"gpt2 dp2": (1, 2, 1, GPT2), "llama dp2 zero1": (1, 2, 1, LLAMA + ["optim.zero=1"])}
+FOUR = {"gpt2 dp2 tp2 sp": (2, 2, 1, GPT2 + SP), "gpt2 dp2 pp2": (1, 2, 2, GPT2)}
+WAYS = {
+    "unbuffered": [],
+    "buffer, overlap off": ["optim.overlap_grad_reduce=false", SMALL_BUCKETS],
+    "buffer, overlap on": [SMALL_BUCKETS],
+}
+
+
+def _curves(rank, world, variants, dataset):  # noqa: F811
+    from megatronish.grads import GradBuffer
+
+    out = {}
+    for name, (tp, dp, pp, overrides) in variants.items():
+        for way, sets in WAYS.items():
+            cfg = make_config(tp, dp, pp, overrides + sets, dataset, [f"train.steps={STEPS}"])
+            trainer = make_trainer(cfg, world, dataset)
+            if way == "unbuffered":  # every gradient through optim.reduce_gradients
+                trainer.grads.close()
+                trainer.grads = GradBuffer([], trainer.ps, 1, False)
+            else:
+                assert len(trainer.grads.buckets) > 3
+            steps = [trainer.train_step() for _ in range(STEPS)]
+            out[(name, way)] = [(s.loss, s.grad_norm) for s in steps]
+    return out
+
+
+@pytest.fixture(scope="module")
+def curves(dataset):  # noqa: F811
+    """Per world size, every rank's curves."""
+    return {
+        2: run_on_ranks(_curves, 2, TWO, dataset, timeout=180),
+        4: run_on_ranks(_curves, 4, FOUR, dataset, timeout=180),
+    }
+
+
+@pytest.mark.parametrize("name", [*TWO, *FOUR])
+def test_buffered_reduction_overlapped_or_not_is_bitwise_the_unbuffered_one(name, curves):
+    per_rank = curves[2 if name in TWO else 4]
+    want = per_rank[0][(name, "unbuffered")]
+    assert want[-1][0] < want[0][0]  # it learns
+    for results in per_rank:
+        for way in WAYS:
+            assert results[(name, way)] == want, way
