@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatronish import comm
 from megatronish.config import Config, Derived, load_config, world_size_of
 from megatronish.errors import UserError
-from megatronish.observe.phases import current_rss, peak_memory
+from megatronish.observe.phases import FIELDS, current_rss, peak_memory
 
 FP32_BYTES = 4
 FP64_BYTES = 8
@@ -266,6 +266,8 @@ class BenchResult:
     peak_source: str
     world_size: int
     losses: list[float] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    """This rank's mean phase times and waits per timed step (megatronish.observe.phases)."""
 
     @property
     def step_time_s(self) -> float:
@@ -294,6 +296,7 @@ def time_steps(trainer, steps: int, warmup: int) -> BenchResult:
     _sync(device)
     if dist.is_initialized():
         dist.barrier()
+    trainer.timer.take()  # the timed steps' phases only
     times, losses = [], []
     with comm.CommCounter() as counter:
         for _ in range(steps):
@@ -313,6 +316,7 @@ def time_steps(trainer, steps: int, warmup: int) -> BenchResult:
         peak_source=trainer.peak_source,
         world_size=trainer.ps.world_size,
         losses=losses,
+        phases=dict(zip(FIELDS, trainer.timer.take() or [])),
     )
 
 
@@ -354,6 +358,9 @@ def report(cfg: Config, derived: Derived, result: BenchResult, steps: int, warmu
         "bytes_sent_per_step_formula": formula,
         "cp_ring_bytes_per_step": result.payload_per_step.get("cp_ring", 0.0),
         "cp_ring_bytes_per_step_formula": ring_formula,
+        "exposed_dp_wait_s": result.phases.get("wait_dp", 0.0),
+        "grad_sync_s": result.phases.get("grad_sync", 0.0),
+        "overlap_grad_reduce": cfg.optim.overlap_grad_reduce,
         "comm_calls_per_step": result.calls_per_step,
         "steps": steps,
         "warmup": warmup,
@@ -371,6 +378,7 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
     m, t = cfg.model, cfg.train
     sent, formula = record["bytes_sent_per_step"], record["bytes_sent_per_step_formula"]
     calls = f" in {record['comm_calls_per_step']:.0f} collectives"
+    overlap = "on" if record["overlap_grad_reduce"] else "off"
     lines = [_sent_line("sent per step by rank 0", sent, formula, calls)]
     if derived.cp > 1:
         lines.append(
@@ -391,6 +399,9 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
         f"{record['step_time_max_s']:.4f}); {record['tokens_per_s']:.0f} tokens/s; "
         f"MFU {100 * record['mfu']:.2f}% ({record['peak_source']})",
         *lines,
+        f"rank 0 waits {record['exposed_dp_wait_s'] * 1e3:.2f} ms a step in data-parallel "
+        f"communication (gradient reduction overlap {overlap}); gradient sync phase "
+        f"{record['grad_sync_s'] * 1e3:.2f} ms",
     ]
 
 
@@ -466,6 +477,21 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
             trainer.profiler.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def bench_in_subprocess(
+    config: str, steps: int, sets: list[str], env: dict[str, str] | None = None
+) -> dict:
+    """The JSON record of `megatronish bench --config config --steps steps --set ...` run in a
+    fresh process (for scripts that compare variants side by side)."""
+    import subprocess
+
+    args = [sys.executable, "-m", "megatronish", "bench", "--config", config, "--steps", str(steps)]
+    for item in sets:
+        args += ["--set", item]
+    environ = None if env is None else {**os.environ, **env}
+    result = subprocess.run(args, capture_output=True, text=True, check=True, env=environ)
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _torchrun(args: list[str]) -> int:

@@ -12,23 +12,14 @@ every collective runs even when both are off, and puts it against the collective
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
+from megatronish.bench import bench_in_subprocess as bench
+
 OFF = ["observe.phase_times=false", "observe.flight_recorder=0"]
-
-
-def bench(config: str, steps: int, sets: list[str]) -> dict:
-    args = [sys.executable, "-m", "megatronish", "bench", "--config", config, "--steps", str(steps)]
-    for item in sets:
-        args += ["--set", item]
-    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def bookkeeping_seconds(calls: int = 20000) -> float:
