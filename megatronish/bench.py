@@ -139,9 +139,10 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     collectives are the first stage's, the LM head's and the loss's the last stage's. Per
     micro-batch a stage sends its fp32 hidden states [b, s, h] ([b, s/t, h] under sequence
     parallelism) forward (all but the last stage) and their gradient backward (all but the
-    first), counted as sent once ("p2p"); per step the first and last stage all-reduce the
-    tied embedding's gradient, and the grad-norm partial sum and the loss are all-reduced over
-    the pipeline.
+    first), counted as sent once ("p2p"); with pp_virtual = v it does so for each of its v
+    model chunks (per micro-batch 2 v - 1 sends on the first and the last stage, 2 v on the
+    others); per step the first and last stage all-reduce the tied embedding's gradient, and
+    the grad-norm partial sum and the loss are all-reduced over the pipeline.
 
     Ring bytes sent: all-reduce 2 (n-1)/n x payload; the others (n-1)/n x payload. Without
     sequence parallelism, fp32 or bf16, no recompute, at dp = 1 that totals
@@ -213,7 +214,10 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
         )
     if pp > 1:
         hidden = b * (s // t if sp else s) * h * FP32_BYTES
-        sends = (0 if last else 1) + (0 if first else 1)  # forward to next, backward to previous
+        # Per model chunk: its output forward (all but the model's last chunk) and its input
+        # gradient backward (all but chunk 0).
+        virtual = derived.pp_virtual
+        sends = (virtual - (1 if last else 0)) + (virtual - (1 if first else 0))
         add("hidden states and their gradients (point to point)", "p2p", "pp", pp, hidden,
             sends * accum)  # fmt: skip
         if derived.tie_embeddings and (first or last):

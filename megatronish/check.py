@@ -68,23 +68,55 @@ def context_lines(cfg: Config, d) -> list[str]:
 
 
 def pipeline_lines(cfg: Config, d) -> list[str]:
-    """The stage split, each stage's parameters per rank and the schedule's bubble."""
+    """The stage split (with pp_virtual > 1: each stage's model chunks), each stage's parameters
+    per rank and the schedule's bubble."""
     from megatronish.bench import local_parameter_count
 
-    m = d.grad_accum_steps
+    m, v = d.grad_accum_steps, d.pp_virtual
     per_stage = ", ".join(f"{local_parameter_count(cfg, d, r):,}" for r in range(d.pp))
-    lines = [
-        f"pipeline stages: {d.pp} (layers {', '.join(str(n) for n in d.stage_layers)}), "
-        f"schedule {cfg.parallel.pp_schedule}",
-        f"parameters per rank by stage (padded vocab): {per_stage}",
-        f"bubble (p - 1) / m = {d.pp - 1} / {m} = {(d.pp - 1) / m:.2f} of the ideal step time",
-    ]
+    stages = f"pipeline stages: {d.pp} (layers {', '.join(str(n) for n in d.stage_layers)}), "
+    params = f"parameters per rank by stage (padded vocab): {per_stage}"
+    if v == 1:
+        lines = [
+            stages + f"schedule {cfg.parallel.pp_schedule}",
+            params,
+            f"bubble (p - 1) / m = {d.pp - 1} / {m} = {(d.pp - 1) / m:.2f} of the ideal step time",
+        ]
+    else:
+        lines = [
+            stages + f"schedule {cfg.parallel.pp_schedule} interleaved, {v} model chunks a stage",
+            *chunk_lines(cfg, d),
+            params,
+            f"bubble (p - 1) / (v x m) = {d.pp - 1} / ({v} x {m}) = "
+            f"{(d.pp - 1) / (v * m):.2f} of the ideal step time",
+        ]
     if m < d.pp:
         lines.append(
             f"note: {m} micro-batches for {d.pp} stages leaves stages idle most of the step; "
             "raise train.global_batch_size or lower train.micro_batch_size"
         )
     return lines
+
+
+def chunk_lines(cfg: Config, d) -> list[str]:
+    """Each stage's model chunks (their global layers) and the most (micro-batch, chunk)
+    activations it holds under the interleaved schedule."""
+    from megatronish.pipeline import warmup_forwards
+
+    def layers(span: range) -> str:
+        return str(span[0]) if len(span) == 1 else f"{span[0]}-{span[-1]}"
+
+    m, v, schedule = d.grad_accum_steps, d.pp_virtual, cfg.parallel.pp_schedule
+    chunks = "; ".join(
+        f"{r}: " + ", ".join(layers(span) for span in d.stage_chunks(r)) for r in range(d.pp)
+    )
+    held = ", ".join(
+        str(min(warmup_forwards(d.pp, v, m, r, schedule) + 1, m * v)) for r in range(d.pp)
+    )
+    return [
+        f"model chunks by stage (global layers): {chunks}",
+        f"activations held at most by stage ((micro-batch, chunk) pairs): {held}",
+    ]
 
 
 def _per_rank(cfg: Config, d, params: int) -> int:

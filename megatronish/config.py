@@ -73,7 +73,13 @@ class ParallelConfig:
     then every backward; holds all of them)."""
     pp_layers: str | None = None
     """Transformer layers per pipeline stage, comma-separated (e.g. "3,2"), summing to
-    model.n_layer. Default: as even as possible, earlier stages taking the remainder."""
+    model.n_layer. Default: as even as possible, earlier stages taking the remainder. With
+    pp_virtual > 1: layers per model chunk, pp x pp_virtual numbers."""
+    pp_virtual: int = 1
+    """Model chunks per pipeline rank (interleaved schedule, Megatron's virtual pipeline): the
+    layers are cut into pp x pp_virtual chunks and rank r holds chunks r, r + pp, ...; the
+    bubble shrinks to (pp - 1) / (pp_virtual x m) for m micro-batches per step, which must then
+    be a multiple of pp. Has no effect at pp = 1."""
     sequence_parallel: bool = False
     """Split the activations between blocks along the sequence over the tp ranks (Megatron's
     sequence parallelism: all-gather / reduce-scatter instead of all-reduce)."""
@@ -391,6 +397,7 @@ def check_values(cfg: Config) -> None:
         ("model.max_seq_len", m.max_seq_len),
         ("parallel.tp", p.tp),
         ("parallel.pp", p.pp),
+        ("parallel.pp_virtual", p.pp_virtual),
         ("parallel.cp", p.cp),
         ("train.steps", t.steps),
         ("train.micro_batch_size", t.micro_batch_size),
@@ -495,14 +502,24 @@ class Derived:
     tie_embeddings: bool
     tokens_per_step: int
     stage_layers: tuple[int, ...] = (1,)
-    """Transformer layers on each pipeline stage, in stage order."""
+    """Transformer layers on each pipeline rank (all its model chunks), in rank order."""
     cp: int = 1
     """Context-parallel degree; each rank holds seq_len / cp tokens of every sequence."""
+    pp_virtual: int = 1
+    """Model chunks per pipeline rank: parallel.pp_virtual at pp > 1, else 1."""
+    chunk_layers: tuple[int, ...] = (1,)
+    """Transformer layers of each of the pp x pp_virtual model chunks, in model order; rank r
+    holds chunks r, r + pp, r + 2 pp, ..."""
 
-    def stage_range(self, pp_rank: int) -> range:
-        """The global indices of the transformer layers on pipeline stage pp_rank."""
-        start = sum(self.stage_layers[:pp_rank])
-        return range(start, start + self.stage_layers[pp_rank])
+    def chunk_range(self, chunk: int) -> range:
+        """The global indices of the transformer layers of model chunk `chunk`."""
+        start = sum(self.chunk_layers[:chunk])
+        return range(start, start + self.chunk_layers[chunk])
+
+    def stage_chunks(self, pp_rank: int) -> list[range]:
+        """The layer ranges of pipeline rank pp_rank's model chunks, in model order (one range
+        at pp_virtual 1: the stage)."""
+        return [self.chunk_range(pp_rank + j * self.pp) for j in range(self.pp_virtual)]
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -511,24 +528,40 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def stage_layers(cfg: Config) -> tuple[int, ...]:
-    """Transformer layers per pipeline stage: parallel.pp_layers, or an even split."""
+def virtual_stages(cfg: Config) -> int:
+    """Model chunks per pipeline rank: parallel.pp_virtual, or 1 at pp = 1."""
+    return cfg.parallel.pp_virtual if cfg.parallel.pp > 1 else 1
+
+
+def chunk_layers(cfg: Config) -> tuple[int, ...]:
+    """Transformer layers per model chunk (pp x pp_virtual chunks; per stage at pp_virtual 1):
+    parallel.pp_layers, or an even split, earlier chunks taking the remainder."""
     n, pp, spec = cfg.model.n_layer, cfg.parallel.pp, cfg.parallel.pp_layers
-    _require(
-        n >= pp,
-        f"parallel.pp: {pp} stages need at least {pp} layers; model.n_layer is {n}",
-    )
-    base, extra = divmod(n, pp)
-    even = tuple(base + (1 if stage < extra else 0) for stage in range(pp))
+    virtual = virtual_stages(cfg)
+    chunks = pp * virtual
+    if virtual == 1:
+        _require(
+            n >= pp,
+            f"parallel.pp: {pp} stages need at least {pp} layers; model.n_layer is {n}",
+        )
+    else:
+        _require(
+            n >= chunks,
+            f"parallel.pp_virtual: {pp} stages x {virtual} chunks need at least {chunks} layers; "
+            f"model.n_layer is {n}",
+        )
+    base, extra = divmod(n, chunks)
+    even = tuple(base + (1 if chunk < extra else 0) for chunk in range(chunks))
     if spec is None:
         return even
     try:
         layers = tuple(int(part) for part in spec.split(","))
     except ValueError:
         layers = ()
+    what = f"{pp}" if virtual == 1 else f"{chunks} (parallel.pp x parallel.pp_virtual)"
     _require(
-        len(layers) == pp and all(x >= 1 for x in layers) and sum(layers) == n,
-        f"parallel.pp_layers: {spec!r} is not valid; expected {pp} positive integers, "
+        len(layers) == chunks and all(x >= 1 for x in layers) and sum(layers) == n,
+        f"parallel.pp_layers: {spec!r} is not valid; expected {what} positive integers, "
         f'comma-separated, that sum to model.n_layer={n} (e.g. "{",".join(map(str, even))}")',
     )
     return layers
@@ -612,12 +645,23 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         f"train.seq_len: {t.seq_len} / parallel.cp={cp} must be divisible by parallel.tp={tp} "
         "with sequence_parallel",
     )
+    accum = t.global_batch_size // micro_total
+    virtual = virtual_stages(cfg)
+    if virtual > 1:
+        valid = micro_total * pp * max(1, -(-accum // pp))
+        _require(
+            accum % pp == 0,
+            f"parallel.pp_virtual: {virtual} (interleaved) needs the micro-batches per step, "
+            f"train.global_batch_size / (train.micro_batch_size * dp) = {accum}, to be a multiple "
+            f"of parallel.pp={pp}; e.g. train.global_batch_size={valid}",
+        )
+    chunks = chunk_layers(cfg)
     return Derived(
         world_size=world_size,
         tp=tp,
         dp=dp,
         pp=pp,
-        grad_accum_steps=t.global_batch_size // micro_total,
+        grad_accum_steps=accum,
         n_kv_head=n_kv,
         head_dim=head_dim,
         d_ff=d_ff,
@@ -625,8 +669,10 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         padded_vocab_size=padded_vocab(vocab, tp),
         tie_embeddings=tie,
         tokens_per_step=t.global_batch_size * t.seq_len,
-        stage_layers=stage_layers(cfg),
+        stage_layers=tuple(sum(chunks[r::pp]) for r in range(pp)),
         cp=cp,
+        pp_virtual=virtual,
+        chunk_layers=chunks,
     )
 
 

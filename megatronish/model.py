@@ -246,12 +246,15 @@ class GPT(nn.Module):
     forward(tokens [b, s]) -> this rank's logits [b, s, V / t] (padding ids beyond the real vocab
     are -inf); loss(tokens, targets) -> mean loss.
 
-    With pp > 1 the stage holds its slice of the transformer layers (derived.stage_range), under
+    With pp > 1 the stage holds its slice of the transformer layers (derived.stage_chunks), under
     their global names (blocks.<i>), so checkpoints are the same at any pp; the first stage also
     holds the embeddings, the last the final norm and the output layer. stage_forward runs one
-    stage. Tied embeddings (gpt2) put a copy of tok_emb on the last stage too: both copies are
-    tagged pipeline_tied (their gradients are summed across the two stages) and the last
-    stage's is tagged pipeline_duplicate (not saved, not counted twice in the gradient norm)."""
+    stage. With parallel.pp_virtual = v > 1 the slice is v model chunks (`chunks`: the block
+    names of each, rank r holding chunks r, r + pp, ...), each run by chunk_forward; the
+    embeddings belong to chunk 0, the output layer to the last chunk. Tied embeddings (gpt2)
+    put a copy of tok_emb on the last stage too: both copies are tagged pipeline_tied (their
+    gradients are summed across the two stages) and the last stage's is tagged
+    pipeline_duplicate (not saved, not counted twice in the gradient norm)."""
 
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
         super().__init__()
@@ -275,8 +278,9 @@ class GPT(nn.Module):
         if self.is_first_stage and m.arch == "gpt2":
             self.pos_emb = nn.Embedding(m.max_seq_len, m.d_model)
             mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
+        self.chunks = [[str(i) for i in layers] for layers in derived.stage_chunks(ps.pp_rank)]
         self.blocks = nn.ModuleDict(
-            {str(i): Block(cfg, derived, ps, self.tracker) for i in derived.stage_range(ps.pp_rank)}
+            {name: Block(cfg, derived, ps, self.tracker) for chunk in self.chunks for name in chunk}
         )
         if self.is_last_stage:
             kind = "rmsnorm" if m.arch == "llama" else "layernorm"
@@ -321,20 +325,30 @@ class GPT(nn.Module):
         return x
 
     def stage_forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """One pipeline stage: tokens (first stage) or the previous stage's hidden states ->
-        hidden states for the next stage, or this rank's logits on the last stage."""
-        if self.is_first_stage:
+        """One pipeline stage (at pp_virtual 1): tokens (first stage) or the previous stage's
+        hidden states -> hidden states for the next stage, or this rank's logits on the last
+        stage."""
+        if len(self.chunks) > 1:
+            raise RuntimeError("an interleaved pipeline stage runs chunk by chunk (chunk_forward)")
+        return self.chunk_forward(0, inputs)
+
+    def chunk_forward(self, chunk: int, inputs: torch.Tensor) -> torch.Tensor:
+        """This rank's model chunk `chunk` (0 .. pp_virtual - 1; global chunk pp_rank + chunk x
+        pp): tokens [b, s] (global chunk 0) or the previous chunk's hidden states -> hidden
+        states for the next chunk, or this rank's logits after the last chunk."""
+        if self.is_first_stage and chunk == 0:
             with annotate("embed"):
                 x = self.embed(inputs)
         else:
             x = inputs
-        for name, block in self.blocks.items():  # names are the global layer indices
+        for name in self.chunks[chunk]:  # names are the global layer indices
+            block = self.blocks[name]
             with annotate(f"block {name}"):
                 if self.full_checkpoint and self.training:
                     x = checkpoint(block, self.tracker, x)
                 else:
                     x = block(x)
-        if not self.is_last_stage:
+        if not (self.is_last_stage and chunk == len(self.chunks) - 1):
             return x
         with annotate("logits"):
             return self.logits(self.norm_f(x))

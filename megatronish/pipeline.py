@@ -13,11 +13,29 @@ Schedules over m micro-batches on p stages (stage r):
 Both run backwards in micro-batch order, as the single-stage loop does, so the gradients are
 accumulated in the same order at every pp. The idle time of either is the bubble: (p - 1) / m
 of the ideal step time, when the stages take equal time.
+
+Interleaved (parallel.pp_virtual = v > 1; Narayanan et al. 2021, Megatron-LM's
+forward_backward_pipelining_with_interleaving): the layers are cut into p v model chunks and
+rank r holds chunks r, r + p, ...; chunk c sends its output to chunk c + 1 on rank (r + 1) mod p
+(the last rank back to rank 0 for the next round). A rank runs its forwards in groups of p
+micro-batches through one chunk after another, its backwards likewise with the chunks in
+reverse (so each chunk sees its micro-batches in order); 1f1b runs warmup_forwards of them,
+then one forward and one backward in turn, then the rest of the backwards; gpipe every forward
+first. m must be a multiple of p. Each forward or backward of a (micro-batch, chunk) pair is
+1 / v of a stage's, so the bubble is (p - 1) / (v m), for v times the point-to-point messages.
+Every rank's operations are placed on a common clock (interleaved_ticks: each at the first
+tick after its input was produced, one per rank and tick), and every message is sent and
+received at its producer's tick: each rank posts its sends and receives in tick order, so
+between any two ranks they pair up in the same order (with pp = 2 both directions of both
+kinds go between the same two ranks), and a receive is waited for only when its operation
+needs it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 
@@ -39,6 +57,126 @@ class ScheduleStats:
     wait_s: float = 0.0
     total_s: float = 0.0
     peak_saved_bytes: int = 0
+
+
+Op = tuple[str, int, int]
+"""An operation of the interleaved schedule: ("F" forward | "B" backward, micro-batch, global
+model chunk). As a message key: ("F", i, c) is chunk c's input for micro-batch i, ("B", i, c)
+the gradient of chunk c's output."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one pipeline rank does at tick `at` of the interleaved schedule: at most one
+    operation, whose output goes to pp rank `send` (None: it sends nothing), then receives of
+    what its neighbours' operations of this tick produced for it, (key, their pp rank)."""
+
+    at: int
+    op: Op | None
+    send: int | None
+    recvs: tuple[tuple[Op, int], ...]
+
+
+def warmup_forwards(pp: int, virtual: int, m: int, pp_rank: int, schedule: str = "1f1b") -> int:
+    """The (micro-batch, chunk) forwards pp rank pp_rank runs before its first backward under
+    the interleaved schedule (Megatron's count): every one of the m v under gpipe or when
+    m = pp, else min(2 (pp - pp_rank - 1) + (v - 1) pp, m v). The most it holds at once is one
+    more (all m v at most)."""
+    total = m * virtual
+    if schedule == "gpipe" or m == pp:
+        return total
+    return min(2 * (pp - pp_rank - 1) + (virtual - 1) * pp, total)
+
+
+def chunk_order(pp: int, virtual: int, m: int, pp_rank: int, backward: bool) -> list[Op]:
+    """Rank pp_rank's forwards (or backwards) in schedule order: groups of pp micro-batches
+    through its chunks in turn (in reverse for backward), group after group."""
+    kind, ops = ("B" if backward else "F"), []
+    for index in range(m * virtual):
+        group, within = divmod(index, pp * virtual)
+        local = within // pp
+        if backward:
+            local = virtual - 1 - local
+        ops.append((kind, group * pp + within % pp, pp_rank + local * pp))
+    return ops
+
+
+def rank_order(
+    pp: int, virtual: int, m: int, pp_rank: int, schedule: str, forward_only: bool
+) -> list[Op]:
+    """Every operation of rank pp_rank in the order it runs them."""
+    forwards = chunk_order(pp, virtual, m, pp_rank, backward=False)
+    if forward_only:
+        return forwards
+    backwards = chunk_order(pp, virtual, m, pp_rank, backward=True)
+    warmup = warmup_forwards(pp, virtual, m, pp_rank, schedule)
+    order = forwards[:warmup]
+    for forward, backward in zip(forwards[warmup:], backwards):
+        order += [forward, backward]
+    return order + backwards[len(forwards) - warmup :]
+
+
+def _needs(op: Op, chunks: int) -> list[Op]:
+    """The operations whose results op reads: the previous chunk's forward (forward), this
+    chunk's forward and the next chunk's backward (backward)."""
+    kind, micro, chunk = op
+    if kind == "F":
+        return [("F", micro, chunk - 1)] if chunk > 0 else []
+    return [("F", micro, chunk)] + ([("B", micro, chunk + 1)] if chunk < chunks - 1 else [])
+
+
+def _message(op: Op, pp: int, chunks: int) -> tuple[Op, int] | None:
+    """(key, receiving pp rank) of what op sends: a forward's output to the next chunk, a
+    backward's input gradient to the previous chunk; None for the ends of the model."""
+    kind, micro, chunk = op
+    if kind == "F" and chunk < chunks - 1:
+        return ("F", micro, chunk + 1), (chunk + 1) % pp
+    if kind == "B" and chunk > 0:
+        return ("B", micro, chunk - 1), (chunk - 1) % pp
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def interleaved_ticks(
+    pp: int, virtual: int, m: int, schedule: str, forward_only: bool
+) -> tuple[tuple[Tick, ...], ...]:
+    """Per pp rank, its ticks that do something, in order. Each rank's operations
+    (rank_order) go on a common clock in its order, each at the first tick after every result
+    it reads was produced (at most one operation per rank and tick); what an operation sends
+    is received at the same tick. m must be a multiple of pp; raises RuntimeError if the
+    orders wait on each other."""
+    if m % pp:
+        raise ValueError(
+            f"the interleaved schedule needs a multiple of {pp=} micro-batches, not {m}"
+        )
+    chunks = pp * virtual
+    orders = [rank_order(pp, virtual, m, r, schedule, forward_only) for r in range(pp)]
+    done: dict[Op, int] = {}
+    ticks: list[list[Tick]] = [[] for _ in range(pp)]
+    position, tick = [0] * pp, 0
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        ran: dict[int, Op] = {}
+        for r in range(pp):
+            if position[r] < len(orders[r]):
+                op = orders[r][position[r]]
+                if all(done.get(need, tick) < tick for need in _needs(op, chunks)):
+                    ran[r] = op
+        if not ran:
+            raise RuntimeError(f"the interleaved schedule of {m} micro-batches stalls at {pp=}")
+        sends: dict[int, int] = {}
+        recvs: list[list[tuple[Op, int]]] = [[] for _ in range(pp)]
+        for r, op in ran.items():
+            done[op], position[r] = tick, position[r] + 1
+            message = _message(op, pp, chunks)
+            if message is not None:
+                key, to = message
+                sends[r] = to
+                recvs[to].append((key, r))
+        for r in range(pp):
+            if r in ran or recvs[r]:
+                ticks[r].append(Tick(tick, ran.get(r), sends.get(r), tuple(recvs[r])))
+        tick += 1
+    return tuple(tuple(rank_ticks) for rank_ticks in ticks)
 
 
 class SavedTensorMeter:
@@ -76,7 +214,8 @@ class _Saved:
 
 class Pipeline:
     """Runs micro-batches through this rank's stage of `model` with schedule `schedule`
-    (gpipe | 1f1b). The loss is computed on the last stage; run() returns the sum of the
+    (gpipe | 1f1b), interleaved over the model's chunks when it has more than one
+    (parallel.pp_virtual). The loss is computed on the last stage; run() returns the sum of the
     micro-batch losses there (and zero on other stages)."""
 
     def __init__(
@@ -93,6 +232,7 @@ class Pipeline:
         self.timer = timer if timer is not None else PhaseTimer(False, ps.device)
         self.prev = ps.global_rank(ps.tp_rank, ps.dp_rank, ps.pp_rank - 1)
         self.next = ps.global_rank(ps.tp_rank, ps.dp_rank, ps.pp_rank + 1)
+        self.virtual = len(model.chunks)
         self.meter = SavedTensorMeter(model.parameters()) if measure_memory else None
         self.stats = ScheduleStats()
 
@@ -148,31 +288,58 @@ class Pipeline:
         self._exchange([(grad, self.prev)], [(buffer, self.prev)])
         return buffer.requires_grad_(True)
 
+    def _wait(self, handle) -> None:
+        start = time.perf_counter()
+        with self.timer.phase("bubble"):
+            handle.wait()
+        self.stats.wait_s += time.perf_counter() - start
+
+    def _peer(self, pp_rank: int) -> int:
+        """The global rank of pipeline rank pp_rank with this rank's other coordinates."""
+        return self.ps.global_rank(self.ps.tp_rank, self.ps.dp_rank, pp_rank)
+
     # ---- compute
 
-    def _forward(self, inputs: torch.Tensor, micro: tuple, scale: float, autocast):
-        """(output, what backward starts from): hidden states on inner stages, the micro-batch
-        loss scaled by `scale` on the last stage (its unscaled value added to the loss sum)."""
+    def _first(self, chunk: int | None) -> bool:
+        """Whether the model chunk (None: the whole stage) starts the model."""
+        return self.ps.is_first_stage and chunk in (None, 0)
+
+    def _last(self, chunk: int | None) -> bool:
+        """Whether the model chunk (None: the whole stage) ends the model (holds the loss)."""
+        return self.ps.is_last_stage and chunk in (None, self.virtual - 1)
+
+    def _forward(
+        self, inputs: torch.Tensor, micro: tuple, scale: float, autocast, chunk: int | None = None
+    ):
+        """(output, what backward starts from) of this stage, or of its model chunk `chunk`
+        (0 .. v - 1) under interleaving: hidden states, or the micro-batch loss scaled by
+        `scale` at the end of the model (its unscaled value added to the loss sum)."""
         start = time.perf_counter()
         saving = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
+        last = self._last(chunk)
         with self.timer.phase("forward"), saving, autocast():
-            output = self.model.stage_forward(inputs)
-            if self.ps.is_last_stage:
+            if chunk is None:
+                output = self.model.stage_forward(inputs)
+            else:
+                output = self.model.chunk_forward(chunk, inputs)
+            if last:
                 loss = self.model.loss_of_logits(output, micro[1])
-        if self.ps.is_last_stage:
+        if last:
             self.loss_sum += loss.detach()
             output = loss * scale
         self.stats.compute_s += time.perf_counter() - start
         return output
 
-    def _backward(self, inputs: torch.Tensor, output: torch.Tensor, grad) -> torch.Tensor | None:
-        """Backward of one micro-batch through this stage; the gradient of its input (None on
-        the first stage)."""
+    def _backward(
+        self, inputs: torch.Tensor, output: torch.Tensor, grad, chunk: int | None = None
+    ) -> torch.Tensor | None:
+        """Backward of one micro-batch through this stage (or its model chunk `chunk`); the
+        gradient of its input (None at the start of the model)."""
         start = time.perf_counter()
         with self.timer.phase("backward"):
             torch.autograd.backward(output, grad_tensors=grad)
         self.stats.compute_s += time.perf_counter() - start
-        return None if self.ps.is_first_stage else inputs.grad
+        return None if self._first(chunk) else inputs.grad
 
     # ---- schedules
 
@@ -192,7 +359,10 @@ class Pipeline:
         batch = list(zip(inputs, targets))  # (inputs, targets) of each micro-batch
         self.loss_sum = torch.zeros((), device=self.ps.device)
         self.stats = ScheduleStats()
-        if forward_only:
+        if self.virtual > 1:
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                self._interleaved(batch, scale, autocast, forward_only)
+        elif forward_only:
             with torch.no_grad():
                 for micro in batch:
                     output = self._forward(self._recv_forward(micro), micro, scale, autocast)
@@ -244,3 +414,70 @@ class Pipeline:
         for oldest_inputs, oldest_output in held:
             grad = self._recv_backward(oldest_output)
             self._send_backward(self._backward(oldest_inputs, oldest_output, grad))
+
+    def _interleaved(self, batch, scale, autocast, forward_only: bool) -> None:
+        """This rank's ticks of interleaved_ticks: each one's operation, then one batch of its
+        sends and receives, posted without waiting. A receive is waited for when its operation
+        runs; every batch at the latest 2 pp ticks later (its peers are past that tick by then;
+        waiting releases the tensors it holds), the last ones after the last tick."""
+        ps, micro_batch_size = self.ps, batch[0][0].shape[0]
+        ticks = interleaved_ticks(ps.pp, self.virtual, len(batch), self.schedule, forward_only)
+        inbox: dict[Op, tuple[torch.Tensor, object]] = {}  # received (buffer, batch handle)
+        # (micro-batch, chunk) -> (inputs, output) until its backward; None: forward only
+        held: dict[tuple[int, int], tuple] | None = None if forward_only else {}
+        posted: collections.deque = collections.deque()  # (tick, handle), oldest first
+        for tick in ticks[ps.pp_rank]:
+            sent = None
+            if tick.op is not None:
+                sent = self._run_op(tick.op, batch, inbox, held, scale, autocast)
+            handle = self._post_tick(tick, sent, inbox, micro_batch_size)
+            if handle is not None:
+                posted.append((tick.at, handle))
+            while posted and posted[0][0] < tick.at - 2 * ps.pp:
+                self._wait(posted.popleft()[1])
+        for _, handle in posted:
+            self._wait(handle)
+
+    def _post_tick(self, tick: Tick, sent, inbox: dict, micro_batch_size: int):
+        """Posts the tick's send (of `sent`) and receives as one batch without waiting; each
+        receive's buffer goes into inbox under its key, with the batch's handle. Returns the
+        handle (None: nothing to post)."""
+        sends = [] if tick.send is None else [(sent, self._peer(tick.send))]
+        recvs = [(key, self._buffer(micro_batch_size), peer) for key, peer in tick.recvs]
+        if not (sends or recvs):
+            return None
+        start = time.perf_counter()
+        with self.timer.phase("bubble"):
+            handle = comm.start_exchange(
+                sends, [(buffer, self._peer(peer)) for _, buffer, peer in recvs]
+            )
+        self.stats.wait_s += time.perf_counter() - start
+        inbox.update((key, (buffer, handle)) for key, buffer, _ in recvs)
+        return handle
+
+    def _received(self, inbox: dict, key: Op) -> torch.Tensor:
+        buffer, handle = inbox.pop(key)
+        self._wait(handle)
+        return buffer
+
+    def _run_op(self, op: Op, batch, inbox, held, scale, autocast) -> torch.Tensor | None:
+        """Runs one (micro-batch, global chunk) forward or backward of the interleaved
+        schedule; what it sends on: the chunk's output, or the gradient of its input."""
+        kind, index, chunk = op
+        local, micro = chunk // self.ps.pp, batch[index]
+        if kind == "F":
+            if self._first(local):
+                inputs = micro[0]
+            else:
+                inputs = self._received(inbox, op).requires_grad_(True)
+            output = self._forward(inputs, micro, scale, autocast, local)
+            if held is not None:
+                held[(index, chunk)] = (inputs, output)
+                self.stats.max_in_flight = max(self.stats.max_in_flight, len(held))
+            if self._last(local):
+                return None
+            assert output.dtype == torch.float32, "hidden states between stages are fp32"
+            return output.detach()
+        inputs, output = held.pop((index, chunk))
+        grad = None if self._last(local) else self._received(inbox, op)
+        return self._backward(inputs, output, grad, local)

@@ -18,6 +18,12 @@ layers' parameters (the embeddings on the first stage, the output layer on the l
 activations of the micro-batches in flight: under 1F1B stage r holds min(pp - r, m) of them,
 under GPipe all m (the last stage then also keeps m micro-batches of logits). A layout's
 memory is that of its fullest stage. The schedule's bubble stretches the step by (pp - 1) / m.
+Interleaved (parallel.pp_virtual = v, kept at every pp > 1 whose m is a multiple of pp and
+that leaves a layer for each of the pp v chunks, else 1): the bubble is (pp - 1) / (v m), and
+under 1F1B stage r holds min(2 (pp - r - 1) + (v - 1) pp + 1, m v) (micro-batch, chunk) pairs
+(Megatron's warm-up; all m v when m = pp, and the last stage then keeps m micro-batches of
+logits), each of its L_r / v layers on average: the first stage (1 + (pp - 1) / (pp v)) times
+the micro-batches of layers of plain 1F1B.
 
 With context parallelism (cp ranks split every sequence) a rank keeps the activations and
 logits of s / cp tokens: the formulas above with s / cp. Each ring step sends one block of k and
@@ -34,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatronish.config import Config, derive, world_size_of
+from megatronish.config import Config, derive, virtual_stages, world_size_of
 from megatronish.errors import UserError
 from megatronish.metrics import GPU_PEAK_TFLOPS, model_flops_per_step
 
@@ -94,6 +100,8 @@ class Estimate:
     cp: int = 1
     ring_ratio: float | None = None
     """Ring transfer time / block compute time per ring step (None at cp 1)."""
+    pp_virtual: int = 1
+    """Model chunks per pipeline stage (interleaved schedule when > 1)."""
 
     @property
     def total_gb(self) -> float:
@@ -149,21 +157,26 @@ def estimate(
     sp = changes.get("sequence_parallel", tp > 1)
     zero = changes.get("zero", cfg.optim.zero)
     recompute = changes.get("activation_checkpointing", cfg.train.activation_checkpointing)
+    dp = world // (tp * cp * pp)
+    virtual = _virtual(cfg, pp, dp)
+    same_split = pp == cfg.parallel.pp and virtual == virtual_stages(cfg)
     layout = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(
-            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=world // (tp * cp * pp), sequence_parallel=sp,
-            pp_layers=cfg.parallel.pp_layers if pp == cfg.parallel.pp else None,
+            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=sp,
+            pp_virtual=virtual, pp_layers=cfg.parallel.pp_layers if same_split else None,
         ),
         optim=dataclasses.replace(cfg.optim, zero=zero),
         train=dataclasses.replace(cfg.train, activation_checkpointing=recompute),
     )  # fmt: skip
     d = derive(layout, world, vocab_size=cfg.model.vocab_size)
     m, t, bf16 = d.grad_accum_steps, cfg.train, cfg.train.precision == "bf16"
-    gpipe = pp > 1 and layout.parallel.pp_schedule == "gpipe"
+    # The last stage keeps every micro-batch's logits when it runs all its forwards first.
+    gpipe = layout.parallel.pp_schedule == "gpipe"
+    all_forwards_first = pp > 1 and (gpipe or (virtual > 1 and m == pp))
     per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
     logits_one = t.micro_batch_size * t.seq_len // cp * d.padded_vocab_size / tp * 6
-    bubble = (pp - 1) / m
+    bubble = (pp - 1) / (virtual * m)
     step_time = model_flops_per_step(layout, d) / (world * peak_flops * ASSUMED_MFU) * (1 + bubble)
     ring_ratio = None
     if cp > 1:
@@ -178,12 +191,12 @@ def estimate(
     comm = max(formula_bytes_per_step(layout, d, r) for r in range(pp)) / GB
     stages = []
     for r in range(pp):
-        in_flight = m if gpipe else min(pp - r, m)
+        in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
         params = local_parameter_count(layout, d, r)
         act = per_layer * d.stage_layers[r] * in_flight
         if recompute == "full":  # one layer is rebuilt at a time during backward
             act += activation_bytes_per_layer(layout, tp, sp, "none")
-        logits = logits_one * (m if gpipe else 1) if r == pp - 1 else 0.0
+        logits = logits_one * (m if all_forwards_first else 1) if r == pp - 1 else 0.0
         stages.append(
             Estimate(
                 tp=tp,
@@ -202,9 +215,33 @@ def estimate(
                 comm_gb_per_step=comm,
                 cp=cp,
                 ring_ratio=ring_ratio,
+                pp_virtual=virtual,
             )
         )
     return max(stages, key=lambda e: e.total_gb)
+
+
+def _virtual(cfg: Config, pp: int, dp: int) -> int:
+    """parallel.pp_virtual at pipeline degree pp and data-parallel degree dp, where it fits (m a
+    multiple of pp, a layer for each chunk), else 1."""
+    virtual = cfg.parallel.pp_virtual if pp > 1 else 1
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    if virtual > 1 and (m % pp or cfg.model.n_layer < pp * virtual):
+        return 1
+    return virtual
+
+
+def _in_flight(pp: int, virtual: int, m: int, pp_rank: int, schedule: str) -> float:
+    """The most micro-batches of a stage's layers whose activations it holds at once (a
+    fraction under interleaving: (micro-batch, chunk) pairs / v)."""
+    if pp > 1 and schedule == "gpipe":
+        return m
+    if virtual == 1:
+        return min(pp - pp_rank, m)
+    from megatronish.pipeline import warmup_forwards
+
+    pairs = min(warmup_forwards(pp, virtual, m, pp_rank) + 1, m * virtual)
+    return pairs / virtual
 
 
 def gpu_spec(gpu: str | None, memory_gb: float | None) -> tuple[str, float, float]:
@@ -287,7 +324,7 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
         f"plan for {world} x {name} ({mem:.0f} GB each, bf16 peak {peak / 1e12:.0f} TFLOP/s; "
         f"step time assumes {ASSUMED_MFU:.0%} MFU)",
         "",
-        f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} {'bubble':>6} {'ring':>5} {'sp':>3} "
+        f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} {'bubble':>6} {'v':>2} {'ring':>5} {'sp':>3} "
         f"{'recompute':>9} "
         f"{'weights':>8} {'grads':>7} {'adam':>7} {'activ.':>8} {'logits':>7} {'total GB':>9} "
         f"{'comm GB':>8} {'compute s':>9}",
@@ -296,7 +333,7 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
         mark = "  <- fits" if e.total_gb <= budget else ""
         ring = "-" if e.ring_ratio is None else f"{e.ring_ratio:.2f}"
         lines.append(
-            f"{e.tp:>3} {e.cp:>3} {e.dp:>4} {e.pp:>3} {e.bubble:>6.2f} {ring:>5} "
+            f"{e.tp:>3} {e.cp:>3} {e.dp:>4} {e.pp:>3} {e.bubble:>6.2f} {e.pp_virtual:>2} {ring:>5} "
             f"{'y' if e.sequence_parallel else 'n':>3} "
             f"{e.activation_checkpointing:>9} {e.weights_gb:>8.2f} {e.grads_gb:>7.2f} "
             f"{e.optimizer_gb:>7.2f} {e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
@@ -312,7 +349,8 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
         lines.append(
             f"recommended: --set parallel.tp={choice.tp} --set parallel.cp={choice.cp} "
             f"--set parallel.dp={choice.dp} --set parallel.pp={choice.pp} "
-            f"--set parallel.sequence_parallel={str(choice.sequence_parallel).lower()} "
+            + (f"--set parallel.pp_virtual={choice.pp_virtual} " if choice.pp_virtual > 1 else "")
+            + f"--set parallel.sequence_parallel={str(choice.sequence_parallel).lower()} "
             f"--set optim.zero={choice.zero} "
             f"--set train.activation_checkpointing={choice.activation_checkpointing} "
             f"({choice.total_gb:.1f} GB per GPU, ~{choice.step_time_s:.2f} s of compute per step)"
