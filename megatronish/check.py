@@ -101,7 +101,7 @@ def pipeline_lines(cfg: Config, d) -> list[str]:
 def chunk_lines(cfg: Config, d) -> list[str]:
     """Each stage's model chunks (their global layers) and the most (micro-batch, chunk)
     activations it holds under the interleaved schedule."""
-    from megatronish.pipeline import warmup_forwards
+    from megatronish.pipeline_schedule import warmup_forwards
 
     def layers(span: range) -> str:
         return str(span[0]) if len(span) == 1 else f"{span[0]}-{span[-1]}"

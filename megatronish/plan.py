@@ -238,7 +238,7 @@ def _in_flight(pp: int, virtual: int, m: int, pp_rank: int, schedule: str) -> fl
         return m
     if virtual == 1:
         return min(pp - pp_rank, m)
-    from megatronish.pipeline import warmup_forwards
+    from megatronish.pipeline_schedule import warmup_forwards
 
     pairs = min(warmup_forwards(pp, virtual, m, pp_rank) + 1, m * virtual)
     return pairs / virtual

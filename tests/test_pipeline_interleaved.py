@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatronish.pipeline import interleaved_ticks, rank_order, warmup_forwards
+from megatronish.pipeline_schedule import interleaved_ticks, rank_order, warmup_forwards
 from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
 from tests.test_pipeline import (  # noqa: F401 (dataset is a fixture)
