@@ -11,6 +11,7 @@ analytic formula.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -78,6 +79,16 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+@contextlib.contextmanager
+def _recorded(op: str, group, tensor: torch.Tensor):
+    """The body is a synchronous collective: a flight-recorder entry (its whole span is this
+    rank's wait) and, while profiling, a range named after it."""
+    entry = RECORDER.begin(op, group, tensor)
+    with comm_range(op, entry[2]):
+        yield
+    RECORDER.end(entry, entry[5])
+
+
 def _record(kind: str, payload: int, factor: float) -> None:
     for counter in _ACTIVE:
         counter.record(kind, payload, payload * factor)
@@ -141,13 +152,14 @@ def all_reduce(
     if n == 1:
         return None
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
+    if not async_op:
+        with _recorded("all_reduce", group, tensor):
+            _all_reduce(tensor, group, op, async_op)
+        return None
     entry = RECORDER.begin("all_reduce", group, tensor)
     with comm_range("all_reduce", entry[2]):
         work = _all_reduce(tensor, group, op, async_op)
-    if async_op:
-        return Timed(work, entry)
-    RECORDER.end(entry, entry[5])
-    return None
+    return Timed(work, entry)
 
 
 def all_reduce_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
@@ -159,10 +171,8 @@ def all_reduce_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
         output.copy_(tensor)
         return
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
-    entry = RECORDER.begin("all_reduce", group, tensor)
-    with comm_range("all_reduce", entry[2]):
+    with _recorded("all_reduce", group, tensor):
         _all_reduce_into(output, tensor, group)
-    RECORDER.end(entry, entry[5])
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
@@ -172,14 +182,12 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
         output.copy_(tensor)
         return
     _record("all_gather", _nbytes(output), (n - 1) / n)
-    entry = RECORDER.begin("all_gather", group, tensor)
     shared = _SHARED.get(group)
-    with comm_range("all_gather", entry[2]):
+    with _recorded("all_gather", group, tensor):
         if shared is not None and shared.fits(tensor) and output.is_contiguous():
             shared.all_gather_into(output, tensor.contiguous())
         else:
             dist.all_gather_into_tensor(output, tensor.contiguous(), group=group)
-    RECORDER.end(entry, entry[5])
 
 
 def reduce_scatter_into(
@@ -191,8 +199,7 @@ def reduce_scatter_into(
         output.copy_(tensor)
         return
     _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
-    entry = RECORDER.begin("reduce_scatter", group, tensor)
-    with comm_range("reduce_scatter", entry[2]):
+    with _recorded("reduce_scatter", group, tensor):
         if dist.get_backend(group) == "gloo":
             # gloo has no reduce_scatter_tensor: all-reduce then keep the local block.
             full = torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -200,7 +207,6 @@ def reduce_scatter_into(
             output.copy_(full.chunk(n, dim=0)[group_rank(group)])
         else:
             dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)
-    RECORDER.end(entry, entry[5])
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
@@ -209,10 +215,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     if n == 1:
         return
     _record("broadcast", _nbytes(tensor), (n - 1) / n)
-    entry = RECORDER.begin("broadcast", group, tensor)
-    with comm_range("broadcast", entry[2]):
+    with _recorded("broadcast", group, tensor):
         dist.broadcast(tensor, src=src, group=group)
-    RECORDER.end(entry, entry[5])
 
 
 def start_exchange(
@@ -221,18 +225,19 @@ def start_exchange(
     group: dist.ProcessGroup | None = None,
     kind: str = "p2p",
     tag: int = 0,
-) -> Timed:
+) -> Timed | _Done:
     """Posts sends of each (tensor, global peer rank) and receives into each (buffer, global
     peer rank) together, over group (None: the default group), and returns at once; the
     caller computes meanwhile and calls wait() before it reads a buffer or changes a sent
     tensor. Counted under `kind`: the bytes sent."""
     ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, buffer, peer, group, tag) for buffer, peer in recvs]
+    if not ops:
+        return _Done()
     for tensor, _ in sends:
         _record(kind, _nbytes(tensor), 1.0)
-    first = (sends or recvs)[0][0]
-    entry = RECORDER.begin("cp_ring" if kind == "cp_ring" else "p2p", group, first)
-    with comm_range(entry[1], entry[2]):
+    entry = RECORDER.begin(kind, group, (sends or recvs)[0][0])
+    with comm_range(kind, entry[2]):
         works = dist.batch_isend_irecv(ops)
     return Timed(_Works(works), entry)
 
@@ -256,7 +261,7 @@ def ring_shift(
     prev_rank: int,
     tag: int = 0,
     kind: str = "p2p",
-) -> Timed:
+) -> Timed | _Done:
     """One step around a ring of group's ranks: starts sending tensor to global rank next_rank
     and receiving prev_rank's tensor into out (contiguous, tensor's shape and dtype), and
     returns at once; wait() before reading out or changing tensor. Batched isend/irecv, or on a
@@ -265,8 +270,8 @@ def ring_shift(
     shared = _SHARED.get(group)
     if shared is not None and shared.fits(tensor) and out.is_contiguous():
         _record(kind, _nbytes(tensor), 1.0)
-        entry = RECORDER.begin("cp_ring" if kind == "cp_ring" else "p2p", group, tensor)
-        with comm_range(entry[1], entry[2]):
+        entry = RECORDER.begin(kind, group, tensor)
+        with comm_range(kind, entry[2]):
             pending = shared.shift(tensor.contiguous(), out)
         return Timed(pending, entry)
     return start_exchange([(tensor, next_rank)], [(out, prev_rank)], group, kind, tag)
@@ -276,5 +281,4 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     """Point-to-point: sends each (tensor, global peer rank) and receives into each (buffer,
     global peer rank), all posted together (so two neighbours that send to each other at once
     cannot deadlock), and waits for them. Counted as "p2p": the bytes sent."""
-    if sends or recvs:
-        start_exchange(sends, recvs).wait()
+    start_exchange(sends, recvs).wait()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -32,9 +34,8 @@ def _import_pypi_kernels() -> None:
     saved = sys.path[:]
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
     try:
-        import kernels  # noqa: F401
-    except ImportError:
-        pass
+        if importlib.util.find_spec("kernels") is not None:  # not installed: nothing to shadow
+            importlib.import_module("kernels")
     finally:
         sys.path[:] = saved
 

@@ -14,7 +14,17 @@ import pytest
 from megatronish.data import prepare_dataset
 from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
-from tests.test_pipeline import SMALL, SP, STEPS, assert_close, make_trainer, train_losses
+from tests.test_pipeline import (
+    SMALL,
+    SP,
+    STEPS,
+    assert_check_fails_with_one_line,
+    assert_close,
+    assert_curves_match,
+    make_trainer,
+    train_counted,
+    train_losses,
+)
 
 # Two layers and two micro-batches of 4 a step: each ring step costs a wait on every cp rank.
 GPT2 = ["model.arch=gpt2", "model.n_layer=2", "train.micro_batch_size=4"]
@@ -63,7 +73,6 @@ def make_config(tp, cp, dp, pp, overrides, dataset, extra=()):
 
 def _train_on_ranks(rank, world, variants, dataset, save_dir):
     """For each variant: losses, grad norms, and the ring bytes sent in its first step."""
-    from megatronish import comm
     from megatronish.bench import formula_payload_by_kind
 
     results = {}
@@ -73,17 +82,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
             extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
         cfg = make_config(tp, cp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms = [], []
-        with comm.CommCounter() as counter:
-            step = trainer.train_step()
-        losses.append(step.loss)
-        norms.append(step.grad_norm)
-        while trainer.step < STEPS:
-            step = trainer.train_step()
-            losses.append(step.loss)
-            norms.append(step.grad_norm)
-            if name == SAVED and trainer.step == 10:
-                trainer.save_checkpoint()
+        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
         formula = formula_payload_by_kind(cfg, trainer.s.derived, trainer.ps.pp_rank)
         results[name] = {
             "losses": losses,
@@ -98,7 +97,7 @@ _REFERENCES: dict = {}
 
 
 def reference(overrides: list[str], dataset: Path, save_dir: Path | None = None) -> dict:
-    """The one-rank run of these model settings (cached); saves step 10 into save_dir."""
+    """The one-rank run of these model settings (cached); saves steps 10 and 20 into save_dir."""
     from megatronish.parallel import ParallelState
 
     key = (tuple(o for o in overrides if not o.startswith("optim.")), dataset)
@@ -108,13 +107,7 @@ def reference(overrides: list[str], dataset: Path, save_dir: Path | None = None)
             extra.append(f"checkpoint.dir={save_dir}")
         cfg = make_config(1, 1, 1, 1, list(key[0]), dataset, extra)
         trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-        losses, norms = [], []
-        for _ in range(STEPS):
-            step = trainer.train_step()
-            losses.append(step.loss)
-            norms.append(step.grad_norm)
-            if save_dir is not None and trainer.step == 10:
-                trainer.save_checkpoint()
+        losses, norms, _ = train_counted(trainer, STEPS, 10 if save_dir is not None else 0)
         _REFERENCES[key] = {"losses": losses, "norms": norms}
     return _REFERENCES[key]
 
@@ -142,17 +135,13 @@ def model_overrides(variant) -> list[str]:
 def test_cp2_losses_and_grad_norms_equal_cp1(name, two_ranks, dataset):
     ref = reference(model_overrides(TWO_RANKS[name]), dataset)
     assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
-    for rank_results in two_ranks:
-        assert_close(rank_results[name]["losses"], ref["losses"])
-        assert_close(rank_results[name]["norms"], ref["norms"])
+    assert_curves_match(two_ranks, name, ref)
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_cp_with_tp_pp_dp_zero_losses_and_grad_norms_equal_cp1(name, four_ranks, dataset):
     ref = reference(model_overrides(FOUR_RANKS[name]), dataset)
-    for rank_results in four_ranks:
-        assert_close(rank_results[name]["losses"], ref["losses"])
-        assert_close(rank_results[name]["norms"], ref["norms"])
+    assert_curves_match(four_ranks, name, ref)
 
 
 @pytest.mark.parametrize("group", ["two", "four"])
@@ -204,14 +193,10 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_a_cp1_checkpoint_at_cp2_on_the_same
     ],
 )  # fmt: skip
 def test_cli_bad_context_parallel_settings_exit_2_with_one_line(world, sets, key):
-    args = ["check", "--config", str(CONFIGS / "tiny.yaml"), "--world-size", str(world)]
+    args = ["--config", str(CONFIGS / "tiny.yaml"), "--world-size", str(world)]
     for s in sets:
         args += ["--set", s]
-    result = invoke_cli(*args)
-    assert result.returncode == 2, result.stdout
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and key in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    assert_check_fails_with_one_line(args, key)
 
 
 def test_cli_check_shows_the_zigzag_split():

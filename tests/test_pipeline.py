@@ -89,9 +89,43 @@ def train_losses(trainer) -> list[float]:
     return [trainer.train_step().loss for _ in range(trainer.cfg.train.steps - trainer.step)]
 
 
+def train_counted(trainer, steps: int, save_every: int = 0):
+    """(losses, grad norms, CommCounter of the first step) of training to `steps`, saving a
+    checkpoint every `save_every` steps (0: never)."""
+    from megatronish import comm
+
+    losses, norms = [], []
+    with comm.CommCounter() as counter:
+        step = trainer.train_step()
+    losses.append(step.loss)
+    norms.append(step.grad_norm)
+    while trainer.step < steps:
+        step = trainer.train_step()
+        losses.append(step.loss)
+        norms.append(step.grad_norm)
+        if save_every and trainer.step % save_every == 0:
+            trainer.save_checkpoint()
+    return losses, norms, counter
+
+
+def assert_curves_match(per_rank: list[dict], name: str, ref: dict) -> None:
+    """Every rank's losses and grad norms of variant `name` equal the reference's."""
+    for rank_results in per_rank:
+        assert_close(rank_results[name]["losses"], ref["losses"])
+        assert_close(rank_results[name]["norms"], ref["norms"])
+
+
+def assert_check_fails_with_one_line(args: list[str], key: str) -> None:
+    """`megatronish check ARGS` exits 2 with one stderr line that names key, no traceback."""
+    result = invoke_cli("check", *args)
+    assert result.returncode == 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def _train_on_ranks(rank, world, variants, dataset, save_dir):
     """For each variant: its losses and grad norms, and each stage's schedule statistics."""
-    from megatronish import comm
     from megatronish.bench import formula_bytes_per_step
 
     results = {}
@@ -101,18 +135,8 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
             extra = ["checkpoint.save=true", "checkpoint.every=10", f"checkpoint.dir={save_dir}"]
         cfg = make_config(tp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms = [], []
-        with comm.CommCounter() as counter:
-            step = trainer.train_step()
+        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
         counted = counter.total_sent
-        losses.append(step.loss)
-        norms.append(step.grad_norm)
-        while trainer.step < STEPS:
-            step = trainer.train_step()
-            losses.append(step.loss)
-            norms.append(step.grad_norm)
-            if name == SAVED and trainer.step % 10 == 0:
-                trainer.save_checkpoint()
         ps = trainer.ps
         results[name] = {
             "losses": losses,
@@ -140,11 +164,7 @@ def _reference(overrides: list[str], dataset: Path, **sets) -> dict:
 
     cfg = make_config(1, 1, 1, overrides, dataset, [f"{k}={v}" for k, v in sets.items()])
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    losses, norms = [], []
-    for _ in range(STEPS):
-        step = trainer.train_step()
-        losses.append(step.loss)
-        norms.append(step.grad_norm)
+    losses, norms, _ = train_counted(trainer, STEPS)
     return {"losses": losses, "norms": norms, "trainer": trainer}
 
 
@@ -181,17 +201,13 @@ def assert_close(
 def test_pp2_losses_and_grad_norms_equal_pp1(name, two_ranks, dataset):
     ref = reference(reference_overrides(name, TWO_RANKS), dataset)
     assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
-    for rank_results in two_ranks:
-        assert_close(rank_results[name]["losses"], ref["losses"])
-        assert_close(rank_results[name]["norms"], ref["norms"])
+    assert_curves_match(two_ranks, name, ref)
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_tp_dp_pp_layouts_losses_and_grad_norms_equal_pp1(name, four_ranks, dataset):
     ref = reference(reference_overrides(name, FOUR_RANKS), dataset)
-    for rank_results in four_ranks:
-        assert_close(rank_results[name]["losses"], ref["losses"])
-        assert_close(rank_results[name]["norms"], ref["norms"])
+    assert_curves_match(four_ranks, name, ref)
 
 
 @pytest.mark.parametrize("group", ["two", "four"])
@@ -330,11 +346,7 @@ def test_cli_check_and_plan_show_the_stages_and_the_bubble():
     ],
 )
 def test_cli_bad_pipeline_settings_exit_2_with_one_line(sets, key):
-    args = ["check", "--config", str(CONFIGS / "tiny.yaml")]
+    args = ["--config", str(CONFIGS / "tiny.yaml")]
     for s in sets:
         args += ["--set", s]
-    result = invoke_cli(*args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and key in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    assert_check_fails_with_one_line(args, key)

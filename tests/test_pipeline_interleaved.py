@@ -20,11 +20,13 @@ from tests.test_pipeline import (  # noqa: F401 (dataset is a fixture)
     GPT2,
     LLAMA,
     STEPS,
+    assert_check_fails_with_one_line,
     assert_close,
     dataset,
     make_config,
     make_trainer,
     reference,
+    train_counted,
     train_losses,
 )
 
@@ -56,7 +58,6 @@ SAVED = "gpt2 pp4 v2 m8"  # also saves a checkpoint at step 10
 def _train_on_ranks(rank, world, variants, dataset, save_dir):  # noqa: F811
     """For each variant: losses, grad norms, the validation loss after the last step, the
     bytes sent in the first step and the analytic count, and the most activations held."""
-    from megatronish import comm
     from megatronish.bench import formula_bytes_per_step
     from megatronish.trainer import make_loader
 
@@ -66,17 +67,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):  # noqa: F811
         if name == SAVED:
             extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
         trainer = make_trainer(make_config(tp, dp, pp, overrides, dataset, extra), world, dataset)
-        losses, norms = [], []
-        with comm.CommCounter() as counter:
-            step = trainer.train_step()
-        losses.append(step.loss)
-        norms.append(step.grad_norm)
-        while trainer.step < STEPS:
-            step = trainer.train_step()
-            losses.append(step.loss)
-            norms.append(step.grad_norm)
-            if name == SAVED and trainer.step == 10:
-                trainer.save_checkpoint()
+        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
         held = trainer.pipeline.stats.max_in_flight
         trainer.val_loader = make_loader(trainer.s, "val")
         d = trainer.s.derived
@@ -237,11 +228,7 @@ def test_plan_divides_the_bubble_by_v_and_counts_megatrons_warm_up_activations()
     ],
 )
 def test_cli_bad_interleaved_settings_exit_2_with_one_line(sets, key):
-    args = ["check", "--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.pp_virtual=2"]
+    args = ["--config", str(CONFIGS / "tiny.yaml"), "--set", "parallel.pp_virtual=2"]
     for s in sets:
         args += ["--set", s]
-    result = invoke_cli(*args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and key in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+    assert_check_fails_with_one_line(args, key)

@@ -16,6 +16,8 @@ import threading
 import time
 from collections import defaultdict, deque
 
+from megatronish.observe.profile import comm_range
+
 KINDS = ("tp", "cp", "dp", "pp", "world")
 # group -> (kind, mesh name)
 _NAMES: dict = {}
@@ -99,8 +101,6 @@ class Timed:
     def wait(self) -> bool:
         if self.done:
             return True
-        from megatronish.observe.profile import comm_range
-
         start = time.time()
         if self.work is not None:
             with comm_range(self.entry[1], self.entry[2]):
