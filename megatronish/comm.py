@@ -209,6 +209,31 @@ def reduce_scatter_into(
             dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)
 
 
+def all_to_all(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Rank r sends rows input_splits[j] (dim 0, in order) of tensor to rank j of group and
+    receives output_splits[j] rows from rank j into output, in rank order (all_to_all_single
+    with split sizes; any split may be 0). Counted as "all_to_all": the payload is tensor, the
+    bytes sent are the rows that leave this rank."""
+    n = group_size(group)
+    if n == 1:
+        output.copy_(tensor)
+        return
+    row = _nbytes(tensor[:1]) if tensor.shape[0] else 0
+    kept = input_splits[group_rank(group)]
+    for counter in _ACTIVE:
+        counter.record("all_to_all", _nbytes(tensor), float((tensor.shape[0] - kept) * row))
+    with _recorded("all_to_all", group, tensor):
+        dist.all_to_all_single(
+            output, tensor.contiguous(), output_splits, input_splits, group=group
+        )
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
     """Broadcasts tensor from global rank src to every rank of group."""
     n = group_size(group)

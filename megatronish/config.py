@@ -25,6 +25,34 @@ VOCAB_PAD_MULTIPLE = 128
 
 
 @dataclass
+class MoEConfig:
+    num_experts: int = 0
+    """Experts of each mixture-of-experts MLP; 0: every block has a dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to (1 <= top_k <= num_experts)."""
+    d_ff: int | None = None
+    """Inner size of one expert (SwiGLU), divisible by parallel.tp. Default: model.d_ff."""
+    every: int = 1
+    """An MoE MLP in every this-many-th block (blocks 0, every, 2 every, ...), dense elsewhere."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer eq. 4: coef x num_experts x the sum
+    over experts of the fraction of routed tokens times the mean router probability; coef at
+    perfect balance), per MoE layer, averaged over the MoE layers."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE: mean over tokens of logsumexp(router logits)^2)."""
+    capacity_factor: float | None = None
+    """null: dropless. A number c: each expert takes at most ceil(c x tokens x top_k /
+    num_experts) of the routed tokens of a rank's micro-batch (first choices first, then in
+    token order); the others are dropped (their expert output is 0: the token passes through
+    the residual) and counted in metrics.jsonl's moe_dropped_frac."""
+    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    """softmax_topk: softmax over all experts, the top_k kept and renormalized to sum 1
+    (Mixtral); topk_softmax: the top_k logits, then a softmax over them."""
+    shared_expert: bool = False
+    """Also run one dense SwiGLU expert of size d_ff on every token, added to the routed output."""
+
+
+@dataclass
 class ModelConfig:
     arch: Literal["gpt2", "llama"] = "gpt2"
     """gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings. llama: RoPE, RMSNorm,
@@ -53,6 +81,8 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base (llama)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts MLPs (off by default); see model.moe.*."""
 
 
 @dataclass
@@ -64,6 +94,10 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: ranks that split every sequence (two zigzag chunks each, ring
     attention between them). train.seq_len must be divisible by 2 * cp."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of every MoE layer are split into ep contiguous
+    blocks over ep data-parallel ranks (adjacent dp ranks; ep divides parallel.dp), which
+    exchange tokens by all-to-all. Needs model.moe.num_experts > 0."""
     pp: int = 1
     """Pipeline-parallel degree: stages that split the transformer layers (embedding on the
     first stage, the output layer and loss on the last)."""
@@ -399,6 +433,9 @@ def check_values(cfg: Config) -> None:
         ("parallel.pp", p.pp),
         ("parallel.pp_virtual", p.pp_virtual),
         ("parallel.cp", p.cp),
+        ("parallel.ep", p.ep),
+        ("model.moe.top_k", m.moe.top_k),
+        ("model.moe.every", m.moe.every),
         ("train.steps", t.steps),
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.global_batch_size", t.global_batch_size),
@@ -411,6 +448,7 @@ def check_values(cfg: Config) -> None:
         ("model.n_kv_head", m.n_kv_head),
         ("model.d_ff", m.d_ff),
         ("model.vocab_size", m.vocab_size),
+        ("model.moe.d_ff", m.moe.d_ff),
         ("parallel.dp", p.dp),
     ]:
         _require(value is None or value >= 1, f"{key}: {value} is not valid; must be >= 1 or null")
@@ -439,11 +477,62 @@ def check_values(cfg: Config) -> None:
         m.arch != "gpt2" or m.n_kv_head in (None, m.n_head),
         f"model.n_kv_head: gpt2 uses n_kv_head = n_head = {m.n_head}; got {m.n_kv_head}",
     )
+    check_moe_values(cfg)
     o = cfg.observe
     _require(o.straggler_ratio > 1, f"observe.straggler_ratio: {o.straggler_ratio} must be > 1")
     _require(o.flight_recorder >= 0, f"observe.flight_recorder: {o.flight_recorder} must be >= 0")
     profile_steps(cfg)
     profile_ranks(cfg)
+
+
+def check_moe_values(cfg: Config) -> None:
+    """The model.moe values on their own, and parallel.ep against them."""
+    moe, ep = cfg.model.moe, cfg.parallel.ep
+    _require(
+        moe.num_experts >= 0,
+        f"model.moe.num_experts: {moe.num_experts} is not valid; 0 (dense) or a positive integer",
+    )
+    _require(
+        ep == 1 or moe.num_experts > 0,
+        f"parallel.ep: {ep} needs experts to split; set model.moe.num_experts (a multiple of "
+        f"{ep}) or parallel.ep=1",
+    )
+    if moe.num_experts == 0:
+        return
+    _require(
+        cfg.model.arch == "llama",
+        f"model.moe: experts are SwiGLU (llama); model.arch {cfg.model.arch!r} is not supported "
+        "with model.moe.num_experts > 0; set model.arch=llama",
+    )
+    _require(
+        moe.top_k <= moe.num_experts,
+        f"model.moe.top_k: {moe.top_k} is more than model.moe.num_experts={moe.num_experts}; "
+        f"valid: 1 to {moe.num_experts}",
+    )
+    _require(
+        moe.num_experts % ep == 0,
+        f"model.moe.num_experts: {moe.num_experts} is not divisible by parallel.ep={ep}; "
+        f"valid ep: {', '.join(str(d) for d in _divisors(moe.num_experts))}",
+    )
+    for key, value in (("aux_loss_coef", moe.aux_loss_coef), ("z_loss_coef", moe.z_loss_coef)):
+        _require(value >= 0, f"model.moe.{key}: {value} must be >= 0 (0 turns it off)")
+    _require(
+        moe.capacity_factor is None or moe.capacity_factor > 0,
+        f"model.moe.capacity_factor: {moe.capacity_factor} must be > 0, or null (dropless)",
+    )
+    _require(
+        not cfg.parallel.sequence_parallel or cfg.parallel.tp == 1,
+        "parallel.sequence_parallel: not supported with model.moe.num_experts > 0 at "
+        f"parallel.tp={cfg.parallel.tp}; set parallel.sequence_parallel=false",
+    )
+
+
+def moe_layers(cfg: Config) -> tuple[int, ...]:
+    """The indices of the blocks whose MLP is a mixture of experts (none when moe is off)."""
+    moe = cfg.model.moe
+    if moe.num_experts == 0:
+        return ()
+    return tuple(range(0, cfg.model.n_layer, moe.every))
 
 
 def profile_steps(cfg: Config) -> tuple[int, int] | None:
@@ -510,6 +599,12 @@ class Derived:
     chunk_layers: tuple[int, ...] = (1,)
     """Transformer layers of each of the pp x pp_virtual model chunks, in model order; rank r
     holds chunks r, r + pp, r + 2 pp, ..."""
+    ep: int = 1
+    """Expert-parallel degree (inside dp); each ep rank holds num_experts / ep experts."""
+    moe_layers: tuple[int, ...] = ()
+    """The blocks with a mixture-of-experts MLP."""
+    moe_d_ff: int = 0
+    """Inner size of one expert (0 without experts)."""
 
     def chunk_range(self, chunk: int) -> range:
         """The global indices of the transformer layers of model chunk `chunk`."""
@@ -655,6 +750,18 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
             f"train.global_batch_size / (train.micro_batch_size * dp) = {accum}, to be a multiple "
             f"of parallel.pp={pp}; e.g. train.global_batch_size={valid}",
         )
+    moe_d_ff = 0
+    if m.moe.num_experts > 0:
+        ep = p.ep
+        _require(
+            dp % ep == 0,
+            f"parallel.ep: {ep} does not divide the data-parallel degree {dp} (experts are split "
+            f"over ep of the dp ranks); valid ep: {', '.join(str(d) for d in _divisors(dp))}",
+        )
+        moe_d_ff = m.moe.d_ff if m.moe.d_ff is not None else d_ff
+        _require(
+            moe_d_ff % tp == 0, f"model.moe.d_ff: {moe_d_ff} is not divisible by parallel.tp={tp}"
+        )
     chunks = chunk_layers(cfg)
     return Derived(
         world_size=world_size,
@@ -673,6 +780,9 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         cp=cp,
         pp_virtual=virtual,
         chunk_layers=chunks,
+        ep=p.ep if m.moe.num_experts > 0 else 1,
+        moe_layers=moe_layers(cfg),
+        moe_d_ff=moe_d_ff,
     )
 
 

@@ -9,7 +9,10 @@ param.grad, so micro-batches accumulate into the buffer in the order autograd wo
 accumulated them. When a bucket's parameters have all had their last micro-batch's gradient,
 its all-reduce starts asynchronously (optim.overlap_grad_reduce; otherwise every bucket goes
 after backward); finish() waits for each bucket, scales it by 1 / (dp x cp) and points
-param.grad at main_grad for clipping and the optimizer. Buckets are views: no concatenation
+param.grad at main_grad for clipping and the optimizer. Expert weights (MoE, split over ep)
+are summed over their expert-data-parallel group instead (the ranks that hold the same
+experts; the all-to-all backward already summed the other ep ranks' tokens into them), with
+the same 1 / (dp x cp): a bucket holds parameters of one group only. Buckets are views: no concatenation
 or copy on the step's path.
 
 Parameters whose gradient must first be summed over another group keep their own .grad and
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from megatronish import comm
+from megatronish.moe import is_expert
 from megatronish.parallel import ParallelState
 
 
@@ -38,8 +42,8 @@ def buffered(param: nn.Parameter) -> bool:
 
 
 class _Bucket:
-    def __init__(self, view: torch.Tensor, params: list[nn.Parameter]):
-        self.view, self.params = view, params
+    def __init__(self, view: torch.Tensor, params: list[nn.Parameter], group, size: int):
+        self.view, self.params, self.group, self.size = view, params, group, size
         self.pending = 0  # parameters still to produce their last micro-batch's gradient
         self.work = None
 
@@ -52,7 +56,6 @@ class GradBuffer:
         self, params: list[nn.Parameter], ps: ParallelState, bucket_bytes: int, overlap: bool
     ):
         self.ps, self.overlap = ps, overlap
-        self.group, self.size = ps.dp_cp_group, ps.dp_cp
         members = [p for p in reversed(params) if buffered(p)]
         total = sum(p.numel() for p in members)
         device = members[0].device if members else ps.device
@@ -62,11 +65,14 @@ class GradBuffer:
         self.calls: dict[nn.Parameter, int] = {}
         start = offset = 0
         current: list[nn.Parameter] = []
-        for param in members:
+        for index, param in enumerate(members):
             param.main_grad = self.buffer[offset : offset + param.numel()].view_as(param)
             offset += param.numel()
             current.append(param)
-            if (offset - start) * 4 >= bucket_bytes or param is members[-1]:
+            last = index == len(members) - 1
+            if last or (offset - start) * 4 >= bucket_bytes or (
+                is_expert(members[index + 1]) != is_expert(param)
+            ):
                 self._add_bucket(start, offset, current)
                 start, current = offset, []
         self.micro_batches = 0
@@ -86,7 +92,9 @@ class GradBuffer:
         self.bucket_of, self.buckets, self._hooks = {}, [], []
 
     def _add_bucket(self, start: int, stop: int, params: list[nn.Parameter]) -> None:
-        bucket = _Bucket(self.buffer[start:stop], params)
+        ps = self.ps
+        group, size = (ps.edp_group, ps.edp) if is_expert(params[0]) else (ps.dp_cp_group, ps.dp_cp)
+        bucket = _Bucket(self.buffer[start:stop], params, group, size)
         self.buckets.append(bucket)
         for param in params:
             self.bucket_of[param] = bucket
@@ -111,20 +119,21 @@ class GradBuffer:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self.size > 1:
-            bucket.work = comm.all_reduce(bucket.view, self.group, async_op=True)
+        if bucket.size > 1:
+            bucket.work = comm.all_reduce(bucket.view, bucket.group, async_op=True)
 
     def finish(self) -> None:
-        """Starts the buckets not started yet (in order), waits for each, averages it over the
-        dp x cp group and sets every buffered parameter's .grad to its main_grad."""
+        """Starts the buckets not started yet (in order), waits for each, divides it by dp x cp
+        and sets every buffered parameter's .grad to its main_grad."""
         self.active = False
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
-        scale = 1.0 / self.size
+        scale = 1.0 / self.ps.dp_cp
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
+            if self.ps.dp_cp > 1:
                 bucket.view.mul_(scale)
             for param in bucket.params:
                 param.grad = param.main_grad

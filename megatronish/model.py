@@ -35,6 +35,9 @@ from megatronish.layers.linear import (
     mark_parallel,
     to_autocast_dtype,
 )
+from megatronish.moe import MoELayer
+from megatronish.moe.experts import stored_tensors
+from megatronish.moe.layer import recomputing
 from megatronish.observe.profile import annotate
 from megatronish.ops import reference
 from megatronish.parallel import ParallelState, RNGTracker
@@ -153,19 +156,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
+    """The dense MLP (d_ff: derived.d_ff unless given, e.g. an MoE layer's shared expert)."""
+
+    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, d_ff: int | None = None):
         super().__init__()
         m, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
+        d_ff = derived.d_ff if d_ff is None else d_ff
         self.is_llama, self.backend = m.arch == "llama", cfg.kernels.backend
         common = dict(sequence_parallel=sp, tp_group=group, init_method=None)
         if self.is_llama:
-            self.gate = ColumnParallelLinear(m.d_model, derived.d_ff, bias=False, **common)
-            self.up = ColumnParallelLinear(m.d_model, derived.d_ff, bias=False, **common)
+            self.gate = ColumnParallelLinear(m.d_model, d_ff, bias=False, **common)
+            self.up = ColumnParallelLinear(m.d_model, d_ff, bias=False, **common)
         else:
-            self.up = ColumnParallelLinear(
-                m.d_model, derived.d_ff, bias=True, skip_bias_add=True, **common
-            )
-        self.down = RowParallelLinear(derived.d_ff, m.d_model, bias=not self.is_llama, **common)
+            self.up = ColumnParallelLinear(m.d_model, d_ff, bias=True, skip_bias_add=True, **common)
+        self.down = RowParallelLinear(d_ff, m.d_model, bias=not self.is_llama, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_llama:
@@ -187,7 +191,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker):
+    """Transformer block `index`: attention, then a dense MLP, or a mixture of experts where
+    index is one of derived.moe_layers."""
+
+    def __init__(
+        self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, index: int
+    ):
         super().__init__()
         m, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
         kind = "rmsnorm" if m.arch == "llama" else "layernorm"
@@ -195,7 +204,11 @@ class Block(nn.Module):
         self.norm1 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
         self.attn = Attention(cfg, derived, ps, tracker)
         self.norm2 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
-        self.mlp = MLP(cfg, derived, ps)
+        if index in derived.moe_layers:
+            shared = MLP(cfg, derived, ps, derived.moe_d_ff) if m.moe.shared_expert else None
+            self.mlp = MoELayer(cfg, derived, ps, shared)
+        else:
+            self.mlp = MLP(cfg, derived, ps)
         self.dropout, self.tracker, self.sequence_parallel = m.dropout, tracker, sp
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +234,8 @@ class Block(nn.Module):
 
 def checkpoint(fn, tracker: RNGTracker, *args):
     """torch.utils.checkpoint that also replays the tracker's streams on recompute, so
-    dropout inside the recomputed region draws the same masks as the first forward."""
+    dropout inside the recomputed region draws the same masks as the first forward (and MoE
+    layers do not count their routing twice)."""
     snapshot = tracker.get_states()
     calls = [0]
 
@@ -232,7 +246,8 @@ def checkpoint(fn, tracker: RNGTracker, *args):
         after = tracker.get_states()
         tracker.set_states(snapshot)
         try:
-            return fn(*inner)
+            with recomputing():
+                return fn(*inner)
         finally:
             tracker.set_states(after)
 
@@ -280,7 +295,11 @@ class GPT(nn.Module):
             mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
         self.chunks = [[str(i) for i in layers] for layers in derived.stage_chunks(ps.pp_rank)]
         self.blocks = nn.ModuleDict(
-            {name: Block(cfg, derived, ps, self.tracker) for chunk in self.chunks for name in chunk}
+            {
+                name: Block(cfg, derived, ps, self.tracker, int(name))
+                for chunk in self.chunks
+                for name in chunk
+            }
         )
         if self.is_last_stage:
             kind = "rmsnorm" if m.arch == "llama" else "layernorm"
@@ -297,6 +316,20 @@ class GPT(nn.Module):
         self.has_padding = bool(self.vocab_padding.any())
         self.to(ps.device)
         init_weights(self, cfg.train.seed, m.n_layer)
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This rank's mixture-of-experts MLPs by block index."""
+        return {
+            int(name): block.mlp
+            for name, block in self.blocks.items()
+            if isinstance(block.mlp, MoELayer)
+        }
+
+    def set_moe_loss_scale(self, scale: float) -> None:
+        """The factor the micro-batches' losses are scaled by before backward (1 / the
+        micro-batches per step): the MoE layers' router losses get the same."""
+        for layer in self.moe_layers().values():
+            layer.loss_scale = scale
 
     def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
         """The shape of the hidden states that pass between pipeline stages (this rank's
@@ -415,17 +448,19 @@ def _param_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_weights(model: GPT, seed: int, n_layer: int) -> None:
-    """GPT-2-style initialization, layout-invariant: each full weight is drawn from a
-    generator seeded by (seed, parameter name) and this rank keeps its block.
-    Matrices and embeddings: normal(0, 0.02); residual outputs (attention proj, MLP down):
-    normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm weights 1."""
+    """GPT-2-style initialization, layout-invariant: each full weight (each expert's, for
+    stacked experts) is drawn from a generator seeded by (seed, its checkpoint name) and this
+    rank keeps its block. Matrices and embeddings: normal(0, 0.02); residual outputs
+    (attention proj, MLP and expert down): normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm
+    weights 1."""
     ps = model.ps
-    for name, param in model.named_parameters():
+    for name, param, index in stored_tensors(model.named_parameters()):
+        target = param if index is None else param[index]
         if name.endswith(".bias"):
-            param.zero_()
+            target.zero_()
             continue
         if "norm" in name:
-            param.fill_(1.0)
+            target.fill_(1.0)
             continue
         std = (
             0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
@@ -437,4 +472,4 @@ def init_weights(model: GPT, seed: int, n_layer: int) -> None:
         full[:rows].normal_(0.0, std, generator=gen)
         if param.tp_split_dim is not None:
             full = full.chunk(model.derived.tp, dim=param.tp_split_dim)[ps.tp_rank]
-        param.copy_(full)
+        target.copy_(full)

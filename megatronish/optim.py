@@ -14,6 +14,7 @@ from torch import nn
 
 from megatronish import comm
 from megatronish.config import Config
+from megatronish.moe import is_expert
 from megatronish.parallel import ParallelState
 
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -106,7 +107,9 @@ class AdamW:
 
 class Optimizer:
     """AdamW over the model's parameters, or (optim.zero = 1) over the parameters this rank of
-    the dp x cp group owns, followed by a broadcast of each updated parameter from its owner."""
+    the dp x cp group owns, followed by a broadcast of each updated parameter from its owner.
+    Expert weights are owned within their expert-data-parallel group (the ranks that hold
+    the same experts) and broadcast over it."""
 
     def __init__(self, model: nn.Module, cfg: Config, ps: ParallelState):
         self.cfg, self.ps = cfg, ps
@@ -114,8 +117,20 @@ class Optimizer:
         self.zero = cfg.optim.zero == 1 and ps.dp_cp > 1
         groups = param_groups(model, cfg.train.weight_decay)
         if self.zero:
-            self.owners = zero_owners(self.params, ps.dp_cp)
-            owned = {id(p) for p, o in zip(self.params, self.owners) if o == ps.dp_cp_rank}
+            dense = [p for p in self.params if not is_expert(p)]
+            experts = [p for p in self.params if is_expert(p)]
+            # (param, owner index, global rank of the owner, group to broadcast over)
+            self.owners = [
+                (p, o, ps.dp_cp_global_rank(o), ps.dp_cp_group)
+                for p, o in zip(dense, zero_owners(dense, ps.dp_cp))
+            ] + [
+                (p, o, ps.edp_global_rank(o), ps.edp_group)
+                for p, o in zip(experts, zero_owners(experts, ps.edp))
+            ]
+            owned = {
+                id(p) for p, o, _, _ in self.owners
+                if o == (ps.edp_rank if is_expert(p) else ps.dp_cp_rank)
+            }  # fmt: skip
             groups = [{**g, "params": [p for p in g["params"] if id(p) in owned]} for g in groups]
         self.inner = AdamW(
             groups, lr=cfg.train.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps
@@ -126,10 +141,9 @@ class Optimizer:
             group["lr"] = lr
         self.inner.step()
         if self.zero:
-            # The owner's updated values go to every other rank of the dp x cp group.
-            ps = self.ps
-            for param, owner in zip(self.params, self.owners):
-                comm.broadcast(param.data, ps.dp_cp_global_rank(owner), ps.dp_cp_group)
+            # The owner's updated values go to every other rank of its group.
+            for param, _, owner, group in self.owners:
+                comm.broadcast(param.data, owner, group)
 
     def zero_grad(self) -> None:
         for param in self.params:
@@ -140,7 +154,8 @@ def reduce_gradients(params: list[nn.Parameter], ps: ParallelState) -> None:
     """Sums the gradients of sequence-parallel replicated parameters over the tp group and
     those of the two copies of tied embeddings over the first and last pipeline stage, then
     averages every gradient over the dp x cp group (the data-parallel group when cp is 1) in
-    flat buckets of ~25 MB."""
+    flat buckets of ~25 MB; expert gradients are summed over their expert-data-parallel group
+    and divided by dp x cp."""
     if ps.embedding_group is not None:
         for p in params:
             if getattr(p, "pipeline_tied", False) and p.grad is not None:
@@ -151,8 +166,13 @@ def reduce_gradients(params: list[nn.Parameter], ps: ParallelState) -> None:
         ]
         _bucketed_all_reduce([p.grad for p in tagged], ps.tp_group, scale=1.0)
     if ps.dp_cp > 1:
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None and not is_expert(p)]
         _bucketed_all_reduce(grads, ps.dp_cp_group, scale=1.0 / ps.dp_cp)
+        experts = [p.grad for p in params if p.grad is not None and is_expert(p)]
+        if ps.edp > 1:
+            _bucketed_all_reduce(experts, ps.edp_group, scale=1.0 / ps.dp_cp)
+        elif experts:
+            torch._foreach_mul_(experts, 1.0 / ps.dp_cp)
 
 
 def _bucketed_all_reduce(grads: list[torch.Tensor], group, scale: float) -> None:
@@ -191,18 +211,26 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, ps: ParallelState) -> float:
     """Global gradient norm, each parameter counted once: the squares of tp-split gradients
-    are summed over the tp group, replicated ones are taken once, and the stages' sums are
-    added over the pipeline (the last stage's copy of tied embeddings left out). Scales the
+    are summed over the tp group (experts' over the ep group first: each ep rank holds other
+    experts), replicated ones are taken once, and the stages' sums are added over the
+    pipeline (the last stage's copy of tied embeddings left out). Scales the
     gradients down to max_norm when it is exceeded (max_norm 0: no clipping). Returns the norm
     before clipping."""
     with_grad = [p for p in params if p.grad is not None]
     counted = [p for p in with_grad if not getattr(p, "pipeline_duplicate", False)]
-    split = [p.grad for p in counted if getattr(p, "tp_split_dim", None) is not None]
-    replicated = [p.grad for p in counted if getattr(p, "tp_split_dim", None) is None]
-    split_sq = _sum_of_squares(split, params[0].device)
+    device = params[0].device
+    is_split = [getattr(p, "tp_split_dim", None) is not None for p in counted]
+    replicated = [p.grad for p, split in zip(counted, is_split) if not split]
+    if ps.ep > 1:
+        dense = [p.grad for p, split in zip(counted, is_split) if split and not is_expert(p)]
+        expert_sq = _sum_of_squares([p.grad for p in counted if is_expert(p)], device)
+        comm.all_reduce(expert_sq, ps.ep_group, op=dist.ReduceOp.SUM)
+        split_sq = _sum_of_squares(dense, device) + expert_sq
+    else:
+        split_sq = _sum_of_squares([p.grad for p, split in zip(counted, is_split) if split], device)
     if ps.tp > 1:
         comm.all_reduce(split_sq, ps.tp_group, op=dist.ReduceOp.SUM)
-    total_sq = split_sq + _sum_of_squares(replicated, params[0].device)
+    total_sq = split_sq + _sum_of_squares(replicated, device)
     if ps.pp > 1:
         comm.all_reduce(total_sq, ps.pp_group, op=dist.ReduceOp.SUM)
     norm = float(total_sq.sqrt())

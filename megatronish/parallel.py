@@ -9,6 +9,12 @@ The cp ranks of one dp rank hold the same samples (each its zigzag share of ever
 so gradients are averaged, and ZeRO-1 shards its state, over the combined dp x cp group
 (Megatron folds cp into the data-parallel reduction); its ranks are ordered dp-major, so its
 index is dp_rank * cp + cp_rank.
+
+Expert parallelism (ep) is carved out of dp (Megatron's layout): adjacent dp ranks
+ep * j .. ep * j + ep - 1 form an ep group, which splits every MoE layer's experts and trades
+tokens by all-to-all; ep_rank = dp_rank % ep. The expert weights of one ep rank are replicated
+over the dp x cp ranks with the same ep_rank (the expert-data-parallel group, of dp * cp / ep
+ranks), over which their gradients are reduced.
 """
 
 from __future__ import annotations
@@ -60,6 +66,30 @@ class ParallelState:
     # The dp x cp ranks with this rank's (tp, pp) coordinates: gradients are averaged over it
     # (the dp group itself when cp is 1).
     dp_cp_group: dist.ProcessGroup | None = None
+    ep: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    # The dp x cp ranks with this rank's (tp, pp, ep_rank) coordinates: expert gradients are
+    # reduced over it (dp_cp_group when ep is 1).
+    edp_group: dist.ProcessGroup | None = None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp(self) -> int:
+        """Ranks that hold the same experts: dp x cp / ep."""
+        return self.dp_cp // self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's index in its expert-data-parallel group: (dp_rank // ep) * cp + cp_rank."""
+        return (self.dp_rank // self.ep) * self.cp + self.cp_rank
+
+    def edp_global_rank(self, index: int) -> int:
+        """The global rank of index `index` of this rank's expert-data-parallel group."""
+        dp_rank = (index // self.cp) * self.ep + self.ep_rank
+        return self.global_rank(self.tp_rank, dp_rank, self.pp_rank, index % self.cp)
 
     @property
     def is_main(self) -> bool:
@@ -113,9 +143,10 @@ class ParallelState:
         return cls(1, 0, 1, 1, 0, 0, None, None, torch.device(device))
 
     @classmethod
-    def from_world(cls, tp: int, dp: int, pp: int = 1, cp: int = 1) -> ParallelState:
-        """Builds the tp, cp, dp, dp x cp and pp groups over the initialized default group
-        (every rank calls this, in the same order, because new_group is collective)."""
+    def from_world(cls, tp: int, dp: int, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelState:
+        """Builds the tp, cp, dp, dp x cp, ep, expert-data-parallel and pp groups over the
+        initialized default group (every rank calls this, in the same order, because new_group
+        is collective)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp * cp * dp * pp != world:
             raise ValueError(f"tp * cp * dp * pp = {tp} * {cp} * {dp} * {pp} != world size {world}")
@@ -148,6 +179,21 @@ class ParallelState:
             dp_cp_group, _ = build(
                 "dp", [[at(t, d, p, c) for d in D for c in C] for p in P for t in T]
             )
+        ep_group, edp_group = None, dp_cp_group
+        if ep > 1:
+            if dp % ep:
+                raise ValueError(f"ep {ep} does not divide dp {dp}")
+            outer, E = range(dp // ep), range(ep)
+            ep_group, _ = build(
+                "ep",
+                [[at(t, o * ep + e, p, c) for e in E] for p in P for o in outer for c in C
+                 for t in T],
+            )  # fmt: skip
+            edp_group, _ = build(
+                "dp",
+                [[at(t, o * ep + e, p, c) for o in outer for c in C] for p in P for e in E
+                 for t in T],
+            )  # fmt: skip
         pp_group = embedding_group = None
         if pp > 1:
             pp_group, _ = build(
@@ -175,6 +221,9 @@ class ParallelState:
             cp_rank=cp_rank,
             cp_group=cp_group,
             dp_cp_group=dp_cp_group,
+            ep=ep,
+            ep_group=ep_group,
+            edp_group=edp_group,
         )
 
 
@@ -190,7 +239,9 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(tp: int, dp: int, timeout_s: float, pp: int = 1, cp: int = 1) -> ParallelState:
+def init_distributed(
+    tp: int, dp: int, timeout_s: float, pp: int = 1, cp: int = 1, ep: int = 1
+) -> ParallelState:
     """Joins the process group torchrun described in the environment (NCCL on CUDA, gloo on
     CPU) and builds the run's groups; a single process with world size 1 joins nothing. On
     CPU, groups whose ranks share a host exchange through shared memory (megatronish.shm)."""
@@ -202,7 +253,7 @@ def init_distributed(tp: int, dp: int, timeout_s: float, pp: int = 1, cp: int = 
         if backend == "nccl":
             torch.cuda.set_device(default_device())
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return use_shared_memory(ParallelState.from_world(tp, dp, pp, cp), timeout_s)
+    return use_shared_memory(ParallelState.from_world(tp, dp, pp, cp, ep), timeout_s)
 
 
 def use_shared_memory(ps: ParallelState, timeout_s: float) -> ParallelState:
@@ -212,6 +263,8 @@ def use_shared_memory(ps: ParallelState, timeout_s: float) -> ParallelState:
         groups = [(ps.tp_group, ps.tp), (ps.dp_group, ps.dp)]
         if ps.cp > 1:
             groups += [(ps.cp_group, ps.cp), (ps.dp_cp_group, ps.dp_cp)]
+        if ps.ep > 1:
+            groups += [(ps.edp_group, ps.edp)]
         for group, size in groups:
             if size > 1:
                 comm.enable_shared_memory(group, timeout_s)

@@ -28,6 +28,7 @@ from megatronish.errors import RunFailure, UserError
 from megatronish.grads import GradBuffer
 from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
+from megatronish.moe import step_metrics
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
@@ -76,7 +77,9 @@ def setup(cfg: Config) -> Setup:
     ops.check_backend(cfg.kernels.backend, default_device())
     if cfg.observe.tensorboard:
         check_tensorboard()
-    ps = init_distributed(derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp)
+    ps = init_distributed(
+        derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp, derived.ep
+    )
     return Setup(cfg, derived, ps, dataset_dir)
 
 
@@ -189,6 +192,7 @@ class Trainer:
             inputs, targets = self.next_batch(self.loader)  # [accum, micro, seq / cp] each
         accum = inputs.shape[0]
         self.grads.start_step(accum)
+        self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(inputs, targets, 1.0 / accum, self.autocast)
         else:
@@ -284,12 +288,18 @@ class Trainer:
                         "mfu": self.flops_per_step / step_time / (self.peak * ps.world_size),
                         "step_time_s": step_time,
                     }
+                    last.update(self.moe_metrics())
                     last.update(self.observe_step())
                     metrics.write(last)
                     postfix = dict(
                         loss=f"{result.loss:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
                         mfu=f"{100 * last['mfu']:.1f}%",
                     )  # fmt: skip
+                    if "moe_aux_loss" in last:
+                        postfix["aux"] = f"{last['moe_aux_loss']:.3f}"
+                        postfix["imb"] = f"{last['moe_imbalance']:.2f}"
+                        if self.cfg.model.moe.capacity_factor is not None:
+                            postfix["drop"] = f"{100 * last['moe_dropped_frac']:.1f}%"
                     if "peak_memory_gb" in last:
                         postfix["mem"] = f"{last['peak_memory_gb']:.2f}GB"
                     bar.set_postfix(**postfix)
@@ -316,6 +326,13 @@ class Trainer:
         if stopped and ps.is_main:
             self.report_stop()
         return last
+
+    def moe_metrics(self) -> dict:
+        """The MoE layers' router metrics since the last logged step (every rank calls this;
+        none without experts)."""
+        stats = {index: layer.stats for index, layer in self.model.moe_layers().items()}
+        moe = self.cfg.model.moe
+        return step_metrics(stats, self.s.derived.moe_layers, moe.num_experts, self.ps)
 
     def observe_step(self) -> dict:
         """On a logged step: the phase times and peak memory of every rank since the last one,

@@ -12,6 +12,7 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parent.parent / "megatronish" / "config.py"
 SECTIONS = {
     "ModelConfig": "model",
+    "MoEConfig": "model.moe",
     "ParallelConfig": "parallel",
     "TrainConfig": "train",
     "OptimConfig": "optim",

@@ -80,7 +80,7 @@ def make_trainer(cfg, world: int, dataset: Path, ps=None):
     derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
     if ps is None:
         comm.disable_shared_memory()
-        ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp, derived.cp)
+        ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp, derived.cp, derived.ep)
         ps = use_shared_memory(ps, 120)
     return Trainer(Setup(cfg, derived, ps, dataset))
 

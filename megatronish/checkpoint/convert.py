@@ -36,7 +36,7 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
         raise UserError(f"--tp {tp}: must be a positive integer")
     cfg = copy.deepcopy(ckpt.config)
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.pp_layers = tp, None, 1, None
-    cfg.parallel.cp = 1
+    cfg.parallel.cp = cfg.parallel.ep = 1
     try:
         derived = derive(cfg, tp, vocab_size=ckpt.vocab_size)
     except UserError as exc:
@@ -74,7 +74,7 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
             tokenizer = TokenizerInfo(
                 info["kind"], info["eot_id"], path if path.is_file() else None
             )
-        layout = {"tp": tp, "dp": 1, "pp": 1, "cp": 1, "zero": 0, "world_size": tp}
+        layout = {"tp": tp, "dp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "world_size": tp}
         meta = base_metadata(
             ckpt.step, layout, specs, ckpt.vocab_size, derived.padded_vocab_size,
             cfg.model.arch, has_optimizer, ckpt.loader_state, tokenizer,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatronish.errors import UserError, read_json_object
+from megatronish.moe.experts import stored_tensors
 
 FORMAT = "megatronish-checkpoint"
 FORMAT_VERSION = 1
@@ -38,8 +39,11 @@ def _stage_suffix(pp_rank: int | None) -> str:
     return "" if pp_rank is None else f"_pp{pp_rank:02d}"
 
 
-def model_file(tp_rank: int, pp_rank: int | None = None) -> str:
-    return f"model_tp{tp_rank:02d}{_stage_suffix(pp_rank)}.safetensors"
+def model_file(tp_rank: int, pp_rank: int | None = None, ep_rank: int = 0) -> str:
+    """The model shard of tp rank tp_rank (of stage pp_rank); ep ranks after the first, which
+    hold other experts, write their experts into _epNN files."""
+    ep = f"_ep{ep_rank:02d}" if ep_rank else ""
+    return f"model_tp{tp_rank:02d}{ep}{_stage_suffix(pp_rank)}.safetensors"
 
 
 def optim_file(tp_rank: int, dp_rank: int, pp_rank: int | None = None) -> str:
@@ -51,7 +55,7 @@ def rng_file(rank: int) -> str:
 
 
 _FILE_RES = {
-    "model": re.compile(r"model_tp(\d+)(?:_pp(\d+))?\.safetensors"),
+    "model": re.compile(r"model_tp(\d+)(?:_ep(\d+))?(?:_pp(\d+))?\.safetensors"),
     "optim": re.compile(r"optim_tp(\d+)_dp(\d+)(?:_pp(\d+))?\.safetensors"),
     "rng": re.compile(r"rng_rank(\d+)\.safetensors"),
 }
@@ -64,7 +68,12 @@ def describe_file(name: str) -> dict[str, Any] | None:
         if match is None:
             continue
         if kind == "model":
-            return {"kind": kind, "tp_rank": int(match[1]), "pp_rank": int(match[2] or 0)}
+            return {
+                "kind": kind,
+                "tp_rank": int(match[1]),
+                "ep_rank": int(match[2] or 0),
+                "pp_rank": int(match[3] or 0),
+            }
         if kind == "optim":
             return {
                 "kind": kind,
@@ -114,7 +123,8 @@ def dtype_name(dtype) -> str:
 
 
 def model_specs(model) -> dict[str, TensorSpec]:
-    """The TensorSpec of every parameter of a GPT, from its mark_parallel tags."""
+    """The TensorSpec of every stored tensor of a GPT (each expert its own, by global id),
+    from its mark_parallel tags."""
     return {
         name: TensorSpec(
             tuple(param.full_shape),
@@ -122,31 +132,34 @@ def model_specs(model) -> dict[str, TensorSpec]:
             dtype_name(param.dtype),
             getattr(param, "valid_rows", None),
         )
-        for name, param in model.named_parameters()
+        for name, param, _ in stored_tensors(model.named_parameters())
     }
 
 
-def saved_parameters(model) -> dict:
-    """The parameters a stage saves: all but the last stage's copy of tied embeddings."""
-    return {
-        name: param
-        for name, param in model.named_parameters()
-        if not getattr(param, "pipeline_duplicate", False)
-    }
+def saved_tensors(model) -> list[tuple[str, Any, int | None]]:
+    """The tensors a stage saves, as (name, parameter, expert index or None) from
+    moe.experts.stored_tensors: all but the last stage's copy of tied embeddings."""
+    return [
+        entry
+        for entry in stored_tensors(model.named_parameters())
+        if not getattr(entry[1], "pipeline_duplicate", False)
+    ]
 
 
 def all_stage_specs(model, ps) -> dict[str, TensorSpec]:
-    """The TensorSpec of every saved parameter of the whole model, on every rank: each
-    pipeline stage's own, gathered over the pipeline group when pp > 1."""
-    saved = saved_parameters(model)
+    """The TensorSpec of every saved tensor of the whole model, on every rank: each pipeline
+    stage's and each ep rank's own (the experts it holds), gathered over the ep and pipeline
+    groups."""
+    saved = {name for name, _, _ in saved_tensors(model)}
     specs = {name: spec for name, spec in model_specs(model).items() if name in saved}
-    if ps.pp == 1:
-        return specs
     import torch.distributed as dist
 
-    stages: list = [None] * ps.pp
-    dist.all_gather_object(stages, specs, group=ps.pp_group)
-    return {name: spec for stage in stages for name, spec in stage.items()}
+    for size, group in ((ps.ep, ps.ep_group), (ps.pp, ps.pp_group)):
+        if size > 1:
+            parts: list = [None] * size
+            dist.all_gather_object(parts, specs, group=group)
+            specs = {name: spec for part in parts for name, spec in part.items()}
+    return specs
 
 
 # --------------------------------------------------------------------------------------------

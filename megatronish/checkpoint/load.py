@@ -12,6 +12,7 @@ from torch import nn
 from megatronish.checkpoint.format import all_stage_specs, model_specs
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import Config, derive
+from megatronish.moe.experts import is_expert, stored_tensors
 from megatronish.parallel import ParallelState
 
 
@@ -23,8 +24,9 @@ def restore_model(source, model: nn.Module) -> None:
     source.check_compatible(all_stage_specs(model, model.ps))
     wanted = model_specs(model)
     tp, tp_rank = model.derived.tp, model.ps.tp_rank
-    for name, param in model.named_parameters():
-        param.copy_(source.block(name, "param", wanted[name], tp, tp_rank))
+    for name, param, index in stored_tensors(model.named_parameters()):
+        target = param if index is None else param[index]
+        target.copy_(source.block(name, "param", wanted[name], tp, tp_rank))
 
 
 def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
@@ -34,22 +36,26 @@ def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
     if ckpt.meta.get("optimizer") is None:
         return
     wanted = model_specs(model)
-    names = {id(param): name for name, param in model.named_parameters()}
+    stored: dict[int, list[str]] = {}  # parameter -> its stored names (one per expert)
+    for name, param, _ in stored_tensors(model.named_parameters()):
+        stored.setdefault(id(param), []).append(name)
     tp, tp_rank = model.derived.tp, model.ps.tp_rank
     optimizer.inner.state.clear()
     for group in optimizer.inner.param_groups:
         for param in group["params"]:
-            name = names[id(param)]
-            if not ckpt.has_optimizer_state(name):
+            names = stored[id(param)]
+            if not all(ckpt.has_optimizer_state(name) for name in names):
                 continue
+
+            def read(kind: str, param=param, names=names) -> torch.Tensor:
+                blocks = [ckpt.block(n, kind, wanted[n], tp, tp_rank) for n in names]
+                tensor = torch.stack(blocks) if is_expert(param) else blocks[0]
+                return tensor.to(device=param.device, dtype=param.dtype)
+
             optimizer.inner.state[param] = {
-                "step": ckpt.scalar(name, "step").to(param.device, torch.float32, copy=True),
-                **{
-                    kind: ckpt.block(name, kind, wanted[name], tp, tp_rank).to(
-                        device=param.device, dtype=param.dtype
-                    )
-                    for kind in ("exp_avg", "exp_avg_sq")
-                },
+                "step": ckpt.scalar(names[0], "step").to(param.device, torch.float32, copy=True),
+                "exp_avg": read("exp_avg"),
+                "exp_avg_sq": read("exp_avg_sq"),
             }
 
 
@@ -94,7 +100,7 @@ def inference_config(cfg: Config, vocab_size: int, tp: int) -> Config:
     parallelism, no activation checkpointing, the saved vocab size."""
     cfg = copy.deepcopy(cfg)
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.pp_layers = tp, None, 1, None
-    cfg.parallel.cp = 1
+    cfg.parallel.cp = cfg.parallel.ep = 1
     cfg.parallel.sequence_parallel = False
     cfg.train.activation_checkpointing = "none"
     cfg.model.vocab_size = vocab_size

@@ -4,7 +4,7 @@ Protocol (each step ends with an agreement: an all-reduce of a failure flag, so 
 fails makes every rank raise instead of leaving the others waiting in a barrier):
   1. rank 0 creates <dir>/step_NNNNNN.tmp-<pid of rank 0> (the pid is broadcast);
   2. every rank writes its files there and fsyncs them: dp x cp rank 0 of each tp rank (and
-     stage) its model shard; the ranks that hold optimizer state their optim shard (dp x cp
+     stage) its model shard, the other ep ranks of its ep group their experts; the ranks that hold optimizer state their optim shard (dp x cp
      rank 0 without ZeRO, every dp x cp rank with ZeRO-1); every rank its RNG states;
   3. rank 0 writes config.yaml, the tokenizer and metadata.json (which lists every file with
      its size), fsyncs, renames the directory to step_NNNNNN, replaces `latest` atomically,
@@ -43,7 +43,7 @@ from megatronish.checkpoint.format import (
     model_file,
     optim_file,
     rng_file,
-    saved_parameters,
+    saved_tensors,
     step_dir_name,
     write_text_atomic,
 )
@@ -77,19 +77,27 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     fsync_path(path)
 
 
-def optimizer_tensors(model, optimizer, include_replicated: bool) -> dict[str, torch.Tensor]:
-    """This rank's AdamW state as '<param>.exp_avg', '.exp_avg_sq' and '.step' tensors."""
-    names = {id(param): name for name, param in saved_parameters(model).items()}
+def _part(tensor: torch.Tensor, index: int | None) -> torch.Tensor:
+    """The stored tensor: the whole tensor, or expert `index` of a stacked one."""
+    return tensor if index is None else tensor[index]
+
+
+def optimizer_tensors(
+    model, optimizer, include_replicated: bool, experts_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """This rank's AdamW state as '<name>.exp_avg', '.exp_avg_sq' and '.step' tensors (a
+    stacked expert weight's state by each expert's name)."""
     out: dict[str, torch.Tensor] = {}
-    for param, state in optimizer.inner.state.items():
-        if not state or id(param) not in names:
+    for name, param, index in saved_tensors(model):
+        state = optimizer.inner.state.get(param)
+        if not state or (param.tp_split_dim is None and not include_replicated):
             continue
-        if param.tp_split_dim is None and not include_replicated:
+        if experts_only and index is None:
             continue
-        name = names[id(param)]
-        out[f"{name}.exp_avg"] = state["exp_avg"]
-        out[f"{name}.exp_avg_sq"] = state["exp_avg_sq"]
-        out[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
+        out[f"{name}.exp_avg"] = _part(state["exp_avg"], index)
+        out[f"{name}.exp_avg_sq"] = _part(state["exp_avg_sq"], index)
+        step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
+        out[f"{name}.step"] = step if index is None else step.clone()  # one per expert
     return out
 
 
@@ -104,17 +112,21 @@ def rng_tensors(model, ps: ParallelState) -> dict[str, torch.Tensor]:
 
 
 def rank_files(model, optimizer, ps: ParallelState) -> dict[str, dict[str, torch.Tensor]]:
-    """The files this rank writes, each as its tensors (replicated ones only on tp rank 0)."""
+    """The files this rank writes, each as its tensors (replicated ones only on tp rank 0).
+    Rank 0 of the dp x cp group writes the model and its experts; ranks 1 .. ep - 1 of it (the
+    other ep ranks, at expert-data-parallel rank 0) write their experts only."""
     files: dict[str, dict[str, torch.Tensor]] = {}
     stage = ps.pp_rank if ps.pp > 1 else None
-    if ps.dp_cp_rank == 0:
-        files[model_file(ps.tp_rank, stage)] = {
-            name: param
-            for name, param in saved_parameters(model).items()
-            if param.tp_split_dim is not None or ps.tp_rank == 0
+    if ps.edp_rank == 0:
+        dense = ps.dp_cp_rank == 0
+        files[model_file(ps.tp_rank, stage, ps.ep_rank)] = {
+            name: _part(param, index)
+            for name, param, index in saved_tensors(model)
+            if (index is not None or dense) and (param.tp_split_dim is not None or ps.tp_rank == 0)
         }
-    if optimizer is not None and (optimizer.zero or ps.dp_cp_rank == 0):
-        state = optimizer_tensors(model, optimizer, include_replicated=ps.tp_rank == 0)
+    if optimizer is not None and (optimizer.zero or ps.edp_rank == 0):
+        experts_only = not optimizer.zero and ps.dp_cp_rank != 0
+        state = optimizer_tensors(model, optimizer, ps.tp_rank == 0, experts_only)
         if state:
             files[optim_file(ps.tp_rank, ps.dp_cp_rank, stage)] = state
     files[rng_file(ps.rank)] = rng_tensors(model, ps)
@@ -266,6 +278,7 @@ def save_checkpoint(
             "dp": derived.dp,
             "pp": derived.pp,
             "cp": derived.cp,
+            "ep": derived.ep,
             "zero": int(bool(optimizer is not None and optimizer.zero)),
             "world_size": ps.world_size,
         }

@@ -18,7 +18,7 @@ from collections import defaultdict, deque
 
 from megatronish.observe.profile import comm_range
 
-KINDS = ("tp", "cp", "dp", "pp", "world")
+KINDS = ("tp", "cp", "ep", "dp", "pp", "world")
 # group -> (kind, mesh name)
 _NAMES: dict = {}
 

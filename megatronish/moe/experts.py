@@ -1,0 +1,75 @@
+"""One rank's experts of an MoE layer: SwiGLU FFNs as three stacked weights, run as grouped
+GEMMs over rows sorted by expert (megatronish.ops.grouped_mm: a Triton kernel on CUDA, a
+per-expert torch loop elsewhere).
+
+Shapes: E_l local experts (global ids first .. first + E_l - 1), h d_model, f one expert's
+d_ff, t tp. gate and up [E_l, f/t, h] (column-parallel), down [E_l, h, f/t] (row-parallel):
+each expert's slice is exactly the nn.Linear weight of a dense SwiGLU MLP's block, so the
+output [R, h] is a partial sum over the tp ranks (the caller all-reduces it).
+
+Each weight is tagged (mark_experts) with its per-expert full shape and tp split dim (those of
+one expert's 2-D weight) and its global expert ids: checkpoints store every expert by global
+id (blocks.<i>.mlp.experts.<e>.gate.weight, ...), the same at every tp and ep.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatronish import ops
+from megatronish.layers.linear import mark_parallel, to_autocast_dtype
+
+
+def mark_experts(
+    param: nn.Parameter, split_dim: int, full_shape: tuple[int, int], first: int
+) -> None:
+    """Tags a stacked expert weight [E_l, ...]: one expert's tp split dim and full 2-D shape,
+    and the global ids of its experts."""
+    mark_parallel(param, split_dim, full_shape)
+    param.expert_ids = tuple(range(first, first + param.shape[0]))
+
+
+def is_expert(param: nn.Parameter) -> bool:
+    """Whether param holds experts (split over ep; its gradient is reduced over the
+    expert-data-parallel group)."""
+    return hasattr(param, "expert_ids")
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_local: int, first: int, d_model: int, d_ff: int, tp: int, backend):
+        super().__init__()
+        local_ff = d_ff // tp
+        self.backend = backend
+        self.gate = nn.Parameter(torch.empty(num_local, local_ff, d_model))
+        self.up = nn.Parameter(torch.empty(num_local, local_ff, d_model))
+        self.down = nn.Parameter(torch.empty(num_local, d_model, local_ff))
+        mark_experts(self.gate, 0, (d_ff, d_model), first)
+        mark_experts(self.up, 0, (d_ff, d_model), first)
+        mark_experts(self.down, 1, (d_model, d_ff), first)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x [R, h] expert-major, offsets [E_l] each expert's cumulative end row -> [R, h]
+        (this tp rank's partial sum)."""
+        x = to_autocast_dtype(x)
+        gate, up, down = (to_autocast_dtype(w) for w in (self.gate, self.up, self.down))
+        backend = self.backend
+        g = ops.grouped_mm(x, gate.transpose(1, 2), offsets, backend=backend)  # [R, f/t]
+        u = ops.grouped_mm(x, up.transpose(1, 2), offsets, backend=backend)
+        hidden = ops.swiglu(g, u, backend=backend)
+        return ops.grouped_mm(hidden, down.transpose(1, 2), offsets, backend=backend)
+
+
+def stored_tensors(named_parameters) -> list[tuple[str, nn.Parameter, int | None]]:
+    """Every tensor a checkpoint stores, from (name, parameter) pairs: (name, param, None) for
+    a plain parameter, and for stacked experts one (blocks.<i>.mlp.experts.<e>.<w>.weight,
+    param, j) per local expert j of global id e; the tensor is param[j]."""
+    out: list[tuple[str, nn.Parameter, int | None]] = []
+    for name, param in named_parameters:
+        if not is_expert(param):
+            out.append((name, param, None))
+            continue
+        module, _, weight = name.rpartition(".")
+        for j, expert in enumerate(param.expert_ids):
+            out.append((f"{module}.{expert}.{weight}.weight", param, j))
+    return out

@@ -1,0 +1,136 @@
+"""The mixture-of-experts MLP of one block: router -> dispatch -> grouped expert SwiGLU ->
+combine (plus an optional shared expert), with its router losses attached to the backward.
+
+Shapes: b batch, s sequence, h d_model, T = b s tokens of this rank, E experts, k top_k.
+
+Layout: the tokens are replicated over the tp ranks (sequence parallelism is not supported
+with experts); every tp rank routes them identically and dispatches them over its own ep
+group, and each expert's FFN is column/row-parallel over tp like the dense MLP: the dispatched
+tokens and the combine weights enter the tp region through f (identity forward, all-reduce
+backward) and the combined output leaves through g (all-reduce forward). Routing depends only
+on a token's hidden state, so it is the same at every tp, ep, cp and pp.
+
+Router losses: each layer adds (aux_loss_coef x load balancing + z_loss_coef x z-loss) / (MoE
+layers) of its micro-batch to the loss, attached to the layer's output (AttachLoss: the
+forward is the identity, the backward also starts the loss's gradient), so it reaches the
+backward from any pipeline stage. Under cp a rank's share is scaled by cp, as the
+cross-entropy loss is, so the gradient mean over the dp x cp group is the micro-batches' mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from megatronish import comm
+from megatronish.config import Config, Derived
+from megatronish.layers import mappings
+from megatronish.layers.linear import mark_parallel
+from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
+from megatronish.moe.experts import GroupedExperts
+from megatronish.moe.router import balancing_loss_share, route, router_logits, z_loss_share
+from megatronish.moe.stats import LayerStats
+from megatronish.parallel import ParallelState
+
+
+class AttachLoss(torch.autograd.Function):
+    """y = x; backward also gives `loss` (a scalar) the gradient `scale`, so the loss joins
+    the backward pass wherever x's gradient flows."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale: float):
+        ctx.scale = scale
+        ctx.loss_shape = loss.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full(ctx.loss_shape, ctx.scale, dtype=torch.float32), None
+
+
+class Router(nn.Module):
+    """The router weight [E, h], replicated over tp."""
+
+    def __init__(self, num_experts: int, d_model: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        mark_parallel(self.weight, None, (num_experts, d_model))
+
+
+class MoELayer(nn.Module):
+    def __init__(
+        self, cfg: Config, derived: Derived, ps: ParallelState, shared: nn.Module | None = None
+    ):
+        super().__init__()
+        moe = cfg.model.moe
+        self.num_experts, self.top_k, self.kind = moe.num_experts, moe.top_k, moe.router
+        self.capacity_factor = moe.capacity_factor
+        self.aux_coef, self.z_coef = moe.aux_loss_coef, moe.z_loss_coef
+        self.loss_weight = 1.0 / len(derived.moe_layers)
+        self.ep, self.cp = derived.ep, derived.cp
+        self.tp_group, self.ep_group, self.cp_group = ps.tp_group, ps.ep_group, ps.cp_group
+        local = moe.num_experts // derived.ep
+        self.router = Router(moe.num_experts, cfg.model.d_model)
+        self.experts = GroupedExperts(
+            local, ps.ep_rank * local, cfg.model.d_model, derived.moe_d_ff, derived.tp,
+            cfg.kernels.backend,
+        )  # fmt: skip
+        self.shared = shared
+        self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)
+        self.stats = LayerStats(moe.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, h] (replicated over tp) -> [b, s, h]."""
+        b, s, h = x.shape
+        tokens = x.reshape(b * s, h)
+        logits = router_logits(tokens, self.router.weight)  # [T, E] fp32
+        routing = route(logits, self.top_k, self.kind)
+        keep = None
+        if self.capacity_factor is not None:
+            capacity = capacity_of(self.capacity_factor, b * s, self.top_k, self.num_experts)
+            keep = capacity_keep(routing.experts, self.num_experts, capacity)
+        plan = make_plan(routing.experts, keep, self.num_experts, self.ep, self.ep_group)
+        group = self.tp_group
+        rows = dispatch(mappings.copy_to_tensor_parallel_region(tokens, group), plan, self.ep_group)
+        y = self.experts(rows, plan.local_offsets)  # [R, h], partial over tp
+        weights = mappings.copy_to_tensor_parallel_region(routing.weights, group)
+        out = combine(y, plan, weights, b * s, self.ep_group)
+        out = mappings.reduce_from_tensor_parallel_region(out, group).view(b, s, h)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if not (self.training and torch.is_grad_enabled()):
+            return out
+        loss, balance, z = self.router_loss(routing)
+        if not _RECOMPUTING[0]:
+            self.stats.add(routing.experts, keep, balance, z)
+        if loss.requires_grad:
+            out = AttachLoss.apply(out, loss, self.loss_scale)
+        return out
+
+    def router_loss(self, routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's share of the micro-batch's router loss term (differentiable), and its
+        shares of the balancing and z-losses (unweighted, detached: for the metrics)."""
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
+        tokens = routing.logits.shape[0] * self.cp
+        if self.cp > 1:  # f counts the whole micro-batch's assignments
+            comm.all_reduce(counts, self.cp_group)
+        balance = balancing_loss_share(routing.probs, counts, tokens, self.top_k)
+        z = z_loss_share(routing.logits, tokens)
+        loss = (self.aux_coef * balance + self.z_coef * z) * (self.cp * self.loss_weight)
+        return loss, balance.detach(), z.detach()
+
+
+_RECOMPUTING = [False]
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Marks an activation-checkpointing recompute: MoE layers route again (the same way) but
+    do not count the micro-batch a second time in their stats."""
+    _RECOMPUTING[0] = True
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] = False

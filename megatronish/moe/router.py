@@ -1,0 +1,67 @@
+"""Routing: router logits -> each token's top_k experts and their combine weights, and the two
+router losses.
+
+Shapes: T tokens, E experts, k top_k. The router is fp32 (autocast off; float64 on float64 inputs): its logits, the
+softmax and the top-k are computed the same way at every precision, so routing decisions do
+not flip with bf16 rounding.
+
+Losses, over the T_all tokens of one micro-batch (all the cp ranks' shares of its sequences):
+- load balancing (Switch Transformer eq. 4): E x sum_i f_i P_i, f_i the fraction of the
+  T_all x k routed assignments that chose expert i, P_i the mean router probability of expert
+  i; 1 at perfect balance. Only P carries a gradient.
+- z-loss (ST-MoE eq. 5): the mean over tokens of logsumexp(logits)^2.
+Each rank computes its share (its tokens' probabilities and logits over T_all; the counts f
+are summed over the cp group first), so the shares of a micro-batch add up to its loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor  # [T, k] int64: the chosen experts of each token, best first
+    weights: torch.Tensor  # [T, k] fp32: their combine weights (differentiable)
+    probs: torch.Tensor  # [T, E] fp32: softmax over all experts (the balancing loss's P)
+    logits: torch.Tensor  # [T, E] fp32
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, h] times the router weight [E, h], in fp32 (float64 for float64 inputs) -> [T, E]."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.to(dtype), weight.to(dtype))
+
+
+def route(logits: torch.Tensor, top_k: int, kind: str) -> Routing:
+    """softmax_topk: softmax over all experts, keep the top_k, renormalize them to sum 1
+    (Mixtral). topk_softmax: the top_k logits, softmax over those."""
+    probs = torch.softmax(logits, dim=-1)
+    if kind == "softmax_topk":
+        weights, experts = probs.topk(top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif kind == "topk_softmax":
+        values, experts = logits.topk(top_k, dim=-1)
+        weights = torch.softmax(values, dim=-1)
+    else:
+        raise ValueError(f"router must be softmax_topk or topk_softmax, got {kind!r}")
+    return Routing(experts, weights, probs, logits)
+
+
+def balancing_loss_share(
+    probs: torch.Tensor, counts: torch.Tensor, tokens: int, top_k: int
+) -> torch.Tensor:
+    """This rank's share of the load-balancing loss: probs [T, E] of its tokens, counts [E]
+    the routed assignments of the whole micro-batch per expert, tokens = T_all."""
+    num_experts = probs.shape[-1]
+    fraction = counts.to(probs.dtype) / (tokens * top_k)  # f_i
+    return num_experts * (fraction * probs.sum(dim=0)).sum() / tokens
+
+
+def z_loss_share(logits: torch.Tensor, tokens: int) -> torch.Tensor:
+    """This rank's share of the router z-loss: sum over its tokens of logsumexp^2 / T_all."""
+    return torch.logsumexp(logits, dim=-1).square().sum() / tokens

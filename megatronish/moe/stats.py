@@ -1,0 +1,80 @@
+"""What the MoE layers did over a step, for metrics.jsonl and the progress bar.
+
+Each MoE layer counts, over the step's training micro-batches on its rank: the routed
+assignments per expert (before capacity drops), the dropped ones, and its shares of the
+balancing and z-losses. At a logged step `step_metrics` sums them over every rank (tp rank 0
+only: the tp ranks route identically) into:
+  moe_aux_loss     the load-balancing loss (1 at perfect balance), mean over layers and
+                   micro-batches
+  moe_z_loss       the router z-loss, the same mean
+  moe_imbalance    max over layers of (tokens of the busiest expert / mean tokens per expert)
+  moe_imbalance_mean   the mean over layers of that ratio
+  moe_dropped_frac dropped assignments / routed assignments (0 when dropless)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatronish import comm
+
+
+class LayerStats:
+    """One MoE layer's sums since the last step_metrics, on the layer's device (no host sync
+    on the step's path)."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.sums: torch.Tensor | None = None  # [E + 4]: counts, dropped, balance, z, micro
+
+    @torch.no_grad()
+    def add(
+        self,
+        experts: torch.Tensor,
+        keep: torch.Tensor | None,
+        balance: torch.Tensor,
+        z: torch.Tensor,
+    ) -> None:
+        """One micro-batch: experts [T, k] routed, keep [T, k] (None: dropless), this rank's
+        shares of its balancing and z-losses."""
+        routed = torch.bincount(experts.reshape(-1), minlength=self.num_experts).double()
+        dropped = (~keep).sum().double() if keep is not None else routed.new_zeros(())
+        one = routed.new_ones(())
+        row = torch.cat([routed, torch.stack([dropped, balance.double(), z.double(), one])])
+        self.sums = row if self.sums is None else self.sums + row
+
+    def take(self) -> torch.Tensor | None:
+        sums, self.sums = self.sums, None
+        return sums
+
+
+def step_metrics(
+    layers: dict[int, LayerStats], moe_layers: tuple[int, ...], num_experts: int, ps
+) -> dict[str, float]:
+    """The moe_* metrics since the last call (every rank calls it; it resets the sums).
+    layers: this rank's MoE layers by block index; moe_layers: every MoE block index."""
+    if not moe_layers:
+        return {}
+    table = torch.zeros(len(moe_layers), num_experts + 4, dtype=torch.float64, device=ps.device)
+    for index, stats in layers.items():
+        sums = stats.take()
+        if sums is None or ps.tp_rank != 0:
+            continue
+        row = table[moe_layers.index(index)]
+        row.copy_(sums)
+        if ps.cp_rank != 0:
+            row[-1] = 0  # the micro-batches are counted once per dp rank
+    if ps.world_size > 1:
+        comm.all_reduce(table, None)
+    table = table.cpu()
+    counts, dropped = table[:, :num_experts], table[:, num_experts]
+    micro = table[:, -1].clamp(min=1)
+    routed = counts.sum(1).clamp(min=1)
+    imbalance = counts.max(1).values / (routed / num_experts)
+    return {
+        "moe_aux_loss": float((table[:, num_experts + 1] / micro).mean()),
+        "moe_z_loss": float((table[:, num_experts + 2] / micro).mean()),
+        "moe_imbalance": float(imbalance.max()),
+        "moe_imbalance_mean": float(imbalance.mean()),
+        "moe_dropped_frac": float(dropped.sum() / routed.sum()),
+    }

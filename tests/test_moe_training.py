@@ -1,0 +1,237 @@
+"""Mixture of experts in training: 20 fp32 dropless steps at ep = 2, ep 2 x tp 2, ep 2 x pp 2,
+ep 2 x cp 2, dp 4 x ep 2 with ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and
+router metrics (balancing and z-losses, imbalance) of one process within 1e-5 relative; with a
+capacity factor the dropped fraction does not change with ep either, and the one metrics.jsonl
+reports equals a count made outside the model on the same router output; an ep = 2 checkpoint
+resumes at ep = 1 on the same curve; one-process training is deterministic; bad MoE settings
+exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatronish.data import prepare_dataset
+from tests.conftest import CONFIGS
+from tests.distributed import run_on_ranks
+from tests.test_pipeline import (
+    SMALL,
+    STEPS,
+    assert_check_fails_with_one_line,
+    assert_close,
+    assert_curves_match,
+    make_trainer,
+    train_counted,
+    train_losses,
+)
+
+MOE = [
+    "model.arch=llama", "model.n_kv_head=2", "model.moe.num_experts=4", "model.moe.top_k=2",
+    "model.moe.every=2", "model.moe.d_ff=48", "model.moe.z_loss_coef=0.01",
+]  # fmt: skip
+CAPACITY = ["model.moe.capacity_factor=1.0"]
+# name -> (tp, cp, dp, pp, ep, overrides); the reference of each is its overrides at one rank.
+TWO_RANKS = {
+    "ep2": (1, 1, 2, 1, 2, MOE),
+    "dp2 ep1": (1, 1, 2, 1, 1, MOE),
+    "ep2 capacity": (1, 1, 2, 1, 2, MOE + CAPACITY),
+}
+FOUR_RANKS = {
+    "ep2 tp2": (2, 1, 2, 1, 2, MOE),
+    "ep2 pp2": (1, 1, 2, 2, 2, MOE),
+    "ep2 cp2": (1, 2, 2, 1, 2, MOE),
+    "dp4 ep2 zero1": (1, 1, 4, 1, 2, MOE + ["optim.zero=1"]),
+}
+SAVED = "ep2"  # also saves a checkpoint at step 10
+ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("moe-data")
+    files = []
+    for part in range(10):
+        text = "".join(f"def h{i}(y):\n    return y * {i} + {part}\n\n" for i in range(80))
+        (root / f"part{part}.py").write_text(text)
+        files.append(str(root / f"part{part}.py"))
+    return prepare_dataset(files, str(root / "ds"), val_fraction=0.1)
+
+
+def make_config(tp, cp, dp, pp, ep, overrides, dataset, extra=()):
+    from megatronish.config import load_config
+
+    sets = SMALL + overrides + [
+        f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.dp={dp}", f"parallel.pp={pp}",
+        f"parallel.ep={ep}",
+    ]  # fmt: skip
+    return load_config(None, sets + [f"data.path={dataset}", *extra])
+
+
+def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
+    trainer = make_trainer(cfg, world, dataset, ps)
+    losses, norms, counter = train_counted(trainer, STEPS, save_every)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "metrics": trainer.moe_metrics(),  # over all 20 steps
+        "payload": dict(counter.payload_bytes),
+    }
+
+
+def _train_on_ranks(rank, world, variants, dataset, save_dir):
+    results = {}
+    for name, variant in variants.items():
+        extra = []
+        if name == SAVED:
+            extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
+        cfg = make_config(*variant, dataset, extra)
+        results[name] = _train(cfg, world, dataset, save_every=10 if name == SAVED else 0)
+    return results
+
+
+_REFERENCES: dict = {}
+
+
+def reference(overrides: list[str], dataset: Path) -> dict:
+    """The one-rank run of these model settings (cached)."""
+    from megatronish.parallel import ParallelState
+
+    key = (tuple(o for o in overrides if not o.startswith("optim.")), dataset)
+    if key not in _REFERENCES:
+        cfg = make_config(1, 1, 1, 1, 1, list(key[0]), dataset)
+        _REFERENCES[key] = _train(cfg, 1, dataset, ParallelState.single())
+    return _REFERENCES[key]
+
+
+@pytest.fixture(scope="module")
+def save_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ep2-ckpt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(dataset, save_dir):
+    return run_on_ranks(_train_on_ranks, 2, TWO_RANKS, dataset, save_dir, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(dataset, save_dir):
+    return run_on_ranks(_train_on_ranks, 4, FOUR_RANKS, dataset, save_dir, timeout=300)
+
+
+def assert_router_metrics_match(per_rank: list[dict], name: str, ref: dict) -> None:
+    for rank_results in per_rank:
+        got = rank_results[name]["metrics"]
+        for key in ROUTER_METRICS:
+            assert got[key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-9), key
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_moe_at_two_ranks_losses_norms_and_router_metrics_equal_one_process(
+    name, two_ranks, dataset
+):
+    ref = reference(TWO_RANKS[name][-1], dataset)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
+    assert_curves_match(two_ranks, name, ref)
+    assert_router_metrics_match(two_ranks, name, ref)
+    if name == "ep2 capacity":
+        assert ref["metrics"]["moe_dropped_frac"] > 0
+    else:
+        assert ref["metrics"]["moe_dropped_frac"] == 0
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_moe_with_tp_pp_cp_zero_losses_norms_and_router_metrics_equal_one_process(
+    name, four_ranks, dataset
+):
+    ref = reference(FOUR_RANKS[name][-1], dataset)
+    assert_curves_match(four_ranks, name, ref)
+    assert_router_metrics_match(four_ranks, name, ref)
+
+
+def test_ep_ranks_exchange_tokens_by_all_to_all(two_ranks, four_ranks):
+    for per_rank in (two_ranks, four_ranks):
+        for rank_results in per_rank:
+            for name, result in rank_results.items():
+                ep = {**TWO_RANKS, **FOUR_RANKS}[name][4]
+                assert ("all_to_all" in result["payload"]) == (ep > 1), name
+
+
+def test_one_process_moe_training_is_deterministic(dataset):
+    from megatronish.parallel import ParallelState
+
+    first = reference(MOE, dataset)
+    cfg = make_config(1, 1, 1, 1, 1, MOE, dataset)
+    again = _train(cfg, 1, dataset, ParallelState.single())
+    assert again["losses"] == first["losses"] and again["norms"] == first["norms"]
+
+
+def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve(two_ranks, dataset, save_dir):
+    from megatronish.parallel import ParallelState
+
+    ref = reference(MOE, dataset)
+    extra = [f"checkpoint.resume={save_dir}/step_000010", "checkpoint.save=false"]
+    cfg = make_config(1, 1, 1, 1, 1, MOE, dataset, extra)
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+    assert trainer.resumed_from == 10
+    assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
+    saved = json.loads((save_dir / "step_000010" / "metadata.json").read_text())
+    assert saved["layout"]["ep"] == 2
+    assert "blocks.0.mlp.experts.3.down.weight" in saved["tensors"]
+    assert "model_tp00_ep01.safetensors" in saved["files"]
+
+
+def test_metrics_dropped_fraction_equals_a_count_outside_the_model(dataset, tmp_path, monkeypatch):
+    """A one-process run with a capacity factor logs moe_dropped_frac every step; the router's
+    choices, recorded as the model makes them, give the same fraction counted here."""
+    from megatronish.moe import layer
+    from megatronish.parallel import ParallelState
+
+    routed = []
+
+    def recording_route(logits, top_k, kind):
+        routing = route(logits, top_k, kind)
+        routed.append(routing.experts.tolist())
+        return routing
+
+    route = layer.route
+    monkeypatch.setattr(layer, "route", recording_route)
+    steps, out = 3, tmp_path / "run"
+    extra = [f"train.steps={steps}", "train.log_every=1", f"run.out_dir={out}"]
+    cfg = make_config(1, 1, 1, 1, 1, MOE + ["model.moe.capacity_factor=0.75"], dataset, extra)
+    make_trainer(cfg, 1, dataset, ParallelState.single()).run()
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    per_step = len(routed) // steps  # MoE layers x micro-batches
+    for step, line in enumerate(logged):
+        dropped = total = 0
+        for choices in routed[step * per_step : (step + 1) * per_step]:
+            capacity = math.ceil(0.75 * len(choices) * 2 / 4)
+            taken = [0] * 4
+            for slot in range(2):  # first choices first, in token order
+                for token in choices:
+                    taken[token[slot]] += 1
+                    dropped += taken[token[slot]] > capacity
+            total += 2 * len(choices)
+        assert line["moe_dropped_frac"] == pytest.approx(dropped / total, abs=1e-12)
+        assert dropped > 0
+
+
+@pytest.mark.parametrize(
+    ("world", "sets", "key"),
+    [
+        (1, ["model.moe.top_k=5"], "model.moe.top_k"),
+        (2, ["model.moe.num_experts=6", "parallel.ep=4"], "model.moe.num_experts"),
+        (2, ["parallel.ep=4"], "parallel.ep"),
+        (1, ["model.moe.num_experts=0", "parallel.ep=2"], "parallel.ep"),
+        (1, ["model.arch=gpt2", "model.n_kv_head=null"], "model.moe"),
+        (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "sequence_parallel"),
+        (1, ["model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
+    ],
+)
+def test_cli_bad_moe_settings_exit_2_with_one_line(world, sets, key):
+    args = ["--config", str(CONFIGS / "tiny.yaml"), "--world-size", str(world)]
+    for s in [*MOE, "model.moe.num_experts=4", *sets]:
+        args += ["--set", s]
+    assert_check_fails_with_one_line(args, key)
