@@ -466,7 +466,7 @@ def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_r
     out = tmp_path / "run"
     timeout_s = 6.0  # the watchdog reports a collective in flight for half of it, 3 s
     command = faulty(out, dataset, "train.steps=100000", f"parallel.timeout_s={timeout_s}")
-    with started(command, out, FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="12") as run:
+    with started(command, out, FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="8") as run:
         run.wait_for_step(2)
         stalled = time.monotonic()
         debug = out / "debug"

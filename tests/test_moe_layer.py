@@ -113,14 +113,16 @@ def _on_ranks(rank, world, tp, dp, ep):
     return results
 
 
-def _reference(case: str, dp: int) -> dict[str, torch.Tensor]:
-    """The one-process layer run on each dp rank's tokens: outputs and input grads per rank,
-    weight gradients summed over the ranks (for the experts) and per rank (router)."""
+def _reference(case: str, dp: int) -> list[dict[str, torch.Tensor]]:
+    """The one-process layer run on each dp rank's tokens (each its own micro-batch, with its
+    own router losses): outputs and every gradient, per dp rank."""
     from megatronish.parallel import ParallelState
 
-    runs = [
-        _run(_layer(_config(), 1, ParallelState.single(), _weights(case)), r) for r in range(dp)
-    ]
+    layer = _layer(_config(), 1, ParallelState.single(), _weights(case))
+    runs = []
+    for dp_rank in range(dp):
+        layer.zero_grad(set_to_none=True)
+        runs.append(_run(layer, dp_rank))
     return runs
 
 

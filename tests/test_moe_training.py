@@ -1,10 +1,11 @@
-"""Mixture of experts in training: 20 fp32 dropless steps at ep = 2, ep 2 x tp 2, ep 2 x pp 2,
-ep 2 x cp 2, dp 4 x ep 2 with ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and
-router metrics (balancing and z-losses, imbalance) of one process within 1e-5 relative; with a
-capacity factor the dropped fraction does not change with ep either, and the one metrics.jsonl
-reports equals a count made outside the model on the same router output; an ep = 2 checkpoint
-resumes at ep = 1 on the same curve; one-process training is deterministic; bad MoE settings
-exit 2 with one line."""
+"""Mixture of experts in training: 20 fp32 dropless steps at ep = 2 (also with a shared expert
+and the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 x ep 2 with
+ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and router metrics (balancing and
+z-losses, imbalance) of one process within 1e-5 relative; with a capacity factor the dropped
+fraction does not change with ep either, and the one metrics.jsonl reports equals a count made
+outside the model on the same router output; an ep = 2 checkpoint resumes at ep = 1 on the
+same curve and loads, evaluates and generates in one process; one-process training is
+deterministic; bad MoE settings exit 2 with one line."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatronish.data import prepare_dataset
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
 from tests.test_pipeline import (
     SMALL,
@@ -38,7 +39,10 @@ TWO_RANKS = {
     "ep2": (1, 1, 2, 1, 2, MOE),
     "dp2 ep1": (1, 1, 2, 1, 1, MOE),
     "ep2 capacity": (1, 1, 2, 1, 2, MOE + CAPACITY),
-}
+    "ep2 shared expert topk_softmax": (
+        1, 1, 2, 1, 2, MOE + ["model.moe.shared_expert=true", "model.moe.router=topk_softmax"],
+    ),
+}  # fmt: skip
 FOUR_RANKS = {
     "ep2 tp2": (2, 1, 2, 1, 2, MOE),
     "ep2 pp2": (1, 1, 2, 2, 2, MOE),
@@ -168,7 +172,12 @@ def test_one_process_moe_training_is_deterministic(dataset):
     assert again["losses"] == first["losses"] and again["norms"] == first["norms"]
 
 
-def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve(two_ranks, dataset, save_dir):
+def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve_and_loads_evaluates_generates(
+    two_ranks, dataset, save_dir
+):
+    import torch
+
+    from megatronish import load_model
     from megatronish.parallel import ParallelState
 
     ref = reference(MOE, dataset)
@@ -177,6 +186,18 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve(two_ranks, dataset, 
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
     assert trainer.resumed_from == 10
     assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
+    # The ep = 2 run's step 20 in one process: the logits of the ep = 1 continuation.
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    trainer.model.eval()
+    with torch.no_grad():
+        want = trainer.model(tokens)[..., : trainer.s.derived.vocab_size]
+        got = load_model(save_dir / "step_000020")(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    step20 = str(save_dir / "step_000020")
+    assert invoke_cli("eval", "--checkpoint", step20).returncode == 0
+    generated = invoke_cli("generate", "--checkpoint", step20, "--prompt", "def", "--seed", "1",
+                           "--max-new-tokens", "8")  # fmt: skip
+    assert generated.returncode == 0, generated.stderr
     saved = json.loads((save_dir / "step_000010" / "metadata.json").read_text())
     assert saved["layout"]["ep"] == 2
     assert "blocks.0.mlp.experts.3.down.weight" in saved["tensors"]

@@ -84,7 +84,7 @@ def make_plan(
     token_of = torch.div(slots, top_k, rounding_mode="floor")
     local = num_experts // ep
     if ep == 1:
-        total = [int(counts.sum())]
+        total = [slots.numel()]
         return DispatchPlan(token_of, slots, counts, total, total, counts, None, None)
     received = torch.empty_like(counts)
     comm.all_to_all(received, counts, [local] * ep, [local] * ep, ep_group)

@@ -102,19 +102,23 @@ class MoELayer(nn.Module):
             out = out + self.shared(x)
         if not (self.training and torch.is_grad_enabled()):
             return out
-        loss, balance, z = self.router_loss(routing)
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
+        loss, balance, z = self.router_loss(routing, counts)
         if not _RECOMPUTING[0]:
-            self.stats.add(routing.experts, keep, balance, z)
+            self.stats.add(counts, keep, balance, z)
         if loss.requires_grad:
             out = AttachLoss.apply(out, loss, self.loss_scale)
         return out
 
-    def router_loss(self, routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def router_loss(
+        self, routing, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's share of the micro-batch's router loss term (differentiable), and its
-        shares of the balancing and z-losses (unweighted, detached: for the metrics)."""
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
+        shares of the balancing and z-losses (unweighted, detached: for the metrics). counts
+        [E]: this rank's routed assignments per expert."""
         tokens = routing.logits.shape[0] * self.cp
         if self.cp > 1:  # f counts the whole micro-batch's assignments
+            counts = counts.clone()
             comm.all_reduce(counts, self.cp_group)
         balance = balancing_loss_share(routing.probs, counts, tokens, self.top_k)
         z = z_loss_share(routing.logits, tokens)

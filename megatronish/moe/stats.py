@@ -30,14 +30,14 @@ class LayerStats:
     @torch.no_grad()
     def add(
         self,
-        experts: torch.Tensor,
+        counts: torch.Tensor,
         keep: torch.Tensor | None,
         balance: torch.Tensor,
         z: torch.Tensor,
     ) -> None:
-        """One micro-batch: experts [T, k] routed, keep [T, k] (None: dropless), this rank's
-        shares of its balancing and z-losses."""
-        routed = torch.bincount(experts.reshape(-1), minlength=self.num_experts).double()
+        """One micro-batch: counts [E] the routed assignments per expert, keep [T, k] which
+        were kept (None: dropless), this rank's shares of its balancing and z-losses."""
+        routed = counts.double()
         dropped = (~keep).sum().double() if keep is not None else routed.new_zeros(())
         one = routed.new_ones(())
         row = torch.cat([routed, torch.stack([dropped, balance.double(), z.double(), one])])
