@@ -9,6 +9,7 @@ fixed functions of the shapes (no autotuning), so every rank compiles the same k
 from .attention import attention, attention_block_backward, attention_block_forward
 from .cross_entropy import cross_entropy
 from .elementwise import bias_gelu, swiglu
+from .grouped_gemm import grouped_mm
 from .norms import layer_norm, rms_norm
 from .rope import rope
 
@@ -18,6 +19,7 @@ __all__ = [
     "attention_block_forward",
     "bias_gelu",
     "cross_entropy",
+    "grouped_mm",
     "layer_norm",
     "rms_norm",
     "rope",

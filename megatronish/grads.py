@@ -12,8 +12,8 @@ after backward); finish() waits for each bucket, scales it by 1 / (dp x cp) and 
 param.grad at main_grad for clipping and the optimizer. Expert weights (MoE, split over ep)
 are summed over their expert-data-parallel group instead (the ranks that hold the same
 experts; the all-to-all backward already summed the other ep ranks' tokens into them), with
-the same 1 / (dp x cp): a bucket holds parameters of one group only. Buckets are views: no concatenation
-or copy on the step's path.
+the same 1 / (dp x cp): a bucket holds parameters of one group only. Buckets are views: no
+concatenation or copy on the step's path.
 
 Parameters whose gradient must first be summed over another group keep their own .grad and
 the path of optim.reduce_gradients: sequence-parallel replicated parameters (summed over tp
@@ -70,8 +70,10 @@ class GradBuffer:
             offset += param.numel()
             current.append(param)
             last = index == len(members) - 1
-            if last or (offset - start) * 4 >= bucket_bytes or (
-                is_expert(members[index + 1]) != is_expert(param)
+            if (
+                last
+                or (offset - start) * 4 >= bucket_bytes
+                or (is_expert(members[index + 1]) != is_expert(param))
             ):
                 self._add_bucket(start, offset, current)
                 start, current = offset, []

@@ -4,8 +4,9 @@ Protocol (each step ends with an agreement: an all-reduce of a failure flag, so 
 fails makes every rank raise instead of leaving the others waiting in a barrier):
   1. rank 0 creates <dir>/step_NNNNNN.tmp-<pid of rank 0> (the pid is broadcast);
   2. every rank writes its files there and fsyncs them: dp x cp rank 0 of each tp rank (and
-     stage) its model shard, the other ep ranks of its ep group their experts; the ranks that hold optimizer state their optim shard (dp x cp
-     rank 0 without ZeRO, every dp x cp rank with ZeRO-1); every rank its RNG states;
+     stage) its model shard, the other ep ranks of its ep group their experts; the ranks that
+     hold optimizer state their optim shard (dp x cp rank 0, and the other ep ranks for their
+     experts, without ZeRO; every dp x cp rank with ZeRO-1); every rank its RNG states;
   3. rank 0 writes config.yaml, the tokenizer and metadata.json (which lists every file with
      its size), fsyncs, renames the directory to step_NNNNNN, replaces `latest` atomically,
      then deletes checkpoints beyond checkpoint.keep and leftovers of interrupted saves.

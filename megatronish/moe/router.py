@@ -1,9 +1,9 @@
 """Routing: router logits -> each token's top_k experts and their combine weights, and the two
 router losses.
 
-Shapes: T tokens, E experts, k top_k. The router is fp32 (autocast off; float64 on float64 inputs): its logits, the
-softmax and the top-k are computed the same way at every precision, so routing decisions do
-not flip with bf16 rounding.
+Shapes: T tokens, E experts, k top_k. The router is fp32 (autocast off; float64 on float64
+inputs): its logits, the softmax and the top-k are computed the same way at every precision,
+so routing decisions do not flip with bf16 rounding.
 
 Losses, over the T_all tokens of one micro-batch (all the cp ranks' shares of its sequences):
 - load balancing (Switch Transformer eq. 4): E x sum_i f_i P_i, f_i the fraction of the

@@ -4,9 +4,9 @@ A step is data (the loader), forward, backward, bubble (the pipeline's waits for
 stages), grad_sync (gradient reduction, clipping, the step agreement) and optimizer (the update);
 these add up to the step. Inside them, the time this rank was blocked in communication is
 counted per group kind by megatronish.observe.record (wait_tp, wait_cp, wait_ep, wait_dp,
-wait_pp, wait_world; the exposed wait, not the collectives' whole span). compute = step - all waits: a
-rank that computes slowly makes the others wait for it, so its own waits are short and its
-compute long, while synchronizing collectives make every rank's step time the same.
+wait_pp, wait_world; the exposed wait, not the collectives' whole span). compute = step - all
+waits: a rank that computes slowly makes the others wait for it, so its own waits are short and
+its compute long, while synchronizing collectives make every rank's step time the same.
 """
 
 from __future__ import annotations

@@ -113,6 +113,15 @@ def bias_gelu(x, bias, backend: str = "auto"):
     return reference.bias_gelu(x, bias)
 
 
+def grouped_mm(x, w, offsets, backend: str = "auto"):
+    """x [A, k] rows sorted by group times each group's w[g] ([G, k, n], any strides) ->
+    [A, n]; offsets [G] int: each group's cumulative end row (a group may be empty). One
+    Triton grouped GEMM on CUDA (no host synchronisation); a loop over the groups in torch."""
+    if resolve_backend(backend, x) == "triton":
+        return _kernels().grouped_mm(x, w, offsets)
+    return reference.grouped_mm(x, w, offsets)
+
+
 def cross_entropy(logits, target, tp_group=None, backend: str = "auto"):
     """Per-token loss of logits [..., vocab / tp] (this rank's vocab shard) against global target
     ids [...]; vocab-parallel over tp_group when it has more than one rank; -100 is ignored."""

@@ -93,3 +93,14 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if bias is not None:
         x = x + bias
     return F.gelu(x, approximate="tanh")
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [A, k] rows sorted by group (offsets [G]: each group's cumulative end row) -> [A, n],
+    each group's rows times its w[g] ([G, k, n]): a loop over the groups."""
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    parts = [x[a:b] @ w[g] for g, (a, b) in enumerate(zip(starts, ends))]
+    if not parts:
+        return x.new_zeros((0, w.shape[2]))
+    return torch.cat(parts)
