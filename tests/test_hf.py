@@ -1,6 +1,7 @@
-"""Hugging Face export and import: transformers loads an exported checkpoint with no custom code
-and computes the same logits; importing it back gives the same model; training can start from
-an HF directory's weights."""
+"""Hugging Face export and import: transformers loads an exported checkpoint (gpt2, llama, and
+an MoE llama as Mixtral) with no custom code and computes the same logits; importing it back
+gives the same model; training can start from an HF directory's weights; an MoE that Mixtral
+cannot express is one line."""
 
 from __future__ import annotations
 
@@ -28,17 +29,21 @@ from tests.test_checkpoint_helpers import (
 
 transformers = pytest.importorskip("transformers")
 
+MOE = ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_ff=48")
+# HF model type -> (our arch, overrides)
 CONFIGS = {
-    "gpt2": (),  # tied embeddings, biases, learned positions
-    "llama": ("model.rope_theta=5000", "model.norm_eps=1e-6"),  # GQA 4/2 heads, untied
+    "gpt2": ("gpt2", ()),  # tied embeddings, biases, learned positions
+    "llama": ("llama", ("model.rope_theta=5000", "model.norm_eps=1e-6")),  # GQA 4/2, untied
+    "mixtral": ("llama", MOE),  # every MLP 4 experts, top 2
 }
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def exported(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"hf-{arch}")
-    step_dir, _ = save_single(root / "ckpt", tiny_cfg(arch, *CONFIGS[arch]))
+    step_dir, _ = save_single(root / "ckpt", tiny_cfg(*_cfg_args(arch)))
     result = CliRunner().invoke(
         cli,
         [
@@ -56,15 +61,24 @@ def exported(request, tmp_path_factory):
     return arch, step_dir, root / "hf"
 
 
+def _cfg_args(kind: str) -> tuple[str, ...]:
+    arch, extra = CONFIGS[kind]
+    return (arch, *extra)
+
+
 def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
     arch, step_dir, hf_dir = exported
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["vocab_size"] == VOCAB and config["model_type"] == arch
-    cls = transformers.GPT2LMHeadModel if arch == "gpt2" else transformers.LlamaForCausalLM
-    hf_model = cls.from_pretrained(hf_dir).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert type(hf_model).__name__ == CLASSES[arch]
     assert hf_model.dtype == torch.float32
-    if arch == "llama":
+    if arch != "gpt2":
         assert hf_model.config.num_key_value_heads == 2 and not hf_model.config.tie_word_embeddings
+    if arch == "mixtral":
+        assert hf_model.config.num_local_experts == 4 and hf_model.config.num_experts_per_tok == 2
+        names = json.loads((hf_dir / "config.json").read_text())
+        assert names["intermediate_size"] == 48
     with torch.no_grad():
         theirs = hf_model(tokens(2, 30)).logits
         ours = load_model(step_dir)(tokens(2, 30))
@@ -79,7 +93,8 @@ def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):
     )
     assert result.exit_code == 0, result.output
     back, original = load_model(tmp_path / "back"), load_model(step_dir)
-    assert back.step == 0 and back.config.model.arch == arch
+    assert back.step == 0 and back.config.model.arch == CONFIGS[arch][0]
+    assert back.config.model.moe == original.config.model.moe
     for (name, a), b in zip(original.gpt.named_parameters(), back.gpt.parameters()):
         assert torch.equal(a, b), name
 
@@ -87,7 +102,7 @@ def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):
 def test_training_can_start_from_an_hf_directory(exported, tmp_path):
     arch, step_dir, hf_dir = exported
     data = prepare_small_dataset(tmp_path / "data")
-    cfg = tiny_cfg(arch, *CONFIGS[arch], f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}")
+    cfg = tiny_cfg(*_cfg_args(arch), f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}")
     cfg.run.out_dir = str(tmp_path / "run")
     trainer = Trainer(setup(cfg))
     assert trainer.resumed_from is None and trainer.step == 0
@@ -96,8 +111,9 @@ def test_training_can_start_from_an_hf_directory(exported, tmp_path):
     ):
         assert torch.equal(got, want), name
     wrong = tiny_cfg(
-        arch, "model.n_head=2", f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}"
-    )
+        *_cfg_args(arch), "model.n_head=2", "model.n_kv_head=2", f"data.path={data}",
+        f"checkpoint.init_from_hf={hf_dir}",
+    )  # fmt: skip
     with pytest.raises(UserError, match=r"config.json: the model has n_head 4, this config 2"):
         Trainer(setup(wrong))
 
@@ -130,3 +146,19 @@ def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):
     import_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
     back = Checkpoint(tmp_path / "back").tokenizer()
     assert back.encode(text) == ours.encode(text) and back.eot_id == ours.eot_id
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [(("model.moe.every=2",), "model.moe.every"), (("model.moe.shared_expert=true",), "shared")],
+)
+def test_an_moe_mixtral_cannot_express_exits_2_with_one_line(extra, key, tmp_path):
+    save_single(tmp_path / "ckpt", tiny_cfg("llama", *MOE, *extra), step=0)
+    result = CliRunner().invoke(
+        cli, ["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf",
+              "--output", str(tmp_path / "hf")],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and key in lines[0] and "Traceback" not in result.output
+    assert not (tmp_path / "hf").exists()

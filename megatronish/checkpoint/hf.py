@@ -21,7 +21,7 @@ from megatronish.checkpoint.hf_map import from_hf_gpt2, from_hf_llama, to_hf
 from megatronish.checkpoint.load import inference_config, restore_model
 from megatronish.checkpoint.reader import Checkpoint, FullTensors
 from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
-from megatronish.config import Config, Derived, check_values, derive, load_config
+from megatronish.config import Config, Derived, MoEConfig, check_values, derive, load_config
 from megatronish.errors import UserError, read_json_object
 
 BYTE_TOKENIZER_KEY = "megatronish_tokenizer"  # config.json marker of the byte-level tokenizer
@@ -62,7 +62,7 @@ def model_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
             max_seq_len=need("n_positions", 1024), norm_eps=need("layer_norm_epsilon", 1e-5),
             tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
         )  # fmt: skip
-    if kind == "llama":
+    if kind in ("llama", "mixtral"):
         if (
             raw.get("hidden_act", "silu") != "silu"
             or raw.get("attention_bias")
@@ -86,8 +86,20 @@ def model_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
             max_seq_len=need("max_position_embeddings", 2048), norm_eps=need("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            moe=_mixtral_moe(raw, need) if kind == "mixtral" else MoEConfig(),
         )  # fmt: skip
-    raise UserError(f"{path}: model_type {kind!r}; megatronish imports gpt2 and llama")
+    raise UserError(f"{path}: model_type {kind!r}; megatronish imports gpt2, llama and mixtral")
+
+
+def _mixtral_moe(raw: dict[str, Any], need) -> MoEConfig:
+    """model.moe of a Mixtral config.json: every block's MLP a mixture of experts."""
+    return MoEConfig(
+        num_experts=need("num_local_experts"),
+        top_k=need("num_experts_per_tok"),
+        d_ff=need("intermediate_size"),
+        aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.01)),
+        router="softmax_topk",
+    )
 
 
 def _read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -135,6 +147,7 @@ def read_hf(hf_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], FullTensors
                 fields["n_head"],
                 fields["n_kv_head"],
                 fields["tie_embeddings"],
+                fields["moe"].num_experts,
             )
     except KeyError as exc:
         raise UserError(f"{hf_dir}: tensor {exc} is missing from the weights") from None
@@ -157,6 +170,13 @@ def check_hf_matches(fields: dict[str, Any], cfg: Config, derived: Derived, wher
     )  # fmt: skip
     theirs = dict(fields, n_kv_head=fields["n_kv_head"] or fields["n_head"])
     theirs["d_ff"] = theirs["d_ff"] or 4 * fields["d_model"]
+    if fields["arch"] == "llama":  # experts (Mixtral) or none, and their sizes
+        moe, hf_moe = cfg.model.moe, fields["moe"]
+        ours["moe.num_experts"], theirs["moe.num_experts"] = moe.num_experts, hf_moe.num_experts
+        if hf_moe.num_experts:
+            del ours["d_ff"]  # Mixtral has no dense MLP
+            ours.update({"moe.top_k": moe.top_k, "moe.d_ff": derived.moe_d_ff})
+            theirs.update({"moe.top_k": hf_moe.top_k, "moe.d_ff": hf_moe.d_ff})
     for key, value in ours.items():
         if key == "rope_theta" and fields["arch"] != "llama":
             continue

@@ -1,4 +1,7 @@
-"""The mapping between our parameters and Hugging Face's GPT2LMHeadModel / LlamaForCausalLM.
+"""The mapping between our parameters and Hugging Face's GPT2LMHeadModel / LlamaForCausalLM /
+MixtralForCausalLM (a llama whose every MLP is a mixture of experts: our router is Mixtral's
+block_sparse_moe.gate, expert e's gate, down and up its experts.<e>.w1, w2 and w3, the names
+of the Hub's Mixtral checkpoints).
 
 Shapes: h d_model, n query heads, k kv heads, d head dim, f d_ff, V the real vocab.
 Ours: qkv [(n + 2k) d, h] laid out by kv group (each group: its n/k query heads, its key head,
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from megatronish.config import Config, Derived
+from megatronish.errors import UserError
 
 Tensors = dict[str, torch.Tensor]
 
@@ -35,6 +39,37 @@ def merge_qkv(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n: int, k
         value.reshape(k, 1, d, *rest),
     ]
     return torch.cat(parts, dim=1).reshape((n + 2 * k) * d, *rest).contiguous()
+
+
+# Our expert weight -> its name in the Hub's Mixtral checkpoints (w1 gate, w2 down, w3 up).
+MIXTRAL_EXPERT = (("gate", "w1"), ("down", "w2"), ("up", "w3"))
+
+
+def mixtral_config(cfg: Config, derived: Derived) -> dict:
+    """The config.json keys that make a llama export a MixtralForCausalLM; UserError for an
+    MoE that Mixtral cannot express."""
+    moe = cfg.model.moe
+    for bad, key, valid in (
+        (moe.every != 1, "model.moe.every", "1 (an MoE MLP in every block)"),
+        (moe.shared_expert, "model.moe.shared_expert", "false"),
+    ):
+        if bad:
+            raise UserError(
+                f"{key}: Mixtral (export --format hf) has no equivalent of "
+                f"{getattr(moe, key.rpartition('.')[2])!r}; valid for export: {valid}"
+            )
+    # topk_softmax gives the same weights as Mixtral's softmax, top-k, renormalize.
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": derived.moe_d_ff,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_coef,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
 
 
 def _t(x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +132,13 @@ def to_hf(cfg: Config, derived: Derived, ours: Tensors, eot_id: int | None) -> t
             out[dst + "self_attn.k_proj.weight"] = key.contiguous()
             out[dst + "self_attn.v_proj.weight"] = value.contiguous()
             out[dst + "self_attn.o_proj.weight"] = ours[src + "attn.proj.weight"]
+            if i in derived.moe_layers:
+                out[dst + "block_sparse_moe.gate.weight"] = ours[src + "mlp.router.weight"]
+                for e in range(m.moe.num_experts):
+                    for a, b in MIXTRAL_EXPERT:
+                        key = f"block_sparse_moe.experts.{e}.{b}.weight"
+                        out[dst + key] = ours[src + f"mlp.experts.{e}.{a}.weight"]
+                continue
             for a in ("gate", "up", "down"):
                 out[dst + f"mlp.{a}_proj.weight"] = ours[src + f"mlp.{a}.weight"]
         out["model.norm.weight"] = ours["norm_f.weight"]
@@ -119,6 +161,8 @@ def to_hf(cfg: Config, derived: Derived, ours: Tensors, eot_id: int | None) -> t
             "mlp_bias": False,
             "attention_dropout": m.dropout,
         }
+        if derived.moe_layers:
+            config.update(mixtral_config(cfg, derived))
     if not tied:
         out["lm_head.weight"] = ours["lm_head.weight"]
     config["tie_word_embeddings"] = tied
@@ -162,8 +206,11 @@ def _take_head(hf: Tensors, ours: Tensors, tied: bool) -> None:
         ours["lm_head.weight"] = head
 
 
-def from_hf_llama(hf: Tensors, n_layer: int, n_head: int, n_kv_head: int, tied: bool) -> Tensors:
-    """Our tensors of a LlamaForCausalLM state dict."""
+def from_hf_llama(
+    hf: Tensors, n_layer: int, n_head: int, n_kv_head: int, tied: bool, num_experts: int = 0
+) -> Tensors:
+    """Our tensors of a LlamaForCausalLM state dict, or of a MixtralForCausalLM one (every
+    block a mixture of num_experts experts)."""
     ours: Tensors = {"tok_emb.weight": hf.pop("model.embed_tokens.weight")}
     for i in range(n_layer):
         src, dst = f"model.layers.{i}.", f"blocks.{i}."
@@ -177,6 +224,13 @@ def from_hf_llama(hf: Tensors, n_layer: int, n_head: int, n_kv_head: int, tied: 
         )
         ours[dst + "attn.qkv.weight"] = merge_qkv(q, key, value, n_head, n_kv_head, d)
         ours[dst + "attn.proj.weight"] = hf.pop(src + "self_attn.o_proj.weight")
+        if num_experts:
+            ours[dst + "mlp.router.weight"] = hf.pop(src + "block_sparse_moe.gate.weight")
+            for e in range(num_experts):
+                for a, b in MIXTRAL_EXPERT:
+                    key = f"block_sparse_moe.experts.{e}.{b}.weight"
+                    ours[dst + f"mlp.experts.{e}.{a}.weight"] = hf.pop(src + key)
+            continue
         for a in ("gate", "up", "down"):
             ours[dst + f"mlp.{a}.weight"] = hf.pop(src + f"mlp.{a}_proj.weight")
     ours["norm_f.weight"] = hf.pop("model.norm.weight")
