@@ -30,6 +30,7 @@ from megatronish.observe.phases import FIELDS, current_rss, peak_memory
 
 FP32_BYTES = 4
 FP64_BYTES = 8
+INT64_BYTES = 8
 STEP_FLAGS = 3  # faults.agree_on_step: loss non-finite, grad_norm non-finite, stop requested
 
 
@@ -78,7 +79,26 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
     embed = vocab_local * h + (m.max_seq_len * h if gpt2 else 0) if first else 0
     head = vocab_local * h if last and (not derived.tie_embeddings or not first) else 0
     layers = derived.stage_layers[pp_rank]
-    return layers * (attn + mlp + 2 * norm) + embed + (norm if last else 0) + head
+    dense = layers * (attn + mlp + 2 * norm) + embed + (norm if last else 0) + head
+    moe = stage_moe_layers(derived, pp_rank)
+    return dense + moe * (local_moe_params(cfg, derived) - mlp)
+
+
+def stage_moe_layers(derived: Derived, pp_rank: int) -> int:
+    """MoE layers on pipeline stage pp_rank."""
+    layers = {i for span in derived.stage_chunks(pp_rank) for i in span}
+    return len(layers.intersection(derived.moe_layers))
+
+
+def local_moe_params(cfg: Config, derived: Derived, experts_only: bool = False) -> int:
+    """Parameters of one MoE MLP on one rank: the router, its num_experts / ep experts (each
+    f / t wide) and the shared expert (experts_only: its experts alone)."""
+    moe, h = cfg.model.moe, cfg.model.d_model
+    f_local = derived.moe_d_ff // derived.tp
+    experts = moe.num_experts // derived.ep * 3 * h * f_local
+    if experts_only:
+        return experts
+    return moe.num_experts * h + experts + (3 * h * f_local if moe.shared_expert else 0)
 
 
 def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
@@ -134,6 +154,16 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     gradient accumulator backward; attention recompute (selective or full) reruns the forward
     ring. The last stage's loss all-reduces its token count (one fp64) over cp per micro-batch.
     The data-parallel collectives below run over the dp x cp group.
+
+    Per micro-batch and MoE layer (dropless; T = b s tokens, k top_k, E experts): over tp
+    the combine weights' fp32 gradient [T, k] backward (the output and the routed tokens'
+    gradient are the MLP's two all-reduces above) and a shared expert's two; over ep one
+    all_to_all of the E int64 counts, and four of c [T k, h] (dispatch and return, forward and
+    backward: the T k routed rows go out twice, and the rows the rank received from the others
+    twice, which are T k per rank on average: exact summed over the ep group); over cp the E
+    int64 counts for the balancing loss. Per
+    step the expert gradient norm (fp64) over ep; expert gradients are summed (and ZeRO-1
+    broadcast) over their expert-data-parallel group, dp x cp / ep ranks, the rest over dp x cp.
 
     With pp > 1 each stage counts its own L layers and parameters; the embedding's
     collectives are the first stage's, the LM head's and the loss's the last stage's. Per
@@ -197,6 +227,21 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     tp_op(
         "cross-entropy target logit and sum of exp (forward)", "all_reduce", 2 * b * s * 4, 1, last
     )
+    moe_layers = stage_moe_layers(derived, pp_rank)
+    if moe_layers:
+        k, num_experts = m.moe.top_k, m.moe.num_experts
+        tp_op("MoE combine weights gradient (backward)", "all_reduce", b * s * k * FP32_BYTES,
+              moe_layers)  # fmt: skip
+        if m.moe.shared_expert:
+            tp_op("shared expert output (forward)", "all_reduce", act_c, moe_layers)
+            tp_op("shared expert input gradient (backward)", "all_reduce", act_c, moe_layers)
+        # Dropless: every token's top_k copies go out and come back, forward and backward.
+        add("MoE per-expert counts (forward)", "all_to_all", "ep", derived.ep,
+            num_experts * INT64_BYTES, moe_layers * accum)  # fmt: skip
+        add("MoE token dispatch and return (forward, backward)", "all_to_all", "ep", derived.ep,
+            b * s * k * h * c, 4 * moe_layers * accum)  # fmt: skip
+        add("MoE routed counts for the balancing loss", "all_reduce", "cp", cp,
+            num_experts * INT64_BYTES, moe_layers * accum)  # fmt: skip
     if cp > 1:
         kv_bytes = 2 * b * (derived.n_kv_head // t) * s * derived.head_dim
         forward_rings = 2 if tr.activation_checkpointing != "none" else 1
@@ -207,6 +252,7 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
         if last:
             add("loss token count", "all_reduce", "cp", cp, FP64_BYTES, accum)
     add("gradient norm (fp64 partial sum)", "all_reduce", "tp", t, FP64_BYTES, 1)
+    add("expert gradient norm over the ep group", "all_reduce", "ep", derived.ep, FP64_BYTES, 1)
     if p.sequence_parallel:
         sp_bytes = sequence_parallel_grad_count(cfg, derived, pp_rank) * FP32_BYTES
         add(
@@ -226,11 +272,16 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
                 vocab_local * h * FP32_BYTES, 1)  # fmt: skip
         add("gradient norm over the stages", "all_reduce", "pp", pp, FP64_BYTES, 1)
     local_bytes = local_parameter_count(cfg, derived, pp_rank) * FP32_BYTES
-    add("data-parallel gradient average", "all_reduce", "dp", dp, local_bytes, 1)
+    expert_bytes = moe_layers * local_moe_params(cfg, derived, True) * FP32_BYTES
+    edp = dp // derived.ep  # the ranks that hold the same experts
+    add("data-parallel gradient average", "all_reduce", "dp", dp, local_bytes - expert_bytes, 1)
+    add("expert gradient sum (expert-data-parallel)", "all_reduce", "dp", edp, expert_bytes, 1)
     add("loss mean", "all_reduce", "dp", dp, FP32_BYTES, 1)
     add("loss from the last stage", "all_reduce", "pp", pp, FP32_BYTES, 1)
     if cfg.optim.zero == 1:
-        add("ZeRO-1 parameter broadcasts (all parameters)", "broadcast", "dp", dp, local_bytes, 1)
+        add("ZeRO-1 parameter broadcasts (all parameters)", "broadcast", "dp", dp,
+            local_bytes - expert_bytes, 1)  # fmt: skip
+        add("ZeRO-1 expert broadcasts", "broadcast", "dp", edp, expert_bytes, 1)
     for group, size in (("tp", t), ("dp", dp), ("pp", pp)):
         add("step agreement: non-finite and stop flags", "all_reduce", group, size,
             STEP_FLAGS * FP32_BYTES, 1)  # fmt: skip

@@ -36,8 +36,9 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
         "",
         "# derived",
-        f"world_size: {d.world_size}  (tp {d.tp} x cp {d.cp} x dp {d.dp} x pp {d.pp}, "
-        "tp innermost)",
+        f"world_size: {d.world_size}  (tp {d.tp} x cp {d.cp} x dp {d.dp}"
+        + (f" (ep {d.ep} inside)" if d.ep > 1 else "")
+        + f" x pp {d.pp}, tp innermost)",
         f"parameters: {params:,} ({params / 1e6:.2f} M)",
         f"parameters per tp rank: ~{_per_rank(cfg, d, params):,}",
         f"gradient accumulation steps: {d.grad_accum_steps}",
@@ -50,11 +51,37 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"tie_embeddings: {str(d.tie_embeddings).lower()}",
         f"model FLOPs per step: {model_flops_per_step(cfg, d):.3e}",
     ]
+    if d.moe_layers:
+        lines += moe_lines(cfg, d, params)
     if d.cp > 1:
         lines += context_lines(cfg, d)
     if d.pp > 1:
         lines += pipeline_lines(cfg, d)
     return "\n".join(lines + ["ok"])
+
+
+def moe_lines(cfg: Config, d, params: int) -> list[str]:
+    """Total and active parameters, the experts each ep rank holds, the all-to-all traffic."""
+    from megatronish.bench import collectives_per_step, local_moe_params, stage_moe_layers
+
+    moe = cfg.model.moe
+    active = parameter_count(cfg, d, active=True)
+    layers = ", ".join(str(i) for i in d.moe_layers)
+    local = max(stage_moe_layers(d, r) for r in range(d.pp)) * local_moe_params(cfg, d, True)
+    a2a = [op for op in collectives_per_step(cfg, d) if op.kind == "all_to_all"]
+    sent = sum(op.sent for op in a2a)
+    route = "dropless" if moe.capacity_factor is None else f"capacity factor {moe.capacity_factor}"
+    return [
+        f"mixture of experts: {moe.num_experts} experts (top {moe.top_k}, d_ff {d.moe_d_ff}, "
+        f"router {moe.router}, {route}) in blocks {layers}",
+        f"parameters: {params:,} total, {active:,} active per token "
+        f"({100 * active / params:.0f}%)",
+        f"experts per ep rank: {moe.num_experts // d.ep} (ep {d.ep}); expert parameters per "
+        f"rank: ~{local:,} ({local * 16 / 2**20:.1f} MiB of fp32 weights, grads and AdamW)",
+        f"all-to-all per step (ep {d.ep}): "
+        + (f"{sum(op.payload * op.count for op in a2a) / 2**20:.2f} MiB payload, "
+           f"{sent / 2**20:.2f} MiB sent by a rank" if a2a else "none (ep 1)"),
+    ]  # fmt: skip
 
 
 def context_lines(cfg: Config, d) -> list[str]:

@@ -27,14 +27,25 @@ GPU_PEAK_TFLOPS = {
 }
 
 
+def moe_mlp_params(cfg: Config, derived: Derived, active: bool = False) -> int:
+    """Parameters of one MoE MLP: the router, every expert (active: the top_k a token goes
+    through) and the shared expert."""
+    moe, h, f = cfg.model.moe, cfg.model.d_model, derived.moe_d_ff
+    experts = moe.top_k if active else moe.num_experts
+    return moe.num_experts * h + (experts + int(moe.shared_expert)) * 3 * h * f
+
+
 def matmul_params(cfg: Config, derived: Derived) -> int:
-    """Parameters that take part in a matmul per token: every block's linear weights and the
-    output layer (the embedding lookup and norms are not matmuls)."""
+    """Parameters that take part in a matmul per token: every block's linear weights (of an
+    MoE MLP, the router and the top_k experts a token goes through) and the output layer (the
+    embedding lookup and norms are not matmuls)."""
     m, h = cfg.model, cfg.model.d_model
     qkv = h * (m.n_head + 2 * derived.n_kv_head) * derived.head_dim
     proj = m.n_head * derived.head_dim * h
     mlp = (3 if m.arch == "llama" else 2) * h * derived.d_ff
-    return m.n_layer * (qkv + proj + mlp) + h * derived.vocab_size
+    moe = len(derived.moe_layers)
+    active = moe * moe_mlp_params(cfg, derived, active=True) if moe else 0
+    return m.n_layer * (qkv + proj) + (m.n_layer - moe) * mlp + active + h * derived.vocab_size
 
 
 def model_flops_per_step(cfg: Config, derived: Derived) -> float:
@@ -120,8 +131,10 @@ class MetricsWriter:
             self._tensorboard = None
 
 
-def parameter_count(cfg: Config, derived: Derived) -> int:
-    """Parameters of the full model (all tp ranks together), at the real (unpadded) vocab."""
+def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
+    """Parameters of the full model (all tp and ep ranks together), at the real (unpadded)
+    vocab; active: those one token goes through (of each MoE MLP the router, its top_k experts
+    and the shared expert)."""
     m, h = cfg.model, cfg.model.d_model
     bias = m.arch == "gpt2"
     norm = 2 * h if bias else h
@@ -131,4 +144,6 @@ def parameter_count(cfg: Config, derived: Derived) -> int:
     per_layer = attn + mlp + 2 * norm
     embed = derived.vocab_size * h + (m.max_seq_len * h if m.arch == "gpt2" else 0)
     head = 0 if derived.tie_embeddings else derived.vocab_size * h
-    return m.n_layer * per_layer + embed + norm + head
+    moe = len(derived.moe_layers)
+    experts = moe * (moe_mlp_params(cfg, derived, active) - mlp) if moe else 0
+    return m.n_layer * per_layer + experts + embed + norm + head

@@ -102,6 +102,10 @@ class Estimate:
     """Ring transfer time / block compute time per ring step (None at cp 1)."""
     pp_virtual: int = 1
     """Model chunks per pipeline stage (interleaved schedule when > 1)."""
+    ep: int = 1
+    """Expert-parallel degree (MoE): experts per rank num_experts / ep."""
+    expert_gb: float = 0.0
+    """Of weights + grads + optimizer state, the experts' (MoE)."""
 
     @property
     def total_gb(self) -> float:
@@ -146,15 +150,23 @@ def estimate(
     pp: int = 1,
     cp: int = 1,
     link_gb_s: float = GPU_LINK_GB_S["H100"],
+    ep: int = 1,
     **changes,
 ) -> Estimate:
     """Per-rank memory (of the fullest pipeline stage), step time and traffic of cfg at
-    tensor-parallel degree tp, context-parallel degree cp and pipeline degree pp on world
-    devices (link_gb_s: the NVLink bandwidth of one GPU); `changes` override
-    parallel.sequence_parallel, optim.zero, activation_checkpointing."""
-    from megatronish.bench import formula_bytes_per_step, local_parameter_count
+    tensor-parallel degree tp, context-parallel degree cp, pipeline degree pp and (MoE)
+    expert-parallel degree ep on world devices (link_gb_s: the NVLink bandwidth of one GPU);
+    `changes` override parallel.sequence_parallel, optim.zero, activation_checkpointing."""
+    from megatronish.bench import (
+        formula_bytes_per_step,
+        local_moe_params,
+        local_parameter_count,
+        stage_moe_layers,
+    )
 
-    sp = changes.get("sequence_parallel", tp > 1)
+    moe = cfg.model.moe.num_experts > 0
+    # Sequence parallelism is not supported with experts at tp > 1.
+    sp = changes.get("sequence_parallel", tp > 1 and not moe)
     zero = changes.get("zero", cfg.optim.zero)
     recompute = changes.get("activation_checkpointing", cfg.train.activation_checkpointing)
     dp = world // (tp * cp * pp)
@@ -163,7 +175,7 @@ def estimate(
     layout = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(
-            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=dp, sequence_parallel=sp,
+            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, sequence_parallel=sp,
             pp_virtual=virtual, pp_layers=cfg.parallel.pp_layers if same_split else None,
         ),
         optim=dataclasses.replace(cfg.optim, zero=zero),
@@ -193,6 +205,10 @@ def estimate(
     for r in range(pp):
         in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
         params = local_parameter_count(layout, d, r)
+        experts = stage_moe_layers(d, r) * local_moe_params(layout, d, experts_only=True)
+        # ZeRO-1 shards the experts' state over the ranks that hold the same experts.
+        expert_state = experts / (d.dp * d.cp // d.ep if zero == 1 else 1)
+        state = (params - experts) / (d.dp * d.cp if zero == 1 else 1) + expert_state
         act = per_layer * d.stage_layers[r] * in_flight
         if recompute == "full":  # one layer is rebuilt at a time during backward
             act += activation_bytes_per_layer(layout, tp, sp, "none")
@@ -208,7 +224,7 @@ def estimate(
                 activation_checkpointing=recompute,
                 weights_gb=params * (4 + (2 if bf16 else 0)) / GB,
                 grads_gb=params * 4 / GB,
-                optimizer_gb=params * 8 / (d.dp * d.cp if zero == 1 else 1) / GB,
+                optimizer_gb=state * 8 / GB,
                 activations_gb=act / GB,
                 logits_gb=logits / GB,
                 step_time_s=step_time,
@@ -216,9 +232,20 @@ def estimate(
                 cp=cp,
                 ring_ratio=ring_ratio,
                 pp_virtual=virtual,
+                ep=d.ep,
+                expert_gb=(experts * (8 + (2 if bf16 else 0)) + expert_state * 8) / GB,
             )
         )
     return max(stages, key=lambda e: e.total_gb)
+
+
+def expert_degrees(cfg: Config, dp: int) -> list[int]:
+    """The ep degrees plan tries at data-parallel degree dp: those dividing dp and the expert
+    count (1 without experts)."""
+    experts = cfg.model.moe.num_experts
+    if experts == 0:
+        return [1]
+    return [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0]
 
 
 def _virtual(cfg: Config, pp: int, dp: int) -> int:
@@ -308,10 +335,14 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
             "full",
         ]
     )
+    moe = cfg.model.moe.num_experts > 0
     for recompute in levels:
         level = [
-            estimate(cfg, world, tp, peak, pp, cp, link, activation_checkpointing=recompute, zero=1)
+            estimate(
+                cfg, world, tp, peak, pp, cp, link, ep, activation_checkpointing=recompute, zero=1
+            )
             for tp, cp, pp in layouts
+            for ep in expert_degrees(cfg, world // (tp * cp * pp))
         ]
         rows += level
         fits = [e for e in level if e.total_gb <= budget]
@@ -324,7 +355,9 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
         f"plan for {world} x {name} ({mem:.0f} GB each, bf16 peak {peak / 1e12:.0f} TFLOP/s; "
         f"step time assumes {ASSUMED_MFU:.0%} MFU)",
         "",
-        f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} {'bubble':>6} {'v':>2} {'ring':>5} {'sp':>3} "
+        f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} "
+        + (f"{'ep':>3} {'experts GB':>10} " if moe else "")
+        + f"{'bubble':>6} {'v':>2} {'ring':>5} {'sp':>3} "
         f"{'recompute':>9} "
         f"{'weights':>8} {'grads':>7} {'adam':>7} {'activ.':>8} {'logits':>7} {'total GB':>9} "
         f"{'comm GB':>8} {'compute s':>9}",
@@ -332,8 +365,10 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
     for e in rows:
         mark = "  <- fits" if e.total_gb <= budget else ""
         ring = "-" if e.ring_ratio is None else f"{e.ring_ratio:.2f}"
+        experts = f"{e.ep:>3} {e.expert_gb:>10.2f} " if moe else ""
         lines.append(
-            f"{e.tp:>3} {e.cp:>3} {e.dp:>4} {e.pp:>3} {e.bubble:>6.2f} {e.pp_virtual:>2} {ring:>5} "
+            f"{e.tp:>3} {e.cp:>3} {e.dp:>4} {e.pp:>3} {experts}{e.bubble:>6.2f} {e.pp_virtual:>2} "
+            f"{ring:>5} "
             f"{'y' if e.sequence_parallel else 'n':>3} "
             f"{e.activation_checkpointing:>9} {e.weights_gb:>8.2f} {e.grads_gb:>7.2f} "
             f"{e.optimizer_gb:>7.2f} {e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
@@ -349,6 +384,8 @@ def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None
         lines.append(
             f"recommended: --set parallel.tp={choice.tp} --set parallel.cp={choice.cp} "
             f"--set parallel.dp={choice.dp} --set parallel.pp={choice.pp} "
+            + (f"--set parallel.ep={choice.ep} " if moe else "")
+            + ""
             + (f"--set parallel.pp_virtual={choice.pp_virtual} " if choice.pp_virtual > 1 else "")
             + f"--set parallel.sequence_parallel={str(choice.sequence_parallel).lower()} "
             f"--set optim.zero={choice.zero} "

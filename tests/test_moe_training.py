@@ -75,6 +75,8 @@ def make_config(tp, cp, dp, pp, ep, overrides, dataset, extra=()):
 
 
 def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
+    from megatronish.bench import formula_payload_by_kind
+
     trainer = make_trainer(cfg, world, dataset, ps)
     losses, norms, counter = train_counted(trainer, STEPS, save_every)
     return {
@@ -82,6 +84,7 @@ def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
         "norms": norms,
         "metrics": trainer.moe_metrics(),  # over all 20 steps
         "payload": dict(counter.payload_bytes),
+        "formula": formula_payload_by_kind(cfg, trainer.s.derived, trainer.ps.pp_rank),
     }
 
 
@@ -155,12 +158,22 @@ def test_moe_with_tp_pp_cp_zero_losses_norms_and_router_metrics_equal_one_proces
     assert_router_metrics_match(four_ranks, name, ref)
 
 
-def test_ep_ranks_exchange_tokens_by_all_to_all(two_ranks, four_ranks):
+def test_every_rank_sends_the_payload_the_analytic_count_gives_all_to_all_included(
+    two_ranks, four_ranks
+):
+    """Per rank for every kind but all_to_all, whose returned rows depend on the routing:
+    its sum over the ranks (dropless)."""
     for per_rank in (two_ranks, four_ranks):
-        for rank_results in per_rank:
-            for name, result in rank_results.items():
-                ep = {**TWO_RANKS, **FOUR_RANKS}[name][4]
+        for name in per_rank[0]:
+            ep = {**TWO_RANKS, **FOUR_RANKS}[name][4]
+            results = [rank_results[name] for rank_results in per_rank]
+            for result in results:
                 assert ("all_to_all" in result["payload"]) == (ep > 1), name
+                measured = {k: v for k, v in result["payload"].items() if k != "all_to_all"}
+                assert measured == {k: v for k, v in result["formula"].items() if k != "all_to_all"}
+            if "capacity" not in name:
+                total = sum(r["payload"].get("all_to_all", 0) for r in results)
+                assert total == sum(r["formula"].get("all_to_all", 0) for r in results), name
 
 
 def test_one_process_moe_training_is_deterministic(dataset):
@@ -256,3 +269,29 @@ def test_cli_bad_moe_settings_exit_2_with_one_line(world, sets, key):
     for s in [*MOE, "model.moe.num_experts=4", *sets]:
         args += ["--set", s]
     assert_check_fails_with_one_line(args, key)
+
+
+def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
+    from megatronish.check import check_config
+    from megatronish.config import derive, load_config
+    from megatronish.metrics import model_flops_per_step, parameter_count
+    from megatronish.model import GPT
+    from megatronish.parallel import ParallelState
+    from megatronish.plan import estimate
+
+    sets = ["model.vocab_size=256", "model.moe.shared_expert=true", "parallel.dp=2"]
+    cfg = load_config(CONFIGS / "tiny-moe.yaml", sets)
+    d = derive(cfg, 2)
+    built = sum(p.numel() for p in GPT(cfg, d, ParallelState.single()).parameters())
+    assert parameter_count(cfg, d) == built  # vocab 256 needs no padding
+    h, f, layers = cfg.model.d_model, d.moe_d_ff, len(d.moe_layers)
+    assert parameter_count(cfg, d) - parameter_count(cfg, d, active=True) == layers * 6 * 3 * h * f
+    top1 = load_config(CONFIGS / "tiny-moe.yaml", [*sets, "model.moe.top_k=1"])
+    tokens = d.tokens_per_step
+    assert model_flops_per_step(cfg, d) - model_flops_per_step(top1, derive(top1, 2)) == (
+        6 * layers * 3 * h * f * tokens
+    )
+    report = check_config(load_config(CONFIGS / "tiny-moe.yaml", [*sets, "parallel.ep=2"]), None)
+    assert "experts per ep rank: 4 (ep 2)" in report and "all-to-all per step (ep 2)" in report
+    ep1, ep2 = (estimate(cfg, 2, 1, 1e12, ep=ep) for ep in (1, 2))
+    assert ep2.expert_gb == pytest.approx(ep1.expert_gb / 2)

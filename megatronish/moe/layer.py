@@ -27,7 +27,7 @@ from torch import nn
 from megatronish import comm
 from megatronish.config import Config, Derived
 from megatronish.layers import mappings
-from megatronish.layers.linear import mark_parallel
+from megatronish.layers.linear import mark_parallel, to_autocast_dtype
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.router import balancing_loss_share, route, router_logits, z_loss_share
@@ -93,7 +93,9 @@ class MoELayer(nn.Module):
             keep = capacity_keep(routing.experts, self.num_experts, capacity)
         plan = make_plan(routing.experts, keep, self.num_experts, self.ep, self.ep_group)
         group = self.tp_group
-        rows = dispatch(mappings.copy_to_tensor_parallel_region(tokens, group), plan, self.ep_group)
+        # In the matmul dtype (bf16 under autocast) before the collectives, as the dense MLP.
+        routed = mappings.copy_to_tensor_parallel_region(to_autocast_dtype(tokens), group)
+        rows = dispatch(routed, plan, self.ep_group)
         y = self.experts(rows, plan.local_offsets)  # [R, h], partial over tp
         weights = mappings.copy_to_tensor_parallel_region(routing.weights, group)
         out = combine(y, plan, weights, b * s, self.ep_group)
