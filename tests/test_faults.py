@@ -464,9 +464,9 @@ def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_r
     tmp_path, dataset
 ):
     out = tmp_path / "run"
-    timeout_s = 6.0  # the watchdog reports a collective in flight for half of it, 3 s
+    timeout_s = 4.0  # the watchdog reports a collective in flight for half of it, 2 s
     command = faulty(out, dataset, "train.steps=100000", f"parallel.timeout_s={timeout_s}")
-    with started(command, out, FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="8") as run:
+    with started(command, out, FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="6") as run:
         run.wait_for_step(2)
         stalled = time.monotonic()
         debug = out / "debug"

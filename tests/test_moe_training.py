@@ -29,9 +29,10 @@ from tests.test_pipeline import (
     train_losses,
 )
 
+# Two blocks, both MoE; the pipeline run mixes dense and MoE blocks (4 blocks, every 2).
 MOE = [
-    "model.arch=llama", "model.n_kv_head=2", "model.moe.num_experts=4", "model.moe.top_k=2",
-    "model.moe.every=2", "model.moe.d_ff=48", "model.moe.z_loss_coef=0.01",
+    "model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "model.moe.num_experts=4",
+    "model.moe.top_k=2", "model.moe.every=1", "model.moe.d_ff=48", "model.moe.z_loss_coef=0.01",
 ]  # fmt: skip
 CAPACITY = ["model.moe.capacity_factor=1.0"]
 # name -> (tp, cp, dp, pp, ep, overrides); the reference of each is its overrides at one rank.
@@ -45,7 +46,7 @@ TWO_RANKS = {
 }  # fmt: skip
 FOUR_RANKS = {
     "ep2 tp2": (2, 1, 2, 1, 2, MOE),
-    "ep2 pp2": (1, 1, 2, 2, 2, MOE),
+    "ep2 pp2 dense and moe blocks": (1, 1, 2, 2, 2, MOE + ["model.n_layer=4", "model.moe.every=2"]),
     "ep2 cp2": (1, 2, 2, 1, 2, MOE),
     "dp4 ep2 zero1": (1, 1, 4, 1, 2, MOE + ["optim.zero=1"]),
 }
