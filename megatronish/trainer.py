@@ -297,6 +297,7 @@ class Trainer:
                     )  # fmt: skip
                     if "moe_aux_loss" in last:
                         postfix["aux"] = f"{last['moe_aux_loss']:.3f}"
+                        postfix["z"] = f"{last['moe_z_loss']:.2f}"
                         postfix["imb"] = f"{last['moe_imbalance']:.2f}"
                         if self.cfg.model.moe.capacity_factor is not None:
                             postfix["drop"] = f"{100 * last['moe_dropped_frac']:.1f}%"
