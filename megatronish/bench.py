@@ -103,13 +103,14 @@ def local_moe_params(cfg: Config, derived: Derived, experts_only: bool = False) 
 
 def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Elements of the replicated parameters whose gradients the trainer sums over the tp group
-    under sequence parallelism on stage pp_rank: every norm, and (gpt2) the row-parallel
-    biases."""
+    under sequence parallelism on stage pp_rank: every norm, (gpt2) the row-parallel biases,
+    and the MoE routers (each tp rank routes its own tokens)."""
     h, gpt2 = cfg.model.d_model, cfg.model.arch == "gpt2"
     norm = 2 * h if gpt2 else h
     row_biases = 2 * h if gpt2 else 0
     last = pp_rank == derived.pp - 1
-    return derived.stage_layers[pp_rank] * (2 * norm + row_biases) + (norm if last else 0)
+    routers = stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * h
+    return derived.stage_layers[pp_rank] * (2 * norm + row_biases) + (norm if last else 0) + routers
 
 
 def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> list[Collective]:
@@ -157,7 +158,10 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
 
     Per micro-batch and MoE layer (dropless; T = b s tokens, k top_k, E experts): over tp
     the combine weights' fp32 gradient [T, k] backward (the output and the routed tokens'
-    gradient are the MLP's two all-reduces above) and a shared expert's two; over ep one
+    gradient are the MLP's two all-reduces above) and a shared expert's two (under sequence
+    parallelism instead: the weights all-gathered [T, k] fp32 and their gradient
+    reduce-scattered, the tokens' experts all-gathered [T, k] int64, the E int64 counts
+    all-reduced, a shared expert's gathers and reduce-scatters); over ep one
     all_to_all of the E int64 counts, and four of c [T k, h] (dispatch and return, forward and
     backward: the T k routed rows go out twice, and the rows the rank received from the others
     twice, which are T k per rank on average: exact summed over the ep group); over cp the E
@@ -230,11 +234,23 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     moe_layers = stage_moe_layers(derived, pp_rank)
     if moe_layers:
         k, num_experts = m.moe.top_k, m.moe.num_experts
-        tp_op("MoE combine weights gradient (backward)", "all_reduce", b * s * k * FP32_BYTES,
-              moe_layers)  # fmt: skip
-        if m.moe.shared_expert:
+        weights = b * s * k * FP32_BYTES
+        if not sp:
+            tp_op("MoE combine weights gradient (backward)", "all_reduce", weights, moe_layers)
+        else:  # each tp rank routes its own tokens: weights and experts are gathered
+            tp_op("MoE combine weights (forward)", "all_gather", weights, moe_layers)
+            tp_op("MoE combine weights gradient (backward)", "reduce_scatter", weights, moe_layers)
+            tp_op("MoE experts of the tokens (forward)", "all_gather", b * s * k * INT64_BYTES,
+                  moe_layers)  # fmt: skip
+            tp_op("MoE routed counts for the balancing loss", "all_reduce",
+                  num_experts * INT64_BYTES, moe_layers)  # fmt: skip
+        if m.moe.shared_expert and not sp:
             tp_op("shared expert output (forward)", "all_reduce", act_c, moe_layers)
             tp_op("shared expert input gradient (backward)", "all_reduce", act_c, moe_layers)
+        elif m.moe.shared_expert:
+            tp_op("shared expert input and output gradient", "all_gather", act_c, 2 * moe_layers)
+            tp_op("shared expert output and input gradient", "reduce_scatter", act_c,
+                  2 * moe_layers)  # fmt: skip
         # Dropless: every token's top_k copies go out and come back, forward and backward.
         add("MoE per-expert counts (forward)", "all_to_all", "ep", derived.ep,
             num_experts * INT64_BYTES, moe_layers * accum)  # fmt: skip

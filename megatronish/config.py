@@ -520,11 +520,6 @@ def check_moe_values(cfg: Config) -> None:
         moe.capacity_factor is None or moe.capacity_factor > 0,
         f"model.moe.capacity_factor: {moe.capacity_factor} must be > 0, or null (dropless)",
     )
-    _require(
-        not cfg.parallel.sequence_parallel or cfg.parallel.tp == 1,
-        "parallel.sequence_parallel: not supported with model.moe.num_experts > 0 at "
-        f"parallel.tp={cfg.parallel.tp}; set parallel.sequence_parallel=false",
-    )
 
 
 def moe_layers(cfg: Config) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 and the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 x ep 2 with
 ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and router metrics (balancing and
 z-losses, imbalance) of one process within 1e-5 relative; with a capacity factor the dropped
-fraction does not change with ep either, and the one metrics.jsonl reports equals a count made
+fraction does not change with ep, nor with tp under sequence parallelism, and the one metrics.jsonl reports equals a count made
 outside the model on the same router output; an ep = 2 checkpoint resumes at ep = 1 on the
 same curve and loads, evaluates and generates in one process; one-process training is
 deterministic; bad MoE settings exit 2 with one line."""
@@ -46,6 +46,14 @@ TWO_RANKS = {
 }  # fmt: skip
 FOUR_RANKS = {
     "ep2 tp2": (2, 1, 2, 1, 2, MOE),
+    "ep2 tp2 sequence parallel capacity": (
+        2,
+        1,
+        2,
+        1,
+        2,
+        MOE + CAPACITY + ["parallel.sequence_parallel=true"],
+    ),
     "ep2 pp2 dense and moe blocks": (1, 1, 2, 2, 2, MOE + ["model.n_layer=4", "model.moe.every=2"]),
     "ep2 cp2": (1, 2, 2, 1, 2, MOE),
     "dp4 ep2 zero1": (1, 1, 4, 1, 2, MOE + ["optim.zero=1"]),
@@ -261,7 +269,6 @@ def test_metrics_dropped_fraction_equals_a_count_outside_the_model(dataset, tmp_
         (2, ["parallel.ep=4"], "parallel.ep"),
         (1, ["model.moe.num_experts=0", "parallel.ep=2"], "parallel.ep"),
         (1, ["model.arch=gpt2", "model.n_kv_head=null"], "model.moe"),
-        (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "sequence_parallel"),
         (1, ["model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
     ],
 )

@@ -3,12 +3,15 @@ combine (plus an optional shared expert), with its router losses attached to the
 
 Shapes: b batch, s sequence, h d_model, T = b s tokens of this rank, E experts, k top_k.
 
-Layout: the tokens are replicated over the tp ranks (sequence parallelism is not supported
-with experts); every tp rank routes them identically and dispatches them over its own ep
-group, and each expert's FFN is column/row-parallel over tp like the dense MLP: the dispatched
-tokens and the combine weights enter the tp region through f (identity forward, all-reduce
-backward) and the combined output leaves through g (all-reduce forward). Routing depends only
-on a token's hidden state, so it is the same at every tp, ep, cp and pp.
+Layout: the tokens are replicated over the tp ranks; every tp rank routes them identically
+and dispatches them over its own ep group, and each expert's FFN is column/row-parallel over
+tp like the dense MLP: the dispatched tokens and the combine weights enter the tp region
+through f (identity forward, all-reduce backward) and the combined output leaves through g
+(all-reduce forward). Under sequence parallelism a tp rank routes its own s / t tokens (the
+router weight's gradient is then summed over tp, as a norm's); the tokens, their combine
+weights and their experts are all-gathered over tp (reduce-scatter backward) and the output
+reduce-scattered, as the dense MLP does. Routing depends only on a token's hidden state, so it
+is the same at every tp, ep, cp and pp, with or without sequence parallelism.
 
 Router losses: each layer adds (aux_loss_coef x load balancing + z_loss_coef x z-loss) / (MoE
 layers) of its micro-batch to the loss, attached to the layer's output (AttachLoss: the
@@ -71,35 +74,54 @@ class MoELayer(nn.Module):
         self.loss_weight = 1.0 / len(derived.moe_layers)
         self.ep, self.cp = derived.ep, derived.cp
         self.tp_group, self.ep_group, self.cp_group = ps.tp_group, ps.ep_group, ps.cp_group
+        self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
+        # The tokens of a micro-batch's sequence shard are split over tp under sequence
+        # parallelism: the router losses count every tp rank's share.
+        self.token_shards = self.cp * (derived.tp if self.sequence_parallel else 1)
         local = moe.num_experts // derived.ep
         self.router = Router(moe.num_experts, cfg.model.d_model)
+        self.router.weight.sequence_parallel_grad = self.sequence_parallel
         self.experts = GroupedExperts(
             local, ps.ep_rank * local, cfg.model.d_model, derived.moe_d_ff, derived.tp,
             cfg.kernels.backend,
         )  # fmt: skip
         self.shared = shared
         self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)
-        self.stats = LayerStats(moe.num_experts)
+        self.stats = LayerStats(moe.num_experts, split_over_tp=self.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, s, h] (replicated over tp) -> [b, s, h]."""
+        """x [b, s, h] (replicated over tp; [b, s / t, h] under sequence parallelism) -> the
+        same shape."""
         b, s, h = x.shape
-        tokens = x.reshape(b * s, h)
-        logits = router_logits(tokens, self.router.weight)  # [T, E] fp32
+        logits = router_logits(x.reshape(b * s, h), self.router.weight)  # [T, E] fp32
         routing = route(logits, self.top_k, self.kind)
-        keep = None
-        if self.capacity_factor is not None:
-            capacity = capacity_of(self.capacity_factor, b * s, self.top_k, self.num_experts)
-            keep = capacity_keep(routing.experts, self.num_experts, capacity)
-        plan = make_plan(routing.experts, keep, self.num_experts, self.ep, self.ep_group)
         group = self.tp_group
         # In the matmul dtype (bf16 under autocast) before the collectives, as the dense MLP.
-        routed = mappings.copy_to_tensor_parallel_region(to_autocast_dtype(tokens), group)
-        rows = dispatch(routed, plan, self.ep_group)
+        tokens, weights, experts = to_autocast_dtype(x), routing.weights, routing.experts
+        if self.sequence_parallel:  # every tp rank's tokens, along the sequence
+            tokens = mappings.gather_from_sequence_parallel_region(tokens, group)
+            weights, experts = (
+                mappings.gather_from_sequence_parallel_region(t.view(b, s, -1), group)
+                for t in (weights, experts)
+            )
+            full = b * tokens.shape[1]
+            weights, experts = weights.reshape(full, -1), experts.reshape(full, -1)
+        else:
+            tokens = mappings.copy_to_tensor_parallel_region(tokens, group)
+            weights = mappings.copy_to_tensor_parallel_region(weights, group)
+        total = experts.shape[0]
+        keep = None
+        if self.capacity_factor is not None:
+            capacity = capacity_of(self.capacity_factor, total, self.top_k, self.num_experts)
+            keep = capacity_keep(experts, self.num_experts, capacity)
+        plan = make_plan(experts, keep, self.num_experts, self.ep, self.ep_group)
+        rows = dispatch(tokens.reshape(total, h), plan, self.ep_group)
         y = self.experts(rows, plan.local_offsets)  # [R, h], partial over tp
-        weights = mappings.copy_to_tensor_parallel_region(routing.weights, group)
-        out = combine(y, plan, weights, b * s, self.ep_group)
-        out = mappings.reduce_from_tensor_parallel_region(out, group).view(b, s, h)
+        out = combine(y, plan, weights, total, self.ep_group).view(b, -1, h)
+        if self.sequence_parallel:
+            out = mappings.reduce_scatter_to_sequence_parallel_region(out, group)
+        else:
+            out = mappings.reduce_from_tensor_parallel_region(out, group)
         if self.shared is not None:
             out = out + self.shared(x)
         if not (self.training and torch.is_grad_enabled()):
@@ -107,7 +129,7 @@ class MoELayer(nn.Module):
         counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
         loss, balance, z = self.router_loss(routing, counts)
         if not _RECOMPUTING[0]:
-            self.stats.add(counts, keep, balance, z)
+            self.stats.add(counts, keep, balance, z)  # keep: the whole (gathered) micro-batch
         if loss.requires_grad:
             out = AttachLoss.apply(out, loss, self.loss_scale)
         return out
@@ -118,12 +140,17 @@ class MoELayer(nn.Module):
         """This rank's share of the micro-batch's router loss term (differentiable), and its
         shares of the balancing and z-losses (unweighted, detached: for the metrics). counts
         [E]: this rank's routed assignments per expert."""
-        tokens = routing.logits.shape[0] * self.cp
-        if self.cp > 1:  # f counts the whole micro-batch's assignments
+        tokens = routing.logits.shape[0] * self.token_shards
+        if self.token_shards > 1:  # f counts the whole micro-batch's assignments
             counts = counts.clone()
-            comm.all_reduce(counts, self.cp_group)
+            if self.sequence_parallel:
+                comm.all_reduce(counts, self.tp_group)
+            if self.cp > 1:
+                comm.all_reduce(counts, self.cp_group)
         balance = balancing_loss_share(routing.probs, counts, tokens, self.top_k)
         z = z_loss_share(routing.logits, tokens)
+        # Under cp the loss's gradients are averaged over the cp ranks (scaled back here);
+        # under sequence parallelism the router's are summed over tp (no scale).
         loss = (self.aux_coef * balance + self.z_coef * z) * (self.cp * self.loss_weight)
         return loss, balance.detach(), z.detach()
 

@@ -3,7 +3,8 @@
 Each MoE layer counts, over the step's training micro-batches on its rank: the routed
 assignments per expert (before capacity drops), the dropped ones, and its shares of the
 balancing and z-losses. At a logged step `step_metrics` sums them over every rank (tp rank 0
-only: the tp ranks route identically) into:
+only where the tp ranks route the same tokens, every tp rank under sequence parallelism)
+into:
   moe_aux_loss     the load-balancing loss (1 at perfect balance), mean over layers and
                    micro-batches
   moe_z_loss       the router z-loss, the same mean
@@ -23,8 +24,11 @@ class LayerStats:
     """One MoE layer's sums since the last step_metrics, on the layer's device (no host sync
     on the step's path)."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, split_over_tp: bool = False):
         self.num_experts = num_experts
+        # Under sequence parallelism each tp rank routes its own tokens (and counts them); the
+        # capacity drops are of the gathered micro-batch, the same on every tp rank.
+        self.split_over_tp = split_over_tp
         self.sums: torch.Tensor | None = None  # [E + 4]: counts, dropped, balance, z, micro
 
     @torch.no_grad()
@@ -58,11 +62,13 @@ def step_metrics(
     table = torch.zeros(len(moe_layers), num_experts + 4, dtype=torch.float64, device=ps.device)
     for index, stats in layers.items():
         sums = stats.take()
-        if sums is None or ps.tp_rank != 0:
+        if sums is None or (ps.tp_rank != 0 and not stats.split_over_tp):
             continue
         row = table[moe_layers.index(index)]
         row.copy_(sums)
-        if ps.cp_rank != 0:
+        if ps.tp_rank != 0:
+            row[num_experts] = 0  # the drops are the same on every tp rank: counted once
+        if ps.cp_rank != 0 or ps.tp_rank != 0:
             row[-1] = 0  # the micro-batches are counted once per dp rank
     if ps.world_size > 1:
         comm.all_reduce(table, None)
