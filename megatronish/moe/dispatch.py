@@ -50,7 +50,6 @@ class DispatchPlan:
 
     token_of: torch.Tensor  # [A] the token of each sent row (rows sorted by global expert)
     slot_of: torch.Tensor  # [A] its flat assignment index t k + slot (for its weight)
-    counts: torch.Tensor  # [E] rows this rank sends to each global expert
     send_splits: list[int]  # rows to each ep rank
     recv_splits: list[int]  # rows from each ep rank
     local_counts: torch.Tensor  # [E_l] rows each local expert receives, over all sources
@@ -85,7 +84,7 @@ def make_plan(
     local = num_experts // ep
     if ep == 1:
         total = [slots.numel()]
-        return DispatchPlan(token_of, slots, counts, total, total, counts, None, None)
+        return DispatchPlan(token_of, slots, total, total, counts, None, None)
     received = torch.empty_like(counts)
     comm.all_to_all(received, counts, [local] * ep, [local] * ep, ep_group)
     received = received.view(ep, local)  # [source rank, local expert]
@@ -102,7 +101,7 @@ def make_plan(
     )  # fmt: skip
     to_source_major = torch.argsort(to_expert_major)
     return DispatchPlan(
-        token_of, slots, counts, send_splits, recv_splits, received.sum(0),
+        token_of, slots, send_splits, recv_splits, received.sum(0),
         to_expert_major, to_source_major,
     )  # fmt: skip
 
