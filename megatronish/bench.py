@@ -145,8 +145,13 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
 
     Per step: the grad-norm all-reduce (fp64 scalar, tp > 1); under sequence parallelism the
     sum over tp of the replicated parameters' gradients; with dp > 1 the data-parallel
-    all-reduce of every local gradient (fp32, 4 P bytes), the loss mean (fp32 scalar), and with
-    optim.zero = 1 one broadcast per parameter (4 P bytes in all); then the step agreement
+    all-reduce of every local gradient (fp32, 4 P bytes) and the loss mean (fp32 scalar); with
+    optim.zero = 1 instead a reduce-scatter of the gradient buffer and an all-gather of the
+    updated parameters (4 P bytes each, less the parameters outside the buffer: the sequence
+    parallel replicated ones and the pipeline's tied embedding copies, which are all-reduced
+    and broadcast by their owners), and the blocks' grad-norm partial sums (two fp64; the
+    buckets are padded to a multiple of dp, which adds nothing when dp divides every
+    bucket's size, as it does for these models at dp 2 and 4); then the step agreement
     (faults.agree_on_step: three fp32 flags, 12 bytes, over tp, then dp, then pp).
 
     With cp > 1, s is a rank's share seq_len / cp in all of the above, and per micro-batch and
@@ -166,8 +171,9 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     backward: the T k routed rows go out twice, and the rows the rank received from the others
     twice, which are T k per rank on average: exact summed over the ep group); over cp the E
     int64 counts for the balancing loss. Per
-    step the expert gradient norm (fp64) over ep; expert gradients are summed (and ZeRO-1
-    broadcast) over their expert-data-parallel group, dp x cp / ep ranks, the rest over dp x cp.
+    step the expert gradient norm (fp64) over ep; expert gradients are summed (ZeRO-1:
+    reduce-scattered and all-gathered, and their blocks' norm summed) over their
+    expert-data-parallel group, dp x cp / ep ranks, the rest over dp x cp.
 
     With pp > 1 each stage counts its own L layers and parameters; the embedding's
     collectives are the first stage's, the LM head's and the loss's the last stage's. Per
@@ -290,14 +296,35 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     local_bytes = local_parameter_count(cfg, derived, pp_rank) * FP32_BYTES
     expert_bytes = moe_layers * local_moe_params(cfg, derived, True) * FP32_BYTES
     edp = dp // derived.ep  # the ranks that hold the same experts
-    add("data-parallel gradient average", "all_reduce", "dp", dp, local_bytes - expert_bytes, 1)
-    add("expert gradient sum (expert-data-parallel)", "all_reduce", "dp", edp, expert_bytes, 1)
+    if cfg.optim.zero == 1 and dp > 1:
+        # Outside the gradient buffer (summed over tp or the embedding group first): whole
+        # parameters, all-reduced and broadcast by their owners. The buffer's buckets are
+        # reduce-scattered and their updated blocks all-gathered.
+        outside = (sequence_parallel_grad_count(cfg, derived, pp_rank) if p.sequence_parallel
+                   else 0) * FP32_BYTES  # fmt: skip
+        if pp > 1 and derived.tie_embeddings and (first or last):
+            outside += derived.padded_vocab_size // t * h * FP32_BYTES
+        dense = local_bytes - expert_bytes - outside
+        if outside:
+            add("gradients outside the buffer: average", "all_reduce", "dp", dp, outside, 1)
+            add("ZeRO-1 broadcasts of the parameters outside the buffer", "broadcast", "dp", dp,
+                outside, 1)  # fmt: skip
+        add("ZeRO-1 gradient reduce-scatter", "reduce_scatter", "dp", dp, dense, 1)
+        add("ZeRO-1 parameter all-gather", "all_gather", "dp", dp, dense, 1)
+        add("ZeRO-1 expert gradient reduce-scatter", "reduce_scatter", "dp", edp, expert_bytes,
+            1)  # fmt: skip
+        add("ZeRO-1 expert all-gather", "all_gather", "dp", edp, expert_bytes, 1)
+        add("gradient norm of the blocks (split, replicated)", "all_reduce", "dp", dp,
+            2 * FP64_BYTES, 1)  # fmt: skip
+        if expert_bytes:
+            add("gradient norm of the expert blocks", "all_reduce", "dp", edp, FP64_BYTES, 1)
+    else:
+        add("data-parallel gradient average", "all_reduce", "dp", dp, local_bytes - expert_bytes,
+            1)  # fmt: skip
+        add("expert gradient sum (expert-data-parallel)", "all_reduce", "dp", edp, expert_bytes,
+            1)  # fmt: skip
     add("loss mean", "all_reduce", "dp", dp, FP32_BYTES, 1)
     add("loss from the last stage", "all_reduce", "pp", pp, FP32_BYTES, 1)
-    if cfg.optim.zero == 1:
-        add("ZeRO-1 parameter broadcasts (all parameters)", "broadcast", "dp", dp,
-            local_bytes - expert_bytes, 1)  # fmt: skip
-        add("ZeRO-1 expert broadcasts", "broadcast", "dp", edp, expert_bytes, 1)
     for group, size in (("tp", t), ("dp", dp), ("pp", pp)):
         add("step agreement: non-finite and stop flags", "all_reduce", group, size,
             STEP_FLAGS * FP32_BYTES, 1)  # fmt: skip

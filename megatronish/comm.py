@@ -209,6 +209,58 @@ def reduce_scatter_into(
             dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)
 
 
+def reduce_scatter_in_place(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+):
+    """Sums the 1-D tensor (numel divisible by the group size n) over group so that afterwards
+    block r of it (tensor.chunk(n)[r]) holds the sum on rank r; the other blocks are left
+    undefined. Returns the work handle when async_op. Shared memory combines only this rank's
+    block, in rank order; gloo, which has no reduce-scatter, all-reduces the whole tensor (the
+    same sums, bit for bit); NCCL reduce-scatters into the block in place. Counted as a
+    reduce_scatter of tensor."""
+    n = group_size(group)
+    if n == 1:
+        return None
+    _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
+    if not async_op:
+        with _recorded("reduce_scatter", group, tensor):
+            _reduce_scatter_in_place(tensor, group, n, async_op)
+        return None
+    entry = RECORDER.begin("reduce_scatter", group, tensor)
+    with comm_range("reduce_scatter", entry[2]):
+        work = _reduce_scatter_in_place(tensor, group, n, async_op)
+    return Timed(work, entry)
+
+
+def _reduce_scatter_in_place(tensor, group, n: int, async_op: bool):
+    shared = _shared(group, tensor, dist.ReduceOp.SUM)
+    if shared is not None:
+        pending = shared.reduce_scatter(tensor, async_op=async_op)
+        return (pending or _Done()) if async_op else None
+    if dist.get_backend(group) == "gloo":
+        return dist.all_reduce(tensor, group=group, async_op=async_op)
+    block = tensor.chunk(n)[group_rank(group)]
+    return dist.reduce_scatter_tensor(block, tensor, group=group, async_op=async_op)
+
+
+def all_gather_in_place(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Every rank's block r of the 1-D tensor (numel divisible by the group size n) <- rank r's
+    block r: the blocks each rank updated, gathered. Counted as an all_gather of tensor."""
+    n = group_size(group)
+    if n == 1:
+        return
+    _record("all_gather", _nbytes(tensor), (n - 1) / n)
+    shared = _SHARED.get(group)
+    with _recorded("all_gather", group, tensor):
+        block = tensor.chunk(n)[group_rank(group)]
+        if shared is not None and tensor.is_contiguous():
+            shared.all_gather_blocks(tensor)
+        elif dist.get_backend(group) == "gloo":
+            dist.all_gather_into_tensor(tensor, block.clone(), group=group)
+        else:
+            dist.all_gather_into_tensor(tensor, block, group=group)
+
+
 def all_to_all(
     output: torch.Tensor,
     tensor: torch.Tensor,

@@ -42,31 +42,58 @@ def buffered(param: nn.Parameter) -> bool:
 
 
 class _Bucket:
-    def __init__(self, view: torch.Tensor, params: list[nn.Parameter], group, size: int):
-        self.view, self.params, self.group, self.size = view, params, group, size
+    def __init__(self, start: int, stop: int, params: list[nn.Parameter], group, size: int):
+        self.start, self.stop, self.params, self.group, self.size = start, stop, params, group, size
+        self.view: torch.Tensor  # the bucket's gradients (set once the buffer exists)
+        self.pieces: list[Piece] = []  # ZeRO-1: the parts of params in this rank's block
         self.pending = 0  # parameters still to produce their last micro-batch's gradient
         self.work = None
 
 
-class GradBuffer:
-    """The buffered parameters' gradients of this rank, in buckets of about bucket_bytes.
-    start_step(micro_batches) before a step's first backward; finish() after its last."""
+class Piece:
+    """The part of a parameter that lies in this rank's shard of a bucket (ZeRO-1): 1-D views
+    of the parameter (`data`, which carries the gradient part as `.grad`, so AdamW updates it
+    as it updates a whole parameter), and where it lies in the flattened parameter."""
 
     def __init__(
-        self, params: list[nn.Parameter], ps: ParallelState, bucket_bytes: int, overlap: bool
+        self, param: nn.Parameter, data: torch.Tensor, grad: torch.Tensor, lo: int, at: int
     ):
-        self.ps, self.overlap = ps, overlap
+        self.param, self.data, self.lo, self.at = param, data, lo, at  # at: in the buffer
+        self.data.grad = grad
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.data.grad
+
+
+class GradBuffer:
+    """The buffered parameters' gradients of this rank, in buckets of about bucket_bytes.
+    start_step(micro_batches) before a step's first backward; finish() after its last.
+
+    With shard (ZeRO-1) each bucket is padded to a multiple of its group's size n and rank r
+    owns block r of it: the reduction is a reduce-scatter, only that block is scaled, and the
+    parameters become views of one flat buffer laid out like the gradients, so that after the
+    optimizer updates its blocks (`pieces`) gather_params() all-gathers every bucket in place.
+    The buffered parameters' .grad stays None: their reduced gradient is only in the pieces."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        ps: ParallelState,
+        bucket_bytes: int,
+        overlap: bool,
+        shard: bool = False,
+    ):
+        self.ps, self.overlap, self.shard = ps, overlap, shard
         members = [p for p in reversed(params) if buffered(p)]
-        total = sum(p.numel() for p in members)
-        device = members[0].device if members else ps.device
-        self.buffer = torch.zeros(total, dtype=torch.float32, device=device)
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict[nn.Parameter, _Bucket] = {}
         self.calls: dict[nn.Parameter, int] = {}
+        offsets: dict[nn.Parameter, int] = {}
         start = offset = 0
         current: list[nn.Parameter] = []
         for index, param in enumerate(members):
-            param.main_grad = self.buffer[offset : offset + param.numel()].view_as(param)
+            offsets[param] = offset
             offset += param.numel()
             current.append(param)
             last = index == len(members) - 1
@@ -75,11 +102,52 @@ class GradBuffer:
                 or (offset - start) * 4 >= bucket_bytes
                 or (is_expert(members[index + 1]) != is_expert(param))
             ):
-                self._add_bucket(start, offset, current)
+                bucket = self._add_bucket(start, offset, current)
+                if shard:  # pad to a multiple of the group size: equal blocks
+                    offset += -(offset - start) % bucket.size
+                    bucket.stop = offset
                 start, current = offset, []
+        device = members[0].device if members else ps.device
+        self.buffer = torch.zeros(offset, dtype=torch.float32, device=device)
+        for bucket in self.buckets:
+            bucket.view = self.buffer[bucket.start : bucket.stop]
+        for param in members:
+            param.main_grad = self.buffer[offsets[param] : offsets[param] + param.numel()]
+            param.main_grad = param.main_grad.view_as(param)
+        self.pieces: list[Piece] = []
+        if shard:
+            self._shard_params(members, offsets)
         self.micro_batches = 0
         self.active = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in members]
+
+    def _shard_params(self, members: list[nn.Parameter], offsets: dict[nn.Parameter, int]) -> None:
+        """Moves the parameters into one flat buffer laid out like the gradients and lists the
+        pieces of this rank's blocks."""
+        dtypes = {p.dtype for p in members}
+        assert len(dtypes) <= 1, f"ZeRO-1 buffers parameters of one dtype, not {dtypes}"
+        self.params = torch.zeros_like(self.buffer, dtype=dtypes.pop() if dtypes else None)
+        for param in members:
+            flat = self.params[offsets[param] : offsets[param] + param.numel()]
+            flat.copy_(param.data.reshape(-1))
+            param.data = flat.view_as(param)
+        for bucket in self.buckets:
+            bucket.params_view = self.params[bucket.start : bucket.stop]
+            block = (bucket.stop - bucket.start) // bucket.size
+            lo = bucket.start + self.group_rank(bucket) * block
+            hi = lo + block
+            for param in bucket.params:
+                a, b = max(lo, offsets[param]), min(hi, offsets[param] + param.numel())
+                if a < b:
+                    piece = Piece(param, self.params[a:b], self.buffer[a:b], a - offsets[param], a)
+                    self.pieces.append(piece)
+                    bucket.pieces.append(piece)
+            bucket.block, bucket.block_lo = self.buffer[lo:hi], lo
+        self.offsets = offsets
+
+    def group_rank(self, bucket: _Bucket) -> int:
+        """This rank's index in bucket's group."""
+        return self.ps.edp_rank if is_expert(bucket.params[0]) else self.ps.dp_cp_rank
 
     def holds(self, param: nn.Parameter) -> bool:
         """Whether param's gradient is reduced here (the others: optim.reduce_gradients)."""
@@ -91,15 +159,16 @@ class GradBuffer:
             hook.remove()
         for param in self.bucket_of:
             del param.main_grad
-        self.bucket_of, self.buckets, self._hooks = {}, [], []
+        self.bucket_of, self.buckets, self._hooks, self.pieces = {}, [], [], []
 
-    def _add_bucket(self, start: int, stop: int, params: list[nn.Parameter]) -> None:
+    def _add_bucket(self, start: int, stop: int, params: list[nn.Parameter]) -> _Bucket:
         ps = self.ps
         group, size = (ps.edp_group, ps.edp) if is_expert(params[0]) else (ps.dp_cp_group, ps.dp_cp)
-        bucket = _Bucket(self.buffer[start:stop], params, group, size)
+        bucket = _Bucket(start, stop, params, group, size)
         self.buckets.append(bucket)
         for param in params:
             self.bucket_of[param] = bucket
+        return bucket
 
     def start_step(self, micro_batches: int) -> None:
         """Arms the hooks for a step of micro_batches backward passes."""
@@ -121,12 +190,15 @@ class GradBuffer:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if bucket.size > 1:
-            bucket.work = comm.all_reduce(bucket.view, bucket.group, async_op=True)
+        if bucket.size == 1:
+            return
+        reduce = comm.reduce_scatter_in_place if self.shard else comm.all_reduce
+        bucket.work = reduce(bucket.view, bucket.group, async_op=True)
 
     def finish(self) -> None:
-        """Starts the buckets not started yet (in order), waits for each, divides it by dp x cp
-        and sets every buffered parameter's .grad to its main_grad."""
+        """Starts the buckets not started yet (in order), waits for each and divides it (under
+        ZeRO-1 this rank's block of it) by dp x cp; without ZeRO-1 sets every buffered
+        parameter's .grad to its main_grad."""
         self.active = False
         for bucket in self.buckets:
             if bucket.work is None:
@@ -136,9 +208,24 @@ class GradBuffer:
             if bucket.work is not None:
                 bucket.work.wait()
             if self.ps.dp_cp > 1:
-                bucket.view.mul_(scale)
-            for param in bucket.params:
-                param.grad = param.main_grad
+                (bucket.block if self.shard else bucket.view).mul_(scale)
+            if not self.shard:
+                for param in bucket.params:
+                    param.grad = param.main_grad
+
+    def gather_params(self) -> None:
+        """ZeRO-1, after the optimizer updated this rank's blocks: every bucket's parameters
+        all-gathered over its group, in place."""
+        for bucket in self.buckets:
+            comm.all_gather_in_place(bucket.params_view, bucket.group)
+
+    def gather_block(self, bucket: _Bucket, block: torch.Tensor) -> torch.Tensor:
+        """ZeRO-1: a bucket-sized tensor whose block r is rank r's `block` (e.g. an optimizer
+        state laid out like bucket's block), gathered over bucket's group."""
+        full = torch.zeros_like(bucket.view)
+        full.view(bucket.size, -1)[self.group_rank(bucket)].copy_(block)
+        comm.all_gather_in_place(full, bucket.group)
+        return full
 
     def zero(self) -> None:
         """Clears the buffer (and the buffered parameters' .grad) for the next step."""

@@ -153,6 +153,41 @@ class SharedMemoryGroup:
             _combine(parts, result, combine)
         return None
 
+    def reduce_scatter(self, tensor: torch.Tensor, async_op: bool = False) -> PendingCall | None:
+        """Sums the 1-D tensor over the group into this rank's block of it (block r of
+        tensor.chunk(size)), combined in rank order as all_reduce combines it, so the block has
+        the bits an all-reduce would give; the other blocks are left as they are. Only the
+        block is combined: each rank adds up 1 / size of the elements. Asynchronous as
+        all_reduce is (a tensor that fits one slot is only published)."""
+        per_slot = self.slot_bytes // tensor.element_size()
+        block = tensor.numel() // self.size
+        lo, hi = self.rank * block, (self.rank + 1) * block
+
+        def finish(parts: list[torch.Tensor], start: int) -> None:
+            a, b = max(lo, start), min(hi, start + parts[0].numel())
+            if a < b:
+                _combine([part[a - start : b - start] for part in parts], tensor[a:b], torch.add)
+
+        if async_op and tensor.numel() <= per_slot:
+            call = self._publish(tensor)
+            self._pending = PendingCall(self, call, tensor, lambda parts: finish(parts, 0))
+            return self._pending
+        for start in range(0, tensor.numel(), per_slot):
+            finish(self._exchange(tensor[start : start + per_slot]), start)
+        return None
+
+    def all_gather_blocks(self, tensor: torch.Tensor) -> None:
+        """Block r of the 1-D tensor (tensor.chunk(size)) <- rank r's block r, on every rank;
+        blocks larger than a slot go through in slot-sized pieces."""
+        block = tensor.numel() // self.size
+        per_slot = self.slot_bytes // tensor.element_size()
+        blocks = tensor.view(self.size, block)
+        for start in range(0, block, per_slot):
+            parts = self._exchange(blocks[self.rank, start : start + per_slot])
+            for rank, part in enumerate(parts):
+                if rank != self.rank:
+                    blocks[rank, start : start + part.numel()].copy_(part)
+
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
         """output [size * n, ...] <- every rank's tensor [n, ...] in rank order."""
         parts = self._exchange(tensor)

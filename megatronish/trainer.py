@@ -149,11 +149,15 @@ class Trainer:
             if s.derived.pp > 1
             else None
         )
-        self.optimizer = Optimizer(self.model, s.cfg, s.ps)
         o = s.cfg.optim
         self.grads = GradBuffer(
-            self.optimizer.params, s.ps, int(o.bucket_mb * 2**20), o.overlap_grad_reduce
+            [p for p in self.model.parameters() if p.requires_grad],
+            s.ps,
+            int(o.bucket_mb * 2**20),
+            o.overlap_grad_reduce,
+            shard=o.zero == 1 and s.ps.dp_cp > 1,
         )
+        self.optimizer = Optimizer(self.model, s.cfg, s.ps, self.grads)
         self.loader = make_loader(s, "train")
         self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
         self.step = 0
@@ -207,7 +211,9 @@ class Trainer:
             params = self.optimizer.params
             self.grads.finish()
             reduce_gradients([p for p in params if not self.grads.holds(p)], self.ps)
-            grad_norm = clip_grad_norm(params, self.cfg.train.grad_clip, self.ps)
+            grad_norm = clip_grad_norm(
+                params, self.cfg.train.grad_clip, self.ps, self.optimizer.grads
+            )
             loss = mean_loss(loss_sum / accum, self.ps)
         return loss, grad_norm
 

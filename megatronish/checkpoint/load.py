@@ -40,23 +40,24 @@ def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
     for name, param, _ in stored_tensors(model.named_parameters()):
         stored.setdefault(id(param), []).append(name)
     tp, tp_rank = model.derived.tp, model.ps.tp_rank
-    optimizer.inner.state.clear()
-    for group in optimizer.inner.param_groups:
-        for param in group["params"]:
-            names = stored[id(param)]
-            if not all(ckpt.has_optimizer_state(name) for name in names):
-                continue
 
-            def read(kind: str, param=param, names=names) -> torch.Tensor:
-                blocks = [ckpt.block(n, kind, wanted[n], tp, tp_rank) for n in names]
-                tensor = torch.stack(blocks) if is_expert(param) else blocks[0]
-                return tensor.to(device=param.device, dtype=param.dtype)
+    def read(param: nn.Parameter) -> dict[str, torch.Tensor] | None:
+        names = stored[id(param)]
+        if not all(ckpt.has_optimizer_state(name) for name in names):
+            return None
 
-            optimizer.inner.state[param] = {
-                "step": ckpt.scalar(names[0], "step").to(param.device, torch.float32, copy=True),
-                "exp_avg": read("exp_avg"),
-                "exp_avg_sq": read("exp_avg_sq"),
-            }
+        def moment(kind: str) -> torch.Tensor:
+            blocks = [ckpt.block(n, kind, wanted[n], tp, tp_rank) for n in names]
+            tensor = torch.stack(blocks) if is_expert(param) else blocks[0]
+            return tensor.to(device=param.device, dtype=param.dtype)
+
+        return {
+            "step": ckpt.scalar(names[0], "step").to(param.device, torch.float32, copy=True),
+            "exp_avg": moment("exp_avg"),
+            "exp_avg_sq": moment("exp_avg_sq"),
+        }
+
+    optimizer.load_states(read)
 
 
 def rng_states_for(

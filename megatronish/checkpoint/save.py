@@ -89,8 +89,9 @@ def optimizer_tensors(
     """This rank's AdamW state as '<name>.exp_avg', '.exp_avg_sq' and '.step' tensors (a
     stacked expert weight's state by each expert's name)."""
     out: dict[str, torch.Tensor] = {}
+    states = optimizer.states_to_save()
     for name, param, index in saved_tensors(model):
-        state = optimizer.inner.state.get(param)
+        state = states.get(param)
         if not state or (param.tp_split_dim is None and not include_replicated):
             continue
         if experts_only and index is None:
