@@ -1,0 +1,126 @@
+"""ZeRO-1 over the gradient buffer (Megatron's distributed optimizer): at dp = 3, where the
+buckets need padding and parameters straddle the ranks' blocks, the blocks tile every
+parameter exactly once, each rank keeps AdamW state for its blocks only, the losses and
+gradient norms equal one process, and a checkpoint (whole-parameter state, gathered from the
+blocks) resumes bitwise at its own layout and on the same curve at dp = 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_on_ranks
+from tests.test_pipeline import GPT2, dataset, make_config, make_trainer  # noqa: F401
+
+STEPS, SAVED_AT = 6, 3
+# d_model 32 at dp 3: no bucket is a multiple of 3 by chance; 10 kB buckets: many of them.
+COMMON = GPT2 + ["train.global_batch_size=6", "optim.bucket_mb=0.01"]
+
+
+def _config(dp: int, zero: int, dataset, ckpt_dir, resume: str = "never"):  # noqa: F811
+    extra = [
+        f"train.steps={STEPS}", f"optim.zero={zero}", "checkpoint.save=true",
+        f"checkpoint.dir={ckpt_dir}", f"checkpoint.resume={resume}",
+    ]  # fmt: skip
+    return make_config(1, dp, 1, COMMON, dataset, extra)
+
+
+def _run(trainer, steps: int, save_at: int | None = None) -> list[tuple[float, float]]:
+    from megatronish.checkpoint.training import save
+
+    out = []
+    for _ in range(steps):
+        result = trainer.train_step()
+        out.append((result.loss, result.grad_norm))
+        if trainer.step == save_at:
+            save(trainer)
+    return out
+
+
+def _dp3(rank, world, dataset, ckpt_dir):  # noqa: F811
+    trainer = make_trainer(_config(3, 1, dataset, ckpt_dir), world, dataset)
+    grads, optimizer = trainer.grads, trainer.optimizer
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    facts = {
+        "buckets": [(b.stop - b.start, sum(p.numel() for p in b.params)) for b in grads.buckets],
+        "pieces": [(names[id(pc.param)], pc.lo, pc.data.numel()) for pc in grads.pieces],
+        "sizes": {n: p.numel() for n, p in trainer.model.named_parameters()},
+        # AdamW's moments: the tensors allocated, and the pieces' views of them
+        "allocated": sum(t.numel() for moments in optimizer.block_state for t in moments.values()),
+        "viewed": sum(
+            t.numel() for st in optimizer.inner.state.values() for k, t in st.items() if k != "step"
+        ),
+        "whole": [n for n, p in trainer.model.named_parameters() if p in optimizer.inner.state],
+        "blocks": sum(b.block.numel() for b in grads.buckets),
+        "grad_is_none": all(p.grad is None for p in optimizer.params),
+    }
+    facts["curve"] = _run(trainer, STEPS, save_at=SAVED_AT)
+    resume = str(ckpt_dir / f"step_{SAVED_AT:06d}")
+    again = make_trainer(_config(3, 1, dataset, ckpt_dir / "again", resume), world, dataset)
+    facts["resumed"] = _run(again, STEPS - SAVED_AT)
+    return facts
+
+
+def _dp1(rank, world, dataset, ckpt_dir):  # noqa: F811
+    whole = _run(make_trainer(_config(1, 0, dataset, ckpt_dir / "one"), world, dataset), STEPS)
+    resume = str(ckpt_dir / f"step_{SAVED_AT:06d}")
+    cfg = _config(1, 0, dataset, ckpt_dir / "one-resumed", resume)
+    return {"curve": whole, "resumed": _run(make_trainer(cfg, world, dataset), STEPS - SAVED_AT)}
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, tmp_path_factory):  # noqa: F811
+    ckpt_dir = tmp_path_factory.mktemp("zero1")
+    dp3 = run_on_ranks(_dp3, 3, dataset, ckpt_dir, timeout=240)
+    (dp1,) = run_on_ranks(_dp1, 1, dataset, ckpt_dir, timeout=240)
+    return dp3, dp1
+
+
+def test_zero1_blocks_tile_every_parameter_once_and_buckets_pad_to_the_group(runs):
+    dp3, _ = runs
+    facts = dp3[0]
+    assert len(facts["buckets"]) > 3
+    for padded, content in facts["buckets"]:
+        assert padded % 3 == 0 and padded - content == -content % 3
+    assert any(padded != content for padded, content in facts["buckets"])
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for rank in dp3:
+        for name, lo, n in rank["pieces"]:
+            covered.setdefault(name, []).append((lo, lo + n))
+    assert covered.keys() == facts["sizes"].keys()
+    straddling = 0
+    for name, spans in covered.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == facts["sizes"][name], name
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), name  # no gap, no overlap
+        straddling += len(spans) > 1
+    assert straddling > 0
+
+
+def test_zero1_keeps_adamw_state_for_this_ranks_blocks_only(runs):
+    dp3, _ = runs
+    total = sum(dp3[0]["sizes"].values())
+    for rank in dp3:
+        assert rank["allocated"] == 2 * rank["blocks"]  # exp_avg and exp_avg_sq of the blocks
+        assert rank["viewed"] == 2 * sum(n for _, _, n in rank["pieces"])
+        assert rank["whole"] == []  # every parameter is in the buffer here
+        assert rank["blocks"] * 3 == sum(padded for padded, _ in rank["buckets"])
+        assert rank["blocks"] < total / 3 + 3 * len(rank["buckets"])
+        assert rank["grad_is_none"]  # the reduced gradient lives only in the blocks
+
+
+def test_zero1_at_dp3_losses_and_grad_norms_equal_one_process(runs):
+    dp3, dp1 = runs
+    want = [x for pair in dp1["curve"] for x in pair]
+    assert dp1["curve"][-1][0] < dp1["curve"][0][0]
+    for rank in dp3:
+        assert rank["curve"] == dp3[0]["curve"]
+        assert [x for pair in rank["curve"] for x in pair] == pytest.approx(want, rel=1e-5)
+
+
+def test_zero1_checkpoint_resumes_bitwise_at_dp3_and_on_the_curve_at_dp1(runs):
+    dp3, dp1 = runs
+    after = dp3[0]["curve"][SAVED_AT:]
+    for rank in dp3:
+        assert rank["resumed"] == after
+    got = [x for pair in dp1["resumed"] for x in pair]
+    assert got == pytest.approx([x for pair in after for x in pair], rel=1e-5)
