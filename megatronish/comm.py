@@ -243,22 +243,36 @@ def _reduce_scatter_in_place(tensor, group, n: int, async_op: bool):
     return dist.reduce_scatter_tensor(block, tensor, group=group, async_op=async_op)
 
 
-def all_gather_in_place(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+def all_gather_in_place(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+):
     """Every rank's block r of the 1-D tensor (numel divisible by the group size n) <- rank r's
-    block r: the blocks each rank updated, gathered. Counted as an all_gather of tensor."""
+    block r: the blocks each rank updated, gathered. Returns the work handle when async_op
+    (shared memory gathers at once and returns a finished handle). Counted as an all_gather
+    of tensor."""
     n = group_size(group)
     if n == 1:
-        return
+        return None
     _record("all_gather", _nbytes(tensor), (n - 1) / n)
+    if not async_op:
+        with _recorded("all_gather", group, tensor):
+            _all_gather_in_place(tensor, group, n, async_op)
+        return None
+    entry = RECORDER.begin("all_gather", group, tensor)
+    with comm_range("all_gather", entry[2]):
+        work = _all_gather_in_place(tensor, group, n, async_op)
+    return Timed(work or _Done(), entry)
+
+
+def _all_gather_in_place(tensor, group, n: int, async_op: bool):
+    block = tensor.chunk(n)[group_rank(group)]
     shared = _SHARED.get(group)
-    with _recorded("all_gather", group, tensor):
-        block = tensor.chunk(n)[group_rank(group)]
-        if shared is not None and tensor.is_contiguous():
-            shared.all_gather_blocks(tensor)
-        elif dist.get_backend(group) == "gloo":
-            dist.all_gather_into_tensor(tensor, block.clone(), group=group)
-        else:
-            dist.all_gather_into_tensor(tensor, block, group=group)
+    if shared is not None and tensor.is_contiguous():
+        shared.all_gather_blocks(tensor)
+        return None
+    if dist.get_backend(group) == "gloo":
+        block = block.clone()  # gloo's gather must not read what it writes
+    return dist.all_gather_into_tensor(tensor, block, group=group, async_op=async_op)
 
 
 def all_to_all(

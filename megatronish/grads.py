@@ -46,6 +46,7 @@ class _Bucket:
         self.start, self.stop, self.params, self.group, self.size = start, stop, params, group, size
         self.view: torch.Tensor  # the bucket's gradients (set once the buffer exists)
         self.pieces: list[Piece] = []  # ZeRO-1: the parts of params in this rank's block
+        self.gather = None  # ZeRO-1: the parameter all-gather in flight
         self.pending = 0  # parameters still to produce their last micro-batch's gradient
         self.work = None
 
@@ -115,6 +116,7 @@ class GradBuffer:
             param.main_grad = self.buffer[offsets[param] : offsets[param] + param.numel()]
             param.main_grad = param.main_grad.view_as(param)
         self.pieces: list[Piece] = []
+        self.gather_order: list[_Bucket] | None = None  # set by overlap_param_gather
         if shard:
             self._shard_params(members, offsets)
         self.micro_batches = 0
@@ -200,6 +202,7 @@ class GradBuffer:
         ZeRO-1 this rank's block of it) by dp x cp; without ZeRO-1 sets every buffered
         parameter's .grad to its main_grad."""
         self.active = False
+        self.wait_params()  # a parameter no forward used
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
@@ -213,11 +216,39 @@ class GradBuffer:
                 for param in bucket.params:
                     param.grad = param.main_grad
 
+    def overlap_param_gather(self, uses: list[tuple[nn.Module, list[nn.Parameter]]]) -> None:
+        """ZeRO-1: gather_params() starts the buckets' all-gathers asynchronously, in the
+        order the forward needs them (uses: (module, parameters it needs), in forward order:
+        model.forward_param_uses), and a forward pre-hook on each module waits for its
+        parameters' buckets, so the gathers overlap the next forward."""
+        need: dict[int, int] = {}  # bucket index -> first use
+        index_of = {id(b): i for i, b in enumerate(self.buckets)}
+        for use, (module, params) in enumerate(uses):
+            held = {id(self.bucket_of[p]): self.bucket_of[p] for p in params if self.holds(p)}
+            buckets = list(held.values())
+            for bucket in buckets:
+                need.setdefault(index_of[id(bucket)], use)
+            if buckets:
+                hook = module.register_forward_pre_hook(lambda *_, b=buckets: self.wait_params(b))
+                self._hooks.append(hook)
+        # a bucket no module claims goes first (read before any module runs)
+        self.gather_order = sorted(self.buckets, key=lambda b: need.get(index_of[id(b)], -1))
+
     def gather_params(self) -> None:
         """ZeRO-1, after the optimizer updated this rank's blocks: every bucket's parameters
-        all-gathered over its group, in place."""
-        for bucket in self.buckets:
-            comm.all_gather_in_place(bucket.params_view, bucket.group)
+        all-gathered over its group, in place (started only, with overlap_param_gather)."""
+        order = self.gather_order
+        for bucket in order or self.buckets:
+            bucket.gather = comm.all_gather_in_place(
+                bucket.params_view, bucket.group, async_op=order is not None
+            )
+
+    def wait_params(self, buckets: list[_Bucket] | None = None) -> None:
+        """Waits for the parameter all-gathers of buckets (default: all) still in flight."""
+        for bucket in self.buckets if buckets is None else buckets:
+            if bucket.gather is not None:
+                bucket.gather.wait()
+                bucket.gather = None
 
     def gather_block(self, bucket: _Bucket, block: torch.Tensor) -> torch.Tensor:
         """ZeRO-1: a bucket-sized tensor whose block r is rank r's `block` (e.g. an optimizer

@@ -158,6 +158,8 @@ class Trainer:
             shard=o.zero == 1 and s.ps.dp_cp > 1,
         )
         self.optimizer = Optimizer(self.model, s.cfg, s.ps, self.grads)
+        if self.grads.shard and o.overlap_grad_reduce:
+            self.grads.overlap_param_gather(self.model.forward_param_uses())
         self.loader = make_loader(s, "train")
         self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
         self.step = 0
@@ -324,6 +326,7 @@ class Trainer:
                     self.save_checkpoint()
                     window_start = time.perf_counter()
                 stopped = result.verdict.stop
+            self.grads.wait_params()  # ZeRO-1: the model is whole when the run returns
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
         finally:

@@ -95,6 +95,46 @@ def test_shared_memory_collectives_equal_the_exact_result_on_every_rank(world):
         assert all(torch.equal(a, b) for a, b in zip(results, per_rank[0]))
 
 
+def _block_collectives(rank, world, numel):
+    """reduce_scatter_in_place leaves in this rank's block the bits all_reduce gives there;
+    all_gather_in_place fills every block with its rank's (ZeRO-1's two collectives)."""
+    out = {}
+    group = dist.new_group(list(range(world)))
+    for path in ("gloo", "shared memory"):
+        if path == "shared memory":
+            assert comm.enable_shared_memory(group, timeout_s=60)
+            comm._SHARED[group].slot_bytes = 4 * 1000  # blocks larger than a slot: in pieces
+        block = slice(rank * numel // world, (rank + 1) * numel // world)
+        for async_op in (False, True):
+            whole = _values(rank, 7, numel, torch.float32)
+            scattered = whole.clone()
+            comm.all_reduce(whole, group)
+            handle = comm.reduce_scatter_in_place(scattered, group, async_op=async_op)
+            if handle is not None:
+                handle.wait()
+            assert torch.equal(scattered[block], whole[block]), (path, async_op)
+            mine = torch.full((numel,), -1.0)
+            mine[block] = rank
+            handle = comm.all_gather_in_place(mine, group, async_op=async_op)
+            if handle is not None:
+                handle.wait()
+            want = torch.arange(world, dtype=torch.float32).repeat_interleave(numel // world)
+            assert torch.equal(mine, want), (path, async_op)
+            out[(path, async_op)] = scattered[block]
+    comm.disable_shared_memory()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_block_reduce_scatter_and_all_gather_equal_the_all_reduce_on_gloo_and_shared_memory(
+    world,
+):
+    numel = 2400 * world  # 2400 elements a block: three 1000-element slots
+    per_rank = run_on_ranks(_block_collectives, world, numel, timeout=120)
+    for results in per_rank:
+        assert len(results) == 4
+
+
 def _absent_rank(rank, world):
     group = dist.new_group([0, 1])
     assert comm.enable_shared_memory(group, timeout_s=1.0)

@@ -1,8 +1,10 @@
 """ZeRO-1 over the gradient buffer (Megatron's distributed optimizer): at dp = 3, where the
 buckets need padding and parameters straddle the ranks' blocks, the blocks tile every
-parameter exactly once, each rank keeps AdamW state for its blocks only, the losses and
-gradient norms equal one process, and a checkpoint (whole-parameter state, gathered from the
-blocks) resumes bitwise at its own layout and on the same curve at dp = 1."""
+parameter exactly once, each rank keeps AdamW state for its blocks only, the parameter
+all-gathers are still in flight when a step ends (the next forward waits for them), the losses
+and gradient norms equal one process, and a checkpoint (whole-parameter state, gathered from
+the blocks) resumes bitwise at its own layout and on the same curve at dp = 1. The dp = 3 ranks
+use plain gloo; the shared-memory reduce-scatter and gather are the other ZeRO-1 tests'."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def _run(trainer, steps: int, save_at: int | None = None) -> list[tuple[float, f
 
 
 def _dp3(rank, world, dataset, ckpt_dir):  # noqa: F811
+    import os
+
+    os.environ["MEGATRONISH_SHM"] = "0"  # gloo: asynchronous gathers (shared memory: the others)
     trainer = make_trainer(_config(3, 1, dataset, ckpt_dir), world, dataset)
     grads, optimizer = trainer.grads, trainer.optimizer
     names = {id(p): n for n, p in trainer.model.named_parameters()}
@@ -53,7 +58,11 @@ def _dp3(rank, world, dataset, ckpt_dir):  # noqa: F811
         "blocks": sum(b.block.numel() for b in grads.buckets),
         "grad_is_none": all(p.grad is None for p in optimizer.params),
     }
-    facts["curve"] = _run(trainer, STEPS, save_at=SAVED_AT)
+    facts["curve"] = _run(trainer, 1)
+    # the step ends with every bucket's parameter all-gather in flight (the next forward's
+    # pre-hooks wait for them)
+    facts["in_flight"] = sum(b.gather is not None for b in grads.buckets) == len(grads.buckets)
+    facts["curve"] += _run(trainer, STEPS - 1, save_at=SAVED_AT)
     resume = str(ckpt_dir / f"step_{SAVED_AT:06d}")
     again = make_trainer(_config(3, 1, dataset, ckpt_dir / "again", resume), world, dataset)
     facts["resumed"] = _run(again, STEPS - SAVED_AT)
@@ -106,6 +115,7 @@ def test_zero1_keeps_adamw_state_for_this_ranks_blocks_only(runs):
         assert rank["blocks"] * 3 == sum(padded for padded, _ in rank["buckets"])
         assert rank["blocks"] < total / 3 + 3 * len(rank["buckets"])
         assert rank["grad_is_none"]  # the reduced gradient lives only in the blocks
+        assert rank["in_flight"]
 
 
 def test_zero1_at_dp3_losses_and_grad_norms_equal_one_process(runs):

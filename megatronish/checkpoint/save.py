@@ -254,6 +254,8 @@ def save_checkpoint(
     """Saves the model (and the optimizer, the loader position, every rank's RNG) as
     <directory>/step_<step>; every rank of the run calls it. Returns the step directory."""
     directory = Path(directory)
+    if optimizer is not None and optimizer.grads is not None:
+        optimizer.grads.wait_params()  # ZeRO-1: the last step's parameter gathers
     token = torch.tensor([os.getpid()], dtype=torch.int64, device=ps.device)
     comm.broadcast(token, 0, None)
     tmp = directory / f"{step_dir_name(step)}.tmp-{int(token.item())}"
