@@ -63,9 +63,9 @@ class Collective:
 
 def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Parameters one tp rank of pipeline stage pp_rank holds (the padded vocab included): the
-    elements its data-parallel gradient all-reduce and its ZeRO-1 broadcasts carry. The first
-    stage holds the embeddings, the last the final norm and the output layer (with tied
-    embeddings and pp > 1, a copy of the token embedding)."""
+    elements its data-parallel gradient all-reduce (or ZeRO-1 reduce-scatter and all-gather)
+    carries. The first stage holds the embeddings, the last the final norm and the output layer
+    (with tied embeddings and pp > 1, a copy of the token embedding)."""
     m, t, h = cfg.model, derived.tp, cfg.model.d_model
     first, last = pp_rank == 0, pp_rank == derived.pp - 1
     gpt2 = m.arch == "gpt2"

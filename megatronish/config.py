@@ -164,7 +164,8 @@ class TrainConfig:
 class OptimConfig:
     zero: Literal[0, 1] = 0
     """0: every data-parallel rank holds the whole optimizer state; 1: the state is sharded
-    across data-parallel ranks (ZeRO stage 1)."""
+    across data-parallel ranks (ZeRO stage 1: gradients reduce-scattered, each rank updates
+    its block, parameters all-gathered)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -176,7 +177,9 @@ class OptimConfig:
     the parameters."""
     overlap_grad_reduce: bool = True
     """Start each bucket's data-parallel reduction during the step's last backward, as soon as
-    its gradients are ready (false: all of them after backward)."""
+    its gradients are ready, and with ZeRO-1 each bucket's parameter all-gather after the step,
+    waited for by the next forward where it first needs them (false: all of them after
+    backward and after the step)."""
 
 
 @dataclass

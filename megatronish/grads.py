@@ -21,6 +21,12 @@ first) and the two copies of tied embeddings on the first and last pipeline stag
 the embedding group first). The sums are those of reduce_gradients, element for element, so
 the losses are bitwise the same as without the buffer (shared-memory and two-rank gloo sums
 are in rank order whatever the bucket boundaries).
+
+With ZeRO-1 (shard) each bucket is padded to a multiple of its group's size and reduce-scattered
+instead: rank r gets the reduced block r, the optimizer updates the parameters' parts in that
+block (the parameters live in one flat buffer laid out like the gradients), and the buckets'
+parameters are all-gathered back, after the step in the order the next forward uses them,
+each module's forward pre-hook waiting only for its own buckets.
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ class Optimizer:
             moments = {k: torch.zeros_like(bucket.block) for k in ("exp_avg", "exp_avg_sq")}
             self.block_state.append(moments)
             for piece in bucket.pieces:
-                at = slice(piece.at - bucket.block_lo, piece.at - bucket.block_lo + piece.data.numel())
+                lo = piece.at - bucket.block_lo
+                at = slice(lo, lo + piece.data.numel())
                 self.inner.state[piece.data] = {
                     "step": torch.zeros((), dtype=torch.float32, device=piece.data.device),
                     **{k: v[at] for k, v in moments.items()},
@@ -209,9 +210,10 @@ class Optimizer:
                     continue  # the parameter starts in an earlier block: saved by its rank
                 param, at = piece.param, piece.at - bucket.start
                 assert bucket.block_lo <= piece.at < block_hi
+                span = slice(at, at + param.numel())
                 whole[param] = {
                     "step": self.inner.state[piece.data]["step"],
-                    **{k: v[at : at + param.numel()].view_as(param).clone() for k, v in full.items()},
+                    **{k: v[span].view_as(param).clone() for k, v in full.items()},
                 }
         return whole
 

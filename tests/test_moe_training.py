@@ -2,10 +2,10 @@
 and the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 x ep 2 with
 ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and router metrics (balancing and
 z-losses, imbalance) of one process within 1e-5 relative; with a capacity factor the dropped
-fraction does not change with ep, nor with tp under sequence parallelism, and the one metrics.jsonl reports equals a count made
-outside the model on the same router output; an ep = 2 checkpoint resumes at ep = 1 on the
-same curve and loads, evaluates and generates in one process; one-process training is
-deterministic; bad MoE settings exit 2 with one line."""
+fraction does not change with ep, nor with tp under sequence parallelism, and the one
+metrics.jsonl reports equals a count made outside the model on the same router output; an
+ep = 2 checkpoint resumes at ep = 1 on the same curve and loads, evaluates and generates in one
+process; one-process training is deterministic; bad MoE settings exit 2 with one line."""
 
 from __future__ import annotations
 
