@@ -89,6 +89,20 @@ def _recorded(op: str, group, tensor: torch.Tensor):
     RECORDER.end(entry, entry[5])
 
 
+def _issue(kind: str, group, tensor: torch.Tensor, async_op: bool, start):
+    """Runs start(async_op), which issues the collective `kind` on tensor: synchronously inside a
+    flight-recorder span, or asynchronously, returning a handle whose wait() closes the span
+    (start may return None for a collective it finished at once)."""
+    if not async_op:
+        with _recorded(kind, group, tensor):
+            start(False)
+        return None
+    entry = RECORDER.begin(kind, group, tensor)
+    with comm_range(kind, entry[2]):
+        work = start(True)
+    return Timed(work or _Done(), entry)
+
+
 def _record(kind: str, payload: int, factor: float) -> None:
     for counter in _ACTIVE:
         counter.record(kind, payload, payload * factor)
@@ -152,14 +166,9 @@ def all_reduce(
     if n == 1:
         return None
     _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
-    if not async_op:
-        with _recorded("all_reduce", group, tensor):
-            _all_reduce(tensor, group, op, async_op)
-        return None
-    entry = RECORDER.begin("all_reduce", group, tensor)
-    with comm_range("all_reduce", entry[2]):
-        work = _all_reduce(tensor, group, op, async_op)
-    return Timed(work, entry)
+    return _issue(
+        "all_reduce", group, tensor, async_op, lambda a: _all_reduce(tensor, group, op, a)
+    )
 
 
 def all_reduce_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
@@ -222,14 +231,13 @@ def reduce_scatter_in_place(
     if n == 1:
         return None
     _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
-    if not async_op:
-        with _recorded("reduce_scatter", group, tensor):
-            _reduce_scatter_in_place(tensor, group, n, async_op)
-        return None
-    entry = RECORDER.begin("reduce_scatter", group, tensor)
-    with comm_range("reduce_scatter", entry[2]):
-        work = _reduce_scatter_in_place(tensor, group, n, async_op)
-    return Timed(work, entry)
+    return _issue(
+        "reduce_scatter",
+        group,
+        tensor,
+        async_op,
+        lambda a: _reduce_scatter_in_place(tensor, group, n, a),
+    )
 
 
 def _reduce_scatter_in_place(tensor, group, n: int, async_op: bool):
@@ -254,14 +262,9 @@ def all_gather_in_place(
     if n == 1:
         return None
     _record("all_gather", _nbytes(tensor), (n - 1) / n)
-    if not async_op:
-        with _recorded("all_gather", group, tensor):
-            _all_gather_in_place(tensor, group, n, async_op)
-        return None
-    entry = RECORDER.begin("all_gather", group, tensor)
-    with comm_range("all_gather", entry[2]):
-        work = _all_gather_in_place(tensor, group, n, async_op)
-    return Timed(work or _Done(), entry)
+    return _issue(
+        "all_gather", group, tensor, async_op, lambda a: _all_gather_in_place(tensor, group, n, a)
+    )
 
 
 def _all_gather_in_place(tensor, group, n: int, async_op: bool):
