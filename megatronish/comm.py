@@ -139,8 +139,7 @@ def _shared(group, tensor: torch.Tensor, op) -> SharedMemoryGroup | None:
 def _all_reduce(tensor, group, op, async_op):
     shared = _shared(group, tensor, op)
     if shared is not None:
-        pending = shared.all_reduce(tensor, op, async_op=async_op)
-        return (pending or _Done()) if async_op else None
+        return shared.all_reduce(tensor, op, async_op=async_op)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -243,8 +242,7 @@ def reduce_scatter_in_place(
 def _reduce_scatter_in_place(tensor, group, n: int, async_op: bool):
     shared = _shared(group, tensor, dist.ReduceOp.SUM)
     if shared is not None:
-        pending = shared.reduce_scatter(tensor, async_op=async_op)
-        return (pending or _Done()) if async_op else None
+        return shared.reduce_scatter(tensor, async_op=async_op)
     if dist.get_backend(group) == "gloo":
         return dist.all_reduce(tensor, group=group, async_op=async_op)
     block = tensor.chunk(n)[group_rank(group)]
