@@ -6,7 +6,7 @@ loss [rows] fp32; lse [rows] fp32 (natural log).
 
 Forward: one program per row reads the shard once in BLOCK-wide chunks, keeping an online max
 and sum of exponentials, and picks up the target logit when the target id falls in the shard.
-With tp > 1 only per-row statistics cross ranks, through megatronish.comm (so bytes are
+With tp > 1 only per-row statistics cross ranks, through megatronish.distributed.comm (so bytes are
 counted): an all-gather of each rank's log-sum-exp [tp, rows] and a SUM all-reduce of the
 target logit [rows] (non-zero on the owning rank only). loss = logsumexp over ranks - target.
 Backward: grad = (exp(x - lse) - onehot) * dloss, computed in fp32 and stored in the logits'
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from megatronish import comm
+from megatronish.distributed import comm
 
 from ._utils import check_device
 

@@ -10,8 +10,8 @@ import sys
 
 import click
 
-from megatronish import faults
 from megatronish.config import load_config
+from megatronish.distributed import processes
 from megatronish.errors import ReportedError
 
 
@@ -102,7 +102,7 @@ set_option = click.option(
 @user_errors
 def train(config_path, overrides):
     """Train; one process per rank under torchrun, or a single process when the world is 1."""
-    from megatronish.trainer import train as run_training
+    from megatronish.training.trainer import train as run_training
 
     run_training(load_config(config_path, overrides))
 
@@ -114,7 +114,7 @@ def train(config_path, overrides):
 @user_errors
 def check(config_path, overrides, world_size):
     """Validate a config without starting anything; print it resolved with its derived sizes."""
-    from megatronish.check import check_config
+    from megatronish.commands.check import check_config
 
     click.echo(check_config(load_config(config_path, overrides), world_size))
 
@@ -132,7 +132,7 @@ def check(config_path, overrides, world_size):
 @user_errors
 def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restarts):
     """Start `train` through torchrun with processes per node from the parallel degrees."""
-    from megatronish.launch import launch as run_launch
+    from megatronish.commands.launch import launch as run_launch
 
     cfg = load_config(config_path, overrides)
     sys.exit(
@@ -149,7 +149,7 @@ def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restart
 def bench(config_path, overrides, steps, warmup):
     """Time training steps; the last line is one JSON object with tokens_per_s, step_time_s,
     mfu and the bytes each rank sends per step (counted and by the analytic formula)."""
-    from megatronish.bench import bench as run_bench
+    from megatronish.commands.bench import bench as run_bench
 
     sys.exit(run_bench(config_path, overrides, steps, warmup))
 
@@ -163,7 +163,7 @@ def bench(config_path, overrides, steps, warmup):
 @user_errors
 def plan(config_path, overrides, gpus, gpu, gpu_memory):
     """Per-rank memory, FLOPs, communication and a recommended layout, without starting anything."""
-    from megatronish.plan import plan as make_plan
+    from megatronish.commands.plan import plan as make_plan
 
     click.echo(make_plan(load_config(config_path, overrides), gpus, gpu, gpu_memory))
 
@@ -174,7 +174,7 @@ def plan(config_path, overrides, gpus, gpu, gpu_memory):
 @user_errors
 def plot(run_dir, output):
     """Loss, learning rate and throughput curves from a run's metrics.jsonl."""
-    from megatronish.plot import plot_run
+    from megatronish.commands.plot import plot_run
 
     click.echo(plot_run(run_dir, output))
 
@@ -184,7 +184,7 @@ def plot(run_dir, output):
 def diagnose(run_dir):
     """Read the ranks' flight-recorder dumps (RUN_DIR/debug/rank_*.json) of a hung or failed
     run and name the rank the others wait for, the collective, its group and sequence number."""
-    from megatronish.diagnose import diagnose_run
+    from megatronish.commands.diagnose import diagnose_run
 
     text, status = diagnose_run(run_dir)
     click.echo(text, err=status != 0)
@@ -200,7 +200,7 @@ def diagnose(run_dir):
 def trace(run_dir, output):
     """Merge the ranks' profiler traces into one trace (a process per rank) and print compute,
     exposed communication and bubble per rank."""
-    from megatronish.observe.trace import merge_traces
+    from megatronish.commands.trace import merge_traces
 
     text, status = merge_traces(run_dir, output)
     click.echo(text)
@@ -245,7 +245,7 @@ def generate(checkpoint_path, prompt, max_new_tokens, temperature, top_k, top_p,
     import os
 
     from megatronish.checkpoint.generate import Sampling, generate_text
-    from megatronish.parallel import world_size_from_env
+    from megatronish.distributed.layout import world_size_from_env
 
     main_rank = os.environ.get("RANK", "0") == "0"  # torchrun's global rank
 
@@ -305,6 +305,6 @@ def import_command(hf_dir, output, overrides):
 
 
 def main() -> None:
-    if faults.under_launcher():  # a rank: it must not outlive torchrun
-        faults.die_with_parent()
+    if processes.under_launcher():  # a rank: it must not outlive torchrun
+        processes.die_with_parent()
     cli(prog_name="megatronish")

@@ -26,9 +26,9 @@ from megatronish.checkpoint.load import restore_model, restore_optimizer, restor
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
 from megatronish.config import Config, derive, load_config
+from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.optim import Optimizer
-from megatronish.parallel import ParallelState
+from megatronish.optim.optimizer import Optimizer
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_OVERRIDES = ["parallel.tp=1", "optim.zero=0", "train.precision=fp32", "kernels.backend=torch"]

@@ -4,8 +4,8 @@
 
 For each cp, runs cp gloo processes (one thread each) that build the same small model at
 seq_len tokens, micro-batch 1, fp32, and run one forward of the loss (each rank on its zigzag
-shard of the same random tokens) with megatronish.pipeline.SavedTensorMeter counting the bytes
-of the tensors autograd keeps for backward (parameters excluded), then the backward. Printed
+shard of the same random tokens) with megatronish.pipeline.runner.SavedTensorMeter counting the
+bytes of the tensors autograd keeps for backward (parameters excluded), then the backward. Printed
 per cp: the largest rank's measured bytes, plan's estimate for the same layout (Korthikanti's
 per-layer formula at seq_len / cp, fp32, plus the logits and softmax), their ratio, the
 measured reduction against cp = 1, the attention FLOPs every rank counted in the ring blocks,
@@ -46,9 +46,9 @@ def model_sets(arch: str, seq_len: int, cp: int) -> list[str]:
 def _rank(rank: int, cp: int, port: int, arch: str, seq_len: int, out) -> None:
     from megatronish.config import derive, load_config
     from megatronish.context import RingCounter, shard_sequence
+    from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.parallel import ParallelState
-    from megatronish.pipeline import SavedTensorMeter
+    from megatronish.pipeline.runner import SavedTensorMeter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -94,8 +94,8 @@ def measure(arch: str, seq_len: int, cp: int) -> list[tuple[int, int, int, float
 
 def plan_bytes(arch: str, seq_len: int, cp: int) -> float:
     """plan's activation estimate for this layout: every layer plus the logits and softmax."""
+    from megatronish.commands.plan import activation_bytes_per_layer
     from megatronish.config import derive, load_config
-    from megatronish.plan import activation_bytes_per_layer
 
     cfg = load_config(None, model_sets(arch, seq_len, cp))
     d = derive(cfg, cp, vocab_size=VOCAB)

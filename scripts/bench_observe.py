@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from megatronish.bench import bench_in_subprocess as bench
+from megatronish.commands.bench import bench_in_subprocess as bench
 
 OFF = ["observe.phase_times=false", "observe.flight_recorder=0"]
 

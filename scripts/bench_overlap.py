@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from megatronish.bench import bench_in_subprocess
+from megatronish.commands.bench import bench_in_subprocess
 
 MODEL = [
     "parallel.dp=2", "train.micro_batch_size=2", "train.global_batch_size=4",

@@ -1,5 +1,5 @@
 """Prints the config reference of the README (a Markdown table per section) from the field
-declarations and docstrings in megatronish/config.py, so the two never disagree.
+declarations and docstrings in megatronish/config/schema.py, so the two never disagree.
 
     python scripts/config_reference.py
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent / "megatronish" / "config.py"
+SOURCE = Path(__file__).resolve().parent.parent / "megatronish" / "config" / "schema.py"
 SECTIONS = {
     "ModelConfig": "model",
     "MoEConfig": "model.moe",

@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 PRELOAD = [
     "torch",
     "torch.distributed",
-    "megatronish.trainer",
-    "megatronish.bench",
+    "megatronish.training.trainer",
+    "megatronish.commands.bench",
     "megatronish.checkpoint.load",
     "megatronish.checkpoint.save",
     "megatronish.checkpoint.generate",

@@ -14,7 +14,7 @@ import os
 import time
 
 from megatronish.cli import main
-from megatronish.trainer import Trainer
+from megatronish.training.trainer import Trainer
 
 RANK = int(os.environ["FAULT_RANK"])
 NAN_STEPS = {int(s) for s in os.environ.get("FAULT_NAN_STEPS", "").split(",") if s}

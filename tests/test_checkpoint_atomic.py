@@ -12,9 +12,9 @@ import megatronish.checkpoint.save as save_module
 from megatronish import load_model
 from megatronish.checkpoint.format import find_latest
 from megatronish.checkpoint.reader import Checkpoint
-from megatronish.checkpoint.training import resume_path
 from megatronish.config import load_config
-from megatronish.parallel import ParallelState
+from megatronish.distributed.layout import ParallelState
+from megatronish.training.checkpoints import resume_path
 from tests.test_checkpoint_helpers import BYTES, save_single, tiny_cfg, trained
 
 

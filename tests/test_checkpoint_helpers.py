@@ -11,9 +11,9 @@ import torch
 
 from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
 from megatronish.config import Config, load_config
+from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.optim import Optimizer, reduce_gradients
-from megatronish.parallel import ParallelState
+from megatronish.optim.optimizer import Optimizer, reduce_gradients
 
 VOCAB = 257  # the byte tokenizer's
 BYTES = TokenizerInfo("byte", 256)

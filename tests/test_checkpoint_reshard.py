@@ -13,10 +13,10 @@ from megatronish.checkpoint.load import restore_model, restore_optimizer
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import save_checkpoint
 from megatronish.config import derive
+from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
 from megatronish.model import GPT
-from megatronish.optim import Optimizer
-from megatronish.parallel import ParallelState
+from megatronish.optim.optimizer import Optimizer
 from tests.distributed import run_on_ranks
 from tests.test_checkpoint_helpers import BYTES, VOCAB, tiny_cfg, tokens, trained
 

@@ -29,15 +29,15 @@ def _inputs(cp: int, dtype: torch.dtype):
 
 
 def _ring_rank(rank, world, backend, dtype):
-    from megatronish import comm
-    from megatronish.context import RingCounter, ring_attention
-    from megatronish.parallel import ParallelState
+    from megatronish.context import Ring, RingCounter, ring_attention
+    from megatronish.distributed import comm
+    from megatronish.distributed.layout import ParallelState
 
     ps = ParallelState.from_world(1, 1, 1, cp=world)
     q, k, v, dout = (shard_sequence(x, world, rank, 2) for x in _inputs(world, dtype))
     q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
     with comm.CommCounter() as counter, RingCounter() as work:
-        out = ring_attention(q, k, v, ps.cp_ring(), backend=backend)
+        out = ring_attention(q, k, v, Ring.of(ps), backend=backend)
         out.backward(dout)
     return {
         "grads": [out.detach(), q.grad, k.grad, v.grad],

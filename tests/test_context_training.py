@@ -73,7 +73,7 @@ def make_config(tp, cp, dp, pp, overrides, dataset, extra=()):
 
 def _train_on_ranks(rank, world, variants, dataset, save_dir):
     """For each variant: losses, grad norms, and the ring bytes sent in its first step."""
-    from megatronish.bench import formula_payload_by_kind
+    from megatronish.commands.bench import formula_payload_by_kind
 
     results = {}
     for name, (tp, cp, dp, pp, overrides) in variants.items():
@@ -98,7 +98,7 @@ _REFERENCES: dict = {}
 
 def reference(overrides: list[str], dataset: Path, save_dir: Path | None = None) -> dict:
     """The one-rank run of these model settings (cached); saves steps 10 and 20 into save_dir."""
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     key = (tuple(o for o in overrides if not o.startswith("optim.")), dataset)
     if key not in _REFERENCES:
@@ -164,7 +164,7 @@ def _resume(rank, world, dataset, step_dir, cp):
 def test_a_cp2_checkpoint_resumes_at_cp1_and_a_cp1_checkpoint_at_cp2_on_the_same_curve(
     two_ranks, dataset, saved_dirs
 ):
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     _REFERENCES.pop((tuple(GPT2), dataset), None)  # rerun, saving step 10 at cp = 1
     ref = reference(GPT2, dataset, saved_dirs["cp1"])
@@ -227,10 +227,10 @@ def _masked_batch():
 def _masked_loss(rank, world):
     from megatronish.config import derive, load_config
     from megatronish.context import shard_sequence
+    from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.optim import reduce_gradients
-    from megatronish.parallel import ParallelState
-    from megatronish.trainer import mean_loss
+    from megatronish.optim.optimizer import reduce_gradients
+    from megatronish.training.trainer import mean_loss
 
     if world == 1:
         ps = ParallelState.single()

@@ -24,11 +24,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatronish.checkpoint.lock import RunLock, run_lock
 from megatronish.config import load_config
+from megatronish.distributed.layout import ParallelState
+from megatronish.distributed.processes import child_pids, process_alive
 from megatronish.errors import RunFailure, UserError
-from megatronish.faults import RunLock, child_pids, process_alive, run_lock
-from megatronish.parallel import ParallelState
-from megatronish.trainer import Trainer, setup
+from megatronish.training.trainer import Trainer, setup
 from tests.conftest import CONFIGS, REPO
 from tests.test_checkpoint_helpers import prepare_small_dataset
 
@@ -180,7 +181,7 @@ time.sleep(120)
 """
 RANK_LIKE = """
 import sys, time
-from megatronish.faults import die_with_parent
+from megatronish.distributed.processes import die_with_parent
 die_with_parent(poll_s=0.2, use_prctl={use_prctl})
 print("ready", flush=True)
 time.sleep(120)
@@ -213,7 +214,7 @@ def test_a_process_dies_within_seconds_of_its_parent_being_killed(use_prctl):
 
 HOLDER = """
 import sys, time
-from megatronish.faults import RunLock
+from megatronish.checkpoint.lock import RunLock
 RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(120)

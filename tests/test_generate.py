@@ -12,7 +12,7 @@ from megatronish.checkpoint.load import build_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.cli import cli
 from megatronish.data import ByteTokenizer
-from megatronish.parallel import ParallelState
+from megatronish.distributed.layout import ParallelState
 from tests.distributed import run_on_ranks
 from tests.test_checkpoint_helpers import VOCAB, save_single, tiny_cfg, tokens
 

@@ -29,8 +29,8 @@ WAYS = {
 
 
 def _curves(rank, world, variants, dataset):  # noqa: F811
-    from megatronish.grads import GradBuffer
-    from megatronish.optim import Optimizer
+    from megatronish.optim.grad_buffer import GradBuffer
+    from megatronish.optim.optimizer import Optimizer
 
     out = {}
     for name, (tp, dp, pp, overrides) in variants.items():

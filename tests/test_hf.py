@@ -18,7 +18,7 @@ from megatronish.checkpoint.save import tokenizer_of_dataset
 from megatronish.cli import cli
 from megatronish.data import dataset_vocab_size, load_tokenizer
 from megatronish.errors import UserError
-from megatronish.trainer import Trainer, setup
+from megatronish.training.trainer import Trainer, setup
 from tests.test_checkpoint_helpers import (
     VOCAB,
     prepare_small_dataset,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatronish import ops
-from megatronish.comm import CommCounter
+from megatronish.distributed.comm import CommCounter
 from tests.distributed import run_on_ranks
 from tests.kernel_env import (
     interpreter_env,  # noqa: F401 (autouse fixture)

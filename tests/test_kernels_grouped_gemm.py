@@ -82,8 +82,8 @@ def test_an_moe_layer_on_the_kernels_equals_it_on_torch():
     """The expert path as the model runs it on CUDA: stacked weights through transposed views,
     the SwiGLU kernel between two grouped GEMMs, an expert with no tokens."""
     from megatronish.config import derive, load_config
+    from megatronish.distributed.layout import ParallelState
     from megatronish.moe import MoELayer
-    from megatronish.parallel import ParallelState
 
     sets = ["model.arch=llama", "model.d_model=32", "model.n_head=2", "model.vocab_size=64",
             "model.moe.num_experts=4", "model.moe.d_ff=24"]  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatronish import comm
+from megatronish.distributed import comm
 from megatronish.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -62,9 +62,7 @@ def test_the_old_checkpoint_resumes_on_the_old_losses(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     train, val = read_metrics(tmp_path / "run")
-    assert {str(x["step"]): x["loss"] for x in train} == pytest.approx(
-        EXPECTED["losses"], abs=1e-6
-    )
+    assert {str(x["step"]): x["loss"] for x in train} == pytest.approx(EXPECTED["losses"], abs=1e-6)
     assert [x["val_loss"] for x in val if x["step"] == 6] == pytest.approx(
         [EXPECTED["val_loss_step_6"]], abs=1e-6
     )

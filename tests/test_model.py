@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatronish.config import derive, load_config
+from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.parallel import ParallelState
 from tests.distributed import run_on_ranks
 
 VOCAB = 61

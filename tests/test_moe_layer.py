@@ -97,8 +97,8 @@ def _identity_round_trip(x: torch.Tensor, experts, ep: int, group) -> tuple:
 
 
 def _on_ranks(rank, world, tp, dp, ep):
+    from megatronish.distributed.layout import ParallelState
     from megatronish.moe.router import router_logits
-    from megatronish.parallel import ParallelState
 
     ps = ParallelState.from_world(tp, dp, 1, 1, ep)
     cfg = _config(tp, dp, ep)
@@ -116,7 +116,7 @@ def _on_ranks(rank, world, tp, dp, ep):
 def _reference(case: str, dp: int) -> list[dict[str, torch.Tensor]]:
     """The one-process layer run on each dp rank's tokens (each its own micro-batch, with its
     own router losses): outputs and every gradient, per dp rank."""
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     layer = _layer(_config(), 1, ParallelState.single(), _weights(case))
     runs = []

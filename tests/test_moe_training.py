@@ -84,7 +84,7 @@ def make_config(tp, cp, dp, pp, ep, overrides, dataset, extra=()):
 
 
 def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
-    from megatronish.bench import formula_payload_by_kind
+    from megatronish.commands.bench import formula_payload_by_kind
 
     trainer = make_trainer(cfg, world, dataset, ps)
     losses, norms, counter = train_counted(trainer, STEPS, save_every)
@@ -113,7 +113,7 @@ _REFERENCES: dict = {}
 
 def reference(overrides: list[str], dataset: Path) -> dict:
     """The one-rank run of these model settings (cached)."""
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     key = (tuple(o for o in overrides if not o.startswith("optim.")), dataset)
     if key not in _REFERENCES:
@@ -186,7 +186,7 @@ def test_every_rank_sends_the_payload_the_analytic_count_gives_all_to_all_includ
 
 
 def test_one_process_moe_training_is_deterministic(dataset):
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     first = reference(MOE, dataset)
     cfg = make_config(1, 1, 1, 1, 1, MOE, dataset)
@@ -200,7 +200,7 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve_and_loads_evaluates_
     import torch
 
     from megatronish import load_model
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     ref = reference(MOE, dataset)
     extra = [f"checkpoint.resume={save_dir}/step_000010", "checkpoint.save=false"]
@@ -229,8 +229,8 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve_and_loads_evaluates_
 def test_metrics_dropped_fraction_equals_a_count_outside_the_model(dataset, tmp_path, monkeypatch):
     """A one-process run with a capacity factor logs moe_dropped_frac every step; the router's
     choices, recorded as the model makes them, give the same fraction counted here."""
+    from megatronish.distributed.layout import ParallelState
     from megatronish.moe import layer
-    from megatronish.parallel import ParallelState
 
     routed = []
 
@@ -280,12 +280,12 @@ def test_cli_bad_moe_settings_exit_2_with_one_line(world, sets, key):
 
 
 def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
-    from megatronish.check import check_config
+    from megatronish.commands.check import check_config
+    from megatronish.commands.plan import estimate
     from megatronish.config import derive, load_config
-    from megatronish.metrics import model_flops_per_step, parameter_count
+    from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.parallel import ParallelState
-    from megatronish.plan import estimate
+    from megatronish.training.metrics import model_flops_per_step, parameter_count
 
     sets = ["model.vocab_size=256", "model.moe.shared_expert=true", "parallel.dp=2"]
     cfg = load_config(CONFIGS / "tiny-moe.yaml", sets)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatronish import comm
+from megatronish.commands.diagnose import diagnose_run, rank_list
 from megatronish.config import Config
-from megatronish.diagnose import diagnose_run, rank_list
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState
 from megatronish.observe.flight import TRIGGER, Watchdog, watchdog_for
 from megatronish.observe.record import RECORDER
-from megatronish.parallel import ParallelState
 from tests.distributed import run_on_ranks
 
 HUNG_AFTER_S = 3.0

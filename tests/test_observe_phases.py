@@ -20,7 +20,7 @@ STEPS = 6
 
 
 def _slow_run(rank, world, dataset, out_dir):  # noqa: F811
-    from megatronish import trainer as trainer_module
+    from megatronish.training import trainer as trainer_module
 
     cfg = make_config(
         2, 1, 2, GPT2, dataset,
@@ -92,7 +92,7 @@ def test_the_slowed_rank_is_named_as_the_straggler_and_no_other(slow_run):
 def test_tensorboard_event_files_hold_the_metrics_values(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     cfg = make_config(
         1, 1, 1, GPT2, dataset_dir(tmp_path),

@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
-from megatronish import comm
 from megatronish.cli import user_errors
+from megatronish.commands.trace import merge_traces, step_breakdown
 from megatronish.config import Config
+from megatronish.distributed import comm
 from megatronish.observe import profile
 from megatronish.observe.profile import StepProfiler, annotate, comm_range
-from megatronish.observe.trace import merge_traces, step_breakdown
 from tests.distributed import run_on_ranks
 
 

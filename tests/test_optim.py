@@ -8,7 +8,7 @@ import sys
 import torch
 from torch import nn
 
-from megatronish.optim import AdamW
+from megatronish.optim.optimizer import AdamW
 from tests.distributed import run_on_ranks
 
 

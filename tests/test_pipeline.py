@@ -73,9 +73,9 @@ def make_config(tp: int, dp: int, pp: int, overrides: list[str], dataset: Path, 
 def make_trainer(cfg, world: int, dataset: Path, ps=None):
     """A Trainer on the ranks' groups as a launched run builds them (tp and dp through shared
     memory; the previous trainer's shared buffers released)."""
-    from megatronish import comm
-    from megatronish.parallel import ParallelState, use_shared_memory
-    from megatronish.trainer import Setup, Trainer
+    from megatronish.distributed import comm
+    from megatronish.distributed.layout import ParallelState, use_shared_memory
+    from megatronish.training.trainer import Setup, Trainer
 
     derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
     if ps is None:
@@ -92,7 +92,7 @@ def train_losses(trainer) -> list[float]:
 def train_counted(trainer, steps: int, save_every: int = 0):
     """(losses, grad norms, CommCounter of the first step) of training to `steps`, saving a
     checkpoint every `save_every` steps (0: never)."""
-    from megatronish import comm
+    from megatronish.distributed import comm
 
     losses, norms = [], []
     with comm.CommCounter() as counter:
@@ -126,7 +126,7 @@ def assert_check_fails_with_one_line(args: list[str], key: str) -> None:
 
 def _train_on_ranks(rank, world, variants, dataset, save_dir):
     """For each variant: its losses and grad norms, and each stage's schedule statistics."""
-    from megatronish.bench import formula_bytes_per_step
+    from megatronish.commands.bench import formula_bytes_per_step
 
     results = {}
     for name, (tp, dp, pp, overrides) in variants.items():
@@ -160,7 +160,7 @@ def reference(overrides: list[str], dataset: Path) -> dict:
 
 
 def _reference(overrides: list[str], dataset: Path, **sets) -> dict:
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     cfg = make_config(1, 1, 1, overrides, dataset, [f"{k}={v}" for k, v in sets.items()])
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
@@ -221,8 +221,8 @@ def test_every_stage_sends_the_bytes_the_analytic_count_gives(group, two_ranks, 
 
 def _schedule_memory(rank, world, dataset, micro_batches):
     """Per schedule: (max micro-batches in flight, peak saved-tensor bytes) on this stage."""
-    from megatronish.parallel import ParallelState
-    from megatronish.pipeline import Pipeline
+    from megatronish.distributed.layout import ParallelState
+    from megatronish.pipeline.runner import Pipeline
 
     out = {}
     ps = ParallelState.from_world(1, 1, world)
@@ -268,7 +268,7 @@ def _resume_tp2(rank, world, dataset, checkpoint_dir):
 def test_a_pp2_checkpoint_resumes_at_pp1_on_tp1_and_tp2_on_the_same_curve(
     four_ranks, dataset, saved_dir
 ):
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     ref = reference(GPT2, dataset)
     resume = f"checkpoint.resume={saved_dir}/step_000010"

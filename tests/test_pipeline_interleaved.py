@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatronish.pipeline_schedule import interleaved_ticks, rank_order, warmup_forwards
+from megatronish.pipeline.schedule import interleaved_ticks, rank_order, warmup_forwards
 from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
 from tests.test_pipeline import (  # noqa: F401 (dataset is a fixture)
@@ -58,8 +58,8 @@ SAVED = "gpt2 pp4 v2 m8"  # also saves a checkpoint at step 10
 def _train_on_ranks(rank, world, variants, dataset, save_dir):  # noqa: F811
     """For each variant: losses, grad norms, the validation loss after the last step, the
     bytes sent in the first step and the analytic count, and the most activations held."""
-    from megatronish.bench import formula_bytes_per_step
-    from megatronish.trainer import make_loader
+    from megatronish.commands.bench import formula_bytes_per_step
+    from megatronish.training.trainer import make_loader
 
     results = {}
     for name, (tp, dp, pp, overrides) in variants.items():
@@ -113,7 +113,7 @@ _VAL_LOSSES: dict = {}
 
 def reference_val_loss(overrides: list[str], dataset: Path) -> float:  # noqa: F811
     """The validation loss of the pp = 1 run of these settings after its last step."""
-    from megatronish.trainer import make_loader
+    from megatronish.training.trainer import make_loader
 
     key = (tuple(overrides), dataset)
     if key not in _VAL_LOSSES:
@@ -161,7 +161,7 @@ def test_a_pp4_v2_checkpoint_resumes_at_pp1_on_the_same_curve(
     dataset,  # noqa: F811
     saved_dir,
 ):
-    from megatronish.parallel import ParallelState
+    from megatronish.distributed.layout import ParallelState
 
     overrides = _model_settings(FOUR_RANKS[SAVED][3])
     ref = reference(overrides, dataset)
@@ -204,8 +204,8 @@ def test_cli_check_shows_each_stages_chunks_and_the_interleaved_bubble():
 
 
 def test_plan_divides_the_bubble_by_v_and_counts_megatrons_warm_up_activations():
+    from megatronish.commands.plan import estimate
     from megatronish.config import load_config
-    from megatronish.plan import estimate
 
     # gpt2-1.3b on 16 GPUs at tp 1, pp 2: dp 8, m = 8 micro-batches, 12 layers a stage.
     plain = estimate(load_config(CONFIGS / "gpt2-1.3b.yaml"), 16, 1, 989e12, pp=2)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatronish.commands.plan import GB, activation_bytes_per_layer, estimate, plan
 from megatronish.config import load_config
-from megatronish.plan import GB, activation_bytes_per_layer, estimate, plan
 from tests.conftest import CONFIGS, invoke_cli
 
 

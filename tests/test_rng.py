@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatronish.config import derive, load_config
+from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.model import GPT
-from megatronish.parallel import ParallelState, RNGTracker
 
 
 def loss_and_grads(arch: str, checkpointing: str):

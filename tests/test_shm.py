@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatronish import comm
+from megatronish.distributed import comm
 from megatronish.errors import PeerLost
 from tests.distributed import run_on_ranks
 

@@ -27,7 +27,7 @@ def _config(dp: int, zero: int, dataset, ckpt_dir, resume: str = "never"):  # no
 
 
 def _run(trainer, steps: int, save_at: int | None = None) -> list[tuple[float, float]]:
-    from megatronish.checkpoint.training import save
+    from megatronish.training.checkpoints import save
 
     out = []
     for _ in range(steps):

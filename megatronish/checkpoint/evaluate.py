@@ -17,8 +17,8 @@ from megatronish.checkpoint.format import CONFIG_FILE
 from megatronish.checkpoint.load import build_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
+from megatronish.distributed.layout import ParallelState, default_device
 from megatronish.errors import UserError
-from megatronish.parallel import ParallelState, default_device
 
 
 @torch.no_grad()
@@ -28,7 +28,7 @@ def evaluate_checkpoint(
     """{"checkpoint", "step", "dataset", "val_loss", "perplexity", "tokens"} of the checkpoint on
     the validation split of its data.path (or the overrides', e.g. data.path=DIR)."""
     from megatronish.data import BatchLoader, dataset_vocab_size, resolve_dataset
-    from megatronish.trainer import autocast
+    from megatronish.training.trainer import autocast
 
     ckpt = Checkpoint(checkpoint)
     cfg = load_config(ckpt.dir / CONFIG_FILE, overrides)

@@ -15,18 +15,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatronish import comm
 from megatronish.checkpoint.load import build_model, inference_config
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import derive
-from megatronish.errors import UserError
-from megatronish.layers import mappings
-from megatronish.parallel import (
+from megatronish.distributed import comm
+from megatronish.distributed.layout import (
     ParallelState,
     default_device,
     init_distributed,
     world_size_from_env,
 )
+from megatronish.errors import UserError
+from megatronish.layers import mappings
 
 
 @dataclass(frozen=True)

@@ -212,8 +212,8 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
     """Writes the weights of a Hugging Face directory as checkpoint `output` (step 0, tp 1;
     model.* from config.json, other keys from the defaults and overrides). Returns (step
     directory, whether a tokenizer was found)."""
+    from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.parallel import ParallelState
 
     hf_path, out = Path(hf_dir).expanduser(), Path(output)
     _require_new_dir(out, "--output")

@@ -12,8 +12,8 @@ from torch import nn
 from megatronish.checkpoint.format import all_stage_specs, model_specs
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import Config, derive
+from megatronish.distributed.layout import ParallelState
 from megatronish.moe.experts import is_expert, stored_tensors
-from megatronish.parallel import ParallelState
 
 
 @torch.no_grad()

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import save_file
 
-from megatronish import comm
 from megatronish.checkpoint.format import (
     CONFIG_FILE,
     FORMAT,
@@ -49,7 +48,8 @@ from megatronish.checkpoint.format import (
     write_text_atomic,
 )
 from megatronish.config import Config, Derived
-from megatronish.parallel import ParallelState
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,15 @@ hops it is back with its owner. dq accumulates locally in fp32.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from megatronish import comm
 from megatronish.context.blocks import accumulation_dtype, block_ops
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState
 
 KV_TAG, DKV_TAG = 11, 12
 
@@ -73,6 +75,18 @@ class Ring:
     rank: int
     next_rank: int
     prev_rank: int
+
+    @classmethod
+    def of(cls, ps: ParallelState) -> Ring:
+        """This rank's ring attention ring: its cp group and cp neighbours."""
+        neighbour = functools.partial(ps.global_rank, ps.tp_rank, ps.dp_rank, ps.pp_rank)
+        return cls(
+            ps.cp_group,
+            ps.cp,
+            ps.cp_rank,
+            next_rank=neighbour((ps.cp_rank + 1) % ps.cp),
+            prev_rank=neighbour((ps.cp_rank - 1) % ps.cp),
+        )
 
     def shift(self, tensor: torch.Tensor, tag: int):
         """Starts sending tensor to the next rank and receiving the previous rank's into a new

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatronish import comm
+from megatronish.distributed import comm
 
 IGNORE_INDEX = -100
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatronish import comm
+from megatronish.distributed import comm
 from megatronish.layers import mappings
 from megatronish.layers.linear import DEFAULT_INIT, InitMethod, init_sharded, mark_parallel
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatronish import comm
+from megatronish.distributed import comm
 from megatronish.layers import mappings
 
 InitMethod = Callable[[torch.Tensor], None]

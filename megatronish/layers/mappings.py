@@ -2,7 +2,7 @@
 
 Shapes: b batch, s sequence, h hidden; t the tp group size. Activations are [b, s, h]; the
 sequence-parallel ops split and gather dim 1. Each op is the identity when the group has one
-rank, and every collective goes through megatronish.comm (which counts its bytes).
+rank, and every collective goes through megatronish.distributed.comm (which counts its bytes).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatronish import comm
+from megatronish.distributed import comm
 
 Group = dist.ProcessGroup | None
 

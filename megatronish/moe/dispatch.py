@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatronish import comm
+from megatronish.distributed import comm
 
 
 def capacity_of(capacity_factor: float, tokens: int, top_k: int, num_experts: int) -> int:

@@ -27,15 +27,15 @@ import contextlib
 import torch
 from torch import nn
 
-from megatronish import comm
 from megatronish.config import Config, Derived
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.router import balancing_loss_share, route, router_logits, z_loss_share
 from megatronish.moe.stats import LayerStats
-from megatronish.parallel import ParallelState
 
 
 class AttachLoss(torch.autograd.Function):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from megatronish import comm
+from megatronish.distributed import comm
 
 
 class LayerStats:

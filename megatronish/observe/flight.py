@@ -1,6 +1,6 @@
 """Hang reports: every rank writes its flight recorder and thread stacks to
 <run.out_dir>/debug/rank_R.json when one of its operations has been in flight too long, when any
-rank asks for it, or on SIGUSR2; `megatronish diagnose` reads them (megatronish.diagnose).
+rank asks for it, or on SIGUSR2; `megatronish diagnose` reads them (megatronish.commands.diagnose).
 
 A rank whose operation times out, or that gets SIGUSR2, also writes <run.out_dir>/debug/
 DUMP_REQUESTED; every rank watches for that file (ranks share out_dir on one host or on a shared

@@ -112,7 +112,7 @@ class _Phase:
 def gather_rows(row: list[float] | None, world_size: int, device) -> list[list[float]] | None:
     """Every rank's FIELDS row, in rank order (one all-gather over the world; every rank calls
     it on the same steps). None when phase times are off."""
-    from megatronish import comm
+    from megatronish.distributed import comm
 
     if row is None:
         return None

@@ -4,7 +4,7 @@
 ``StepProfiler`` records steps observe.profile_steps ("A:B", both included) on the ranks of
 observe.profile_ranks into <run.out_dir>/traces/rank_R.json.gz, a Chrome trace. Each recorded step
 is a range named "step N"; inside it the model marks its layers ("embed", "block I", "loss")
-and megatronish.comm its collectives, "comm:<op>:<group>" with the group's mesh name
+and megatronish.distributed.comm its collectives, "comm:<op>:<group>" with the group's mesh name
 (comm:all_reduce:tp[0,1], comm:cp_ring:cp[0,1]; comm:p2p:p2p for the pipeline's point-to-point
 operations). Those ranges go through ``annotate``, which costs one flag test while nothing
 records.

@@ -1,4 +1,5 @@
-"""What this rank's collectives and point-to-point operations did, recorded by megatronish.comm.
+"""What this rank's collectives and point-to-point operations did, recorded by
+megatronish.distributed.comm.
 
 Every operation becomes an entry of the flight recorder (the last `size` of them): its sequence
 number on its group, the op, the group by its mesh name (tp[2,3]: the kind and the global

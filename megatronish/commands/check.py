@@ -6,14 +6,14 @@ import yaml
 
 from megatronish.config import Config, check_dataset_vocab, derive, world_size_of
 from megatronish.errors import UserError
-from megatronish.metrics import model_flops_per_step, parameter_count
+from megatronish.training.metrics import model_flops_per_step, parameter_count
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
     """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1)."""
     from megatronish import ops
     from megatronish.data import ByteTokenizer, dataset_vocab_size, resolve_dataset
-    from megatronish.parallel import default_device
+    from megatronish.distributed.layout import default_device
 
     if world_size is not None and world_size < 1:
         raise UserError(f"--world-size {world_size}: must be >= 1")
@@ -62,7 +62,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
 
 def moe_lines(cfg: Config, d, params: int) -> list[str]:
     """Total and active parameters, the experts each ep rank holds, the all-to-all traffic."""
-    from megatronish.bench import collectives_per_step, local_moe_params, stage_moe_layers
+    from megatronish.commands.bench import collectives_per_step, local_moe_params, stage_moe_layers
 
     moe = cfg.model.moe
     active = parameter_count(cfg, d, active=True)
@@ -97,7 +97,7 @@ def context_lines(cfg: Config, d) -> list[str]:
 def pipeline_lines(cfg: Config, d) -> list[str]:
     """The stage split (with pp_virtual > 1: each stage's model chunks), each stage's parameters
     per rank and the schedule's bubble."""
-    from megatronish.bench import local_parameter_count
+    from megatronish.commands.bench import local_parameter_count
 
     m, v = d.grad_accum_steps, d.pp_virtual
     per_stage = ", ".join(f"{local_parameter_count(cfg, d, r):,}" for r in range(d.pp))
@@ -128,7 +128,7 @@ def pipeline_lines(cfg: Config, d) -> list[str]:
 def chunk_lines(cfg: Config, d) -> list[str]:
     """Each stage's model chunks (their global layers) and the most (micro-batch, chunk)
     activations it holds under the interleaved schedule."""
-    from megatronish.pipeline_schedule import warmup_forwards
+    from megatronish.pipeline.schedule import warmup_forwards
 
     def layers(span: range) -> str:
         return str(span[0]) if len(span) == 1 else f"{span[0]}-{span[-1]}"

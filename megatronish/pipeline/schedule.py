@@ -1,5 +1,5 @@
 """The interleaved 1F1B schedule's order of operations, as pure functions of (pp, v, m, rank);
-megatronish.pipeline runs it.
+megatronish.pipeline.runner runs it.
 
 Interleaved (parallel.pp_virtual = v > 1; Narayanan et al. 2021, Megatron-LM's
 forward_backward_pipelining_with_interleaving): the layers are cut into p v model chunks and

@@ -14,7 +14,7 @@ from megatronish.checkpoint.save import save_checkpoint, tokenizer_of_dataset
 from megatronish.config import Config
 
 if TYPE_CHECKING:
-    from megatronish.trainer import Trainer
+    from megatronish.training.trainer import Trainer
 
 
 def checkpoint_dir(cfg: Config) -> Path:

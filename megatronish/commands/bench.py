@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatronish import comm
 from megatronish.config import Config, Derived, load_config, world_size_of
+from megatronish.distributed import comm
 from megatronish.errors import UserError
 from megatronish.observe.phases import FIELDS, current_rss, peak_memory
 
@@ -528,8 +528,8 @@ def memory_record(cfg: Config, derived: Derived, ps, rss_before: float) -> dict:
     process held before it built the model."""
     import dataclasses
 
-    from megatronish.metrics import peak_flops
-    from megatronish.plan import estimate
+    from megatronish.commands.plan import estimate
+    from megatronish.training.metrics import peak_flops
 
     peak, reserved = peak_memory(ps.device)
     above = peak - rss_before if ps.device.type == "cpu" else peak
@@ -555,7 +555,7 @@ def memory_record(cfg: Config, derived: Derived, ps, rss_before: float) -> dict:
 def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     """Benchmarks this process's rank of `cfg` (already carrying ``bench_overrides``); rank 0
     prints the summary and the JSON line. Returns the JSON record."""
-    from megatronish.trainer import Trainer, setup
+    from megatronish.training.trainer import Trainer, setup
 
     s = setup(cfg)
     trainer = None

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from megatronish.config import Config, derive, virtual_stages, world_size_of
 from megatronish.errors import UserError
-from megatronish.metrics import GPU_PEAK_TFLOPS, model_flops_per_step
+from megatronish.training.metrics import GPU_PEAK_TFLOPS, model_flops_per_step
 
 GPU_MEMORY_GB = {
     "H200": 141.0,
@@ -157,7 +157,7 @@ def estimate(
     tensor-parallel degree tp, context-parallel degree cp, pipeline degree pp and (MoE)
     expert-parallel degree ep on world devices (link_gb_s: the NVLink bandwidth of one GPU);
     `changes` override parallel.sequence_parallel, optim.zero, activation_checkpointing."""
-    from megatronish.bench import (
+    from megatronish.commands.bench import (
         formula_bytes_per_step,
         local_moe_params,
         local_parameter_count,
@@ -265,7 +265,7 @@ def _in_flight(pp: int, virtual: int, m: int, pp_rank: int, schedule: str) -> fl
         return m
     if virtual == 1:
         return min(pp - pp_rank, m)
-    from megatronish.pipeline_schedule import warmup_forwards
+    from megatronish.pipeline.schedule import warmup_forwards
 
     pairs = min(warmup_forwards(pp, virtual, m, pp_rank) + 1, m * virtual)
     return pairs / virtual

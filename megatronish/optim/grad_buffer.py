@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatronish import comm
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState
 from megatronish.moe import is_expert
-from megatronish.parallel import ParallelState
 
 
 def buffered(param: nn.Parameter) -> bool:

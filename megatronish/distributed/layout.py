@@ -27,8 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatronish import comm
-from megatronish.context.ring import Ring
+from megatronish.distributed import comm
 from megatronish.observe import record
 
 
@@ -124,18 +123,6 @@ class ParallelState:
     def dp_cp_global_rank(self, index: int) -> int:
         """The global rank of index `index` of this rank's dp x cp group."""
         return self.global_rank(self.tp_rank, index // self.cp, self.pp_rank, index % self.cp)
-
-    def cp_ring(self) -> Ring:
-        """This rank's ring attention ring: its cp group and cp neighbours."""
-        return Ring(
-            self.cp_group,
-            self.cp,
-            self.cp_rank,
-            next_rank=self.global_rank(self.tp_rank, self.dp_rank, self.pp_rank,
-                                       (self.cp_rank + 1) % self.cp),
-            prev_rank=self.global_rank(self.tp_rank, self.dp_rank, self.pp_rank,
-                                       (self.cp_rank - 1) % self.cp),
-        )  # fmt: skip
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelState:
@@ -244,7 +231,7 @@ def init_distributed(
 ) -> ParallelState:
     """Joins the process group torchrun described in the environment (NCCL on CUDA, gloo on
     CPU) and builds the run's groups; a single process with world size 1 joins nothing. On
-    CPU, groups whose ranks share a host exchange through shared memory (megatronish.shm)."""
+    CPU, groups whose ranks share a host exchange through shared memory (distributed.shm)."""
     world = world_size_from_env()
     if world == 1 and not dist.is_initialized():
         return ParallelState.single(default_device())
@@ -258,7 +245,7 @@ def init_distributed(
 
 def use_shared_memory(ps: ParallelState, timeout_s: float) -> ParallelState:
     """On gloo: the tp, dp, cp and dp x cp groups whose ranks share a host exchange through
-    shared memory (megatronish.shm) instead of loopback TCP. Every rank calls it. Returns ps."""
+    shared memory (distributed.shm) instead of loopback TCP. Every rank calls it. Returns ps."""
     if backend_is_gloo():
         groups = [(ps.tp_group, ps.tp), (ps.dp_group, ps.dp)]
         if ps.cp > 1:

@@ -23,9 +23,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from megatronish import comm, ops
+from megatronish import ops
 from megatronish.config import Config, Derived
-from megatronish.context import ring_attention, zigzag_positions
+from megatronish.context import Ring, ring_attention, zigzag_positions
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers import mappings
 from megatronish.layers.embedding import VocabParallelEmbedding
 from megatronish.layers.linear import (
@@ -40,7 +42,6 @@ from megatronish.moe.experts import stored_tensors
 from megatronish.moe.layer import recomputing
 from megatronish.observe.profile import annotate
 from megatronish.ops import reference
-from megatronish.parallel import ParallelState, RNGTracker
 
 
 class Norm(nn.Module):
@@ -77,7 +78,7 @@ class Attention(nn.Module):
         self.backend = cfg.kernels.backend
         self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
         self.cp = derived.cp
-        self.ring = ps.cp_ring() if derived.cp > 1 else None
+        self.ring = Ring.of(ps) if derived.cp > 1 else None
         bias, sp, group = m.arch == "gpt2", cfg.parallel.sequence_parallel, ps.tp_group
         qkv_out = (m.n_head + 2 * derived.n_kv_head) * self.head_dim
         self.qkv = ColumnParallelLinear(

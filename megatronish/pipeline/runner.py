@@ -14,7 +14,7 @@ Both run backwards in micro-batch order, as the single-stage loop does, so the g
 accumulated in the same order at every pp. The idle time of either is the bubble: (p - 1) / m
 of the ideal step time, when the stages take equal time.
 
-Interleaved (parallel.pp_virtual = v > 1): see megatronish.pipeline_schedule, which places every
+Interleaved (parallel.pp_virtual = v > 1): see megatronish.pipeline.schedule, which places every
 rank's operations on a common clock; this module runs them.
 """
 
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronish import comm
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState
 from megatronish.observe.phases import PhaseTimer
-from megatronish.parallel import ParallelState
-from megatronish.pipeline_schedule import Op, Tick, interleaved_ticks
+from megatronish.pipeline.schedule import Op, Tick, interleaved_ticks
 
 
 @dataclass

@@ -28,8 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatronish.distributed.processes import process_alive
 from megatronish.errors import PeerLost
-from megatronish.faults import process_alive
 
 SLOT_BYTES = 8 << 20
 FLAG_BYTES = 4096

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatronish import shm
+from megatronish.distributed import shm
+from megatronish.distributed.shm import SharedMemoryGroup
 from megatronish.observe.profile import comm_range
 from megatronish.observe.record import RECORDER, Timed
-from megatronish.shm import SharedMemoryGroup
 
 _ACTIVE: list[CommCounter] = []
-# Groups whose ranks share one host and exchange through shared memory (megatronish.shm).
+# Groups whose ranks share one host and exchange through shared memory (distributed.shm).
 _SHARED: dict[dist.ProcessGroup, SharedMemoryGroup] = {}
 
 
@@ -374,3 +374,10 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     global peer rank), all posted together (so two neighbours that send to each other at once
     cannot deadlock), and waits for them. Counted as "p2p": the bytes sent."""
     start_exchange(sends, recvs).wait()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether flag is set on any rank of the world (one all-reduce; every rank calls it)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    all_reduce(value, None, op=dist.ReduceOp.MAX)
+    return bool(value.item())

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatronish import comm
 from megatronish.config import Config
-from megatronish.grads import GradBuffer
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState
 from megatronish.moe import is_expert
-from megatronish.parallel import ParallelState
+from megatronish.optim.grad_buffer import GradBuffer
 
 BUCKET_BYTES = 25 * 1024 * 1024
 

@@ -1,9 +1,9 @@
 """The training loop: micro-batches -> backward -> gradient reduction -> clip -> AdamW.
 
 Rank 0 shows a progress bar and writes metrics.jsonl; the other ranks print nothing but errors.
-After the gradients of a step, the ranks agree (megatronish.faults) whether to apply the update
-(not when the loss or gradient norm is non-finite on any rank) and whether to stop after it (a
-rank got SIGTERM or SIGUSR1): then the run saves a checkpoint and exits 0.
+After the gradients of a step, the ranks agree (megatronish.training.faults) whether to apply
+the update (not when the loss or gradient norm is non-finite on any rank) and whether to stop
+after it (a rank got SIGTERM or SIGUSR1): then the run saves a checkpoint and exits 0.
 """
 
 from __future__ import annotations
@@ -19,28 +19,30 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from megatronish import comm, faults, ops
-from megatronish.checkpoint import training as checkpoints
+from megatronish import ops
+from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config, Derived, check_dataset_vocab, derive, world_size_of
 from megatronish.context import split_batch
 from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
+from megatronish.distributed import comm
+from megatronish.distributed.layout import (
+    ParallelState,
+    default_device,
+    init_distributed,
+    world_size_from_env,
+)
 from megatronish.errors import RunFailure, UserError
-from megatronish.grads import GradBuffer
-from megatronish.metrics import MetricsWriter, model_flops_per_step, peak_flops
 from megatronish.model import GPT
 from megatronish.moe import step_metrics
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
 from megatronish.observe.tensorboard import check_available as check_tensorboard
-from megatronish.optim import Optimizer, clip_grad_norm, lr_at, reduce_gradients
-from megatronish.parallel import (
-    ParallelState,
-    default_device,
-    init_distributed,
-    world_size_from_env,
-)
-from megatronish.pipeline import Pipeline
+from megatronish.optim.grad_buffer import GradBuffer
+from megatronish.optim.optimizer import Optimizer, clip_grad_norm, lr_at, reduce_gradients
+from megatronish.pipeline.runner import Pipeline
+from megatronish.training import checkpoints, faults
+from megatronish.training.metrics import MetricsWriter, model_flops_per_step, peak_flops
 
 
 @dataclass
@@ -407,7 +409,7 @@ def train(cfg: Config) -> dict:
     # terminates because another rank failed still gets to say so in one line.
     stop_signals = faults.StopSignals()
     lock = (
-        faults.run_lock(checkpoints.checkpoint_dir(cfg), s.ps)
+        run_lock(checkpoints.checkpoint_dir(cfg), s.ps)
         if cfg.checkpoint.save
         else contextlib.nullcontext()
     )

@@ -12,11 +12,12 @@ import os
 
 from torch.distributed import run as torchrun
 
-from megatronish import faults
-from megatronish.check import check_config
-from megatronish.checkpoint.training import checkpoint_dir
+from megatronish.checkpoint.lock import ensure_unlocked
+from megatronish.commands.check import check_config
 from megatronish.config import Config, world_size_of
 from megatronish.errors import UserError
+from megatronish.training import faults
+from megatronish.training.checkpoints import checkpoint_dir
 
 # torchrun's own signal handling (it stops the ranks), less the signals the launcher forwards.
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
@@ -42,7 +43,7 @@ def launch(
         )
     check_config(cfg, world)  # a bad config is one line here, not an error from every rank
     if cfg.checkpoint.save:
-        faults.ensure_unlocked(checkpoint_dir(cfg))  # another run writing there: one line, too
+        ensure_unlocked(checkpoint_dir(cfg))  # another run writing there: one line, too
     nproc = world // nnodes
     # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

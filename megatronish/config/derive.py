@@ -1,0 +1,230 @@
+"""Sizes that follow from the config and the world size (data-parallel degree, gradient
+accumulation, padded vocab, d_ff, kv heads, pipeline chunks, MoE layers), computed only here:
+`derive` returns them as one frozen `Derived`, or a UserError naming the key that does not fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatronish.config.checks import divisors, require
+from megatronish.config.schema import Config
+
+VOCAB_PAD_MULTIPLE = 128
+
+
+def moe_layers(cfg: Config) -> tuple[int, ...]:
+    """The indices of the blocks whose MLP is a mixture of experts (none when moe is off)."""
+    moe = cfg.model.moe
+    if moe.num_experts == 0:
+        return ()
+    return tuple(range(0, cfg.model.n_layer, moe.every))
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Sizes that follow from the config and the world size, computed only here."""
+
+    world_size: int
+    tp: int
+    dp: int
+    pp: int
+    grad_accum_steps: int
+    n_kv_head: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    padded_vocab_size: int
+    tie_embeddings: bool
+    tokens_per_step: int
+    stage_layers: tuple[int, ...] = (1,)
+    """Transformer layers on each pipeline rank (all its model chunks), in rank order."""
+    cp: int = 1
+    """Context-parallel degree; each rank holds seq_len / cp tokens of every sequence."""
+    pp_virtual: int = 1
+    """Model chunks per pipeline rank: parallel.pp_virtual at pp > 1, else 1."""
+    chunk_layers: tuple[int, ...] = (1,)
+    """Transformer layers of each of the pp x pp_virtual model chunks, in model order; rank r
+    holds chunks r, r + pp, r + 2 pp, ..."""
+    ep: int = 1
+    """Expert-parallel degree (inside dp); each ep rank holds num_experts / ep experts."""
+    moe_layers: tuple[int, ...] = ()
+    """The blocks with a mixture-of-experts MLP."""
+    moe_d_ff: int = 0
+    """Inner size of one expert (0 without experts)."""
+
+    def chunk_range(self, chunk: int) -> range:
+        """The global indices of the transformer layers of model chunk `chunk`."""
+        start = sum(self.chunk_layers[:chunk])
+        return range(start, start + self.chunk_layers[chunk])
+
+    def stage_chunks(self, pp_rank: int) -> list[range]:
+        """The layer ranges of pipeline rank pp_rank's model chunks, in model order (one range
+        at pp_virtual 1: the stage)."""
+        return [self.chunk_range(pp_rank + j * self.pp) for j in range(self.pp_virtual)]
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """vocab_size rounded up to a multiple of 128 * tp (Megatron's padding)."""
+    multiple = VOCAB_PAD_MULTIPLE * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def virtual_stages(cfg: Config) -> int:
+    """Model chunks per pipeline rank: parallel.pp_virtual, or 1 at pp = 1."""
+    return cfg.parallel.pp_virtual if cfg.parallel.pp > 1 else 1
+
+
+def chunk_layers(cfg: Config) -> tuple[int, ...]:
+    """Transformer layers per model chunk (pp x pp_virtual chunks; per stage at pp_virtual 1):
+    parallel.pp_layers, or an even split, earlier chunks taking the remainder."""
+    n, pp, spec = cfg.model.n_layer, cfg.parallel.pp, cfg.parallel.pp_layers
+    virtual = virtual_stages(cfg)
+    chunks = pp * virtual
+    if virtual == 1:
+        require(
+            n >= pp,
+            f"parallel.pp: {pp} stages need at least {pp} layers; model.n_layer is {n}",
+        )
+    else:
+        require(
+            n >= chunks,
+            f"parallel.pp_virtual: {pp} stages x {virtual} chunks need at least {chunks} layers; "
+            f"model.n_layer is {n}",
+        )
+    base, extra = divmod(n, chunks)
+    even = tuple(base + (1 if chunk < extra else 0) for chunk in range(chunks))
+    if spec is None:
+        return even
+    try:
+        layers = tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        layers = ()
+    what = f"{pp}" if virtual == 1 else f"{chunks} (parallel.pp x parallel.pp_virtual)"
+    require(
+        len(layers) == chunks and all(x >= 1 for x in layers) and sum(layers) == n,
+        f"parallel.pp_layers: {spec!r} is not valid; expected {what} positive integers, "
+        f'comma-separated, that sum to model.n_layer={n} (e.g. "{",".join(map(str, even))}")',
+    )
+    return layers
+
+
+def world_size_of(cfg: Config) -> int:
+    """The processes a config asks for: tp * cp * pp * (parallel.dp, or 1 when unset)."""
+    p = cfg.parallel
+    return p.tp * p.cp * p.pp * (p.dp or 1)
+
+
+def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Derived:
+    """Every derived size, after the checks between values; vocab_size is the dataset's when the
+    config leaves model.vocab_size unset."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, pp, cp = p.tp, p.pp, p.cp
+    require(world_size >= 1, f"world size {world_size} is not valid; must be >= 1")
+    require(
+        world_size % (tp * cp * pp) == 0,
+        f"world size {world_size} is not divisible by parallel.tp * parallel.cp * parallel.pp = "
+        f"{tp} * {cp} * {pp} = {tp * cp * pp}",
+    )
+    dp = p.dp if p.dp is not None else world_size // (tp * cp * pp)
+    require(
+        tp * cp * dp * pp == world_size,
+        f"world size {world_size} != parallel.tp * parallel.cp * parallel.dp * parallel.pp = "
+        f"{tp} * {cp} * {dp} * {pp}; launch {tp * cp * dp * pp} processes or change parallel.dp",
+    )
+    if cp > 1:
+        require(
+            t.seq_len % (2 * cp) == 0,
+            f"train.seq_len: {t.seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp "
+            f"rank holds two chunks of every sequence); valid: a multiple of {2 * cp}",
+        )
+        require(
+            m.dropout == 0,
+            f"model.dropout: {m.dropout} is not supported with parallel.cp={cp} (ring attention "
+            "has no attention dropout); set model.dropout=0 or parallel.cp=1",
+        )
+    n_kv = m.n_kv_head if m.n_kv_head is not None else m.n_head
+    require(
+        m.n_head % tp == 0,
+        f"model.n_head: {m.n_head} is not divisible by parallel.tp={tp}; "
+        f"valid tp: {', '.join(str(d) for d in divisors(m.n_head))}",
+    )
+    require(
+        m.n_head % n_kv == 0, f"model.n_kv_head: {n_kv} does not divide model.n_head={m.n_head}"
+    )
+    require(
+        n_kv % tp == 0,
+        f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; "
+        f"valid tp: {', '.join(str(d) for d in divisors(n_kv))}",
+    )
+    require(
+        m.d_model % m.n_head == 0,
+        f"model.d_model: {m.d_model} is not divisible by model.n_head={m.n_head}",
+    )
+    head_dim = m.d_model // m.n_head
+    if m.arch == "llama":
+        require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
+    if m.d_ff is not None:
+        d_ff = m.d_ff
+    elif m.arch == "gpt2":
+        d_ff = 4 * m.d_model
+    else:
+        d_ff = -(-(8 * m.d_model // 3) // 256) * 256
+    require(d_ff % tp == 0, f"model.d_ff: {d_ff} is not divisible by parallel.tp={tp}")
+    micro_total = t.micro_batch_size * dp
+    require(
+        t.global_batch_size % micro_total == 0,
+        f"train.global_batch_size: {t.global_batch_size} is not divisible by "
+        f"train.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {micro_total}",
+    )
+    vocab = m.vocab_size if m.vocab_size is not None else vocab_size
+    require(vocab is not None, "model.vocab_size: not set and no dataset to take it from")
+    tie = m.tie_embeddings if m.tie_embeddings is not None else m.arch == "gpt2"
+    require(
+        not (p.sequence_parallel and tp > 1 and (t.seq_len // cp) % tp != 0),
+        f"train.seq_len: {t.seq_len} / parallel.cp={cp} must be divisible by parallel.tp={tp} "
+        "with sequence_parallel",
+    )
+    accum = t.global_batch_size // micro_total
+    virtual = virtual_stages(cfg)
+    if virtual > 1:
+        valid = micro_total * pp * max(1, -(-accum // pp))
+        require(
+            accum % pp == 0,
+            f"parallel.pp_virtual: {virtual} (interleaved) needs the micro-batches per step, "
+            f"train.global_batch_size / (train.micro_batch_size * dp) = {accum}, to be a multiple "
+            f"of parallel.pp={pp}; e.g. train.global_batch_size={valid}",
+        )
+    moe_d_ff = 0
+    if m.moe.num_experts > 0:
+        ep = p.ep
+        require(
+            dp % ep == 0,
+            f"parallel.ep: {ep} does not divide the data-parallel degree {dp} (experts are split "
+            f"over ep of the dp ranks); valid ep: {', '.join(str(d) for d in divisors(dp))}",
+        )
+        moe_d_ff = m.moe.d_ff if m.moe.d_ff is not None else d_ff
+        require(
+            moe_d_ff % tp == 0, f"model.moe.d_ff: {moe_d_ff} is not divisible by parallel.tp={tp}"
+        )
+    chunks = chunk_layers(cfg)
+    return Derived(
+        world_size=world_size,
+        tp=tp,
+        dp=dp,
+        pp=pp,
+        grad_accum_steps=accum,
+        n_kv_head=n_kv,
+        head_dim=head_dim,
+        d_ff=d_ff,
+        vocab_size=vocab,
+        padded_vocab_size=padded_vocab(vocab, tp),
+        tie_embeddings=tie,
+        tokens_per_step=t.global_batch_size * t.seq_len,
+        stage_layers=tuple(sum(chunks[r::pp]) for r in range(pp)),
+        cp=cp,
+        pp_virtual=virtual,
+        chunk_layers=chunks,
+        ep=p.ep if m.moe.num_experts > 0 else 1,
+        moe_layers=moe_layers(cfg),
+        moe_d_ff=moe_d_ff,
+    )

@@ -1,0 +1,179 @@
+"""Loading a config: YAML and `--set key=value` into the schema's dataclasses, strictly. An
+unknown key is an error that suggests the nearest valid key; a value of the wrong type names the
+key and what is allowed. Every loaded config is range-checked (config.checks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from megatronish.config.checks import check_values
+from megatronish.config.schema import Config
+from megatronish.errors import UserError
+
+
+def _nearest(name: str, options: list[str], prefix: str) -> str:
+    full = [f"{prefix}.{o}" if prefix else o for o in options]
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{full[options.index(close[0])]}'?"
+    return "valid keys: " + ", ".join(full)
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(str(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        parts = [_describe(a) for a in get_args(tp) if a is not type(None)]
+        return " or ".join(parts) + " or null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
+    """value as type tp, or a UserError naming key and what is allowed."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        if value is None or (from_string and str(value).lower() in ("null", "none", "~")):
+            return None
+        return _coerce(key, value, inner[0], from_string)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if from_string and all(isinstance(a, int) for a in allowed):
+            try:
+                value = int(value)
+            except ValueError:
+                pass
+        if value not in allowed:
+            raise UserError(f"{key}: {value!r} is not valid; valid: {_describe(tp)}")
+        return value
+    bad = UserError(f"{key}: {value!r} is not {_describe(tp)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_string and str(value).lower() in ("true", "false", "yes", "no", "1", "0"):
+            return str(value).lower() in ("true", "yes", "1")
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                try:
+                    as_float = float(value)
+                except ValueError:
+                    raise bad from None
+                if as_float.is_integer():
+                    return int(as_float)
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                result = float(value)
+            except ValueError:
+                raise bad from None
+            if math.isfinite(result):
+                return result
+        raise bad
+    if tp is str:
+        if value is None:
+            raise UserError(f"{key}: null is not valid; expected a string")
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    raise bad
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise UserError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in types_:
+            raise UserError(f"unknown key '{dotted}'; {_nearest(str(key), sorted(types_), prefix)}")
+        tp = types_[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, dotted)
+        else:
+            kwargs[key] = _coerce(dotted, value, tp, from_string=False)
+    return cls(**kwargs)
+
+
+def _apply_override(cfg: Config, assignment: str) -> None:
+    if "=" not in assignment:
+        raise UserError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.steps=20")
+    key, raw = assignment.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    target: Any = cfg
+    for depth, part in enumerate(parts):
+        types_ = _field_types(type(target))
+        seen = ".".join(parts[:depth])
+        if part not in types_:
+            where = f"'{seen}.{part}'" if seen else f"'{part}'"
+            raise UserError(f"--set: unknown key {where}; {_nearest(part, sorted(types_), seen)}")
+        tp = types_[part]
+        if depth == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise UserError(f"--set {key}: is a section; set one of its keys, e.g. {key}.x=...")
+            setattr(target, part, _coerce(key, raw, tp, from_string=True))
+        else:
+            if not dataclasses.is_dataclass(tp):
+                raise UserError(f"--set {key}: '{'.'.join(parts[: depth + 1])}' has no sub-keys")
+            target = getattr(target, part)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of YAML file `path` (None: defaults) with `--set` overrides applied, checked."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise UserError(f"config file {path}: not valid YAML{where}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"config file {path}: not a text file") from None
+    cfg = _build(Config, data, "")
+    for assignment in overrides:
+        _apply_override(cfg, assignment)
+    check_values(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """A Config from a dict such as Config.to_dict() wrote (a checkpoint's resolved config)."""
+    cfg = _build(Config, data, "")
+    check_values(cfg)
+    return cfg

@@ -1,0 +1,241 @@
+"""The config schema: one typed dataclass per section, every key of CONTRACT.md a field
+documented where it is declared (scripts/config_reference.py prints the README's reference from
+these docstrings). Loading is in config.load, range checks in config.checks, sizes that follow
+from the values in config.derive."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 0
+    """Experts of each mixture-of-experts MLP; 0: every block has a dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to (1 <= top_k <= num_experts)."""
+    d_ff: int | None = None
+    """Inner size of one expert (SwiGLU), divisible by parallel.tp. Default: model.d_ff."""
+    every: int = 1
+    """An MoE MLP in every this-many-th block (blocks 0, every, 2 every, ...), dense elsewhere."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer eq. 4: coef x num_experts x the sum
+    over experts of the fraction of routed tokens times the mean router probability; coef at
+    perfect balance), per MoE layer, averaged over the MoE layers."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE: mean over tokens of logsumexp(router logits)^2)."""
+    capacity_factor: float | None = None
+    """null: dropless. A number c: each expert takes at most ceil(c x tokens x top_k /
+    num_experts) of the routed tokens of a rank's micro-batch (first choices first, then in
+    token order); the others are dropped (their expert output is 0: the token passes through
+    the residual) and counted in metrics.jsonl's moe_dropped_frac."""
+    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    """softmax_topk: softmax over all experts, the top_k kept and renormalized to sum 1
+    (Mixtral); topk_softmax: the top_k logits, then a softmax over them."""
+    shared_expert: bool = False
+    """Also run one dense SwiGLU expert of size d_ff on every token, added to the routed output."""
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    """gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings. llama: RoPE, RMSNorm,
+    SwiGLU, grouped-query attention, no biases, untied output layer."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention (query) heads; divisible by parallel.tp."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention); divides n_head and is divisible by parallel.tp.
+    Default: n_head (gpt2 always uses n_head)."""
+    d_model: int = 128
+    """Hidden size; divisible by n_head."""
+    d_ff: int | None = None
+    """MLP inner size, divisible by parallel.tp. Default: 4 * d_model for gpt2, and for llama
+    8/3 * d_model rounded up to a multiple of 256 (the same at every tp)."""
+    vocab_size: int | None = None
+    """Tokens in the vocabulary. Default: the dataset's vocabulary (from its metadata)."""
+    max_seq_len: int = 256
+    """Longest sequence the model accepts (size of gpt2's position table)."""
+    dropout: float = 0.0
+    """Dropout probability on attention probabilities and residual branches."""
+    tie_embeddings: bool | None = None
+    """Share the token embedding with the output layer. Default: true for gpt2, false for llama."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base (llama)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts MLPs (off by default); see model.moe.*."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split each layer's weights (adjacent ranks)."""
+    dp: int | None = None
+    """Data-parallel degree. Default: world size / (tp * cp * pp)."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split every sequence (two zigzag chunks each, ring
+    attention between them). train.seq_len must be divisible by 2 * cp."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of every MoE layer are split into ep contiguous
+    blocks over ep data-parallel ranks (adjacent dp ranks; ep divides parallel.dp), which
+    exchange tokens by all-to-all. Needs model.moe.num_experts > 0."""
+    pp: int = 1
+    """Pipeline-parallel degree: stages that split the transformer layers (embedding on the
+    first stage, the output layer and loss on the last)."""
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule over the gradient-accumulation micro-batches: 1f1b (one forward, one
+    backward; a stage holds at most pp micro-batches of activations) or gpipe (every forward,
+    then every backward; holds all of them)."""
+    pp_layers: str | None = None
+    """Transformer layers per pipeline stage, comma-separated (e.g. "3,2"), summing to
+    model.n_layer. Default: as even as possible, earlier stages taking the remainder. With
+    pp_virtual > 1: layers per model chunk, pp x pp_virtual numbers."""
+    pp_virtual: int = 1
+    """Model chunks per pipeline rank (interleaved schedule, Megatron's virtual pipeline): the
+    layers are cut into pp x pp_virtual chunks and rank r holds chunks r, r + pp, ...; the
+    bubble shrinks to (pp - 1) / (pp_virtual x m) for m micro-batches per step, which must then
+    be a multiple of pp. Has no effect at pp = 1."""
+    sequence_parallel: bool = False
+    """Split the activations between blocks along the sequence over the tp ranks (Megatron's
+    sequence parallelism: all-gather / reduce-scatter instead of all-reduce)."""
+    timeout_s: float = 600.0
+    """Seconds a collective may wait for the other ranks before the run fails instead of hanging."""
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 1234
+    """Seed of the weights, the data order and dropout; the same at every parallel layout."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all data-parallel ranks; a multiple of
+    micro_batch_size * dp (the quotient is the number of gradient accumulation steps)."""
+    seq_len: int = 128
+    """Tokens per training sequence; at most model.max_seq_len."""
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to biases and norm weights)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    max_skipped_steps: int = 5
+    """A step whose loss or gradient norm is not finite (NaN or inf, on any rank) is skipped: no
+    optimizer update, a `skipped` line in metrics.jsonl. After this many skipped in a row the
+    run stops with exit status 1."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 autocast with fp32 weights, gradients and optimizer state."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """none; selective: recompute the attention core in backward; full: recompute each block."""
+    log_every: int = 1
+    """Write a metrics line (and update the progress bar) every this many steps."""
+    eval_every: int = 50
+    """Compute the validation loss every this many steps (and at the last step); 0: never."""
+    eval_steps: int = 4
+    """Global batches of the validation split per evaluation."""
+
+
+@dataclass
+class OptimConfig:
+    zero: Literal[0, 1] = 0
+    """0: every data-parallel rank holds the whole optimizer state; 1: the state is sharded
+    across data-parallel ranks (ZeRO stage 1: gradients reduce-scattered, each rank updates
+    its block, parameters all-gathered)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    bucket_mb: float = 25.0
+    """Size of the gradient-reduction buckets (MB of fp32 gradients), in the reverse order of
+    the parameters."""
+    overlap_grad_reduce: bool = True
+    """Start each bucket's data-parallel reduction during the step's last backward, as soon as
+    its gradients are ready, and with ZeRO-1 each bucket's parameter all-gather after the step,
+    waited for by the next forward where it first needs them (false: all of them after
+    backward and after the step)."""
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """A directory written by `megatronish prepare`. Default: the built-in corpus (the Python
+    standard library's source), prepared on first use into a cache directory."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go. Default: <run.out_dir>/checkpoints."""
+    every: int = 0
+    """Save every this many steps (and at the end of the run); 0: only at the end."""
+    keep: int = 2
+    """Newest checkpoints to keep; older ones are deleted. 0 keeps all."""
+    resume: str = "auto"
+    """auto: continue from the newest checkpoint in checkpoint.dir if there is one; never;
+    or the path of a checkpoint to continue from."""
+    save: bool = True
+    """Write checkpoints at all."""
+    init_from_hf: str | None = None
+    """A Hugging Face model directory (config.json + model.safetensors) to start from."""
+
+
+@dataclass
+class KernelsConfig:
+    backend: Literal["auto", "triton", "torch"] = "auto"
+    """auto: Triton kernels on CUDA, torch ops elsewhere; triton; torch."""
+
+
+@dataclass
+class ObserveConfig:
+    phase_times: bool = True
+    """Time every step's phases on every rank (data, forward, backward, gradient sync,
+    optimizer, and the wait inside tp, cp, dp and pp communication) and write their min /
+    median / max over the ranks to metrics.jsonl on each logged step."""
+    straggler_ratio: float = 1.2
+    """Rank 0 names a rank whose compute time (step time less communication wait) is more than
+    this times the median of the ranks'."""
+    profile_steps: str | None = None
+    """"A:B": record torch.profiler traces of steps A to B (inclusive) into
+    <run.out_dir>/traces/rank_R.json.gz; `megatronish trace` merges them."""
+    profile_ranks: str = "all"
+    """The ranks that record traces: all, or comma-separated global ranks ("0,3")."""
+    tensorboard: bool = False
+    """Write every metrics.jsonl scalar to <run.out_dir>/tb (needs the tensorboard package)."""
+    flight_recorder: int = 2000
+    """Collectives and point-to-point operations each rank remembers for a hang report
+    (<run.out_dir>/debug/rank_R.json, written on a timeout or SIGUSR2); 0 turns it off."""
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    """Where metrics.jsonl, the resolved config and (by default) checkpoints go."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,149 @@
+"""What a run does when something goes wrong around it or inside it.
+
+- Its launcher dies (kill -9 of torchrun or `megatronish launch`): every rank asked the kernel
+  for SIGKILL when its parent dies (megatronish.distributed.processes), so no rank trains on
+  as an orphan. SIGKILL leaves nothing half-done: a checkpoint is written under a temporary
+  name and renamed, `latest` is replaced last, and a resumed run drops a partial metrics line.
+- A second run starts on the same checkpoint.dir: see megatronish.checkpoint.lock.
+- The run is asked to stop (SIGTERM, or SIGUSR1 as Slurm sends before a time limit) on any rank
+  or on its launcher: `StopSignals` turns the signal into a request, and the ranks agree on it
+  at the end of the step (`agree_on_step`), save a checkpoint and exit with status 0.
+- A step's loss or gradient norm is not finite on some rank: `agree_on_step` makes every rank
+  skip that optimizer update alike.
+- Another rank fails: the collective this rank waits in fails (gloo sees the connection close,
+  the shared-memory path sees the process gone, or parallel.timeout_s passes); `lost_peer`
+  recognises that, and the rank exits with status 1 and no traceback of its own (rank 0 says
+  in one line that another rank failed; the rank that failed has printed why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from megatronish.distributed import comm
+from megatronish.distributed.processes import child_pids
+from megatronish.errors import PeerLost
+
+if TYPE_CHECKING:
+    from megatronish.distributed.layout import ParallelState
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What gloo says when the other end of a collective has gone away or stopped answering.
+GLOO_PEER_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Stop requests and the agreement at the end of each step
+
+
+class StopSignals:
+    """Between install() and restore(), SIGTERM and SIGUSR1 no longer end the process: they ask
+    the run to stop at the end of the current step (`requested` names the first signal; None:
+    not asked). restore() puts the previous handlers back."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
+
+    def install(self) -> None:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+@contextlib.contextmanager
+def forward_stop_signals() -> Iterator[None]:
+    """While entered (in a launcher), SIGTERM and SIGUSR1 are passed on to this process's
+    children, the ranks, which save at the end of their step and exit 0; the launcher then
+    finishes as after any successful run. With no rank running (before they start, between
+    restarts) the signal ends the launcher with status 128 + signal, as it would have."""
+
+    def forward(signum: int, frame) -> None:
+        children = child_pids()
+        if not children:
+            raise SystemExit(128 + signum)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """What every rank does after a step, the same on all of them. `nonfinite` names what was
+    not finite on some rank ("loss", "grad_norm"); empty means the update is applied. `stop`:
+    some rank was asked to stop, so the run saves after this step and exits."""
+
+    nonfinite: tuple[str, ...] = ()
+    stop: bool = False
+
+    @property
+    def skip(self) -> bool:
+        """No optimizer update for this step."""
+        return bool(self.nonfinite)
+
+
+def agree_on_step(
+    loss: float | None, grad_norm: float, stop_requested: bool, ps: ParallelState
+) -> StepVerdict:
+    """The StepVerdict of a step from this rank's view: its loss (None where this rank has no
+    loss), the gradient norm and whether it was asked to stop. Three fp32 flags, reduced (MAX)
+    over the tp group, the dp x cp group and then the pp group, so over every rank: a rank
+    that alone sees a NaN or a signal decides for all. (Two tiny all-reduces rather than one
+    over the world: these groups take the shared-memory path on one host, the world does not.)"""
+    local = [
+        loss is not None and not math.isfinite(loss),
+        not math.isfinite(grad_norm),
+        stop_requested,
+    ]
+    flags = torch.tensor(local, dtype=torch.float32, device=ps.device)
+    comm.all_reduce(flags, ps.tp_group, op=dist.ReduceOp.MAX)
+    comm.all_reduce(flags, ps.dp_cp_group, op=dist.ReduceOp.MAX)
+    if ps.pp > 1:
+        comm.all_reduce(flags, ps.pp_group, op=dist.ReduceOp.MAX)
+    loss_bad, norm_bad, stop = (bool(x) for x in flags.tolist())
+    nonfinite = tuple(name for name, bad in (("loss", loss_bad), ("grad_norm", norm_bad)) if bad)
+    return StepVerdict(nonfinite, stop)
+
+
+# --------------------------------------------------------------------------------------------
+# Another rank failed
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """A short reason when exc says a collective failed because another rank went away (it
+    exited, or did not come within parallel.timeout_s); None for any other error."""
+    if isinstance(exc, (PeerLost, TimeoutError)):
+        return str(exc)
+    message = str(exc)
+    if isinstance(exc, RuntimeError) and any(p in message for p in GLOO_PEER_ERRORS):
+        first = message.strip().splitlines()[0]
+        return first.split("] ", 1)[-1].split(". ", 1)[0]  # without gloo's source location
+    return None
