@@ -83,7 +83,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
         cfg = make_config(tp, cp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
         losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
-        formula = formula_payload_by_kind(cfg, trainer.s.derived, trainer.ps.pp_rank)
+        formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
         results[name] = {
             "losses": losses,
             "norms": norms,

@@ -93,7 +93,7 @@ def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
         "norms": norms,
         "metrics": trainer.moe_metrics(),  # over all 20 steps
         "payload": dict(counter.payload_bytes),
-        "formula": formula_payload_by_kind(cfg, trainer.s.derived, trainer.ps.pp_rank),
+        "formula": formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank),
     }
 
 
@@ -212,7 +212,7 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve_and_loads_evaluates_
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     trainer.model.eval()
     with torch.no_grad():
-        want = trainer.model(tokens)[..., : trainer.s.derived.vocab_size]
+        want = trainer.model(tokens)[..., : trainer.setup.derived.vocab_size]
         got = load_model(save_dir / "step_000020")(tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     step20 = str(save_dir / "step_000020")

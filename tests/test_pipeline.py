@@ -143,7 +143,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
             "norms": norms,
             "pp_rank": ps.pp_rank,
             "sent": counted,
-            "formula": formula_bytes_per_step(cfg, trainer.s.derived, ps.pp_rank),
+            "formula": formula_bytes_per_step(cfg, trainer.setup.derived, ps.pp_rank),
         }
     return results
 

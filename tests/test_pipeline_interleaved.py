@@ -69,8 +69,8 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):  # noqa: F811
         trainer = make_trainer(make_config(tp, dp, pp, overrides, dataset, extra), world, dataset)
         losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
         held = trainer.pipeline.stats.max_in_flight
-        trainer.val_loader = make_loader(trainer.s, "val")
-        d = trainer.s.derived
+        trainer.val_loader = make_loader(trainer.setup, "val")
+        d = trainer.setup.derived
         results[name] = {
             "losses": losses,
             "norms": norms,
@@ -118,7 +118,7 @@ def reference_val_loss(overrides: list[str], dataset: Path) -> float:  # noqa: F
     key = (tuple(overrides), dataset)
     if key not in _VAL_LOSSES:
         trainer = reference(overrides, dataset)["trainer"]
-        trainer.val_loader = make_loader(trainer.s, "val")
+        trainer.val_loader = make_loader(trainer.setup, "val")
         _VAL_LOSSES[key] = trainer.evaluate()
     return _VAL_LOSSES[key]
 

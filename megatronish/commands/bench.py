@@ -408,7 +408,7 @@ def time_steps(trainer, steps: int, warmup: int) -> BenchResult:
         bytes_sent_per_step=counter.total_sent / steps,
         payload_per_step={k: v / steps for k, v in counter.payload_bytes.items()},
         calls_per_step=sum(counter.calls.values()) / steps,
-        tokens_per_step=trainer.s.derived.tokens_per_step,
+        tokens_per_step=trainer.setup.derived.tokens_per_step,
         flops_per_step=trainer.flops_per_step,
         peak_flops=trainer.peak,
         peak_source=trainer.peak_source,

@@ -43,7 +43,7 @@ def start(trainer: Trainer) -> int | None:
         if cfg.checkpoint.init_from_hf:
             from megatronish.checkpoint.hf import init_from_hf
 
-            init_from_hf(cfg.checkpoint.init_from_hf, trainer.model, cfg, trainer.s.derived)
+            init_from_hf(cfg.checkpoint.init_from_hf, trainer.model, cfg, trainer.setup.derived)
             if trainer.ps.is_main:
                 print(f"initialized from {cfg.checkpoint.init_from_hf}", flush=True)
         return None
@@ -74,7 +74,7 @@ def due(step: int, cfg: Config) -> bool:
 
 def save(trainer: Trainer) -> Path:
     """Saves the trainer's state at its current step (every rank calls this)."""
-    s = trainer.s
+    s = trainer.setup
     return save_checkpoint(
         checkpoint_dir(trainer.cfg),
         trainer.step,

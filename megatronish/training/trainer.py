@@ -132,7 +132,7 @@ class StepResult:
 
 class Trainer:
     def __init__(self, s: Setup, stop_signals: faults.StopSignals | None = None):
-        self.s, self.cfg, self.ps = s, s.cfg, s.ps
+        self.setup, self.cfg, self.ps = s, s.cfg, s.ps
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(s.cfg.train.seed)
         self.model = GPT(s.cfg, s.derived, s.ps)
@@ -257,7 +257,7 @@ class Trainer:
         (self.out_dir / "config.yaml").write_text(
             yaml.safe_dump(self.cfg.to_dict(), sort_keys=False)
         )
-        derived = dict(vars(self.s.derived), dataset=str(self.s.dataset_dir))
+        derived = dict(vars(self.setup.derived), dataset=str(self.setup.dataset_dir))
         (self.out_dir / "derived.json").write_text(json.dumps(derived, indent=2) + "\n")
 
     def run(self) -> dict:
@@ -294,7 +294,7 @@ class Trainer:
                         "loss": result.loss,
                         "lr": lr_at(self.step, cfg),
                         "grad_norm": result.grad_norm,
-                        "tokens_per_s": self.s.derived.tokens_per_step / step_time,
+                        "tokens_per_s": self.setup.derived.tokens_per_step / step_time,
                         "mfu": self.flops_per_step / step_time / (self.peak * ps.world_size),
                         "step_time_s": step_time,
                     }
@@ -344,7 +344,7 @@ class Trainer:
         none without experts)."""
         stats = {index: layer.stats for index, layer in self.model.moe_layers().items()}
         moe = self.cfg.model.moe
-        return step_metrics(stats, self.s.derived.moe_layers, moe.num_experts, self.ps)
+        return step_metrics(stats, self.setup.derived.moe_layers, moe.num_experts, self.ps)
 
     def observe_step(self) -> dict:
         """On a logged step: the phase times and peak memory of every rank since the last one,
