@@ -8,69 +8,22 @@ lse [b, n_head, s] fp32 in base 2: lse = log2(sum_j 2^(q.k_j * scale * log2(e)))
 Forward: one program per (BLOCK_M queries, batch * head). It walks the key blocks with an online
 softmax (running max m, running sum l, fp32 accumulator), so no s x s matrix exists. Key
 blocks that need no mask (all keys valid, none past the diagonal) run first without one; the
-rest (the diagonal band when causal, the sequence tail) run with the mask. The backward is in
-attention_bwd.py.
+rest (the diagonal band when causal, the sequence tail) run with the mask. The tiles are
+chosen in attention_tiles.py; the backward kernels are in attention_bwd.py (imported here, and
+importing nothing from here).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import LOG2_E, check_device, dot_precision, interpreting
+from ._utils import LOG2_E, check_device, dot_precision
 from .attention_bwd import attention_backward
-
-
-@dataclass(frozen=True)
-class Tile:
-    """One kernel's tile: block_m queries x block_n keys, launched with num_warps warps."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-
-
-@dataclass(frozen=True)
-class AttentionBlocks:
-    """Tiles of the three attention kernels, fixed per (s, d, dtype) so every rank compiles the
-    same kernels. fwd and dq: block_m % block_n == 0 (a query tile covers whole key tiles);
-    dkdv: block_n % block_m == 0. The mask-free loops rely on both.
-    """
-
-    fwd: Tile
-    dkdv: Tile
-    dq: Tile
-    num_stages: int
-
-
-def attention_blocks(seq_len: int, head_dim: int, dtype: torch.dtype) -> AttentionBlocks:
-    """The tiles for sequence length seq_len, head dim head_dim and input dtype.
-
-    Under the interpreter the tiles are small (16 and 32) so that tiny CPU tests cross several
-    tiles and exercise every loop. On CUDA the tiles were chosen so that ptxas reports no
-    register spills on sm_90 for bf16 at d = 64 and 128 (fp32 runs exact-fp32 dots without
-    tensor cores, on 32 x 32 tiles); they shrink when the sequence is short.
-    """
-    if interpreting():
-        return AttentionBlocks(Tile(32, 16, 4), Tile(16, 32, 4), Tile(32, 16, 4), num_stages=1)
-    cap = max(16, triton.next_power_of_2(seq_len))
-
-    def tile(block_m: int, block_n: int, num_warps: int) -> Tile:
-        return Tile(min(block_m, cap), min(block_n, cap), num_warps)
-
-    if dtype == torch.float32:
-        return AttentionBlocks(tile(32, 32, 8), tile(32, 32, 8), tile(32, 32, 8), num_stages=2)
-    wide = head_dim >= 128
-    return AttentionBlocks(
-        fwd=tile(128, 64, 8 if wide else 4),
-        dkdv=tile(32, 64 if wide else 128, 8),
-        dq=tile(128, 32, 8 if wide else 4),
-        num_stages=2,
-    )
+from .attention_tiles import attention_blocks, check_shapes
 
 
 @triton.jit
@@ -147,26 +100,6 @@ def _attn_fwd_kernel(
     tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i), mask=row_mask)
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(
-            "attention: q must be [b, n_head, s, d] and k, v one shape [b, n_kv_head, s, d]; got "
-            f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
-        )
-    b, n_head, seq_len, head_dim = q.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (b, seq_len, head_dim):
-        raise ValueError(
-            f"attention: k and v {list(k.shape)} must match q {list(q.shape)} in batch, "
-            "sequence and head dim"
-        )
-    if n_head % k.shape[1] != 0:
-        raise ValueError(f"attention: n_kv_head {k.shape[1]} must divide n_head {n_head}")
-    if head_dim not in (16, 32, 64, 128):
-        raise ValueError(f"attention: head dim must be a power of two in 16..128, got {head_dim}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-
-
 def _forward(q, k, v, causal: bool, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n_head, s, d] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
     contiguous q, k, v."""
@@ -190,7 +123,7 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool):
         check_device(q, k, v)
-        _check_shapes(q, k, v)
+        check_shapes(q, k, v)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = _forward(q, k, v, causal)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -209,7 +142,7 @@ def attention_block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.
     """One block of ring attention, no autograd: (out fp32 (fp64 for fp64 inputs), to be merged
     with other blocks; lse [b, n_head, s] fp32 in natural log), shapes as in `attention`."""
     check_device(q, k, v)
-    _check_shapes(q, k, v)
+    check_shapes(q, k, v)
     out_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out, lse2 = _forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, out_dtype)
     return out, lse2 * (1.0 / LOG2_E)
@@ -219,7 +152,7 @@ def attention_block_backward(q, k, v, out, lse, dout, causal: bool):
     """The flash backward of one block from a given output `out` and natural-log `lse` (a ring's
     final ones, so rowsum(dout * out) is the global one): dq, dk, dv in the inputs' dtype."""
     check_device(q, k, v, out, dout)
-    _check_shapes(q, k, v)
+    check_shapes(q, k, v)
     blocks = attention_blocks(q.shape[2], q.shape[3], q.dtype)
     lse2 = (lse.float() * LOG2_E).contiguous()
     return attention_backward(

@@ -1,5 +1,7 @@
 """Backward of the fused attention in attention.py: delta preprocess, dK/dV kernel, dQ kernel.
 
+Its tiles come from attention_tiles.py; nothing here imports the forward module.
+
 Shapes (as in attention.py): q, o, do, dq [b, n_head, s, d]; k, v, dk, dv [b, n_kv, s, d];
 lse, delta [b, n_head, s] fp32 (lse in base 2). group = n_head / n_kv query heads per kv head.
 
@@ -17,16 +19,13 @@ Both recompute p from q, k and lse; query/key blocks that need no mask run witho
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from ._utils import LOG2_E, dot_precision
-
-if TYPE_CHECKING:
-    from .attention import AttentionBlocks
+from .attention_tiles import AttentionBlocks
 
 
 @triton.jit

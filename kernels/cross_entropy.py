@@ -6,27 +6,42 @@ loss [rows] fp32; lse [rows] fp32 (natural log).
 
 Forward: one program per row reads the shard once in BLOCK-wide chunks, keeping an online max
 and sum of exponentials, and picks up the target logit when the target id falls in the shard.
-With tp > 1 only per-row statistics cross ranks, through megatronish.distributed.comm (so bytes are
-counted): an all-gather of each rank's log-sum-exp [tp, rows] and a SUM all-reduce of the
-target logit [rows] (non-zero on the owning rank only). loss = logsumexp over ranks - target.
+With tp > 1 only per-row statistics cross ranks, and this module does no communication itself:
+the caller passes a VocabSplit whose `combine` merges this rank's (lse, target logit) into the
+global ones (megatronish.ops does it through megatronish.distributed.comm, so bytes are
+counted). loss = global lse - global target logit.
 Backward: grad = (exp(x - lse) - onehot) * dloss, computed in fp32 and stored in the logits'
 dtype into a new tensor (the input logits stay intact); no communication.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
-
-from megatronish.distributed import comm
 
 from ._utils import check_device
 
 IGNORE_INDEX = -100
 _FWD_BLOCK = 4096
 _BWD_BLOCK = 4096
+
+
+class VocabSplit(Protocol):
+    """A vocab split over `size` tensor-parallel ranks, seen from rank `rank` (its shard of v ids
+    holds the global ids [rank v, (rank + 1) v)), with the collectives that merge statistics."""
+
+    rank: int
+    size: int
+
+    def combine(
+        self, lse: torch.Tensor, target_logit: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global (lse [rows], target logit [rows]) fp32 from this rank's: the log-sum-exp
+        over all ranks' lse, and the sum of target_logit (non-zero on the owning rank only)."""
+        ...
 
 
 @triton.jit
@@ -80,14 +95,14 @@ def _check_targets(target: torch.Tensor, vocab: int) -> None:
 
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, tp_group):
+    def forward(ctx, logits, target, split: VocabSplit | None):
         check_device(logits, target)
         if logits.shape[:-1] != target.shape:
             raise ValueError(
                 f"cross_entropy: target {list(target.shape)} must match logits "
                 f"{list(logits.shape)} without the last (vocab) dim"
             )
-        tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+        tp_size, tp_rank = (split.size, split.rank) if split is not None else (1, 0)
         n_cols = logits.shape[-1]
         if n_cols == 0:
             raise ValueError("cross_entropy: the vocab shard (last dim of logits) is empty")
@@ -104,11 +119,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 logits2d, target1d, lse, target_logit, n_cols, shard_start,
                 BLOCK=block, num_warps=8 if block >= 2048 else 4,
             )  # fmt: skip
-        if tp_size > 1:
-            all_lse = torch.empty(tp_size * n_rows, device=lse.device, dtype=lse.dtype)
-            comm.all_gather_into(all_lse, lse, tp_group)
-            comm.all_reduce(target_logit, tp_group, op=dist.ReduceOp.SUM)
-            lse = torch.logsumexp(all_lse.view(tp_size, n_rows), dim=0)
+        if split is not None:
+            lse, target_logit = split.combine(lse, target_logit)
         loss = torch.where(target1d == IGNORE_INDEX, 0.0, lse - target_logit)
         ctx.save_for_backward(logits2d, target1d, lse)
         ctx.shard_start = shard_start
@@ -131,15 +143,15 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
 
 def cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, tp_group: dist.ProcessGroup | None = None
+    logits: torch.Tensor, target: torch.Tensor, split: VocabSplit | None = None
 ) -> torch.Tensor:
     """Per-token loss [...] in fp32 of this rank's vocab shard logits [..., V / tp] against the
     global target ids [...]; a target of -100 gives loss 0 and no gradient.
 
-    Vocab-parallel over tp_group when it has more than one rank (tp_group None: the default
-    group if torch.distributed is initialized, else one device). Forward does one all-gather
-    [tp, rows] and one all-reduce [rows] of fp32 statistics; backward does no communication.
-    Raises ValueError for a target id outside [0, V) other than -100 (this check syncs with the
-    device once per call).
+    split None: the whole vocab is on this device. Otherwise the vocab is split over split.size
+    ranks and the forward calls split.combine once on the per-row statistics (fp32 [rows] lse
+    and target logit); the backward does no communication. ops.cross_entropy builds the split
+    of a tp process group. Raises ValueError for a target id outside [0, V) other than -100
+    (this check syncs with the device once per call).
     """
-    return _CrossEntropyFunction.apply(logits, target, tp_group)
+    return _CrossEntropyFunction.apply(logits, target, split)

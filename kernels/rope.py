@@ -2,8 +2,9 @@
 
 Shapes: x [b, n, s, d] is viewed as [rows = b * n * s, d]; row r takes table row r % s.
 cos, sin [s, d/2] fp32 (table row i: the angles of x's i-th position, 0..s-1 or given
-positions) come from megatronish.ops.reference.rope_table, so the angles are bit-identical to
-the torch reference. Dim i pairs with dim i + d/2:
+positions) come from rope_table here, which repeats megatronish.ops.reference.rope_table's
+arithmetic op for op, so the angles are bit-identical to the torch reference (the kernels import
+nothing from megatronish). Dim i pairs with dim i + d/2:
 
     out[i]       = x[i] cos - x[i + d/2] sin
     out[i + d/2] = x[i + d/2] cos + x[i] sin
@@ -17,9 +18,29 @@ import torch
 import triton
 import triton.language as tl
 
-from megatronish.ops.reference import rope_table
-
 from ._utils import check_device
+
+
+def rope_table(
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [s, d/2] fp32 for positions 0..s-1, or for the given int64 positions [s].
+
+    The same ops in the same order as megatronish.ops.reference.rope_table (change the two
+    together): inv_freq = 1 / theta^(2i / d), angles = outer(positions, inv_freq).
+    """
+    n_positions = seq_len if positions is None else int(positions.max()) + 1
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles = torch.outer(torch.arange(n_positions, device=device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos(), angles.sin()
+    if positions is None:
+        return cos, sin
+    return cos[positions], sin[positions]
 
 
 @triton.jit

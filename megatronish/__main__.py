@@ -1,3 +1,5 @@
+"""`python -m megatronish`: the same command group as the `megatronish` script."""
+
 from megatronish.cli import main
 
 main()

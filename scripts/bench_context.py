@@ -94,7 +94,7 @@ def measure(arch: str, seq_len: int, cp: int) -> list[tuple[int, int, int, float
 
 def plan_bytes(arch: str, seq_len: int, cp: int) -> float:
     """plan's activation estimate for this layout: every layer plus the logits and softmax."""
-    from megatronish.commands.plan import activation_bytes_per_layer
+    from megatronish.accounting.memory import activation_bytes_per_layer
     from megatronish.config import derive, load_config
 
     cfg = load_config(None, model_sets(arch, seq_len, cp))

@@ -27,7 +27,7 @@ CONFIG = REPO / "configs" / "tiny-moe.yaml"
 def rank_parameters(ep: int) -> tuple[int, int, float]:
     """(parameters, expert parameters) that one rank holds at dp = 2 and this ep, and the
     all-to-all bytes it sends per step by the analytic count."""
-    from megatronish.commands.bench import collectives_per_step
+    from megatronish.accounting.collectives import collectives_per_step
     from megatronish.config import derive, load_config
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT

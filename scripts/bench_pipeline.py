@@ -56,7 +56,8 @@ def _rank(rank: int, pp: int, port: int, cases, args, dataset: str, out) -> None
     from megatronish.config import derive, load_config
     from megatronish.data import dataset_vocab_size
     from megatronish.distributed.layout import ParallelState
-    from megatronish.training.trainer import Setup, Trainer
+    from megatronish.training.setup import Setup
+    from megatronish.training.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -607,7 +607,7 @@ def device_job(bk: ModuleType, measure: Callable) -> Callable[[float], Outcome]:
     def run(_timeout: float) -> Outcome:
         import torch
 
-        from megatronish.training.metrics import GPU_PEAK_TFLOPS
+        from megatronish.accounting.hardware import GPU_PEAK_TFLOPS
 
         name = torch.cuda.get_device_name(0)
         try:

@@ -1,4 +1,5 @@
-"""Shared test set-up: one built-in-corpus cache per test session, and CLI helpers."""
+"""Shared test set-up: one built-in-corpus cache per test session, the datasets several test
+modules train on (prepared once per session), and CLI helpers."""
 
 from __future__ import annotations
 
@@ -52,6 +53,34 @@ def _session_cache(tmp_path_factory):
     else:
         os.environ["MEGATRONISH_CACHE"] = str(tmp_path_factory.mktemp("megatronish-cache"))
     yield
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> Path:
+    """The parity tests' dataset (tests/parity.py): ten documents of small Python functions,
+    byte-level, a tenth for validation. Prepared once per session; nothing writes to it."""
+    from tests.parity import prepare_code_dataset
+
+    return prepare_code_dataset(tmp_path_factory.mktemp("parity-data"))
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> Path:
+    """~400 KB of the standard library's json and email sources, byte-level, a fifth for
+    validation (tests/checkpoints.py). Prepared once per session; nothing writes to it."""
+    from tests.checkpoints import prepare_small_dataset
+
+    return prepare_small_dataset(tmp_path_factory.mktemp("data") / "small")
+
+
+@pytest.fixture
+def interpreter_env(monkeypatch):
+    """TRITON_INTERPRET as it was when the kernels were defined (tests/kernel_env.py), for the
+    kernel test modules (`pytestmark = pytest.mark.usefixtures("interpreter_env")`)."""
+    from tests.kernel_env import INTERPRET
+
+    if INTERPRET is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", INTERPRET)
 
 
 @dataclass

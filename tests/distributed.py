@@ -39,6 +39,7 @@ PRELOAD = [
     "megatronish.checkpoint.generate",
     "tests.distributed",
     "tests.conftest",  # what test modules import (pytest, click's runner, the CLI)
+    "tests.parity",  # the training tests' harness
 ]
 _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)

@@ -3,15 +3,15 @@
 Triton reads TRITON_INTERPRET when a kernel is defined, so on a machine without CUDA the
 variable is set while the kernels are imported (they then run under Triton's interpreter) and
 put back afterwards, so other test modules and CLI subprocesses keep their own environment.
-`interpreter_env` (an autouse fixture in the kernel test modules) sets it again inside each
-test, for ops.resolve_backend, which reads it at call time.
+The `interpreter_env` fixture of tests/conftest.py (which the kernel test modules use on every
+test) sets INTERPRET again inside each test, for ops.resolve_backend, which reads it at call
+time.
 """
 
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 
@@ -30,10 +30,3 @@ def _import_kernels():
 
 
 kernels, INTERPRET = _import_kernels()
-
-
-@pytest.fixture(autouse=True)
-def interpreter_env(monkeypatch):
-    """TRITON_INTERPRET as it was when the kernels were defined."""
-    if INTERPRET is not None:
-        monkeypatch.setenv("TRITON_INTERPRET", INTERPRET)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatronish.commands.bench import collectives_per_step, formula_bytes_per_step
+from megatronish.accounting.collectives import collectives_per_step, formula_bytes_per_step
 from megatronish.config import derive, load_config
 from megatronish.data import prepare_dataset
 from tests.conftest import invoke_cli, run_cli
@@ -66,10 +66,12 @@ def bench_config(tp: int, dp: int, overrides: list[str], dataset: Path):
 
 def _count_on_ranks(rank, world, variants, dataset):
     """For each variant: (counted, formula) bytes sent per step and payload bytes per kind."""
-    from megatronish.commands.bench import formula_payload_by_kind, time_steps
+    from megatronish.accounting.collectives import formula_payload_by_kind
+    from megatronish.commands.bench import time_steps
     from megatronish.data import dataset_vocab_size
     from megatronish.distributed.layout import ParallelState
-    from megatronish.training.trainer import Setup, Trainer
+    from megatronish.training.setup import Setup
+    from megatronish.training.trainer import Trainer
 
     results = {}
     for name, (tp, dp, overrides) in variants.items():

@@ -15,7 +15,7 @@ from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.training.checkpoints import resume_path
-from tests.test_checkpoint_helpers import BYTES, save_single, tiny_cfg, trained
+from tests.checkpoints import BYTES, save_single, tiny_cfg, trained
 
 
 def _save(directory, step, model, optimizer, derived, keep=0):

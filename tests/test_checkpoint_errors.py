@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from megatronish.checkpoint.convert import convert_checkpoint
 from megatronish.cli import cli
+from tests.checkpoints import save_single, tiny_cfg
 from tests.conftest import CONFIGS, run_cli
-from tests.test_checkpoint_helpers import prepare_small_dataset, save_single, tiny_cfg
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,8 @@ def test_corrupt_metadata(broken, damage):
         assert str(meta_path) in line
 
 
-def test_resuming_with_a_model_of_another_shape(good, tmp_path):
-    data = prepare_small_dataset(tmp_path / "data")
+def test_resuming_with_a_model_of_another_shape(good, tmp_path, small_dataset):
+    data = small_dataset
     sets = [
         "model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=64",
         "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",

@@ -17,8 +17,8 @@ from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
 from megatronish.model import GPT
 from megatronish.optim.optimizer import Optimizer
+from tests.checkpoints import BYTES, VOCAB, tiny_cfg, tokens, trained
 from tests.distributed import run_on_ranks
-from tests.test_checkpoint_helpers import BYTES, VOCAB, tiny_cfg, tokens, trained
 
 UNTIED = ("model.tie_embeddings=false",)  # both vocab-sized tensors: embedding and output layer
 

@@ -11,7 +11,6 @@ from click.testing import CliRunner
 
 from megatronish.cli import cli
 from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, run_cli, start_cli
-from tests.test_checkpoint_helpers import prepare_small_dataset
 
 # warmup_steps > steps: the learning rate of a step does not depend on train.steps, so a run of
 # 3 steps is the first half of a run of 6.
@@ -30,11 +29,6 @@ BASE = [
 # Fields that depend on timing or the machine, not on the training.
 TIMING = ("tokens_per_s", "mfu", "step_time_s", "phases", "peak_memory_gb", "peak_memory_rank",
           "straggler")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return prepare_small_dataset(tmp_path_factory.mktemp("data") / "small")
 
 
 def cli_args(out_dir, dataset, overrides) -> list[str]:
@@ -66,13 +60,13 @@ def curve(run_dir) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def tp1_runs(tmp_path_factory, dataset):
+def tp1_runs(tmp_path_factory, small_dataset):
     root = tmp_path_factory.mktemp("tp1")
     whole = root / "whole"
-    train(whole, dataset, "train.steps=6", "checkpoint.every=3", "checkpoint.keep=0")
+    train(whole, small_dataset, "train.steps=6", "checkpoint.every=3", "checkpoint.keep=0")
     split = root / "split"
-    train(split, dataset, "train.steps=3")
-    resumed = train(split, dataset, "train.steps=6")
+    train(split, small_dataset, "train.steps=3")
+    resumed = train(split, small_dataset, "train.steps=6")
     return whole, split, resumed
 
 
@@ -85,7 +79,7 @@ def test_resume_at_tp1_continues_bitwise_and_metrics_hold_the_whole_curve(tp1_ru
 
 
 def test_a_run_killed_after_a_checkpoint_resumes_from_latest_and_rewrites_later_metrics(
-    tp1_runs, dataset, tmp_path
+    tp1_runs, small_dataset, tmp_path
 ):
     whole, _, _ = tp1_runs
     killed = tmp_path / "killed"
@@ -95,7 +89,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_from_latest_and_rewrites_later_
     (killed / "checkpoints" / "latest").write_text("step_000003\n")
     lines = (whole / "metrics.jsonl").read_text().splitlines()[:6]
     (killed / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "lo')
-    train(killed, dataset, "train.steps=6", "checkpoint.every=3")
+    train(killed, small_dataset, "train.steps=6", "checkpoint.every=3")
     assert curve(killed) == curve(whole)
 
 
@@ -110,23 +104,23 @@ def test_eval_of_a_checkpoint_equals_the_val_loss_the_run_logged(tp1_runs):
     assert summary["perplexity"] == pytest.approx(2.718281828 ** summary["val_loss"], rel=1e-6)
 
 
-def test_resume_restores_the_rng_so_dropout_continues_bitwise(tmp_path, dataset):
+def test_resume_restores_the_rng_so_dropout_continues_bitwise(tmp_path, small_dataset):
     sets = ["train.steps=6", "model.dropout=0.1", "train.eval_every=0"]
-    train(tmp_path / "whole", dataset, *sets, "checkpoint.every=3", "checkpoint.keep=0")
+    train(tmp_path / "whole", small_dataset, *sets, "checkpoint.every=3", "checkpoint.keep=0")
     step3 = tmp_path / "whole" / "checkpoints" / "step_000003"
-    train(tmp_path / "resumed", dataset, *sets, f"checkpoint.resume={step3}")
+    train(tmp_path / "resumed", small_dataset, *sets, f"checkpoint.resume={step3}")
     assert curve(tmp_path / "resumed") == curve(tmp_path / "whole")[3:]
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(tmp_path_factory, dataset, tp1_runs):
+def tp2_runs(tmp_path_factory, small_dataset, tp1_runs):
     """Launched, two at a time: a tp=2 run of 6 steps, and its step-3 checkpoint continued at
     tp=2 and at tp=1 x dp=2 with ZeRO-1 (model and optimizer re-sharded); the tp=1 run's step-3
     checkpoint continued at tp=2 ("higher"). (At tp=1 the split run stops at step 3.)"""
     root = tmp_path_factory.mktemp("tp2")
     tp1_step3 = tp1_runs[0] / "checkpoints" / "step_000003"
     launch_side_by_side(
-        dataset,
+        small_dataset,
         {
             root / "whole": ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0",
                              "parallel.tp=2"],
@@ -135,7 +129,7 @@ def tp2_runs(tmp_path_factory, dataset, tp1_runs):
     )  # fmt: skip
     resume = f"checkpoint.resume={root / 'whole' / 'checkpoints' / 'step_000003'}"
     launch_side_by_side(
-        dataset,
+        small_dataset,
         {
             root / "resumed": ["train.steps=6", "parallel.tp=2", resume],
             root / "relaid": ["train.steps=6", "parallel.dp=2", "optim.zero=1", resume],

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from megatronish.data import prepare_dataset
 from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
-from tests.test_pipeline import (
-    SMALL,
+from tests.parity import (
     SP,
     STEPS,
     assert_check_fails_with_one_line,
@@ -25,6 +23,7 @@ from tests.test_pipeline import (
     train_counted,
     train_losses,
 )
+from tests.parity import make_config as parity_config
 
 # Two layers and two micro-batches of 4 a step: each ring step costs a wait on every cp rank.
 GPT2 = ["model.arch=gpt2", "model.n_layer=2", "train.micro_batch_size=4"]
@@ -51,29 +50,14 @@ FOUR_RANKS = {
 SAVED = "gpt2 cp2"  # also saves a checkpoint at step 10
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("context-data")
-    files = []
-    for part in range(10):
-        text = "".join(f"def g{i}(x):\n    return x - {i} * {part}\n\n" for i in range(80))
-        (root / f"part{part}.py").write_text(text)
-        files.append(str(root / f"part{part}.py"))
-    return prepare_dataset(files, str(root / "ds"), val_fraction=0.1)
-
-
 def make_config(tp, cp, dp, pp, overrides, dataset, extra=()):
-    from megatronish.config import load_config
-
-    sets = SMALL + overrides + [
-        f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.dp={dp}", f"parallel.pp={pp}",
-    ]  # fmt: skip
-    return load_config(None, sets + [f"data.path={dataset}", *extra])
+    """The parity config (tests/parity.py) at this layout, in the variants' order."""
+    return parity_config(tp, dp, pp, overrides, dataset, extra, cp=cp)
 
 
 def _train_on_ranks(rank, world, variants, dataset, save_dir):
     """For each variant: losses, grad norms, and the ring bytes sent in its first step."""
-    from megatronish.commands.bench import formula_payload_by_kind
+    from megatronish.accounting.collectives import formula_payload_by_kind
 
     results = {}
     for name, (tp, cp, dp, pp, overrides) in variants.items():
@@ -229,7 +213,7 @@ def _masked_loss(rank, world):
     from megatronish.context import shard_sequence
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.optim.optimizer import reduce_gradients
+    from megatronish.optim.reduce import reduce_gradients
     from megatronish.training.trainer import mean_loss
 
     if world == 1:

@@ -29,9 +29,9 @@ from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.distributed.processes import child_pids, process_alive
 from megatronish.errors import RunFailure, UserError
-from megatronish.training.trainer import Trainer, setup
+from megatronish.training.setup import setup
+from megatronish.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
-from tests.test_checkpoint_helpers import prepare_small_dataset
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -54,11 +54,6 @@ SMALL = [
 ]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 MEGATRONISH = [sys.executable, "-m", "megatronish"]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    return prepare_small_dataset(tmp_path_factory.mktemp("data") / "small")
 
 
 def config_args(out_dir: Path, dataset: Path, *overrides: str) -> list[str]:
@@ -252,19 +247,19 @@ def test_the_lock_names_its_holder_and_is_taken_over_once_the_holder_is_killed(t
 
 
 @pytest.fixture(scope="module")
-def killed_torchrun(tmp_path_factory, dataset) -> dict:
+def killed_torchrun(tmp_path_factory, small_dataset) -> dict:
     """A run under plain torchrun with no end, which a second run (through launch, on the same
     checkpoint.dir) tries to join; after STEPS steps torchrun's process group gets kill -9. Its
     first STEPS losses are the curve of a run never interrupted."""
     root = tmp_path_factory.mktemp("killed")
     out, checkpoints = root / "first", root / "first" / "checkpoints"
-    forever = config_args(out, dataset, "train.steps=100000", f"checkpoint.dir={checkpoints}")
+    forever = config_args(out, small_dataset, "train.steps=100000", f"checkpoint.dir={checkpoints}")
     seen: dict = {"checkpoints": checkpoints}
     with started([*TORCHRUN, "-m", "megatronish", "train", *forever], out) as first:
         first.wait_for_step(2)
         seen["rank0"] = first.rank_pid(0)
         second = root / "second"
-        again = launch(second, dataset, f"checkpoint.dir={checkpoints}", "train.steps=10")
+        again = launch(second, small_dataset, f"checkpoint.dir={checkpoints}", "train.steps=10")
         with started(again, second) as refused:
             seen["second"] = (refused.finish(), refused.stderr)
         first.wait_for_step(STEPS)
@@ -297,13 +292,13 @@ def test_a_second_run_on_a_locked_checkpoint_dir_exits_2_naming_it_and_the_holde
 
 
 @pytest.fixture(scope="module")
-def interrupted(tmp_path_factory, dataset) -> dict:
+def interrupted(tmp_path_factory, small_dataset) -> dict:
     """One run in two launches. The first (--max-restarts 1): kill -9 of rank 1 after step 3,
     then, once the restarted ranks are three steps further, SIGTERM to the launcher. The second:
     SIGUSR1 to rank 1 three steps after it resumed."""
     out = tmp_path_factory.mktemp("interrupted") / "run"
     phases: dict = {}
-    restarting = launch(out, dataset, f"train.steps={STEPS}", options=("--max-restarts", "1"))
+    restarting = launch(out, small_dataset, f"train.steps={STEPS}", options=("--max-restarts", "1"))
     with started(restarting, out, "restart") as run:
         killed_after = run.wait_for_step(3)
         os.kill(run.rank_pid(1), signal.SIGKILL)
@@ -314,7 +309,7 @@ def interrupted(tmp_path_factory, dataset) -> dict:
         run.wait_for_step(resumed_steps(run.stdout)[0] + 3)
         run.proc.send_signal(signal.SIGTERM)
         phases["restart"] = (run.finish(), run.stdout, run.stderr, killed_after, run.last_step())
-    with started(launch(out, dataset, f"train.steps={STEPS}"), out, "sigusr1") as run:
+    with started(launch(out, small_dataset, f"train.steps={STEPS}"), out, "sigusr1") as run:
         run.wait_for_step(phases["restart"][4] + 3)
         os.kill(run.rank_pid(1), signal.SIGUSR1)
         phases["sigusr1"] = (run.finish(), run.stdout, run.last_step())
@@ -378,7 +373,7 @@ def tensors(step_dir: Path, kind: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def faulty_run(tmp_path_factory, dataset) -> dict:
+def faulty_run(tmp_path_factory, small_dataset) -> dict:
     """tp = 2 under torchrun, checkpoints at every step: rank 1's loss (and so its gradients)
     is NaN at step 3, while rank 0 computes a finite loss and learns of the NaN only through
     the step agreement; at step 5 rank 1 raises."""
@@ -386,7 +381,9 @@ def faulty_run(tmp_path_factory, dataset) -> dict:
     out, logs = root / "run", root / "logs"
     sets = ("train.steps=100000", "checkpoint.every=1", "checkpoint.keep=0",
             "parallel.timeout_s=30")  # fmt: skip
-    command = faulty(out, dataset, *sets, torchrun=("--log-dir", str(logs), "--redirects", "3"))
+    command = faulty(
+        out, small_dataset, *sets, torchrun=("--log-dir", str(logs), "--redirects", "3")
+    )
     with started(command, out, FAULT_RANK="1", FAULT_NAN_STEPS="3", FAULT_RAISE_STEP="5") as run:
         run.wait_for_step(4)
         before = time.monotonic()
@@ -437,9 +434,9 @@ def test_a_rank_that_raises_stops_every_rank_with_its_message_printed_once(fault
     assert survivor[-1].startswith("error: rank 0: stopped because another rank failed (")
 
 
-def test_max_skipped_steps_non_finite_in_a_row_stop_the_run_with_status_1(tmp_path, dataset):
+def test_max_skipped_steps_non_finite_in_a_row_stop_the_run_with_status_1(tmp_path, small_dataset):
     out = tmp_path / "run"
-    sets = [*SMALL, "parallel.tp=1", f"data.path={dataset}", f"run.out_dir={out}",
+    sets = [*SMALL, "parallel.tp=1", f"data.path={small_dataset}", f"run.out_dir={out}",
             "train.steps=8", "checkpoint.every=1", "checkpoint.keep=0",
             "train.max_skipped_steps=2"]  # fmt: skip
     trainer = Trainer(setup(load_config(None, sets)))
@@ -462,11 +459,11 @@ def test_max_skipped_steps_non_finite_in_a_row_stop_the_run_with_status_1(tmp_pa
 
 
 def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_ranks_dump(
-    tmp_path, dataset
+    tmp_path, small_dataset
 ):
     out = tmp_path / "run"
     timeout_s = 4.0  # the watchdog reports a collective in flight for half of it, 2 s
-    command = faulty(out, dataset, "train.steps=100000", f"parallel.timeout_s={timeout_s}")
+    command = faulty(out, small_dataset, "train.steps=100000", f"parallel.timeout_s={timeout_s}")
     with started(command, out, FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="6") as run:
         run.wait_for_step(2)
         stalled = time.monotonic()

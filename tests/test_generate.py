@@ -13,8 +13,8 @@ from megatronish.checkpoint.reader import Checkpoint
 from megatronish.cli import cli
 from megatronish.data import ByteTokenizer
 from megatronish.distributed.layout import ParallelState
+from tests.checkpoints import VOCAB, save_single, tiny_cfg, tokens
 from tests.distributed import run_on_ranks
-from tests.test_checkpoint_helpers import VOCAB, save_single, tiny_cfg, tokens
 
 GREEDY = Sampling(temperature=0.0)
 PROMPT = [104, 101, 108, 108, 111]  # "hello"

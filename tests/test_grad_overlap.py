@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_on_ranks
-from tests.test_pipeline import GPT2, LLAMA, SP, dataset, make_config, make_trainer  # noqa: F401
+from tests.parity import GPT2, LLAMA, SP, make_config, make_trainer
 
 STEPS = 8
 SMALL_BUCKETS = "optim.bucket_mb=0.01"  # 10 kB: many buckets
@@ -28,7 +28,7 @@ WAYS = {
 }
 
 
-def _curves(rank, world, variants, dataset):  # noqa: F811
+def _curves(rank, world, variants, dataset):
     from megatronish.optim.grad_buffer import GradBuffer
     from megatronish.optim.optimizer import Optimizer
 
@@ -39,7 +39,7 @@ def _curves(rank, world, variants, dataset):  # noqa: F811
             trainer = make_trainer(cfg, world, dataset)
             if way == "unbuffered":  # every gradient through optim.reduce_gradients
                 trainer.grads.close()
-                trainer.grads = GradBuffer([], trainer.ps, 1, False)
+                trainer.grads = GradBuffer([], trainer.ps, trainer.grads.bucket_bytes, False)
                 # ZeRO-1 owning whole parameters (each owner broadcasts its updated ones)
                 trainer.optimizer = Optimizer(trainer.model, cfg, trainer.ps)
             else:
@@ -50,7 +50,7 @@ def _curves(rank, world, variants, dataset):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def curves(dataset):  # noqa: F811
+def curves(dataset):
     """Per world size, every rank's curves."""
     return {
         2: run_on_ranks(_curves, 2, TWO, dataset, timeout=180),

@@ -18,8 +18,9 @@ from megatronish.checkpoint.save import tokenizer_of_dataset
 from megatronish.cli import cli
 from megatronish.data import dataset_vocab_size, load_tokenizer
 from megatronish.errors import UserError
-from megatronish.training.trainer import Trainer, setup
-from tests.test_checkpoint_helpers import (
+from megatronish.training.setup import setup
+from megatronish.training.trainer import Trainer
+from tests.checkpoints import (
     VOCAB,
     prepare_small_dataset,
     save_single,
@@ -99,9 +100,9 @@ def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_training_can_start_from_an_hf_directory(exported, tmp_path):
+def test_training_can_start_from_an_hf_directory(exported, tmp_path, small_dataset):
     arch, step_dir, hf_dir = exported
-    data = prepare_small_dataset(tmp_path / "data")
+    data = small_dataset
     cfg = tiny_cfg(*_cfg_args(arch), f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}")
     cfg.run.out_dir = str(tmp_path / "run")
     trainer = Trainer(setup(cfg))

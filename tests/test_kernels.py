@@ -20,11 +20,9 @@ from megatronish import ops
 from megatronish.ops import reference
 from tests.conftest import finish
 from tests.kernel_env import INTERPRET as _INTERPRET
-from tests.kernel_env import (
-    interpreter_env,  # noqa: F401 (autouse fixture)
-    kernels,
-)
+from tests.kernel_env import kernels
 
+pytestmark = pytest.mark.usefixtures("interpreter_env")  # tests/conftest.py
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -290,7 +288,8 @@ def compile_every_kernel_for_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    names = ("attention", "attention_bwd", "norms", "rope", "elementwise", "cross_entropy")
+    names = ("attention", "attention_bwd", "attention_tiles", "norms", "rope", "elementwise")
+    names += ("cross_entropy",)
     mod = {name: importlib.import_module(f"megatronish_kernels.{name}") for name in names}
     fp32_pointers = {"LSE", "MEAN", "RSTD", "DELTA", "DW_PART", "DB_PART", "COS", "SIN"}
     fp32_pointers |= {"TARGET_LOGIT", "DLOSS"}
@@ -318,7 +317,7 @@ def compile_every_kernel_for_sm90() -> None:
     for dtype, torch_dtype, head_dim, causal in [
         ("bf16", torch.bfloat16, 128, True), ("fp32", torch.float32, 64, False),
     ]:  # fmt: skip
-        blocks = attn.attention_blocks(4096, head_dim, torch_dtype)
+        blocks = mod["attention_tiles"].attention_blocks(4096, head_dim, torch_dtype)
         prec = "ieee" if dtype == "fp32" else "tf32"
         for kernel, tile in [
             (attn._attn_fwd_kernel, blocks.fwd), (bwd._dkdv_kernel, blocks.dkdv),

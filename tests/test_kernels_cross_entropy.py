@@ -15,11 +15,9 @@ import torch.nn.functional as F
 from megatronish import ops
 from megatronish.distributed.comm import CommCounter
 from tests.distributed import run_on_ranks
-from tests.kernel_env import (
-    interpreter_env,  # noqa: F401 (autouse fixture)
-    kernels,
-)
+from tests.kernel_env import kernels
 
+pytestmark = pytest.mark.usefixtures("interpreter_env")  # tests/conftest.py
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -116,7 +114,7 @@ def _vocab_parallel_rank(rank: int, world_size: int, rows: int, vocab: int, seed
     for name, group in (("default", None), ("explicit", dist.new_group(list(range(world_size))))):
         x = shard.clone().requires_grad_(True)
         with CommCounter() as counter:
-            loss = kernels.cross_entropy(x, target, group)
+            loss = ops.cross_entropy(x, target, group, backend="triton")
             (grad,) = torch.autograd.grad(loss, x, upstream)
         results[name] = dict(
             loss=loss.tolist(), grad=grad.tolist(), intact=torch.equal(x.detach(), shard),

@@ -10,11 +10,9 @@ import torch
 
 from megatronish import ops
 from megatronish.ops import reference
-from tests.kernel_env import (
-    interpreter_env,  # noqa: F401 (autouse fixture)
-    kernels,
-)
+from tests.kernel_env import kernels
 
+pytestmark = pytest.mark.usefixtures("interpreter_env")  # tests/conftest.py
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 

@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from megatronish.data import prepare_dataset
 from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
-from tests.test_pipeline import (
-    SMALL,
+from tests.parity import (
     STEPS,
     assert_check_fails_with_one_line,
     assert_close,
     assert_curves_match,
     make_trainer,
+    prepare_code_dataset,
     train_counted,
     train_losses,
 )
+from tests.parity import make_config as parity_config
 
 # Two blocks, both MoE; the pipeline run mixes dense and MoE blocks (4 blocks, every 2).
 MOE = [
@@ -64,27 +64,19 @@ ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_fr
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("moe-data")
-    files = []
-    for part in range(10):
-        text = "".join(f"def h{i}(y):\n    return y * {i} + {part}\n\n" for i in range(80))
-        (root / f"part{part}.py").write_text(text)
-        files.append(str(root / f"part{part}.py"))
-    return prepare_dataset(files, str(root / "ds"), val_fraction=0.1)
+    """Ten documents like the session's `dataset` (tests/conftest.py), which this module's
+    fixture overrides, of other functions: the data these MoE curves have always trained on."""
+    function = "def h{i}(y):\n    return y * {i} + {part}\n\n"
+    return prepare_code_dataset(tmp_path_factory.mktemp("moe-data"), function)
 
 
 def make_config(tp, cp, dp, pp, ep, overrides, dataset, extra=()):
-    from megatronish.config import load_config
-
-    sets = SMALL + overrides + [
-        f"parallel.tp={tp}", f"parallel.cp={cp}", f"parallel.dp={dp}", f"parallel.pp={pp}",
-        f"parallel.ep={ep}",
-    ]  # fmt: skip
-    return load_config(None, sets + [f"data.path={dataset}", *extra])
+    """The parity config (tests/parity.py) at this layout, in the variants' order."""
+    return parity_config(tp, dp, pp, overrides, dataset, extra, cp=cp, ep=ep)
 
 
 def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
-    from megatronish.commands.bench import formula_payload_by_kind
+    from megatronish.accounting.collectives import formula_payload_by_kind
 
     trainer = make_trainer(cfg, world, dataset, ps)
     losses, norms, counter = train_counted(trainer, STEPS, save_every)
@@ -280,12 +272,13 @@ def test_cli_bad_moe_settings_exit_2_with_one_line(world, sets, key):
 
 
 def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
+    from megatronish.accounting.flops import model_flops_per_step
+    from megatronish.accounting.memory import estimate
+    from megatronish.accounting.parameters import parameter_count
     from megatronish.commands.check import check_config
-    from megatronish.commands.plan import estimate
     from megatronish.config import derive, load_config
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.training.metrics import model_flops_per_step, parameter_count
 
     sets = ["model.vocab_size=256", "model.moe.shared_expert=true", "parallel.dp=2"]
     cfg = load_config(CONFIGS / "tiny-moe.yaml", sets)

@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from megatronish.observe.phases import FIELDS, PHASES
 from tests.distributed import run_on_ranks
-from tests.test_pipeline import GPT2, dataset, make_config, make_trainer  # noqa: F401
+from tests.parity import GPT2, make_config, make_trainer
 
 SLOW_RANK, SLOW_S = 3, 0.02
 STEPS = 6
 
 
-def _slow_run(rank, world, dataset, out_dir):  # noqa: F811
+def _slow_run(rank, world, dataset, out_dir):
     from megatronish.training import trainer as trainer_module
 
     cfg = make_config(
@@ -51,7 +50,7 @@ def _slow_run(rank, world, dataset, out_dir):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def slow_run(dataset, tmp_path_factory):  # noqa: F811
+def slow_run(dataset, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("phases")
     per_rank = run_on_ranks(_slow_run, 4, dataset, out_dir, timeout=180)
     lines = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -89,17 +88,17 @@ def test_the_slowed_rank_is_named_as_the_straggler_and_no_other(slow_run):
     assert named == [None] + [SLOW_RANK] * (STEPS - 1), named
 
 
-def test_tensorboard_event_files_hold_the_metrics_values(tmp_path):
+def test_tensorboard_event_files_hold_the_metrics_values(tmp_path, dataset):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megatronish.distributed.layout import ParallelState
 
     cfg = make_config(
-        1, 1, 1, GPT2, dataset_dir(tmp_path),
+        1, 1, 1, GPT2, dataset,
         ["train.steps=4", "train.log_every=1", f"run.out_dir={tmp_path / 'run'}",
          "observe.tensorboard=true"],
     )  # fmt: skip
-    trainer = make_trainer(cfg, 1, Path(cfg.data.path), ParallelState.single())
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
     trainer.run()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(tmp_path / "run" / "tb"))
@@ -108,14 +107,6 @@ def test_tensorboard_event_files_hold_the_metrics_values(tmp_path):
     assert losses == [(line["step"], pytest.approx(line["loss"], rel=1e-6)) for line in lines]
     assert "phases/forward_s/max" in events.Tags()["scalars"]
     assert "peak_memory_gb" in events.Tags()["scalars"]
-
-
-def dataset_dir(tmp_path: Path) -> str:
-    from megatronish.data import prepare_dataset
-
-    source = tmp_path / "src.py"
-    source.write_text("".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(400)))
-    return str(prepare_dataset([str(source)], str(tmp_path / "ds"), val_fraction=0.0))
 
 
 def test_tensorboard_without_the_package_exits_2_with_one_line(monkeypatch):

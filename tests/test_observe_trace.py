@@ -16,6 +16,7 @@ from megatronish.distributed import comm
 from megatronish.observe import profile
 from megatronish.observe.profile import StepProfiler, annotate, comm_range
 from tests.distributed import run_on_ranks
+from tests.parity import GPT2, make_config, make_trainer
 
 
 def _profiled_workload(rank: int, world_size: int, out_dir: str) -> list[bool]:
@@ -132,8 +133,6 @@ def test_merge_without_readable_traces_exits_2_with_one_line(tmp_path, capsys, l
 
 
 def _profiled_training(rank: int, world_size: int, dataset, out_dir: str) -> None:
-    from tests.test_pipeline import GPT2, make_config, make_trainer
-
     cfg = make_config(
         2, 1, 1, GPT2, dataset,
         ["train.steps=4", "observe.profile_steps=3:4", f"run.out_dir={out_dir}"],
@@ -142,11 +141,11 @@ def _profiled_training(rank: int, world_size: int, dataset, out_dir: str) -> Non
 
 
 def test_profiling_steps_3_to_4_of_a_tp2_run_gives_a_trace_per_rank_and_a_merged_table(
-    tmp_path, tp2_dataset
+    tmp_path, dataset
 ):
     from tests.conftest import invoke_cli
 
-    run_on_ranks(_profiled_training, 2, tp2_dataset, str(tmp_path), timeout=120)
+    run_on_ranks(_profiled_training, 2, dataset, str(tmp_path), timeout=120)
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         "rank_0.json.gz", "rank_1.json.gz",
     ]  # fmt: skip
@@ -172,13 +171,3 @@ def test_profiling_steps_3_to_4_of_a_tp2_run_gives_a_trace_per_rank_and_a_merged
         parts = breakdown["compute"] + breakdown["comm"] + breakdown["bubble"]
         assert parts == pytest.approx(breakdown["step"], rel=0.1)
         assert breakdown["comm"] > 0
-
-
-@pytest.fixture(scope="module")
-def tp2_dataset(tmp_path_factory):
-    from megatronish.data import prepare_dataset
-
-    root = tmp_path_factory.mktemp("trace-data")
-    source = root / "src.py"
-    source.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(600)))
-    return prepare_dataset([str(source)], str(root / "ds"), val_fraction=0.0)

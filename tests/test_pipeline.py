@@ -11,29 +11,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatronish.config import derive, load_config
-from megatronish.data import dataset_vocab_size, prepare_dataset
 from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
+from tests.parity import (
+    GPT2,
+    LLAMA,
+    SP,
+    STEPS,
+    assert_check_fails_with_one_line,
+    assert_close,
+    assert_curves_match,
+    make_config,
+    make_trainer,
+    reference,
+    run_reference,
+    train_counted,
+    train_losses,
+)
 
-STEPS = 20
-SMALL = [
-    "model.n_layer=4",
-    "model.d_model=32",
-    "model.n_head=4",
-    "model.max_seq_len=16",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    f"train.steps={STEPS}",
-    "train.warmup_steps=2",
-    "train.lr=3e-3",
-    "train.eval_every=0",
-    "checkpoint.save=false",
-]
-GPT2 = ["model.arch=gpt2"]
-LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
-SP = ["parallel.sequence_parallel=true"]
 # name -> (tp, dp, pp, overrides); the reference of each is the same overrides at pp = 1 alone.
 TWO_RANKS = {
     "gpt2 pp2 1f1b": (1, 1, 2, GPT2 + ["parallel.pp_schedule=1f1b"]),
@@ -54,79 +49,9 @@ FOUR_RANKS = {
 SAVED = "gpt2 tp2 pp2 1f1b sp"  # also saves checkpoints at steps 10 and 20
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pipeline-data")
-    files = []
-    for part in range(10):  # documents, so that the validation split gets one
-        text = "".join(f"def g{i}(x):\n    return x - {i} * {part}\n\n" for i in range(80))
-        (root / f"part{part}.py").write_text(text)
-        files.append(str(root / f"part{part}.py"))
-    return prepare_dataset(files, str(root / "ds"), val_fraction=0.1)
-
-
-def make_config(tp: int, dp: int, pp: int, overrides: list[str], dataset: Path, extra=()):
-    sets = SMALL + overrides + [f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.pp={pp}"]
-    return load_config(None, sets + [f"data.path={dataset}", *extra])
-
-
-def make_trainer(cfg, world: int, dataset: Path, ps=None):
-    """A Trainer on the ranks' groups as a launched run builds them (tp and dp through shared
-    memory; the previous trainer's shared buffers released)."""
-    from megatronish.distributed import comm
-    from megatronish.distributed.layout import ParallelState, use_shared_memory
-    from megatronish.training.trainer import Setup, Trainer
-
-    derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
-    if ps is None:
-        comm.disable_shared_memory()
-        ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp, derived.cp, derived.ep)
-        ps = use_shared_memory(ps, 120)
-    return Trainer(Setup(cfg, derived, ps, dataset))
-
-
-def train_losses(trainer) -> list[float]:
-    return [trainer.train_step().loss for _ in range(trainer.cfg.train.steps - trainer.step)]
-
-
-def train_counted(trainer, steps: int, save_every: int = 0):
-    """(losses, grad norms, CommCounter of the first step) of training to `steps`, saving a
-    checkpoint every `save_every` steps (0: never)."""
-    from megatronish.distributed import comm
-
-    losses, norms = [], []
-    with comm.CommCounter() as counter:
-        step = trainer.train_step()
-    losses.append(step.loss)
-    norms.append(step.grad_norm)
-    while trainer.step < steps:
-        step = trainer.train_step()
-        losses.append(step.loss)
-        norms.append(step.grad_norm)
-        if save_every and trainer.step % save_every == 0:
-            trainer.save_checkpoint()
-    return losses, norms, counter
-
-
-def assert_curves_match(per_rank: list[dict], name: str, ref: dict) -> None:
-    """Every rank's losses and grad norms of variant `name` equal the reference's."""
-    for rank_results in per_rank:
-        assert_close(rank_results[name]["losses"], ref["losses"])
-        assert_close(rank_results[name]["norms"], ref["norms"])
-
-
-def assert_check_fails_with_one_line(args: list[str], key: str) -> None:
-    """`megatronish check ARGS` exits 2 with one stderr line that names key, no traceback."""
-    result = invoke_cli("check", *args)
-    assert result.returncode == 2, result.stdout
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and key in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
-
-
 def _train_on_ranks(rank, world, variants, dataset, save_dir):
     """For each variant: its losses and grad norms, and each stage's schedule statistics."""
-    from megatronish.commands.bench import formula_bytes_per_step
+    from megatronish.accounting.collectives import formula_bytes_per_step
 
     results = {}
     for name, (tp, dp, pp, overrides) in variants.items():
@@ -148,26 +73,6 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
     return results
 
 
-_REFERENCES: dict = {}
-
-
-def reference(overrides: list[str], dataset: Path) -> dict:
-    """The pp = 1 run of these settings (once per settings and dataset)."""
-    key = (tuple(o for o in overrides if not o.startswith("optim.")), dataset)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _reference(list(key[0]), dataset)
-    return _REFERENCES[key]
-
-
-def _reference(overrides: list[str], dataset: Path, **sets) -> dict:
-    from megatronish.distributed.layout import ParallelState
-
-    cfg = make_config(1, 1, 1, overrides, dataset, [f"{k}={v}" for k, v in sets.items()])
-    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    losses, norms, _ = train_counted(trainer, STEPS)
-    return {"losses": losses, "norms": norms, "trainer": trainer}
-
-
 @pytest.fixture(scope="module")
 def saved_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pp-checkpoints")
@@ -187,14 +92,6 @@ def reference_overrides(name: str, variants: dict) -> list[str]:
     """The variant's model and training settings without its parallel ones."""
     overrides = variants[name][3]
     return [o for o in overrides if not o.startswith("parallel.")]
-
-
-def assert_close(
-    actual: list[float], expected: list[float], rel: float = 1e-5, steps: int = STEPS
-) -> None:
-    assert len(actual) == len(expected) == steps
-    for step, (a, e) in enumerate(zip(actual, expected), start=1):
-        assert abs(a - e) <= rel * abs(e), f"step {step}: {a} vs {e}"
 
 
 @pytest.mark.parametrize("name", list(TWO_RANKS))
@@ -275,13 +172,9 @@ def test_a_pp2_checkpoint_resumes_at_pp1_on_tp1_and_tp2_on_the_same_curve(
     cfg = make_config(1, 1, 1, GPT2, dataset, [resume])
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
     assert trainer.resumed_from == 10
-    tp1 = train_losses(trainer)
-    assert len(tp1) == 10
-    for a, e in zip(tp1, ref["losses"][10:]):
-        assert abs(a - e) <= 1e-5 * abs(e)
+    assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
     for tp2 in run_on_ranks(_resume_tp2, 2, dataset, saved_dir, timeout=180):
-        for a, e in zip(tp2, ref["losses"][10:], strict=True):
-            assert abs(a - e) <= 1e-5 * abs(e)
+        assert_close(tp2, ref["losses"][10:], steps=10)
 
 
 def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
@@ -296,7 +189,7 @@ def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
     ckpt = Checkpoint(saved_dir / "step_000020")
     assert ckpt.pp == 2 and ckpt.tp == 2
     # The pp = 1 run's weights at step 20, saved through the same code.
-    ref = _reference(GPT2, dataset, **{"checkpoint.dir": tmp_path / "ref"})
+    ref = run_reference(GPT2, dataset, **{"checkpoint.dir": tmp_path / "ref"})
     ref["trainer"].save_checkpoint()
     tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -16,13 +16,13 @@ import pytest
 from megatronish.pipeline.schedule import interleaved_ticks, rank_order, warmup_forwards
 from tests.conftest import CONFIGS, invoke_cli
 from tests.distributed import run_on_ranks
-from tests.test_pipeline import (  # noqa: F401 (dataset is a fixture)
+from tests.parity import (
     GPT2,
     LLAMA,
+    SP,
     STEPS,
     assert_check_fails_with_one_line,
     assert_close,
-    dataset,
     make_config,
     make_trainer,
     reference,
@@ -35,7 +35,6 @@ V2 = ["parallel.pp_virtual=2"]
 # pp = 4; llama at m = 4 = pp, where every rank runs all its forwards first (as Megatron does).
 PP4 = ["model.n_layer=8"]
 STEADY = ["train.micro_batch_size=1"]
-SP = ["parallel.sequence_parallel=true"]
 # name -> (tp, dp, pp, overrides); the reference of each is its model and training settings at
 # pp = 1.
 TWO_RANKS = {
@@ -55,11 +54,11 @@ FOUR_RANKS = {
 SAVED = "gpt2 pp4 v2 m8"  # also saves a checkpoint at step 10
 
 
-def _train_on_ranks(rank, world, variants, dataset, save_dir):  # noqa: F811
+def _train_on_ranks(rank, world, variants, dataset, save_dir):
     """For each variant: losses, grad norms, the validation loss after the last step, the
     bytes sent in the first step and the analytic count, and the most activations held."""
-    from megatronish.commands.bench import formula_bytes_per_step
-    from megatronish.training.trainer import make_loader
+    from megatronish.accounting.collectives import formula_bytes_per_step
+    from megatronish.training.setup import make_loader
 
     results = {}
     for name, (tp, dp, pp, overrides) in variants.items():
@@ -95,12 +94,12 @@ def saved_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(dataset, saved_dir):  # noqa: F811
+def two_ranks(dataset, saved_dir):
     return run_on_ranks(_train_on_ranks, 2, TWO_RANKS, dataset, saved_dir, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def four_ranks(dataset, saved_dir):  # noqa: F811
+def four_ranks(dataset, saved_dir):
     return run_on_ranks(_train_on_ranks, 4, FOUR_RANKS, dataset, saved_dir, timeout=300)
 
 
@@ -111,9 +110,9 @@ def _model_settings(overrides: list[str]) -> list[str]:
 _VAL_LOSSES: dict = {}
 
 
-def reference_val_loss(overrides: list[str], dataset: Path) -> float:  # noqa: F811
+def reference_val_loss(overrides: list[str], dataset: Path) -> float:
     """The validation loss of the pp = 1 run of these settings after its last step."""
-    from megatronish.training.trainer import make_loader
+    from megatronish.training.setup import make_loader
 
     key = (tuple(overrides), dataset)
     if key not in _VAL_LOSSES:
@@ -124,12 +123,7 @@ def reference_val_loss(overrides: list[str], dataset: Path) -> float:  # noqa: F
 
 
 @pytest.mark.parametrize("name", [*TWO_RANKS, *FOUR_RANKS])
-def test_interleaved_losses_grad_norms_and_val_loss_equal_pp1(
-    name,
-    two_ranks,
-    four_ranks,
-    dataset,  # noqa: F811
-):
+def test_interleaved_losses_grad_norms_and_val_loss_equal_pp1(name, two_ranks, four_ranks, dataset):
     per_rank, variants = (two_ranks, TWO_RANKS) if name in TWO_RANKS else (four_ranks, FOUR_RANKS)
     overrides = _model_settings(variants[name][3])
     ref = reference(overrides, dataset)
@@ -156,11 +150,7 @@ def test_every_rank_holds_megatrons_count_of_micro_batch_chunks(group, two_ranks
             assert result["held"] == result["held_expected"], name
 
 
-def test_a_pp4_v2_checkpoint_resumes_at_pp1_on_the_same_curve(
-    four_ranks,
-    dataset,  # noqa: F811
-    saved_dir,
-):
+def test_a_pp4_v2_checkpoint_resumes_at_pp1_on_the_same_curve(four_ranks, dataset, saved_dir):
     from megatronish.distributed.layout import ParallelState
 
     overrides = _model_settings(FOUR_RANKS[SAVED][3])
@@ -204,7 +194,7 @@ def test_cli_check_shows_each_stages_chunks_and_the_interleaved_bubble():
 
 
 def test_plan_divides_the_bubble_by_v_and_counts_megatrons_warm_up_activations():
-    from megatronish.commands.plan import estimate
+    from megatronish.accounting.memory import estimate
     from megatronish.config import load_config
 
     # gpt2-1.3b on 16 GPUs at tp 1, pp 2: dp 8, m = 8 micro-batches, 12 layers a stage.

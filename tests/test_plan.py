@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatronish.commands.plan import GB, activation_bytes_per_layer, estimate, plan
+from megatronish.accounting.memory import GB, activation_bytes_per_layer, estimate
+from megatronish.commands.plan import plan
 from megatronish.config import load_config
 from tests.conftest import CONFIGS, invoke_cli
 

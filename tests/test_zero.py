@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_on_ranks
-from tests.test_pipeline import GPT2, dataset, make_config, make_trainer  # noqa: F401
+from tests.parity import GPT2, make_config, make_trainer
 
 STEPS, SAVED_AT = 6, 3
 # d_model 32 at dp 3: no bucket is a multiple of 3 by chance; 10 kB buckets: many of them.
 COMMON = GPT2 + ["train.global_batch_size=6", "optim.bucket_mb=0.01"]
 
 
-def _config(dp: int, zero: int, dataset, ckpt_dir, resume: str = "never"):  # noqa: F811
+def _config(dp: int, zero: int, dataset, ckpt_dir, resume: str = "never"):
     extra = [
         f"train.steps={STEPS}", f"optim.zero={zero}", "checkpoint.save=true",
         f"checkpoint.dir={ckpt_dir}", f"checkpoint.resume={resume}",
@@ -27,18 +27,16 @@ def _config(dp: int, zero: int, dataset, ckpt_dir, resume: str = "never"):  # no
 
 
 def _run(trainer, steps: int, save_at: int | None = None) -> list[tuple[float, float]]:
-    from megatronish.training.checkpoints import save
-
     out = []
     for _ in range(steps):
         result = trainer.train_step()
         out.append((result.loss, result.grad_norm))
         if trainer.step == save_at:
-            save(trainer)
+            trainer.save_checkpoint()
     return out
 
 
-def _dp3(rank, world, dataset, ckpt_dir):  # noqa: F811
+def _dp3(rank, world, dataset, ckpt_dir):
     import os
 
     os.environ["MEGATRONISH_SHM"] = "0"  # gloo: asynchronous gathers (shared memory: the others)
@@ -69,7 +67,7 @@ def _dp3(rank, world, dataset, ckpt_dir):  # noqa: F811
     return facts
 
 
-def _dp1(rank, world, dataset, ckpt_dir):  # noqa: F811
+def _dp1(rank, world, dataset, ckpt_dir):
     whole = _run(make_trainer(_config(1, 0, dataset, ckpt_dir / "one"), world, dataset), STEPS)
     resume = str(ckpt_dir / f"step_{SAVED_AT:06d}")
     cfg = _config(1, 0, dataset, ckpt_dir / "one-resumed", resume)
@@ -77,7 +75,7 @@ def _dp1(rank, world, dataset, ckpt_dir):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def runs(dataset, tmp_path_factory):  # noqa: F811
+def runs(dataset, tmp_path_factory):
     ckpt_dir = tmp_path_factory.mktemp("zero1")
     dp3 = run_on_ranks(_dp3, 3, dataset, ckpt_dir, timeout=240)
     (dp1,) = run_on_ranks(_dp1, 1, dataset, ckpt_dir, timeout=240)

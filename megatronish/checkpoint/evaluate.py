@@ -28,7 +28,7 @@ def evaluate_checkpoint(
     """{"checkpoint", "step", "dataset", "val_loss", "perplexity", "tokens"} of the checkpoint on
     the validation split of its data.path (or the overrides', e.g. data.path=DIR)."""
     from megatronish.data import BatchLoader, dataset_vocab_size, resolve_dataset
-    from megatronish.training.trainer import autocast
+    from megatronish.model.precision import autocast
 
     ckpt = Checkpoint(checkpoint)
     cfg = load_config(ckpt.dir / CONFIG_FILE, overrides)

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import yaml
 
+from megatronish.accounting.collectives import collectives_per_step
+from megatronish.accounting.flops import model_flops_per_step
+from megatronish.accounting.parameters import (
+    approx_tp_rank_parameters,
+    local_moe_params,
+    local_parameter_count,
+    parameter_count,
+    stage_moe_layers,
+)
 from megatronish.config import Config, check_dataset_vocab, derive, world_size_of
 from megatronish.errors import UserError
-from megatronish.training.metrics import model_flops_per_step, parameter_count
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
@@ -40,7 +48,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         + (f" (ep {d.ep} inside)" if d.ep > 1 else "")
         + f" x pp {d.pp}, tp innermost)",
         f"parameters: {params:,} ({params / 1e6:.2f} M)",
-        f"parameters per tp rank: ~{_per_rank(cfg, d, params):,}",
+        f"parameters per tp rank: ~{approx_tp_rank_parameters(cfg, d, params):,}",
         f"gradient accumulation steps: {d.grad_accum_steps}",
         f"tokens per step: {d.tokens_per_step:,}",
         f"heads per tp rank: {cfg.model.n_head // d.tp} query, {d.n_kv_head // d.tp} kv"
@@ -62,8 +70,6 @@ def check_config(cfg: Config, world_size: int | None) -> str:
 
 def moe_lines(cfg: Config, d, params: int) -> list[str]:
     """Total and active parameters, the experts each ep rank holds, the all-to-all traffic."""
-    from megatronish.commands.bench import collectives_per_step, local_moe_params, stage_moe_layers
-
     moe = cfg.model.moe
     active = parameter_count(cfg, d, active=True)
     layers = ", ".join(str(i) for i in d.moe_layers)
@@ -97,8 +103,6 @@ def context_lines(cfg: Config, d) -> list[str]:
 def pipeline_lines(cfg: Config, d) -> list[str]:
     """The stage split (with pp_virtual > 1: each stage's model chunks), each stage's parameters
     per rank and the schedule's bubble."""
-    from megatronish.commands.bench import local_parameter_count
-
     m, v = d.grad_accum_steps, d.pp_virtual
     per_stage = ", ".join(f"{local_parameter_count(cfg, d, r):,}" for r in range(d.pp))
     stages = f"pipeline stages: {d.pp} (layers {', '.join(str(n) for n in d.stage_layers)}), "
@@ -144,8 +148,3 @@ def chunk_lines(cfg: Config, d) -> list[str]:
         f"model chunks by stage (global layers): {chunks}",
         f"activations held at most by stage ((micro-batch, chunk) pairs): {held}",
     ]
-
-
-def _per_rank(cfg: Config, d, params: int) -> int:
-    replicated = cfg.model.max_seq_len * cfg.model.d_model if cfg.model.arch == "gpt2" else 0
-    return (params - replicated) // d.tp + replicated

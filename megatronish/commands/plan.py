@@ -1,242 +1,23 @@
 """`megatronish plan`: per-rank memory, FLOPs and communication of a config at each layout, and
 the layout to use, computed from formulas without starting anything.
 
-Memory per rank (bytes), P the parameters one tp rank holds:
-  weights 4P, gradients 4P, AdamW state 8P (8P / (dp cp) with optim.zero = 1), the bf16 copies
-  autocast makes of the weights 2P (bf16 only);
-  activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
-  b micro-batch, h hidden, t tp), with a fused attention kernel (no s x s scores kept):
-    tensor parallel        s b h (10 + 24 / t)
-    + sequence parallel    s b h (34 / t)
-    full recompute         2 s b h (/ t with sequence parallel) kept per layer, plus one layer's
-                           working set during its backward
-  times 2 for fp32 activations; plus the logits and the loss's softmax, b s V / t x 6 bytes
-  (bf16 logits, fp32 softmax). Llama's SwiGLU MLP and GQA move these by a few percent.
-
-With pipeline parallelism (pp stages, m micro-batches per step) each stage holds its own
-layers' parameters (the embeddings on the first stage, the output layer on the last) and the
-activations of the micro-batches in flight: under 1F1B stage r holds min(pp - r, m) of them,
-under GPipe all m (the last stage then also keeps m micro-batches of logits). A layout's
-memory is that of its fullest stage. The schedule's bubble stretches the step by (pp - 1) / m.
-Interleaved (parallel.pp_virtual = v, kept at every pp > 1 whose m is a multiple of pp and
-that leaves a layer for each of the pp v chunks, else 1): the bubble is (pp - 1) / (v m), and
-under 1F1B stage r holds min(2 (pp - r - 1) + (v - 1) pp + 1, m v) (micro-batch, chunk) pairs
-(Megatron's warm-up; all m v when m = pp, and the last stage then keeps m micro-batches of
-logits), each of its L_r / v layers on average: the first stage (1 + (pp - 1) / (pp v)) times
-the micro-batches of layers of plain 1F1B.
-
-With context parallelism (cp ranks split every sequence) a rank keeps the activations and
-logits of s / cp tokens: the formulas above with s / cp. Each ring step sends one block of k and
-v, c [2, b, k/t, s/cp, d] for k kv heads, while the rank computes one block of attention,
-4 b (n/t) d s^2 / (2 cp^2) FLOPs; the transfer hides when it is the shorter of the two. The ring
-stays inside a node (NVLink, GPU_LINK_GB_S) while tp x cp <= GPUS_PER_NODE, else it crosses
-nodes (INTER_NODE_GB_S). `ring` in the table is transfer time / block compute time (<= 1:
-hidden); what does not hide is added to the step time. cp > 1 is searched where every rank
-keeps at least MIN_CP_TOKENS tokens of a sequence.
+The formulas are megatronish.accounting's: memory and step time per rank (accounting.memory,
+whose docstring has them), communication (accounting.collectives), model FLOPs
+(accounting.flops), the GPUs (accounting.hardware). This module searches the layouts and prints
+the table. `ring` in the table is the ring attention's transfer time / block compute time
+(<= 1: hidden). cp > 1 is searched where every rank keeps at least MIN_CP_TOKENS tokens of a
+sequence.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
-from megatronish.config import Config, derive, virtual_stages, world_size_of
+from megatronish.accounting.hardware import GPU_LINK_GB_S, GPU_MEMORY_GB, GPU_PEAK_TFLOPS
+from megatronish.accounting.memory import ASSUMED_MFU, estimate
+from megatronish.config import Config, world_size_of
 from megatronish.errors import UserError
-from megatronish.training.metrics import GPU_PEAK_TFLOPS, model_flops_per_step
 
-GPU_MEMORY_GB = {
-    "H200": 141.0,
-    "H100": 80.0,
-    "H800": 80.0,
-    "GH200": 96.0,
-    "B200": 180.0,
-    "A100": 80.0,
-    "A800": 80.0,
-    "L40S": 48.0,
-    "A10G": 24.0,
-    "L4": 24.0,
-    "V100": 32.0,
-}
-# One direction of a GPU's NVLink (PCIe for the cards without it), GB/s.
-GPU_LINK_GB_S = {
-    "H200": 450.0,
-    "H100": 450.0,
-    "H800": 200.0,
-    "GH200": 450.0,
-    "B200": 900.0,
-    "A100": 300.0,
-    "A800": 200.0,
-    "L40S": 32.0,
-    "A10G": 32.0,
-    "L4": 32.0,
-    "V100": 150.0,
-}
-INTER_NODE_GB_S = 50.0  # one 400 Gb/s NIC per GPU
-GPUS_PER_NODE = 8
 MIN_CP_TOKENS = 1024
-ASSUMED_MFU = 0.40
 HEADROOM = 0.90  # plan to use at most 90% of the device memory (allocator, NCCL, kernels)
-GB = 1024**3
-
-
-@dataclass
-class Estimate:
-    """One layout's per-rank figures."""
-
-    tp: int
-    dp: int
-    pp: int
-    bubble: float
-    sequence_parallel: bool
-    zero: int
-    activation_checkpointing: str
-    weights_gb: float
-    grads_gb: float
-    optimizer_gb: float
-    activations_gb: float
-    logits_gb: float
-    step_time_s: float
-    comm_gb_per_step: float
-    cp: int = 1
-    ring_ratio: float | None = None
-    """Ring transfer time / block compute time per ring step (None at cp 1)."""
-    pp_virtual: int = 1
-    """Model chunks per pipeline stage (interleaved schedule when > 1)."""
-    ep: int = 1
-    """Expert-parallel degree (MoE): experts per rank num_experts / ep."""
-    expert_gb: float = 0.0
-    """Of weights + grads + optimizer state, the experts' (MoE)."""
-
-    @property
-    def total_gb(self) -> float:
-        return (
-            self.weights_gb
-            + self.grads_gb
-            + self.optimizer_gb
-            + self.activations_gb
-            + self.logits_gb
-        )
-
-
-def activation_bytes_per_layer(
-    cfg: Config, tp: int, sequence_parallel: bool, recompute: str
-) -> float:
-    """Bytes one transformer layer keeps for backward for one micro-batch (see module doc); s is
-    a rank's share of the sequence, seq_len / parallel.cp."""
-    s, b, h = cfg.train.seq_len // cfg.parallel.cp, cfg.train.micro_batch_size, cfg.model.d_model
-    sbh = s * b * h
-    width = 1.0 if cfg.train.precision == "bf16" else 2.0  # the formula counts 16-bit values
-    if recompute == "full":
-        kept = 2 * sbh / (tp if sequence_parallel else 1)
-        return kept * width
-    per = 34 / tp if sequence_parallel else 10 + 24 / tp
-    return sbh * per * width
-
-
-def ring_seconds(cfg: Config, d, peak_flops: float, link_gb_s: float) -> tuple[float, float]:
-    """(transfer, compute) seconds of one forward ring step of one layer and micro-batch."""
-    b, s, cp, t = cfg.train.micro_batch_size, cfg.train.seq_len, d.cp, d.tp
-    width = 2 if cfg.train.precision == "bf16" else 4
-    kv_bytes = 2 * b * (d.n_kv_head // t) * (s // cp) * d.head_dim * width
-    flops = 4 * b * (cfg.model.n_head // t) * d.head_dim * s * s / (2 * cp * cp)
-    return kv_bytes / (link_gb_s * 1e9), flops / (peak_flops * ASSUMED_MFU)
-
-
-def estimate(
-    cfg: Config,
-    world: int,
-    tp: int,
-    peak_flops: float,
-    pp: int = 1,
-    cp: int = 1,
-    link_gb_s: float = GPU_LINK_GB_S["H100"],
-    ep: int = 1,
-    **changes,
-) -> Estimate:
-    """Per-rank memory (of the fullest pipeline stage), step time and traffic of cfg at
-    tensor-parallel degree tp, context-parallel degree cp, pipeline degree pp and (MoE)
-    expert-parallel degree ep on world devices (link_gb_s: the NVLink bandwidth of one GPU);
-    `changes` override parallel.sequence_parallel, optim.zero, activation_checkpointing."""
-    from megatronish.commands.bench import (
-        formula_bytes_per_step,
-        local_moe_params,
-        local_parameter_count,
-        stage_moe_layers,
-    )
-
-    moe = cfg.model.moe.num_experts > 0
-    # Sequence parallelism is not supported with experts at tp > 1.
-    sp = changes.get("sequence_parallel", tp > 1 and not moe)
-    zero = changes.get("zero", cfg.optim.zero)
-    recompute = changes.get("activation_checkpointing", cfg.train.activation_checkpointing)
-    dp = world // (tp * cp * pp)
-    virtual = _virtual(cfg, pp, dp)
-    same_split = pp == cfg.parallel.pp and virtual == virtual_stages(cfg)
-    layout = dataclasses.replace(
-        cfg,
-        parallel=dataclasses.replace(
-            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, sequence_parallel=sp,
-            pp_virtual=virtual, pp_layers=cfg.parallel.pp_layers if same_split else None,
-        ),
-        optim=dataclasses.replace(cfg.optim, zero=zero),
-        train=dataclasses.replace(cfg.train, activation_checkpointing=recompute),
-    )  # fmt: skip
-    d = derive(layout, world, vocab_size=cfg.model.vocab_size)
-    m, t, bf16 = d.grad_accum_steps, cfg.train, cfg.train.precision == "bf16"
-    # The last stage keeps every micro-batch's logits when it runs all its forwards first.
-    gpipe = layout.parallel.pp_schedule == "gpipe"
-    all_forwards_first = pp > 1 and (gpipe or (virtual > 1 and m == pp))
-    per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
-    logits_one = t.micro_batch_size * t.seq_len // cp * d.padded_vocab_size / tp * 6
-    bubble = (pp - 1) / (virtual * m)
-    step_time = model_flops_per_step(layout, d) / (world * peak_flops * ASSUMED_MFU) * (1 + bubble)
-    ring_ratio = None
-    if cp > 1:
-        link = link_gb_s if tp * cp <= GPUS_PER_NODE else INTER_NODE_GB_S
-        transfer, compute = ring_seconds(layout, d, peak_flops, link)
-        ring_ratio = transfer / compute
-        # Forward: k, v against one block; backward: k, v and the fp32 dk, dv (2 x the bytes
-        # at bf16) against about twice the block's compute.
-        dkv = transfer * (2 if t.precision == "bf16" else 1)
-        exposed = max(0.0, transfer - compute) + max(0.0, transfer + dkv - 2 * compute)
-        step_time += exposed * (cp - 1) * max(d.stage_layers) * m
-    comm = max(formula_bytes_per_step(layout, d, r) for r in range(pp)) / GB
-    stages = []
-    for r in range(pp):
-        in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
-        params = local_parameter_count(layout, d, r)
-        experts = stage_moe_layers(d, r) * local_moe_params(layout, d, experts_only=True)
-        # ZeRO-1 shards the experts' state over the ranks that hold the same experts.
-        expert_state = experts / (d.dp * d.cp // d.ep if zero == 1 else 1)
-        state = (params - experts) / (d.dp * d.cp if zero == 1 else 1) + expert_state
-        act = per_layer * d.stage_layers[r] * in_flight
-        if recompute == "full":  # one layer is rebuilt at a time during backward
-            act += activation_bytes_per_layer(layout, tp, sp, "none")
-        logits = logits_one * (m if all_forwards_first else 1) if r == pp - 1 else 0.0
-        stages.append(
-            Estimate(
-                tp=tp,
-                dp=d.dp,
-                pp=pp,
-                bubble=bubble,
-                sequence_parallel=sp,
-                zero=zero,
-                activation_checkpointing=recompute,
-                weights_gb=params * (4 + (2 if bf16 else 0)) / GB,
-                grads_gb=params * 4 / GB,
-                optimizer_gb=state * 8 / GB,
-                activations_gb=act / GB,
-                logits_gb=logits / GB,
-                step_time_s=step_time,
-                comm_gb_per_step=comm,
-                cp=cp,
-                ring_ratio=ring_ratio,
-                pp_virtual=virtual,
-                ep=d.ep,
-                expert_gb=(experts * (8 + (2 if bf16 else 0)) + expert_state * 8) / GB,
-            )
-        )
-    return max(stages, key=lambda e: e.total_gb)
 
 
 def expert_degrees(cfg: Config, dp: int) -> list[int]:
@@ -246,29 +27,6 @@ def expert_degrees(cfg: Config, dp: int) -> list[int]:
     if experts == 0:
         return [1]
     return [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0]
-
-
-def _virtual(cfg: Config, pp: int, dp: int) -> int:
-    """parallel.pp_virtual at pipeline degree pp and data-parallel degree dp, where it fits (m a
-    multiple of pp, a layer for each chunk), else 1."""
-    virtual = cfg.parallel.pp_virtual if pp > 1 else 1
-    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    if virtual > 1 and (m % pp or cfg.model.n_layer < pp * virtual):
-        return 1
-    return virtual
-
-
-def _in_flight(pp: int, virtual: int, m: int, pp_rank: int, schedule: str) -> float:
-    """The most micro-batches of a stage's layers whose activations it holds at once (a
-    fraction under interleaving: (micro-batch, chunk) pairs / v)."""
-    if pp > 1 and schedule == "gpipe":
-        return m
-    if virtual == 1:
-        return min(pp - pp_rank, m)
-    from megatronish.pipeline.schedule import warmup_forwards
-
-    pairs = min(warmup_forwards(pp, virtual, m, pp_rank) + 1, m * virtual)
-    return pairs / virtual
 
 
 def gpu_spec(gpu: str | None, memory_gb: float | None) -> tuple[str, float, float]:

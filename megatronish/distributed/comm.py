@@ -84,9 +84,9 @@ def _recorded(op: str, group, tensor: torch.Tensor):
     """The body is a synchronous collective: a flight-recorder entry (its whole span is this
     rank's wait) and, while profiling, a range named after it."""
     entry = RECORDER.begin(op, group, tensor)
-    with comm_range(op, entry[2]):
+    with comm_range(op, entry.group):
         yield
-    RECORDER.end(entry, entry[5])
+    RECORDER.end(entry, entry.start)
 
 
 def _issue(kind: str, group, tensor: torch.Tensor, async_op: bool, start):
@@ -98,7 +98,7 @@ def _issue(kind: str, group, tensor: torch.Tensor, async_op: bool, start):
             start(False)
         return None
     entry = RECORDER.begin(kind, group, tensor)
-    with comm_range(kind, entry[2]):
+    with comm_range(kind, entry.group):
         work = start(True)
     return Timed(work or _Done(), entry)
 
@@ -329,7 +329,7 @@ def start_exchange(
     for tensor, _ in sends:
         _record(kind, _nbytes(tensor), 1.0)
     entry = RECORDER.begin(kind, group, (sends or recvs)[0][0])
-    with comm_range(kind, entry[2]):
+    with comm_range(kind, entry.group):
         works = dist.batch_isend_irecv(ops)
     return Timed(_Works(works), entry)
 
@@ -363,7 +363,7 @@ def ring_shift(
     if shared is not None and shared.fits(tensor) and out.is_contiguous():
         _record(kind, _nbytes(tensor), 1.0)
         entry = RECORDER.begin(kind, group, tensor)
-        with comm_range(kind, entry[2]):
+        with comm_range(kind, entry.group):
             pending = shared.shift(tensor.contiguous(), out)
         return Timed(pending, entry)
     return start_exchange([(tensor, next_rank)], [(out, prev_rank)], group, kind, tag)

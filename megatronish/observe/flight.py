@@ -202,10 +202,13 @@ class Watchdog:
             self._dump(f"asked by another rank: {reason}")
             return
         entry = RECORDER.oldest_in_flight()
-        if entry is None or time.time() - entry[5] <= self.timeout_s or self.last_dump > entry[5]:
+        if entry is None or time.time() - entry.start <= self.timeout_s:
             return
-        seq, op, group = entry[:3]
-        self._dump_and_request(f"{op} #{seq} on {group} in flight for more than {self.timeout_s} s")
+        if self.last_dump > entry.start:  # dumped already while it hangs
+            return
+        self._dump_and_request(
+            f"{entry.op} #{entry.seq} on {entry.group} in flight for more than {self.timeout_s} s"
+        )
 
     def _request(self) -> str | None:
         """The text of the dump request now in the debug dir, unless it predates this process."""

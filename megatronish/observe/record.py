@@ -1,9 +1,11 @@
 """What this rank's collectives and point-to-point operations did, recorded by
 megatronish.distributed.comm.
 
-Every operation becomes an entry of the flight recorder (the last `size` of them): its sequence
+Every operation becomes an `Entry` of the flight recorder (the last `size` of them): its sequence
 number on its group, the op, the group by its mesh name (tp[2,3]: the kind and the global
 ranks), the tensor's shape and dtype, and its start and end times (end None while in flight).
+A hang report holds them as the JSON dicts of `Entry.as_dict` (the format
+`megatronish diagnose` reads).
 The time this rank spent blocked in them is summed per group kind (tp, cp, dp, pp, world): the
 whole call of a synchronous operation, only the wait() of an asynchronous one, so it is the
 exposed wait, not the operation's span. Groups are named by ParallelState when it builds them;
@@ -16,8 +18,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatronish.observe.profile import comm_range
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("tp", "cp", "ep", "dp", "pp", "world")
 # group -> (kind, mesh name)
@@ -31,6 +38,35 @@ def name_group(group, kind: str, ranks) -> None:
 
 def forget_groups() -> None:
     _NAMES.clear()
+
+
+@dataclass(slots=True)
+class Entry:
+    """One operation in the flight recorder. Only `end` changes once begin() has returned it.
+    Shape and dtype stay as torch gives them (cheap on the hot path); as_dict() makes them
+    JSON-ready."""
+
+    seq: int  # its number among its group's operations, from 1 (0: the recorder keeps none)
+    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, p2p, ...
+    group: str  # the group's mesh name, tp[2,3]; "world" or "p2p" for the default group
+    shape: tuple[int, ...]  # the tensor's shape (a torch.Size)
+    dtype: torch.dtype
+    start: float  # time.time() when it was issued
+    end: float | None  # time.time() when it ended (its wait() returned); None while in flight
+    kind: str  # the group kind its exposed wait counts under, one of KINDS
+
+    def as_dict(self) -> dict:
+        """The entry as a hang report holds it: seq, op, group, shape (a list), dtype (float32,
+        bfloat16, ...), start, end; not kind."""
+        return {
+            "seq": self.seq,
+            "op": self.op,
+            "group": self.group,
+            "shape": list(self.shape),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "start": self.start,
+            "end": self.end,
+        }
 
 
 class Recorder:
@@ -51,41 +87,40 @@ class Recorder:
     def reset_waits(self) -> None:
         self.waits = dict.fromkeys(KINDS, 0.0)
 
-    def begin(self, op: str, group, tensor) -> list:
-        """An entry for an operation starting now: [seq, op, group name, shape, dtype, start,
-        end, kind]."""
+    def begin(self, op: str, group, tensor: torch.Tensor) -> Entry:
+        """The entry of an operation on tensor over group starting now (recorded unless the
+        recorder keeps none)."""
         if op == "p2p" and group not in _NAMES:  # the pipeline's, on the default group
             kind, name = "pp", "p2p"
         else:
             kind, name = _NAMES.get(group, ("world", "world"))
-        entry = [0, op, name, list(tensor.shape), str(tensor.dtype).removeprefix("torch."),
-                 time.time(), None, kind]  # fmt: skip
+        entry = Entry(0, op, name, tensor.shape, tensor.dtype, time.time(), None, kind)
         if self.size:
             with self.lock:
                 self.seq[name] += 1
-                entry[0] = self.seq[name]
+                entry.seq = self.seq[name]
                 self.entries.append(entry)
         return entry
 
-    def end(self, entry: list, waited_since: float) -> None:
+    def end(self, entry: Entry, waited_since: float) -> None:
         """Marks entry done now; waited_since (a time.time()) starts this rank's exposed wait."""
         now = time.time()
-        entry[6] = now
-        self.waits[entry[7]] += now - waited_since
+        entry.end = now
+        self.waits[entry.kind] += now - waited_since
 
     def snapshot(self) -> list[dict]:
-        """The recorded entries, oldest first, as JSON-ready dicts."""
+        """The recorded entries, oldest first, as JSON-ready dicts (Entry.as_dict)."""
         with self.lock:
-            entries = [list(e) for e in self.entries] if self.size else []
-        keys = ("seq", "op", "group", "shape", "dtype", "start", "end")
-        return [dict(zip(keys, e[:7])) for e in entries]
+            entries = list(self.entries) if self.size else []
+        return [entry.as_dict() for entry in entries]
 
-    def oldest_in_flight(self) -> list | None:
-        """The oldest entry that has not ended, or None."""
+    def oldest_in_flight(self) -> Entry | None:
+        """The oldest entry that has not ended, or None. It is the live entry: read it, do not
+        change it (its end may be set meanwhile; the other fields stay)."""
         with self.lock:
             for entry in self.entries:
-                if entry[6] is None:
-                    return list(entry)
+                if entry.end is None:
+                    return entry
         return None
 
 
@@ -96,7 +131,7 @@ class Timed:
     """An asynchronous operation's handle whose wait() ends its recorder entry; the time in
     wait() is this rank's exposed wait."""
 
-    def __init__(self, work, entry: list):
+    def __init__(self, work, entry: Entry):
         self.work, self.entry, self.done = work, entry, False
 
     def wait(self) -> bool:
@@ -104,7 +139,7 @@ class Timed:
             return True
         start = time.time()
         if self.work is not None:
-            with comm_range(self.entry[1], self.entry[2]):
+            with comm_range(self.entry.op, self.entry.group):
                 self.work.wait()
         self.done = True
         RECORDER.end(self.entry, start)

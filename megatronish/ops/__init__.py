@@ -126,7 +126,9 @@ def cross_entropy(logits, target, tp_group=None, backend: str = "auto"):
     """Per-token loss of logits [..., vocab / tp] (this rank's vocab shard) against global target
     ids [...]; vocab-parallel over tp_group when it has more than one rank; -100 is ignored."""
     if resolve_backend(backend, logits) == "triton":
-        return _kernels().cross_entropy(logits, target, tp_group)
+        from megatronish.ops.vocab_split import GroupVocabSplit
+
+        return _kernels().cross_entropy(logits, target, GroupVocabSplit.of(tp_group))
     from megatronish.layers.cross_entropy import vocab_parallel_cross_entropy
 
     return vocab_parallel_cross_entropy(logits, target, tp_group=tp_group)

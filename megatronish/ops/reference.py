@@ -42,7 +42,8 @@ def attention(
 def rope_cos_sin(
     seq_len: int, head_dim: int, theta: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [s, d/2] in fp32 for positions 0..s-1."""
+    """cos and sin [s, d/2] in fp32 for positions 0..s-1. megatronish_kernels.rope.rope_table
+    repeats this arithmetic op for op (bit-identical angles): change the two together."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     )

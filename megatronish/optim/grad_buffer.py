@@ -92,6 +92,7 @@ class GradBuffer:
         shard: bool = False,
     ):
         self.ps, self.overlap, self.shard = ps, overlap, shard
+        self.bucket_bytes = bucket_bytes
         members = [p for p in reversed(params) if buffered(p)]
         self.buckets: list[_Bucket] = []
         self.bucket_of: dict[nn.Parameter, _Bucket] = {}

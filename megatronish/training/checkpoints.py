@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from torch import nn
 
 from megatronish.checkpoint.format import find_latest, resolve_step_dir, write_text_atomic
 from megatronish.checkpoint.load import restore_model, restore_optimizer, restore_rng
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import save_checkpoint, tokenizer_of_dataset
 from megatronish.config import Config
-
-if TYPE_CHECKING:
-    from megatronish.training.trainer import Trainer
+from megatronish.data import BatchLoader
+from megatronish.optim.optimizer import Optimizer
+from megatronish.training.setup import Setup
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -33,28 +34,27 @@ def resume_path(cfg: Config) -> Path | None:
     return resolve_step_dir(mode)
 
 
-def start(trainer: Trainer) -> int | None:
-    """Restores the trainer's model, optimizer, RNGs, loader position and step from the resume
-    checkpoint and returns its step; None for a fresh start, whose weights come from
+def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> int | None:
+    """Restores the model, optimizer, RNGs and loader position from the resume checkpoint and
+    returns its step; None for a fresh start, whose weights come from
     checkpoint.init_from_hf when that is set."""
-    cfg = trainer.cfg
+    cfg, ps = s.cfg, s.ps
     path = resume_path(cfg)
     if path is None:
         if cfg.checkpoint.init_from_hf:
             from megatronish.checkpoint.hf import init_from_hf
 
-            init_from_hf(cfg.checkpoint.init_from_hf, trainer.model, cfg, trainer.setup.derived)
-            if trainer.ps.is_main:
+            init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, s.derived)
+            if ps.is_main:
                 print(f"initialized from {cfg.checkpoint.init_from_hf}", flush=True)
         return None
     ckpt = Checkpoint(path)
-    restore_model(ckpt, trainer.model)
-    restore_optimizer(ckpt, trainer.optimizer, trainer.model)
-    restore_rng(ckpt, trainer.model, trainer.ps)
+    restore_model(ckpt, model)
+    restore_optimizer(ckpt, optimizer, model)
+    restore_rng(ckpt, model, ps)
     if ckpt.loader_state is not None:
-        trainer.loader.load_state_dict(ckpt.loader_state)
-    trainer.step = ckpt.step
-    if trainer.ps.is_main:
+        loader.load_state_dict(ckpt.loader_state)
+    if ps.is_main:
         print(f"resumed from {ckpt.dir} at step {ckpt.step}", flush=True)
         if ckpt.step >= cfg.train.steps:
             print(
@@ -72,20 +72,19 @@ def due(step: int, cfg: Config) -> bool:
     return cfg.checkpoint.save and every > 0 and step % every == 0
 
 
-def save(trainer: Trainer) -> Path:
-    """Saves the trainer's state at its current step (every rank calls this)."""
-    s = trainer.setup
+def save(s: Setup, step: int, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> Path:
+    """Saves the run's state at optimizer step `step` (every rank calls this)."""
     return save_checkpoint(
-        checkpoint_dir(trainer.cfg),
-        trainer.step,
-        cfg=trainer.cfg,
+        checkpoint_dir(s.cfg),
+        step,
+        cfg=s.cfg,
         derived=s.derived,
-        ps=trainer.ps,
-        model=trainer.model,
-        optimizer=trainer.optimizer,
-        loader_state=trainer.loader.state_dict(),
+        ps=s.ps,
+        model=model,
+        optimizer=optimizer,
+        loader_state=loader.state_dict(),
         tokenizer=tokenizer_of_dataset(s.dataset_dir),
-        keep=trainer.cfg.checkpoint.keep,
+        keep=s.cfg.checkpoint.keep,
     )
 
 

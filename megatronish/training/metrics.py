@@ -1,4 +1,5 @@
-"""Model FLOPs, the device peak that MFU divides by, and the metrics.jsonl writer."""
+"""The device peak that MFU divides by (a known GPU's data sheet, else a measured matmul rate)
+and the metrics.jsonl writer. Model FLOPs are megatronish.accounting.flops's."""
 
 from __future__ import annotations
 
@@ -9,54 +10,7 @@ from pathlib import Path
 
 import torch
 
-from megatronish.config import Config, Derived
-
-# Dense bf16 peak per GPU (no sparsity), TFLOP/s, matched against torch.cuda.get_device_name.
-GPU_PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10G": 125.0,
-    "L4": 121.0,
-    "V100": 125.0,
-}
-
-
-def moe_mlp_params(cfg: Config, derived: Derived, active: bool = False) -> int:
-    """Parameters of one MoE MLP: the router, every expert (active: the top_k a token goes
-    through) and the shared expert."""
-    moe, h, f = cfg.model.moe, cfg.model.d_model, derived.moe_d_ff
-    experts = moe.top_k if active else moe.num_experts
-    return moe.num_experts * h + (experts + int(moe.shared_expert)) * 3 * h * f
-
-
-def matmul_params(cfg: Config, derived: Derived) -> int:
-    """Parameters that take part in a matmul per token: every block's linear weights (of an
-    MoE MLP, the router and the top_k experts a token goes through) and the output layer (the
-    embedding lookup and norms are not matmuls)."""
-    m, h = cfg.model, cfg.model.d_model
-    qkv = h * (m.n_head + 2 * derived.n_kv_head) * derived.head_dim
-    proj = m.n_head * derived.head_dim * h
-    mlp = (3 if m.arch == "llama" else 2) * h * derived.d_ff
-    moe = len(derived.moe_layers)
-    active = moe * moe_mlp_params(cfg, derived, active=True) if moe else 0
-    return m.n_layer * (qkv + proj) + (m.n_layer - moe) * mlp + active + h * derived.vocab_size
-
-
-def model_flops_per_step(cfg: Config, derived: Derived) -> float:
-    """Training FLOPs of one optimizer step (Narayanan et al. 2021, written for any MLP):
-    3 x forward, forward per token = 2 x matmul parameters + 4 l s h for attention scores and
-    values; x 4/3 with full recompute. With d_ff = 4h this is 72 B s l h^2 (1 + s/6h + V/12lh)."""
-    t, m = cfg.train, cfg.model
-    attn = 4 * m.n_layer * t.seq_len * m.n_head * derived.head_dim
-    forward = 2 * matmul_params(cfg, derived) + attn
-    passes = 4 if t.activation_checkpointing == "full" else 3
-    return float(passes * forward * derived.tokens_per_step)
+from megatronish.accounting.hardware import GPU_PEAK_TFLOPS
 
 
 def peak_flops(device: torch.device) -> tuple[float, str]:
@@ -129,21 +83,3 @@ class MetricsWriter:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
-
-
-def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
-    """Parameters of the full model (all tp and ep ranks together), at the real (unpadded)
-    vocab; active: those one token goes through (of each MoE MLP the router, its top_k experts
-    and the shared expert)."""
-    m, h = cfg.model, cfg.model.d_model
-    bias = m.arch == "gpt2"
-    norm = 2 * h if bias else h
-    qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim
-    attn = h * qkv_out + m.n_head * derived.head_dim * h + (qkv_out + h if bias else 0)
-    mlp = (3 if m.arch == "llama" else 2) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
-    per_layer = attn + mlp + 2 * norm
-    embed = derived.vocab_size * h + (m.max_seq_len * h if m.arch == "gpt2" else 0)
-    head = 0 if derived.tie_embeddings else derived.vocab_size * h
-    moe = len(derived.moe_layers)
-    experts = moe * (moe_mlp_params(cfg, derived, active) - mlp) if moe else 0
-    return m.n_layer * per_layer + experts + embed + norm + head

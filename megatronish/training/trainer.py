@@ -19,91 +19,29 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from megatronish import ops
+from megatronish.accounting.flops import model_flops_per_step
 from megatronish.checkpoint.lock import run_lock
-from megatronish.config import Config, Derived, check_dataset_vocab, derive, world_size_of
+from megatronish.config import Config
 from megatronish.context import split_batch
-from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
+from megatronish.data import BatchLoader
 from megatronish.distributed import comm
 from megatronish.distributed.layout import (
     ParallelState,
-    default_device,
-    init_distributed,
-    world_size_from_env,
 )
-from megatronish.errors import RunFailure, UserError
+from megatronish.errors import RunFailure
 from megatronish.model import GPT
+from megatronish.model.precision import autocast
 from megatronish.moe import step_metrics
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
-from megatronish.observe.tensorboard import check_available as check_tensorboard
 from megatronish.optim.grad_buffer import GradBuffer
-from megatronish.optim.optimizer import Optimizer, clip_grad_norm, lr_at, reduce_gradients
+from megatronish.optim.optimizer import Optimizer, clip_grad_norm, lr_at
+from megatronish.optim.reduce import reduce_gradients
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
-from megatronish.training.metrics import MetricsWriter, model_flops_per_step, peak_flops
-
-
-@dataclass
-class Setup:
-    """Everything a run is built from, before the loop starts."""
-
-    cfg: Config
-    derived: Derived
-    ps: ParallelState
-    dataset_dir: Path
-
-
-def setup(cfg: Config) -> Setup:
-    """Checks the config against the world size and the dataset, then joins the process group.
-    Every user error surfaces here, before any collective, so no rank waits on a failed one."""
-    world = world_size_from_env()
-    wanted = world_size_of(cfg)
-    if world == 1 and wanted > 1:
-        raise UserError(
-            f"parallel.tp * parallel.cp * parallel.dp * parallel.pp = {wanted} needs {wanted} "
-            "processes; start "
-            f"them with `megatronish launch --config ...` or `torchrun --nproc-per-node {wanted} "
-            "-m megatronish train --config ...`"
-        )
-    dataset_dir = resolve_dataset(cfg.data.path)
-    data_vocab = dataset_vocab_size(dataset_dir)
-    check_dataset_vocab(cfg, data_vocab, dataset_dir)
-    if cfg.train.eval_every > 0 and read_metadata(dataset_dir)["val_docs"] == 0:
-        raise UserError(
-            f"train.eval_every: the dataset {dataset_dir} has no validation documents; prepare "
-            "it with --val-fraction > 0 (and more than one document) or set train.eval_every=0"
-        )
-    derived = derive(cfg, world, vocab_size=data_vocab)
-    ops.check_backend(cfg.kernels.backend, default_device())
-    if cfg.observe.tensorboard:
-        check_tensorboard()
-    ps = init_distributed(
-        derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp, derived.ep
-    )
-    return Setup(cfg, derived, ps, dataset_dir)
-
-
-def autocast(cfg: Config, device: torch.device):
-    """bf16 autocast when train.precision is bf16 (weights, grads and optimizer stay fp32)."""
-    if cfg.train.precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def make_loader(s: Setup, split: str) -> BatchLoader:
-    t = s.cfg.train
-    return BatchLoader(
-        s.dataset_dir,
-        split=split,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        dp_rank=s.ps.dp_rank,
-        dp_size=s.ps.dp,
-        seed=t.seed,
-    )
+from megatronish.training.metrics import MetricsWriter, peak_flops
+from megatronish.training.setup import Setup, make_loader, setup
 
 
 def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
@@ -164,12 +102,12 @@ class Trainer:
             self.grads.overlap_param_gather(self.model.forward_param_uses())
         self.loader = make_loader(s, "train")
         self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
-        self.step = 0
         self.out_dir = Path(s.cfg.run.out_dir)
         self.flops_per_step = model_flops_per_step(s.cfg, s.derived)
         self.peak, self.peak_source = peak_flops(s.ps.device)
         # The step resumed from (checkpoint.resume), or None for a fresh start.
-        self.resumed_from = checkpoints.start(self)
+        self.resumed_from = checkpoints.start(s, self.model, self.optimizer, self.loader)
+        self.step = self.resumed_from or 0
         self.saved_step = self.resumed_from
         # Asks to stop at a step boundary once installed (train() installs it).
         self.stop_signals = stop_signals or faults.StopSignals()
@@ -214,7 +152,9 @@ class Trainer:
         with timer.phase("grad_sync"):
             params = self.optimizer.params
             self.grads.finish()
-            reduce_gradients([p for p in params if not self.grads.holds(p)], self.ps)
+            reduce_gradients(
+                [p for p in params if not self.grads.holds(p)], self.ps, self.grads.bucket_bytes
+            )
             grad_norm = clip_grad_norm(
                 params, self.cfg.train.grad_clip, self.ps, self.optimizer.grads
             )
@@ -390,7 +330,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Saves a checkpoint of this step (every rank calls it)."""
-        path = checkpoints.save(self)
+        path = checkpoints.save(self.setup, self.step, self.model, self.optimizer, self.loader)
         self.saved_step = self.step
         if self.ps.is_main:
             tqdm.write(f"saved {path}")

@@ -1,5 +1,8 @@
-"""Helpers shared by the checkpoint, Hugging Face and generation tests (no tests here): tiny
-configs, a model trained a couple of steps on random tokens, and a small prepared dataset."""
+"""The checkpoint harness, shared by the checkpoint, Hugging Face, generation and fault tests:
+tiny configs (`tiny_cfg`, vocab VOCAB), a model trained a couple of steps on random tokens
+(`trained`) and its tp = 1 checkpoint (`save_single`), random `tokens`, and a small prepared
+dataset of standard-library sources (`prepare_small_dataset`; the `small_dataset` fixture of
+tests/conftest.py is one, prepared once per session)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
 from megatronish.config import Config, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.optim.optimizer import Optimizer, reduce_gradients
+from megatronish.optim.optimizer import Optimizer
+from megatronish.optim.reduce import reduce_gradients
 
 VOCAB = 257  # the byte tokenizer's
 BYTES = TokenizerInfo("byte", 256)

@@ -1,0 +1,94 @@
+"""Parameter counts: of the full model (total and active per token), of one MoE MLP, and of
+what one tp rank of a pipeline stage holds (the count its data-parallel gradient collectives
+carry), MoE layers per stage, and the replicated parameters whose gradients sequence
+parallelism sums over tp."""
+
+from __future__ import annotations
+
+from megatronish.config import Config, Derived
+
+
+def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
+    """Parameters of the full model (all tp and ep ranks together), at the real (unpadded)
+    vocab; active: those one token goes through (of each MoE MLP the router, its top_k experts
+    and the shared expert)."""
+    m, h = cfg.model, cfg.model.d_model
+    bias = m.arch == "gpt2"
+    norm = 2 * h if bias else h
+    qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim
+    attn = h * qkv_out + m.n_head * derived.head_dim * h + (qkv_out + h if bias else 0)
+    mlp = (3 if m.arch == "llama" else 2) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
+    per_layer = attn + mlp + 2 * norm
+    embed = derived.vocab_size * h + (m.max_seq_len * h if m.arch == "gpt2" else 0)
+    head = 0 if derived.tie_embeddings else derived.vocab_size * h
+    moe = len(derived.moe_layers)
+    experts = moe * (moe_mlp_params(cfg, derived, active) - mlp) if moe else 0
+    return m.n_layer * per_layer + experts + embed + norm + head
+
+
+def approx_tp_rank_parameters(cfg: Config, derived: Derived, total: int) -> int:
+    """About the parameters one tp rank holds, from the model's total: all split over tp but
+    gpt2's position embedding (the replicated norms and biases are counted split, the vocab
+    unpadded; ``local_parameter_count`` is exact)."""
+    replicated = cfg.model.max_seq_len * cfg.model.d_model if cfg.model.arch == "gpt2" else 0
+    return (total - replicated) // derived.tp + replicated
+
+
+def moe_mlp_params(cfg: Config, derived: Derived, active: bool = False) -> int:
+    """Parameters of one MoE MLP: the router, every expert (active: the top_k a token goes
+    through) and the shared expert."""
+    moe, h, f = cfg.model.moe, cfg.model.d_model, derived.moe_d_ff
+    experts = moe.top_k if active else moe.num_experts
+    return moe.num_experts * h + (experts + int(moe.shared_expert)) * 3 * h * f
+
+
+def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
+    """Parameters one tp rank of pipeline stage pp_rank holds (the padded vocab included): the
+    elements its data-parallel gradient all-reduce (or ZeRO-1 reduce-scatter and all-gather)
+    carries. The first stage holds the embeddings, the last the final norm and the output layer
+    (with tied embeddings and pp > 1, a copy of the token embedding)."""
+    m, t, h = cfg.model, derived.tp, cfg.model.d_model
+    first, last = pp_rank == 0, pp_rank == derived.pp - 1
+    gpt2 = m.arch == "gpt2"
+    norm = 2 * h if gpt2 else h
+    qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim // t
+    attn = qkv_out * h + h * (m.n_head * derived.head_dim // t)
+    attn += qkv_out + h if gpt2 else 0
+    f_local = derived.d_ff // t
+    mlp = (2 if gpt2 else 3) * f_local * h + (f_local + h if gpt2 else 0)
+    vocab_local = derived.padded_vocab_size // t
+    embed = vocab_local * h + (m.max_seq_len * h if gpt2 else 0) if first else 0
+    head = vocab_local * h if last and (not derived.tie_embeddings or not first) else 0
+    layers = derived.stage_layers[pp_rank]
+    dense = layers * (attn + mlp + 2 * norm) + embed + (norm if last else 0) + head
+    moe = stage_moe_layers(derived, pp_rank)
+    return dense + moe * (local_moe_params(cfg, derived) - mlp)
+
+
+def stage_moe_layers(derived: Derived, pp_rank: int) -> int:
+    """MoE layers on pipeline stage pp_rank."""
+    layers = {i for span in derived.stage_chunks(pp_rank) for i in span}
+    return len(layers.intersection(derived.moe_layers))
+
+
+def local_moe_params(cfg: Config, derived: Derived, experts_only: bool = False) -> int:
+    """Parameters of one MoE MLP on one rank: the router, its num_experts / ep experts (each
+    f / t wide) and the shared expert (experts_only: its experts alone)."""
+    moe, h = cfg.model.moe, cfg.model.d_model
+    f_local = derived.moe_d_ff // derived.tp
+    experts = moe.num_experts // derived.ep * 3 * h * f_local
+    if experts_only:
+        return experts
+    return moe.num_experts * h + experts + (3 * h * f_local if moe.shared_expert else 0)
+
+
+def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
+    """Elements of the replicated parameters whose gradients the trainer sums over the tp group
+    under sequence parallelism on stage pp_rank: every norm, (gpt2) the row-parallel biases,
+    and the MoE routers (each tp rank routes its own tokens)."""
+    h, gpt2 = cfg.model.d_model, cfg.model.arch == "gpt2"
+    norm = 2 * h if gpt2 else h
+    row_biases = 2 * h if gpt2 else 0
+    last = pp_rank == derived.pp - 1
+    routers = stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * h
+    return derived.stage_layers[pp_rank] * (2 * norm + row_biases) + (norm if last else 0) + routers

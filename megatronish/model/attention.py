@@ -1,0 +1,121 @@
+"""Parallel attention: qkv column-parallel (heads split over tp), core attention (flash
+kernel, torch SDPA, or ring attention over cp), output row-parallel; and the cached
+forward of incremental decoding.
+
+Shapes: b batch, s sequence (s / t inside blocks with sequence parallelism), h d_model,
+n query heads, k kv heads, d head dim, f d_ff, V padded vocab, t tp size. With context
+parallelism (cp > 1) s is this rank's zigzag shard of the sequence, seq_len / cp tokens at
+their global positions (megatronish.context), and attention is ring attention over the cp group.
+Attention: qkv column-parallel [h -> (n + 2k) d], heads split over tp; output row-parallel.
+MLP: column-parallel up (and gate for llama), row-parallel down. Logits come out split over
+the vocab, [b, s, V / t], and go straight into the vocab-parallel loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish import ops
+from megatronish.config import Config, Derived
+from megatronish.context import Ring, ring_attention, zigzag_positions
+from megatronish.distributed.layout import ParallelState, RNGTracker
+from megatronish.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+)
+from megatronish.model.recompute import checkpoint
+from megatronish.ops import reference
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker):
+        super().__init__()
+        m, t = cfg.model, derived.tp
+        self.head_dim = derived.head_dim
+        self.local_heads, self.local_groups = m.n_head // t, derived.n_kv_head // t
+        self.heads_per_group = m.n_head // derived.n_kv_head
+        self.is_llama, self.rope_theta = m.arch == "llama", m.rope_theta
+        self.dropout, self.tracker = m.dropout, tracker
+        self.backend = cfg.kernels.backend
+        self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
+        self.cp = derived.cp
+        self.ring = Ring.of(ps) if derived.cp > 1 else None
+        bias, sp, group = m.arch == "gpt2", cfg.parallel.sequence_parallel, ps.tp_group
+        qkv_out = (m.n_head + 2 * derived.n_kv_head) * self.head_dim
+        self.qkv = ColumnParallelLinear(
+            m.d_model, qkv_out, bias=bias, sequence_parallel=sp, tp_group=group, init_method=None
+        )
+        self.proj = RowParallelLinear(
+            m.n_head * self.head_dim, m.d_model, bias=bias, sequence_parallel=sp,
+            tp_group=group, init_method=None,
+        )  # fmt: skip
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, n/t, s, d], k and v [b, k/t, s, d] -> [b, n/t, s, d]."""
+        if self.ring is not None:  # this rank's zigzag shard: global positions, ring attention
+            if self.is_llama:
+                positions = zigzag_positions(q.shape[2], self.cp, self.ring.rank, q.device)
+                q = ops.rope(q, self.rope_theta, backend=self.backend, positions=positions)
+                k = ops.rope(k, self.rope_theta, backend=self.backend, positions=positions)
+            return ring_attention(q, k, v, self.ring, backend=self.backend)
+        if self.is_llama:
+            q = ops.rope(q, self.rope_theta, backend=self.backend)
+            k = ops.rope(k, self.rope_theta, backend=self.backend)
+        if self.dropout > 0 and self.training:
+            group = self.heads_per_group
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            with self.tracker.fork():  # heads differ per tp rank: a per-rank stream
+                return F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=self.dropout, is_causal=True
+                )
+        return ops.attention(q, k, v, causal=True, backend=self.backend)
+
+    def split_heads(self, x: torch.Tensor):
+        """x [b, s, h] -> q [b, n/t, s, d], k and v [b, k/t, s, d] of this rank's heads."""
+        qkv = self.qkv(x)  # [b, s, (n + 2k) / t * d]
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        # One split (its backward is one concatenation, not a zero-filled buffer per slice);
+        # q is a view when each group has one query head (gpt2), a copy otherwise.
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.local_heads, self.head_dim)
+        return q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split_heads(x)
+        b, s = q.shape[0], q.shape[2]
+        if self.selective_checkpoint and self.training:
+            y = checkpoint(self.core, self.tracker, q, k, v)
+        else:
+            y = self.core(q, k, v)
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
+        return self.proj(y)
+
+    def forward_cached(
+        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, start_pos: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attention for incremental decoding: x [b, s, h] at positions start_pos.., cache the
+        (k, v) [b, k/t, start_pos, d] of the earlier positions (None at 0) -> (output [b, s, h],
+        the cache extended by these positions). RoPE rotates by the absolute positions."""
+        q, k, v = self.split_heads(x)
+        b, s = q.shape[0], q.shape[2]
+        if self.is_llama:
+            q = reference.rope(q, self.rope_theta, start_pos)
+            k = reference.rope(k, self.rope_theta, start_pos)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        keys, values = k, v  # [b, k/t, start_pos + s, d]
+        if self.heads_per_group > 1:
+            keys = k.repeat_interleave(self.heads_per_group, dim=1)
+            values = v.repeat_interleave(self.heads_per_group, dim=1)
+        positions = torch.arange(start_pos, start_pos + s, device=x.device)
+        visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+        y = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, scale=1.0 / math.sqrt(self.head_dim)
+        )
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
+        return self.proj(y), (k, v)

@@ -1,0 +1,129 @@
+"""One transformer block: norms, attention and the MLP (dense or mixture of experts), with the
+residual dropout (drawn from the RNG tracker inside tensor-parallel regions).
+
+Shapes: b batch, s sequence (s / t inside blocks with sequence parallelism), h d_model,
+n query heads, k kv heads, d head dim, f d_ff, V padded vocab, t tp size. With context
+parallelism (cp > 1) s is this rank's zigzag shard of the sequence, seq_len / cp tokens at
+their global positions (megatronish.context), and attention is ring attention over the cp group.
+Attention: qkv column-parallel [h -> (n + 2k) d], heads split over tp; output row-parallel.
+MLP: column-parallel up (and gate for llama), row-parallel down. Logits come out split over
+the vocab, [b, s, V / t], and go straight into the vocab-parallel loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish import ops
+from megatronish.config import Config, Derived
+from megatronish.distributed.layout import ParallelState, RNGTracker
+from megatronish.layers import mappings
+from megatronish.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    mark_parallel,
+    to_autocast_dtype,
+)
+from megatronish.model.attention import Attention
+from megatronish.moe import MoELayer
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt2) or RMSNorm (llama) over h; its parameters are replicated on tp ranks."""
+
+    def __init__(self, dim: int, kind: str, eps: float, backend: str, sequence_parallel: bool):
+        super().__init__()
+        self.kind, self.eps, self.backend = kind, eps, backend
+        self.weight = nn.Parameter(torch.ones(dim))
+        mark_parallel(self.weight, None, (dim,))
+        self.weight.sequence_parallel_grad = sequence_parallel
+        if kind == "layernorm":
+            self.bias = nn.Parameter(torch.zeros(dim))
+            mark_parallel(self.bias, None, (dim,))
+            self.bias.sequence_parallel_grad = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layernorm":
+            return ops.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+        return ops.rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+class MLP(nn.Module):
+    """The dense MLP (d_ff: derived.d_ff unless given, e.g. an MoE layer's shared expert)."""
+
+    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, d_ff: int | None = None):
+        super().__init__()
+        m, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
+        d_ff = derived.d_ff if d_ff is None else d_ff
+        self.is_llama, self.backend = m.arch == "llama", cfg.kernels.backend
+        common = dict(sequence_parallel=sp, tp_group=group, init_method=None)
+        if self.is_llama:
+            self.gate = ColumnParallelLinear(m.d_model, d_ff, bias=False, **common)
+            self.up = ColumnParallelLinear(m.d_model, d_ff, bias=False, **common)
+        else:
+            self.up = ColumnParallelLinear(m.d_model, d_ff, bias=True, skip_bias_add=True, **common)
+        self.down = RowParallelLinear(d_ff, m.d_model, bias=not self.is_llama, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_llama:
+            # gate and up read the same input: one f (or one sequence all-gather) for both, so
+            # backward all-reduces their summed input gradient once, as a fused fc1 would.
+            group = self.gate.tp_group
+            x = to_autocast_dtype(x)
+            if self.gate.sequence_parallel:
+                x = mappings.gather_from_sequence_parallel_region(x, group)  # [b, s, h]
+            else:
+                x = mappings.copy_to_tensor_parallel_region(x, group)
+            gate, up = F.linear(x, self.gate.weight), F.linear(x, self.up.weight)  # [b, s, f/t]
+            hidden = ops.swiglu(gate, up, backend=self.backend)
+        elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
+            hidden = ops.bias_gelu(self.up(x), self.up.bias, backend="triton")
+        else:  # torch adds the bias inside the matmul (addmm), as nn.Linear does
+            hidden = ops.bias_gelu(self.up(x, add_bias=True), None, backend="torch")  # [b, s, f/t]
+        return self.down(hidden)
+
+
+class Block(nn.Module):
+    """Transformer block `index`: attention, then a dense MLP, or a mixture of experts where
+    index is one of derived.moe_layers."""
+
+    def __init__(
+        self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, index: int
+    ):
+        super().__init__()
+        m, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
+        kind = "rmsnorm" if m.arch == "llama" else "layernorm"
+        backend = cfg.kernels.backend
+        self.norm1 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
+        self.attn = Attention(cfg, derived, ps, tracker)
+        self.norm2 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
+        if index in derived.moe_layers:
+            shared = MLP(cfg, derived, ps, derived.moe_d_ff) if m.moe.shared_expert else None
+            self.mlp = MoELayer(cfg, derived, ps, shared)
+        else:
+            self.mlp = MLP(cfg, derived, ps)
+        self.dropout, self.tracker, self.sequence_parallel = m.dropout, tracker, sp
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout == 0 or not self.training:
+            return x
+        if self.sequence_parallel:  # each tp rank holds different tokens
+            with self.tracker.fork():
+                return F.dropout(x, self.dropout, training=True)
+        return F.dropout(x, self.dropout, training=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.norm1(x)))
+        return x + self._drop(self.mlp(self.norm2(x)))
+
+    def forward_cached(
+        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, start_pos: int
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """forward for incremental decoding (eval: no dropout); see Attention.forward_cached."""
+        attn, cache = self.attn.forward_cached(self.norm1(x), cache, start_pos)
+        x = x + attn
+        return x + self.mlp(self.norm2(x)), cache

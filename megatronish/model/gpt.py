@@ -1,0 +1,233 @@
+"""GPT: the model of one tp rank of one pipeline stage (embeddings, blocks, final norm,
+logits and the vocab-parallel loss).
+
+Shapes: b batch, s sequence (s / t inside blocks with sequence parallelism), h d_model,
+n query heads, k kv heads, d head dim, f d_ff, V padded vocab, t tp size. With context
+parallelism (cp > 1) s is this rank's zigzag shard of the sequence, seq_len / cp tokens at
+their global positions (megatronish.context), and attention is ring attention over the cp group.
+Attention: qkv column-parallel [h -> (n + 2k) d], heads split over tp; output row-parallel.
+MLP: column-parallel up (and gate for llama), row-parallel down. Logits come out split over
+the vocab, [b, s, V / t], and go straight into the vocab-parallel loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish import ops
+from megatronish.config import Config, Derived
+from megatronish.context import zigzag_positions
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState, RNGTracker
+from megatronish.layers import mappings
+from megatronish.layers.embedding import VocabParallelEmbedding
+from megatronish.layers.linear import (
+    ColumnParallelLinear,
+    column_parallel_linear,
+    mark_parallel,
+)
+from megatronish.model.block import Block, Norm
+from megatronish.model.init import init_weights
+from megatronish.model.recompute import checkpoint
+from megatronish.moe import MoELayer
+from megatronish.observe.profile import annotate
+
+
+class GPT(nn.Module):
+    """The model on one tp rank of one pipeline stage. With pp = 1 (one stage):
+    forward(tokens [b, s]) -> this rank's logits [b, s, V / t] (padding ids beyond the real vocab
+    are -inf); loss(tokens, targets) -> mean loss.
+
+    With pp > 1 the stage holds its slice of the transformer layers (derived.stage_chunks), under
+    their global names (blocks.<i>), so checkpoints are the same at any pp; the first stage also
+    holds the embeddings, the last the final norm and the output layer. stage_forward runs one
+    stage. With parallel.pp_virtual = v > 1 the slice is v model chunks (`chunks`: the block
+    names of each, rank r holding chunks r, r + pp, ...), each run by chunk_forward; the
+    embeddings belong to chunk 0, the output layer to the last chunk. Tied embeddings (gpt2)
+    put a copy of tok_emb on the last stage too: both copies are tagged pipeline_tied (their
+    gradients are summed across the two stages) and the last stage's is tagged
+    pipeline_duplicate (not saved, not counted twice in the gradient norm)."""
+
+    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
+        super().__init__()
+        m = cfg.model
+        self.cfg, self.derived, self.ps = cfg, derived, ps
+        self.tracker = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)
+        self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
+        self.backend = cfg.kernels.backend
+        self.full_checkpoint = cfg.train.activation_checkpointing == "full"
+        self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
+        V = derived.padded_vocab_size
+        self.tok_emb = self.pos_emb = self.norm_f = self.lm_head = None
+        if self.is_first_stage or (self.is_last_stage and derived.tie_embeddings):
+            self.tok_emb = VocabParallelEmbedding(
+                V, m.d_model, tp_group=ps.tp_group, init_method=None
+            )
+            self.tok_emb.weight.valid_rows = derived.vocab_size
+            if derived.pp > 1 and derived.tie_embeddings:
+                self.tok_emb.weight.pipeline_tied = True
+                self.tok_emb.weight.pipeline_duplicate = not self.is_first_stage
+        if self.is_first_stage and m.arch == "gpt2":
+            self.pos_emb = nn.Embedding(m.max_seq_len, m.d_model)
+            mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
+        self.chunks = [[str(i) for i in layers] for layers in derived.stage_chunks(ps.pp_rank)]
+        self.blocks = nn.ModuleDict(
+            {
+                name: Block(cfg, derived, ps, self.tracker, int(name))
+                for chunk in self.chunks
+                for name in chunk
+            }
+        )
+        if self.is_last_stage:
+            kind = "rmsnorm" if m.arch == "llama" else "layernorm"
+            self.norm_f = Norm(m.d_model, kind, m.norm_eps, self.backend, self.sequence_parallel)
+            if not derived.tie_embeddings:
+                self.lm_head = ColumnParallelLinear(
+                    m.d_model, V, bias=False, sequence_parallel=self.sequence_parallel,
+                    tp_group=ps.tp_group, init_method=None,
+                )  # fmt: skip
+                self.lm_head.weight.valid_rows = derived.vocab_size
+        local_v = V // derived.tp
+        ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)
+        self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
+        self.has_padding = bool(self.vocab_padding.any())
+        self.to(ps.device)
+        init_weights(self, cfg.train.seed, m.n_layer)
+
+    def forward_param_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+        """(module, the parameters used from its call on) in the order a forward calls the
+        modules: the embeddings, the blocks, the final norm (followed by the LM head, which is
+        not called as a module). A forward pre-hook on each module can make its parameters
+        ready (ZeRO-1's all-gather overlapped with the forward: grads.GradBuffer)."""
+        uses = [(m, list(m.parameters())) for m in (self.tok_emb, self.pos_emb) if m is not None]
+        uses += [(block, list(block.parameters())) for block in self.blocks.values()]
+        if self.norm_f is not None:
+            head = list(self.lm_head.parameters()) if self.lm_head is not None else []
+            uses.append((self.norm_f, list(self.norm_f.parameters()) + head))
+        return uses
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """This rank's mixture-of-experts MLPs by block index."""
+        return {
+            int(name): block.mlp
+            for name, block in self.blocks.items()
+            if isinstance(block.mlp, MoELayer)
+        }
+
+    def set_moe_loss_scale(self, scale: float) -> None:
+        """The factor the micro-batches' losses are scaled by before backward (1 / the
+        micro-batches per step): the MoE layers' router losses get the same."""
+        for layer in self.moe_layers().values():
+            layer.loss_scale = scale
+
+    def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
+        """The shape of the hidden states that pass between pipeline stages (this rank's
+        sequence shard under sequence parallelism)."""
+        local = seq_len // self.derived.cp
+        if self.sequence_parallel:
+            local //= self.derived.tp
+        return (micro_batch_size, local, self.cfg.model.d_model)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first stage's input layers: tokens [b, s] -> hidden [b, s, h] ([b, s/t, h] with
+        sequence parallelism). Under cp, tokens are this rank's shard, at global positions."""
+        x = self.tok_emb(tokens)  # [b, s, h]
+        if self.pos_emb is not None:
+            if self.derived.cp > 1:
+                positions = zigzag_positions(
+                    tokens.shape[1], self.derived.cp, self.ps.cp_rank, tokens.device
+                )
+            else:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.pos_emb(positions)
+        if self.cfg.model.dropout > 0 and self.training:
+            x = F.dropout(x, self.cfg.model.dropout)
+        if self.sequence_parallel:
+            x = mappings.scatter_to_sequence_parallel_region(x, self.ps.tp_group)  # [b, s/t, h]
+        return x
+
+    def stage_forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """One pipeline stage (at pp_virtual 1): tokens (first stage) or the previous stage's
+        hidden states -> hidden states for the next stage, or this rank's logits on the last
+        stage."""
+        if len(self.chunks) > 1:
+            raise RuntimeError("an interleaved pipeline stage runs chunk by chunk (chunk_forward)")
+        return self.chunk_forward(0, inputs)
+
+    def chunk_forward(self, chunk: int, inputs: torch.Tensor) -> torch.Tensor:
+        """This rank's model chunk `chunk` (0 .. pp_virtual - 1; global chunk pp_rank + chunk x
+        pp): tokens [b, s] (global chunk 0) or the previous chunk's hidden states -> hidden
+        states for the next chunk, or this rank's logits after the last chunk."""
+        if self.is_first_stage and chunk == 0:
+            with annotate("embed"):
+                x = self.embed(inputs)
+        else:
+            x = inputs
+        for name in self.chunks[chunk]:  # names are the global layer indices
+            block = self.blocks[name]
+            with annotate(f"block {name}"):
+                if self.full_checkpoint and self.training:
+                    x = checkpoint(block, self.tracker, x)
+                else:
+                    x = block(x)
+        if not (self.is_last_stage and chunk == len(self.chunks) - 1):
+            return x
+        with annotate("logits"):
+            return self.logits(self.norm_f(x))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.derived.pp > 1:
+            raise RuntimeError("a model split into pipeline stages runs through stage_forward")
+        return self.stage_forward(tokens)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer, column-parallel over the vocab: x [b, s, h] (or [b, s/t, h] with
+        sequence parallelism) -> this rank's logits [b, s, V/t], padding ids at -inf."""
+        weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+        logits = column_parallel_linear(x, weight, None, self.ps.tp_group, self.sequence_parallel)
+        if self.has_padding:
+            logits = logits.masked_fill(self.vocab_padding, float("-inf"))
+        return logits
+
+    def loss_of_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over the tokens whose target is not -100. Under cp the count is
+        the whole sequences' (summed over the cp group) and the value is scaled by cp, so the
+        mean over the cp group of this loss (and of its gradients) is the full sequences'
+        mean, however the targets that count fall on the cp ranks."""
+        with annotate("loss"):
+            per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
+        count = (targets != -100).sum()
+        if self.derived.cp > 1:
+            count = count.to(torch.float64).reshape(1)
+            comm.all_reduce(count, self.ps.cp_group)
+            return per_token.float().sum() * self.derived.cp / count.clamp(min=1).float()[0]
+        return per_token.float().sum() / count.clamp(min=1)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over the tokens whose target is not -100 (one stage only)."""
+        return self.loss_of_logits(self(tokens), targets)
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor, cache: list, start_pos: int) -> torch.Tensor:
+        """Incremental decoding (generation; eval mode, one stage, no sequence parallelism):
+        tokens [b, s] at positions start_pos..start_pos + s - 1 -> this rank's logits
+        [b, s, V / t] for those positions, as forward on the whole sequence gives them. `cache`
+        is a list, empty at start_pos 0, that holds each block's keys and values; it is
+        updated in place."""
+        if self.sequence_parallel or self.derived.pp > 1:
+            raise RuntimeError("forward_cached runs at pp 1 with sequence_parallel false")
+        s = tokens.shape[1]
+        if start_pos + s > self.cfg.model.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + s} > max_seq_len")
+        x = self.tok_emb(tokens)  # [b, s, h]
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start_pos, start_pos + s, device=tokens.device))
+        for index, block in enumerate(self.blocks.values()):
+            x, kv = block.forward_cached(x, cache[index] if index < len(cache) else None, start_pos)
+            if index < len(cache):
+                cache[index] = kv
+            else:
+                cache.append(kv)
+        return self.logits(self.norm_f(x))

@@ -1,0 +1,47 @@
+"""Layout-invariant initialization: each full weight drawn from a generator seeded by its
+checkpoint name, this rank keeping its block.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from megatronish.moe.experts import stored_tensors
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
+    """GPT-2-style initialization, layout-invariant: each full weight (each expert's, for
+    stacked experts) is drawn from a generator seeded by (seed, its checkpoint name) and this
+    rank keeps its block. Matrices and embeddings: normal(0, 0.02); residual outputs
+    (attention proj, MLP and expert down): normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm
+    weights 1."""
+    ps = model.ps
+    for name, param, index in stored_tensors(model.named_parameters()):
+        target = param if index is None else param[index]
+        if name.endswith(".bias"):
+            target.zero_()
+            continue
+        if "norm" in name:
+            target.fill_(1.0)
+            continue
+        std = (
+            0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
+        )
+        full_shape = list(param.full_shape)
+        rows = getattr(param, "valid_rows", full_shape[0])
+        gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+        full = torch.zeros(full_shape)
+        full[:rows].normal_(0.0, std, generator=gen)
+        if param.tp_split_dim is not None:
+            full = full.chunk(model.derived.tp, dim=param.tp_split_dim)[ps.tp_rank]
+        target.copy_(full)

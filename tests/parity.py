@@ -1,0 +1,161 @@
+"""The parity harness of the training tests (pipeline, interleaved pipeline, context, MoE, ZeRO,
+gradient overlap, phases, traces): what they train and how they compare it.
+
+- the model: SMALL (4 layers, d_model 32, 20 fp32 steps of 8 sequences of 16 tokens) and the
+  override lists GPT2, LLAMA (GQA) and SP (sequence parallelism);
+- the data: `prepare_code_dataset`, ten documents of small Python functions (the `dataset`
+  fixture of tests/conftest.py is one, prepared once per session);
+- the runs: `make_config` (SMALL at a layout), `make_trainer` (a Trainer on the groups a launched
+  run builds), `train_losses`, `train_counted` (losses, grad norms and the first step's
+  collectives), and `reference`, the cached one-process run of a set of overrides;
+- the comparisons: `assert_close` (curves within 1e-5 relative), `assert_curves_match` (every
+  rank's curves equal the reference's) and `assert_check_fails_with_one_line` (a bad setting is
+  one line from `megatronish check`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatronish.config import derive, load_config
+from megatronish.data import dataset_vocab_size, prepare_dataset
+from tests.conftest import invoke_cli
+
+STEPS = 20
+SMALL = [
+    "model.n_layer=4",
+    "model.d_model=32",
+    "model.n_head=4",
+    "model.max_seq_len=16",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    f"train.steps={STEPS}",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.eval_every=0",
+    "checkpoint.save=false",
+]
+GPT2 = ["model.arch=gpt2"]
+LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
+SP = ["parallel.sequence_parallel=true"]
+
+# One function of the parity dataset, of its index i and its document's index part.
+CODE_FUNCTION = "def g{i}(x):\n    return x - {i} * {part}\n\n"
+
+
+def prepare_code_dataset(root: Path, function: str = CODE_FUNCTION) -> Path:
+    """A byte-level dataset in root/ds of ten documents (so that the validation split, a tenth,
+    gets one) of 80 functions each, written from the `function` template (fields i and part)."""
+    files = []
+    for part in range(10):
+        text = "".join(function.format(i=i, part=part) for i in range(80))
+        (root / f"part{part}.py").write_text(text)
+        files.append(str(root / f"part{part}.py"))
+    return prepare_dataset(files, str(root / "ds"), val_fraction=0.1)
+
+
+def make_config(
+    tp: int,
+    dp: int,
+    pp: int,
+    overrides: list[str],
+    dataset: Path,
+    extra=(),
+    *,
+    cp: int | None = None,
+    ep: int | None = None,
+):
+    """SMALL with overrides at this layout (cp and ep set only when given), on dataset, with
+    extra settings last."""
+    layout = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep}
+    sets = SMALL + overrides + [f"parallel.{k}={v}" for k, v in layout.items() if v is not None]
+    return load_config(None, sets + [f"data.path={dataset}", *extra])
+
+
+def make_trainer(cfg, world: int, dataset: Path, ps=None):
+    """A Trainer on the ranks' groups as a launched run builds them (tp and dp through shared
+    memory; the previous trainer's shared buffers released)."""
+    from megatronish.distributed import comm
+    from megatronish.distributed.layout import ParallelState, use_shared_memory
+    from megatronish.training.setup import Setup
+    from megatronish.training.trainer import Trainer
+
+    derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
+    if ps is None:
+        comm.disable_shared_memory()
+        ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp, derived.cp, derived.ep)
+        ps = use_shared_memory(ps, 120)
+    return Trainer(Setup(cfg, derived, ps, dataset))
+
+
+def train_losses(trainer) -> list[float]:
+    """The losses of training on to the configured train.steps."""
+    return [trainer.train_step().loss for _ in range(trainer.cfg.train.steps - trainer.step)]
+
+
+def train_counted(trainer, steps: int, save_every: int = 0):
+    """(losses, grad norms, CommCounter of the first step) of training to `steps`, saving a
+    checkpoint every `save_every` steps (0: never)."""
+    from megatronish.distributed import comm
+
+    losses, norms = [], []
+    with comm.CommCounter() as counter:
+        step = trainer.train_step()
+    losses.append(step.loss)
+    norms.append(step.grad_norm)
+    while trainer.step < steps:
+        step = trainer.train_step()
+        losses.append(step.loss)
+        norms.append(step.grad_norm)
+        if save_every and trainer.step % save_every == 0:
+            trainer.save_checkpoint()
+    return losses, norms, counter
+
+
+_REFERENCES: dict = {}
+
+
+def reference(overrides: list[str], dataset: Path) -> dict:
+    """The pp = 1 run of these settings in this process (once per settings and dataset): its
+    losses, grad norms and trainer (at step STEPS). Optimizer settings are left out: at one
+    rank ZeRO changes nothing."""
+    key = (tuple(o for o in overrides if not o.startswith("optim.")), dataset)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_reference(list(key[0]), dataset)
+    return _REFERENCES[key]
+
+
+def run_reference(overrides: list[str], dataset: Path, **sets) -> dict:
+    """A fresh one-process run of STEPS steps (not cached), with `sets` as extra settings."""
+    from megatronish.distributed.layout import ParallelState
+
+    cfg = make_config(1, 1, 1, overrides, dataset, [f"{k}={v}" for k, v in sets.items()])
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+    losses, norms, _ = train_counted(trainer, STEPS)
+    return {"losses": losses, "norms": norms, "trainer": trainer}
+
+
+def assert_close(
+    actual: list[float], expected: list[float], rel: float = 1e-5, steps: int = STEPS
+) -> None:
+    """Both curves are `steps` long and equal step by step within rel (relative)."""
+    assert len(actual) == len(expected) == steps
+    for step, (a, e) in enumerate(zip(actual, expected), start=1):
+        assert abs(a - e) <= rel * abs(e), f"step {step}: {a} vs {e}"
+
+
+def assert_curves_match(per_rank: list[dict], name: str, ref: dict) -> None:
+    """Every rank's losses and grad norms of variant `name` equal the reference's."""
+    for rank_results in per_rank:
+        assert_close(rank_results[name]["losses"], ref["losses"])
+        assert_close(rank_results[name]["norms"], ref["norms"])
+
+
+def assert_check_fails_with_one_line(args: list[str], key: str) -> None:
+    """`megatronish check ARGS` exits 2 with one stderr line that names key, no traceback."""
+    result = invoke_cli("check", *args)
+    assert result.returncode == 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
