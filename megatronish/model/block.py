@@ -1,13 +1,8 @@
 """One transformer block: norms, attention and the MLP (dense or mixture of experts), with the
 residual dropout (drawn from the RNG tracker inside tensor-parallel regions).
 
-Shapes: b batch, s sequence (s / t inside blocks with sequence parallelism), h d_model,
-n query heads, k kv heads, d head dim, f d_ff, V padded vocab, t tp size. With context
-parallelism (cp > 1) s is this rank's zigzag shard of the sequence, seq_len / cp tokens at
-their global positions (megatronish.context), and attention is ring attention over the cp group.
-Attention: qkv column-parallel [h -> (n + 2k) d], heads split over tp; output row-parallel.
-MLP: column-parallel up (and gate for llama), row-parallel down. Logits come out split over
-the vocab, [b, s, V / t], and go straight into the vocab-parallel loss.
+Shapes (legend in megatronish.model): b batch, s sequence (s / t under sequence
+parallelism), h d_model, f d_ff, t tp size.
 """
 
 from __future__ import annotations
