@@ -3,7 +3,8 @@
 Every function is autograd-capable (a torch.autograd.Function with a Triton forward and
 backward), takes CUDA tensors (fp32 or bf16; math in fp32, results in the input dtype), or CPU
 fp32 tensors when TRITON_INTERPRET=1 is set before this package is imported. Block sizes are
-fixed functions of the shapes (no autotuning), so every rank compiles the same kernels.
+fixed functions of the shapes and the GPU's arch (no autotuning), so every rank compiles the
+same kernels; compile_check compiles them for sm_80 and sm_90 without a GPU.
 
 Pure compute: nothing here imports megatronish (which imports these kernels through its ops).
 Tensor-parallel communication comes in from the caller: cross_entropy takes a VocabSplit whose

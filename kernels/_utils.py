@@ -1,8 +1,13 @@
-"""Helpers shared by the kernel modules: device checks, launch settings, dtype mapping."""
+"""Helpers shared by the kernel modules: device checks, launch settings, dtype mapping, and
+`Launch`, the one record of a kernel launch that the launchers run and the compile check
+(compile_check.py) compiles for a GPU target.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -22,6 +27,46 @@ def interpreting() -> bool:
     """True when the kernels were defined under Triton's CPU interpreter (TRITON_INTERPRET=1
     at import time)."""
     return _INTERPRETED
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the jit function, its grid, its runtime arguments (tensors and
+    scalars, in the kernel's order), its constexprs and the launch options.
+
+    Every launcher builds its launches through a `*_launch` function of its module and runs
+    them; compile_check.py calls the same functions on meta tensors and compiles the result
+    for a GPU target, so the check compiles exactly what a GPU run launches. num_warps and
+    num_stages are always given (Triton's CUDA defaults are 4 and 3).
+    """
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        """The jit function's name, e.g. _attn_fwd_kernel."""
+        return self.kernel.__name__
+
+    def run(self) -> None:
+        """Launches the kernel (compiled on CUDA, interpreted under TRITON_INTERPRET=1)."""
+        self.kernel[self.grid](
+            *self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages
+        )
+
+
+def device_arch(device: torch.device) -> int:
+    """The compute capability of a CUDA device as one number (80 for an A100, 90 for an H100),
+    which picks tiles where one choice cannot serve every GPU; 0 for any other device (the
+    interpreter, whose tiles do not depend on it)."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def check_device(*tensors: torch.Tensor | None) -> None:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import LOG2_E, check_device, dot_precision
+from ._utils import LOG2_E, Launch, check_device, device_arch, dot_precision
 from .attention_bwd import attention_backward
 from .attention_tiles import attention_blocks, check_shapes
 
@@ -100,22 +100,43 @@ def _attn_fwd_kernel(
     tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i), mask=row_mask)
 
 
+def forward_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    arch: int,
+) -> Launch:
+    """The forward kernel's launch on contiguous q, k, v into out (any float dtype) and the
+    base-2 lse, with the tiles attention_blocks picks for GPU arch `arch` (device_arch)."""
+    b, n_head, seq_len, head_dim = q.shape
+    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch)
+    tile = blocks.fwd
+    scalars = (seq_len, n_head, n_head // k.shape[1], LOG2_E / math.sqrt(head_dim))
+    constexprs = dict(
+        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        PREC=dot_precision(q.dtype),
+    )  # fmt: skip
+    return Launch(
+        _attn_fwd_kernel,
+        grid=(triton.cdiv(seq_len, tile.block_m), b * n_head),
+        args=(q, k, v, out, lse, *scalars),
+        constexprs=constexprs,
+        num_warps=tile.num_warps,
+        num_stages=blocks.num_stages,
+    )
+
+
 def _forward(q, k, v, causal: bool, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n_head, s, d] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
     contiguous q, k, v."""
-    b, n_head, seq_len, head_dim = q.shape
-    blocks = attention_blocks(seq_len, head_dim, q.dtype)
+    b, n_head, seq_len, _ = q.shape
     out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
     if out.numel() > 0:
-        grid = (triton.cdiv(seq_len, blocks.fwd.block_m), b * n_head)
-        _attn_fwd_kernel[grid](
-            q, k, v, out, lse, seq_len, n_head, n_head // k.shape[1],
-            LOG2_E / math.sqrt(head_dim),
-            CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=blocks.fwd.block_m,
-            BLOCK_N=blocks.fwd.block_n, PREC=dot_precision(q.dtype),
-            num_warps=blocks.fwd.num_warps, num_stages=blocks.num_stages,
-        )  # fmt: skip
+        forward_launch(q, k, v, out, lse, causal, device_arch(q.device)).run()
     return out, lse
 
 
@@ -133,8 +154,7 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        blocks = attention_blocks(q.shape[2], q.shape[3], q.dtype)
-        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.causal, blocks)
+        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.causal)
         return dq, dk, dv, None
 
 
@@ -153,12 +173,10 @@ def attention_block_backward(q, k, v, out, lse, dout, causal: bool):
     final ones, so rowsum(dout * out) is the global one): dq, dk, dv in the inputs' dtype."""
     check_device(q, k, v, out, dout)
     check_shapes(q, k, v)
-    blocks = attention_blocks(q.shape[2], q.shape[3], q.dtype)
     lse2 = (lse.float() * LOG2_E).contiguous()
     return attention_backward(
-        q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse2, dout, causal,
-        blocks,
-    )  # fmt: skip
+        q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse2, dout, causal
+    )
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import LOG2_E, dot_precision
-from .attention_tiles import AttentionBlocks
+from ._utils import LOG2_E, Launch, device_arch, dot_precision
+from .attention_tiles import attention_blocks
 
 
 @triton.jit
@@ -196,6 +196,58 @@ def _dq_kernel(
     tl.store(DQ + q_base + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
+def backward_launches(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    causal: bool,
+    arch: int,
+) -> list[Launch]:
+    """The three launches of the backward, in order (delta, dK/dV, dQ), on contiguous q, k, v,
+    out, dout and the base-2 lse, into delta [b, n_head, s] fp32 and grads = (dq, dk, dv), with
+    the tiles attention_blocks picks for GPU arch `arch` (device_arch)."""
+    b, n_head, seq_len, head_dim = q.shape
+    n_kv = k.shape[1]
+    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch)
+    dq, dk, dv = grads
+    n_rows = b * n_head * seq_len
+    rows_per_program = 32 if head_dim >= 128 else 64
+    delta_launch = Launch(
+        _delta_kernel,
+        grid=(triton.cdiv(n_rows, rows_per_program),),
+        args=(out, dout, delta, n_rows),
+        constexprs=dict(HEAD_DIM=head_dim, BLOCK=rows_per_program),
+    )
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    scalars = (seq_len, n_head, n_head // n_kv, sm_scale * LOG2_E, sm_scale)
+    common = dict(CAUSAL=causal, HEAD_DIM=head_dim, PREC=dot_precision(q.dtype))
+    dkdv, dq_tile = blocks.dkdv, blocks.dq
+    return [
+        delta_launch,
+        Launch(
+            _dkdv_kernel,
+            grid=(triton.cdiv(seq_len, dkdv.block_n), b * n_kv),
+            args=(q, k, v, dout, lse, delta, dk, dv, *scalars),
+            constexprs=dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, **common),
+            num_warps=dkdv.num_warps,
+            num_stages=blocks.num_stages,
+        ),
+        Launch(
+            _dq_kernel,
+            grid=(triton.cdiv(seq_len, dq_tile.block_m), b * n_head),
+            args=(q, k, v, dout, lse, delta, dq, *scalars),
+            constexprs=dict(BLOCK_M=dq_tile.block_m, BLOCK_N=dq_tile.block_n, **common),
+            num_warps=dq_tile.num_warps,
+            num_stages=blocks.num_stages,
+        ),
+    ]
+
+
 def attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -204,35 +256,15 @@ def attention_backward(
     lse: torch.Tensor,
     dout: torch.Tensor,
     causal: bool,
-    blocks: AttentionBlocks,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq [b, n_head, s, d], dk and dv [b, n_kv, s, d] in the inputs' dtype, from the saved
     contiguous q, k, v, out, the base-2 lse [b, n_head, s] and the output gradient dout."""
-    b, n_head, seq_len, head_dim = q.shape
-    n_kv = k.shape[1]
     dout = dout.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if q.numel() == 0:
-        return dq, dk, dv
+        return grads
     delta = torch.empty_like(lse)
-    n_rows = b * n_head * seq_len
-    rows_per_program = 32 if head_dim >= 128 else 64
-    _delta_kernel[(triton.cdiv(n_rows, rows_per_program),)](
-        out, dout, delta, n_rows, HEAD_DIM=head_dim, BLOCK=rows_per_program
-    )
-    sm_scale = 1.0 / math.sqrt(head_dim)
-    group = n_head // n_kv
-    common = dict(
-        CAUSAL=causal, HEAD_DIM=head_dim, PREC=dot_precision(q.dtype), num_stages=blocks.num_stages
-    )
-    tile = blocks.dkdv
-    _dkdv_kernel[(triton.cdiv(seq_len, tile.block_n), b * n_kv)](
-        q, k, v, dout, lse, delta, dk, dv, seq_len, n_head, group, sm_scale * LOG2_E, sm_scale,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, **common,
-    )  # fmt: skip
-    tile = blocks.dq
-    _dq_kernel[(triton.cdiv(seq_len, tile.block_m), b * n_head)](
-        q, k, v, dout, lse, delta, dq, seq_len, n_head, group, sm_scale * LOG2_E, sm_scale,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, **common,
-    )  # fmt: skip
-    return dq, dk, dv
+    arch = device_arch(q.device)
+    for launch in backward_launches(q, k, v, out, lse, dout, delta, grads, causal, arch):
+        launch.run()
+    return grads

@@ -1,8 +1,9 @@
 """Attention tiles shared by the forward (attention.py) and the backward (attention_bwd.py).
 
 Shapes: q [b, n_head, s, d]; k, v [b, n_kv, s, d]. Holds the tile of each of the three
-attention kernels (forward, dK/dV, dQ), the function that picks them from (s, d, dtype), and
-the input checks every entry point runs. Neither kernel module is imported here.
+attention kernels (forward, dK/dV, dQ), the function that picks them from (s, d, dtype, GPU
+arch) for the launchers and the compile check (compile_check.py) alike, and the input checks
+every entry point runs. Neither kernel module is imported here.
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ class AttentionBlocks:
     num_stages: int
 
 
-def attention_blocks(seq_len: int, head_dim: int, dtype: torch.dtype) -> AttentionBlocks:
-    """The tiles for sequence length seq_len, head dim head_dim and input dtype.
+def attention_blocks(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int) -> AttentionBlocks:
+    """The tiles for sequence length seq_len, head dim head_dim, input dtype and GPU arch (the
+    compute capability as one number, 80 or 90: _utils.device_arch).
 
     Under the interpreter the tiles are small (16 and 32) so that tiny CPU tests cross several
-    tiles and exercise every loop. On CUDA the tiles were chosen so that ptxas reports no
-    register spills on sm_90 for bf16 at d = 64 and 128 (fp32 runs exact-fp32 dots without
-    tensor cores, on 32 x 32 tiles); they shrink when the sequence is short.
+    tiles and exercise every loop. On CUDA they were chosen with scripts/kernel_report.py so
+    that ptxas reports no register spills for bf16 on sm_80 and sm_90 at every shipped config
+    (and at d = 128), with shared memory well under both limits; they shrink when the sequence
+    is short. fp32 runs exact-fp32 dots without tensor cores, on small tiles.
     """
     if interpreting():
         return AttentionBlocks(Tile(32, 16, 4), Tile(16, 32, 4), Tile(32, 16, 4), num_stages=1)
@@ -53,12 +56,19 @@ def attention_blocks(seq_len: int, head_dim: int, dtype: torch.dtype) -> Attenti
         return Tile(min(block_m, cap), min(block_n, cap), num_warps)
 
     if dtype == torch.float32:
-        return AttentionBlocks(tile(32, 32, 8), tile(32, 32, 8), tile(32, 32, 8), num_stages=2)
+        # Exact-fp32 dots run on FMA units; sm_90 lowers a 32 x 32 forward tile with 8 warps
+        # into 255 registers and spills at d = 128, 16 x 16 with 4 warps stays under 80 on both.
+        return AttentionBlocks(tile(16, 16, 4), tile(32, 32, 8), tile(32, 32, 8), num_stages=2)
     wide = head_dim >= 128
+    # The forward at d = 128 is the one tile that cannot serve both archs: sm_80's mma.sync
+    # takes both operands in registers, so a 128 x 64 score tile next to the 128 x 128 fp32
+    # accumulator needs 255 registers and spills with 8 warps, where sm_90's wgmma reads k and
+    # v from shared memory (188 registers, no spills). sm_80 takes key blocks of 32 instead.
+    fwd_n = 32 if wide and arch < 90 else 64
     return AttentionBlocks(
-        fwd=tile(128, 64, 8 if wide else 4),
+        fwd=tile(128, fwd_n, 8),
         dkdv=tile(32, 64 if wide else 128, 8),
-        dq=tile(128, 32, 8 if wide else 4),
+        dq=tile(128, 32, 8),
         num_stages=2,
     )
 

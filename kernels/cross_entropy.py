@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device
+from ._utils import Launch, check_device
 
 IGNORE_INDEX = -100
 _FWD_BLOCK = 4096
@@ -83,6 +83,52 @@ def _ce_bwd_kernel(
     tl.store(DLOGITS + row * n_cols + cols, (grad * dloss).to(DLOGITS.dtype.element_ty), mask=mask)
 
 
+def _block(n_cols: int, limit: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of n_cols logits: BLOCK-wide chunks, at most limit."""
+    block = min(limit, triton.next_power_of_2(n_cols))
+    return block, 8 if block >= 2048 else 4
+
+
+def ce_forward_launch(
+    logits2d: torch.Tensor,
+    target1d: torch.Tensor,
+    lse: torch.Tensor,
+    target_logit: torch.Tensor,
+    shard_start: int,
+) -> Launch:
+    """The forward launch: per row of logits2d [rows, v] (this rank's shard, whose first id is
+    shard_start), the shard's lse and target logit [rows] fp32; target1d [rows] int64."""
+    n_rows, n_cols = logits2d.shape
+    block, warps = _block(n_cols, _FWD_BLOCK)
+    return Launch(
+        _ce_fwd_kernel,
+        grid=(n_rows,),
+        args=(logits2d, target1d, lse, target_logit, n_cols, shard_start),
+        constexprs=dict(BLOCK=block),
+        num_warps=warps,
+    )
+
+
+def ce_backward_launch(
+    logits2d: torch.Tensor,
+    target1d: torch.Tensor,
+    lse: torch.Tensor,
+    dloss: torch.Tensor,
+    dlogits: torch.Tensor,
+    shard_start: int,
+) -> Launch:
+    """The backward launch: dlogits [rows, v] from the global lse and dloss [rows]."""
+    n_rows, n_cols = logits2d.shape
+    block, warps = _block(n_cols, _BWD_BLOCK)
+    return Launch(
+        _ce_bwd_kernel,
+        grid=(n_rows, triton.cdiv(n_cols, block)),
+        args=(logits2d, target1d, lse, dloss, dlogits, n_cols, shard_start),
+        constexprs=dict(BLOCK=block),
+        num_warps=warps,
+    )
+
+
 def _check_targets(target: torch.Tensor, vocab: int) -> None:
     bad = ((target < 0) | (target >= vocab)) & (target != IGNORE_INDEX)
     if bool(bad.any()):
@@ -114,11 +160,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         target_logit = torch.empty_like(lse)
         shard_start = tp_rank * n_cols
         if n_rows > 0:
-            block = min(_FWD_BLOCK, triton.next_power_of_2(n_cols))
-            _ce_fwd_kernel[(n_rows,)](
-                logits2d, target1d, lse, target_logit, n_cols, shard_start,
-                BLOCK=block, num_warps=8 if block >= 2048 else 4,
-            )  # fmt: skip
+            ce_forward_launch(logits2d, target1d, lse, target_logit, shard_start).run()
         if split is not None:
             lse, target_logit = split.combine(lse, target_logit)
         loss = torch.where(target1d == IGNORE_INDEX, 0.0, lse - target_logit)
@@ -130,15 +172,11 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         logits2d, target1d, lse = ctx.saved_tensors
-        n_rows, n_cols = logits2d.shape
         dloss = dloss.contiguous().view(-1)
         dlogits = torch.empty_like(logits2d)
-        if n_rows > 0:
-            block = min(_BWD_BLOCK, triton.next_power_of_2(n_cols))
-            _ce_bwd_kernel[(n_rows, triton.cdiv(n_cols, block))](
-                logits2d, target1d, lse, dloss, dlogits, n_cols, ctx.shard_start,
-                BLOCK=block, num_warps=8 if block >= 2048 else 4,
-            )  # fmt: skip
+        if logits2d.shape[0] > 0:
+            launch = ce_backward_launch(logits2d, target1d, lse, dloss, dlogits, ctx.shard_start)
+            launch.run()
         return dlogits.view(ctx.logits_shape), None, None
 
 

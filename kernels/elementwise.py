@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device
+from ._utils import Launch, check_device
 
 _BLOCK = 1024
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -79,6 +79,33 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, _BLOCK),)
 
 
+def swiglu_launch(
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, grads: tuple | None = None
+) -> Launch:
+    """The forward launch (grads None: out = silu(gate) * up) or, with dout as `out` and grads
+    = (dgate, dup), the backward launch; all contiguous, of one shape."""
+    n = gate.numel()
+    if grads is None:
+        return Launch(_swiglu_fwd_kernel, _grid(n), (gate, up, out, n), dict(BLOCK=_BLOCK))
+    return Launch(_swiglu_bwd_kernel, _grid(n), (gate, up, out, *grads, n), dict(BLOCK=_BLOCK))
+
+
+def bias_gelu_launch(
+    x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, dx: torch.Tensor | None = None
+) -> Launch:
+    """The forward launch (dx None: out = gelu(x + bias)) or, with dout as `out`, the backward
+    launch into dx; x [..., f] contiguous, bias [f] or None."""
+    n = x.numel()
+    f = x.shape[-1] if x.dim() > 0 else 1
+    constexprs = dict(HAS_BIAS=bias is not None, BLOCK=_BLOCK)
+    bias_arg = bias if bias is not None else x
+    if dx is None:
+        args = (x, bias_arg, out, n, f, _SQRT_2_OVER_PI)
+        return Launch(_bias_gelu_fwd_kernel, _grid(n), args, constexprs)
+    args = (x, bias_arg, out, dx, n, f, _SQRT_2_OVER_PI)
+    return Launch(_bias_gelu_bwd_kernel, _grid(n), args, constexprs)
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
@@ -90,7 +117,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         if gate.numel() > 0:
-            _swiglu_fwd_kernel[_grid(gate.numel())](gate, up, out, gate.numel(), BLOCK=_BLOCK)
+            swiglu_launch(gate, up, out).run()
         ctx.save_for_backward(gate, up)
         return out
 
@@ -101,7 +128,7 @@ class _SwiGLUFunction(torch.autograd.Function):
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n > 0:
-            _swiglu_bwd_kernel[_grid(n)](gate, up, dout, dgate, dup, n, BLOCK=_BLOCK)
+            swiglu_launch(gate, up, dout, (dgate, dup)).run()
         return dgate, dup
 
 
@@ -116,10 +143,7 @@ class _BiasGeluFunction(torch.autograd.Function):
         bias = bias.contiguous() if bias is not None else None
         out = torch.empty_like(x)
         if x.numel() > 0:
-            _bias_gelu_fwd_kernel[_grid(x.numel())](
-                x, bias if bias is not None else x, out, x.numel(), f, _SQRT_2_OVER_PI,
-                HAS_BIAS=bias is not None, BLOCK=_BLOCK,
-            )  # fmt: skip
+            bias_gelu_launch(x, bias, out).run()
         ctx.save_for_backward(x, bias)
         ctx.f = f
         return out
@@ -130,10 +154,7 @@ class _BiasGeluFunction(torch.autograd.Function):
         dout = dout.contiguous()
         dx = torch.empty_like(x)
         if x.numel() > 0:
-            _bias_gelu_bwd_kernel[_grid(x.numel())](
-                x, bias if bias is not None else x, dout, dx, x.numel(), ctx.f, _SQRT_2_OVER_PI,
-                HAS_BIAS=bias is not None, BLOCK=_BLOCK,
-            )  # fmt: skip
+            bias_gelu_launch(x, bias, dout, dx).run()
         dbias = None
         if bias is not None:
             dbias = dx.view(-1, ctx.f).sum(0, dtype=torch.float32).to(bias.dtype)

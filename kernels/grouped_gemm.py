@@ -19,9 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, dot_precision
+from ._utils import Launch, check_device, dot_precision, interpreting
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+
+def gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of both kernels: 64, 64, 32 (under the interpreter too).
+    fp32 on CUDA takes 32-row tiles: its exact-fp32 dots run on FMA units, and 64 x 64 with 4
+    warps needs 255 registers and spills on sm_80 (kernel_report.py); 32 x 64 needs under 100.
+    """
+    if dtype == torch.float32 and not interpreting():
+        return 32, 64, 32
+    return 64, 64, 32
 
 
 @triton.jit
@@ -104,33 +112,62 @@ def _grouped_dw_kernel(
     tl.store(out, acc.to(DW.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
-def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm_launch(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor
+) -> Launch:
+    """The launch of y [A, n] = x [A, k] grouped times w [G, k, n] (any strides)."""
     rows, k = x.shape
     groups, _, n = w.shape
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    if rows == 0 or n == 0:
-        return y
-    grid = (triton.cdiv(rows, BLOCK_M) + groups, triton.cdiv(n, BLOCK_N))
-    _grouped_mm_kernel[grid](
+    block_m, block_n, block_k = gemm_tiles(x.dtype)
+    args = (
         x, w, y, offsets, groups, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
-        PREC=dot_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
+    return Launch(
+        _grouped_mm_kernel,
+        grid=(triton.cdiv(rows, block_m) + groups, triton.cdiv(n, block_n)),
+        args=args,
+        constexprs=dict(
+            PREC=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k
+        ),
+    )
+
+
+def grouped_dw_launch(
+    x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor, offsets: torch.Tensor
+) -> Launch:
+    """The launch of dw [G, k, n]: dw[g] = x_g^T dy_g for x [A, k], dy [A, n]."""
+    k, n = x.shape[1], dy.shape[1]
+    block_m, block_n, block_k = gemm_tiles(x.dtype)
+    args = (
+        x, dy, dw, offsets, n, k,
+        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2),
+    )  # fmt: skip
+    return Launch(
+        _grouped_dw_kernel,
+        grid=(dw.shape[0], triton.cdiv(k, block_k), triton.cdiv(n, block_n)),
+        args=args,
+        constexprs=dict(
+            PREC=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k
+        ),
+    )
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0]
+    y = torch.empty((rows, w.shape[2]), dtype=x.dtype, device=x.device)
+    if rows == 0 or w.shape[2] == 0:
+        return y
+    grouped_mm_launch(x, w, y, offsets).run()
     return y
 
 
 def _weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, groups: int):
-    k, n = x.shape[1], dy.shape[1]
-    dw = torch.empty((groups, k, n), dtype=x.dtype, device=x.device)
+    dw = torch.empty((groups, x.shape[1], dy.shape[1]), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return dw.zero_()
-    grid = (groups, triton.cdiv(k, BLOCK_K), triton.cdiv(n, BLOCK_N))
-    _grouped_dw_kernel[grid](
-        x, dy, dw, offsets, n, k,
-        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1),
-        dw.stride(2),
-        PREC=dot_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )  # fmt: skip
+    grouped_dw_launch(x, dy, dw, offsets).run()
     return dw
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, persistent_programs, row_block, row_warps
+from ._utils import Launch, check_device, persistent_programs, row_block, row_warps
 
 
 @triton.jit
@@ -79,6 +79,53 @@ def _norm_bwd_kernel(
         tl.store(DB_PART + pid * h + cols, db_acc, mask=mask)
 
 
+def norm_forward_launch(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    eps: float,
+    is_rms: bool,
+) -> Launch:
+    """The forward kernel's launch on contiguous x2d [rows, h] into y, mean and rstd [rows]."""
+    n_rows, h = x2d.shape
+    block = row_block(h, "rms_norm" if is_rms else "layer_norm")
+    return Launch(
+        _norm_fwd_kernel,
+        grid=(n_rows,),
+        args=(x2d, weight, bias if bias is not None else weight, y, mean, rstd, h, eps),
+        constexprs=dict(IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK=block),
+        num_warps=row_warps(block),
+    )
+
+
+def norm_backward_launch(
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    dy2d: torch.Tensor,
+    dx: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dw_part: torch.Tensor,
+    db_part: torch.Tensor | None,
+    is_rms: bool,
+) -> Launch:
+    """The backward kernel's launch: dx [rows, h] and the [programs, h] fp32 partials of
+    dweight (and dbias, when db_part is given) from the saved x2d, mean and rstd."""
+    n_rows, h = x2d.shape
+    block = row_block(h, "norm backward")
+    db_arg = db_part if db_part is not None else dw_part
+    return Launch(
+        _norm_bwd_kernel,
+        grid=(dw_part.shape[0],),
+        args=(x2d, weight, dy2d, dx, mean, rstd, dw_part, db_arg, n_rows, h),
+        constexprs=dict(IS_RMS=is_rms, HAS_BIAS=db_part is not None, BLOCK=block),
+        num_warps=row_warps(block),
+    )
+
+
 def _check_param(name: str, param: torch.Tensor | None, h: int) -> None:
     if param is not None and tuple(param.shape) != (h,):
         raise ValueError(
@@ -96,7 +143,7 @@ class _NormFunction(torch.autograd.Function):
         what = "rms_norm" if is_rms else "layer_norm"
         _check_param(f"{what} weight", weight, h)
         _check_param(f"{what} bias", bias, h)
-        block = row_block(h, what)
+        row_block(h, what)  # a clear error for a row too wide, before any allocation
         x2d = x.contiguous().view(-1, h)
         weight = weight.contiguous()
         bias = bias.contiguous() if bias is not None else None
@@ -105,11 +152,7 @@ class _NormFunction(torch.autograd.Function):
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         mean = rstd if is_rms else torch.empty_like(rstd)
         if n_rows > 0:
-            _norm_fwd_kernel[(n_rows,)](
-                x2d, weight, bias if bias is not None else weight, y, mean, rstd, h, eps,
-                IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK=block,
-                num_warps=row_warps(block),
-            )  # fmt: skip
+            norm_forward_launch(x2d, weight, bias, y, mean, rstd, eps, is_rms).run()
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
         ctx.is_rms = is_rms
         ctx.x_shape = x.shape
@@ -119,20 +162,18 @@ class _NormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2d, weight, bias, mean, rstd = ctx.saved_tensors
         n_rows, h = x2d.shape
-        block = row_block(h, "norm backward")
         dy2d = dy.contiguous().view(-1, h)
         dx = torch.empty_like(x2d)
         programs = persistent_programs(n_rows)
         dw_part = torch.zeros(programs, h, device=x2d.device, dtype=torch.float32)
-        db_part = torch.zeros_like(dw_part) if bias is not None else dw_part
+        db_part = torch.zeros_like(dw_part) if bias is not None else None
         if n_rows > 0:
-            _norm_bwd_kernel[(programs,)](
-                x2d, weight, dy2d, dx, mean, rstd, dw_part, db_part, n_rows, h,
-                IS_RMS=ctx.is_rms, HAS_BIAS=bias is not None, BLOCK=block,
-                num_warps=row_warps(block),
-            )  # fmt: skip
+            launch = norm_backward_launch(
+                x2d, weight, dy2d, dx, mean, rstd, dw_part, db_part, ctx.is_rms
+            )
+            launch.run()
         dweight = dw_part.sum(0).to(weight.dtype)
-        dbias = db_part.sum(0).to(bias.dtype) if bias is not None else None
+        dbias = db_part.sum(0).to(bias.dtype) if db_part is not None else None
         return dx.view(ctx.x_shape), dweight, dbias, None, None
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device
+from ._utils import Launch, check_device
 
 
 def rope_table(
@@ -63,19 +63,29 @@ def _rope_kernel(
     tl.store(OUT + x_offs + half, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+def rope_launch(
+    x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
+) -> Launch:
+    """The kernel's launch on contiguous x [b, n, s, d] into out, with the tables cos, sin."""
     seq_len, head_dim = x.shape[-2], x.shape[-1]
     half = head_dim // 2
-    x = x.contiguous()
-    out = torch.empty_like(x)
     n_rows = x.numel() // head_dim
     block_h = triton.next_power_of_2(half)
     block_r = max(1, 1024 // block_h)
-    if n_rows > 0:
-        _rope_kernel[(triton.cdiv(n_rows, block_r),)](
-            x, out, cos, sin, n_rows, seq_len, half,
-            INVERSE=inverse, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
-        )  # fmt: skip
+    return Launch(
+        _rope_kernel,
+        grid=(triton.cdiv(n_rows, block_r),),
+        args=(x, out, cos, sin, n_rows, seq_len, half),
+        constexprs=dict(INVERSE=inverse, BLOCK_R=block_r, BLOCK_H=block_h),
+        num_warps=4,
+    )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel() > 0:
+        rope_launch(x, out, cos, sin, inverse).run()
     return out
 
 

@@ -22,7 +22,13 @@ On a machine with one or more CUDA GPUs it runs, in this order:
    the input gradients against the torch op on float64 copies of the same bf16 inputs (rms_norm
    and rope compute in fp32 inside), next to torch bf16's own error. Ours passes within
    2 x torch's error + 0.02, the bound of tests/test_kernels.py.
-4. training: `megatronish bench` of gpt2-124m and gpt2-1.3b in bf16 at tp = 1, and at tp = 2
+4. compile: every kernel at scripts/kernel_report.py's representative configuration, compiled
+   for GPU 0's arch (sm_80 or sm_90) and loaded by the CUDA driver: the registers, local memory
+   (spill bytes), shared memory per block (static + dynamic) and warps per SM (the driver's
+   occupancy calculator) the driver reports, next to what kernel_report reads from the same
+   cubin (cuobjdump) and estimates. A figure that differs FAILs: the report computed without a
+   GPU is wrong there.
+5. training: `megatronish bench` of gpt2-124m and gpt2-1.3b in bf16 at tp = 1, and at tp = 2
    when two GPUs are present, one micro-batch per step, 5 timed steps after 2 warm-up: tokens/s,
    MFU, step time and peak memory (next to plan's estimate). A run that fails (out of memory,
    say) or runs past its 150 s is a row that says so.
@@ -70,7 +76,13 @@ NO_GPU = (
 )
 BUDGET_S = 450.0  # nothing new starts after 7.5 minutes
 HARD_S = 470.0  # no subprocess runs past this
-PHASE_LIMITS_S = {"tests": 180.0, "device": 30.0, "kernels": 150.0, "training": 300.0}
+PHASE_LIMITS_S = {
+    "tests": 180.0,
+    "device": 30.0,
+    "kernels": 150.0,
+    "compile": 90.0,
+    "training": 300.0,
+}
 TRAIN_RUN_S = 150.0  # one `megatronish bench` run
 TRAIN_CONFIGS = ("gpt2-124m", "gpt2-1.3b")
 TORCH_COUNTERPART = {"attention": "torch SDPA"}  # every other kernel: "torch eager"
@@ -445,15 +457,18 @@ def training_jobs(configs: list[str], gpu_count: int, steps: int, warmup: int) -
 # Kernels
 
 
-def load_bench_kernels() -> ModuleType:
-    """scripts/bench_kernels.py as a module (it imports the Triton kernels)."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_kernels", REPO / "scripts" / "bench_kernels.py"
-    )
+def load_script(name: str) -> ModuleType:
+    """scripts/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def load_bench_kernels() -> ModuleType:
+    """scripts/bench_kernels.py as a module (it imports the Triton kernels)."""
+    return load_script("bench_kernels")
 
 
 def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -631,6 +646,92 @@ def device_job(bk: ModuleType, measure: Callable) -> Callable[[float], Outcome]:
 
 
 # --------------------------------------------------------------------------------------------
+# Compiled kernels: what the driver reports next to kernel_report's figures
+
+RESOURCES = ("registers", "spill_bytes", "shared_bytes", "occupancy_warps")
+RESOURCES_WHAT = "regs / spill B / shared B / warps per SM (driver vs cubin)"
+
+
+def driver_resources(kernel: Any) -> dict[str, int]:
+    """A kernel compile_check compiled for this GPU's arch, loaded by the CUDA driver (Triton's
+    loader, on the current device), as the driver reports it: registers and local memory
+    (spill bytes) per thread, static + dynamic shared memory per block, and the warps per SM
+    its occupancy calculator allows."""
+    import ctypes
+
+    _ = kernel.run  # Triton loads the module on first use (OutOfResources as a launch would)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    function = ctypes.c_void_p(kernel.function)
+
+    def call(name: str, *args: Any) -> None:
+        code = getattr(cuda, name)(*args)
+        if code != 0:
+            raise RuntimeError(f"{name} failed with CUDA error {code}")
+
+    def attribute(code: int) -> int:  # a CU_FUNC_ATTRIBUTE_*
+        value = ctypes.c_int()
+        call("cuFuncGetAttribute", ctypes.byref(value), ctypes.c_int(code), function)
+        return value.value
+
+    warps, dynamic = kernel.metadata.num_warps, kernel.metadata.shared
+    blocks = ctypes.c_int()
+    call(
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        ctypes.byref(blocks), function, ctypes.c_int(32 * warps), ctypes.c_size_t(dynamic),
+    )  # fmt: skip
+    return {
+        "registers": attribute(4),  # NUM_REGS
+        "spill_bytes": attribute(3),  # LOCAL_SIZE_BYTES
+        "shared_bytes": attribute(1) + dynamic,  # SHARED_SIZE_BYTES: the static part
+        "occupancy_warps": blocks.value * warps,
+    }
+
+
+def compile_rows(measured: list[dict]) -> list[Row]:
+    """A row per compiled kernel: the driver's registers / spill bytes / shared bytes / warps
+    per SM next to kernel_report's for the same cubin; FAIL names the figures that differ."""
+    rows = []
+    for kernel in measured:
+        driver, cubin = kernel["driver"], kernel["cubin"]
+        differ = [key for key in RESOURCES if driver[key] != cubin[key]]
+        status = f"FAIL: {', '.join(differ)} differ" if differ else "ok"
+        figures = [" / ".join(str(side[key]) for key in RESOURCES) for side in (driver, cubin)]
+        name = f"{kernel['kernel']} {kernel['arch']}"
+        rows.append(row("compile", name, RESOURCES_WHAT, *figures, "", status))
+    return rows
+
+
+def compile_job(_timeout: float) -> Outcome:
+    """Every kernel at kernel_report's representative configuration compiled for GPU 0's arch
+    and loaded by the driver, its figures next to the cubin's."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    arch_name = f"sm_{major}{minor}"
+    report = load_script("kernel_report")
+    check = report.compile_check
+    if arch_name not in check.ARCHS:
+        status = f"skipped: kernel_report has no limits for {arch_name}"
+        return [row("compile", arch_name, "-", None, None, "", status)], {}
+    arch = check.ARCHS[arch_name]
+    jobs, _ = report.plan([arch_name], representative=True)
+    measured = []
+    for _, (_, launch) in jobs:
+        kernel = check.compile_launch(launch, arch)
+        cubin = check.measure(kernel, launch, arch)
+        measured.append(
+            {
+                "kernel": launch.name,
+                "config": cubin.config,
+                "arch": arch_name,
+                "cubin": {key: getattr(cubin, key) for key in RESOURCES},
+                "driver": driver_resources(kernel),
+            }
+        )
+    return compile_rows(measured), {"kernels": measured}
+
+
+# --------------------------------------------------------------------------------------------
 # The driver
 
 
@@ -659,7 +760,7 @@ def environment() -> dict[str, Any]:
 
 
 def plan_jobs(quick: bool, gpu_count: int) -> list[Job]:
-    """Tests, device ceilings, kernels, training, in that order."""
+    """Tests, device ceilings, kernels, compiled kernels, training, in that order."""
     import torch
 
     bk = load_bench_kernels()
@@ -683,6 +784,7 @@ def plan_jobs(quick: bool, gpu_count: int) -> list[Job]:
             "skipped: megatronish_kernels has no grouped GEMM kernel",
         )
         jobs.append(Job("kernels", "grouped_mm", lambda _t: ([skipped], {})))
+    jobs.append(Job("compile", "every kernel for this GPU's arch", compile_job))
     configs = list(TRAIN_CONFIGS[:1] if quick else TRAIN_CONFIGS)
     steps, warmup = (3, 1) if quick else (5, 2)
     return jobs + training_jobs(configs, gpu_count, steps, warmup)

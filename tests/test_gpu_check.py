@@ -149,6 +149,23 @@ def test_jobs_after_the_budget_or_their_phase_limit_are_skipped_rows():
     assert [r["status"] for r in rows] == ["skipped: kernels phase limit (0 s)"] * 2 + ["ok"]
 
 
+def test_compile_rows_put_the_drivers_figures_next_to_the_cubins_and_fail_a_difference():
+    figures = {"registers": 168, "spill_bytes": 0, "shared_bytes": 41984, "occupancy_warps": 8}
+    same = {"kernel": "_dq_kernel", "arch": "sm_90", "driver": figures, "cubin": dict(figures)}
+    other = {**same, "kernel": "_attn_fwd_kernel", "cubin": {**figures, "registers": 162}}
+    other["cubin"]["occupancy_warps"] = 16
+    rows = gpu_check.compile_rows([same, other])
+    assert [r["section"] for r in rows] == ["compile", "compile"]
+    assert rows[0]["name"] == "_dq_kernel sm_90" and rows[0]["status"] == "ok"
+    assert rows[0]["what"] == "regs / spill B / shared B / warps per SM (driver vs cubin)"
+    assert (rows[0]["ours"], rows[0]["reference"]) == ("168 / 0 / 41984 / 8",) * 2
+    assert rows[1]["reference"] == "162 / 0 / 41984 / 16"
+    assert rows[1]["status"] == "FAIL: registers, occupancy_warps differ"
+    assert gpu_check.failed(rows)
+    line = table_lines(gpu_check.render({"rows": rows}))[3]
+    assert cells(line)[3:] == ["168 / 0 / 41984 / 8", "162 / 0 / 41984 / 16", "", rows[1]["status"]]
+
+
 # Last: the other tests run while its subprocess imports torch.
 def test_without_a_gpu_it_exits_2_with_one_line_on_stderr(side_checks):
     result = finish(side_checks.pop(NO_GPU_TEST), timeout=60)

@@ -7,7 +7,6 @@ bf16 checks need CUDA and are marked `cuda`. Cross entropy has its own module.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
@@ -274,85 +273,7 @@ def test_backend_triton_on_cpu_without_the_interpreter_raises(monkeypatch):
     assert ops.rms_norm(x, w, 1e-5, backend="auto").grad_fn is not None  # auto: torch on CPU
 
 
-# Compilation for the GPU, checked without one
-
-
-def compile_every_kernel_for_sm90() -> None:
-    """Compiles each kernel at its CUDA launch settings for sm_90 with Triton's bundled ptxas.
-
-    Runs in a subprocess with TRITON_INTERPRET=0 (the interpreter never compiles), so the GPU
-    code path is type-checked and lowered even on a machine without a GPU.
-    """
-    import importlib
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-
-    names = ("attention", "attention_bwd", "attention_tiles", "norms", "rope", "elementwise")
-    names += ("cross_entropy",)
-    mod = {name: importlib.import_module(f"megatronish_kernels.{name}") for name in names}
-    fp32_pointers = {"LSE", "MEAN", "RSTD", "DELTA", "DW_PART", "DB_PART", "COS", "SIN"}
-    fp32_pointers |= {"TARGET_LOGIT", "DLOSS"}
-
-    def build(kernel, dtype, constexprs, num_warps=4, num_stages=2):
-        signature = {}
-        for name in kernel.arg_names:
-            if name in constexprs:
-                signature[name] = "constexpr"
-            elif name == "TARGET":
-                signature[name] = "*i64"
-            elif name.isupper():
-                signature[name] = "*fp32" if name in fp32_pointers else f"*{dtype}"
-            elif name in ("eps", "qk_scale", "sm_scale", "k"):
-                signature[name] = "fp32"
-            else:
-                signature[name] = "i64" if name == "n" else "i32"
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-        compile(ASTSource(kernel, signature, constexprs), GPUTarget("cuda", 90, 32), options)
-
-    attn, bwd = mod["attention"], mod["attention_bwd"]
-    # Each attention kernel twice (they take most of the time): the training configuration
-    # (bf16, head dim 128, causal, its largest tiles), and every other branch once (fp32 with
-    # IEEE dots, head dim 64, not causal).
-    for dtype, torch_dtype, head_dim, causal in [
-        ("bf16", torch.bfloat16, 128, True), ("fp32", torch.float32, 64, False),
-    ]:  # fmt: skip
-        blocks = mod["attention_tiles"].attention_blocks(4096, head_dim, torch_dtype)
-        prec = "ieee" if dtype == "fp32" else "tf32"
-        for kernel, tile in [
-            (attn._attn_fwd_kernel, blocks.fwd), (bwd._dkdv_kernel, blocks.dkdv),
-            (bwd._dq_kernel, blocks.dq),
-        ]:  # fmt: skip
-            consts = dict(CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
-                          BLOCK_N=tile.block_n, PREC=prec)  # fmt: skip
-            build(kernel, dtype, consts, tile.num_warps, blocks.num_stages)
-        build(bwd._delta_kernel, dtype, dict(HEAD_DIM=head_dim, BLOCK=32))
-    norms = mod["norms"]
-    for is_rms, has_bias in [(True, False), (False, True)]:
-        flags = dict(IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK=4096)
-        build(norms._norm_fwd_kernel, "bf16", flags, num_warps=8)
-        build(norms._norm_bwd_kernel, "bf16", flags, num_warps=8)
-    elementwise, ce = mod["elementwise"], mod["cross_entropy"]
-    build(mod["rope"]._rope_kernel, "bf16", dict(INVERSE=True, BLOCK_R=16, BLOCK_H=64))
-    build(elementwise._swiglu_fwd_kernel, "bf16", dict(BLOCK=1024))
-    build(elementwise._swiglu_bwd_kernel, "bf16", dict(BLOCK=1024))
-    build(elementwise._bias_gelu_fwd_kernel, "bf16", dict(HAS_BIAS=True, BLOCK=1024))
-    build(elementwise._bias_gelu_bwd_kernel, "bf16", dict(HAS_BIAS=False, BLOCK=1024))
-    build(ce._ce_fwd_kernel, "bf16", dict(BLOCK=4096), num_warps=8)
-    build(ce._ce_bwd_kernel, "bf16", dict(BLOCK=4096), num_warps=8)
-
-
-SM90_TEST = "test_every_kernel_compiles_for_sm90_without_a_gpu"
 BENCH_TEST = "test_bench_script_checks_every_kernel_and_runs_its_pipeline"
-
-
-def _sm90_command(tmp_path_factory):
-    if not importlib.util.find_spec("triton.backends.nvidia"):
-        return None
-    cache = tmp_path_factory.mktemp("triton-cache")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache)}
-    code = "from tests.test_kernels import compile_every_kernel_for_sm90 as c; c()"
-    return [sys.executable, "-c", code], env
 
 
 def _bench_command(tmp_path_factory):
@@ -363,15 +284,10 @@ def _bench_command(tmp_path_factory):
     return [sys.executable, str(REPO_ROOT / "scripts" / "bench_kernels.py"), *args], env
 
 
-# The two checks of this module that run in a subprocess, started with the session when their
-# tests are selected (conftest's side_checks): each takes a core while other tests run here.
-SIDE_CHECKS = {SM90_TEST: _sm90_command, BENCH_TEST: _bench_command}
-
-
-def test_every_kernel_compiles_for_sm90_without_a_gpu(side_checks):
-    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
-    result = finish(side_checks.pop(SM90_TEST), timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+# The check of this module that runs in a subprocess, started with the session when its test
+# is selected (conftest's side_checks): it takes a core while other tests run here. Compiling
+# every kernel for sm_80 and sm_90 is tests/test_kernel_compile.py's.
+SIDE_CHECKS = {BENCH_TEST: _bench_command}
 
 
 def test_bench_script_checks_every_kernel_and_runs_its_pipeline(side_checks):
