@@ -223,7 +223,8 @@ def test_cli_check_and_plan_show_the_stages_and_the_bubble():
     assert plan.returncode == 0, plan.stderr
     lines = plan.stdout.splitlines()
     assert lines[2].split()[:5] == ["tp", "cp", "dp", "pp", "bubble"]
-    rows = [line.split() for line in lines[3:] if line.strip()[:1].isdigit()]
+    table = lines[3 : lines.index("", 3)]  # the memory table, before the fastest layouts
+    rows = [line.split() for line in table if line.strip()[:1].isdigit()]
     by_pp = {int(row[3]): float(row[4]) for row in rows if row[:2] == ["1", "1"]}
     # gpt2-1.3b: global batch 512 of micro-batches 8; tp 1 x pp 2 on 16 GPUs: dp 8, m = 8.
     assert by_pp[1] == 0.0 and by_pp[2] == pytest.approx(1 / 8, abs=0.01)

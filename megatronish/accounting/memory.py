@@ -46,9 +46,11 @@ from megatronish.accounting.parameters import (
     local_parameter_count,
     stage_moe_layers,
 )
-from megatronish.config import Config, derive, virtual_stages
+from megatronish.config import Config, Derived, derive, virtual_stages
 from megatronish.pipeline.schedule import warmup_forwards
 
+# Estimate.step_time_s and ring_ratio: a rough compute bound at this MFU, kept for the memory
+# table's `ring` column; plan's predicted step time is accounting.step_time's model.
 ASSUMED_MFU = 0.40
 GB = 1024**3
 
@@ -131,24 +133,9 @@ def estimate(
     tensor-parallel degree tp, context-parallel degree cp, pipeline degree pp and (MoE)
     expert-parallel degree ep on world devices (link_gb_s: the NVLink bandwidth of one GPU);
     `changes` override parallel.sequence_parallel, optim.zero, activation_checkpointing."""
-    moe = cfg.model.moe.num_experts > 0
-    # Sequence parallelism is not supported with experts at tp > 1.
-    sp = changes.get("sequence_parallel", tp > 1 and not moe)
-    zero = changes.get("zero", cfg.optim.zero)
-    recompute = changes.get("activation_checkpointing", cfg.train.activation_checkpointing)
-    dp = world // (tp * cp * pp)
-    virtual = _virtual(cfg, pp, dp)
-    same_split = pp == cfg.parallel.pp and virtual == virtual_stages(cfg)
-    layout = dataclasses.replace(
-        cfg,
-        parallel=dataclasses.replace(
-            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, sequence_parallel=sp,
-            pp_virtual=virtual, pp_layers=cfg.parallel.pp_layers if same_split else None,
-        ),
-        optim=dataclasses.replace(cfg.optim, zero=zero),
-        train=dataclasses.replace(cfg.train, activation_checkpointing=recompute),
-    )  # fmt: skip
-    d = derive(layout, world, vocab_size=cfg.model.vocab_size)
+    layout, d = layout_config(cfg, world, tp, pp, cp, ep, **changes)
+    sp, zero = layout.parallel.sequence_parallel, layout.optim.zero
+    recompute, virtual = layout.train.activation_checkpointing, d.pp_virtual
     m, t, bf16 = d.grad_accum_steps, cfg.train, cfg.train.precision == "bf16"
     # The last stage keeps every micro-batch's logits when it runs all its forwards first.
     gpipe = layout.parallel.pp_schedule == "gpipe"
@@ -204,6 +191,34 @@ def estimate(
             )
         )
     return max(stages, key=lambda e: e.total_gb)
+
+
+def layout_config(
+    cfg: Config, world: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1, **changes
+) -> tuple[Config, Derived]:
+    """cfg at tensor-parallel degree tp, pipeline degree pp, context-parallel degree cp and
+    expert-parallel degree ep on world devices (dp the rest), and its derived sizes: what
+    ``estimate`` and the step-time model read. `changes` override parallel.sequence_parallel
+    (default: on at tp > 1 without experts), optim.zero and train.activation_checkpointing;
+    parallel.pp_virtual is kept where it fits (else 1)."""
+    moe = cfg.model.moe.num_experts > 0
+    # Sequence parallelism is not supported with experts at tp > 1.
+    sp = changes.get("sequence_parallel", tp > 1 and not moe)
+    zero = changes.get("zero", cfg.optim.zero)
+    recompute = changes.get("activation_checkpointing", cfg.train.activation_checkpointing)
+    dp = world // (tp * cp * pp)
+    virtual = _virtual(cfg, pp, dp)
+    same_split = pp == cfg.parallel.pp and virtual == virtual_stages(cfg)
+    layout = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(
+            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, sequence_parallel=sp,
+            pp_virtual=virtual, pp_layers=cfg.parallel.pp_layers if same_split else None,
+        ),
+        optim=dataclasses.replace(cfg.optim, zero=zero),
+        train=dataclasses.replace(cfg.train, activation_checkpointing=recompute),
+    )  # fmt: skip
+    return layout, derive(layout, world, vocab_size=cfg.model.vocab_size)
 
 
 def _virtual(cfg: Config, pp: int, dp: int) -> int:

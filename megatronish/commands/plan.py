@@ -1,23 +1,68 @@
-"""`megatronish plan`: per-rank memory, FLOPs and communication of a config at each layout, and
-the layout to use, computed from formulas without starting anything.
+"""`megatronish plan`: per-rank memory and predicted step time of a config at each layout, and
+the fastest layout that fits, computed from formulas without starting anything.
 
-The formulas are megatronish.accounting's: memory and step time per rank (accounting.memory,
-whose docstring has them), communication (accounting.collectives), model FLOPs
-(accounting.flops), the GPUs (accounting.hardware). This module searches the layouts and prints
-the table. `ring` in the table is the ring attention's transfer time / block compute time
-(<= 1: hidden). cp > 1 is searched where every rank keeps at least MIN_CP_TOKENS tokens of a
-sequence.
+The formulas are megatronish.accounting's: memory per rank (accounting.memory), the step-time
+model (accounting.step_time, on accounting.layer_time, comm_time and roofline), communication
+(accounting.collectives), FLOPs (accounting.flops), the GPUs (accounting.hardware). This module
+searches the layouts (``search``) or takes one (``--layout``) and hands the rows to
+commands.plan_report, which prints them. With --device cpu the device is this host, measured by
+commands.calibrate.
+
+The search: tensor-parallel degrees up to 8 (one node's fast links) dividing the heads, kv
+heads and d_ff; cp up to 8 where every rank keeps at least MIN_CP_TOKENS tokens of a sequence;
+pipeline degrees up to 64 with a layer for every stage; ep dividing dp and the experts;
+micro-batch sizes 1, 2, 4, 8 (and the config's) that divide the global batch over dp;
+interleaving v of 1, 2, 3, 4 where each stage's layers split evenly into v chunks and the
+micro-batches are a multiple of pp; recompute none, selective, full. Sequence parallelism is on
+at tp > 1 (without experts) and ZeRO-1 always; a layout fits when its fullest stage stays
+under HEADROOM of the device memory.
 """
 
 from __future__ import annotations
 
-from megatronish.accounting.hardware import GPU_LINK_GB_S, GPU_MEMORY_GB, GPU_PEAK_TFLOPS
-from megatronish.accounting.memory import ASSUMED_MFU, estimate
-from megatronish.config import Config, world_size_of
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from megatronish.accounting.hardware import Device, device_named
+from megatronish.accounting.memory import Estimate, estimate, layout_config
+from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency
+from megatronish.accounting.step_time import StepTime, step_time
+from megatronish.commands import plan_report
+from megatronish.commands.check import data_vocab_size
+from megatronish.config import Config, derive, world_size_of
 from megatronish.errors import UserError
 
 MIN_CP_TOKENS = 1024
 HEADROOM = 0.90  # plan to use at most 90% of the device memory (allocator, NCCL, kernels)
+MICRO_BATCHES = (1, 2, 4, 8)
+VIRTUAL = (1, 2, 3, 4)
+RECOMPUTE = ("none", "selective", "full")
+LAYOUT_KEYS = ("tp", "pp", "v", "cp", "dp", "ep")
+
+
+@dataclass
+class Row:
+    """One layout: its config, memory (Estimate, GiB) and, where it fits, its predicted step."""
+
+    cfg: Config
+    memory: Estimate
+    time: StepTime | None
+
+
+@dataclass
+class Target:
+    """What plan plans for: the device (a function of the layout on a CPU, where threads and
+    links depend on it), its memory in GiB and a title."""
+
+    name: str
+    memory_gib: float
+    peak_flops: float
+    devices: object  # (tp, cp, dp) -> (Device, Efficiency)
+    title: str
+
+    def device(self, tp: int, cp: int, dp: int) -> tuple[Device, Efficiency]:
+        return self.devices(tp, cp, dp)
 
 
 def expert_degrees(cfg: Config, dp: int) -> list[int]:
@@ -29,22 +74,42 @@ def expert_degrees(cfg: Config, dp: int) -> list[int]:
     return [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0]
 
 
-def gpu_spec(gpu: str | None, memory_gb: float | None) -> tuple[str, float, float]:
-    """(name, memory GB, dense bf16 peak FLOP/s) of a GPU name such as H100 (default H100)."""
-    name = (gpu or "H100").upper()
-    if name not in GPU_MEMORY_GB:
-        raise UserError(f"--gpu {gpu}: unknown GPU; valid: {', '.join(GPU_MEMORY_GB)}")
+def target(
+    gpu: str | None, memory_gb: float | None, device: str, calibration: str | None, world: int
+) -> Target:
+    """The device plan plans for: a GPU by name or YAML file, or (device cpu) this host."""
     if memory_gb is not None and memory_gb <= 0:
-        raise UserError(f"--gpu-memory {memory_gb}: must be > 0 (GB)")
-    return name, memory_gb or GPU_MEMORY_GB[name], GPU_PEAK_TFLOPS[name] * 1e12
+        raise UserError(f"--gpu-memory {memory_gb}: must be > 0 (GiB)")
+    if device == "cpu":
+        from megatronish.commands.calibrate import cpu_device, load_or_measure
+
+        measured = load_or_measure(calibration)
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        memory = memory_gb or ram / world
+        first, _ = cpu_device(measured, world, world)
+        return Target(
+            "cpu", memory, first.peak_flops,
+            lambda tp, cp, dp: cpu_device(measured, world, tp * cp * dp),
+            f"plan for {world} CPU process(es) on this host ({memory:.1f} GiB each; measured: "
+            f"{first.peak_tflops * 1e3:.1f} GFLOP/s fp32 matmul a rank, "
+            f"{first.hbm_tb_s * 1e3:.1f} GB/s memory, shared-memory all-reduce "
+            f"{first.nvlink_gb_s:.2f} GB/s)",
+        )  # fmt: skip
+    gpu_device = device_named(gpu)
+    memory = memory_gb or gpu_device.memory_gb
+    return Target(
+        gpu_device.name, memory, gpu_device.peak_flops,
+        lambda tp, cp, dp: (gpu_device, GPU_EFFICIENCY),
+        f"plan for {world} x {gpu_device.name} ({memory:.0f} GiB each, dense bf16 peak "
+        f"{gpu_device.peak_tflops:.0f} TFLOP/s, HBM {gpu_device.hbm_tb_s:.2f} TB/s, NVLink "
+        f"{gpu_device.nvlink_gb_s:.0f} GB/s and network {gpu_device.network_gb_s:.0f} GB/s per "
+        f"GPU and direction, {gpu_device.gpus_per_node} GPUs a node)",
+    )  # fmt: skip
 
 
 def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
-    """(tp, cp, pp): tensor-parallel degrees up to 8 (one node's fast links) that divide the
-    heads, the kv heads and d_ff; context-parallel degrees up to 8 that split the sequence into
-    2 cp chunks and leave every rank at least MIN_CP_TOKENS tokens (and, with tp, a multiple of
-    tp); pipeline degrees up to 8 with a layer for every stage; whose product divides the
-    world and leaves a dp that divides the global batch."""
+    """(tp, cp, pp) whose product divides the world and leaves a dp that divides the global
+    batch (see module doc)."""
     n_kv = cfg.model.n_kv_head or cfg.model.n_head
     s = cfg.train.seq_len
     out = []
@@ -56,98 +121,165 @@ def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
         for cp in (1, 2, 4, 8):
             if cp > 1 and (s % (2 * cp) or s // cp < MIN_CP_TOKENS or (s // cp) % tp):
                 continue
-            for pp in (1, 2, 4, 8):
+            for pp in (1, 2, 4, 8, 16, 32, 64):
                 if world % (tp * cp * pp) or pp > cfg.model.n_layer:
                     continue
                 dp = world // (tp * cp * pp)
-                if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
+                if cfg.train.global_batch_size % dp:
                     continue
                 out.append((tp, cp, pp))
     return out
 
 
-def plan(cfg: Config, gpus: int | None, gpu: str | None, memory_gb: float | None) -> str:
-    """The report `megatronish plan` prints."""
-    if cfg.model.vocab_size is None:
-        raise UserError("model.vocab_size: plan needs it set (--set model.vocab_size=N)")
+def _variant(cfg: Config, micro_batch: int, virtual: int) -> Config:
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch),
+        parallel=dataclasses.replace(cfg.parallel, pp_virtual=virtual, pp_layers=None),
+    )
+
+
+def _virtuals(cfg: Config, pp: int, m: int) -> list[int]:
+    if pp == 1:
+        return [1]
+    n = cfg.model.n_layer
+    return [v for v in VIRTUAL if v == 1 or (n % (pp * v) == 0 and m % pp == 0)]
+
+
+def _row(cfg: Config, world: int, layout: tuple, tgt: Target, budget: float, **changes) -> Row:
+    tp, cp, pp, ep = layout
+    device, eff = tgt.device(tp, cp, world // (tp * cp * pp))
+    memory = estimate(cfg, world, tp, tgt.peak_flops, pp, cp, device.nvlink_gb_s, ep, **changes)
+    layout_cfg, d = layout_config(cfg, world, tp, pp, cp, ep, **changes)
+    time = step_time(layout_cfg, d, device, eff) if memory.total_gb <= budget else None
+    return Row(layout_cfg, memory, time)
+
+
+def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
+    """(the config's own micro-batch, v and recompute at every (tp, cp, pp, ep): the memory
+    table; every layout of the search that fits, fastest first)."""
+    budget = tgt.memory_gib * HEADROOM
+    layouts = [
+        (tp, cp, pp, ep)
+        for tp, cp, pp in candidate_layouts(cfg, world)
+        for ep in expert_degrees(cfg, world // (tp * cp * pp))
+    ]
+    table, fits, seen = [], [], set()
+    for layout in layouts:
+        tp, cp, pp, ep = layout
+        dp = world // (tp * cp * pp)
+        if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp) == 0:
+            table.append(_row(cfg, world, layout, tgt, budget, zero=1))
+        micro = sorted({*MICRO_BATCHES, cfg.train.micro_batch_size})
+        for mb in micro:
+            if cfg.train.global_batch_size % (mb * dp):
+                continue
+            m = cfg.train.global_batch_size // (mb * dp)
+            for v in _virtuals(cfg, pp, m):
+                variant = _variant(cfg, mb, v)
+                for recompute in RECOMPUTE:
+                    key = (layout, mb, v, recompute)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    row = _row(variant, world, layout, tgt, budget, zero=1,
+                               activation_checkpointing=recompute)  # fmt: skip
+                    if row.time is not None:
+                        fits.append(row)
+    fits.sort(key=lambda r: (round(r.time.step_time_s, 9), r.memory.total_gb))
+    return table, fits
+
+
+def parse_layout(text: str, world: int) -> dict[str, int]:
+    """{"tp", "pp", "v", "cp", "dp", "ep"} of a --layout string such as "tp=8 pp=8 v=2 cp=1
+    dp=24" (missing keys 1; dp the rest of the world); a UserError for an unknown key, a bad
+    number or a product that is not --gpus."""
+    values = dict.fromkeys(LAYOUT_KEYS, 1)
+    given = set()
+    for item in text.replace(",", " ").split():
+        key, _, value = item.partition("=")
+        if key not in values:
+            example = "tp=8 pp=8 v=2 cp=1 dp=24"
+            raise UserError(
+                f"--layout {text!r}: unknown key {key!r}; valid: {', '.join(LAYOUT_KEYS)} "
+                f"(e.g. {example!r})"
+            )
+        if not value.isdigit() or int(value) < 1:
+            raise UserError(f"--layout {text!r}: {key}={value!r} must be a positive integer")
+        values[key] = int(value)
+        given.add(key)
+    product = values["tp"] * values["cp"] * values["pp"]
+    if "dp" not in given:
+        values["dp"] = max(1, world // product)
+    if product * values["dp"] != world:
+        raise UserError(
+            f"--layout {text!r}: tp x cp x dp x pp = {values['tp']} x {values['cp']} x "
+            f"{values['dp']} x {values['pp']} = {product * values['dp']}, not --gpus {world}"
+        )
+    return values
+
+
+def fixed_layout(cfg: Config, world: int, text: str, tgt: Target) -> Row:
+    """The one layout of --layout, with the config's micro-batch, global batch, sequence,
+    recompute, precision, sequence parallelism and ZeRO as given."""
+    values = parse_layout(text, world)
+    parallel = dataclasses.replace(
+        cfg.parallel, tp=values["tp"], pp=values["pp"], cp=values["cp"], dp=values["dp"],
+        ep=values["ep"], pp_virtual=values["v"], pp_layers=None,
+        sequence_parallel=cfg.parallel.sequence_parallel and values["tp"] > 1,
+    )  # fmt: skip
+    layout_cfg = dataclasses.replace(cfg, parallel=parallel)
+    try:
+        d = derive(layout_cfg, world, vocab_size=cfg.model.vocab_size)
+    except UserError as exc:
+        raise UserError(f"--layout {text!r}: {exc}") from None
+    device, eff = tgt.device(d.tp, d.cp, d.dp)
+    memory = estimate(
+        layout_cfg, world, d.tp, tgt.peak_flops, d.pp, d.cp, device.nvlink_gb_s, d.ep,
+        sequence_parallel=parallel.sequence_parallel, zero=cfg.optim.zero,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+    )  # fmt: skip
+    return Row(layout_cfg, memory, step_time(layout_cfg, d, device, eff))
+
+
+def plan(
+    cfg: Config,
+    gpus: int | None,
+    gpu: str | None,
+    memory_gb: float | None,
+    layout: str | None = None,
+    as_json: bool = False,
+    device: str = "gpu",
+    calibration: str | None = None,
+    show: int = plan_report.SHOWN,
+) -> str:
+    """The report `megatronish plan` prints (one JSON object with as_json); `show`: the fastest
+    fitting layouts it lists (0: all)."""
+    if cfg.model.vocab_size is None:  # the data's vocabulary, as training takes it
+        model = dataclasses.replace(cfg.model, vocab_size=data_vocab_size(cfg))
+        cfg = dataclasses.replace(cfg, model=model)
     world = gpus if gpus is not None else world_size_of(cfg)
     if world < 1:
         raise UserError(f"--gpus {gpus}: must be >= 1")
-    name, mem, peak = gpu_spec(gpu, memory_gb)
-    layouts = candidate_layouts(cfg, world)
-    if not layouts:
+    if layout is not None:
+        tgt = target(gpu, memory_gb, device, calibration, world)
+        row = fixed_layout(cfg, world, layout, tgt)
+        budget = tgt.memory_gib * HEADROOM
+        if as_json:
+            return plan_report.as_json(row, tgt.name, world, budget)
+        return plan_report.one_layout(row, tgt.title, budget)
+    tgt = target(gpu, memory_gb, device, calibration, world)
+    if not candidate_layouts(cfg, world):
         raise UserError(
             f"no tensor-parallel degree in 1, 2, 4, 8 fits {world} GPUs with model.n_head="
             f"{cfg.model.n_head} and train.global_batch_size={cfg.train.global_batch_size}"
         )
-    budget = mem * HEADROOM
-    link = GPU_LINK_GB_S[name]
-    rows, choice = [], None
-    # With a fused attention kernel selective recompute keeps what no recompute keeps (the
-    # s x s scores are never stored), so the fallback when nothing fits is full recompute.
-    levels = (
-        ["full"]
-        if cfg.train.activation_checkpointing == "full"
-        else [
-            cfg.train.activation_checkpointing,
-            "full",
-        ]
-    )
-    moe = cfg.model.moe.num_experts > 0
-    for recompute in levels:
-        level = [
-            estimate(
-                cfg, world, tp, peak, pp, cp, link, ep, activation_checkpointing=recompute, zero=1
-            )
-            for tp, cp, pp in layouts
-            for ep in expert_degrees(cfg, world // (tp * cp * pp))
-        ]
-        rows += level
-        fits = [e for e in level if e.total_gb <= budget]
-        if fits:  # the fastest that fits; among equals, the least model parallelism
-            choice = min(
-                fits, key=lambda e: (round(e.step_time_s, 6), e.tp * e.cp * e.pp, e.pp, e.cp)
-            )
-            break
-    lines = [
-        f"plan for {world} x {name} ({mem:.0f} GB each, bf16 peak {peak / 1e12:.0f} TFLOP/s; "
-        f"step time assumes {ASSUMED_MFU:.0%} MFU)",
-        "",
-        f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} "
-        + (f"{'ep':>3} {'experts GB':>10} " if moe else "")
-        + f"{'bubble':>6} {'v':>2} {'ring':>5} {'sp':>3} "
-        f"{'recompute':>9} "
-        f"{'weights':>8} {'grads':>7} {'adam':>7} {'activ.':>8} {'logits':>7} {'total GB':>9} "
-        f"{'comm GB':>8} {'compute s':>9}",
-    ]
-    for e in rows:
-        mark = "  <- fits" if e.total_gb <= budget else ""
-        ring = "-" if e.ring_ratio is None else f"{e.ring_ratio:.2f}"
-        experts = f"{e.ep:>3} {e.expert_gb:>10.2f} " if moe else ""
-        lines.append(
-            f"{e.tp:>3} {e.cp:>3} {e.dp:>4} {e.pp:>3} {experts}{e.bubble:>6.2f} {e.pp_virtual:>2} "
-            f"{ring:>5} "
-            f"{'y' if e.sequence_parallel else 'n':>3} "
-            f"{e.activation_checkpointing:>9} {e.weights_gb:>8.2f} {e.grads_gb:>7.2f} "
-            f"{e.optimizer_gb:>7.2f} {e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
-            f"{e.total_gb:>9.2f} {e.comm_gb_per_step:>8.2f} {e.step_time_s:>9.2f}{mark}"
-        )
-    lines.append("")
-    if choice is None:
-        lines.append(
-            f"does not fit: no layout stays under {budget:.0f} GB per GPU; use more GPUs, a "
-            "smaller train.micro_batch_size or a GPU with more memory"
-        )
-    else:
-        lines.append(
-            f"recommended: --set parallel.tp={choice.tp} --set parallel.cp={choice.cp} "
-            f"--set parallel.dp={choice.dp} --set parallel.pp={choice.pp} "
-            + (f"--set parallel.ep={choice.ep} " if moe else "")
-            + ""
-            + (f"--set parallel.pp_virtual={choice.pp_virtual} " if choice.pp_virtual > 1 else "")
-            + f"--set parallel.sequence_parallel={str(choice.sequence_parallel).lower()} "
-            f"--set optim.zero={choice.zero} "
-            f"--set train.activation_checkpointing={choice.activation_checkpointing} "
-            f"({choice.total_gb:.1f} GB per GPU, ~{choice.step_time_s:.2f} s of compute per step)"
-        )
-    return "\n".join(lines)
+    table, fits = search(cfg, world, tgt)
+    budget = tgt.memory_gib * HEADROOM
+    if as_json:
+        if not fits:
+            raise UserError(f"no layout of {world} x {tgt.name} fits {budget:.1f} GiB per rank")
+        return plan_report.as_json(fits[0], tgt.name, world, budget)
+    if show < 0:
+        raise UserError(f"--show {show}: must be >= 0 (0: every layout that fits)")
+    return plan_report.report(cfg, table, fits, tgt.title, budget, show or len(fits))

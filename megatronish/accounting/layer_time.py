@@ -1,0 +1,190 @@
+"""Compute time of one transformer layer, and of the embedding and the output layer, for one
+micro-batch on one rank: forward, backward and what recompute reruns (``LayerTime``), from
+the GEMM shapes, the attention's FLOPs and the bytes of the memory-bound ops (timed by
+accounting.roofline). Communication is not here (accounting.comm_time).
+
+Legend: T = b s / cp tokens a rank holds, h hidden, a heads and k kv heads of d dims, t tp,
+f d_ff, V the padded vocab, c bytes a 16-bit (bf16) or fp32 activation element. A GEMM
+[m, k] x [k, n] forward has two of the same FLOPs backward: the input gradient [m, n] x [n, k]
+and the weight gradient [k, m] x [m, n].
+
+GEMMs a layer forward: qkv [T, h] x [h, (a + 2k) d / t], projection [T, a d / t] x [a d / t, h],
+MLP up [T, h] x [h, f / t] (llama: gate and up, 2 f / t wide), down [T, f / t] x [f / t, h]; an
+MoE MLP instead its router [T, h] x [h, E] and the T top_k routed rows through its E / ep
+experts (each [rows, h] x [h, f / t] three times: gate, up, down), a shared expert as a dense
+MLP of moe_d_ff.
+
+Attention: flash-style (what megatronish runs): 4 b (a / t) (s / cp) s d FLOPs forward, half
+under the causal mask, at Efficiency.attention_fraction, 2.5 x backward. "materialized" (what
+Megatron-LM ran in 2021-22, before flash attention): the scores [b, a / t, s, s] come from two
+batched GEMMs forward (four backward) at GEMM efficiency, and the fused scale-mask-softmax and
+the attention dropout stream them through memory: forward read + write (softmax) and read +
+write + a 1-byte mask (dropout); backward read mask, gradient and write (dropout), read output,
+gradient and write (softmax).
+
+Memory-bound ops forward, in elements of c bytes (N = T / t tokens under sequence parallelism,
+else T: the norms, residuals and dropouts run on a rank's share of the sequence):
+two norms 2 N h each; after attention and after the MLP bias + dropout + residual, read 2 N h
+and write N h each, plus a 1-byte mask each with dropout > 0; the MLP's activation, read + write
+T f / t (gelu) or read 2 and write 1 (swiglu); llama's rotary embedding on q and k, read +
+write T (a + k) d / t; the heads' layout copies, read + write of q, k, v into [b, a / t, s, d]
+and of the attention output back, 2 T (2 a + 2 k) d / t. Backward moves twice the forward's
+bytes. Output layer: the final norm; the cross entropy reads the logits and writes their fp32
+softmax statistics and the logits' gradient, about (2 c + 8) T V / t bytes. Embedding: a lookup
+forward (read fp32 4 T h, write c T h) and a scatter-add of its gradient backward (read and
+write 4 T h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatronish.accounting.hardware import Device
+from megatronish.accounting.roofline import (
+    Efficiency,
+    attention_flops,
+    flash_attention_seconds,
+    gemm_seconds,
+    memory_seconds,
+)
+from megatronish.config import Config, Derived
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Seconds of one micro-batch on one rank: forward, backward, and the extra forward work
+    selective (the attention core) and full (the whole layer) recompute add."""
+
+    forward: float
+    backward: float
+    attention_forward: float
+
+    def total(self, recompute: str) -> float:
+        extra = {"full": self.forward, "selective": self.attention_forward}.get(recompute, 0.0)
+        return self.forward + self.backward + extra
+
+
+class _Timer:
+    """Roofline times on one device at one activation width."""
+
+    def __init__(self, device: Device, eff: Efficiency, width: int):
+        self.peak, self.bw, self.eff, self.width = (
+            device.peak_flops,
+            device.hbm_tb_s * 1e12,
+            eff,
+            width,
+        )
+
+    def gemm(self, m: int, n: int, k: int, backward: bool = False, batch: int = 1) -> float:
+        """One GEMM forward, or its two gradient GEMMs; `batch` of them in one kernel."""
+        shapes = [(m, k, n), (k, n, m)] if backward else [(m, n, k)]
+        total = 0.0
+        for mm, nn, kk in shapes:
+            one = gemm_seconds(mm, nn, kk, self.peak, self.bw, self.width, self.eff)
+            total += batch * (one - self.eff.kernel_overhead_s) + self.eff.kernel_overhead_s
+        return total
+
+    def stream(self, elements: float, kernels: int, extra_bytes: float = 0.0) -> float:
+        return memory_seconds(elements * self.width + extra_bytes, self.bw, self.eff, kernels)
+
+
+def layer_time(
+    cfg: Config, d: Derived, device: Device, eff: Efficiency, moe: bool, attention: str
+) -> LayerTime:
+    """One transformer layer (an MoE layer when `moe`) for one micro-batch on one rank."""
+    m, tr, t = cfg.model, cfg.train, d.tp
+    width = 2 if tr.precision == "bf16" else 4
+    timer = _Timer(device, eff, width)
+    s = tr.seq_len // d.cp
+    T, h, hd = tr.micro_batch_size * s, m.d_model, d.head_dim
+    heads, kv = m.n_head // t, d.n_kv_head // t
+    sp = cfg.parallel.sequence_parallel and t > 1
+    N = T // t if sp else T
+    llama = m.arch == "llama"
+    gemms = [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
+    f_local = (d.moe_d_ff if moe else d.d_ff) // t
+    mlp_gemms = [(T, (2 if llama else 1) * f_local, h), (T, h, f_local)]
+    if not moe:
+        gemms += mlp_gemms
+    fwd = sum(timer.gemm(*g) for g in gemms)
+    bwd = sum(timer.gemm(*g, backward=True) for g in gemms)
+    if moe:
+        experts = m.moe.num_experts
+        local = experts // d.ep
+        rows = max(1, T * m.moe.top_k * d.ep // experts)  # per expert, dropless on average
+        expert_gemms = [(T, experts, h)] + [(rows, f_local, h)] * 2 + [(rows, h, f_local)]
+        for i, g in enumerate(expert_gemms):
+            batch = 1 if i == 0 else local
+            fwd += timer.gemm(*g, batch=batch)
+            bwd += timer.gemm(*g, backward=True, batch=batch)
+        if m.moe.shared_expert:
+            shared = [(T, 2 * f_local, h), (T, h, f_local)]
+            fwd += sum(timer.gemm(*g) for g in shared)
+            bwd += sum(timer.gemm(*g, backward=True) for g in shared)
+        # Permute the routed rows out and back, forward; twice backward.
+        routed = T * m.moe.top_k * h
+        fwd += timer.stream(4 * routed, 4)
+        bwd += timer.stream(8 * routed, 8)
+    attn_fwd, attn_bwd = _attention(cfg, d, timer, device, eff, attention, s)
+    mask = 1 if m.dropout > 0 else 0
+    act_elems = T * f_local * (3 if llama or moe else 2)
+    rope = 2 * T * (heads + kv) * hd if llama else 0
+    heads_copy = 2 * T * (2 * heads + 2 * kv) * hd  # [s, b, n, d] <-> [b, n, s, d], in and out
+    elems = N * h * (2 + 2 + 3 + 3) + act_elems + rope + heads_copy
+    elementwise = timer.stream(elems, 6 + (2 if llama else 0), extra_bytes=2 * mask * N * h)
+    fwd += attn_fwd + elementwise
+    bwd += attn_bwd + 2 * elementwise
+    return LayerTime(forward=fwd, backward=bwd, attention_forward=attn_fwd)
+
+
+def _attention(
+    cfg: Config, d: Derived, timer: _Timer, device: Device, eff: Efficiency, kind: str, s: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core of one layer."""
+    m, tr, t = cfg.model, cfg.train, d.tp
+    b, heads, hd = tr.micro_batch_size, m.n_head // t, d.head_dim
+    if kind == "flash":
+        flops = attention_flops(b, heads, s, tr.seq_len, hd, causal=True)
+        return (
+            flash_attention_seconds(flops, device.peak_flops, eff, backward=False),
+            flash_attention_seconds(flops, device.peak_flops, eff, backward=True),
+        )
+    if kind != "materialized":
+        raise ValueError(f"attention {kind!r}: expected flash or materialized")
+    batch, full = b * heads, tr.seq_len
+    forward = timer.gemm(s, full, hd, batch=batch) + timer.gemm(s, hd, full, batch=batch)
+    backward = timer.gemm(s, full, hd, True, batch) + timer.gemm(s, hd, full, True, batch)
+    scores = b * heads * s * full
+    mask = scores if m.dropout > 0 else 0
+    forward += timer.stream(scores * (2 + (2 if mask else 0)), 2, extra_bytes=mask)
+    backward += timer.stream(scores * ((2 if mask else 0) + 3), 2, extra_bytes=mask)
+    return forward, backward
+
+
+def embedding_time(cfg: Config, d: Derived, device: Device, eff: Efficiency) -> LayerTime:
+    """The token (and position) embedding of one micro-batch on the first stage."""
+    width = 2 if cfg.train.precision == "bf16" else 4
+    timer = _Timer(device, eff, width)
+    T, h = cfg.train.micro_batch_size * cfg.train.seq_len // d.cp, cfg.model.d_model
+    return LayerTime(
+        forward=timer.stream(T * h, 1, extra_bytes=4 * T * h),
+        backward=timer.stream(0, 1, extra_bytes=8 * T * h),
+        attention_forward=0.0,
+    )
+
+
+def output_time(cfg: Config, d: Derived, device: Device, eff: Efficiency) -> LayerTime:
+    """The final norm, the output layer and the cross entropy of one micro-batch on the last
+    stage (full recompute does not rerun them)."""
+    width = 2 if cfg.train.precision == "bf16" else 4
+    timer = _Timer(device, eff, width)
+    T, h = cfg.train.micro_batch_size * cfg.train.seq_len // d.cp, cfg.model.d_model
+    v_local = d.padded_vocab_size // d.tp
+    sp = cfg.parallel.sequence_parallel and d.tp > 1
+    norm = timer.stream(2 * (T // d.tp if sp else T) * h, 1)
+    loss = timer.stream(0, 3, extra_bytes=(2 * width + 8) * T * v_local)
+    return LayerTime(
+        forward=timer.gemm(T, v_local, h) + norm + loss / 2,
+        backward=timer.gemm(T, v_local, h, backward=True) + 2 * norm + loss / 2,
+        attention_forward=0.0,
+    )

@@ -1,0 +1,229 @@
+"""Predicted time of one optimizer step of a layout (``step_time``), with its breakdown and the
+throughput it gives (tokens/s, model and hardware TFLOP/s per GPU, MFU and HFU). Pure
+functions of the config, its derived layout, a Device and the Efficiency constants.
+
+Per pipeline stage r and micro-batch: the compute of its layers (accounting.layer_time: forward,
+backward, and the forward again under full recompute or the attention core under selective),
+the embedding on the first stage and the output layer on the last; plus the collectives that
+stage issues (accounting.collectives, the count the tests hold the wire to), timed by
+accounting.comm_time and split by what hides them:
+
+- tp (and the tp part of MoE routing): on the critical path, all exposed. Sequence
+  parallelism changes their bytes and kinds (all-gather + reduce-scatter), not their exposure;
+  megatronish does not overlap them with GEMMs, so neither does the model.
+- ep all-to-all (MoE dispatch and return): on the critical path, exposed.
+- cp ring (k, v and their gradients): each hop runs under the attention of one block, so only
+  what exceeds the layer's attention time is exposed.
+- dp gradient reduction (all-reduce, or ZeRO-1 reduce-scatter): with optim.overlap_grad_reduce
+  it runs under the stage's last backward: exposed is what exceeds that backward, and at
+  least the last bucket (optim.bucket_mb); without overlap, all of it. The ZeRO-1 parameter
+  all-gather likewise runs under the next step's first forward. The other dp and embedding
+  collectives (loss, norms, tied embedding, flags) are exposed.
+- pp: the point-to-point sends of activations and gradients are exposed (blocking in the
+  schedule); the pipeline bubble is (pp - 1) / (v m) of the m micro-batches' time of the
+  slowest stage, i.e. (pp - 1) / v of its time for one micro-batch.
+- optimizer: AdamW streams the fp32 parameters, gradients and moments of the state it holds
+  (28 bytes a parameter: read 16, write 12; ZeRO-1: its 1 / (dp cp) share) and the gradient
+  norm reads every local gradient (4 bytes), at the memory bandwidth.
+
+Step time = m x (stage compute + exposed tp + cp + ep per micro-batch) of the slowest stage
++ bubble + sends + exposed dp + optimizer.
+
+FLOPs: model FLOPs are accounting.flops' (3 passes, no recompute); hardware FLOPs add what
+recompute reruns: the layers' forward (full; Narayanan et al. 2021, eq. 3) or the attention
+core's forward, 4 s^2 a d per sequence and layer (selective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megatronish.accounting.collectives import collectives_per_step
+from megatronish.accounting.comm_time import Mesh, collective_seconds
+from megatronish.accounting.flops import model_flops_per_step
+from megatronish.accounting.hardware import Device
+from megatronish.accounting.layer_time import embedding_time, layer_time, output_time
+from megatronish.accounting.parameters import (
+    local_moe_params,
+    local_parameter_count,
+    stage_moe_layers,
+)
+from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency, memory_seconds
+from megatronish.config import Config, Derived
+
+PARTS = (
+    "compute",
+    "exposed_tp",
+    "exposed_cp",
+    "exposed_ep",
+    "exposed_dp",
+    "pipeline_bubble",
+    "pipeline_sends",
+    "optimizer",
+)
+
+
+@dataclass
+class StepTime:
+    """One layout's predicted step. breakdown: seconds per part (PARTS), summing to
+    step_time_s."""
+
+    step_time_s: float
+    tokens_per_step: int
+    world_size: int
+    model_flops: float
+    hardware_flops: float
+    peak_flops: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_time_s / self.world_size / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.step_time_s / self.world_size / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_gpu * 1e12 / self.peak_flops
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_tflops_per_gpu * 1e12 / self.peak_flops
+
+
+def flops_per_step(cfg: Config, d: Derived) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one step (see module doc)."""
+    tr, m = cfg.train, cfg.model
+    plain = dataclasses.replace(cfg, train=dataclasses.replace(tr, activation_checkpointing="none"))
+    model = model_flops_per_step(plain, d)
+    attention = 4 * m.n_layer * tr.seq_len * m.n_head * d.head_dim * d.tokens_per_step
+    if tr.activation_checkpointing == "full":  # the layers' forward again, not the output layer
+        head = 2 * m.d_model * d.vocab_size * d.tokens_per_step
+        return model, model + (model / 3 - head)
+    if tr.activation_checkpointing == "selective":
+        return model, model + attention
+    return model, model
+
+
+def _stage(cfg: Config, d: Derived, r: int, device: Device, eff: Efficiency, attention: str):
+    """(per-micro-batch compute, forward, backward) seconds of stage r."""
+    recompute = cfg.train.activation_checkpointing
+    dense = layer_time(cfg, d, device, eff, False, attention)
+    moe_layers = stage_moe_layers(d, r)
+    layers = d.stage_layers[r]
+    parts = [(dense, layers - moe_layers)]
+    if moe_layers:
+        parts.append((layer_time(cfg, d, device, eff, True, attention), moe_layers))
+    compute = sum(lt.total(recompute) * n for lt, n in parts)
+    forward = sum(lt.forward * n for lt, n in parts)
+    backward = sum((lt.total(recompute) - lt.forward) * n for lt, n in parts)
+    for edge, on in ((embedding_time, r == 0), (output_time, r == d.pp - 1)):
+        if on:
+            lt = edge(cfg, d, device, eff)
+            compute += lt.forward + lt.backward
+            forward += lt.forward
+            backward += lt.backward
+    return compute, forward, backward
+
+
+def _optimizer_seconds(cfg: Config, d: Derived, r: int, device: Device, eff: Efficiency) -> float:
+    params = local_parameter_count(cfg, d, r)
+    experts = stage_moe_layers(d, r) * local_moe_params(cfg, d, experts_only=True)
+    if cfg.optim.zero >= 1:
+        state = (params - experts) / (d.dp * d.cp) + experts / max(1, d.dp * d.cp // d.ep)
+    else:
+        state = params
+    return memory_seconds(28 * state + 4 * params, device.hbm_tb_s * 1e12, eff, kernels=4)
+
+
+def _comm(cfg, d, r, mesh, device, eff, attention_s: float, forward_s: float, backward_s: float):
+    """Exposed seconds per part of stage r's collectives in one step (see module doc)."""
+    out = dict.fromkeys(("tp", "cp", "ep", "dp", "sends", "pp"), 0.0)
+    grad, gather, ring = 0.0, 0.0, 0.0
+    bucket = cfg.optim.bucket_mb * 1e6
+    grad_payload = 0.0
+    for op in collectives_per_step(cfg, d, r):
+        seconds = collective_seconds(op, mesh, device, eff)
+        if op.group == "tp":
+            out["tp"] += seconds
+        elif op.kind == "cp_ring":
+            ring += seconds
+        elif op.group == "cp":
+            out["cp"] += seconds
+        elif op.kind == "all_to_all":
+            out["ep"] += seconds
+        elif op.kind == "p2p":
+            out["sends"] += seconds
+        elif op.group == "pp":
+            out["pp"] += seconds
+        elif op.group in ("dp", "ep") and op.kind == "all_gather":
+            gather += seconds
+        elif op.group in ("dp", "ep") and "gradient" in op.what and op.payload > 64:
+            grad += seconds
+            grad_payload += op.payload
+        else:
+            out["dp"] += seconds
+    out["cp"] += max(0.0, ring - attention_s)
+    if cfg.optim.overlap_grad_reduce and grad_payload:
+        last_bucket = grad * min(1.0, bucket / grad_payload)
+        out["dp"] += max(last_bucket, grad - backward_s) + max(0.0, gather - forward_s)
+    else:
+        out["dp"] += grad + gather
+    return out
+
+
+def step_time(
+    cfg: Config,
+    d: Derived,
+    device: Device,
+    eff: Efficiency = GPU_EFFICIENCY,
+    attention: str = "flash",
+) -> StepTime:
+    """The predicted step of cfg (its parallel section a layout whose Derived is d) on world
+    d.world_size devices; attention "flash" (megatronish's fused kernel) or "materialized"
+    (scores in memory, as Megatron-LM ran before flash attention)."""
+    m, pp, virtual = d.grad_accum_steps, d.pp, d.pp_virtual
+    mesh = Mesh(tp=d.tp, cp=d.cp, dp=d.dp, pp=pp)
+    recompute = cfg.train.activation_checkpointing
+    attention_one = layer_time(cfg, d, device, eff, False, attention).attention_forward
+    attention_one *= 3.5 + (1 if recompute != "none" else 0)  # forward, backward, recompute
+    stages, done = [], {}
+    for r in range(pp):
+        # Stages that differ neither in their layers nor in being first or last time alike.
+        key = (r == 0, r == pp - 1, d.stage_layers[r], stage_moe_layers(d, r))
+        if key not in done:
+            compute, forward, backward = _stage(cfg, d, r, device, eff, attention)
+            attention_s = attention_one * d.stage_layers[r] * m
+            comm = _comm(cfg, d, r, mesh, device, eff, attention_s, forward, backward)
+            per_micro = compute + (comm["tp"] + comm["cp"] + comm["ep"]) / m
+            done[key] = (per_micro, compute, comm, _optimizer_seconds(cfg, d, r, device, eff))
+        stages.append(done[key])
+    slowest = max(stages, key=lambda st: st[0])
+    per_micro, compute, comm, _ = slowest
+    breakdown = {
+        "compute": m * compute,
+        "exposed_tp": comm["tp"],
+        "exposed_cp": comm["cp"],
+        "exposed_ep": comm["ep"],
+        "exposed_dp": max(st[2]["dp"] for st in stages),
+        "pipeline_bubble": (pp - 1) / virtual * per_micro,
+        "pipeline_sends": max(st[2]["sends"] + st[2]["pp"] for st in stages),
+        "optimizer": max(st[3] for st in stages),
+    }
+    model, hardware = flops_per_step(cfg, d)
+    return StepTime(
+        step_time_s=sum(breakdown.values()),
+        tokens_per_step=d.tokens_per_step,
+        world_size=d.world_size,
+        model_flops=model,
+        hardware_flops=hardware,
+        peak_flops=device.peak_flops,
+        breakdown=breakdown,
+    )

@@ -1,0 +1,231 @@
+"""The step-time model (accounting.step_time) and `plan`'s use of it: it reproduces the
+published large runs of Narayanan et al. 2021 and Korthikanti et al. 2022 (tests/published_runs.py
+holds the rows and their sources), its parts follow the physics it states, and plan's fixed
+layout, JSON and bad input behave as the contract says."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+
+import pytest
+
+from megatronish.accounting.collectives import collectives_per_step
+from megatronish.accounting.comm_time import Mesh, collective_seconds, inside_node
+from megatronish.accounting.hardware import GPUS, device_named
+from megatronish.accounting.roofline import GPU_EFFICIENCY, attention_flops, gemm_seconds
+from megatronish.accounting.step_time import PARTS, step_time
+from megatronish.config import derive, load_config
+from tests.conftest import CONFIGS, invoke_cli
+from tests.published_runs import KORTHIKANTI, RUNS, compare, predict
+
+GPT3 = [
+    "model.arch=gpt2", "model.n_layer=96", "model.d_model=12288", "model.n_head=96",
+    "model.vocab_size=51200", "model.max_seq_len=2048", "train.seq_len=2048",
+    "train.micro_batch_size=1", "train.global_batch_size=1536", "train.precision=bf16",
+]  # fmt: skip
+
+
+def errors() -> dict[str, float]:
+    return {
+        f"{r.source}: {r.name}": (pred - pub) / pub for r in RUNS for _, pub, pred in [compare(r)]
+    }
+
+
+def test_every_published_run_within_15_percent_and_the_median_under_7():
+    errs = errors()
+    assert len(errs) == 14
+    worst = max(errs, key=lambda k: abs(errs[k]))
+    assert abs(errs[worst]) < 0.15, f"{worst}: {errs[worst]:+.1%}"
+    assert statistics.median(abs(e) for e in errs.values()) < 0.07
+
+
+def test_korthikanti_iteration_times_within_15_percent():
+    for run in (r for r in RUNS if r.source == KORTHIKANTI):
+        assert predict(run).step_time_s == pytest.approx(run.iteration_s, rel=0.15), run.name
+
+
+def test_the_breakdown_sums_to_the_step_and_the_bubble_is_p_minus_1_over_v_m():
+    run = next(r for r in RUNS if r.name == "175B" and r.source == KORTHIKANTI)
+    p = predict(run)
+    assert set(p.breakdown) == set(PARTS)
+    assert sum(p.breakdown.values()) == pytest.approx(p.step_time_s)
+    per_micro = (p.breakdown["compute"] + p.breakdown["exposed_tp"]) / 64  # m = 64
+    assert p.breakdown["pipeline_bubble"] == pytest.approx(per_micro * 7 / 3)  # (p-1)/v x
+    # Selective recompute reruns the attention core's forward: 4 s^2 a d FLOPs a sequence.
+    assert p.hardware_flops - p.model_flops == pytest.approx(4 * 96 * 2048 * 12288 * 64 * 2048)
+
+
+def _gpt3(*sets: str, world: int = 64):
+    cfg = load_config(None, [*GPT3, *sets])
+    return cfg, derive(cfg, world)
+
+
+def test_recompute_adds_forward_time_and_full_adds_the_most():
+    times = {}
+    for level in ("none", "selective", "full"):
+        cfg, d = _gpt3("parallel.tp=8", "parallel.pp=8", "parallel.dp=1",
+                       f"train.activation_checkpointing={level}")  # fmt: skip
+        times[level] = step_time(cfg, d, GPUS["H100"]).breakdown["compute"]
+    assert times["none"] < times["selective"] < times["full"] < 1.4 * times["none"]
+
+
+def test_overlap_hides_the_data_parallel_reduction_under_backward():
+    # One micro-batch a step: its whole backward can hide the reduction.
+    sets = ["parallel.tp=8", "parallel.dp=8", "train.global_batch_size=64",
+            "train.micro_batch_size=8"]  # fmt: skip
+    exposed = {}
+    for overlap in ("true", "false"):
+        cfg, d = _gpt3(*sets, "model.n_layer=8", f"optim.overlap_grad_reduce={overlap}")
+        exposed[overlap] = step_time(cfg, d, GPUS["H100"]).breakdown["exposed_dp"]
+    assert 0 < exposed["true"] < exposed["false"] / 2
+
+
+def test_the_model_times_the_bytes_of_the_analytic_collective_count():
+    cfg, d = _gpt3("parallel.tp=8", "parallel.pp=8", "parallel.dp=1")
+    mesh, h100 = Mesh(tp=8, cp=1, dp=1, pp=8), GPUS["H100"]
+    tp_ops = [op for op in collectives_per_step(cfg, d, 7) if op.group == "tp"]
+    tp_seconds = sum(collective_seconds(op, mesh, h100, GPU_EFFICIENCY) for op in tp_ops)
+    p = step_time(cfg, d, h100)
+    assert p.breakdown["exposed_tp"] == pytest.approx(tp_seconds)  # the last stage is slowest
+    bandwidth = h100.nvlink_gb_s * 1e9 * GPU_EFFICIENCY.nvlink_fraction
+    assert tp_seconds > sum(op.sent for op in tp_ops) / bandwidth
+
+
+def test_groups_inside_a_node_use_nvlink_and_the_others_the_network():
+    mesh, h100 = Mesh(tp=8, cp=1, dp=4, pp=2), GPUS["H100"]
+    assert inside_node(mesh, "tp", 8, h100) and not inside_node(mesh, "dp", 4, h100)
+    small = Mesh(tp=2, cp=1, dp=4, pp=1)
+    assert inside_node(small, "dp", 4, h100) and not inside_node(small, "dp", 8, h100)
+
+
+def test_gemm_efficiency_curve_and_causal_attention():
+    peak, bw = GPUS["A100"].peak_flops, GPUS["A100"].hbm_tb_s * 1e12
+    big = gemm_seconds(8192, 8192, 8192, peak, bw, 2, GPU_EFFICIENCY)
+    assert 2 * 8192**3 / big == pytest.approx(0.8 * peak, rel=0.01)
+    ragged = gemm_seconds(8192, 8192 + 1, 8192, peak, bw, 2, GPU_EFFICIENCY)
+    assert ragged > big * 1.01  # one more column costs a column of tiles
+    skinny = gemm_seconds(8, 8192, 8192, peak, bw, 2, GPU_EFFICIENCY)
+    assert skinny > 8192 * 8192 * 2 / bw  # memory bound: reads the whole weight
+    assert attention_flops(1, 8, 512, 512, 64, True) * 2 == attention_flops(
+        1, 8, 512, 512, 64, False
+    )
+
+
+def test_the_four_gpus_have_every_figure():
+    for name in ("A100", "H100", "H200", "B200"):
+        gpu = device_named(name.lower())
+        assert gpu.peak_tflops > 300 and gpu.hbm_tb_s >= 2 and gpu.nvlink_gb_s >= 300
+        assert gpu.network_gb_s >= 25 and gpu.gpus_per_node == 8 and gpu.memory_gb >= 80
+
+
+def test_cli_fixed_layout_prints_one_json_object(tmp_path):
+    config = tmp_path / "gpt3.yaml"
+    config.write_text(
+        "model: {arch: gpt2, n_layer: 96, d_model: 12288, n_head: 96, vocab_size: 51200, "
+        "max_seq_len: 2048}\ntrain: {seq_len: 2048, micro_batch_size: 1, "
+        "global_batch_size: 1536, precision: bf16}\n"
+    )
+    result = invoke_cli("plan", "--config", str(config), "--gpus", "1536", "--gpu", "H100",
+                        "--layout", "tp=8 pp=8 v=2 cp=1 dp=24", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    for key in ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hardware_tflops_per_gpu",
+                "mfu", "hfu", "memory_gb", "breakdown"):  # fmt: skip
+        assert key in record
+    assert sum(record["breakdown"].values()) == pytest.approx(record["step_time_s"])
+    assert record["layout"]["v"] == 2 and record["tokens_per_s"] == pytest.approx(
+        1536 * 2048 / record["step_time_s"]
+    )
+
+
+def _one_line_error(result, *words: str) -> None:
+    assert result.returncode == 2, result.stdout
+    assert len(result.stderr.strip().splitlines()) == 1
+    for word in words:
+        assert word in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--gpu", "TPU9"], ["--gpu TPU9", "H100"]),
+        (["--layout", "tp=8 pp=8 dp=2"], ["--layout", "not --gpus 1536"]),
+        (["--gpus", "1280", "--layout", "tp=5 dp=256"], ["model.n_head", "valid tp"]),
+        (["--layout", "tp=8 xp=2"], ["unknown key 'xp'", "valid: tp"]),
+    ],
+)
+def test_cli_bad_plan_input_exits_2_with_one_line(args, words):
+    sets = [a for s in GPT3 for a in ("--set", s)]
+    base = ["plan", "--config", str(CONFIGS / "tiny.yaml"), *sets, "--gpus", "1536"]
+    _one_line_error(invoke_cli(*base, *args), *words)
+
+
+def test_cli_device_file_with_a_missing_field_exits_2(tmp_path):
+    device = tmp_path / "mygpu.yaml"
+    device.write_text("peak_tflops: 500\nmemory_gb: 96\nhbm_tb_s: 4\nnvlink_gb_s: 450\n"
+                      "network_gb_s: 50\n")  # fmt: skip
+    args = ["plan", "--config", str(CONFIGS / "tiny.yaml"), "--set", "model.vocab_size=257"]
+    _one_line_error(invoke_cli(*args, "--gpu", str(device)), "missing gpus_per_node")
+    device.write_text(device.read_text() + "gpus_per_node: 4\n")
+    assert invoke_cli(*args, "--gpu", str(device), "--gpus", "4").returncode == 0
+
+
+CALIBRATION = {
+    "cores": 2,
+    "threads": {
+        n: {
+            "matmul_flops": 5e10 * int(n),
+            "gemm_fraction": 0.6,
+            "attention_fraction": 0.3,
+            "memory_bytes_s": 1e10,
+            "op_overhead_s": 5e-6,
+        }
+        for n in ("1", "2")
+    },  # fmt: skip
+    "shm_latency_s": 2e-5,
+    "shm_bytes_s": 4e9,
+    "gloo_latency_s": 1e-4,
+    "gloo_bytes_s": 1e9,
+}
+
+
+def test_cli_cpu_plan_reads_a_fixed_calibration(tmp_path):
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(CALIBRATION))
+    args = ["plan", "--config", str(CONFIGS / "tiny.yaml"), "--set", "model.vocab_size=257",
+            "--device", "cpu", "--calibration", str(path), "--gpus", "2"]  # fmt: skip
+    one = {}
+    for layout in ("tp=2", "dp=2", "pp=2"):
+        result = invoke_cli(*args, "--layout", layout, "--json")
+        assert result.returncode == 0, result.stderr
+        one[layout] = json.loads(result.stdout)
+    # One thread a rank: 5e10 FLOP/s; tp and pp pay their collectives, dp its all-reduce.
+    assert (
+        one["tp=2"]["breakdown"]["exposed_tp"] > 0
+        and one["pp=2"]["breakdown"]["pipeline_sends"] > 0
+    )
+    assert one["dp=2"]["mfu"] == pytest.approx(one["dp=2"]["model_tflops_per_gpu"] * 1e12 / 5e10)
+    report = invoke_cli(*args)
+    assert report.returncode == 0 and "recommended:" in report.stdout
+
+
+def test_plan_labels_every_figure_with_its_unit_and_scope():
+    result = invoke_cli("plan", "--config", str(CONFIGS / "gpt2-1.3b.yaml"), "--gpus", "8")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "GiB (2^30 bytes) per rank" in text and "GiB a rank sends per step" in text
+    assert "predicted seconds per step" in text and "ms per step" in text
+    assert "comm GB" not in text
+
+
+def test_fixed_layout_uses_the_configs_micro_batch_and_recompute():
+    from megatronish.commands.plan import fixed_layout, target
+
+    cfg = load_config(
+        None, [*GPT3, "train.micro_batch_size=2", "train.activation_checkpointing=full"]
+    )
+    row = fixed_layout(cfg, 1024, "tp=8 pp=8 v=2 dp=16", target("H100", None, "gpu", None, 1024))
+    assert row.cfg.train.micro_batch_size == 2 and row.memory.activation_checkpointing == "full"
+    assert dataclasses.asdict(row.cfg.parallel)["pp_virtual"] == 2
