@@ -57,7 +57,7 @@ def test_a_save_interrupted_before_the_rename_leaves_the_previous_checkpoint_lat
     (model1, opt1, derived), (model2, opt2, _) = two_models
     _save(tmp_path, 1, model1, opt1, derived)
     if crash_in == "writing shards":
-        monkeypatch.setattr(save_module, "save_file", _fail)
+        monkeypatch.setattr(save_module, "serialize", _fail)
     else:
         monkeypatch.setattr(os, "rename", _fail)
     with pytest.raises(OSError, match="simulated crash"):

@@ -8,8 +8,8 @@ pointer to the newest complete one:
     <dir>/step_000020/
         metadata.json                 format, step, layout (tp, dp, pp, cp, zero), every
                                       tensor's full shape, split dim, dtype and valid_rows,
-                                      the files with their sizes, the train loader's
-                                      position, the tokenizer
+                                      the files with their sizes and CRC-32C
+                                      checksums, the train loader's position, the tokenizer
         config.yaml                   the resolved config of the run
         model_tp00.safetensors        tp rank 0's parameter shards (replicated ones only here)
         optim_tp00_dp000.safetensors  AdamW exp_avg / exp_avg_sq / step of the parameters whose

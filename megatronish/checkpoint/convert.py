@@ -22,16 +22,17 @@ from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize, write_safetensors
 from megatronish.config import derive
 from megatronish.errors import UserError
+from megatronish.paths import require_output_dir
 
 
 def convert_checkpoint(source: str, tp: int, output: str) -> Path:
     """Writes checkpoint `source` (saved at any tp, dp, pp and ZeRO setting) as a checkpoint
     directory `output` at tp ranks, dp 1 and pp 1, and returns its step directory. Resuming from it
     at tp continues exactly as resuming from the source would."""
-    ckpt = Checkpoint(source)
-    out = Path(output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    out = require_output_dir(output, "--output")
+    if out.exists() and any(out.iterdir()):
         raise UserError(f"--output {out}: exists and is not empty; choose a new directory")
+    ckpt = Checkpoint(source)
     if tp < 1:
         raise UserError(f"--tp {tp}: must be a positive integer")
     cfg = copy.deepcopy(ckpt.config)
@@ -49,11 +50,14 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
     }
     has_optimizer = ckpt.meta.get("optimizer") is not None
     tmp = out / f"{step_dir_name(ckpt.step)}.tmp-{os.getpid()}"
+    created = not out.exists()
     tmp.mkdir(parents=True)
+    checksums: dict[str, str] = {}
+    ckpt.check_in_background()  # every file, while the new shards are written
     try:
         for tp_rank in range(tp):
             mine = [n for n, s in specs.items() if s.split_dim is not None or tp_rank == 0]
-            write_safetensors(
+            checksums[model_file(tp_rank)] = write_safetensors(
                 tmp / model_file(tp_rank),
                 {n: ckpt.block(n, "param", specs[n], tp, tp_rank) for n in mine},
             )
@@ -63,10 +67,13 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
                     state[f"{name}.{kind}"] = ckpt.block(name, kind, specs[name], tp, tp_rank)
                 state[f"{name}.step"] = ckpt.scalar(name, "step")
             if state:
-                write_safetensors(tmp / optim_file(tp_rank, 0), state)
+                checksums[optim_file(tp_rank, 0)] = write_safetensors(
+                    tmp / optim_file(tp_rank, 0), state
+                )
             rng = rng_states_for(ckpt, tp, 1, tp_rank)
             if rng is not None:
-                write_safetensors(tmp / rng_file(tp_rank), rng)
+                checksums[rng_file(tp_rank)] = write_safetensors(tmp / rng_file(tp_rank), rng)
+        ckpt.verify()
         info = ckpt.meta.get("tokenizer")
         tokenizer = None
         if info is not None:
@@ -79,7 +86,7 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
             ckpt.step, layout, specs, ckpt.vocab_size, derived.padded_vocab_size,
             cfg.model.arch, has_optimizer, ckpt.loader_state, tokenizer,
         )  # fmt: skip
-        return finalize(out, tmp, meta, cfg, tokenizer, keep=0)
+        return finalize(out, tmp, meta, cfg, tokenizer, keep=0, checksums=checksums)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(out if created else tmp, ignore_errors=True)
         raise

@@ -40,7 +40,9 @@ def evaluate_checkpoint(
             f"checkpoint's vocabulary ({ckpt.vocab_size})"
         )
     ps = ParallelState.single(default_device())
+    ckpt.check_in_background()  # every file, while the model is built
     model = build_model(ckpt, ps, cfg)
+    ckpt.verify()
     t = cfg.train
     loader = BatchLoader(
         dataset_dir, split="val", seq_len=t.seq_len, global_batch_size=t.global_batch_size,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatronish.checkpoint.integrity import CHECKSUM_KEY, is_checksum
 from megatronish.errors import UserError, read_json_object
 from megatronish.moe.experts import stored_tensors
 
@@ -208,6 +209,8 @@ def parse_metadata(path: Path) -> dict[str, Any]:
         described = describe_file(name)
         if described is None or not isinstance(info, dict) or not _int(info.get("bytes")):
             raise _bad(path, f"files[{name!r}]: not a shard file name with a byte size")
+        if CHECKSUM_KEY in info and not is_checksum(info[CHECKSUM_KEY]):
+            raise _bad(path, f"files[{name!r}].{CHECKSUM_KEY} must be 8 hex digits")
         info.update(described)
     for key in ("loader", "optimizer", "tokenizer"):
         if meta.get(key) is not None and not isinstance(meta[key], dict):
@@ -248,27 +251,6 @@ def metadata_json(meta: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Atomic writes
-
-
-def fsync_path(path: Path) -> None:
-    """Flushes a file's (or a directory's entries') data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Writes text under a temporary name, fsyncs it, then os.replace()s it into place: a reader
-    sees the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatronish.checkpoint.integrity import CorruptCheckpoint, first_message_of_ranks
 from megatronish.checkpoint.load import build_model, inference_config
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import derive
@@ -174,7 +175,16 @@ def generate_text(
     else:
         ps = ParallelState.single(default_device())
     try:
-        model = build_model(ckpt, ps)
+        corrupt = None
+        try:
+            ckpt.check_in_background(ckpt.share(ps.rank, ps.world_size))
+            model = build_model(ckpt, ps)
+            ckpt.verify(ckpt.share(ps.rank, ps.world_size))
+        except CorruptCheckpoint as exc:
+            corrupt = str(exc)
+        corrupt = first_message_of_ranks(corrupt, ps.world_size)
+        if corrupt is not None:  # every rank stops; rank 0 says why
+            raise UserError(corrupt, rank0_prints=True)
         decoder = StreamDecoder(tokenizer)
         if ps.is_main:
             write(prompt)

@@ -23,6 +23,8 @@ from megatronish.checkpoint.reader import Checkpoint, FullTensors
 from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
 from megatronish.config import Config, Derived, MoEConfig, check_values, derive, load_config
 from megatronish.errors import UserError, read_json_object
+from megatronish.files import follow_umask
+from megatronish.paths import require_output_dir
 
 BYTE_TOKENIZER_KEY = "megatronish_tokenizer"  # config.json marker of the byte-level tokenizer
 
@@ -215,7 +217,7 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
 
-    hf_path, out = Path(hf_dir).expanduser(), Path(output)
+    hf_path, out = Path(hf_dir).expanduser(), require_output_dir(output, "--output")
     _require_new_dir(out, "--output")
     fields, source = read_hf(hf_path)
     cfg = load_config(None, overrides)
@@ -238,19 +240,22 @@ def export_hf(checkpoint: str, output: str) -> list[str]:
     """Writes checkpoint `checkpoint` as a Hugging Face directory; returns lines to print."""
     from safetensors.torch import save_file
 
-    ckpt = Checkpoint(checkpoint)
-    out = Path(output)
+    out = require_output_dir(output, "--output")
     _require_new_dir(out, "--output")
+    ckpt = Checkpoint(checkpoint)
     cfg = inference_config(ckpt.config, ckpt.vocab_size, 1)
     derived = derive(cfg, 1, vocab_size=ckpt.vocab_size)
     info = ckpt.meta.get("tokenizer")
+    ckpt.check_in_background()  # every file, while the tensors are read
     ours = {name: ckpt.full(name).float() for name in ckpt.specs}
+    ckpt.verify()
     config, tensors = to_hf(cfg, derived, ours, info["eot_id"] if info else None)
     config["torch_dtype"] = "float32"
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    follow_umask(tmp / "model.safetensors")  # safetensors writes 0600: the export is to share
     count = sum(t.numel() for t in tensors.values())
     lines = [
         f"wrote {config['architectures'][0]} ({count:,} parameters, vocab {derived.vocab_size})"

@@ -145,5 +145,7 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu")
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError("load_model runs in one process; this one is a rank of a process group")
     ckpt = Checkpoint(path)
+    ckpt.check_in_background()  # every file, while the model is built
     model = build_model(ckpt, ParallelState.single(device))
+    ckpt.verify()
     return CheckpointModel(model, ckpt.vocab_size, ckpt.step, str(ckpt.dir))

@@ -13,7 +13,9 @@ its contiguous block. Only the saved slices that overlap that block are read.
 
 from __future__ import annotations
 
+import mmap
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
 
@@ -29,6 +31,15 @@ from megatronish.checkpoint.format import (
     model_file,
     parse_metadata,
     resolve_step_dir,
+)
+from megatronish.checkpoint.integrity import (
+    CHECKSUM_KEY,
+    CorruptCheckpoint,
+    announce_unverifiable,
+    checksum_of,
+    map_file,
+    mismatch,
+    parse_safetensors,
 )
 from megatronish.config import Config, load_config
 from megatronish.errors import UserError
@@ -69,7 +80,12 @@ class Checkpoint:
     """A complete step directory, checked when opened: metadata.json parses, every file it
     lists exists with its recorded size and a readable safetensors header, and every tensor has
     a shard of the recorded shape for each saved tp rank. Any problem is a UserError naming the
-    file and what is wrong."""
+    file and what is wrong (a CorruptCheckpoint when a file is not what metadata.json recorded).
+
+    A file's tensors are views of its memory-mapped bytes, whose checksum a second thread
+    computes from the first use on; verify() waits for those verdicts and checks the files not
+    read, so every loader calls it before it returns. A checkpoint saved without checksums
+    loads with a one-line note (on the main process only: not on torchrun ranks other than 0)."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.dir = resolve_step_dir(path)
@@ -83,8 +99,18 @@ class Checkpoint:
         self.vocab_size: int = self.meta["vocab_size"]
         self.specs: dict[str, TensorSpec] = self.meta["tensors"]
         self._handles: dict[str, object] = {}
+        self._mapped: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._tensors: dict[str, dict[str, torch.Tensor]] = {}
+        self._verified: set[str] = set()
+        self._pending: dict[str, Future] = {}
+        self._checker: ThreadPoolExecutor | None = None
         self._index: dict[tuple[str, str], dict[int, str]] = {}
         self._check_files()
+        self.checksums: dict[str, str | None] = {
+            name: info.get(CHECKSUM_KEY) for name, info in self.meta["files"].items()
+        }
+        if not all(self.checksums.values()):
+            announce_unverifiable(self.dir, os.environ.get("RANK", "0") == "0")
         self._build_index()
 
     # ---- checks on open
@@ -93,12 +119,13 @@ class Checkpoint:
         for name, info in self.meta["files"].items():
             path = self.dir / name
             if not path.is_file():
-                raise UserError(f"{path}: missing (listed in {self.meta_path})")
+                raise CorruptCheckpoint(path, f"missing (listed in {self.meta_path})")
             size = path.stat().st_size
             if size != info["bytes"]:
-                raise UserError(
-                    f"{path}: {size} bytes, but {METADATA_FILE} records {info['bytes']}; the "
-                    "file is truncated or corrupt"
+                raise CorruptCheckpoint(
+                    path,
+                    f"{size} bytes, but {METADATA_FILE} records {info['bytes']}; the file is "
+                    "truncated or corrupt",
                 )
 
     def _open(self, name: str):
@@ -108,9 +135,71 @@ class Checkpoint:
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
             except (SafetensorError, OSError) as exc:
-                raise UserError(f"{path}: not a readable safetensors file ({exc})") from None
+                self.verify([name])  # a corrupt header: name the checksum when it differs
+                raise CorruptCheckpoint(path, f"not a readable safetensors file ({exc})") from None
             self._handles[name] = handle
         return handle
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """The tensors of file `name`: views of its memory-mapped bytes (copy-on-write), whose
+        checksum is computed in the checker thread from now on (verify() waits for it)."""
+        tensors = self._tensors.get(name)
+        if tensors is None:
+            path, (mapped, data) = self.dir / name, self._map(name)
+            if self._unchecked(name):
+                self._submit(name, checksum_of, mapped)
+            try:
+                tensors = parse_safetensors(data, path)
+            except CorruptCheckpoint:
+                self.verify([name])  # a corrupt header: name the checksum when it differs
+                raise
+            self._tensors[name] = tensors
+        return tensors
+
+    def _map(self, name: str) -> tuple[mmap.mmap, torch.Tensor]:
+        """File `name` memory-mapped once (see map_file): the checker thread and the tensors
+        read the same pages, so each comes from the disk once."""
+        mapping = self._mapped.get(name)
+        if mapping is None:
+            mapping = self._mapped[name] = map_file(self.dir / name)
+        return mapping
+
+    def _unchecked(self, name: str) -> bool:
+        known = name in self._pending or name in self._verified
+        return bool(self.checksums.get(name)) and not known
+
+    def _submit(self, name: str, function, argument) -> None:
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="checksum")
+        self._pending[name] = self._checker.submit(function, argument)
+
+    def share(self, rank: int, world_size: int) -> list[str]:
+        """This rank's share of the files (every world_size-th, from `rank`): the ranks of a run
+        check every file between them, each once."""
+        return sorted(self.meta["files"])[rank::world_size]
+
+    def check_in_background(self, names=None) -> None:
+        """Starts checking files `names` (default: every file) against their checksums in the
+        checker thread, while the caller goes on (building a model, copying tensors)."""
+        for name in sorted(self.meta["files"] if names is None else names):
+            if self._unchecked(name):
+                self._submit(name, checksum_of, self._map(name)[0])
+
+    def verify(self, names=None) -> None:
+        """Checks files `names` (default: every file) and every file read so far against their
+        checksums, waiting for the checks under way; CorruptCheckpoint naming the first file
+        that differs from its record. Files saved without a checksum are skipped."""
+        self.check_in_background(names)
+        for name in sorted(self._pending):
+            actual = self._pending.pop(name).result()
+            self._verified.add(name)
+            if name not in self._tensors:
+                self._mapped.pop(name)  # mapped only to be checked: unmapped when unused
+            if actual != self.checksums[name]:
+                raise mismatch(self.dir / name, actual, self.checksums[name])
+        if self._checker is not None:
+            self._checker.shutdown()
+            self._checker = None
 
     def _build_index(self) -> None:
         for fname, info in sorted(self.meta["files"].items()):
@@ -190,8 +279,7 @@ class Checkpoint:
         """Global rank `rank`'s saved RNG states, or None when it was not saved."""
         for fname, info in self.meta["files"].items():
             if info["kind"] == "rng" and info["rank"] == rank:
-                handle = self._open(fname)
-                return {key: handle.get_tensor(key) for key in handle.keys()}
+                return {key: value.clone() for key, value in self.tensors(fname).items()}
         return None
 
     # ---- the source interface
@@ -204,11 +292,11 @@ class Checkpoint:
 
     def scalar(self, name: str, kind: str = "step") -> torch.Tensor:
         owners = self._index[(kind, name)]
-        return self._open(owners[min(owners)]).get_tensor(f"{name}.{kind}")
+        return self.tensors(owners[min(owners)])[f"{name}.{kind}"]
 
-    def _slice(self, kind: str, name: str, tp_rank: int):
+    def _slice(self, kind: str, name: str, tp_rank: int) -> torch.Tensor:
         fname = self._index[(kind, name)][tp_rank]
-        return self._open(fname).get_slice(name if kind == "param" else f"{name}.{kind}")
+        return self.tensors(fname)[name if kind == "param" else f"{name}.{kind}"]
 
     def read_range(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) along the split dim of the full tensor (kind: param, exp_avg or
@@ -243,7 +331,7 @@ class Checkpoint:
         if spec.split_dim is None:
             owners = self._index[(kind, name)]
             key = name if kind == "param" else f"{name}.{kind}"
-            return self._open(owners[min(owners)]).get_tensor(key)
+            return self.tensors(owners[min(owners)])[key]
         local = target.full_shape[spec.split_dim] // tp
         return self.read_range(name, kind, tp_rank * local, (tp_rank + 1) * local)
 

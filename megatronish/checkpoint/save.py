@@ -3,13 +3,15 @@
 Protocol (each step ends with an agreement: an all-reduce of a failure flag, so a rank that
 fails makes every rank raise instead of leaving the others waiting in a barrier):
   1. rank 0 creates <dir>/step_NNNNNN.tmp-<pid of rank 0> (the pid is broadcast);
-  2. every rank writes its files there and fsyncs them: dp x cp rank 0 of each tp rank (and
-     stage) its model shard, the other ep ranks of its ep group their experts; the ranks that
-     hold optimizer state their optim shard (dp x cp rank 0, and the other ep ranks for their
-     experts, without ZeRO; every dp x cp rank with ZeRO-1); every rank its RNG states;
-  3. rank 0 writes config.yaml, the tokenizer and metadata.json (which lists every file with
-     its size), fsyncs, renames the directory to step_NNNNNN, replaces `latest` atomically,
-     then deletes checkpoints beyond checkpoint.keep and leftovers of interrupted saves.
+  2. every rank writes its files there, fsyncs them and keeps their CRC-32C: dp x cp rank 0 of
+     each tp rank (and stage) its model shard, the other ep ranks of its ep group their
+     experts; the ranks that hold optimizer state their optim shard (dp x cp rank 0, and the
+     other ep ranks for their experts, without ZeRO; every dp x cp rank with ZeRO-1); every
+     rank its RNG states;
+  3. rank 0 gathers the checksums, writes config.yaml, the tokenizer and metadata.json (which
+     lists every file with its size and CRC-32C), fsyncs, renames the directory to
+     step_NNNNNN, replaces `latest` atomically, then deletes checkpoints beyond
+     checkpoint.keep and leftovers of interrupted saves.
 A crash at any point leaves `latest` naming the previous complete checkpoint.
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import save as serialize
 
 from megatronish.checkpoint.format import (
     CONFIG_FILE,
@@ -38,18 +40,18 @@ from megatronish.checkpoint.format import (
     all_stage_specs,
     complete_steps,
     describe_file,
-    fsync_path,
     metadata_json,
     model_file,
     optim_file,
     rng_file,
     saved_tensors,
     step_dir_name,
-    write_text_atomic,
 )
+from megatronish.checkpoint.integrity import CHECKSUM_KEY, checksum_text
 from megatronish.config import Config, Derived
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
+from megatronish.files import fsync_path, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,15 @@ def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo:
     )
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """One shard file, flushed to disk."""
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """One shard file, flushed to disk; returns the CRC-32C of the bytes written."""
     cpu = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
-    save_file(cpu, str(path), metadata={"format": "pt", "writer": FORMAT})
-    fsync_path(path)
+    data = serialize(cpu, metadata={"format": "pt", "writer": FORMAT})
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return checksum_text(data)
 
 
 def _part(tensor: torch.Tensor, index: int | None) -> torch.Tensor:
@@ -183,13 +189,17 @@ def finalize(
     cfg: Config,
     tokenizer: TokenizerInfo | None,
     keep: int,
+    checksums: dict[str, str],
 ) -> Path:
-    """Step 3 of the protocol (one process): returns the step directory."""
+    """Step 3 of the protocol (one process): returns the step directory. `checksums`: the
+    CRC-32C of every shard file, by name, as its writer computed it."""
     meta = dict(meta, files={})
     for child in sorted(tmp.iterdir()):
         described = describe_file(child.name)
         if described is not None:
-            meta["files"][child.name] = dict(described, bytes=child.stat().st_size)
+            info = dict(described, bytes=child.stat().st_size)
+            info[CHECKSUM_KEY] = checksums[child.name]
+            meta["files"][child.name] = info
     if tokenizer is not None and tokenizer.file is not None:
         shutil.copyfile(tokenizer.file, tmp / TOKENIZER_FILE)
         fsync_path(tmp / TOKENIZER_FILE)
@@ -269,12 +279,17 @@ def save_checkpoint(
         except OSError as exc:
             error = exc
     _agree(error, ps, f"create {tmp}")
+    checksums: dict[str, str] = {}
     try:
         for name, tensors in rank_files(model, optimizer, ps).items():
-            write_safetensors(tmp / name, tensors)
+            checksums[name] = write_safetensors(tmp / name, tensors)
     except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
         error = exc
     _agree(error, ps, f"write its files into {tmp}")
+    if ps.world_size > 1:
+        parts: list = [None] * ps.world_size
+        dist.all_gather_object(parts, checksums)
+        checksums = {name: value for part in parts for name, value in part.items()}
     specs = all_stage_specs(model, ps)
     if ps.is_main:
         layout = {
@@ -291,7 +306,7 @@ def save_checkpoint(
             cfg.model.arch, optimizer is not None, loader_state, tokenizer,
         )  # fmt: skip
         try:
-            finalize(directory, tmp, meta, cfg, tokenizer, keep)
+            finalize(directory, tmp, meta, cfg, tokenizer, keep, checksums)
         except Exception as exc:  # noqa: BLE001
             error = exc
     _agree(error, ps, "finish the save")

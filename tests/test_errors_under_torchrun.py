@@ -1,0 +1,44 @@
+"""A config error under torchrun is the same on every rank: rank 0 says it, once, and the other
+ranks exit quietly; `megatronish launch` finds it before starting any rank and says it once."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tests.conftest import CONFIGS, finish, invoke_cli, start
+
+BAD_LAYOUT = ["--set", "model.n_head=3", "--set", "parallel.tp=2"]
+MESSAGE = "model.n_head: 3 is not divisible by parallel.tp=2"
+TORCHRUN_TEST = "test_a_config_error_under_torchrun_is_said_once"
+
+
+def _torchrun_command(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torchrun-error") / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "megatronish", "train", "--config", str(CONFIGS / "tiny.yaml"), *BAD_LAYOUT,
+        "--set", f"run.out_dir={out}",
+    ]  # fmt: skip
+    return command, {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+# Started with the session (conftest's side_checks): two ranks that import torch and fail.
+SIDE_CHECKS = {TORCHRUN_TEST: _torchrun_command}
+
+
+def test_a_config_error_under_torchrun_is_said_once(side_checks, tmp_path_factory):
+    started = side_checks.pop(TORCHRUN_TEST, None) or start(*_torchrun_command(tmp_path_factory))
+    result = finish(started, timeout=120)
+    assert result.returncode != 0
+    combined = result.stdout + result.stderr
+    assert combined.count(MESSAGE) == 1, combined[-3000:]
+
+
+def test_launch_says_a_config_error_once_and_exits_2(tmp_path):
+    out = ["--set", f"run.out_dir={tmp_path / 'run'}"]
+    result = invoke_cli("launch", "--config", str(CONFIGS / "tiny.yaml"), *BAD_LAYOUT, *out)
+    assert result.returncode == 2
+    assert (result.stdout + result.stderr).count(MESSAGE) == 1
+    assert result.stderr.strip().splitlines() == [f"error: {MESSAGE}; valid tp: 1, 3"]
+    assert not (tmp_path / "run").exists()
