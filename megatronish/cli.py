@@ -68,7 +68,10 @@ def cli() -> None:
 def prepare(inputs, tokenizer, vocab_size, glob_pattern, jsonl_field, val_fraction, seed, output):
     """Tokenize text into a training dataset (default input: the Python standard library)."""
     from megatronish.data import prepare_dataset, read_metadata
+    from megatronish.data.prepare import prepare_notes
+    from megatronish.paths import require_output_dir
 
+    require_output_dir(output, "--output")
     path = prepare_dataset(
         inputs=list(inputs),
         output=output,
@@ -85,6 +88,8 @@ def prepare(inputs, tokenizer, vocab_size, glob_pattern, jsonl_field, val_fracti
         f"({meta['val_docs']:,} for validation), {meta['tokenizer']['kind']} tokenizer, "
         f"vocab {meta['vocab_size']:,}"
     )
+    for note in prepare_notes(meta):
+        click.echo(note)
 
 
 config_option = click.option(
@@ -102,9 +107,15 @@ set_option = click.option(
 @user_errors
 def train(config_path, overrides):
     """Train; one process per rank under torchrun, or a single process when the world is 1."""
+    from megatronish.errors import UserError
     from megatronish.training.trainer import train as run_training
 
-    run_training(load_config(config_path, overrides))
+    try:
+        cfg = load_config(config_path, overrides)
+    except UserError as exc:  # the same on every rank of a torchrun: said once, by rank 0
+        exc.rank0_prints = True
+        raise
+    run_training(cfg)
 
 
 @cli.command()
@@ -158,14 +169,39 @@ def bench(config_path, overrides, steps, warmup):
 @config_option
 @set_option
 @click.option("--gpus", type=int, default=None, help="GPUs to plan for (default: the config's).")
-@click.option("--gpu", default=None, help="GPU model: H100 (default), H200, A100, B200, ...")
-@click.option("--gpu-memory", type=float, default=None, help="Memory per GPU in GB.")
+@click.option(
+    "--gpu", default=None,
+    help="GPU model: H100 (default), H200, A100, B200, ...; or a YAML file describing one.",
+)  # fmt: skip
+@click.option(
+    "--gpu-memory", type=float, default=None, help="Memory per GPU in GiB (default: the GPU's)."
+)
+@click.option(
+    "--layout", default=None,
+    help='One layout to predict instead of searching, e.g. "tp=8 pp=8 v=2 cp=1 dp=24".',
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option(
+    "--device", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True,
+    help="cpu: measure this host and plan CPU processes (--gpus is the process count).",
+)  # fmt: skip
+@click.option(
+    "--calibration", default=None,
+    help="With --device cpu: a calibration JSON to read, or to write after measuring.",
+)  # fmt: skip
+@click.option(
+    "--show", type=int, default=12, show_default=True,
+    help="Fastest fitting layouts to list (0: every one that fits).",
+)  # fmt: skip
 @user_errors
-def plan(config_path, overrides, gpus, gpu, gpu_memory):
-    """Per-rank memory, FLOPs, communication and a recommended layout, without starting anything."""
+def plan(config_path, overrides, gpus, gpu, gpu_memory, layout, as_json, device, calibration, show):
+    """Per-rank memory, predicted step time and the fastest layout that fits, without starting
+    anything."""
     from megatronish.commands.plan import plan as make_plan
 
-    click.echo(make_plan(load_config(config_path, overrides), gpus, gpu, gpu_memory))
+    cfg = load_config(config_path, overrides)
+    text = make_plan(cfg, gpus, gpu, gpu_memory, layout, as_json, device, calibration, show)
+    click.echo(text)
 
 
 @cli.command()
@@ -175,7 +211,10 @@ def plan(config_path, overrides, gpus, gpu, gpu_memory):
 def plot(run_dir, output):
     """Loss, learning rate and throughput curves from a run's metrics.jsonl."""
     from megatronish.commands.plot import plot_run
+    from megatronish.paths import require_output_file
 
+    if output is not None:
+        require_output_file(output, "--output")
     click.echo(plot_run(run_dir, output))
 
 
@@ -201,7 +240,10 @@ def trace(run_dir, output):
     """Merge the ranks' profiler traces into one trace (a process per rank) and print compute,
     exposed communication and bubble per rank."""
     from megatronish.commands.trace import merge_traces
+    from megatronish.paths import require_output_file
 
+    if output is not None:
+        require_output_file(output, "--output")
     text, status = merge_traces(run_dir, output)
     click.echo(text)
     sys.exit(status)

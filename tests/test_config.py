@@ -161,3 +161,10 @@ def test_cli_triton_backend_without_gpu_or_interpreter_exits_2_before_writing(tm
     )  # fmt: skip
     one_line_error(result, "kernels.backend", "valid here: auto, torch")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_shipped_config_passes_check_and_plan_as_shipped(config):
+    for command in ("check", "plan"):
+        result = invoke_cli(command, "--config", str(CONFIGS / config))
+        assert result.returncode == 0, (command, result.stderr)

@@ -67,6 +67,27 @@ def test_prepare_writes_a_readable_dataset(tmp_path, text_dir):
     assert checked.returncode == 0
 
 
+def test_prepare_says_when_bpe_gives_fewer_tokens_than_asked_and_names_skipped_binaries(
+    tmp_path, text_dir
+):
+    blobs = sorted(str(text_dir / f"blob{index}.bin") for index in range(5))
+    for blob in blobs:
+        Path(blob).write_bytes(b"\x00\xff" * 100)
+    result = prepare(tmp_path, str(text_dir), extra=("--tokenizer", "bpe", "--vocab-size", "512"))
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
+    vocab = meta["vocab_size"]
+    assert vocab < 512 and meta["tokenizer"]["requested_vocab_size"] == 512
+    assert sorted(meta["skipped_file_names"]) == blobs and meta["skipped_files"] == 5
+    bpe, skipped = [line for line in result.stdout.splitlines() if line.startswith("note: ")]
+    assert bpe.startswith(f"note: bpe vocabulary {vocab}, not the 512 asked for: after ")
+    assert "nothing is left to merge" in bpe
+    head = "note: skipped 5 binary files (not UTF-8 text): "
+    assert skipped.startswith(head) and skipped.endswith(" and 2 more")
+    named = skipped.removeprefix(head).removesuffix(" and 2 more").split(", ")
+    assert len(named) == 3 and set(named) <= set(blobs)
+
+
 def test_missing_input_path(tmp_path):
     result = prepare(tmp_path, str(tmp_path / "no_such_dir"))
     assert_user_error(result, str(tmp_path / "no_such_dir"))

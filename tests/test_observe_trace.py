@@ -5,6 +5,9 @@ has both ranks and their collective ranges, and the time table adds up."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+import warnings
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from megatronish.config import Config
 from megatronish.distributed import comm
 from megatronish.observe import profile
 from megatronish.observe.profile import StepProfiler, annotate, comm_range
+from megatronish.observe.quiet import native_noise_filtered
 from tests.distributed import run_on_ranks
 from tests.parity import GPT2, make_config, make_trainer
 
@@ -49,7 +53,7 @@ def _profiled_workload(rank: int, world_size: int, out_dir: str) -> list[bool]:
 def _table_rows(text: str) -> dict[int, list[float]]:
     """{rank: [step, compute, comm, bubble] ms} from merge_traces' time table."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if "step ms" in line) + 1
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "traced"]) + 1
     rows = {}
     for line in lines[start:]:
         if not line.strip():
@@ -59,9 +63,10 @@ def _table_rows(text: str) -> dict[int, list[float]]:
     return rows
 
 
-def test_two_ranks_trace_steps_and_merge(tmp_path):
+def test_two_ranks_trace_steps_and_merge_with_no_profiler_markers_on_stderr(tmp_path, capfd):
     results = run_on_ranks(_profiled_workload, 2, str(tmp_path), timeout=120)
     assert results == [[False, False, True, True, False]] * 2
+    assert "profiler_st" not in capfd.readouterr().err  # kineto's USDT lines, filtered
     traces = tmp_path / "traces"
     assert sorted(p.name for p in traces.iterdir()) == ["rank_0.json.gz", "rank_1.json.gz"]
 
@@ -86,6 +91,7 @@ def test_two_ranks_trace_steps_and_merge(tmp_path):
     }
     assert labels == {0: "rank 0", 1: "rank 1"}
 
+    assert "ms per rank, summed over the 2 traced steps (3 to 4)" in text
     rows = _table_rows(text)
     assert sorted(rows) == [0, 1]
     for step, compute, exposed, bubble in rows.values():
@@ -113,6 +119,20 @@ def test_step_breakdown_counts_overlapping_ranges_once():
     assert times["bubble"] == pytest.approx(0.2)
     assert times["compute"] == pytest.approx(0.5)
     assert times["kinds"] == {"all_reduce": (0.2, 1), "p2p": (0.2, 1), "all_gather": (0.2, 1)}
+
+
+def test_the_stderr_filter_drops_the_profiler_markers_and_nothing_else(capfd):
+    marker = "USDT:2026-12-05 08:24:25 15384:15384 SyncActivityProfilerHandler.cpp:{}] {}\n"
+    with native_noise_filtered():
+        os.write(2, marker.format(52, "profiler_start").encode())
+        os.write(2, b"kineto: an error of its own\n")
+        sys.stderr.write(warnings.formatwarning("ours", UserWarning, "trainer.py", 1))
+        os.write(2, marker.format(59, "profiler_stop").encode())
+        os.write(2, b"USDT: a marker we do not know\n")
+    err = capfd.readouterr().err
+    assert "profiler_st" not in err
+    assert "kineto: an error of its own" in err and "UserWarning: ours" in err
+    assert "USDT: a marker we do not know" in err
 
 
 def test_annotate_is_a_no_op_without_a_profiler():

@@ -41,3 +41,31 @@ def test_plot_adds_phase_time_and_memory_panels_when_the_run_recorded_them(tmp_p
     result = invoke_cli("plot", str(tmp_path), "--output", str(tmp_path / "c.png"))
     assert result.returncode == 0, result.stderr
     assert Image.open(tmp_path / "c.png").size[1] == 1500  # five panels of 3 inches at 100 dpi
+
+
+def test_plot_axes_of_absolute_quantities_start_at_zero_and_the_loss_axis_spans_the_loss():
+    import matplotlib.pyplot as plt
+
+    from megatronish.commands.plot import draw_curves
+    from megatronish.observe.phases import FIELDS
+
+    def stats(value):
+        return {"min": value, "median": value, "max": value, "max_rank": 0}
+
+    def phases(step):
+        found = {f"{n}_s": stats(0.10 + step / 1000) for n in FIELDS if not n.startswith("peak")}
+        return dict(found, peak_memory=stats((0.320 + step / 1000) * 2**30))  # a flat line
+
+    lines = [
+        {"step": s, "loss": 5 - s / 10, "lr": 1e-3, "tokens_per_s": 9000.0 + s,
+         "phases": phases(s)}
+        for s in range(1, 8)
+    ]  # fmt: skip
+    fig = draw_curves(lines, [], "run")
+    try:
+        loss, *absolute = fig.axes
+        assert loss.get_ylim()[0] > 4
+        assert [ax.get_ylim()[0] for ax in absolute] == [0.0] * 4
+        assert absolute[-1].get_ylabel() == "peak memory GiB"
+    finally:
+        plt.close(fig)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,10 +58,15 @@ def train(tmp_path, name: str, overrides: list[str], launch: bool):
     return start(tmp_path, name, overrides, launch)()
 
 
+# The run directory of each train_here run -> the last line it printed.
+FINAL_LINES: dict[Path, str] = {}
+
+
 def train_here(tmp_path, name: str, overrides: list[str]):
     """`megatronish train` in this process; its metrics."""
     result = invoke_cli("train", *_args(tmp_path / name, overrides))
     assert result.returncode == 0, result.stderr[-3000:]
+    FINAL_LINES[tmp_path / name] = result.stdout.strip().splitlines()[-1]
     return read_metrics(tmp_path / name)
 
 
@@ -104,23 +111,38 @@ def _side_run(name: str, command: str, overrides: list[str], env: dict | None = 
     return start_it
 
 
-def side_metrics(side_checks, tmp_path_factory, test: str, name: str):
-    """The metrics of a side run, once it has finished."""
+def side_metrics(side_checks, tmp_path_factory, test: str, name: str, quiet: bool = False):
+    """The metrics of a side run, once it has finished; quiet: also that its stderr holds no
+    warning."""
     result = finish(side_checks.pop(test), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    if quiet:
+        assert_no_warnings(result.stderr)
     return read_metrics(_side_dir(tmp_path_factory, name) / "run")
 
 
-EQUAL_TEST = "test_cli_losses_equal_at_tp1_tp2_and_dp2"
+def assert_no_warnings(stderr: str) -> None:
+    """stderr holds no Python warning (FutureWarning, UserWarning, ...) and no profiler marker
+    line (USDT: ...)."""
+    lines = [line.strip() for line in stderr.replace("\r", "\n").splitlines()]
+    noise = [line for line in lines if "Warning" in line or line.startswith("USDT:")]
+    assert not noise, stderr[-3000:]
+
+
+EQUAL_TEST = "test_cli_losses_equal_at_tp1_tp2_and_dp2_with_no_warnings_on_stderr"
 LAYOUTS = {"tp2": ["parallel.tp=2"], "dp2": ["parallel.dp=2"]}
 EQUAL_CASES = [f"{arch} {layout}" for arch in ARCH for layout in LAYOUTS]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", EQUAL_CASES)
-def test_cli_losses_equal_at_tp1_tp2_and_dp2(tmp_path_factory, side_checks, case, tp1_run):
+def test_cli_losses_equal_at_tp1_tp2_and_dp2_with_no_warnings_on_stderr(
+    tmp_path_factory, side_checks, case, tp1_run
+):
     arch, _ = case.split()
-    launched = side_metrics(side_checks, tmp_path_factory, f"{EQUAL_TEST}[{case}]", case)
+    launched = side_metrics(
+        side_checks, tmp_path_factory, f"{EQUAL_TEST}[{case}]", case, quiet=True
+    )
     tp1 = read_metrics(tp1_run(arch))
     assert_same_curve(launched, tp1)
     losses = [x["loss"] for x in tp1[0]]
@@ -140,8 +162,12 @@ def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path, tp1_
     assert_same_curve(train(tmp_path, "tp2dp2", mixed, launch=True), tp1)
 
 
-def test_train_writes_metrics_and_resolved_config(tp1_run):
+def test_train_writes_metrics_and_resolved_config_and_ends_with_a_line_that_gives_its_mfu(
+    tp1_run,
+):
     lines, evals = read_metrics(tp1_run("gpt2"))
+    final = r"step 20: loss [\d.]+, val_loss [\d.]+, \d+ tokens/s, MFU \d+\.\d% \(vs .+\)"
+    assert re.fullmatch(final, FINAL_LINES[tp1_run("gpt2")])
     assert [x["step"] for x in lines] == list(range(1, 21))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
         assert all(key in x for x in lines), key

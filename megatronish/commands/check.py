@@ -13,31 +13,44 @@ from megatronish.accounting.parameters import (
     parameter_count,
     stage_moe_layers,
 )
-from megatronish.config import Config, check_dataset_vocab, derive, world_size_of
+from megatronish.config import (
+    Config,
+    check_dataset_vocab,
+    check_output_paths,
+    derive,
+    world_size_of,
+)
 from megatronish.errors import UserError
+
+
+def data_vocab_size(cfg: Config) -> int:
+    """The vocabulary of the data a config trains on: its dataset's (read and checked against
+    model.vocab_size), or the byte vocabulary of the built-in corpus when data.path is unset."""
+    from megatronish.data import ByteTokenizer, dataset_vocab_size, resolve_dataset
+
+    if cfg.data.path is None:
+        return ByteTokenizer().vocab_size
+    data_vocab = dataset_vocab_size(resolve_dataset(cfg.data.path))
+    check_dataset_vocab(cfg, data_vocab, cfg.data.path)
+    return data_vocab
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
     """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1)."""
     from megatronish import ops
-    from megatronish.data import ByteTokenizer, dataset_vocab_size, resolve_dataset
     from megatronish.distributed.layout import default_device
 
     if world_size is not None and world_size < 1:
         raise UserError(f"--world-size {world_size}: must be >= 1")
     ops.check_backend(cfg.kernels.backend, default_device())
+    check_output_paths(cfg)
     if cfg.observe.tensorboard:
         from megatronish.observe.tensorboard import check_available
 
         check_available()
     if world_size is None:
         world_size = world_size_of(cfg)
-    if cfg.data.path is not None:
-        data_vocab = dataset_vocab_size(resolve_dataset(cfg.data.path))  # validates the dataset
-        check_dataset_vocab(cfg, data_vocab, cfg.data.path)
-    else:
-        data_vocab = ByteTokenizer().vocab_size  # the built-in corpus is byte-level
-    d = derive(cfg, world_size, vocab_size=data_vocab)
+    d = derive(cfg, world_size, vocab_size=data_vocab_size(cfg))
     params = parameter_count(cfg, d)
     lines = [
         "# resolved config",
@@ -50,14 +63,14 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"parameters: {params:,} ({params / 1e6:.2f} M)",
         f"parameters per tp rank: ~{approx_tp_rank_parameters(cfg, d, params):,}",
         f"gradient accumulation steps: {d.grad_accum_steps}",
-        f"tokens per step: {d.tokens_per_step:,}",
+        f"tokens per step (global batch): {d.tokens_per_step:,}",
         f"heads per tp rank: {cfg.model.n_head // d.tp} query, {d.n_kv_head // d.tp} kv"
         f" (head dim {d.head_dim})",
         f"d_ff: {d.d_ff} ({d.d_ff // d.tp} per tp rank)",
         f"vocab: {d.vocab_size}, padded to {d.padded_vocab_size} "
         f"({d.padded_vocab_size // d.tp} per tp rank)",
         f"tie_embeddings: {str(d.tie_embeddings).lower()}",
-        f"model FLOPs per step: {model_flops_per_step(cfg, d):.3e}",
+        f"model FLOPs per step (global batch, all ranks): {model_flops_per_step(cfg, d):.3e} FLOP",
     ]
     if d.moe_layers:
         lines += moe_lines(cfg, d, params)
@@ -84,9 +97,9 @@ def moe_lines(cfg: Config, d, params: int) -> list[str]:
         f"({100 * active / params:.0f}%)",
         f"experts per ep rank: {moe.num_experts // d.ep} (ep {d.ep}); expert parameters per "
         f"rank: ~{local:,} ({local * 16 / 2**20:.1f} MiB of fp32 weights, grads and AdamW)",
-        f"all-to-all per step (ep {d.ep}): "
+        f"all-to-all per step and rank (ep {d.ep}): "
         + (f"{sum(op.payload * op.count for op in a2a) / 2**20:.2f} MiB payload, "
-           f"{sent / 2**20:.2f} MiB sent by a rank" if a2a else "none (ep 1)"),
+           f"{sent / 2**20:.2f} MiB sent" if a2a else "none (ep 1)"),
     ]  # fmt: skip
 
 

@@ -47,6 +47,19 @@ def plot_run(run_dir: str, output: str | None) -> Path:
         raise UserError("plot needs matplotlib: pip install matplotlib") from None
     train, evals = read_run(Path(run_dir))
     out = Path(output) if output else Path(run_dir) / "curves.png"
+    fig = draw_curves(train, evals, str(run_dir))
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
+
+
+def draw_curves(train: list[dict], evals: list[dict], title: str):
+    """The figure plot_run writes. The axes of absolute quantities (learning rate, tokens/s,
+    seconds, memory) start at zero, so a flat curve looks flat; the loss axis spans the loss."""
+    import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in train]
     observed = [r for r in train if "phases" in r]
     panels = 5 if observed else 3
@@ -65,14 +78,12 @@ def plot_run(run_dir: str, output: str | None) -> Path:
     ax_tps.set_ylabel("tokens / s")
     if observed:
         _phase_panels(axes[3], axes[4], observed)
+    for ax in axes[1:]:
+        ax.set_ylim(bottom=0)
     axes[-1].set_xlabel("step")
-    fig.suptitle(str(run_dir))
+    fig.suptitle(title)
     fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return fig
 
 
 def _phase_panels(ax_time, ax_memory, records: list[dict]) -> None:

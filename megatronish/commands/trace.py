@@ -185,12 +185,13 @@ def _length(intervals: list) -> float:
 
 
 def step_breakdown(events: list) -> dict:
-    """One rank's traced time in ms: "step", "comm" (exposed communication), "bubble" and
-    "compute" (step - comm - bubble), and "kinds": {op: (ms inside the steps, ranges)} for each
-    collective kind with a range in the steps, a range nested in another of its kind counted
-    once."""
+    """One rank's traced time in ms, summed over its traced steps: "step", "comm" (exposed
+    communication), "bubble" and "compute" (step - comm - bubble); "kinds": {op: (ms inside the
+    steps, ranges)} for each collective kind with a range in the steps, a range nested in
+    another of its kind counted once; and "steps", the numbers of the traced steps."""
     ranges = _ranges(events)
-    steps = _union((e["ts"], e["ts"] + e["dur"]) for e in ranges if _STEP.fullmatch(e["name"]))
+    step_ranges = [e for e in ranges if _STEP.fullmatch(e["name"])]
+    steps = _union((e["ts"], e["ts"] + e["dur"]) for e in step_ranges)
     by_kind = defaultdict(list)
     for event in ranges:
         parts = event["name"].split(":", 2)
@@ -211,6 +212,7 @@ def step_breakdown(events: list) -> dict:
         "bubble": bubble_ms,
         "compute": step_ms - comm_ms - bubble_ms,
         "kinds": kinds,
+        "steps": sorted({int(_STEP.fullmatch(e["name"])[1]) for e in step_ranges}),
     }
 
 
@@ -227,17 +229,31 @@ def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
 
 
+def _step_numbers(steps: list[int]) -> str:
+    """Steps as "3 to 5" when consecutive, else as "3, 5, 9"."""
+    if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]} to {steps[-1]}"
+    return ", ".join(str(step) for step in steps)
+
+
 def _time_table(times: dict[int, dict]) -> list[str]:
-    head = (
-        f"{'rank':>4} {'step ms':>10} {'compute ms':>11} {'comm ms':>10} {'bubble ms':>10} "
-        f"{'compute':>8} {'comm':>7} {'bubble':>7}"
+    traced = sorted({step for t in times.values() for step in t["steps"]})
+    caption = (
+        f"ms per rank, summed over the {len(traced)} traced steps ({_step_numbers(traced)}); "
+        "shares of that sum; the last column per step"
     )
-    lines = [head]
+    head = (
+        f"{'rank':>4} {'traced ms':>10} {'compute ms':>11} {'comm ms':>10} {'bubble ms':>10} "
+        f"{'compute':>8} {'comm':>7} {'bubble':>7} {'ms per step':>12}"
+    )
+    lines = [caption, head]
     for rank, t in times.items():
+        per_step = f"{t['step'] / len(t['steps']):.2f}" if t["steps"] else "-"
         lines.append(
             f"{rank:>4} {t['step']:>10.2f} {t['compute']:>11.2f} {t['comm']:>10.2f} "
             f"{t['bubble']:>10.2f} {_percent(t['compute'], t['step']):>8} "
-            f"{_percent(t['comm'], t['step']):>7} {_percent(t['bubble'], t['step']):>7}"
+            f"{_percent(t['comm'], t['step']):>7} {_percent(t['bubble'], t['step']):>7} "
+            f"{per_step:>12}"
         )
     return lines
 
@@ -246,7 +262,7 @@ def _kind_table(times: dict[int, dict]) -> list[str]:
     seen = {kind for t in times.values() for kind in t["kinds"]}
     kinds = [*KINDS, *sorted(seen - set(KINDS))]
     width = max(len(kind) for kind in kinds) + 2
-    lines = ["collectives per rank: ms inside the traced steps (ranges)"]
+    lines = ["collectives per rank: ms summed over the traced steps (number of ranges)"]
     lines.append(f"{'rank':>4}" + "".join(f"{kind:>{width}}" for kind in kinds))
     for rank, t in times.items():
         cells = []

@@ -4,6 +4,7 @@ below are the package's interface; each lives in the module named beside it."""
 
 from megatronish.config.checks import (
     check_dataset_vocab,
+    check_output_paths,
     check_values,
     profile_ranks,
     profile_steps,
@@ -46,6 +47,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "check_dataset_vocab",
+    "check_output_paths",
     "check_values",
     "chunk_layers",
     "config_from_dict",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from megatronish.config.schema import Config
 from megatronish.errors import UserError
+from megatronish.paths import require_output_dir
 
 
 def require(cond: bool, message: str) -> None:
@@ -155,8 +156,20 @@ def check_dataset_vocab(cfg: Config, data_vocab: int, dataset: str | Path) -> No
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < data_vocab:
         raise UserError(
             f"model.vocab_size: {cfg.model.vocab_size} is smaller than the vocabulary of the "
-            f"dataset {dataset} ({data_vocab}); set at least {data_vocab}, or leave it unset"
+            f"dataset {dataset} ({data_vocab}); set at least {data_vocab}, or null to take the "
+            "dataset's (--set model.vocab_size=null)"
         )
+
+
+def check_output_paths(cfg: Config) -> None:
+    """run.out_dir, and checkpoint.dir when the run saves (default <run.out_dir>/checkpoints),
+    must be directories or places where they can be made: UserError naming the key otherwise."""
+    out_dir = require_output_dir(cfg.run.out_dir, "run.out_dir")
+    if cfg.checkpoint.save:
+        if cfg.checkpoint.dir:
+            require_output_dir(cfg.checkpoint.dir, "checkpoint.dir")
+        else:
+            require_output_dir(out_dir / "checkpoints", "checkpoint.dir (default)")
 
 
 def divisors(n: int) -> list[int]:

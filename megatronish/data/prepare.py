@@ -41,6 +41,7 @@ from megatronish.data.dataset import (
 )
 from megatronish.data.tokenizer import (
     DEFAULT_BPE_VOCAB,
+    MIN_BPE_VOCAB,
     ByteTokenizer,
     HFTokenizer,
     check_bpe_vocab_size,
@@ -48,9 +49,12 @@ from megatronish.data.tokenizer import (
     train_bpe,
 )
 from megatronish.errors import UserError
+from megatronish.files import follow_umask
 
 BATCH_CHARS = 4 << 20  # characters of text encoded per batch
 BATCH_PIECES = 4096  # documents (pieces) encoded per batch
+SKIPPED_NAMES = 20  # skipped files named in metadata.json (all are counted)
+SKIPPED_SHOWN = 3  # of them, named in prepare's note
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,9 @@ def write_dataset(
     corpus: Corpus, directory: Path, choice: TokenizerChoice, val_fraction: float, seed: int
 ) -> dict[str, Any]:
     """Writes every file of a dataset into the existing empty `directory`; returns the
-    metadata. The caller renames the directory into place."""
+    metadata. The caller renames the directory into place. The directory gets the mode mkdir
+    would give it (a staging directory from mkdtemp is private)."""
+    follow_umask(directory)
     started = time.perf_counter()
     training_s = 0.0
     if choice.kind == "byte":
@@ -168,6 +174,7 @@ def write_dataset(
             "kind": choice.kind,
             "file": TOKENIZER_FILE if choice.kind != "byte" else None,
             "source": str(choice.path) if choice.path else None,
+            "requested_vocab_size": choice.bpe_vocab_size,
         },
         "vocab_size": int(tok.vocab_size),
         "eot_id": int(tok.eot_id),
@@ -186,6 +193,7 @@ def write_dataset(
         "sources": corpus.description,
         "n_files": len(corpus.sources),
         "skipped_files": len(corpus.skipped_files),
+        "skipped_file_names": corpus.skipped_files[:SKIPPED_NAMES],
         "text_bytes": corpus.text_bytes,
         "seconds": {"tokenizer_training": round(training_s, 3), "encoding": round(encoding_s, 3)},
     }
@@ -195,6 +203,27 @@ def write_dataset(
         handle.flush()
         os.fsync(handle.fileno())
     return meta
+
+
+def prepare_notes(meta: dict[str, Any]) -> list[str]:
+    """One line each for what a user would not expect of the dataset `meta` describes: a BPE
+    vocabulary smaller than asked for, and the binary files skipped (the first few named)."""
+    notes = []
+    asked, got = meta["tokenizer"].get("requested_vocab_size"), meta["vocab_size"]
+    if asked is not None and got < asked:
+        notes.append(
+            f"note: bpe vocabulary {got:,}, not the {asked:,} asked for: after "
+            f"{got - MIN_BPE_VOCAB:,} merges every word of the corpus is a single token, so "
+            "nothing is left to merge (a larger corpus gives more)"
+        )
+    skipped, names = meta.get("skipped_files", 0), meta.get("skipped_file_names", [])
+    if skipped:
+        shown = names[:SKIPPED_SHOWN]
+        rest = f" and {skipped - len(shown):,} more" if skipped > len(shown) else ""
+        notes.append(
+            f"note: skipped {skipped:,} binary files (not UTF-8 text): {', '.join(shown)}{rest}"
+        )
+    return notes
 
 
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:

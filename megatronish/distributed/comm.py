@@ -195,7 +195,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
         if shared is not None and shared.fits(tensor) and output.is_contiguous():
             shared.all_gather_into(output, tensor.contiguous())
         else:
-            dist.all_gather_into_tensor(output, tensor.contiguous(), group=group)
+            dist.all_gather_single(output, tensor.contiguous(), group=group)
 
 
 def reduce_scatter_into(
@@ -209,12 +209,12 @@ def reduce_scatter_into(
     _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
     with _recorded("reduce_scatter", group, tensor):
         if dist.get_backend(group) == "gloo":
-            # gloo has no reduce_scatter_tensor: all-reduce then keep the local block.
+            # gloo has no reduce-scatter: all-reduce then keep the local block.
             full = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             _all_reduce_into(full, tensor.contiguous(), group)
             output.copy_(full.chunk(n, dim=0)[group_rank(group)])
         else:
-            dist.reduce_scatter_tensor(output, tensor.contiguous(), group=group)
+            dist.reduce_scatter_single(output, tensor.contiguous(), group=group)
 
 
 def reduce_scatter_in_place(
@@ -246,7 +246,7 @@ def _reduce_scatter_in_place(tensor, group, n: int, async_op: bool):
     if dist.get_backend(group) == "gloo":
         return dist.all_reduce(tensor, group=group, async_op=async_op)
     block = tensor.chunk(n)[group_rank(group)]
-    return dist.reduce_scatter_tensor(block, tensor, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(block, tensor, group=group, async_op=async_op)
 
 
 def all_gather_in_place(
@@ -273,7 +273,7 @@ def _all_gather_in_place(tensor, group, n: int, async_op: bool):
         return None
     if dist.get_backend(group) == "gloo":
         block = block.clone()  # gloo's gather must not read what it writes
-    return dist.all_gather_into_tensor(tensor, block, group=group, async_op=async_op)
+    return dist.all_gather_single(tensor, block, group=group, async_op=async_op)
 
 
 def all_to_all(

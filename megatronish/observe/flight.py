@@ -21,7 +21,6 @@ import select
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatronish.files import write_text_atomic
 from megatronish.observe.record import RECORDER
 
 TRIGGER = "DUMP_REQUESTED"
@@ -77,19 +77,9 @@ def thread_stacks() -> list[dict]:
 
 def _write_atomic(path: Path, text: str) -> None:
     """path <- text, through a temporary file in the same directory: a reader sees the old
-    file or the whole new one."""
+    file or the whole new one. Its mode follows the umask, as every file of a run does."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, text)
 
 
 def process_start() -> float:

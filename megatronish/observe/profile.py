@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from megatronish.config import Config, profile_ranks, profile_steps
+from megatronish.observe.quiet import native_noise_filtered
 
 # Whether a StepProfiler of this process is recording: annotate's ranges exist only then.
 _RECORDING = False
@@ -97,7 +98,8 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         self.profiler = profile(activities=activities, record_shapes=False, with_stack=False)
-        self.profiler.start()
+        with native_noise_filtered():  # kineto's profiler_start marker
+            self.profiler.start()
         _RECORDING = True
 
     def _end_step_range(self) -> None:
@@ -112,7 +114,8 @@ class StepProfiler:
         _RECORDING = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        profiler.stop()
+        with native_noise_filtered():  # kineto's profiler_stop marker
+            profiler.stop()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         plain = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp.json")
         packed = plain.with_name(plain.name + ".gz")

@@ -8,12 +8,19 @@ from pathlib import Path
 
 from torch import nn
 
-from megatronish.checkpoint.format import find_latest, resolve_step_dir, write_text_atomic
+from megatronish.checkpoint.format import (
+    complete_steps,
+    find_latest,
+    resolve_step_dir,
+)
+from megatronish.checkpoint.integrity import CorruptCheckpoint, first_message_of_ranks
 from megatronish.checkpoint.load import restore_model, restore_optimizer, restore_rng
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import save_checkpoint, tokenizer_of_dataset
 from megatronish.config import Config
 from megatronish.data import BatchLoader
+from megatronish.errors import UserError
+from megatronish.files import write_text_atomic
 from megatronish.optim.optimizer import Optimizer
 from megatronish.training.setup import Setup
 
@@ -48,10 +55,7 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
             if ps.is_main:
                 print(f"initialized from {cfg.checkpoint.init_from_hf}", flush=True)
         return None
-    ckpt = Checkpoint(path)
-    restore_model(ckpt, model)
-    restore_optimizer(ckpt, optimizer, model)
-    restore_rng(ckpt, model, ps)
+    ckpt = _restore(s, path, model, optimizer)
     if ckpt.loader_state is not None:
         loader.load_state_dict(ckpt.loader_state)
     if ps.is_main:
@@ -64,6 +68,48 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
                 flush=True,
             )
     return ckpt.step
+
+
+def _restore(s: Setup, path: Path, model: nn.Module, optimizer: Optimizer) -> Checkpoint:
+    """Restores model, optimizer and RNGs from `path`, each rank checking the files it reads
+    and its share of the others; a corrupt file found by any rank stops every rank (before a
+    step is trained), rank 0 printing the one line that names it (and, under
+    checkpoint.resume=auto, the newest older checkpoint that is intact)."""
+    ps, corrupt, ckpt = s.ps, None, None
+    try:
+        ckpt = Checkpoint(path)
+        ckpt.check_in_background(ckpt.share(ps.rank, ps.world_size))
+        restore_model(ckpt, model)
+        restore_optimizer(ckpt, optimizer, model)
+        restore_rng(ckpt, model, ps)
+        ckpt.verify(ckpt.share(ps.rank, ps.world_size))
+    except CorruptCheckpoint as exc:
+        corrupt = str(exc)
+    corrupt = first_message_of_ranks(corrupt, ps.world_size)
+    if corrupt is None:
+        return ckpt
+    if s.cfg.checkpoint.resume == "auto" and ps.is_main:
+        older = newest_intact_before(path)
+        advice = (
+            f"resume from the newest intact checkpoint with --set checkpoint.resume={older}"
+            if older is not None
+            else "no older checkpoint is intact; start over with --set checkpoint.resume=never"
+        )
+        corrupt += f"; checkpoint.resume=auto took {path}, and nothing was trained on it: {advice}"
+    raise UserError(corrupt, rank0_prints=True)
+
+
+def newest_intact_before(step_dir: Path) -> Path | None:
+    """The newest complete checkpoint of step_dir's checkpoint.dir older than step_dir whose
+    every file has its recorded checksum (or none recorded); None when there is none."""
+    older = [p for p in complete_steps(step_dir.parent) if p.name < step_dir.name]
+    for candidate in reversed(older):
+        try:
+            Checkpoint(candidate).verify()
+        except UserError:
+            continue
+        return candidate
+    return None
 
 
 def due(step: int, cfg: Config) -> bool:

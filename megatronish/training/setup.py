@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatronish import ops
-from megatronish.config import Config, Derived, check_dataset_vocab, derive, world_size_of
+from megatronish.config import (
+    Config,
+    Derived,
+    check_dataset_vocab,
+    check_output_paths,
+    derive,
+    world_size_of,
+)
 from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
 from megatronish.distributed.layout import (
     ParallelState,
@@ -30,9 +37,23 @@ class Setup:
 
 
 def setup(cfg: Config) -> Setup:
-    """Checks the config against the world size and the dataset, then joins the process group.
-    Every user error surfaces here, before any collective, so no rank waits on a failed one."""
+    """Checks the config against the world size, the dataset and the output paths, then joins
+    the process group. Every user error surfaces here, before any collective, so no rank waits
+    on a failed one; every rank finds the same one, so only rank 0 prints it."""
     world = world_size_from_env()
+    try:
+        dataset_dir, derived = _checked(cfg, world)
+    except UserError as exc:
+        exc.rank0_prints = True
+        raise
+    ps = init_distributed(
+        derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp, derived.ep
+    )
+    return Setup(cfg, derived, ps, dataset_dir)
+
+
+def _checked(cfg: Config, world: int) -> tuple[Path, Derived]:
+    """(dataset directory, derived sizes) of a config checked for a world of `world` ranks."""
     wanted = world_size_of(cfg)
     if world == 1 and wanted > 1:
         raise UserError(
@@ -53,10 +74,8 @@ def setup(cfg: Config) -> Setup:
     ops.check_backend(cfg.kernels.backend, default_device())
     if cfg.observe.tensorboard:
         check_tensorboard()
-    ps = init_distributed(
-        derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp, derived.ep
-    )
-    return Setup(cfg, derived, ps, dataset_dir)
+    check_output_paths(cfg)
+    return dataset_dir, derived
 
 
 def make_loader(s: Setup, split: str) -> BatchLoader:

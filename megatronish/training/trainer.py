@@ -252,7 +252,7 @@ class Trainer:
                         if self.cfg.model.moe.capacity_factor is not None:
                             postfix["drop"] = f"{100 * last['moe_dropped_frac']:.1f}%"
                     if "peak_memory_gb" in last:
-                        postfix["mem"] = f"{last['peak_memory_gb']:.2f}GB"
+                        postfix["mem"] = f"{last['peak_memory_gb']:.2f}GiB"
                     bar.set_postfix(**postfix)
                     window_start, window_steps = time.perf_counter(), 0
                 bar.update(1)
@@ -362,7 +362,8 @@ def train(cfg: Config) -> dict:
             line = f"step {summary['step']}: loss {summary['loss']:.4f}"
             if "val_loss" in summary:
                 line += f", val_loss {summary['val_loss']:.4f}"
-            line += f", {summary['tokens_per_s']:.0f} tokens/s ({trainer.peak_source} for MFU)"
+            line += f", {summary['tokens_per_s']:.0f} tokens/s, MFU {100 * summary['mfu']:.1f}%"
+            line += f" (vs {trainer.peak_source})"
             print(line, flush=True)
         return summary
     except Exception as exc:
