@@ -43,7 +43,12 @@ def cli() -> None:
 @click.option(
     "--tokenizer", default="byte", show_default=True, help="byte | bpe | path to a tokenizer.json."
 )
-@click.option("--vocab-size", type=int, default=None, help="Vocab size of a trained BPE tokenizer.")
+@click.option(
+    "--vocab-size",
+    type=int,
+    default=None,
+    help="Vocab size of a trained BPE tokenizer, or of a Megatron prefix --input.",
+)
 @click.option(
     "--glob",
     "glob_pattern",
@@ -63,25 +68,52 @@ def cli() -> None:
 @click.option(
     "--seed", type=int, default=1234, show_default=True, help="Seed of the train/validation split."
 )
-@click.option("--output", required=True, help="Directory to write the dataset to.")
+@click.option(
+    "--output-format",
+    type=click.Choice(["megatronish", "megatron"]),
+    default="megatronish",
+    show_default=True,
+    help="megatron: write --output PREFIX as PREFIX.bin + PREFIX.idx (Megatron indexed dataset).",
+)
+@click.option(
+    "--eod-id", type=int, default=None, help="End-of-document id of a Megatron prefix --input."
+)
+@click.option("--output", required=True, help="Directory (or Megatron prefix) to write to.")
 @user_errors
-def prepare(inputs, tokenizer, vocab_size, glob_pattern, jsonl_field, val_fraction, seed, output):
-    """Tokenize text into a training dataset (default input: the Python standard library)."""
-    from megatronish.data import prepare_dataset, read_metadata
+def prepare(
+    inputs, tokenizer, vocab_size, glob_pattern, jsonl_field, val_fraction, seed, output_format,
+    eod_id, output,
+):  # fmt: skip
+    """Tokenize text into a training dataset (default input: the Python standard library); or
+    convert a Megatron indexed dataset (--input PREFIX.idx) to and from one."""
+    from megatronish.data import read_metadata
+    from megatronish.data.convert import prepare_any
     from megatronish.data.prepare import prepare_notes
     from megatronish.paths import require_output_dir
 
-    require_output_dir(output, "--output")
-    path = prepare_dataset(
+    if output_format == "megatronish":
+        require_output_dir(output, "--output")
+    path = prepare_any(
         inputs=list(inputs),
         output=output,
-        tokenizer=tokenizer,
+        output_format=output_format,
         vocab_size=vocab_size,
+        eod_id=eod_id,
+        tokenizer=tokenizer,
         glob_pattern=glob_pattern,
         jsonl_field=jsonl_field,
         val_fraction=val_fraction,
         seed=seed,
     )
+    if output_format == "megatron":
+        from megatronish.data.indexed import read_indexed
+
+        data = read_indexed(path)
+        click.echo(
+            f"wrote {path}.bin + {path}.idx: {len(data.tokens):,} tokens in {data.n_docs:,} "
+            f"documents ({data.tokens.dtype.name})"
+        )
+        return
     meta = read_metadata(path)
     click.echo(
         f"wrote {path}: {meta['n_tokens']:,} tokens in {meta['n_docs']:,} documents "

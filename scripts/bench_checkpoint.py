@@ -10,6 +10,12 @@ model) is timed apart. Prints a table of seconds, size on disk and MB/s (best of
 and, last, one JSON object. The load reads files the save just wrote, so it reads them from
 the page cache: it measures deserialization and copying, not the disk.
 
+Blocked time: how long training waits for a save, synchronous (the whole save) and with
+checkpoint.async (the copy of the state at the save, plus its completion at a later step once
+the writer is done: checksum gather, metadata.json, rename, `latest`); the writer's time runs
+beside training and is not counted, the bench waits for it between the two. The first async
+save also allocates the copy's buffers (later saves reuse them): both are printed.
+
 Checksums: the restore and load_model are timed twice, on the checkpoint as saved (every file
 checked against its CRC-32C, as a resume and every loader do) and on a copy whose metadata.json
 records no checksums (hard links to the same files), which loads unchecked; the difference is
@@ -35,6 +41,7 @@ import torch
 from crc32c import crc32c
 
 from megatronish import load_model
+from megatronish.checkpoint.async_save import AsyncSaver
 from megatronish.checkpoint.load import restore_model, restore_optimizer, restore_rng
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
@@ -136,6 +143,29 @@ def checksum_seconds(step_dir: Path, repeats: int) -> dict[str, float]:
     return best
 
 
+def async_blocked(root: Path, steps: range, cfg: Config, derived, model, optimizer) -> dict:
+    """Seconds training is blocked by each checkpoint.async save of `steps` (copy, then
+    completion once the writer is done) and the writer's seconds in between."""
+    saver = AsyncSaver()
+    copy_s, complete_s, write_s = [], [], []
+    try:
+        for step in steps:
+            started = time.perf_counter()
+            saver.begin(
+                root, step, cfg=cfg, derived=derived, ps=model.ps, model=model,
+                optimizer=optimizer, tokenizer=TokenizerInfo("file", 50256), keep=1,
+            )  # fmt: skip
+            copy_s.append(time.perf_counter() - started)
+            saver.pending.done.wait()  # training would run meanwhile
+            write_s.append(time.perf_counter() - started - copy_s[-1])
+            started = time.perf_counter()
+            saver.complete()
+            complete_s.append(time.perf_counter() - started)
+    finally:
+        saver.close()
+    return {"copy_s": copy_s, "complete_s": complete_s, "write_s": write_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="Saves (and loads after each).")
@@ -172,6 +202,9 @@ def main() -> None:
         size = disk_bytes(step_dir)
         model_bytes = (step_dir / "model_tp00.safetensors").stat().st_size
         checksums = checksum_seconds(step_dir, args.repeats)
+        background = async_blocked(  # after the sync checkpoint's use: these prune it
+            root, range(args.repeats + 1, 2 * args.repeats + 2), cfg, derived, model, optimizer
+        )
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -188,6 +221,16 @@ def main() -> None:
     print(f"{'operation':38s} {'seconds':>8s} {'MB':>9s} {'MB/s':>8s}")
     for name, seconds, megabytes in rows:
         print(f"{name:38s} {seconds:8.3f} {megabytes:9.1f} {megabytes / seconds:8.0f}")
+    blocked = [c + f for c, f in zip(background["copy_s"], background["complete_s"])]
+    best = blocked.index(min(blocked))
+    print(
+        f"training blocked by a save: sync {min(save_s):.3f} s; async {blocked[best]:.3f} s "
+        f"(copy {background['copy_s'][best]:.3f} + completion "
+        f"{background['complete_s'][best]:.3f}), {100 * blocked[best] / min(save_s):.1f}% of "
+        f"sync; each async save (the first allocates the copy): "
+        f"{', '.join(f'{b:.3f}' for b in blocked)} s; the writer took "
+        f"{min(background['write_s']):.3f} s beside training"
+    )
     check_save = checksums["crc32c"] / min(save_s)
     check_restore = (min(restore_s) - min(unchecked_restore_s)) / min(unchecked_restore_s)
     check_load = (min(load_model_s) - min(unchecked_load_s)) / min(unchecked_load_s)
@@ -202,6 +245,10 @@ def main() -> None:
         "model_mb": round(model_bytes / 1e6, 1),
         "save_s": round(min(save_s), 3),
         "save_mb_s": round(mb / min(save_s), 1),
+        "blocked_sync_s": round(min(save_s), 3),
+        "blocked_async_s": round(blocked[best], 3),
+        "blocked_async_each_s": [round(b, 3) for b in blocked],
+        "async_write_s": round(min(background["write_s"]), 3),
         "restore_s": round(min(restore_s), 3),
         "restore_unchecked_s": round(min(unchecked_restore_s), 3),
         "restore_mb_s": round(mb / min(restore_s), 1),

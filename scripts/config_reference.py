@@ -7,6 +7,7 @@ declarations and docstrings in megatronish/config/schema.py, so the two never di
 from __future__ import annotations
 
 import ast
+import keyword
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent.parent / "megatronish" / "config" / "schema.py"
@@ -43,7 +44,8 @@ def reference() -> str:
                     doc = " ".join(value.value.split())
             kind = ast.unparse(stmt.annotation).replace("|", "\\|")
             default = ast.unparse(stmt.value) if stmt.value is not None else ""
-            key = f"{section}.{stmt.target.id}"
+            name = stmt.target.id  # a Python keyword's field takes a `_`: `async_` is `async`
+            key = f"{section}.{name[:-1] if keyword.iskeyword(name[:-1]) else name}"
             out.append(f"| `{key}` | `{kind}` | `{default}` | {doc.replace('|', chr(92) + '|')} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"

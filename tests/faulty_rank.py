@@ -6,13 +6,19 @@ FAULT_RANK=r; FAULT_NAN_STEPS=3,4: at those steps (1-based) rank r's loss is mul
 before backward, so its loss and gradients are NaN; FAULT_RAISE_STEP=5: rank r raises there;
 FAULT_HANG_STEP=3 with FAULT_HANG_S=10: rank r stops calling collectives at the start of that
 step, blocked for that many seconds, while the other ranks go on into the step's collectives.
+FAULT_HOLD_WRITE_STEP=4 with FAULT_HOLD_WRITE_S=60 and FAULT_HOLD_MARKER=FILE (checkpoint.async):
+rank r's background writer, having written the first file of step 4's save, creates FILE and
+holds there for that many seconds, so a save is in flight for certain while the test acts (only
+in a run's first attempt: a run torchrun restarts writes normally).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
+from megatronish.checkpoint import async_save
 from megatronish.cli import main
 from megatronish.training.trainer import Trainer
 
@@ -21,7 +27,10 @@ NAN_STEPS = {int(s) for s in os.environ.get("FAULT_NAN_STEPS", "").split(",") if
 RAISE_STEP = int(os.environ.get("FAULT_RAISE_STEP", "0"))
 HANG_STEP = int(os.environ.get("FAULT_HANG_STEP", "0"))
 HANG_S = float(os.environ.get("FAULT_HANG_S", "0"))
+HOLD_WRITE_STEP = int(os.environ.get("FAULT_HOLD_WRITE_STEP", "0"))
+HOLD_WRITE_S = float(os.environ.get("FAULT_HOLD_WRITE_S", "0"))
 compute_gradients = Trainer.compute_gradients
+write_file = async_save.write_file
 
 
 def faulty_compute_gradients(self: Trainer) -> tuple[float, float]:
@@ -40,5 +49,22 @@ def faulty_compute_gradients(self: Trainer) -> tuple[float, float]:
         del self.model.loss  # the class's method again
 
 
+def held_write_file(path: Path, tensors) -> str:
+    checksum = write_file(path, tensors)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    marker = Path(os.environ["FAULT_HOLD_MARKER"])
+    if (
+        first_attempt
+        and int(os.environ.get("RANK", "0")) == RANK
+        and path.parent.name.startswith(f"step_{HOLD_WRITE_STEP:06d}.tmp-")
+        and not marker.exists()
+    ):
+        marker.write_text(f"{path}\n")
+        time.sleep(HOLD_WRITE_S)
+    return checksum
+
+
 Trainer.compute_gradients = faulty_compute_gradients
+if HOLD_WRITE_STEP:
+    async_save.write_file = held_write_file
 main()

@@ -132,7 +132,8 @@ def test_formula_is_the_closed_form_without_sequence_parallelism(tp, precision):
     per_micro = (4 + c * (4 * layers + 1)) * b * s * h + 12 * b * s
     ring = 2 * (tp - 1) / tp
     assert accum == 3
-    assert formula_bytes_per_step(cfg, derived) == ring * (accum * per_micro + 8 + 12)
+    # + 8: the grad-norm all-reduce (fp64); + 16: the step agreement (4 fp32 flags)
+    assert formula_bytes_per_step(cfg, derived) == ring * (accum * per_micro + 8 + 16)
     assert {op.kind for op in collectives_per_step(cfg, derived)} == {"all_reduce"}
 
 

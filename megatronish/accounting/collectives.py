@@ -17,7 +17,7 @@ from megatronish.config import Config, Derived
 FP32_BYTES = 4
 FP64_BYTES = 8
 INT64_BYTES = 8
-STEP_FLAGS = 3  # faults.agree_on_step: loss non-finite, grad_norm non-finite, stop requested
+STEP_FLAGS = 4  # faults.agree_on_step: loss and grad_norm non-finite, stop, writer busy
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     and broadcast by their owners), and the blocks' grad-norm partial sums (two fp64; the
     buckets are padded to a multiple of dp, which adds nothing when dp divides every
     bucket's size, as it does for these models at dp 2 and 4); then the step agreement
-    (faults.agree_on_step: three fp32 flags, 12 bytes, over tp, then dp, then pp).
+    (faults.agree_on_step: four fp32 flags, 16 bytes, over tp, then dp, then pp).
 
     With cp > 1, s is a rank's share seq_len / cp in all of the above, and per micro-batch and
     layer the ring attention sends ("cp_ring") its k and v, c [2, b, k/t, s, d] with k kv heads

@@ -12,7 +12,10 @@ fails makes every rank raise instead of leaving the others waiting in a barrier)
      lists every file with its size and CRC-32C), fsyncs, renames the directory to
      step_NNNNNN, replaces `latest` atomically, then deletes checkpoints beyond
      checkpoint.keep and leftovers of interrupted saves.
-A crash at any point leaves `latest` naming the previous complete checkpoint.
+A crash at any point leaves `latest` naming the previous complete checkpoint. save_checkpoint
+runs the three steps at once; checkpoint.async_save runs step 1 and the copy of the state at the
+save, step 2's writing in a background thread, and the rest at a later step (open_save,
+complete_save).
 """
 
 from __future__ import annotations
@@ -63,9 +66,13 @@ class TokenizerInfo:
     file: Path | None = None
 
 
-def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo:
+def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo | None:
+    """The tokenizer a prepared dataset directory records; None for a Megatron prefix (it
+    records none)."""
     from megatronish.data import read_metadata
 
+    if not Path(dataset_dir).is_dir():
+        return None
     meta = read_metadata(dataset_dir)
     path = Path(dataset_dir) / TOKENIZER_FILE
     return TokenizerInfo(
@@ -264,6 +271,23 @@ def save_checkpoint(
     """Saves the model (and the optimizer, the loader position, every rank's RNG) as
     <directory>/step_<step>; every rank of the run calls it. Returns the step directory."""
     directory = Path(directory)
+    tmp = open_save(directory, step, ps, optimizer)
+    checksums: dict[str, str] = {}
+    error: BaseException | None = None
+    try:
+        for name, tensors in rank_files(model, optimizer, ps).items():
+            checksums[name] = write_safetensors(tmp / name, tensors)
+    except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
+        error = exc
+    return complete_save(
+        directory, tmp, step, checksums, error, cfg=cfg, derived=derived, ps=ps, model=model,
+        optimizer=optimizer, loader_state=loader_state, tokenizer=tokenizer, keep=keep,
+    )  # fmt: skip
+
+
+def open_save(directory: Path, step: int, ps: ParallelState, optimizer=None) -> Path:
+    """Step 1 of the protocol (every rank calls it; a broadcast and an agreement): the
+    temporary step directory every rank writes its files into."""
     if optimizer is not None and optimizer.grads is not None:
         optimizer.grads.wait_params()  # ZeRO-1: the last step's parameter gathers
     token = torch.tensor([os.getpid()], dtype=torch.int64, device=ps.device)
@@ -279,12 +303,28 @@ def save_checkpoint(
         except OSError as exc:
             error = exc
     _agree(error, ps, f"create {tmp}")
-    checksums: dict[str, str] = {}
-    try:
-        for name, tensors in rank_files(model, optimizer, ps).items():
-            checksums[name] = write_safetensors(tmp / name, tensors)
-    except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
-        error = exc
+    return tmp
+
+
+def complete_save(
+    directory: Path,
+    tmp: Path,
+    step: int,
+    checksums: dict[str, str],
+    error: BaseException | None,
+    *,
+    cfg: Config,
+    derived: Derived,
+    ps: ParallelState,
+    model,
+    optimizer=None,
+    loader_state: dict | None = None,
+    tokenizer: TokenizerInfo | None = None,
+    keep: int = 0,
+) -> Path:
+    """Steps 2 (its end) and 3 of the protocol, every rank once its files are written (or
+    `error` stopped it): the ranks agree that every rank's files are on disk, rank 0 gathers
+    their `checksums` and finalizes. Returns the step directory."""
     _agree(error, ps, f"write its files into {tmp}")
     if ps.world_size > 1:
         parts: list = [None] * ps.world_size

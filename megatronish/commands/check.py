@@ -26,13 +26,15 @@ from megatronish.errors import UserError
 def data_vocab_size(cfg: Config) -> int:
     """The vocabulary of the data a config trains on: its dataset's (read and checked against
     model.vocab_size), or the byte vocabulary of the built-in corpus when data.path is unset."""
-    from megatronish.data import ByteTokenizer, dataset_vocab_size, resolve_dataset
+    from megatronish.data import ByteTokenizer
+    from megatronish.data.sources import resolve_data
 
-    if cfg.data.path is None:
+    d = cfg.data
+    if d.path is None and d.blend is None:
         return ByteTokenizer().vocab_size
-    data_vocab = dataset_vocab_size(resolve_dataset(cfg.data.path))
-    check_dataset_vocab(cfg, data_vocab, cfg.data.path)
-    return data_vocab
+    data = resolve_data(d.path, d.blend, d.split, cfg.model.vocab_size, d.eod_id)
+    check_dataset_vocab(cfg, data.vocab_size, data.sources[0].path)
+    return data.vocab_size
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from megatronish.config.checks import check_values
-from megatronish.config.schema import Config
+from megatronish.config.schema import Config, key_of
 from megatronish.errors import UserError
 
 
@@ -28,8 +28,14 @@ def _nearest(name: str, options: list[str], prefix: str) -> str:
 
 
 def _field_types(cls) -> dict[str, Any]:
+    """Config key -> type of each field of cls (schema.key_of: the field `async_` is `async`)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {key_of(f.name): hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _field_name(cls, key: str) -> str:
+    """The field of cls that holds config key `key`."""
+    return next(f.name for f in dataclasses.fields(cls) if key_of(f.name) == key)
 
 
 def _describe(tp: Any) -> str:
@@ -51,6 +57,8 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
         inner = [a for a in get_args(tp) if a is not type(None)]
         if value is None or (from_string and str(value).lower() in ("null", "none", "~")):
             return None
+        if isinstance(value, list) and list in inner and not from_string:
+            return value  # a YAML list (data.blend); its items are checked where it is used
         return _coerce(key, value, inner[0], from_string)
     if origin is Literal:
         allowed = get_args(tp)
@@ -119,10 +127,11 @@ def _build(cls, data: Any, prefix: str):
         if key not in types_:
             raise UserError(f"unknown key '{dotted}'; {_nearest(str(key), sorted(types_), prefix)}")
         tp = types_[key]
+        name = _field_name(cls, key)
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value if value is not None else {}, dotted)
+            kwargs[name] = _build(tp, value if value is not None else {}, dotted)
         else:
-            kwargs[key] = _coerce(dotted, value, tp, from_string=False)
+            kwargs[name] = _coerce(dotted, value, tp, from_string=False)
     return cls(**kwargs)
 
 
@@ -143,11 +152,11 @@ def _apply_override(cfg: Config, assignment: str) -> None:
         if depth == len(parts) - 1:
             if dataclasses.is_dataclass(tp):
                 raise UserError(f"--set {key}: is a section; set one of its keys, e.g. {key}.x=...")
-            setattr(target, part, _coerce(key, raw, tp, from_string=True))
+            setattr(target, _field_name(type(target), part), _coerce(key, raw, tp, True))
         else:
             if not dataclasses.is_dataclass(tp):
                 raise UserError(f"--set {key}: '{'.'.join(parts[: depth + 1])}' has no sub-keys")
-            target = getattr(target, part)
+            target = getattr(target, _field_name(type(target), part))
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -6,6 +6,7 @@ from the values in config.derive."""
 from __future__ import annotations
 
 import dataclasses
+import keyword
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -171,8 +172,21 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     path: str | None = None
-    """A directory written by `megatronish prepare`. Default: the built-in corpus (the Python
-    standard library's source), prepared on first use into a cache directory."""
+    """A directory written by `megatronish prepare`, or a Megatron indexed dataset read in place
+    (PREFIX, PREFIX.idx or PREFIX.bin; it needs model.vocab_size and data.eod_id). Default: the
+    built-in corpus (the Python standard library's source), prepared on first use into a cache
+    directory."""
+    blend: str | list | None = None
+    """Datasets mixed by sampling proportion, instead of data.path: Megatron's "0.3 PATH_A 0.7
+    PATH_B" or a YAML list of {path, weight}. Weights are positive and normalized; each
+    dataset's share of the samples follows its weight, whatever its size."""
+    split: str | None = None
+    """Ratios "969,30,1": train, validation and test shares of the documents of a dataset
+    without a split of its own (a Megatron prefix), in contiguous runs as Megatron splits.
+    Default: every document trains. A directory from `prepare` keeps its own split."""
+    eod_id: int | None = None
+    """The end-of-document token id of a Megatron prefix (a prepared directory records its
+    own)."""
 
 
 @dataclass
@@ -190,6 +204,13 @@ class CheckpointConfig:
     """Write checkpoints at all."""
     init_from_hf: str | None = None
     """A Hugging Face model directory (config.json + model.safetensors) to start from."""
+    async_: bool = False
+    """Save in the background (the key is `async`): training waits only while the state is
+    copied (to pinned host memory on a GPU, a private copy on a CPU, kept for the next save);
+    a writer thread writes this rank's files, and the save is complete (renamed into place,
+    `latest`, pruning, "saved" printed) at the first step end where every rank's files are on
+    disk. At most one save in flight: the next save, a stop and the end of the run wait for
+    it. Until complete it is a temporary directory that resume never takes."""
 
 
 @dataclass
@@ -238,4 +259,19 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config by its keys (a field named after a Python keyword, `async_`, as the key
+        `async`)."""
+        return _keys(dataclasses.asdict(self))
+
+
+def key_of(field_name: str) -> str:
+    """The config key of a field: its name, less the `_` that a Python keyword takes as a name
+    (the field `async_` is the key `async`)."""
+    bare = field_name[:-1]
+    return bare if field_name.endswith("_") and keyword.iskeyword(bare) else field_name
+
+
+def _keys(data: Any) -> Any:
+    if not isinstance(data, dict):
+        return data
+    return {key_of(name): _keys(value) for name, value in data.items()}

@@ -7,7 +7,8 @@ Layout of a dataset directory:
                     when the vocabulary fits in 65536 ids, else uint32; little-endian
     offsets.npy     int64 [n_docs + 1]: document d is tokens[offsets[d]:offsets[d + 1]]
     split.npy       uint8 [n_docs]: 0 train, 1 validation
-    tokenizer.json  the Hugging Face tokenizer (BPE and file tokenizers only)
+    tokenizer.json  the Hugging Face tokenizer (BPE and file tokenizers only; a dataset
+                    converted from a Megatron prefix has tokenizer kind "none" and no file)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ OFFSETS_FILE = "offsets.npy"
 SPLIT_FILE = "split.npy"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = {"train": 0, "val": 1}
-TOKENIZER_KINDS = ("byte", "bpe", "file")
+TOKENIZER_KINDS = ("byte", "bpe", "file", "none")
 _INT_KEYS = (
     "vocab_size",
     "eot_id",
@@ -76,7 +77,7 @@ def read_metadata(dataset_dir: str | Path, validate: bool = False) -> dict[str, 
             f"({meta['n_tokens']} tokens of {meta['dtype']}); it is truncated or corrupt"
         )
     offsets, split = load_documents(directory, meta)
-    if meta["tokenizer"]["kind"] != "byte" and not (directory / TOKENIZER_FILE).is_file():
+    if meta["tokenizer"]["kind"] in ("bpe", "file") and not (directory / TOKENIZER_FILE).is_file():
         raise UserError(f"{directory / TOKENIZER_FILE}: tokenizer file is missing")
     if validate:
         _validate_documents(directory, meta, offsets, split)
@@ -121,6 +122,11 @@ def load_tokenizer(dataset_dir: str | Path) -> ByteTokenizer | HFTokenizer:
     kind = meta["tokenizer"]["kind"]
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "none":
+        raise UserError(
+            f"{dataset_dir}: converted from a Megatron prefix, the dataset has no tokenizer to "
+            "encode or decode text with"
+        )
     tokenizer = load_tokenizer_file(Path(dataset_dir) / TOKENIZER_FILE, name=kind)
     if tokenizer.eot_id != meta["eot_id"]:
         raise UserError(

@@ -12,6 +12,9 @@ k-th run of G of them, crossing into the next epoch's order when an epoch runs o
 takes the contiguous slice [d*G/dp, (d+1)*G/dp) of a step's samples, so the concatenation of
 the dp ranks' slices in rank order is the same global batch at every dp, and every tp rank of
 one dp group (same dp_rank) gets the same batch.
+
+The documents come through a TokenSource (sources.py): a prepared directory or a Megatron
+prefix read in place; a blend of several is blend.py's BlendLoader, built on this one.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatronish.data.dataset import SPLITS, load_documents, open_tokens, read_metadata
+from megatronish.data.sources import SPLIT_NAMES, TokenSource, open_prepared
 from megatronish.errors import UserError
 
 if TYPE_CHECKING:
@@ -43,7 +46,7 @@ class BatchLoader:
 
     def __init__(
         self,
-        dataset_dir: str | Path,
+        dataset_dir: str | Path | TokenSource,
         split: str,
         seq_len: int,
         global_batch_size: int,
@@ -52,8 +55,8 @@ class BatchLoader:
         dp_size: int,
         seed: int,
     ) -> None:
-        if split not in SPLITS:
-            raise UserError(f"data split {split!r}: must be one of {', '.join(SPLITS)}")
+        if split not in SPLIT_NAMES:
+            raise UserError(f"data split {split!r}: must be one of {', '.join(SPLIT_NAMES)}")
         if seq_len < 1 or micro_batch_size < 1 or dp_size < 1 or global_batch_size < 1:
             raise UserError(
                 f"seq_len {seq_len}, micro_batch_size {micro_batch_size}, global_batch_size "
@@ -66,7 +69,9 @@ class BatchLoader:
             )
         if not 0 <= dp_rank < dp_size:
             raise UserError(f"dp_rank {dp_rank}: must be in [0, {dp_size})")
-        self.dataset_dir = Path(dataset_dir)
+        source = dataset_dir if isinstance(dataset_dir, TokenSource) else None
+        self.source = source or open_prepared(dataset_dir)
+        self.dataset_dir = self.source.path
         self.split = split
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
@@ -75,8 +80,8 @@ class BatchLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.accum = global_batch_size // (micro_batch_size * dp_size)
-        self.meta = read_metadata(self.dataset_dir, validate=True)
-        self._tokens = open_tokens(self.dataset_dir, self.meta)
+        self.meta = self.source.meta
+        self._tokens = self.source.tokens
         self._build_runs()
         self.n_samples = (self.stream_len - 1) // seq_len
         if self.n_samples < 1:
@@ -86,13 +91,14 @@ class BatchLoader:
                 f"seq_len + 1 = {seq_len + 1} tokens; use a smaller train.seq_len or more data"
             )
         self.consumed_samples = 0
+        self.seed_key = [seed]  # a blend gives each dataset its own: [seed, index]
         self._permutations: dict[int, np.ndarray] = {}
 
     def _build_runs(self) -> None:
         """Maximal runs of consecutive documents of this split: file ranges and where each
         starts in the virtual stream."""
-        offsets, flags = load_documents(self.dataset_dir, self.meta)
-        chosen = np.flatnonzero(np.asarray(flags) == SPLITS[self.split])
+        offsets, flags = self.source.offsets, self.source.split
+        chosen = np.flatnonzero(np.asarray(flags) == SPLIT_NAMES.index(self.split))
         starts = np.asarray(offsets[chosen], dtype=np.int64)
         ends = np.asarray(offsets[chosen + 1], dtype=np.int64)
         if len(chosen):
@@ -112,14 +118,19 @@ class BatchLoader:
     def _permutation(self, epoch: int) -> np.ndarray:
         order = self._permutations.get(epoch)
         if order is None:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
+            rng = np.random.default_rng([*self.seed_key, epoch])
+            order = rng.permutation(self.n_samples)
             self._permutations = {e: p for e, p in self._permutations.items() if e >= epoch - 1}
             self._permutations[epoch] = order
         return order
 
     def sample_ids(self, first: int, count: int) -> np.ndarray:
         """Sample indices (into the split's N windows) at global positions first..first+count."""
-        positions = np.arange(first, first + count, dtype=np.int64)
+        return self.ids_at(np.arange(first, first + count, dtype=np.int64))
+
+    def ids_at(self, positions: np.ndarray) -> np.ndarray:
+        """Sample indices (into the split's N windows) at these global positions."""
+        count = len(positions)
         epochs = positions // self.n_samples
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(epochs):
@@ -139,15 +150,20 @@ class BatchLoader:
             filled += take
             run += 1
 
+    def read_samples(self, positions: np.ndarray) -> np.ndarray:
+        """int64 [len(positions), s + 1]: the samples at these global positions."""
+        batch = np.empty((len(positions), self.seq_len + 1), dtype=np.int64)
+        for row, sample in enumerate(self.ids_at(positions)):
+            self._read_window(int(sample) * self.seq_len, batch[row])
+        return batch
+
     def next_step(self) -> torch.Tensor:
         """This dp rank's share of the next global batch: int64 [accum, m, s + 1]."""
         import torch
 
         share = self.global_batch_size // self.dp_size
         first = self.consumed_samples + self.dp_rank * share
-        batch = np.empty((share, self.seq_len + 1), dtype=np.int64)
-        for row, sample in enumerate(self.sample_ids(first, share)):
-            self._read_window(int(sample) * self.seq_len, batch[row])
+        batch = self.read_samples(np.arange(first, first + share, dtype=np.int64))
         self.consumed_samples += self.global_batch_size
         shaped = batch.reshape(self.accum, self.micro_batch_size, self.seq_len + 1)
         return torch.from_numpy(shaped)
@@ -168,7 +184,7 @@ class BatchLoader:
             "global_batch_size": self.global_batch_size,
             "seed": self.seed,
             "n_samples": self.n_samples,
-            "dataset_sha256": self.meta["sha256"],
+            "dataset_sha256": self.source.sha256,
             "dataset_dir": str(self.dataset_dir.resolve()),
             "dp_size": self.dp_size,
             "micro_batch_size": self.micro_batch_size,
@@ -179,7 +195,7 @@ class BatchLoader:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise UserError(f"data loader state: version {state.get('version')!r} is not supported")
         for key in _MATCHING_KEYS:
-            mine = getattr(self, key) if key != "dataset_sha256" else self.meta["sha256"]
+            mine = getattr(self, key) if key != "dataset_sha256" else self.source.sha256
             if state.get(key) != mine:
                 what = "dataset (sha256 of tokens.bin)" if key == "dataset_sha256" else key
                 raise UserError(

@@ -1,5 +1,6 @@
-"""What a training run does with checkpoints: where they go, when it saves, what it resumes
-from (checkpoint.resume: auto | never | PATH) and starting from Hugging Face weights."""
+"""What a training run does with checkpoints: where they go, when it saves (Saver: at once, or
+in the background with checkpoint.async), what it resumes from (checkpoint.resume: auto | never
+| PATH) and starting from Hugging Face weights."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 from pathlib import Path
 
 from torch import nn
+from tqdm import tqdm
 
+from megatronish.checkpoint.async_save import AsyncSaver
 from megatronish.checkpoint.format import (
     complete_steps,
     find_latest,
@@ -22,6 +25,7 @@ from megatronish.data import BatchLoader
 from megatronish.errors import UserError
 from megatronish.files import write_text_atomic
 from megatronish.optim.optimizer import Optimizer
+from megatronish.training.faults import StepVerdict
 from megatronish.training.setup import Setup
 
 
@@ -132,6 +136,59 @@ def save(s: Setup, step: int, model: nn.Module, optimizer: Optimizer, loader: Ba
         tokenizer=tokenizer_of_dataset(s.dataset_dir),
         keep=s.cfg.checkpoint.keep,
     )
+
+
+class Saver:
+    """The run's saves, every rank calling each method at the same point of the run. Without
+    checkpoint.async a save is done when save() returns; with it, save() returns once the state
+    is copied, and the save completes (complete on disk on every rank, renamed into place,
+    "saved" printed by rank 0) at the first step boundary where every rank's writer is done
+    (poll), at the next save, or at finish()."""
+
+    def __init__(self, s: Setup):
+        self.setup = s
+        wanted = s.cfg.checkpoint.async_ and s.cfg.checkpoint.save
+        self.background = AsyncSaver() if wanted else None
+
+    @property
+    def writing(self) -> bool:
+        """Whether this rank is still writing a save in flight (agreed on at each step's end)."""
+        return self.background is not None and self.background.writing
+
+    def save(self, step: int, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> None:
+        """Saves optimizer step `step` (with checkpoint.async: starts saving it, after the
+        previous save completes)."""
+        if self.background is None:
+            self.saved(save(self.setup, step, model, optimizer, loader))
+            return
+        self.finish()
+        s = self.setup
+        self.background.begin(
+            checkpoint_dir(s.cfg), step, cfg=s.cfg, derived=s.derived, ps=s.ps, model=model,
+            optimizer=optimizer, loader_state=loader.state_dict(),
+            tokenizer=tokenizer_of_dataset(s.dataset_dir), keep=s.cfg.checkpoint.keep,
+        )  # fmt: skip
+
+    def poll(self, verdict: StepVerdict) -> None:
+        """At a step's end: completes the save in flight if every rank's writer was done
+        (`verdict.writing`, agreed on by every rank)."""
+        if self.background is not None and self.background.pending and not verdict.writing:
+            self.finish()
+
+    def finish(self) -> None:
+        """Completes the save in flight, if any, waiting for the writers (at the end of the
+        run, a stop, the next save)."""
+        if self.background is not None and self.background.pending is not None:
+            self.saved(self.background.complete())
+
+    def saved(self, path: Path | None) -> None:
+        if path is not None and self.setup.ps.is_main:
+            tqdm.write(f"saved {path}")
+
+    def close(self) -> None:
+        """Stops the writer thread (what it has not completed stays a temporary directory)."""
+        if self.background is not None:
+            self.background.close()
 
 
 def trim_metrics(out_dir: Path, step: int) -> None:

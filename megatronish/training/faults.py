@@ -99,10 +99,13 @@ def forward_stop_signals() -> Iterator[None]:
 class StepVerdict:
     """What every rank does after a step, the same on all of them. `nonfinite` names what was
     not finite on some rank ("loss", "grad_norm"); empty means the update is applied. `stop`:
-    some rank was asked to stop, so the run saves after this step and exits."""
+    some rank was asked to stop, so the run saves after this step and exits. `writing`: some
+    rank's checkpoint writer is still writing a save in flight (checkpoint.async), so the run
+    does not complete that save yet."""
 
     nonfinite: tuple[str, ...] = ()
     stop: bool = False
+    writing: bool = False
 
     @property
     def skip(self) -> bool:
@@ -111,10 +114,15 @@ class StepVerdict:
 
 
 def agree_on_step(
-    loss: float | None, grad_norm: float, stop_requested: bool, ps: ParallelState
+    loss: float | None,
+    grad_norm: float,
+    stop_requested: bool,
+    ps: ParallelState,
+    writing: bool = False,
 ) -> StepVerdict:
     """The StepVerdict of a step from this rank's view: its loss (None where this rank has no
-    loss), the gradient norm and whether it was asked to stop. Three fp32 flags, reduced (MAX)
+    loss), the gradient norm, whether it was asked to stop and whether its checkpoint writer
+    is still busy. Four fp32 flags, reduced (MAX)
     over the tp group, the dp x cp group and then the pp group, so over every rank: a rank
     that alone sees a NaN or a signal decides for all. (Two tiny all-reduces rather than one
     over the world: these groups take the shared-memory path on one host, the world does not.)"""
@@ -122,15 +130,16 @@ def agree_on_step(
         loss is not None and not math.isfinite(loss),
         not math.isfinite(grad_norm),
         stop_requested,
+        writing,
     ]
     flags = torch.tensor(local, dtype=torch.float32, device=ps.device)
     comm.all_reduce(flags, ps.tp_group, op=dist.ReduceOp.MAX)
     comm.all_reduce(flags, ps.dp_cp_group, op=dist.ReduceOp.MAX)
     if ps.pp > 1:
         comm.all_reduce(flags, ps.pp_group, op=dist.ReduceOp.MAX)
-    loss_bad, norm_bad, stop = (bool(x) for x in flags.tolist())
+    loss_bad, norm_bad, stop, still_writing = (bool(x) for x in flags.tolist())
     nonfinite = tuple(name for name, bad in (("loss", loss_bad), ("grad_norm", norm_bad)) if bad)
-    return StepVerdict(nonfinite, stop)
+    return StepVerdict(nonfinite, stop, still_writing)
 
 
 # --------------------------------------------------------------------------------------------

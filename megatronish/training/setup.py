@@ -3,6 +3,7 @@ and the dataset, the joined process groups, the data loaders, the autocast conte
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from megatronish.config import (
     derive,
     world_size_of,
 )
-from megatronish.data import BatchLoader, dataset_vocab_size, read_metadata, resolve_dataset
+from megatronish.data import BatchLoader
+from megatronish.data.blend import BlendLoader
+from megatronish.data.sources import DataPlan, resolve_data
 from megatronish.distributed.layout import (
     ParallelState,
     default_device,
@@ -33,7 +36,8 @@ class Setup:
     cfg: Config
     derived: Derived
     ps: ParallelState
-    dataset_dir: Path
+    dataset_dir: Path  # the (first) dataset: a prepared directory or a Megatron prefix
+    data: DataPlan | None = None  # every dataset of the run, opened, with its blend weight
 
 
 def setup(cfg: Config) -> Setup:
@@ -42,18 +46,18 @@ def setup(cfg: Config) -> Setup:
     on a failed one; every rank finds the same one, so only rank 0 prints it."""
     world = world_size_from_env()
     try:
-        dataset_dir, derived = _checked(cfg, world)
+        data, derived = _checked(cfg, world)
     except UserError as exc:
         exc.rank0_prints = True
         raise
     ps = init_distributed(
         derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp, derived.ep
     )
-    return Setup(cfg, derived, ps, dataset_dir)
+    return Setup(cfg, derived, ps, data.sources[0].path, data)
 
 
-def _checked(cfg: Config, world: int) -> tuple[Path, Derived]:
-    """(dataset directory, derived sizes) of a config checked for a world of `world` ranks."""
+def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
+    """(the datasets, derived sizes) of a config checked for a world of `world` ranks."""
     wanted = world_size_of(cfg)
     if world == 1 and wanted > 1:
         raise UserError(
@@ -62,26 +66,34 @@ def _checked(cfg: Config, world: int) -> tuple[Path, Derived]:
             f"them with `megatronish launch --config ...` or `torchrun --nproc-per-node {wanted} "
             "-m megatronish train --config ...`"
         )
-    dataset_dir = resolve_dataset(cfg.data.path)
-    data_vocab = dataset_vocab_size(dataset_dir)
+    d = cfg.data
+    data = resolve_data(d.path, d.blend, d.split, cfg.model.vocab_size, d.eod_id)
+    dataset_dir = data.sources[0].path
+    data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)
-    if cfg.train.eval_every > 0 and read_metadata(dataset_dir)["val_docs"] == 0:
+    if cfg.train.eval_every > 0 and data.docs_in("val") == 0:
         raise UserError(
             f"train.eval_every: the dataset {dataset_dir} has no validation documents; prepare "
-            "it with --val-fraction > 0 (and more than one document) or set train.eval_every=0"
+            "it with --val-fraction > 0 (and more than one document), give a Megatron prefix "
+            'a data.split such as "969,30,1", or set train.eval_every=0'
         )
     derived = derive(cfg, world, vocab_size=data_vocab)
     ops.check_backend(cfg.kernels.backend, default_device())
     if cfg.observe.tensorboard:
         check_tensorboard()
     check_output_paths(cfg)
-    return dataset_dir, derived
+    return data, derived
 
 
-def make_loader(s: Setup, split: str) -> BatchLoader:
+def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
+    """The loader of `split` for this rank; for the train split, rank 0 also writes
+    <run.out_dir>/data.json and prints one line per dataset (data_report.py)."""
     t = s.cfg.train
-    return BatchLoader(
-        s.dataset_dir,
+    d = s.cfg.data
+    data = s.data or resolve_data(
+        str(s.dataset_dir), None, d.split, s.cfg.model.vocab_size, d.eod_id
+    )
+    sizes = dict(
         split=split,
         seq_len=t.seq_len,
         global_batch_size=t.global_batch_size,
@@ -90,3 +102,38 @@ def make_loader(s: Setup, split: str) -> BatchLoader:
         dp_size=s.ps.dp,
         seed=t.seed,
     )
+    if data.blended:
+        loader: BatchLoader | BlendLoader = BlendLoader(data.sources, data.weights, **sizes)
+    else:
+        loader = BatchLoader(data.sources[0], **sizes)
+    if split == "train" and s.ps.is_main:
+        write_data_report(s.cfg.run.out_dir, loader, data, t.steps * t.global_batch_size)
+    return loader
+
+
+def write_data_report(
+    out_dir: str, loader: BatchLoader | BlendLoader, data: DataPlan, total: int
+) -> None:
+    """<out_dir>/data.json: {"datasets": [{"path", "weight", "samples"}]}, the samples each
+    dataset gives to the run's total (train.steps x train.global_batch_size), and one printed
+    line per dataset."""
+    samples = [0] * len(data.sources)
+    if isinstance(loader, BlendLoader):
+        for index, count in zip(loader.chosen, loader.counts_before(total), strict=True):
+            samples[index] = int(count)
+    else:
+        samples[0] = total
+    weight_sum = sum(data.weights)
+    rows = [
+        {"path": str(source.path), "weight": weight / weight_sum, "samples": count}
+        for source, weight, count in zip(data.sources, data.weights, samples, strict=True)
+    ]
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "data.json").write_text(json.dumps({"datasets": rows}, indent=2) + "\n")
+    for row in rows:
+        print(
+            f"data: {row['path']} weight {row['weight']:.4g}, {row['samples']:,} of the run's "
+            f"{total:,} samples",
+            flush=True,
+        )

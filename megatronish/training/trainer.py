@@ -71,6 +71,7 @@ class StepResult:
 class Trainer:
     def __init__(self, s: Setup, stop_signals: faults.StopSignals | None = None):
         self.setup, self.cfg, self.ps = s, s.cfg, s.ps
+        self.saver = checkpoints.Saver(s)  # checkpoint.async: starts the writer thread first
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(s.cfg.train.seed)
         self.model = GPT(s.cfg, s.derived, s.ps)
@@ -120,7 +121,8 @@ class Trainer:
             loss, grad_norm = self.compute_gradients()
             asked = self.stop_signals.requested is not None
             with self.timer.phase("grad_sync"):
-                verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps)
+                writing = self.saver.writing
+                verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps, writing)
             with self.timer.phase("optimizer"):
                 if not verdict.skip:
                     self.optimizer.step(lr_at(self.step + 1, self.cfg))
@@ -222,6 +224,7 @@ class Trainer:
         try:
             while self.step < cfg.train.steps and not stopped:
                 result = self.train_step()
+                self.saver.poll(result.verdict)  # completes a background save once written
                 window_steps += 1
                 skipped_in_a_row = skipped_in_a_row + 1 if result.verdict.skip else 0
                 if result.verdict.skip:
@@ -271,7 +274,9 @@ class Trainer:
             self.grads.wait_params()  # ZeRO-1: the model is whole when the run returns
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
+            self.saver.finish()  # checkpoint.async: the last save on disk before the run ends
         finally:
+            self.saver.close()
             bar.close()
             metrics.close()
             self.profiler.close()
@@ -329,11 +334,10 @@ class Trainer:
             )
 
     def save_checkpoint(self) -> None:
-        """Saves a checkpoint of this step (every rank calls it)."""
-        path = checkpoints.save(self.setup, self.step, self.model, self.optimizer, self.loader)
+        """Saves a checkpoint of this step, or starts saving it (checkpoint.async); every rank
+        calls it."""
+        self.saver.save(self.step, self.model, self.optimizer, self.loader)
         self.saved_step = self.step
-        if self.ps.is_main:
-            tqdm.write(f"saved {path}")
 
 
 def train(cfg: Config) -> dict:

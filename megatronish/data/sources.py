@@ -1,0 +1,197 @@
+"""The datasets a run reads through one interface: a directory written by `prepare` or a
+Megatron prefix read in place (indexed.py), each with its documents' train / validation / test
+split, and the run's list of them with their blend weights (data.path or data.blend).
+
+A TokenSource is tokens [n_tokens] (memory-mapped), offsets int64 [n_docs + 1] (document d is
+tokens[offsets[d]:offsets[d + 1]]) and split uint8 [n_docs] (0 train, 1 validation, 2 test).
+A prepared directory keeps the split `prepare` drew; a Megatron prefix has none of its own and
+takes data.split: contiguous runs of documents in the ratios "train,validation,test", as
+megatron-core splits (default "1,0,0": every document trains).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatronish.data.cache import resolve_dataset
+from megatronish.data.dataset import load_documents, open_tokens, read_metadata
+from megatronish.data.indexed import check_token_ids, prefix_of, read_indexed
+from megatronish.errors import UserError
+
+SPLIT_NAMES = ("train", "val", "test")
+
+
+@dataclass
+class TokenSource:
+    """One dataset as the loader reads it (see the module docstring for the arrays)."""
+
+    path: Path
+    kind: str  # "prepared" | "megatron"
+    tokens: np.ndarray
+    offsets: np.ndarray
+    split: np.ndarray
+    vocab_size: int
+    eot_id: int
+    sha256: str
+    meta: dict[str, Any] | None = None  # a prepared directory's metadata.json
+
+    def docs_in(self, split: str) -> int:
+        return int(np.count_nonzero(np.asarray(self.split) == SPLIT_NAMES.index(split)))
+
+
+def open_prepared(directory: str | os.PathLike[str] | None) -> TokenSource:
+    """A prepared dataset directory (None: the built-in corpus), every token validated."""
+    path = resolve_dataset(directory)
+    meta = read_metadata(path, validate=True)
+    offsets, split = load_documents(path, meta)
+    return TokenSource(
+        path, "prepared", open_tokens(path, meta), offsets, split, int(meta["vocab_size"]),
+        int(meta["eot_id"]), meta["sha256"], meta,
+    )  # fmt: skip
+
+
+def open_megatron(
+    prefix: Path, vocab_size: int | None, eod_id: int | None, split: str | None
+) -> TokenSource:
+    """A Megatron prefix read in place. It carries no vocabulary, so model.vocab_size and
+    data.eod_id are required; every id is checked against model.vocab_size."""
+    if vocab_size is None:
+        raise UserError(
+            f"model.vocab_size: required for the Megatron prefix {prefix} (it does not record "
+            "its vocabulary); set it to the tokenizer's vocabulary size"
+        )
+    if eod_id is None:
+        raise UserError(
+            f"data.eod_id: required for the Megatron prefix {prefix}; set it to the tokenizer's "
+            "end-of-document id"
+        )
+    if not 0 <= eod_id < vocab_size:
+        raise UserError(f"data.eod_id: {eod_id} must be in [0, model.vocab_size {vocab_size})")
+    data = read_indexed(prefix)
+    check_token_ids(data, vocab_size, "model.vocab_size")
+    flags = split_flags(data.n_docs, split or "1,0,0")
+    return TokenSource(
+        prefix, "megatron", data.tokens, data.offsets, flags, vocab_size, eod_id, data.sha256
+    )
+
+
+def open_source(
+    path: str | None, vocab_size: int | None = None, eod_id: int | None = None,
+    split: str | None = None,
+) -> TokenSource:  # fmt: skip
+    """data.path (or one blend entry) -> its TokenSource: a Megatron prefix when PATH.idx (or
+    PATH itself, ending in .idx / .bin) names one, else a prepared directory."""
+    prefix = prefix_of(path) if path is not None else None
+    if prefix is not None:
+        return open_megatron(prefix, vocab_size, eod_id, split)
+    return open_prepared(path)
+
+
+def parse_split(spec: str, key: str = "data.split") -> list[float]:
+    """Ratios "969,30,1" -> [0.969, 0.03, 0.001] (fewer parts: the rest are 0)."""
+    parts = [p.strip() for p in str(spec).replace("/", ",").split(",")]
+    try:
+        ratios = [float(p) for p in parts]
+    except ValueError:
+        ratios = []
+    if not 1 <= len(ratios) <= 3 or any(not r >= 0 for r in ratios) or sum(ratios) <= 0:
+        raise UserError(
+            f"{key}: {spec!r} is not train,validation,test ratios; use non-negative numbers "
+            'with a positive sum, e.g. "969,30,1"'
+        )
+    ratios += [0.0] * (3 - len(ratios))
+    return [r / sum(ratios) for r in ratios]
+
+
+def split_flags(n_docs: int, spec: str) -> np.ndarray:
+    """uint8 [n_docs]: contiguous train, validation and test runs of documents, their
+    boundaries at round(cumulative ratio * n_docs) as megatron-core's get_split_indices."""
+    bounds = [0]
+    for ratio in parse_split(spec):
+        bounds.append(bounds[-1] + int(round(ratio * n_docs)))
+    bounds = [b - (bounds[-1] - n_docs) if i else 0 for i, b in enumerate(bounds)]
+    flags = np.zeros(n_docs, dtype=np.uint8)
+    for code in range(3):
+        flags[max(bounds[code], 0) : max(bounds[code + 1], 0)] = code
+    return flags
+
+
+@dataclass
+class DataPlan:
+    """The run's datasets and their sampling weights (a single dataset has weight 1)."""
+
+    sources: list[TokenSource]
+    weights: list[float]
+
+    @property
+    def blended(self) -> bool:
+        return len(self.sources) > 1
+
+    @property
+    def vocab_size(self) -> int:
+        return max(s.vocab_size for s in self.sources)
+
+    def docs_in(self, split: str) -> int:
+        return sum(s.docs_in(split) for s in self.sources)
+
+
+def resolve_data(
+    path: str | None, blend: Any, split: str | None, vocab_size: int | None,
+    eod_id: int | None,
+) -> DataPlan:  # fmt: skip
+    """data.path / data.blend -> the DataPlan (every dataset opened and checked)."""
+    if split is not None:
+        parse_split(split)
+    if blend is None:
+        return DataPlan([open_source(path, vocab_size, eod_id, split)], [1.0])
+    if path is not None:
+        raise UserError("data.blend: set data.blend or data.path, not both")
+    entries = parse_blend(blend)
+    sources = [open_source(p, vocab_size, eod_id, split) for p, _ in entries]
+    return DataPlan(sources, [w for _, w in entries])
+
+
+def parse_blend(spec: Any) -> list[tuple[str, float]]:
+    """data.blend -> [(path, weight)], weights as given (positive). Accepts Megatron's
+    "0.3 PATH_A 0.7 PATH_B" and a list of {path, weight} mappings."""
+    if isinstance(spec, str):
+        words = spec.split()
+        if not words or len(words) % 2:
+            raise UserError(
+                f'data.blend: {spec!r} is not weight-path pairs; write "0.3 PATH_A 0.7 PATH_B"'
+            )
+        pairs: list[tuple[Any, Any]] = [(words[i + 1], words[i]) for i in range(0, len(words), 2)]
+    elif isinstance(spec, list) and spec:
+        pairs = []
+        for entry in spec:
+            if not isinstance(entry, dict) or set(entry) != {"path", "weight"}:
+                raise UserError(
+                    f"data.blend: entry {entry!r} must be a mapping with exactly 'path' and "
+                    "'weight'"
+                )
+            pairs.append((entry["path"], entry["weight"]))
+    else:
+        raise UserError(
+            f'data.blend: {spec!r}; write "0.3 PATH_A 0.7 PATH_B" or a list of {{path, weight}}'
+        )
+    entries = []
+    for path, weight in pairs:
+        try:
+            value = float(weight) if not isinstance(weight, bool) else math.nan
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(
+                f"data.blend: weight {weight!r} of {path} is not a positive number; weights are "
+                "positive numbers such as 0.3 (they are normalized to sum to 1)"
+            )
+        if not isinstance(path, str) or not path:
+            raise UserError(f"data.blend: path {path!r} must be a non-empty string")
+        entries.append((path, value))
+    return entries
