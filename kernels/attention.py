@@ -11,6 +11,12 @@ blocks that need no mask (all keys valid, none past the diagonal) run first with
 rest (the diagonal band when causal, the sequence tail) run with the mask. The tiles are
 chosen in attention_tiles.py; the backward kernels are in attention_bwd.py (imported here, and
 importing nothing from here).
+
+Document masks (DOCS, segments [b, s] of the queries and of the keys): every key block also
+masks the keys of other documents, and a query block walks only the key blocks that hold keys
+of its documents (attention_tiles.segment_bounds), so a sequence packed with short documents
+costs a fraction of causal attention. A row may then see no key in a block, or in a whole ring
+block: the softmax runs from a finite reference, and such a row's output is 0 with lse -inf.
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ import triton.language as tl
 
 from ._utils import LOG2_E, Launch, check_device, device_arch, dot_precision
 from .attention_bwd import attention_backward
-from .attention_tiles import attention_blocks, check_shapes
+from .attention_tiles import attention_blocks, check_segments, check_shapes, segment_bounds
 
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, K, V, offs_m, offs_n, offs_d, lo, hi, seq_len, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    acc, l_i, m_i, q, q_seg, K, V, KSEG, seg_base, offs_m, offs_n, offs_d, lo, hi, seq_len,
+    qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -47,10 +53,17 @@ def _fwd_inner(
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             scores = tl.where(valid, scores, float("-inf"))
-        # Key 0 is in the first block every row sees, so m_new is finite from the first step.
+        if DOCS:
+            k_seg = tl.load(KSEG + seg_base + cols, mask=cols < seq_len, other=-1)
+            scores = tl.where(q_seg[:, None] == k_seg[None, :], scores, float("-inf"))
+        # Without documents key 0 is in the first block every row sees, so m_new is finite
+        # from the first step; with them a row may have seen no key yet (m_new -inf).
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_ref = m_new
+        if DOCS:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
@@ -59,12 +72,13 @@ def _fwd_inner(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, seq_len, n_head, group, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    Q, K, V, O, LSE, QSEG, KSEG, BOUNDS, seq_len, n_head, group, qk_scale,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     # Causal: the last query blocks have the most keys; launch them first for a balanced tail.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    start_m = block_m * BLOCK_M
     bh = tl.program_id(1)
     kv_bh = (bh // n_head) * (n_head // group) + (bh % n_head) // group
     q_base = bh.to(tl.int64) * seq_len * HEAD_DIM
@@ -86,15 +100,28 @@ def _attn_fwd_kernel(
     else:
         free_hi = full_n
         hi = seq_len
+    lo = 0
+    q_seg = tl.zeros([BLOCK_M], dtype=tl.int32)  # one document unless DOCS
+    seg_base = (bh // n_head).to(tl.int64) * seq_len  # this sequence's segments
+    if DOCS:  # only the key blocks that hold keys of this query block's documents
+        q_seg = tl.load(QSEG + seg_base + offs_m, mask=row_mask, other=-2)
+        bounds = BOUNDS + ((bh // n_head) * tl.num_programs(0) + block_m) * 2
+        lo = (tl.load(bounds) // BLOCK_N) * BLOCK_N
+        doc_hi = tl.load(bounds + 1)
+        free_hi = tl.minimum(free_hi, tl.cdiv(doc_hi, BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(hi, doc_hi)
     Kh, Vh = K + kv_base, V + kv_base
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, Kh, Vh, offs_m, offs_n, offs_d, 0, free_hi, seq_len, qk_scale,
-        False, CAUSAL, HEAD_DIM, BLOCK_N, PREC,
+        acc, l_i, m_i, q, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d, lo, free_hi,
+        seq_len, qk_scale, False, CAUSAL, DOCS, HEAD_DIM, BLOCK_N, PREC,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, Kh, Vh, offs_m, offs_n, offs_d, free_hi, hi, seq_len, qk_scale,
-        True, CAUSAL, HEAD_DIM, BLOCK_N, PREC,
+        acc, l_i, m_i, q, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d,
+        tl.maximum(free_hi, lo), hi, seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_N,
+        PREC,
     )  # fmt: skip
+    if DOCS:  # a row that saw no key (m_i -inf): output 0, lse -inf
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(O + q_base + q_offs, out.to(O.dtype.element_ty), mask=row_mask[:, None])
     tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i), mask=row_mask)
@@ -108,82 +135,102 @@ def forward_launch(
     lse: torch.Tensor,
     causal: bool,
     arch: int,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Launch:
     """The forward kernel's launch on contiguous q, k, v into out (any float dtype) and the
-    base-2 lse, with the tiles attention_blocks picks for GPU arch `arch` (device_arch)."""
+    base-2 lse, with the tiles attention_blocks picks for GPU arch `arch` (device_arch); with
+    segments (the queries' and the keys', contiguous int32 [b, s]) under document masks."""
     b, n_head, seq_len, head_dim = q.shape
     blocks = attention_blocks(seq_len, head_dim, q.dtype, arch)
     tile = blocks.fwd
     scalars = (seq_len, n_head, n_head // k.shape[1], LOG2_E / math.sqrt(head_dim))
+    docs = (None, None, None)
+    if segments is not None:
+        docs = (*segments, segment_bounds(segments[0], segments[1], tile.block_m))
     constexprs = dict(
-        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        PREC=dot_precision(q.dtype),
+        CAUSAL=causal, DOCS=segments is not None, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, PREC=dot_precision(q.dtype),
     )  # fmt: skip
     return Launch(
         _attn_fwd_kernel,
         grid=(triton.cdiv(seq_len, tile.block_m), b * n_head),
-        args=(q, k, v, out, lse, *scalars),
+        args=(q, k, v, out, lse, *docs, *scalars),
         constexprs=constexprs,
         num_warps=tile.num_warps,
         num_stages=blocks.num_stages,
     )
 
 
-def _forward(q, k, v, causal: bool, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, causal: bool, segments, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n_head, s, d] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
-    contiguous q, k, v."""
+    contiguous q, k, v (and segments, checked, or None)."""
     b, n_head, seq_len, _ = q.shape
     out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
     if out.numel() > 0:
-        forward_launch(q, k, v, out, lse, causal, device_arch(q.device)).run()
+        forward_launch(q, k, v, out, lse, causal, device_arch(q.device), segments).run()
     return out, lse
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool):
-        check_device(q, k, v)
+    def forward(ctx, q, k, v, causal: bool, segments):
+        check_device(q, k, v, segments)
         check_shapes(q, k, v)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _forward(q, k, v, causal)
+        segments = check_segments(q, None if segments is None else (segments, segments))
+        out, lse = _forward(q, k, v, causal, segments)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal = causal
+        ctx.causal, ctx.segments = causal, segments
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.causal)
-        return dq, dk, dv, None
+        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.causal, ctx.segments)
+        return dq, dk, dv, None, None
 
 
-def attention_block_forward(q, k, v, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_block_forward(
+    q, k, v, causal: bool, segments=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of ring attention, no autograd: (out fp32 (fp64 for fp64 inputs), to be merged
-    with other blocks; lse [b, n_head, s] fp32 in natural log), shapes as in `attention`."""
+    with other blocks; lse [b, n_head, s] fp32 in natural log), shapes as in `attention`;
+    segments: None, or the (queries', keys') [b, s] under document masks (a row that sees no
+    key of its document here gets out 0 and lse -inf)."""
     check_device(q, k, v)
     check_shapes(q, k, v)
     out_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out, lse2 = _forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, out_dtype)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse2 = _forward(q, k, v, causal, check_segments(q, segments), out_dtype)
     return out, lse2 * (1.0 / LOG2_E)
 
 
-def attention_block_backward(q, k, v, out, lse, dout, causal: bool):
+def attention_block_backward(q, k, v, out, lse, dout, causal: bool, segments=None):
     """The flash backward of one block from a given output `out` and natural-log `lse` (a ring's
-    final ones, so rowsum(dout * out) is the global one): dq, dk, dv in the inputs' dtype."""
+    final ones, so rowsum(dout * out) is the global one): dq, dk, dv in the inputs' dtype;
+    segments as in attention_block_forward."""
     check_device(q, k, v, out, dout)
     check_shapes(q, k, v)
     lse2 = (lse.float() * LOG2_E).contiguous()
-    return attention_backward(
-        q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse2, dout, causal
-    )
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    segments = check_segments(q, segments)
+    return attention_backward(q, k, v, out.contiguous(), lse2, dout, causal, segments)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    segments: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), causal mask optional) v -> [b, n_head, s, d] in q's dtype.
 
     q [b, n_head, s, d], k and v [b, n_kv_head, s, d] with n_kv_head dividing n_head
     (grouped-query: each kv head serves n_head / n_kv_head consecutive query heads).
-    Raises ValueError for a head dim that is not 16, 32, 64 or 128.
+    segments [b, s] int (each position's document, non-decreasing along the sequence): a
+    query sees the keys of its own document only, and the key blocks of other documents are
+    skipped. Raises ValueError for a head dim that is not 16, 32, 64 or 128.
     """
-    return _AttentionFunction.apply(q, k, v, bool(causal))
+    return _AttentionFunction.apply(q, k, v, bool(causal), segments)

@@ -14,6 +14,9 @@ With p = softmax(q k^T * scale) recomputed from lse, and delta_i = sum_d o_id do
    over the group happens in registers: no atomics, no races, deterministic.
 3. _dq_kernel: one program per (query block, batch * head); it walks the key blocks.
 Both recompute p from q, k and lse; query/key blocks that need no mask run without one.
+Under document masks (DOCS) both also mask the pairs of different documents, and walk only the
+blocks that hold pairs of the same documents (attention_tiles.segment_bounds: the query range
+of each key block for dK/dV, the key range of each query block for dQ).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ._utils import LOG2_E, Launch, device_arch, dot_precision
-from .attention_tiles import attention_blocks
+from .attention_tiles import attention_blocks, segment_bounds
 
 
 @triton.jit
@@ -41,9 +44,9 @@ def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.conste
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, Q, DO, LSE, DELTA, offs_n, offs_m, offs_d, lo, hi, seq_len, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+    dk, dv, k, v, k_seg, Q, DO, LSE, DELTA, QSEG, seg_base, offs_n, offs_m, offs_d, lo, hi,
+    seq_len, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
@@ -66,6 +69,9 @@ def _dkdv_inner(
             if CAUSAL:
                 valid = valid & (rows[None, :] >= offs_n[:, None])
             p_t = tl.where(valid, p_t, 0.0)
+        if DOCS:
+            q_seg = tl.load(QSEG + seg_base + rows, mask=rows < seq_len, other=-1)
+            p_t = tl.where(k_seg[:, None] == q_seg[None, :], p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -75,9 +81,9 @@ def _dkdv_inner(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, seq_len, n_head, group, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, BOUNDS, seq_len, n_head, group, qk_scale,
+    sm_scale, CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     start_n = tl.program_id(0) * BLOCK_N
     kv_bh = tl.program_id(1)
@@ -108,21 +114,32 @@ def _dkdv_kernel(
         mid_lo = 0
     mid_hi = tl.where(start_n + BLOCK_N <= seq_len, full_m, mid_lo)
     tail_lo = tl.maximum(mid_lo, mid_hi)
+    tail_hi = seq_len
+    k_seg = tl.zeros([BLOCK_N], dtype=tl.int32)  # one document unless DOCS
+    seg_base = (kv_bh // n_kv).to(tl.int64) * seq_len  # this sequence's segments
+    if DOCS:  # each range cut to the query blocks that hold queries of these keys' documents
+        k_seg = tl.load(KSEG + seg_base + offs_n, mask=offs_n < seq_len, other=-2)
+        bounds = BOUNDS + ((kv_bh // n_kv) * tl.num_programs(0) + tl.program_id(0)) * 2
+        doc_lo = (tl.load(bounds) // BLOCK_M) * BLOCK_M
+        doc_hi = tl.cdiv(tl.load(bounds + 1), BLOCK_M) * BLOCK_M
+        lo, diag_hi = tl.maximum(lo, doc_lo), tl.minimum(diag_hi, doc_hi)
+        mid_lo, mid_hi = tl.maximum(mid_lo, doc_lo), tl.minimum(mid_hi, doc_hi)
+        tail_lo, tail_hi = tl.maximum(tail_lo, doc_lo), tl.minimum(tail_hi, doc_hi)
     for g in range(group):
         bh = (first_head + g).to(tl.int64)
         Qh, DOh = Q + bh * seq_len * HEAD_DIM, DO + bh * seq_len * HEAD_DIM
         LSEh, DELTAh = LSE + bh * seq_len, DELTA + bh * seq_len
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, offs_n, offs_m, offs_d, lo, diag_hi, seq_len,
-            qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, PREC,
+            dk, dv, k, v, k_seg, Qh, DOh, LSEh, DELTAh, QSEG, seg_base, offs_n, offs_m, offs_d,
+            lo, diag_hi, seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_M, PREC,
         )  # fmt: skip
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, offs_n, offs_m, offs_d, mid_lo, mid_hi,
-            seq_len, qk_scale, False, CAUSAL, HEAD_DIM, BLOCK_M, PREC,
+            dk, dv, k, v, k_seg, Qh, DOh, LSEh, DELTAh, QSEG, seg_base, offs_n, offs_m, offs_d,
+            mid_lo, mid_hi, seq_len, qk_scale, False, CAUSAL, DOCS, HEAD_DIM, BLOCK_M, PREC,
         )  # fmt: skip
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Qh, DOh, LSEh, DELTAh, offs_n, offs_m, offs_d, tail_lo, seq_len,
-            seq_len, qk_scale, True, CAUSAL, HEAD_DIM, BLOCK_M, PREC,
+            dk, dv, k, v, k_seg, Qh, DOh, LSEh, DELTAh, QSEG, seg_base, offs_n, offs_m, offs_d,
+            tail_lo, tail_hi, seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_M, PREC,
         )  # fmt: skip
     tl.store(DK + kv_base + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
     tl.store(DV + kv_base + kv_offs, dv.to(DV.dtype.element_ty), mask=col_ok)
@@ -130,9 +147,9 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse, delta, K, V, offs_m, offs_n, offs_d, lo, hi, seq_len, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    dq, q, do, lse, delta, q_seg, K, V, KSEG, seg_base, offs_m, offs_n, offs_d, lo, hi,
+    seq_len, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -149,6 +166,9 @@ def _dq_inner(
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             p = tl.where(valid, p, 0.0)
+        if DOCS:
+            k_seg = tl.load(KSEG + seg_base + cols, mask=cols < seq_len, other=-1)
+            p = tl.where(q_seg[:, None] == k_seg[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -157,12 +177,13 @@ def _dq_inner(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, seq_len, n_head, group, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, BOUNDS, seq_len, n_head, group, qk_scale,
+    sm_scale, CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     # Causal: the last query blocks have the most keys; launch them first (as the forward).
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    start_m = block_m * BLOCK_M
     bh = tl.program_id(1)
     kv_bh = (bh // n_head) * (n_head // group) + (bh % n_head) // group
     q_base = bh.to(tl.int64) * seq_len * HEAD_DIM
@@ -184,14 +205,25 @@ def _dq_kernel(
     else:
         free_hi = full_n
         hi = seq_len
+    lo = 0
+    q_seg = tl.zeros([BLOCK_M], dtype=tl.int32)  # one document unless DOCS
+    seg_base = (bh // n_head).to(tl.int64) * seq_len  # this sequence's segments
+    if DOCS:  # only the key blocks that hold keys of this query block's documents
+        q_seg = tl.load(QSEG + seg_base + offs_m, mask=row_ok, other=-2)
+        bounds = BOUNDS + ((bh // n_head) * tl.num_programs(0) + block_m) * 2
+        lo = (tl.load(bounds) // BLOCK_N) * BLOCK_N
+        doc_hi = tl.load(bounds + 1)
+        free_hi = tl.minimum(free_hi, tl.cdiv(doc_hi, BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(hi, doc_hi)
     Kh, Vh = K + kv_base, V + kv_base
     dq = _dq_inner(
-        dq, q, do, lse, delta, Kh, Vh, offs_m, offs_n, offs_d, 0, free_hi, seq_len, qk_scale,
-        False, CAUSAL, HEAD_DIM, BLOCK_N, PREC,
+        dq, q, do, lse, delta, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d, lo,
+        free_hi, seq_len, qk_scale, False, CAUSAL, DOCS, HEAD_DIM, BLOCK_N, PREC,
     )  # fmt: skip
     dq = _dq_inner(
-        dq, q, do, lse, delta, Kh, Vh, offs_m, offs_n, offs_d, free_hi, hi, seq_len, qk_scale,
-        True, CAUSAL, HEAD_DIM, BLOCK_N, PREC,
+        dq, q, do, lse, delta, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d,
+        tl.maximum(free_hi, lo), hi, seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_N,
+        PREC,
     )  # fmt: skip
     tl.store(DQ + q_base + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
@@ -207,10 +239,12 @@ def backward_launches(
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     causal: bool,
     arch: int,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[Launch]:
     """The three launches of the backward, in order (delta, dK/dV, dQ), on contiguous q, k, v,
     out, dout and the base-2 lse, into delta [b, n_head, s] fp32 and grads = (dq, dk, dv), with
-    the tiles attention_blocks picks for GPU arch `arch` (device_arch)."""
+    the tiles attention_blocks picks for GPU arch `arch` (device_arch); with segments (the
+    queries' and the keys', contiguous int32 [b, s]) under document masks."""
     b, n_head, seq_len, head_dim = q.shape
     n_kv = k.shape[1]
     blocks = attention_blocks(seq_len, head_dim, q.dtype, arch)
@@ -225,14 +259,21 @@ def backward_launches(
     )
     sm_scale = 1.0 / math.sqrt(head_dim)
     scalars = (seq_len, n_head, n_head // n_kv, sm_scale * LOG2_E, sm_scale)
-    common = dict(CAUSAL=causal, HEAD_DIM=head_dim, PREC=dot_precision(q.dtype))
+    common = dict(
+        CAUSAL=causal, DOCS=segments is not None, HEAD_DIM=head_dim, PREC=dot_precision(q.dtype)
+    )
     dkdv, dq_tile = blocks.dkdv, blocks.dq
+    dkdv_docs = dq_docs = (None, None, None)
+    if segments is not None:  # dK/dV: the queries of each key block; dQ: the keys of each query
+        q_seg, k_seg = segments
+        dkdv_docs = (q_seg, k_seg, segment_bounds(k_seg, q_seg, dkdv.block_n))
+        dq_docs = (q_seg, k_seg, segment_bounds(q_seg, k_seg, dq_tile.block_m))
     return [
         delta_launch,
         Launch(
             _dkdv_kernel,
             grid=(triton.cdiv(seq_len, dkdv.block_n), b * n_kv),
-            args=(q, k, v, dout, lse, delta, dk, dv, *scalars),
+            args=(q, k, v, dout, lse, delta, dk, dv, *dkdv_docs, *scalars),
             constexprs=dict(BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, **common),
             num_warps=dkdv.num_warps,
             num_stages=blocks.num_stages,
@@ -240,7 +281,7 @@ def backward_launches(
         Launch(
             _dq_kernel,
             grid=(triton.cdiv(seq_len, dq_tile.block_m), b * n_head),
-            args=(q, k, v, dout, lse, delta, dq, *scalars),
+            args=(q, k, v, dout, lse, delta, dq, *dq_docs, *scalars),
             constexprs=dict(BLOCK_M=dq_tile.block_m, BLOCK_N=dq_tile.block_n, **common),
             num_warps=dq_tile.num_warps,
             num_stages=blocks.num_stages,
@@ -256,15 +297,18 @@ def attention_backward(
     lse: torch.Tensor,
     dout: torch.Tensor,
     causal: bool,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq [b, n_head, s, d], dk and dv [b, n_kv, s, d] in the inputs' dtype, from the saved
-    contiguous q, k, v, out, the base-2 lse [b, n_head, s] and the output gradient dout."""
+    contiguous q, k, v, out, the base-2 lse [b, n_head, s] and the output gradient dout (and
+    the checked segments under document masks)."""
     dout = dout.contiguous()
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if q.numel() == 0:
         return grads
     delta = torch.empty_like(lse)
     arch = device_arch(q.device)
-    for launch in backward_launches(q, k, v, out, lse, dout, delta, grads, causal, arch):
+    launches = backward_launches(q, k, v, out, lse, dout, delta, grads, causal, arch, segments)
+    for launch in launches:
         launch.run()
     return grads

@@ -2,8 +2,16 @@
 
 Shapes: q [b, n_head, s, d]; k, v [b, n_kv, s, d]. Holds the tile of each of the three
 attention kernels (forward, dK/dV, dQ), the function that picks them from (s, d, dtype, GPU
-arch) for the launchers and the compile check (compile_check.py) alike, and the input checks
-every entry point runs. Neither kernel module is imported here.
+arch) for the launchers and the compile check (compile_check.py) alike, the per-block ranges
+of document masks, and the input checks every entry point runs. Neither kernel module is
+imported here.
+
+Document masks: segments [b, s] int32, each position's document index, non-decreasing along
+the sequence, of the queries and of the keys (the same tensor, or in a ring-attention block
+the local and the remote shard's). A query sees only keys of its own segment, so a block of
+rows (queries, or keys in the dK/dV kernel) needs only the columns whose segment lies between
+its first and its last row's: segment_bounds finds that range for every block with one
+binary search per block, and the kernels skip the blocks outside it.
 """
 
 from __future__ import annotations
@@ -93,3 +101,29 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"attention: head dim must be a power of two in 16..128, got {head_dim}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+
+
+def segment_bounds(rows: torch.Tensor, cols: torch.Tensor, block: int) -> torch.Tensor:
+    """int32 [b, cdiv(s, block), 2]: for each block of `block` rows of the segments rows
+    [b, s], the range [lo, hi) of the positions of cols [b, s] whose segment is between the
+    block's first and last row's (both sorted: a binary search each)."""
+    seq_len = rows.shape[1]
+    first = torch.arange(0, seq_len, block, device=rows.device)
+    last = (first + block).clamp(max=seq_len) - 1
+    lo = torch.searchsorted(cols, rows[:, first].contiguous(), out_int32=True)
+    hi = torch.searchsorted(cols, rows[:, last].contiguous(), out_int32=True, side="right")
+    return torch.stack([lo, hi], dim=-1).contiguous()
+
+
+def check_segments(q: torch.Tensor, segments: tuple[torch.Tensor, torch.Tensor] | None):
+    """The (query, key) segments as contiguous int32 [b, s] on q's device, or None; raises
+    ValueError unless each is [b, s] of q."""
+    if segments is None:
+        return None
+    b, _, seq_len, _ = q.shape
+    for seg in segments:
+        if tuple(seg.shape) != (b, seq_len):
+            raise ValueError(
+                f"attention: segments must be [b, s] = {[b, seq_len]}, got {list(seg.shape)}"
+            )
+    return tuple(seg.to(device=q.device, dtype=torch.int32).contiguous() for seg in segments)

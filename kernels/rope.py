@@ -2,9 +2,11 @@
 
 Shapes: x [b, n, s, d] is viewed as [rows = b * n * s, d]; row r takes table row r % s.
 cos, sin [s, d/2] fp32 (table row i: the angles of x's i-th position, 0..s-1 or given
-positions) come from rope_table here, which repeats megatronish.ops.reference.rope_table's
-arithmetic op for op, so the angles are bit-identical to the torch reference (the kernels import
-nothing from megatronish). Dim i pairs with dim i + d/2:
+positions), or [b, s, d/2] for positions [b, s] (each sequence its own, as document masks
+restart them: row r takes table row (r // (n s)) s + r % s), come from rope_table here, which
+repeats megatronish.ops.reference.rope_table's arithmetic op for op, so the angles are
+bit-identical to the torch reference (the kernels import nothing from megatronish). Dim i
+pairs with dim i + d/2:
 
     out[i]       = x[i] cos - x[i + d/2] sin
     out[i + d/2] = x[i + d/2] cos + x[i] sin
@@ -28,7 +30,8 @@ def rope_table(
     device: torch.device,
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [s, d/2] fp32 for positions 0..s-1, or for the given int64 positions [s].
+    """cos and sin [s, d/2] fp32 for positions 0..s-1, or for the given int64 positions [s]
+    (or [b, s]: then [b, s, d/2]).
 
     The same ops in the same order as megatronish.ops.reference.rope_table (change the two
     together): inv_freq = 1 / theta^(2i / d), angles = outer(positions, inv_freq).
@@ -45,14 +48,16 @@ def rope_table(
 
 @triton.jit
 def _rope_kernel(
-    X, OUT, COS, SIN, n_rows, seq_len, half,
+    X, OUT, COS, SIN, n_rows, seq_len, half, sample_rows, table_stride,
     INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < n_rows)[:, None] & (cols < half)[None, :]
     x_offs = rows[:, None] * (2 * half) + cols[None, :]
-    table_offs = (rows % seq_len)[:, None] * half + cols[None, :]
+    # table_stride: s for a table per sequence ([b, s, d/2]), 0 for one shared table.
+    table_rows = (rows // sample_rows) * table_stride + rows % seq_len
+    table_offs = table_rows[:, None] * half + cols[None, :]
     x1 = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(X + x_offs + half, mask=mask, other=0.0).to(tl.float32)
     cos = tl.load(COS + table_offs, mask=mask, other=0.0)
@@ -66,16 +71,19 @@ def _rope_kernel(
 def rope_launch(
     x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
 ) -> Launch:
-    """The kernel's launch on contiguous x [b, n, s, d] into out, with the tables cos, sin."""
+    """The kernel's launch on contiguous x [b, n, s, d] into out, with the tables cos, sin
+    ([s, d/2], or [b, s, d/2]: one per sequence)."""
     seq_len, head_dim = x.shape[-2], x.shape[-1]
     half = head_dim // 2
     n_rows = x.numel() // head_dim
     block_h = triton.next_power_of_2(half)
     block_r = max(1, 1024 // block_h)
+    sample_rows = x.shape[1] * seq_len  # rows of one sequence (all its heads)
+    table_stride = seq_len if cos.dim() == 3 else 0
     return Launch(
         _rope_kernel,
         grid=(triton.cdiv(n_rows, block_r),),
-        args=(x, out, cos, sin, n_rows, seq_len, half),
+        args=(x, out, cos, sin, n_rows, seq_len, half, sample_rows, table_stride),
         constexprs=dict(INVERSE=inverse, BLOCK_R=block_r, BLOCK_H=block_h),
         num_warps=4,
     )
@@ -113,5 +121,5 @@ def rope(
     x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Rotary embedding of x [b, n, s, d] at positions 0..s-1, or at the given int64 positions
-    [s] (rotate-half pairing); fp32 math, output in x's dtype."""
+    [s] or [b, s] (rotate-half pairing); fp32 math, output in x's dtype."""
     return _RopeFunction.apply(x, float(theta), positions)

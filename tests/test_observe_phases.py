@@ -29,9 +29,9 @@ def _slow_run(rank, world, dataset, out_dir):
     if rank == SLOW_RANK:  # a test hook: this rank's forward takes SLOW_S longer
         forward = trainer.model.stage_forward
 
-        def slow_forward(inputs):
+        def slow_forward(*args):
             time.sleep(SLOW_S)
-            return forward(inputs)
+            return forward(*args)
 
         trainer.model.stage_forward = slow_forward
     rows = []

@@ -17,6 +17,7 @@ from megatronish.checkpoint.format import CONFIG_FILE
 from megatronish.checkpoint.load import build_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
+from megatronish.context import documents_of
 from megatronish.distributed.layout import ParallelState, default_device
 from megatronish.errors import UserError
 
@@ -52,8 +53,10 @@ def evaluate_checkpoint(
     count = tokens = 0
     for _ in range(t.eval_steps):
         for micro in loader.next_step().to(ps.device):
+            inputs = micro[:, :-1]
+            documents = documents_of(inputs, loader.eod_id) if cfg.data.document_mask else None
             with autocast(cfg, ps.device):
-                total += model.loss(micro[:, :-1], micro[:, 1:]).float()
+                total += model.loss(inputs, micro[:, 1:], documents).float()
             count += 1
             tokens += micro[:, 1:].numel()
     val_loss = float(total / count)

@@ -187,6 +187,10 @@ class DataConfig:
     eod_id: int | None = None
     """The end-of-document token id of a Megatron prefix (a prepared directory records its
     own)."""
+    document_mask: bool = False
+    """Attention never crosses an end-of-document token, and positions (learned or RoPE)
+    restart at each document, as Megatron's reset_attention_mask and reset_position_ids: each
+    document of a packed sequence is computed as if it were alone."""
 
 
 @dataclass

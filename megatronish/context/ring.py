@@ -15,6 +15,12 @@ Steps run as square c x c (or, at i = 0, 2c x 2c causal) blocks; partial outputs
 fp32 with their log-sum-exp: lse = logaddexp(lse_old, lse_b) and
 o = o e^(lse_old - lse) + o_b e^(lse_b - lse).
 
+Document masks: every rank holds the segments of every cp rank's shard (shards [b, cp, 2c],
+megatronish.context.documents), so none travel: each block masks the pairs of different
+documents with the local queries' and the source rank's keys' segments, and the Triton blocks
+skip the key blocks of other documents (a whole block, when all its keys precede the queries'
+documents). A document may span chunks, cp ranks and ring steps.
+
 Backward: the keys and values go around again, and with them an fp32 accumulator of dk, dv
 that belongs to the block's owner: each rank adds its blocks' dk, dv (flash backward from the
 final output and log-sum-exp, so rowsum(do * o) uses the global o) and passes it on; after cp
@@ -114,6 +120,16 @@ def _part(x: torch.Tensor, part: str, c: int) -> torch.Tensor:
     return x[:, :, :c] if part == "first" else x[:, :, c:]
 
 
+def _segments(shards, step: int, ring: Ring, q_part: str, kv_part: str, c: int):
+    """(queries', keys') segments [b, L] of a block at ring step `step`, or None (no masks):
+    the keys are those of the rank the held block came from."""
+    if shards is None:
+        return None
+    source = (ring.rank - step) % ring.size
+    q_seg, k_seg = shards[:, ring.rank], shards[:, source]
+    return q_seg[:, _rows(q_part, c)], k_seg[:, _rows(kv_part, c)]
+
+
 def _rows(part: str, c: int) -> slice:
     return {"all": slice(None), "first": slice(0, c), "second": slice(c, 2 * c)}[part]
 
@@ -128,8 +144,9 @@ def _merge(out, lse, rows: slice, out_b, lse_b) -> None:
     lse[:, :, rows] = lse_new
 
 
-def ring_forward(q, k, v, ring: Ring, forward) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) in the accumulation dtype for local q, k, v; `forward` is a block forward."""
+def ring_forward(q, k, v, ring: Ring, forward, shards=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in the accumulation dtype for local q, k, v; `forward` is a block forward;
+    shards: every cp rank's segments [b, cp, 2c] under document masks, else None."""
     c = q.shape[2] // 2
     dtype = accumulation_dtype(q.dtype)
     out = lse = None
@@ -141,8 +158,9 @@ def ring_forward(q, k, v, ring: Ring, forward) -> tuple[torch.Tensor, torch.Tens
         for q_part, kv_part, causal in _units(step, ring.rank):
             q_block = _part(q, q_part, c)
             _count(q_block, causal)
+            segments = _segments(shards, step, ring, q_part, kv_part, c)
             out_b, lse_b = forward(
-                q_block, _part(kv[0], kv_part, c), _part(kv[1], kv_part, c), causal
+                q_block, _part(kv[0], kv_part, c), _part(kv[1], kv_part, c), causal, segments
             )
             if out is None:  # step 0 covers every row
                 out, lse = out_b.to(dtype), lse_b.to(dtype)
@@ -154,8 +172,9 @@ def ring_forward(q, k, v, ring: Ring, forward) -> tuple[torch.Tensor, torch.Tens
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward):
-    """(dq, dk, dv) in the inputs' dtypes; `backward` is a block backward."""
+def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None):
+    """(dq, dk, dv) in the inputs' dtypes; `backward` is a block backward; shards as in
+    ring_forward."""
     c = q.shape[2] // 2
     dtype = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -171,6 +190,7 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward):
             dq_b, dk_b, dv_b = backward(
                 _part(q, q_part, c), _part(kv[0], kv_part, c), _part(kv[1], kv_part, c),
                 out[:, :, rows], lse[:, :, rows], dout[:, :, rows], causal,
+                _segments(shards, step, ring, q_part, kv_part, c),
             )  # fmt: skip
             dq[:, :, rows] += dq_b
             grads.append((_rows(kv_part, c), dk_b, dv_b))
@@ -197,29 +217,34 @@ class _RingAttention(torch.autograd.Function):
     """Autocast is off inside: the blocks choose their own precision (fp32 accumulation)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, backend: str):
+    def forward(ctx, q, k, v, ring: Ring, backend: str, shards):
         forward, backward = block_ops(backend)
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = ring_forward(q, k, v, ring, forward)
+            out, lse = ring_forward(q, k, v, ring, forward, shards)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.block_backward = ring, backward
+        ctx.ring, ctx.block_backward, ctx.shards = ring, backward, shards
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = ring_backward(q, k, v, out, lse, dout, ctx.ring, ctx.block_backward)
-        return dq, dk, dv, None, None
+            dq, dk, dv = ring_backward(
+                q, k, v, out, lse, dout, ctx.ring, ctx.block_backward, ctx.shards
+            )
+        return dq, dk, dv, None, None, None
 
 
-def ring_attention(q, k, v, ring: Ring, backend: str = "auto") -> torch.Tensor:
+def ring_attention(
+    q, k, v, ring: Ring, backend: str = "auto", shards: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of the full sequence, computed on this cp rank's zigzag shard:
     q [b, n, 2c, d], k and v [b, k, 2c, d] -> [b, n, 2c, d] in q's dtype; the keys and values
-    of the other cp ranks' shards come around the ring. Every cp rank calls it together."""
+    of the other cp ranks' shards come around the ring. Every cp rank calls it together. Under
+    document masks, shards [b, cp, 2c] holds the segments of every cp rank's shard."""
     from megatronish.ops import resolve_backend
 
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: local sequence {q.shape[2]} must be two equal chunks")
-    return _RingAttention.apply(q, k, v, ring, resolve_backend(backend, q))
+    return _RingAttention.apply(q, k, v, ring, resolve_backend(backend, q), shards)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megatronish.data.loader import BatchLoader
-from megatronish.data.sources import TokenSource
+from megatronish.data.sources import TokenSource, shared_eod_id
 from megatronish.errors import UserError
 
 if TYPE_CHECKING:
@@ -85,6 +85,11 @@ class BlendLoader:
         for part, weight in zip(self.parts, self.weights, strict=True):
             digest.update(f"{part.source.sha256} {weight!r}\n".encode())
         self.blend_sha256 = digest.hexdigest()
+
+    @property
+    def eod_id(self) -> int:
+        """The token id that ends every document of the blended datasets (one for all)."""
+        return shared_eod_id([part.source for part in self.parts])
 
     def counts_before(self, position: int) -> np.ndarray:
         """int64 [datasets]: samples each dataset gives to global positions [0, position)."""

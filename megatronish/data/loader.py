@@ -115,6 +115,11 @@ class BatchLoader:
     def epoch(self) -> int:
         return self.consumed_samples // self.n_samples
 
+    @property
+    def eod_id(self) -> int:
+        """The token id that ends every document of the dataset (data.document_mask)."""
+        return self.source.eot_id
+
     def _permutation(self, epoch: int) -> np.ndarray:
         order = self._permutations.get(epoch)
         if order is None:

@@ -141,6 +141,19 @@ class DataPlan:
         return sum(s.docs_in(split) for s in self.sources)
 
 
+def shared_eod_id(sources: list[TokenSource]) -> int:
+    """The end-of-document id of every dataset of the list (data.document_mask finds documents
+    by it); a UserError when they differ."""
+    ids = sorted({source.eot_id for source in sources})
+    if len(ids) > 1:
+        names = ", ".join(f"{s.path} ends documents with {s.eot_id}" for s in sources)
+        raise UserError(
+            f"data.document_mask: the datasets end documents with different ids ({names}); "
+            "blend datasets of one tokenizer, or set data.document_mask=false"
+        )
+    return ids[0]
+
+
 def resolve_data(
     path: str | None, blend: Any, split: str | None, vocab_size: int | None,
     eod_id: int | None,

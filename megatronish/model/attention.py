@@ -16,7 +16,7 @@ from torch import nn
 
 from megatronish import ops
 from megatronish.config import Config, Derived
-from megatronish.context import Ring, ring_attention, zigzag_positions
+from megatronish.context import Documents, Ring, ring_attention, zigzag_positions
 from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers.linear import (
     ColumnParallelLinear,
@@ -49,25 +49,32 @@ class Attention(nn.Module):
             tp_group=group, init_method=None,
         )  # fmt: skip
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [b, n/t, s, d], k and v [b, k/t, s, d] -> [b, n/t, s, d]."""
-        if self.ring is not None:  # this rank's zigzag shard: global positions, ring attention
-            if self.is_llama:
-                positions = zigzag_positions(q.shape[2], self.cp, self.ring.rank, q.device)
-                q = ops.rope(q, self.rope_theta, backend=self.backend, positions=positions)
-                k = ops.rope(k, self.rope_theta, backend=self.backend, positions=positions)
-            return ring_attention(q, k, v, self.ring, backend=self.backend)
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None
+    ) -> torch.Tensor:
+        """q [b, n/t, s, d], k and v [b, k/t, s, d] -> [b, n/t, s, d]; under document masks
+        (documents of these s tokens) attention stays within each document and RoPE rotates
+        by the positions within it."""
+        positions = segments = None
+        if documents is not None:
+            positions, segments = documents.positions, documents.segments
+        elif self.ring is not None:  # this rank's zigzag shard: its global positions
+            positions = zigzag_positions(q.shape[2], self.cp, self.ring.rank, q.device)
         if self.is_llama:
-            q = ops.rope(q, self.rope_theta, backend=self.backend)
-            k = ops.rope(k, self.rope_theta, backend=self.backend)
+            q = ops.rope(q, self.rope_theta, backend=self.backend, positions=positions)
+            k = ops.rope(k, self.rope_theta, backend=self.backend, positions=positions)
+        if self.ring is not None:
+            shards = None if documents is None else documents.shards
+            return ring_attention(q, k, v, self.ring, backend=self.backend, shards=shards)
         if self.dropout > 0 and self.training:
             group = self.heads_per_group
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            mask = None if segments is None else reference.document_mask(segments, segments, True)
             with self.tracker.fork():  # heads differ per tp rank: a per-rank stream
                 return F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=self.dropout, is_causal=True
+                    q, k, v, attn_mask=mask, dropout_p=self.dropout, is_causal=mask is None
                 )
-        return ops.attention(q, k, v, causal=True, backend=self.backend)
+        return ops.attention(q, k, v, causal=True, backend=self.backend, segments=segments)
 
     def split_heads(self, x: torch.Tensor):
         """x [b, s, h] -> q [b, n/t, s, d], k and v [b, k/t, s, d] of this rank's heads."""
@@ -80,13 +87,14 @@ class Attention(nn.Module):
         q = q.reshape(b, s, self.local_heads, self.head_dim)
         return q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; documents: this rank's tokens' under document masks."""
         q, k, v = self.split_heads(x)
         b, s = q.shape[0], q.shape[2]
         if self.selective_checkpoint and self.training:
-            y = checkpoint(self.core, self.tracker, q, k, v)
+            y = checkpoint(self.core, self.tracker, q, k, v, documents)
         else:
-            y = self.core(q, k, v)
+            y = self.core(q, k, v, documents)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
         return self.proj(y)
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from megatronish import ops
 from megatronish.config import Config, Derived
+from megatronish.context import Documents
 from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers import mappings
 from megatronish.layers.linear import (
@@ -111,8 +112,9 @@ class Block(nn.Module):
                 return F.dropout(x, self.dropout, training=True)
         return F.dropout(x, self.dropout, training=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; documents: this rank's tokens' under document masks."""
+        x = x + self._drop(self.attn(self.norm1(x), documents))
         return x + self._drop(self.mlp(self.norm2(x)))
 
     def forward_cached(

@@ -13,7 +13,7 @@ from torch import nn
 
 from megatronish import ops
 from megatronish.config import Config, Derived
-from megatronish.context import zigzag_positions
+from megatronish.context import Documents, zigzag_positions
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers import mappings
@@ -125,12 +125,15 @@ class GPT(nn.Module):
             local //= self.derived.tp
         return (micro_batch_size, local, self.cfg.model.d_model)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """The first stage's input layers: tokens [b, s] -> hidden [b, s, h] ([b, s/t, h] with
-        sequence parallelism). Under cp, tokens are this rank's shard, at global positions."""
+        sequence parallelism). Under cp, tokens are this rank's shard, at global positions;
+        under document masks, at their positions within their documents."""
         x = self.tok_emb(tokens)  # [b, s, h]
         if self.pos_emb is not None:
-            if self.derived.cp > 1:
+            if documents is not None:
+                positions = documents.positions  # [b, s]
+            elif self.derived.cp > 1:
                 positions = zigzag_positions(
                     tokens.shape[1], self.derived.cp, self.ps.cp_rank, tokens.device
                 )
@@ -143,39 +146,44 @@ class GPT(nn.Module):
             x = mappings.scatter_to_sequence_parallel_region(x, self.ps.tp_group)  # [b, s/t, h]
         return x
 
-    def stage_forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def stage_forward(
+        self, inputs: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         """One pipeline stage (at pp_virtual 1): tokens (first stage) or the previous stage's
         hidden states -> hidden states for the next stage, or this rank's logits on the last
-        stage."""
+        stage. documents: those of the micro-batch's tokens under document masks (every stage
+        needs them)."""
         if len(self.chunks) > 1:
             raise RuntimeError("an interleaved pipeline stage runs chunk by chunk (chunk_forward)")
-        return self.chunk_forward(0, inputs)
+        return self.chunk_forward(0, inputs, documents)
 
-    def chunk_forward(self, chunk: int, inputs: torch.Tensor) -> torch.Tensor:
+    def chunk_forward(
+        self, chunk: int, inputs: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         """This rank's model chunk `chunk` (0 .. pp_virtual - 1; global chunk pp_rank + chunk x
         pp): tokens [b, s] (global chunk 0) or the previous chunk's hidden states -> hidden
         states for the next chunk, or this rank's logits after the last chunk."""
         if self.is_first_stage and chunk == 0:
             with annotate("embed"):
-                x = self.embed(inputs)
+                x = self.embed(inputs, documents)
         else:
             x = inputs
         for name in self.chunks[chunk]:  # names are the global layer indices
             block = self.blocks[name]
             with annotate(f"block {name}"):
                 if self.full_checkpoint and self.training:
-                    x = checkpoint(block, self.tracker, x)
+                    x = checkpoint(block, self.tracker, x, documents)
                 else:
-                    x = block(x)
+                    x = block(x, documents)
         if not (self.is_last_stage and chunk == len(self.chunks) - 1):
             return x
         with annotate("logits"):
             return self.logits(self.norm_f(x))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         if self.derived.pp > 1:
             raise RuntimeError("a model split into pipeline stages runs through stage_forward")
-        return self.stage_forward(tokens)
+        return self.stage_forward(tokens, documents)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer, column-parallel over the vocab: x [b, s, h] (or [b, s/t, h] with
@@ -200,9 +208,12 @@ class GPT(nn.Module):
             return per_token.float().sum() * self.derived.cp / count.clamp(min=1).float()[0]
         return per_token.float().sum() / count.clamp(min=1)
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over the tokens whose target is not -100 (one stage only)."""
-        return self.loss_of_logits(self(tokens), targets)
+    def loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        """Mean cross entropy over the tokens whose target is not -100 (one stage only);
+        documents: the tokens' under document masks (megatronish.context.documents)."""
+        return self.loss_of_logits(self(tokens, documents), targets)
 
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor, cache: list, start_pos: int) -> torch.Tensor:

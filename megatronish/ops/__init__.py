@@ -84,16 +84,20 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):
     return reference.layer_norm(x, weight, bias, eps)
 
 
-def attention(q, k, v, causal: bool = True, backend: str = "auto"):
-    """Scaled dot-product attention. q [b, n_head, s, d], k and v [b, n_kv_head, s, d]."""
+def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None):
+    """Scaled dot-product attention. q [b, n_head, s, d], k and v [b, n_kv_head, s, d]. With
+    segments [b, s] int (each position's document, non-decreasing along the sequence:
+    megatronish.context.documents) a query sees the keys of its own document only; the Triton
+    kernels skip the blocks of keys that lie wholly in other documents."""
     if resolve_backend(backend, q) == "triton":
-        return _kernels().attention(q, k, v, causal)
-    return reference.attention(q, k, v, causal)
+        return _kernels().attention(q, k, v, causal, segments)
+    return reference.attention(q, k, v, causal, segments)
 
 
 def rope(x, theta: float = 10000.0, backend: str = "auto", positions=None):
     """Rotary position embedding of x [b, n, s, d], rotate-half pairing, at positions 0..s-1
-    or at the given int64 positions [s] (a context-parallel shard's global positions)."""
+    or at the given int64 positions [s] (a context-parallel shard's global positions) or
+    [b, s] (each sequence's own: positions within documents)."""
     if resolve_backend(backend, x) == "triton":
         return _kernels().rope(x, theta, positions)
     return reference.rope(x, theta, positions=positions)

@@ -25,18 +25,35 @@ def layer_norm(
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
+def document_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal: bool) -> torch.Tensor:
+    """bool [b, 1, s_q, s_k]: query i may see key j (same document, and j <= i when causal)
+    for the document indices q_segments [b, s_q] and k_segments [b, s_k]."""
+    visible = q_segments[:, :, None] == k_segments[:, None, :]
+    if causal:
+        visible = visible & torch.ones_like(visible[0], dtype=torch.bool).tril()
+    return visible.unsqueeze(1)
+
+
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [b, n_head, s, d], k and v [b, n_kv_head, s, d] -> [b, n_head, s, d]; scale 1/sqrt(d)."""
+    """q [b, n_head, s, d], k and v [b, n_kv_head, s, d] -> [b, n_head, s, d]; scale 1/sqrt(d).
+    With segments [b, s] (each position's document, megatronish.context.documents) a query
+    sees the keys of its own document only."""
     n_head, n_kv_head = q.shape[1], k.shape[1]
     if n_head != n_kv_head:
         group = n_head // n_kv_head
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, scale=1.0 / math.sqrt(q.shape[-1])
-    )
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if segments is not None:
+        mask = document_mask(segments, segments, causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
 def rope_cos_sin(
@@ -58,9 +75,12 @@ def rope(
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotary embedding of x [b, n, s, d] at positions start_pos.. (or at the given int64
-    positions [s]), rotate-half pairing (dim i with dim i + d/2)."""
+    positions [s], or [b, s]: each sequence's own), rotate-half pairing (dim i with dim
+    i + d/2)."""
     seq_len, head_dim = x.shape[-2], x.shape[-1]
     cos, sin = rope_table(seq_len, head_dim, theta, x.device, start_pos, positions)
+    if cos.dim() == 3:  # [b, s, d/2]: one table per sequence, the same for every head
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x32 = x.float()
     x1, x2 = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -76,7 +96,8 @@ def rope_table(
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [s, d/2] fp32 for positions start_pos..start_pos + s - 1, or for the given
-    positions [s] (the same values at a position as in the 0.. table)."""
+    positions [s] or [b, s] ([b, s, d/2] then; the same values at a position as in the 0..
+    table)."""
     if positions is None:
         cos, sin = rope_cos_sin(start_pos + seq_len, head_dim, theta, device)
         return cos[start_pos:], sin[start_pos:]

@@ -1,6 +1,8 @@
 """Pipeline schedules: one optimizer step's micro-batches through the pipeline stages.
 
-Each stage runs GPT.stage_forward on its layers. Between stages travel the hidden states
+Each stage runs GPT.stage_forward on its layers, with the micro-batch's documents under
+document masks (every stage has the whole batch, so they need not travel). Between stages
+travel the hidden states
 [micro, s, h] (a tp rank's sequence shard [micro, s/t, h] under sequence parallelism: every tp
 rank sends its own shard to the same tp rank of the next stage) and, backwards, their
 gradients. Sends and receives that a stage issues at the same time are posted together
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronish.context import Documents, micro_batches
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.observe.phases import PhaseTimer
@@ -115,8 +118,9 @@ class Pipeline:
             comm.exchange(sends, recvs)
         self.stats.wait_s += time.perf_counter() - start
 
-    def _recv_forward(self, micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """This stage's input for micro-batch `micro` (inputs, targets) [b, s] each: its tokens
+    def _recv_forward(self, micro: tuple) -> torch.Tensor:
+        """This stage's input for micro-batch `micro` (inputs [b, s], targets [b, s],
+        documents or None): its tokens
         on the first stage, else the previous stage's hidden states (a leaf that collects
         their gradient)."""
         if self.ps.is_first_stage:
@@ -186,9 +190,9 @@ class Pipeline:
         last = self._last(chunk)
         with self.timer.phase("forward"), saving, autocast():
             if chunk is None:
-                output = self.model.stage_forward(inputs)
+                output = self.model.stage_forward(inputs, micro[2])
             else:
-                output = self.model.chunk_forward(chunk, inputs)
+                output = self.model.chunk_forward(chunk, inputs, micro[2])
             if last:
                 loss = self.model.loss_of_logits(output, micro[1])
         if last:
@@ -217,13 +221,14 @@ class Pipeline:
         scale: float,
         autocast,
         forward_only: bool = False,
+        documents: Documents | None = None,
     ):
         """Forward (and, unless forward_only, backward) of every micro-batch of inputs and
-        targets [m, micro, s] (this rank's sequence shard under cp); each micro-batch's loss is
-        scaled by `scale` for backward. Returns the sum of the micro-batch losses (zero except
-        on the last stage)."""
+        targets [m, micro, s] (this rank's sequence shard under cp), with their documents
+        [m, micro, ...] under document masks; each micro-batch's loss is scaled by `scale` for
+        backward. Returns the sum of the micro-batch losses (zero except on the last stage)."""
         start = time.perf_counter()
-        batch = list(zip(inputs, targets))  # (inputs, targets) of each micro-batch
+        batch = micro_batches(inputs, targets, documents)
         self.loss_sum = torch.zeros((), device=self.ps.device)
         self.stats = ScheduleStats()
         if self.virtual > 1:

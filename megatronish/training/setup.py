@@ -18,7 +18,7 @@ from megatronish.config import (
 )
 from megatronish.data import BatchLoader
 from megatronish.data.blend import BlendLoader
-from megatronish.data.sources import DataPlan, resolve_data
+from megatronish.data.sources import DataPlan, resolve_data, shared_eod_id
 from megatronish.distributed.layout import (
     ParallelState,
     default_device,
@@ -71,6 +71,8 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
     dataset_dir = data.sources[0].path
     data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)
+    if cfg.data.document_mask:
+        shared_eod_id(data.sources)
     if cfg.train.eval_every > 0 and data.docs_in("val") == 0:
         raise UserError(
             f"train.eval_every: the dataset {dataset_dir} has no validation documents; prepare "

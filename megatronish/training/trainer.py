@@ -22,7 +22,7 @@ from tqdm import tqdm
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config
-from megatronish.context import split_batch
+from megatronish.context import Documents, documents_of, micro_batches, split_batch
 from megatronish.data import BatchLoader
 from megatronish.distributed import comm
 from megatronish.distributed.layout import (
@@ -137,17 +137,20 @@ class Trainer:
         (loss mean over the global batch, global gradient norm before clipping)."""
         timer = self.timer
         with timer.phase("data"):
-            inputs, targets = self.next_batch(self.loader)  # [accum, micro, seq / cp] each
+            # [accum, micro, seq / cp] each; documents None unless data.document_mask
+            inputs, targets, documents = self.next_batch(self.loader)
         accum = inputs.shape[0]
         self.grads.start_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
-            loss_sum = self.pipeline.run(inputs, targets, 1.0 / accum, self.autocast)
+            loss_sum = self.pipeline.run(
+                inputs, targets, 1.0 / accum, self.autocast, documents=documents
+            )
         else:
             loss_sum = torch.zeros((), device=self.ps.device)
-            for micro_inputs, micro_targets in zip(inputs, targets):
+            for micro in micro_batches(inputs, targets, documents):
                 with timer.phase("forward"), self.autocast():
-                    loss = self.model.loss(micro_inputs, micro_targets)
+                    loss = self.model.loss(*micro)
                 with timer.phase("backward"):
                     (loss / accum).backward()
                 loss_sum += loss.detach()
@@ -163,11 +166,18 @@ class Trainer:
             loss = mean_loss(loss_sum / accum, self.ps)
         return loss, grad_norm
 
-    def next_batch(self, loader: BatchLoader) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(
+        self, loader: BatchLoader
+    ) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
         """The next global batch's inputs and targets for this rank, [accum, micro, seq / cp]
-        each: the loader's samples of this dp rank, this cp rank's zigzag shard of them."""
+        each: the loader's samples of this dp rank, this cp rank's zigzag shard of them; and
+        with data.document_mask their documents (found in the whole sequences, then split)."""
         batch = loader.next_step().to(self.ps.device)  # [accum, micro, seq + 1]
-        return split_batch(batch, self.ps.cp, self.ps.cp_rank)
+        cp, cp_rank = self.ps.cp, self.ps.cp_rank
+        documents = None
+        if self.cfg.data.document_mask:
+            documents = documents_of(batch[..., :-1], loader.eod_id).shard(cp, cp_rank)
+        return *split_batch(batch, cp, cp_rank), documents
 
     def autocast(self):
         return autocast(self.cfg, self.ps.device)
@@ -181,13 +191,15 @@ class Trainer:
         total = torch.zeros((), device=self.ps.device)
         count = 0
         for _ in range(self.cfg.train.eval_steps):
-            inputs, targets = self.next_batch(self.val_loader)
+            inputs, targets, documents = self.next_batch(self.val_loader)
             if self.pipeline is not None:
-                total += self.pipeline.run(inputs, targets, 1.0, self.autocast, forward_only=True)
+                total += self.pipeline.run(
+                    inputs, targets, 1.0, self.autocast, forward_only=True, documents=documents
+                )
             else:
-                for micro_inputs, micro_targets in zip(inputs, targets):
+                for micro in micro_batches(inputs, targets, documents):
                     with self.autocast():
-                        total += self.model.loss(micro_inputs, micro_targets).float()
+                        total += self.model.loss(*micro).float()
             count += inputs.shape[0]
         self.model.train()
         return mean_loss(total / count, self.ps)
