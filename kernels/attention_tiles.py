@@ -54,10 +54,19 @@ def attention_blocks(seq_len: int, head_dim: int, dtype: torch.dtype, arch: int)
     tiles and exercise every loop. On CUDA they were chosen with scripts/kernel_report.py so
     that ptxas reports no register spills for bf16 on sm_80 and sm_90 at every shipped config
     (and at d = 128), with shared memory well under both limits; they shrink when the sequence
-    is short. fp32 runs exact-fp32 dots without tensor cores, on small tiles.
+    is short (gpu_attention_blocks). fp32 runs exact-fp32 dots without tensor cores, on small
+    tiles.
     """
     if interpreting():
         return AttentionBlocks(Tile(32, 16, 4), Tile(16, 32, 4), Tile(32, 16, 4), num_stages=1)
+    return gpu_attention_blocks(seq_len, head_dim, dtype, arch)
+
+
+def gpu_attention_blocks(
+    seq_len: int, head_dim: int, dtype: torch.dtype, arch: int
+) -> AttentionBlocks:
+    """The tiles a GPU of arch `arch` launches with (attention_blocks off the interpreter),
+    wherever this runs: what scripts/bench_packed_attention.py counts block pairs with."""
     cap = max(16, triton.next_power_of_2(seq_len))
 
     def tile(block_m: int, block_n: int, num_warps: int) -> Tile:

@@ -89,17 +89,22 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _attention(
-    m: ModelShapes, dtype: torch.dtype, arch: int, seq_len: int, causal: bool, ring: bool
-) -> list[Launch]:
+    m: ModelShapes, dtype: torch.dtype, arch: int, seq_len: int, causal: bool, ring: bool,
+    documents: bool,
+) -> list[Launch]:  # fmt: skip
     """Forward and backward of attention at sequence (or ring block) length seq_len; a ring
-    block's forward writes fp32 (attention_block_forward)."""
+    block's forward writes fp32 (attention_block_forward); documents: under document masks
+    (data.document_mask: segments and the per-block ranges)."""
     q = _meta(m.batch, m.n_head, seq_len, m.head_dim, dtype=dtype)
     kv = _meta(m.batch, m.n_kv_head, seq_len, m.head_dim, dtype=dtype)
     lse = _meta(m.batch, m.n_head, seq_len, dtype=torch.float32)
     out = torch.empty_like(q, dtype=torch.float32 if ring else dtype)
     grads = (torch.empty_like(q), torch.empty_like(kv), torch.empty_like(kv))
-    backward = backward_launches(q, kv, kv, q, lse, q, lse, grads, causal, arch)
-    return [forward_launch(q, kv, kv, out, lse, causal, arch), *backward]
+    segments = None
+    if documents:
+        segments = (_meta(m.batch, seq_len, dtype=torch.int32),) * 2
+    backward = backward_launches(q, kv, kv, q, lse, q, lse, grads, causal, arch, segments)
+    return [forward_launch(q, kv, kv, out, lse, causal, arch, segments), *backward]
 
 
 def _norms(m: ModelShapes, dtype: torch.dtype) -> list[Launch]:
@@ -166,22 +171,36 @@ def _experts(m: ModelShapes, dtype: torch.dtype) -> list[Launch]:
     return launches
 
 
-def model_launches(m: ModelShapes, dtype: str, arch: Arch) -> list[tuple[Launch, str]]:
-    """Every launch one training step of model m makes in dtype ("bf16" or "fp32") on arch,
-    each with where it comes from ("" the model, "ring" a ring-attention block): causal
-    attention, the blocks of a cp = 2 ring (2c causal and c unmasked, c = s / 4), norms, RoPE,
-    the MLP's elementwise op, cross entropy and the expert GEMMs."""
-    torch_dtype, cap = DTYPES[dtype], arch.capability
-    launches = _attention(m, torch_dtype, cap, m.seq_len, True, ring=False)
-    ring = []
+def _attention_launches(
+    m: ModelShapes, dtype: torch.dtype, arch: int, documents: bool
+) -> list[tuple[Launch, str]]:
+    """Causal attention and the blocks of a cp = 2 ring (2c causal and c unmasked, c = s / 4),
+    each with where it comes from ("" or "ring", with " documents" under document masks)."""
+    tag = " documents" if documents else ""
+    whole = _attention(m, dtype, arch, m.seq_len, True, False, documents)
+    launches = [(launch, tag.strip()) for launch in whole]
     block = m.seq_len // 4
     if block >= 16:
-        ring += _attention(m, torch_dtype, cap, 2 * block, True, ring=True)
-        ring += _attention(m, torch_dtype, cap, block, False, ring=True)
-    launches += _norms(m, torch_dtype) + _mlp(m, torch_dtype) + _cross_entropy(m, torch_dtype)
+        for length, causal in ((2 * block, True), (block, False)):
+            ring = _attention(m, dtype, arch, length, causal, True, documents)
+            launches += [(launch, "ring" + tag) for launch in ring]
+    return launches
+
+
+def model_launches(m: ModelShapes, dtype: str, arch: Arch) -> list[tuple[Launch, str]]:
+    """Every launch one training step of model m makes in dtype ("bf16" or "fp32") on arch,
+    each with where it comes from: attention and the ring blocks (_attention_launches), norms,
+    RoPE, the MLP's elementwise op, cross entropy and the expert GEMMs; then attention and the
+    ring blocks again under document masks (data.document_mask)."""
+    torch_dtype, cap = DTYPES[dtype], arch.capability
+    others = _norms(m, torch_dtype) + _mlp(m, torch_dtype) + _cross_entropy(m, torch_dtype)
     if m.experts:
-        launches += _experts(m, torch_dtype)
-    return [(launch, "") for launch in launches] + [(launch, "ring") for launch in ring]
+        others += _experts(m, torch_dtype)
+    return [
+        *_attention_launches(m, torch_dtype, cap, documents=False),
+        *[(launch, "") for launch in others],
+        *_attention_launches(m, torch_dtype, cap, documents=True),
+    ]
 
 
 # Compilation
@@ -191,7 +210,8 @@ def specialization(launch: Launch) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of a launch for triton.compiler.ASTSource, as Triton's
     launcher specializes its arguments: a tensor is a pointer of its dtype, 16-byte aligned
     (torch's CUDA allocations are); an int is i32 (i64 past 2^31), 16-divisible when it is,
-    and the constant 1 when it is 1; a float is fp32. The launch gives every constexpr."""
+    and the constant 1 when it is 1; a float is fp32; None is the constant None. The launch
+    gives every constexpr."""
     names = launch.kernel.arg_names
     runtime = [name for name in names if name not in launch.constexprs]
     if len(runtime) != len(launch.args):
@@ -201,7 +221,9 @@ def specialization(launch: Launch) -> tuple[dict, dict, dict]:
     aligned = [["tt.divisibility", 16]]
     for name, value in zip(runtime, launch.args, strict=True):
         index = (names.index(name),)
-        if isinstance(value, torch.Tensor):
+        if value is None:  # an absent pointer (attention without document masks)
+            constexprs[name] = None
+        elif isinstance(value, torch.Tensor):
             signature[name] = f"*{TYPE_NAMES[value.dtype]}"
             attrs[index] = aligned
         elif isinstance(value, bool):

@@ -21,7 +21,11 @@ On a machine with one or more CUDA GPUs it runs, in this order:
    bound ops) or TFLOP/s (attention, GEMM), and the largest absolute error of the output and of
    the input gradients against the torch op on float64 copies of the same bf16 inputs (rms_norm
    and rope compute in fp32 inside), next to torch bf16's own error. Ours passes within
-   2 x torch's error + 0.02, the bound of tests/test_kernels.py.
+   2 x torch's error + 0.02, the bound of tests/test_kernels.py. Then attention over sequences
+   of 2048 tokens packed with documents of 128 (document masks, scripts/bench_packed_attention.py)
+   next to our causal attention of the same length: both times, the packed / causal ratio of
+   forward+backward next to the share of causal's FLOPs the kernels walk for this GPU's tiles,
+   and the packed output's error against float64, ours next to torch SDPA's with the mask.
 4. compile: every kernel at scripts/kernel_report.py's representative configuration, compiled
    for GPU 0's arch (sm_80 or sm_90) and loaded by the CUDA driver: the registers, local memory
    (spill bytes), shared memory per block (static + dynamic) and warps per SM (the driver's
@@ -87,6 +91,7 @@ TRAIN_RUN_S = 150.0  # one `megatronish bench` run
 TRAIN_CONFIGS = ("gpt2-124m", "gpt2-1.3b")
 TORCH_COUNTERPART = {"attention": "torch SDPA"}  # every other kernel: "torch eager"
 ERROR_FACTOR, ERROR_FLOOR = 2.0, 2e-2
+PACKED = (2048, 128)  # sequence and document length of the packed-attention check
 SINGULAR = {"errors": "error", "warnings": "warning"}  # in pytest's closing line
 COLUMNS = ("section", "name", "what", "ours", "torch / reference", "unit", "status")
 FORMATS = {
@@ -576,13 +581,58 @@ def kernel_rows(
         )
     for what in ("output", "grad"):
         ours, theirs = errors[f"ours_{what}"], errors[f"torch_{what}"]
-        bound = ERROR_FACTOR * theirs + ERROR_FLOOR
-        status = (
-            "ok" if ours <= bound else f"FAIL: above {ERROR_FACTOR:g} x torch + {ERROR_FLOOR:g}"
-        )
         label = "output" if what == "output" else "gradients"
+        status = error_status(ours, theirs)
         out.append(row("kernels", name, f"{label} max error vs fp64", ours, theirs, "abs", status))
     return out
+
+
+def error_status(ours: float, theirs: float) -> str:
+    """ok within 2 x torch's error + 0.02 (errors against float64), else FAIL."""
+    if ours <= ERROR_FACTOR * theirs + ERROR_FLOOR:
+        return "ok"
+    return f"FAIL: above {ERROR_FACTOR:g} x torch + {ERROR_FLOOR:g}"
+
+
+def packed_rows(name: str, result: dict) -> list[Row]:
+    """The rows of the packed-attention check (bench_packed_attention.compare's result with
+    flops_walked): forward and forward+backward time packed, next to causal; the
+    forward+backward time as % of causal's, next to the % of causal's FLOPs the kernels walk;
+    the packed output's error against float64, ours next to torch SDPA's."""
+    times = result["times"]
+    out = [
+        row("kernels", name, f"{what} time (ref: causal)", times["packed"][key],
+            times["causal"][key], "ms")
+        for what, key in (("forward", "fwd_ms"), ("forward+backward", "fwd_bwd_ms"))
+    ]  # fmt: skip
+    ratio = times["packed"]["fwd_bwd_ms"] / times["causal"]["fwd_bwd_ms"]
+    what = "f+b time % of causal (ref: FLOPs walked %)"
+    out.append(row("kernels", name, what, 100 * ratio, 100 * result["flops_walked"], "%"))
+    ours, theirs = result["errors"]["ours"], result["errors"]["torch"]
+    what = "output max error vs fp64 (ref: torch SDPA)"
+    out.append(row("kernels", name, what, ours, theirs, "abs", error_status(ours, theirs)))
+    return out
+
+
+def packed_job(measure: Callable) -> Callable[[float], Outcome]:
+    """Our attention over sequences packed with documents against our causal attention."""
+
+    def run(_timeout: float) -> Outcome:
+        import torch
+
+        packed = load_script("bench_packed_attention")
+        seq_len, doc_len = PACKED
+        try:
+            result = packed.compare(seq_len, doc_len, measure)
+        finally:
+            torch.cuda.empty_cache()
+        major, minor = torch.cuda.get_device_capability(0)
+        kernels = packed.walked(seq_len, doc_len, 10 * major + minor)
+        result.update(flops_walked=packed.flops_walked(kernels), kernels=kernels)
+        name = f"attention {seq_len // doc_len} docs x {doc_len} s{seq_len}"
+        return packed_rows(name, result), result
+
+    return run
 
 
 def kernel_job(
@@ -773,6 +823,7 @@ def plan_jobs(quick: bool, gpu_count: int) -> list[Job]:
         jobs.append(
             Job("kernels", f"{case.kernel} {case.shape}", kernel_job(bk, case, "cuda", measure))
         )
+    jobs.append(Job("kernels", "attention packed with documents", packed_job(measure)))
     if not hasattr(bk.kernels, "grouped_mm"):
         skipped = row(
             "kernels",

@@ -7,8 +7,8 @@ use.
 For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1,
 2 and 8 where the heads divide, in bf16 and fp32, it builds the launches of one training step
 as the launchers make them (megatronish_kernels.compile_check.model_launches: attention forward
-and backward, the ring-attention blocks, norms, RoPE, SwiGLU or bias-GELU, cross entropy, the
-expert GEMMs), compiles each distinct one for each arch with the ptxas Triton ships, and
+and backward, the ring-attention blocks, both again under document masks, norms, RoPE, SwiGLU
+or bias-GELU, cross entropy, the expert GEMMs), compiles each distinct one for each arch with the ptxas Triton ships, and
 prints one table: kernel, configuration (constexprs, arguments specialized to 1, warps w and
 stages s), arch, dtype, registers, spill bytes, shared memory / the arch's limit per block,
 the estimated occupancy (warps per SM of 64, from registers and shared memory), the configs

@@ -1,7 +1,8 @@
 """Ring attention alone: on its zigzag shards it equals full causal attention, forward and
-every gradient, in float64 (torch blocks) and under Triton's interpreter (flash blocks); only
-the kv heads travel (grouped-query attention), the ring sends exactly the analytic bytes, and
-every cp rank scores the same number of query-key pairs."""
+every gradient, in float64 (torch blocks) and under Triton's interpreter (flash blocks), also
+under document masks with documents that span chunks and cp ranks; only the kv heads travel
+(grouped-query attention), the ring sends exactly the analytic bytes, and every cp rank scores
+the same number of query-key pairs."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ def _inputs(cp: int, dtype: torch.dtype):
     return [x.to(dtype) for x in (q, k, v, dout)]
 
 
+def _documents(cp: int):
+    """The documents of the two sequences: five in the first (ends at 1, 3 cp, 3 cp + 1 and
+    5 cp: two span chunks and ranks), one in the second."""
+    from megatronish.context import documents_of
+
+    tokens = torch.ones(B, 6 * cp, dtype=torch.long)
+    tokens[0, [1, 3 * cp, 3 * cp + 1, 5 * cp]] = 0
+    return documents_of(tokens, 0)
+
+
 def _ring_rank(rank, world, backend, dtype):
     from megatronish.context import Ring, RingCounter, ring_attention
     from megatronish.distributed import comm
@@ -35,23 +46,27 @@ def _ring_rank(rank, world, backend, dtype):
 
     ps = ParallelState.from_world(1, 1, 1, cp=world)
     q, k, v, dout = (shard_sequence(x, world, rank, 2) for x in _inputs(world, dtype))
-    q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
-    with comm.CommCounter() as counter, RingCounter() as work:
-        out = ring_attention(q, k, v, Ring.of(ps), backend=backend)
-        out.backward(dout)
-    return {
-        "grads": [out.detach(), q.grad, k.grad, v.grad],
-        "sent": dict(counter.sent_bytes),
-        "pairs": work.pairs,
-    }
+    results = {}
+    for masked in (False, True):
+        shards = _documents(world).shard(world, rank).shards if masked else None
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        with comm.CommCounter() as counter, RingCounter() as work:
+            out = ring_attention(*leaves, Ring.of(ps), backend=backend, shards=shards)
+            out.backward(dout)
+        grads = [out.detach()] + [x.grad for x in leaves]
+        results["documents" if masked else "grads"] = grads
+        if not masked:
+            results.update(sent=dict(counter.sent_bytes), pairs=work.pairs)
+    return results
 
 
-def _full_causal(cp: int):
+def _full_causal(cp: int, masked: bool = False):
     from megatronish.ops import reference
 
     q, k, v, dout = (x.clone() for x in _inputs(cp, torch.float64))
     q, k, v = (x.requires_grad_(True) for x in (q, k, v))
-    out = reference.attention(q, k, v, causal=True)
+    segments = _documents(cp).segments if masked else None
+    out = reference.attention(q, k, v, causal=True, segments=segments)
     out.backward(dout)
     return [out.detach(), q.grad, k.grad, v.grad]
 
@@ -110,6 +125,19 @@ def test_ring_attention_on_triton_flash_blocks_equals_full_causal_attention(cp, 
     want = _full_causal(cp)
     for index, name in enumerate(["out", "dq", "dk", "dv"]):
         got = unshard_sequence([r["grads"][index] for r in per_rank], dim=2)
+        torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ring_attention_over_documents_spanning_cp_ranks_equals_masked_full_attention(
+    backend, cp, monkeypatch
+):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    per_rank = ring_run(cp, backend)
+    want = _full_causal(cp, masked=True)
+    for index, name in enumerate(["out", "dq", "dk", "dv"]):
+        got = unshard_sequence([r["documents"][index] for r in per_rank], dim=2)
         torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
 
 

@@ -166,6 +166,28 @@ def test_compile_rows_put_the_drivers_figures_next_to_the_cubins_and_fail_a_diff
     assert cells(line)[3:] == ["168 / 0 / 41984 / 8", "162 / 0 / 41984 / 16", "", rows[1]["status"]]
 
 
+def test_packed_attention_rows_put_packed_next_to_causal_and_fail_an_error_over_the_bound():
+    result = {
+        "times": {
+            "causal": {"fwd_ms": 1.0, "fwd_bwd_ms": 4.0},
+            "packed": {"fwd_ms": 0.25, "fwd_bwd_ms": 0.6},
+        },
+        "flops_walked": 0.106,
+        "errors": {"ours": 0.01, "torch": 0.008},
+    }
+    rows = gpu_check.packed_rows("attention 16 docs x 128 s2048", result)
+    body = [cells(line) for line in table_lines(gpu_check.render({"rows": rows}))[2:]]
+    assert [line[2:] for line in body] == [
+        ["forward time (ref: causal)", "0.250", "1.000", "ms", "ok"],
+        ["forward+backward time (ref: causal)", "0.600", "4.000", "ms", "ok"],
+        ["f+b time % of causal (ref: FLOPs walked %)", "15.0", "10.6", "%", "ok"],
+        ["output max error vs fp64 (ref: torch SDPA)", "1.00e-02", "8.00e-03", "abs", "ok"],
+    ]
+    result["errors"]["ours"] = 0.05
+    status = gpu_check.packed_rows("x", result)[-1]["status"]
+    assert status == "FAIL: above 2 x torch + 0.02" and gpu_check.failed([{"status": status}])
+
+
 # Last: the other tests run while its subprocess imports torch.
 def test_without_a_gpu_it_exits_2_with_one_line_on_stderr(side_checks):
     result = finish(side_checks.pop(NO_GPU_TEST), timeout=60)
