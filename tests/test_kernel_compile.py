@@ -160,8 +160,8 @@ def test_the_signature_specializes_the_arguments_as_tritons_launcher_does():
     attention_bwd = importlib.import_module("megatronish_kernels.attention_bwd")
     q = torch.empty(2, 4, 100, 32, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(2, 4, 100, device="meta")
-    consts = dict(CAUSAL=True, HEAD_DIM=32, BLOCK_M=64, BLOCK_N=32, PREC="tf32")
-    args = (q, q, q, q, lse, lse, q, 100, 4, 1, 0.25, 0.5)
+    consts = dict(CAUSAL=True, DOCS=False, HEAD_DIM=32, BLOCK_M=64, BLOCK_N=32, PREC="tf32")
+    args = (q, q, q, q, lse, lse, q, None, None, None, 100, 4, 1, 0.25, 0.5)
     signature, constexprs, attrs = check.specialization(
         check.Launch(attention_bwd._dq_kernel, (1,), args, consts)
     )
@@ -171,6 +171,8 @@ def test_the_signature_specializes_the_arguments_as_tritons_launcher_does():
     assert scalars == ["i32", "i32", "fp32", "fp32"]
     assert signature["group"] == "constexpr" and constexprs["group"] == 1  # 1 is specialized
     assert signature["HEAD_DIM"] == "constexpr" and constexprs["HEAD_DIM"] == 32
+    # No document masks: the segment pointers are absent, the constant None.
+    assert signature["QSEG"] == "constexpr" and constexprs["QSEG"] is None
     # Pointers are 16-byte aligned; 100 and 4 are not multiples of 16.
     assert {names[i] for (i,) in attrs} == {"Q", "K", "V", "DO", "LSE", "DELTA", "DQ"}
 
