@@ -100,7 +100,7 @@ def _attn_fwd_kernel(
     else:
         free_hi = full_n
         hi = seq_len
-    lo = 0
+    lo, masked_lo = 0, free_hi
     q_seg = tl.zeros([BLOCK_M], dtype=tl.int32)  # one document unless DOCS
     seg_base = (bh // n_head).to(tl.int64) * seq_len  # this sequence's segments
     if DOCS:  # only the key blocks that hold keys of this query block's documents
@@ -108,6 +108,7 @@ def _attn_fwd_kernel(
         bounds = BOUNDS + ((bh // n_head) * tl.num_programs(0) + block_m) * 2
         lo = (tl.load(bounds) // BLOCK_N) * BLOCK_N
         doc_hi = tl.load(bounds + 1)
+        masked_lo = tl.maximum(free_hi, lo)  # where the unmasked walk ends
         free_hi = tl.minimum(free_hi, tl.cdiv(doc_hi, BLOCK_N) * BLOCK_N)
         hi = tl.minimum(hi, doc_hi)
     Kh, Vh = K + kv_base, V + kv_base
@@ -116,9 +117,8 @@ def _attn_fwd_kernel(
         seq_len, qk_scale, False, CAUSAL, DOCS, HEAD_DIM, BLOCK_N, PREC,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d,
-        tl.maximum(free_hi, lo), hi, seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_N,
-        PREC,
+        acc, l_i, m_i, q, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d, masked_lo, hi,
+        seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_N, PREC,
     )  # fmt: skip
     if DOCS:  # a row that saw no key (m_i -inf): output 0, lse -inf
         l_i = tl.where(l_i == 0.0, 1.0, l_i)

@@ -205,7 +205,7 @@ def _dq_kernel(
     else:
         free_hi = full_n
         hi = seq_len
-    lo = 0
+    lo, masked_lo = 0, free_hi
     q_seg = tl.zeros([BLOCK_M], dtype=tl.int32)  # one document unless DOCS
     seg_base = (bh // n_head).to(tl.int64) * seq_len  # this sequence's segments
     if DOCS:  # only the key blocks that hold keys of this query block's documents
@@ -213,6 +213,7 @@ def _dq_kernel(
         bounds = BOUNDS + ((bh // n_head) * tl.num_programs(0) + block_m) * 2
         lo = (tl.load(bounds) // BLOCK_N) * BLOCK_N
         doc_hi = tl.load(bounds + 1)
+        masked_lo = tl.maximum(free_hi, lo)  # where the unmasked walk ends
         free_hi = tl.minimum(free_hi, tl.cdiv(doc_hi, BLOCK_N) * BLOCK_N)
         hi = tl.minimum(hi, doc_hi)
     Kh, Vh = K + kv_base, V + kv_base
@@ -221,9 +222,8 @@ def _dq_kernel(
         free_hi, seq_len, qk_scale, False, CAUSAL, DOCS, HEAD_DIM, BLOCK_N, PREC,
     )  # fmt: skip
     dq = _dq_inner(
-        dq, q, do, lse, delta, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d,
-        tl.maximum(free_hi, lo), hi, seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_N,
-        PREC,
+        dq, q, do, lse, delta, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d, masked_lo,
+        hi, seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_N, PREC,
     )  # fmt: skip
     tl.store(DQ + q_base + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 

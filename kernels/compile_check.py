@@ -313,7 +313,7 @@ def describe(launch: Launch) -> str:
     words = []
     _, constexprs, _ = specialization(launch)
     for name, value in constexprs.items():
-        if name == "PREC":
+        if name == "PREC" or value is None:  # None: an absent pointer
             continue
         if isinstance(value, bool):
             words += [name] if value else []

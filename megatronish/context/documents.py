@@ -38,9 +38,6 @@ class Documents:
     def __getitem__(self, index) -> Documents:
         return Documents(self.segments[index], self.positions[index], self.shards[index])
 
-    def to(self, device: torch.device) -> Documents:
-        return Documents(*(x.to(device) for x in (self.segments, self.positions, self.shards)))
-
     def shard(self, cp: int, cp_rank: int) -> Documents:
         """The documents of cp rank cp_rank's zigzag shard, from those of whole sequences."""
         dim = self.segments.dim() - 1
