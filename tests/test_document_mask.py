@@ -1,15 +1,17 @@
 """Document masks (data.document_mask): documents and positions found from the end-of-document
-tokens before the zigzag split; a packed sequence gives each document the attention, logits and
-gradients it gets alone (fp32, 1e-5) in the torch path and in the Triton kernels under the
-interpreter, which never read the blocks of other documents; training has the same losses at
-cp 1, cp 2, cp 2 x tp 2 (sequence parallel) and pp 2 (recompute), and other losses than without
-masks. Ring attention under document masks is tested with ring attention
+tokens before the zigzag split (a blend must share one end-of-document id); a packed sequence
+gives each document the attention, logits and gradients it gets alone (fp32, 1e-5) in the torch
+path and in the Triton kernels under the interpreter, which never read the blocks of other
+documents (and walk the block pairs scripts/bench_packed_attention.py counts); training has the
+same losses at cp 1, cp 2, cp 2 x tp 2 (sequence parallel) and pp 2 (recompute), and other
+losses than without masks. Ring attention under document masks is tested with ring attention
 (tests/test_context_ring.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from megatronish.config import derive, load_config
 from megatronish.context import documents_of
 from megatronish.context.zigzag import unshard_sequence
 from megatronish.distributed.layout import ParallelState
+from megatronish.errors import UserError
 from megatronish.model import GPT
 from tests import kernel_env  # noqa: F401 (the kernels defined as the kernel tests need them)
 from tests.conftest import REPO
@@ -54,6 +57,22 @@ def test_a_document_spanning_cp_ranks_keeps_its_segment_and_positions_after_the_
             assert torch.equal(shard.shards[:, other], shards[other].segments)
     assert torch.equal(unshard_sequence([s.positions for s in shards]), whole.positions)
     assert torch.equal(shards[2][0].segments, shards[2].segments[0])  # a micro-batch's
+
+
+def test_blended_datasets_that_end_documents_with_different_ids_are_a_user_error():
+    from megatronish.data.sources import TokenSource, shared_eod_id
+
+    def source(path: str, eot_id: int) -> TokenSource:
+        return TokenSource(Path(path), "prepared", None, None, None, 50304, eot_id, "sha")
+
+    assert shared_eod_id([source("a", 256), source("b", 256)]) == 256
+    with pytest.raises(UserError) as error:
+        shared_eod_id([source("a", 256), source("b", 50256)])
+    assert str(error.value) == (
+        "data.document_mask: the datasets end documents with different ids (a ends documents "
+        "with 256, b ends documents with 50256); blend datasets of one tokenizer, or set "
+        "data.document_mask=false"
+    )
 
 
 # Attention alone
