@@ -43,9 +43,12 @@ class Collective:
         return self.count * self.payload * factor
 
 
-def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> list[Collective]:
+def collectives_per_step(
+    cfg: Config, derived: Derived, pp_rank: int = 0, loss_masked: bool | None = None
+) -> list[Collective]:
     """Every collective one rank of pipeline stage pp_rank issues in one optimizer step, from
-    the config alone.
+    the config alone, and loss_masked: whether the run's loader masks the loss (SFT data; None:
+    data.eod_mask_loss).
 
     Legend: b micro-batch, s sequence, h hidden, L layers, A accumulation steps, t tp size,
     P local parameters (``local_parameter_count``). Under bf16 autocast the matmuls run in
@@ -89,7 +92,9 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     (only those travel), cp - 1 times forward and again backward, plus cp hops of their fp32
     gradient accumulator backward; attention recompute (selective or full) reruns the forward
     ring. The last stage's loss all-reduces its token count (one fp64) over cp per micro-batch.
-    The data-parallel collectives below run over the dp x cp group.
+    The data-parallel collectives below run over the dp x cp group. With a loss mask the last
+    stage instead all-reduces the counted tokens of the global batch (one fp64) over dp x cp
+    once per step (training/loss.py).
 
     Per micro-batch and MoE layer (dropless; T = b s tokens, k top_k, E experts): over tp
     the combine weights' fp32 gradient [T, k] backward (the output and the routed tokens'
@@ -122,6 +127,7 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     t, pp, accum, cp = derived.tp, derived.pp, derived.grad_accum_steps, derived.cp
     dp = derived.dp * cp  # the data-parallel collectives run over dp x cp
     first, last = pp_rank == 0, pp_rank == pp - 1
+    masked = cfg.data.eod_mask_loss if loss_masked is None else loss_masked
     b, h, n_layer = tr.micro_batch_size, m.d_model, derived.stage_layers[pp_rank]
     s = tr.seq_len // cp
     c = 2 if tr.precision == "bf16" else FP32_BYTES
@@ -201,8 +207,11 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
             (cp - 1) * (forward_rings + 1) * n_layer * accum)  # fmt: skip
         add("ring attention dk and dv accumulator (backward)", "cp_ring", "cp", cp,
             kv_bytes * FP32_BYTES, cp * n_layer * accum)  # fmt: skip
-        if last:
+        if last and not masked:
             add("loss token count", "all_reduce", "cp", cp, FP64_BYTES, accum)
+    if last and masked:
+        add("counted tokens of the global batch (loss mask)", "all_reduce", "dp", dp, FP64_BYTES,
+            1)  # fmt: skip
     add("gradient norm (fp64 partial sum)", "all_reduce", "tp", t, FP64_BYTES, 1)
     add("expert gradient norm over the ep group", "all_reduce", "ep", derived.ep, FP64_BYTES, 1)
     if p.sequence_parallel:
@@ -261,15 +270,20 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     return out
 
 
-def formula_bytes_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> float:
+def formula_bytes_per_step(
+    cfg: Config, derived: Derived, pp_rank: int = 0, loss_masked: bool | None = None
+) -> float:
     """Bytes one rank of stage pp_rank sends per optimizer step by the analytic count
     (``collectives_per_step``)."""
-    return float(sum(op.sent for op in collectives_per_step(cfg, derived, pp_rank)))
+    ops = collectives_per_step(cfg, derived, pp_rank, loss_masked)
+    return float(sum(op.sent for op in ops))
 
 
-def formula_payload_by_kind(cfg: Config, derived: Derived, pp_rank: int = 0) -> dict[str, int]:
+def formula_payload_by_kind(
+    cfg: Config, derived: Derived, pp_rank: int = 0, loss_masked: bool | None = None
+) -> dict[str, int]:
     """Payload bytes per collective kind per step, as ``CommCounter.payload_bytes`` keys them."""
     totals: dict[str, int] = {}
-    for op in collectives_per_step(cfg, derived, pp_rank):
+    for op in collectives_per_step(cfg, derived, pp_rank, loss_masked):
         totals[op.kind] = totals.get(op.kind, 0) + op.payload * op.count
     return totals

@@ -187,6 +187,10 @@ class DataConfig:
     eod_id: int | None = None
     """The end-of-document token id of a Megatron prefix (a prepared directory records its
     own)."""
+    eod_mask_loss: bool = False
+    """Leave the end-of-document token out of the loss, as Megatron's --eod-mask-loss: a target
+    that is the end-of-text token does not count (training and validation). The loss is then
+    the mean over the counted tokens of the whole global batch, as with an SFT loss mask."""
 
 
 @dataclass

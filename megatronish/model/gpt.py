@@ -186,13 +186,19 @@ class GPT(nn.Module):
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits
 
-    def loss_of_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_of_logits(
+        self, logits: torch.Tensor, targets: torch.Tensor, divisor: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mean cross entropy over the tokens whose target is not -100. Under cp the count is
         the whole sequences' (summed over the cp group) and the value is scaled by cp, so the
         mean over the cp group of this loss (and of its gradients) is the full sequences'
-        mean, however the targets that count fall on the cp ranks."""
+        mean, however the targets that count fall on the cp ranks. With `divisor` (a loss
+        mask: training/loss.py) the sum over the counted targets divided by it, with no
+        collective."""
         with annotate("loss"):
             per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
+        if divisor is not None:
+            return per_token.float().sum() / divisor
         count = (targets != -100).sum()
         if self.derived.cp > 1:
             count = count.to(torch.float64).reshape(1)
@@ -200,9 +206,11 @@ class GPT(nn.Module):
             return per_token.float().sum() * self.derived.cp / count.clamp(min=1).float()[0]
         return per_token.float().sum() / count.clamp(min=1)
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over the tokens whose target is not -100 (one stage only)."""
-        return self.loss_of_logits(self(tokens), targets)
+    def loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, divisor: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """loss_of_logits of the tokens' logits (one stage only)."""
+        return self.loss_of_logits(self(tokens), targets, divisor)
 
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor, cache: list, start_pos: int) -> torch.Tensor:

@@ -190,7 +190,7 @@ class Pipeline:
             else:
                 output = self.model.chunk_forward(chunk, inputs)
             if last:
-                loss = self.model.loss_of_logits(output, micro[1])
+                loss = self.model.loss_of_logits(output, micro[1], self.divisor)
         if last:
             self.loss_sum += loss.detach()
             output = loss * scale
@@ -217,12 +217,14 @@ class Pipeline:
         scale: float,
         autocast,
         forward_only: bool = False,
+        divisor: torch.Tensor | None = None,
     ):
         """Forward (and, unless forward_only, backward) of every micro-batch of inputs and
-        targets [m, micro, s] (this rank's sequence shard under cp); each micro-batch's loss is
-        scaled by `scale` for backward. Returns the sum of the micro-batch losses (zero except
-        on the last stage)."""
+        targets [m, micro, s] (this rank's sequence shard under cp); each micro-batch's loss
+        (GPT.loss_of_logits, with `divisor`) is scaled by `scale` for backward. Returns the sum
+        of the micro-batch losses (zero except on the last stage)."""
         start = time.perf_counter()
+        self.divisor = divisor
         batch = list(zip(inputs, targets))  # (inputs, targets) of each micro-batch
         self.loss_sum = torch.zeros((), device=self.ps.device)
         self.stats = ScheduleStats()

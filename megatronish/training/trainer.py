@@ -24,10 +24,6 @@ from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config
 from megatronish.context import split_batch
 from megatronish.data import BatchLoader
-from megatronish.distributed import comm
-from megatronish.distributed.layout import (
-    ParallelState,
-)
 from megatronish.errors import RunFailure
 from megatronish.model import GPT
 from megatronish.model.precision import autocast
@@ -40,22 +36,9 @@ from megatronish.optim.optimizer import Optimizer, clip_grad_norm, lr_at
 from megatronish.optim.reduce import reduce_gradients
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
+from megatronish.training.loss import counted_share, mean_loss
 from megatronish.training.metrics import MetricsWriter, peak_flops
 from megatronish.training.setup import Setup, make_loader, setup
-
-
-def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
-    """Mean over the dp x cp group of a loss computed on the last pipeline stage, on every
-    rank (the other stages contribute zeros to a sum over the pipeline)."""
-    value = value.detach().float().reshape(1).clone()
-    if ps.dp_cp > 1:
-        comm.all_reduce(value, ps.dp_cp_group)
-        value /= ps.dp_cp
-    if ps.pp > 1:
-        if not ps.is_last_stage:
-            value.zero_()
-        comm.all_reduce(value, ps.pp_group)
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -138,16 +121,21 @@ class Trainer:
         timer = self.timer
         with timer.phase("data"):
             inputs, targets = self.next_batch(self.loader)  # [accum, micro, seq / cp] each
+            divisor = None  # with a loss mask, the global batch's counted tokens (loss.py)
+            if self.loader.masks_loss and self.ps.is_last_stage:
+                divisor = counted_share(targets, self.ps) / inputs.shape[0]
         accum = inputs.shape[0]
         self.grads.start_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
-            loss_sum = self.pipeline.run(inputs, targets, 1.0 / accum, self.autocast)
+            loss_sum = self.pipeline.run(
+                inputs, targets, 1.0 / accum, self.autocast, divisor=divisor
+            )
         else:
             loss_sum = torch.zeros((), device=self.ps.device)
             for micro_inputs, micro_targets in zip(inputs, targets):
                 with timer.phase("forward"), self.autocast():
-                    loss = self.model.loss(micro_inputs, micro_targets)
+                    loss = self.model.loss(micro_inputs, micro_targets, divisor)
                 with timer.phase("backward"):
                     (loss / accum).backward()
                 loss_sum += loss.detach()
@@ -165,31 +153,39 @@ class Trainer:
 
     def next_batch(self, loader: BatchLoader) -> tuple[torch.Tensor, torch.Tensor]:
         """The next global batch's inputs and targets for this rank, [accum, micro, seq / cp]
-        each: the loader's samples of this dp rank, this cp rank's zigzag shard of them."""
-        batch = loader.next_step().to(self.ps.device)  # [accum, micro, seq + 1]
-        return split_batch(batch, self.ps.cp, self.ps.cp_rank)
+        each: the loader's samples of this dp rank, this cp rank's zigzag shard of them (targets
+        that do not count in the loss are -100)."""
+        batch, loss_mask = loader.next_masked_step()  # [accum, micro, seq + 1], [.., seq]
+        return split_batch(batch.to(self.ps.device), self.ps.cp, self.ps.cp_rank, loss_mask)
 
     def autocast(self):
         return autocast(self.cfg, self.ps.device)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first train.eval_steps global batches of the validation split."""
+        """Mean loss over the first train.eval_steps global batches of the validation split:
+        of the micro-batch means, or with a loss mask of every counted token (loss.py)."""
         assert self.val_loader is not None
         self.model.eval()
         self.val_loader.reset()
         total = torch.zeros((), device=self.ps.device)
-        count = 0
+        divisor = torch.ones((), device=self.ps.device) if self.val_loader.masks_loss else None
+        seen, count = [], 0  # the targets, and the micro-batches, evaluated
         for _ in range(self.cfg.train.eval_steps):
             inputs, targets = self.next_batch(self.val_loader)
             if self.pipeline is not None:
-                total += self.pipeline.run(inputs, targets, 1.0, self.autocast, forward_only=True)
+                total += self.pipeline.run(
+                    inputs, targets, 1.0, self.autocast, forward_only=True, divisor=divisor
+                )
             else:
                 for micro_inputs, micro_targets in zip(inputs, targets):
                     with self.autocast():
-                        total += self.model.loss(micro_inputs, micro_targets).float()
+                        total += self.model.loss(micro_inputs, micro_targets, divisor).float()
+            seen.append(targets)
             count += inputs.shape[0]
         self.model.train()
+        if divisor is not None and self.ps.is_last_stage:
+            return mean_loss(total / counted_share(torch.cat(seen), self.ps), self.ps)
         return mean_loss(total / count, self.ps)
 
     def write_run_files(self) -> None:
