@@ -121,10 +121,10 @@ class Trainer:
         timer = self.timer
         with timer.phase("data"):
             inputs, targets = self.next_batch(self.loader)  # [accum, micro, seq / cp] each
-            divisor = None  # with a loss mask, the global batch's counted tokens (loss.py)
+            accum = inputs.shape[0]
+            divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
             if self.loader.masks_loss and self.ps.is_last_stage:
-                divisor = counted_share(targets, self.ps) / inputs.shape[0]
-        accum = inputs.shape[0]
+                divisor = counted_share(targets, self.ps) / accum
         self.grads.start_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
