@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from megatronish.checkpoint.save import complete_save, open_save, rank_files, write_safetensors
+from megatronish.checkpoint.save import (
+    complete_save,
+    open_save,
+    rank_files,
+    whole_params,
+    write_safetensors,
+)
 from megatronish.errors import UserError
 
 
@@ -103,7 +109,8 @@ class AsyncSaver:
         assert self.pending is None, "complete() the save in flight first"
         ps, model, optimizer = save_args["ps"], save_args["model"], save_args.get("optimizer")
         tmp = open_save(Path(directory), step, ps, optimizer)
-        files = self.copy(rank_files(model, optimizer, ps), ps.device)
+        with whole_params(optimizer):
+            files = self.copy(rank_files(model, optimizer, ps), ps.device)
         ready = None
         if ps.device.type == "cuda":
             ready = torch.cuda.Event()
