@@ -4,8 +4,9 @@ so that training waits only while the state is copied.
     begin     (training thread, every rank; collectives): step 1 of the protocol (the
               temporary step directory), then this rank's files copied into buffers it keeps
               from save to save (pinned host memory on a GPU, the copy queued on the current
-              stream; a private copy on a CPU). ZeRO-1's gathers of whole-parameter state
-              happen here, on the training thread. The writer thread is handed the copy.
+              stream; a private copy on a CPU). ZeRO's gathers of whole-parameter state (and
+              ZeRO-3's of the parameters) happen here, on the training thread. The writer
+              thread is handed the copy.
     writer    (one background thread per process, no collective ever): writes this rank's
               files into the temporary directory, fsyncs them and keeps their CRC-32C.
     complete  (training thread, every rank at the same point; collectives): waits for this

@@ -6,7 +6,7 @@ fails makes every rank raise instead of leaving the others waiting in a barrier)
   2. every rank writes its files there, fsyncs them and keeps their CRC-32C: dp x cp rank 0 of
      each tp rank (and stage) its model shard, the other ep ranks of its ep group their
      experts; the ranks that hold optimizer state their optim shard (dp x cp rank 0, and the
-     other ep ranks for their experts, without ZeRO; every dp x cp rank with ZeRO-1); every
+     other ep ranks for their experts, without ZeRO; every dp x cp rank with ZeRO); every
      rank its RNG states;
   3. rank 0 gathers the checksums, writes config.yaml, the tokenizer and metadata.json (which
      lists every file with its size and CRC-32C), fsyncs, renames the directory to
@@ -128,7 +128,7 @@ def rng_tensors(model, ps: ParallelState) -> dict[str, torch.Tensor]:
 
 
 def whole_params(optimizer):
-    """A context in which the model's parameters are whole for rank_files to read (ZeRO-1's
+    """A context in which the model's parameters are whole for rank_files to read (ZeRO-1 and 2's
     gathers waited for, ZeRO-3's buckets gathered); every rank enters it."""
     return contextlib.nullcontext() if optimizer is None else optimizer.whole_params()
 

@@ -50,12 +50,9 @@ from torch import nn
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.moe import is_expert
+from megatronish.optim import IN_FLIGHT
 from megatronish.optim.buckets import Bucket, Piece, buffered
 from megatronish.optim.param_shards import ParamShards
-
-# ZeRO-2 and 3: reduce-scatters of micro-batch gradients outstanding at once (each holds its
-# bucket-sized tensor until its block is added to the kept one).
-IN_FLIGHT = 2
 
 
 class GradBuffer:
