@@ -7,7 +7,9 @@ where a step has one micro-batch), every rank sends the payload the analytic cou
 (ZeRO-3's gathers included), the model state each rank holds between steps, counted from the
 tensors' storages, is plan's estimate within 5% at every level (at ZeRO-3 16 P / dp), the
 overlap and the prefetch change no bit, the validation loss is ZeRO-0's, and a ZeRO-2 or 3
-checkpoint resumes at another dp and level on the curve. optim.zero outside 0..3 is one line.
+checkpoint (ZeRO-3's saved in the background) resumes at another dp and level on the curve.
+`check` and plan's estimate shard weights, gradients and AdamW state by level, and count
+ZeRO-3's gathers; optim.zero outside 0..3 is one line.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def _train(cfg, world, dataset, save: bool = False) -> dict:
             payload = dict(counter.payload_bytes)
         if save and trainer.step == SAVED_AT:
             trainer.save_checkpoint()
+    trainer.saver.finish()  # checkpoint.async: the save on disk
+    trainer.saver.close()
     estimate = model_state_bytes(cfg, trainer.setup.derived, trainer.ps.pp_rank)
     return {
         "curve": curve,
@@ -108,8 +112,9 @@ def _four(rank, world, dataset, ckpt_dir):
         for zero in (0, 1, 2, 3) if name == "dp4" else LEVELS:
             save = name == "dp4" and zero >= 2
             extra = [f"train.steps={STEPS}", f"optim.zero={zero}"]
-            if save:
-                extra += ["checkpoint.save=true", f"checkpoint.dir={ckpt_dir / f'zero{zero}'}"]
+            if save:  # ZeRO-3's in the background
+                extra += ["checkpoint.save=true", f"checkpoint.dir={ckpt_dir / f'zero{zero}'}",
+                          f"checkpoint.async={str(zero == 3).lower()}"]  # fmt: skip
             cfg = make_config(tp, dp, pp, overrides, dataset, extra, cp=cp, ep=ep)
             run = _train(cfg, world, dataset, save)
             del run["trainer"]
@@ -206,6 +211,41 @@ def test_zero2_and_zero3_checkpoints_resume_at_another_dp_and_level_on_the_curve
         for saved, zero in ((2, 3), (3, 2)):
             got = _flat(rank[f"zero{saved} resumed at zero{zero}"])
             assert got == pytest.approx(after, rel=1e-5)
+
+
+def test_check_and_plan_shard_weights_gradients_and_state_by_level_with_zero3_gathers():
+    import re
+
+    from megatronish.accounting.memory import estimate
+    from megatronish.config import load_config
+    from megatronish.data import ByteTokenizer
+    from tests.conftest import invoke_cli
+
+    mib = r"([0-9.]+) MiB"
+    report, payload = {}, {}
+    for zero in (0, 1, 2, 3):
+        sets = ["parallel.dp=4", "train.global_batch_size=64", f"optim.zero={zero}",
+                f"model.vocab_size={ByteTokenizer().vocab_size}"]  # fmt: skip
+        args = [x for item in sets for x in ("--set", item)]
+        out = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *args)
+        assert out.returncode == 0, out.stderr
+        state = re.search(f"weights {mib}, gradients {mib}, AdamW {mib}", out.stdout)
+        report[zero] = [float(x) for x in state.groups()]
+        gathers = re.search(f"all_gather {mib}", out.stdout)
+        payload[zero] = float(gathers.group(1)) if gathers else 0.0
+        cfg = load_config(CONFIGS / "tiny.yaml", sets)
+        plan = estimate(cfg, 4, 1, 1e12)
+        assert [plan.weights_gb, plan.grads_gb, plan.optimizer_gb] == pytest.approx(
+            [x / 1024 for x in report[zero]], rel=1e-2
+        )
+        assert (plan.gathered_gb > 0) == (zero >= 2)
+    weights, grads, adam = report[0]
+    shards = {1: [weights, grads, adam / 4], 2: [weights, grads / 4, adam / 4],
+              3: [weights / 4, grads / 4, adam / 4]}  # fmt: skip
+    for zero, want in shards.items():
+        assert report[zero] == pytest.approx(want, rel=1e-2), zero  # printed to 0.01 MiB
+    # two micro-batches: gathers before each forward and backward, not once after the step
+    assert payload[0] == 0 and payload[1] == payload[2] > 0 and payload[3] > 3 * payload[1]
 
 
 def test_zero_outside_0_to_3_is_one_line():
