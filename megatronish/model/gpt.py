@@ -94,13 +94,14 @@ class GPT(nn.Module):
     def forward_param_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """(module, the parameters used from its call on) in the order a forward calls the
         modules: the embeddings, the blocks, the final norm (followed by the LM head, which is
-        not called as a module). A forward pre-hook on each module can make its parameters
-        ready (ZeRO-1's all-gather overlapped with the forward: grads.GradBuffer)."""
+        not called as a module: its weight, or the tied embedding's). A forward pre-hook on
+        each module can make its parameters ready (ZeRO-1's all-gather overlapped with the
+        forward, ZeRO-3's gathers: grads.GradBuffer)."""
         uses = [(m, list(m.parameters())) for m in (self.tok_emb, self.pos_emb) if m is not None]
         uses += [(block, list(block.parameters())) for block in self.blocks.values()]
         if self.norm_f is not None:
-            head = list(self.lm_head.parameters()) if self.lm_head is not None else []
-            uses.append((self.norm_f, list(self.norm_f.parameters()) + head))
+            head = self.lm_head if self.lm_head is not None else self.tok_emb
+            uses.append((self.norm_f, list(self.norm_f.parameters()) + list(head.parameters())))
         return uses
 
     def moe_layers(self) -> dict[int, MoELayer]:

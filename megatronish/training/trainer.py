@@ -79,11 +79,11 @@ class Trainer:
             s.ps,
             int(o.bucket_mb * 2**20),
             o.overlap_grad_reduce,
-            shard=o.zero == 1 and s.ps.dp_cp > 1,
+            zero=o.zero if s.ps.dp_cp > 1 else 0,
+            uses=self.model.forward_param_uses(),
+            prefetch=o.zero3_prefetch,
         )
         self.optimizer = Optimizer(self.model, s.cfg, s.ps, self.grads)
-        if self.grads.shard and o.overlap_grad_reduce:
-            self.grads.overlap_param_gather(self.model.forward_param_uses())
         self.loader = make_loader(s, "train")
         self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
         self.out_dir = Path(s.cfg.run.out_dir)
@@ -271,6 +271,8 @@ class Trainer:
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
             self.saver.finish()  # checkpoint.async: the last save on disk before the run ends
+            if self.grads.shards is not None:  # ZeRO-3: gathered (freed again when used)
+                self.grads.shards.gather_all()
         finally:
             self.saver.close()
             bar.close()
