@@ -78,14 +78,20 @@ def cli() -> None:
 @click.option(
     "--eod-id", type=int, default=None, help="End-of-document id of a Megatron prefix --input."
 )
+@click.option(
+    "--sft",
+    is_flag=True,
+    help="Inputs are JSON Lines of prompt/response or messages; store a loss mask (responses).",
+)
 @click.option("--output", required=True, help="Directory (or Megatron prefix) to write to.")
 @user_errors
 def prepare(
     inputs, tokenizer, vocab_size, glob_pattern, jsonl_field, val_fraction, seed, output_format,
-    eod_id, output,
+    eod_id, sft, output,
 ):  # fmt: skip
     """Tokenize text into a training dataset (default input: the Python standard library); or
-    convert a Megatron indexed dataset (--input PREFIX.idx) to and from one."""
+    convert a Megatron indexed dataset (--input PREFIX.idx) to and from one; --sft: chat
+    examples with a loss mask."""
     from megatronish.data import read_metadata
     from megatronish.data.convert import prepare_any
     from megatronish.data.prepare import prepare_notes
@@ -104,6 +110,7 @@ def prepare(
         jsonl_field=jsonl_field,
         val_fraction=val_fraction,
         seed=seed,
+        sft=sft,
     )
     if output_format == "megatron":
         from megatronish.data.indexed import read_indexed
@@ -120,6 +127,11 @@ def prepare(
         f"({meta['val_docs']:,} for validation), {meta['tokenizer']['kind']} tokenizer, "
         f"vocab {meta['vocab_size']:,}"
     )
+    if meta.get("sft"):
+        click.echo(
+            f"sft: {meta['counted_tokens']:,} of the {meta['n_tokens']:,} tokens (the responses "
+            "and their end-of-text tokens) count in the loss"
+        )
     for note in prepare_notes(meta):
         click.echo(note)
 

@@ -4,20 +4,20 @@ use.
 
     python scripts/kernel_report.py --arch sm_80 sm_90 [--json FILE] [--jobs N] [--representative]
 
-For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1,
-2 and 8 where the heads divide, in bf16 and fp32, it builds the launches of one training step
-as the launchers make them (megatronish_kernels.compile_check.model_launches: attention forward
-and backward, the ring-attention blocks, both again under document masks, norms, RoPE, SwiGLU
-or bias-GELU, cross entropy, the expert GEMMs), compiles each distinct one for each arch with the ptxas Triton ships, and
-prints one table: kernel, configuration (constexprs, arguments specialized to 1, warps w and
-stages s), arch, dtype, registers, spill bytes, shared memory / the arch's limit per block,
-the estimated occupancy (warps per SM of 64, from registers and shared memory), the configs
-that launch it, and a status. A row FAILs when its shared memory is over the limit, or when it
-spills at bf16 (fp32 runs exact-fp32 dots without tensor cores: spills there are reported, not
-failed). --representative compiles one bf16 configuration per kernel only (what the tests
-compile). --json FILE writes the rows as a list of objects (kernel, config, arch, dtype,
-registers, spill_bytes, shared_bytes, shared_limit_bytes, num_warps, num_stages,
-occupancy_warps, models).
+For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2
+and 8 where the heads divide, in bf16 and fp32, it builds the launches of one training step as
+the launchers make them (megatronish_kernels.compile_check.model_launches: attention forward and
+backward, the ring-attention blocks, both again under document masks, norms, RoPE, SwiGLU or
+bias-GELU, cross entropy, the expert GEMMs), compiles each distinct one for each arch with the
+ptxas Triton ships, and prints one table: kernel, configuration (constexprs, arguments
+specialized to 1, warps w and stages s), arch, dtype, registers, spill bytes, shared memory /
+the arch's limit per block, the estimated occupancy (warps per SM of 64, from registers and
+shared memory), the configs that launch it, and a status. A row FAILs when its shared memory is
+over the limit, or when it spills at bf16 (fp32 runs exact-fp32 dots without tensor cores:
+spills there are reported, not failed). --representative compiles one bf16 configuration per
+kernel only (what the tests compile). --json FILE writes the rows as a list of objects (kernel,
+config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes, num_warps,
+num_stages, occupancy_warps, models).
 
 Exit status: 0 every row fits, 1 a row fails, 2 Triton cannot compile for NVIDIA targets here.
 Compiled kernels go to Triton's cache (TRITON_CACHE_DIR), so a second run takes seconds.

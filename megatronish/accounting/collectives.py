@@ -43,9 +43,12 @@ class Collective:
         return self.count * self.payload * factor
 
 
-def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> list[Collective]:
+def collectives_per_step(
+    cfg: Config, derived: Derived, pp_rank: int = 0, loss_masked: bool | None = None
+) -> list[Collective]:
     """Every collective one rank of pipeline stage pp_rank issues in one optimizer step, from
-    the config alone.
+    the config alone, and loss_masked: whether the run's loader masks the loss (SFT data; None:
+    data.eod_mask_loss).
 
     Legend: b micro-batch, s sequence, h hidden, L layers, A accumulation steps, t tp size,
     P local parameters (``local_parameter_count``). Under bf16 autocast the matmuls run in
@@ -76,10 +79,12 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     Per step: the grad-norm all-reduce (fp64 scalar, tp > 1); under sequence parallelism the
     sum over tp of the replicated parameters' gradients; with dp > 1 the data-parallel
     all-reduce of every local gradient (fp32, 4 P bytes) and the loss mean (fp32 scalar); with
-    optim.zero = 1 instead a reduce-scatter of the gradient buffer and an all-gather of the
-    updated parameters (4 P bytes each, less the parameters outside the buffer: the sequence
-    parallel replicated ones and the pipeline's tied embedding copies, which are all-reduced
-    and broadcast by their owners), and the blocks' grad-norm partial sums (two fp64; the
+    optim.zero >= 1 instead a reduce-scatter of the gradient buffer (ZeRO-2 and 3: A of them,
+    one after each micro-batch) and an all-gather of the updated parameters (ZeRO-3: the
+    modules' gathers before forward and backward, ``zero3_gathers``), 4 P bytes each, less the
+    parameters outside the buffer (the sequence parallel replicated ones and the pipeline's
+    tied embedding copies, which are all-reduced and broadcast by their owners), and the
+    blocks' grad-norm partial sums (two fp64; the
     buckets are padded to a multiple of dp, which adds nothing when dp divides every
     bucket's size, as it does for these models at dp 2 and 4); then the step agreement
     (faults.agree_on_step: four fp32 flags, 16 bytes, over tp, then dp, then pp).
@@ -89,7 +94,9 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     (only those travel), cp - 1 times forward and again backward, plus cp hops of their fp32
     gradient accumulator backward; attention recompute (selective or full) reruns the forward
     ring. The last stage's loss all-reduces its token count (one fp64) over cp per micro-batch.
-    The data-parallel collectives below run over the dp x cp group.
+    The data-parallel collectives below run over the dp x cp group. With a loss mask the last
+    stage instead all-reduces the counted tokens of the global batch (one fp64) over dp x cp
+    once per step (training/loss.py).
 
     Per micro-batch and MoE layer (dropless; T = b s tokens, k top_k, E experts): over tp
     the combine weights' fp32 gradient [T, k] backward (the output and the routed tokens'
@@ -122,6 +129,7 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     t, pp, accum, cp = derived.tp, derived.pp, derived.grad_accum_steps, derived.cp
     dp = derived.dp * cp  # the data-parallel collectives run over dp x cp
     first, last = pp_rank == 0, pp_rank == pp - 1
+    masked = cfg.data.eod_mask_loss if loss_masked is None else loss_masked
     b, h, n_layer = tr.micro_batch_size, m.d_model, derived.stage_layers[pp_rank]
     s = tr.seq_len // cp
     c = 2 if tr.precision == "bf16" else FP32_BYTES
@@ -201,8 +209,11 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
             (cp - 1) * (forward_rings + 1) * n_layer * accum)  # fmt: skip
         add("ring attention dk and dv accumulator (backward)", "cp_ring", "cp", cp,
             kv_bytes * FP32_BYTES, cp * n_layer * accum)  # fmt: skip
-        if last:
+        if last and not masked:
             add("loss token count", "all_reduce", "cp", cp, FP64_BYTES, accum)
+    if last and masked:
+        add("counted tokens of the global batch (loss mask)", "all_reduce", "dp", dp, FP64_BYTES,
+            1)  # fmt: skip
     add("gradient norm (fp64 partial sum)", "all_reduce", "tp", t, FP64_BYTES, 1)
     add("expert gradient norm over the ep group", "all_reduce", "ep", derived.ep, FP64_BYTES, 1)
     if p.sequence_parallel:
@@ -226,10 +237,12 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     local_bytes = local_parameter_count(cfg, derived, pp_rank) * FP32_BYTES
     expert_bytes = moe_layers * local_moe_params(cfg, derived, True) * FP32_BYTES
     edp = dp // derived.ep  # the ranks that hold the same experts
-    if cfg.optim.zero == 1 and dp > 1:
+    zero = cfg.optim.zero
+    if zero >= 1 and dp > 1:
         # Outside the gradient buffer (summed over tp or the embedding group first): whole
         # parameters, all-reduced and broadcast by their owners. The buffer's buckets are
-        # reduce-scattered and their updated blocks all-gathered.
+        # reduce-scattered (ZeRO-2 and 3: after every micro-batch) and their updated blocks
+        # all-gathered (ZeRO-3: by each module, zero3_gathers).
         outside = (sequence_parallel_grad_count(cfg, derived, pp_rank) if p.sequence_parallel
                    else 0) * FP32_BYTES  # fmt: skip
         if pp > 1 and derived.tie_embeddings and (first or last):
@@ -237,13 +250,19 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
         dense = local_bytes - expert_bytes - outside
         if outside:
             add("gradients outside the buffer: average", "all_reduce", "dp", dp, outside, 1)
-            add("ZeRO-1 broadcasts of the parameters outside the buffer", "broadcast", "dp", dp,
-                outside, 1)  # fmt: skip
-        add("ZeRO-1 gradient reduce-scatter", "reduce_scatter", "dp", dp, dense, 1)
-        add("ZeRO-1 parameter all-gather", "all_gather", "dp", dp, dense, 1)
-        add("ZeRO-1 expert gradient reduce-scatter", "reduce_scatter", "dp", edp, expert_bytes,
-            1)  # fmt: skip
-        add("ZeRO-1 expert all-gather", "all_gather", "dp", edp, expert_bytes, 1)
+            add(f"ZeRO-{zero} broadcasts of the parameters outside the buffer", "broadcast",
+                "dp", dp, outside, 1)  # fmt: skip
+        reductions = accum if zero >= 2 else 1
+        add(f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", "dp", dp, dense,
+            reductions)  # fmt: skip
+        add(f"ZeRO-{zero} expert gradient reduce-scatter", "reduce_scatter", "dp", edp,
+            expert_bytes, reductions)  # fmt: skip
+        if zero < 3:
+            add(f"ZeRO-{zero} parameter all-gather", "all_gather", "dp", dp, dense, 1)
+            add(f"ZeRO-{zero} expert all-gather", "all_gather", "dp", edp, expert_bytes, 1)
+        else:
+            for what, group, size, payload, count in zero3_gathers(cfg, derived, pp_rank, dense):
+                add(what, "all_gather", group, size, payload, count)
         add("gradient norm of the blocks (split, replicated)", "all_reduce", "dp", dp,
             2 * FP64_BYTES, 1)  # fmt: skip
         if expert_bytes:
@@ -261,15 +280,50 @@ def collectives_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> lis
     return out
 
 
-def formula_bytes_per_step(cfg: Config, derived: Derived, pp_rank: int = 0) -> float:
+def zero3_gathers(cfg: Config, derived: Derived, pp_rank: int, dense: int) -> list[tuple]:
+    """ZeRO-3's parameter all-gathers of one step on stage pp_rank, as (what, group, group
+    size, payload, count); `dense`: the bytes of the buffer's dense buckets. At pp = 1 every
+    micro-batch gathers each bucket before its module's forward, the tied embedding's again
+    for the output layer, and each bucket again before its backward but the last module's (the
+    final norm and the output layer) and the tied embedding's, which stay from their forward;
+    at pp > 1 each bucket once a step (kept to its end)."""
+    t, h, pp, accum = derived.tp, cfg.model.d_model, derived.pp, derived.grad_accum_steps
+    dp = derived.dp * derived.cp
+    moe_layers = stage_moe_layers(derived, pp_rank)
+    experts = moe_layers * local_moe_params(cfg, derived, True) * FP32_BYTES
+    edp = dp // derived.ep
+    if pp > 1:
+        return [
+            ("ZeRO-3 parameter all-gather (kept for the step)", "dp", dp, dense, 1),
+            ("ZeRO-3 expert all-gather (kept for the step)", "dp", edp, experts, 1),
+        ]
+    sp = cfg.parallel.sequence_parallel and t > 1
+    norm = (2 if cfg.model.arch == "gpt2" else 1) * h * FP32_BYTES
+    vocab = derived.padded_vocab_size // t * h * FP32_BYTES
+    tied = vocab if derived.tie_embeddings else 0
+    kept = (0 if sp else norm) + (0 if derived.tie_embeddings else vocab)
+    return [
+        ("ZeRO-3 parameter all-gather (forward)", "dp", dp, dense, accum),
+        ("ZeRO-3 tied embedding all-gather (output layer)", "dp", dp, tied, accum),
+        ("ZeRO-3 parameter all-gather (backward)", "dp", dp, dense - kept - tied, accum),
+        ("ZeRO-3 expert all-gather (forward, backward)", "dp", edp, experts, 2 * accum),
+    ]
+
+
+def formula_bytes_per_step(
+    cfg: Config, derived: Derived, pp_rank: int = 0, loss_masked: bool | None = None
+) -> float:
     """Bytes one rank of stage pp_rank sends per optimizer step by the analytic count
     (``collectives_per_step``)."""
-    return float(sum(op.sent for op in collectives_per_step(cfg, derived, pp_rank)))
+    ops = collectives_per_step(cfg, derived, pp_rank, loss_masked)
+    return float(sum(op.sent for op in ops))
 
 
-def formula_payload_by_kind(cfg: Config, derived: Derived, pp_rank: int = 0) -> dict[str, int]:
+def formula_payload_by_kind(
+    cfg: Config, derived: Derived, pp_rank: int = 0, loss_masked: bool | None = None
+) -> dict[str, int]:
     """Payload bytes per collective kind per step, as ``CommCounter.payload_bytes`` keys them."""
     totals: dict[str, int] = {}
-    for op in collectives_per_step(cfg, derived, pp_rank):
+    for op in collectives_per_step(cfg, derived, pp_rank, loss_masked):
         totals[op.kind] = totals.get(op.kind, 0) + op.payload * op.count
     return totals

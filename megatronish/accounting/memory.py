@@ -1,9 +1,16 @@
 """Per-rank memory of a layout (``estimate``, with the step time and traffic plan prints beside
 it), from formulas without starting anything.
 
-Memory per rank (bytes), P the parameters one tp rank holds:
-  weights 4P, gradients 4P, AdamW state 8P (8P / (dp cp) with optim.zero = 1), the bf16 copies
-  autocast makes of the weights 2P (bf16 only);
+Memory per rank (bytes), P the parameters one tp rank holds, D = dp x cp (expert weights: the
+dp x cp / ep ranks that hold the same experts):
+  weights 4P, gradients 4P, AdamW state 8P, the bf16 copies autocast makes of the weights 2P
+  (bf16 only); optim.zero = 1 divides the AdamW state by D, 2 the gradients too, 3 the weights
+  too (``model_state_bytes``; ZeRO-2 and 3 keep the parameters outside the gradient buffer,
+  the sequence-parallel replicated ones and the pipeline's tied embedding copy, whole). What
+  ZeRO-2 and 3 hold only during a step ("gathered"): the bucket-sized gradients of up to
+  IN_FLIGHT + 1 buckets whose reduce-scatter has not finished; ZeRO-3 at pp = 1 two layers'
+  parameters (the one that runs, the one prefetched) and the output layer's (kept from its
+  forward to its backward), at pp > 1 the stage's whole parameters (kept for the step);
   activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
   b micro-batch, h hidden, t tp), with a fused attention kernel (no s x s scores kept):
     tensor parallel        s b h (10 + 24 / t)
@@ -42,11 +49,14 @@ from megatronish.accounting.collectives import formula_bytes_per_step
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.hardware import GPU_LINK_GB_S, GPUS_PER_NODE, INTER_NODE_GB_S
 from megatronish.accounting.parameters import (
+    local_layer_params,
     local_moe_params,
     local_parameter_count,
+    sequence_parallel_grad_count,
     stage_moe_layers,
 )
 from megatronish.config import Config, Derived, derive, virtual_stages
+from megatronish.optim import IN_FLIGHT
 from megatronish.pipeline.schedule import warmup_forwards
 
 # Estimate.step_time_s and ring_ratio: a rough compute bound at this MFU, kept for the memory
@@ -82,6 +92,9 @@ class Estimate:
     """Expert-parallel degree (MoE): experts per rank num_experts / ep."""
     expert_gb: float = 0.0
     """Of weights + grads + optimizer state, the experts' (MoE)."""
+    gathered_gb: float = 0.0
+    """ZeRO-2 and 3: what a step holds beyond the shards (gradient buckets in flight, ZeRO-3's
+    gathered parameters)."""
 
     @property
     def total_gb(self) -> float:
@@ -89,6 +102,7 @@ class Estimate:
             self.weights_gb
             + self.grads_gb
             + self.optimizer_gb
+            + self.gathered_gb
             + self.activations_gb
             + self.logits_gb
         )
@@ -136,7 +150,7 @@ def estimate(
     layout, d = layout_config(cfg, world, tp, pp, cp, ep, **changes)
     sp, zero = layout.parallel.sequence_parallel, layout.optim.zero
     recompute, virtual = layout.train.activation_checkpointing, d.pp_virtual
-    m, t, bf16 = d.grad_accum_steps, cfg.train, cfg.train.precision == "bf16"
+    m, t = d.grad_accum_steps, cfg.train
     # The last stage keeps every micro-batch's logits when it runs all its forwards first.
     gpipe = layout.parallel.pp_schedule == "gpipe"
     all_forwards_first = pp > 1 and (gpipe or (virtual > 1 and m == pp))
@@ -158,11 +172,7 @@ def estimate(
     stages = []
     for r in range(pp):
         in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
-        params = local_parameter_count(layout, d, r)
-        experts = stage_moe_layers(d, r) * local_moe_params(layout, d, experts_only=True)
-        # ZeRO-1 shards the experts' state over the ranks that hold the same experts.
-        expert_state = experts / (d.dp * d.cp // d.ep if zero == 1 else 1)
-        state = (params - experts) / (d.dp * d.cp if zero == 1 else 1) + expert_state
+        state = model_state_bytes(layout, d, r)
         act = per_layer * d.stage_layers[r] * in_flight
         if recompute == "full":  # one layer is rebuilt at a time during backward
             act += activation_bytes_per_layer(layout, tp, sp, "none")
@@ -176,9 +186,9 @@ def estimate(
                 sequence_parallel=sp,
                 zero=zero,
                 activation_checkpointing=recompute,
-                weights_gb=params * (4 + (2 if bf16 else 0)) / GB,
-                grads_gb=params * 4 / GB,
-                optimizer_gb=state * 8 / GB,
+                weights_gb=state["weights"] / GB,
+                grads_gb=state["grads"] / GB,
+                optimizer_gb=state["optimizer"] / GB,
                 activations_gb=act / GB,
                 logits_gb=logits / GB,
                 step_time_s=step_time,
@@ -187,10 +197,57 @@ def estimate(
                 ring_ratio=ring_ratio,
                 pp_virtual=virtual,
                 ep=d.ep,
-                expert_gb=(experts * (8 + (2 if bf16 else 0)) + expert_state * 8) / GB,
+                expert_gb=state["experts"] / GB,
+                gathered_gb=state["gathered"] / GB,
             )
         )
     return max(stages, key=lambda e: e.total_gb)
+
+
+def model_state_bytes(cfg: Config, d: Derived, pp_rank: int) -> dict[str, float]:
+    """Bytes one rank of stage pp_rank holds of the model's state at cfg's optim.zero (see the
+    module doc): "weights", "grads", "optimizer" (what it keeps between steps, the weights'
+    bf16 copies aside), "gathered" (what a step adds) and "experts" (the experts' part of the
+    first three)."""
+    zero, bf16 = cfg.optim.zero, cfg.train.precision == "bf16"
+    params = local_parameter_count(cfg, d, pp_rank)
+    experts = stage_moe_layers(d, pp_rank) * local_moe_params(cfg, d, experts_only=True)
+    dp = d.dp * d.cp
+    edp = max(1, dp // d.ep)  # the ranks that hold the same experts
+    outside = sequence_parallel_grad_count(cfg, d, pp_rank) if d.tp > 1 and (
+        cfg.parallel.sequence_parallel) else 0  # fmt: skip
+    last, first = pp_rank == d.pp - 1, pp_rank == 0
+    vocab = d.padded_vocab_size // d.tp * cfg.model.d_model
+    if d.pp > 1 and d.tie_embeddings and (first or last):
+        outside += vocab
+    buffered = params - experts - outside
+
+    def kept(level: int, whole_outside: bool = True) -> tuple[float, float]:
+        """(elements, expert elements) kept when zero >= level shards them."""
+        if zero < level:
+            return params, experts
+        rest = outside if whole_outside else outside / dp
+        return buffered / dp + rest + experts / edp, experts / edp
+
+    weights, expert_weights = kept(3)
+    grads, expert_grads = kept(2)
+    state, expert_state = kept(1, whole_outside=False)
+    gathered = 0.0
+    if zero >= 2 and dp > 1:
+        gathered = min(buffered + experts, (IN_FLIGHT + 1) * cfg.optim.bucket_mb * 2**18)
+    if zero == 3 and dp > 1:
+        layer = local_layer_params(cfg, d, moe=stage_moe_layers(d, pp_rank) > 0)
+        gathered += buffered + experts if d.pp > 1 else 2 * layer + (vocab if last else 0)
+    copies = 2 * params if bf16 else 0
+    return {
+        "weights": weights * 4 + copies,
+        "grads": grads * 4,
+        "optimizer": state * 8,
+        "gathered": gathered * 4,
+        "experts": (expert_weights + expert_grads) * 4
+        + expert_state * 8
+        + (2 * experts if bf16 else 0),
+    }
 
 
 def layout_config(

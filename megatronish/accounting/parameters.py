@@ -44,11 +44,25 @@ def moe_mlp_params(cfg: Config, derived: Derived, active: bool = False) -> int:
 
 def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Parameters one tp rank of pipeline stage pp_rank holds (the padded vocab included): the
-    elements its data-parallel gradient all-reduce (or ZeRO-1 reduce-scatter and all-gather)
+    elements its data-parallel gradient all-reduce (or ZeRO reduce-scatter and all-gather)
     carries. The first stage holds the embeddings, the last the final norm and the output layer
     (with tied embeddings and pp > 1, a copy of the token embedding)."""
     m, t, h = cfg.model, derived.tp, cfg.model.d_model
     first, last = pp_rank == 0, pp_rank == derived.pp - 1
+    gpt2 = m.arch == "gpt2"
+    norm = 2 * h if gpt2 else h
+    vocab_local = derived.padded_vocab_size // t
+    embed = vocab_local * h + (m.max_seq_len * h if gpt2 else 0) if first else 0
+    head = vocab_local * h if last and (not derived.tie_embeddings or not first) else 0
+    layers, moe = derived.stage_layers[pp_rank], stage_moe_layers(derived, pp_rank)
+    blocks = (layers - moe) * local_layer_params(cfg, derived)
+    blocks += moe * local_layer_params(cfg, derived, moe=True)
+    return blocks + embed + (norm if last else 0) + head
+
+
+def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
+    """Parameters of one transformer layer on one tp rank (moe: with a MoE MLP)."""
+    m, t, h = cfg.model, derived.tp, cfg.model.d_model
     gpt2 = m.arch == "gpt2"
     norm = 2 * h if gpt2 else h
     qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim // t
@@ -56,13 +70,7 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
     attn += qkv_out + h if gpt2 else 0
     f_local = derived.d_ff // t
     mlp = (2 if gpt2 else 3) * f_local * h + (f_local + h if gpt2 else 0)
-    vocab_local = derived.padded_vocab_size // t
-    embed = vocab_local * h + (m.max_seq_len * h if gpt2 else 0) if first else 0
-    head = vocab_local * h if last and (not derived.tie_embeddings or not first) else 0
-    layers = derived.stage_layers[pp_rank]
-    dense = layers * (attn + mlp + 2 * norm) + embed + (norm if last else 0) + head
-    moe = stage_moe_layers(derived, pp_rank)
-    return dense + moe * (local_moe_params(cfg, derived) - mlp)
+    return attn + 2 * norm + (local_moe_params(cfg, derived) if moe else mlp)
 
 
 def stage_moe_layers(derived: Derived, pp_rank: int) -> int:

@@ -14,16 +14,19 @@ accounting.comm_time and split by what hides them:
 - ep all-to-all (MoE dispatch and return): on the critical path, exposed.
 - cp ring (k, v and their gradients): each hop runs under the attention of one block, so only
   what exceeds the layer's attention time is exposed.
-- dp gradient reduction (all-reduce, or ZeRO-1 reduce-scatter): with optim.overlap_grad_reduce
+- dp gradient reduction (all-reduce, or ZeRO reduce-scatter): with optim.overlap_grad_reduce
   it runs under the stage's last backward: exposed is what exceeds that backward, and at
-  least the last bucket (optim.bucket_mb); without overlap, all of it. The ZeRO-1 parameter
-  all-gather likewise runs under the next step's first forward. The other dp and embedding
-  collectives (loss, norms, tied embedding, flags) are exposed.
+  least the last bucket (optim.bucket_mb); without overlap, all of it. ZeRO-2 and 3
+  reduce-scatter after every micro-batch: under the m backwards, at least the last bucket of
+  each. The ZeRO-1 and 2 parameter all-gather likewise runs under the next step's first
+  forward; ZeRO-3's gathers (with optim.zero3_prefetch) under the m forwards and backwards
+  (at pp > 1 once, under the first forward), at least the first bucket of each pass. The
+  other dp and embedding collectives (loss, norms, tied embedding, flags) are exposed.
 - pp: the point-to-point sends of activations and gradients are exposed (blocking in the
   schedule); the pipeline bubble is (pp - 1) / (v m) of the m micro-batches' time of the
   slowest stage, i.e. (pp - 1) / v of its time for one micro-batch.
 - optimizer: AdamW streams the fp32 parameters, gradients and moments of the state it holds
-  (28 bytes a parameter: read 16, write 12; ZeRO-1: its 1 / (dp cp) share) and the gradient
+  (28 bytes a parameter: read 16, write 12; ZeRO: its 1 / (dp cp) share) and the gradient
   norm reads every local gradient (4 bytes), at the memory bandwidth.
 
 Step time = m x (stage compute + exposed tp + cp + ep per micro-batch) of the slowest stage
@@ -148,7 +151,7 @@ def _comm(cfg, d, r, mesh, device, eff, attention_s: float, forward_s: float, ba
     out = dict.fromkeys(("tp", "cp", "ep", "dp", "sends", "pp"), 0.0)
     grad, gather, ring = 0.0, 0.0, 0.0
     bucket = cfg.optim.bucket_mb * 1e6
-    grad_payload = 0.0
+    grad_payload = gather_payload = 0.0
     for op in collectives_per_step(cfg, d, r):
         seconds = collective_seconds(op, mesh, device, eff)
         if op.group == "tp":
@@ -165,17 +168,28 @@ def _comm(cfg, d, r, mesh, device, eff, attention_s: float, forward_s: float, ba
             out["pp"] += seconds
         elif op.group in ("dp", "ep") and op.kind == "all_gather":
             gather += seconds
+            gather_payload += op.payload * op.count
         elif op.group in ("dp", "ep") and "gradient" in op.what and op.payload > 64:
             grad += seconds
             grad_payload += op.payload
         else:
             out["dp"] += seconds
     out["cp"] += max(0.0, ring - attention_s)
-    if cfg.optim.overlap_grad_reduce and grad_payload:
-        last_bucket = grad * min(1.0, bucket / grad_payload)
-        out["dp"] += max(last_bucket, grad - backward_s) + max(0.0, gather - forward_s)
-    else:
+    o, m = cfg.optim, d.grad_accum_steps
+    if not (o.overlap_grad_reduce and grad_payload):
         out["dp"] += grad + gather
+        return out
+    passes = m if o.zero >= 2 else 1  # reductions after each micro-batch's backward
+    last_bucket = grad * min(1.0, bucket * passes / grad_payload)
+    out["dp"] += max(last_bucket, grad - passes * backward_s)
+    if o.zero < 3:
+        out["dp"] += max(0.0, gather - forward_s)
+    elif not o.zero3_prefetch:
+        out["dp"] += gather
+    else:
+        passes, under = (1, forward_s) if d.pp > 1 else (2 * m, m * (forward_s + backward_s))
+        first_bucket = gather * min(1.0, bucket * passes / gather_payload)
+        out["dp"] += max(first_bucket, gather - under)
     return out
 
 

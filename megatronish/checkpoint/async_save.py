@@ -4,8 +4,9 @@ so that training waits only while the state is copied.
     begin     (training thread, every rank; collectives): step 1 of the protocol (the
               temporary step directory), then this rank's files copied into buffers it keeps
               from save to save (pinned host memory on a GPU, the copy queued on the current
-              stream; a private copy on a CPU). ZeRO-1's gathers of whole-parameter state
-              happen here, on the training thread. The writer thread is handed the copy.
+              stream; a private copy on a CPU). ZeRO's gathers of whole-parameter state (and
+              ZeRO-3's of the parameters) happen here, on the training thread. The writer
+              thread is handed the copy.
     writer    (one background thread per process, no collective ever): writes this rank's
               files into the temporary directory, fsyncs them and keeps their CRC-32C.
     complete  (training thread, every rank at the same point; collectives): waits for this
@@ -28,7 +29,13 @@ from typing import Any
 
 import torch
 
-from megatronish.checkpoint.save import complete_save, open_save, rank_files, write_safetensors
+from megatronish.checkpoint.save import (
+    complete_save,
+    open_save,
+    rank_files,
+    whole_params,
+    write_safetensors,
+)
 from megatronish.errors import UserError
 
 
@@ -103,7 +110,8 @@ class AsyncSaver:
         assert self.pending is None, "complete() the save in flight first"
         ps, model, optimizer = save_args["ps"], save_args["model"], save_args.get("optimizer")
         tmp = open_save(Path(directory), step, ps, optimizer)
-        files = self.copy(rank_files(model, optimizer, ps), ps.device)
+        with whole_params(optimizer):
+            files = self.copy(rank_files(model, optimizer, ps), ps.device)
         ready = None
         if ps.device.type == "cuda":
             ready = torch.cuda.Event()

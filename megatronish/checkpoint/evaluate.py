@@ -17,7 +17,6 @@ from megatronish.checkpoint.format import CONFIG_FILE
 from megatronish.checkpoint.load import build_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
-from megatronish.context import documents_of
 from megatronish.distributed.layout import ParallelState, default_device
 from megatronish.errors import UserError
 
@@ -27,43 +26,56 @@ def evaluate_checkpoint(
     checkpoint: str | os.PathLike[str], overrides: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """{"checkpoint", "step", "dataset", "val_loss", "perplexity", "tokens"} of the checkpoint on
-    the validation split of its data.path (or the overrides', e.g. data.path=DIR)."""
-    from megatronish.data import BatchLoader, dataset_vocab_size, resolve_dataset
+    the validation split of its data.path or data.blend (or the overrides', e.g.
+    data.path=DIR): a prepared directory, a Megatron prefix or a blend of them. With a loss mask
+    (SFT data, data.eod_mask_loss) val_loss is the mean over the counted tokens, and "tokens"
+    counts those."""
+    from megatronish.context import documents_of, micro_batches, split_batch
+    from megatronish.data.blend import open_loader
+    from megatronish.data.sources import resolve_data
     from megatronish.model.precision import autocast
 
     ckpt = Checkpoint(checkpoint)
     cfg = load_config(ckpt.dir / CONFIG_FILE, overrides)
-    dataset_dir = resolve_dataset(cfg.data.path)
-    data_vocab = dataset_vocab_size(dataset_dir)
-    if data_vocab > ckpt.vocab_size:
+    d, t = cfg.data, cfg.train
+    vocab_size = cfg.model.vocab_size if cfg.model.vocab_size is not None else ckpt.vocab_size
+    data = resolve_data(d.path, d.blend, d.split, vocab_size, d.eod_id)
+    dataset = ", ".join(str(source.path) for source in data.sources)
+    if data.vocab_size > ckpt.vocab_size:
         raise UserError(
-            f"data.path: the dataset {dataset_dir} has {data_vocab} token ids, more than the "
+            f"data.path: the dataset {dataset} has {data.vocab_size} token ids, more than the "
             f"checkpoint's vocabulary ({ckpt.vocab_size})"
         )
     ps = ParallelState.single(default_device())
     ckpt.check_in_background()  # every file, while the model is built
     model = build_model(ckpt, ps, cfg)
     ckpt.verify()
-    t = cfg.train
-    loader = BatchLoader(
-        dataset_dir, split="val", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
+    loader = open_loader(
+        data, "val", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size, dp_rank=0, dp_size=1, seed=t.seed,
+        eod_mask_loss=d.eod_mask_loss,
     )  # fmt: skip
+    divisor = torch.ones((), device=ps.device) if loader.masks_loss else None
     total = torch.zeros((), device=ps.device)
     count = tokens = 0
     for _ in range(t.eval_steps):
-        for micro in loader.next_step().to(ps.device):
-            inputs = micro[:, :-1]
-            documents = documents_of(inputs, loader.eod_id) if cfg.data.document_mask else None
+        batch, loss_mask = loader.next_masked_step()
+        batch = batch.to(ps.device)
+        inputs, targets = split_batch(batch, 1, 0, loss_mask)  # -100: not counted
+        documents = documents_of(batch[..., :-1], loader.eod_id) if d.document_mask else None
+        for micro_inputs, micro_targets, micro_documents in micro_batches(
+            inputs, targets, documents
+        ):
             with autocast(cfg, ps.device):
-                total += model.loss(inputs, micro[:, 1:], documents).float()
+                loss = model.loss(micro_inputs, micro_targets, divisor, micro_documents)
+            total += loss.float()
             count += 1
-            tokens += micro[:, 1:].numel()
-    val_loss = float(total / count)
+            tokens += int((micro_targets != -100).sum())
+    val_loss = float(total / (count if divisor is None else max(tokens, 1)))
     return {
         "checkpoint": str(ckpt.dir),
         "step": ckpt.step,
-        "dataset": str(dataset_dir),
+        "dataset": dataset,
         "val_loss": val_loss,
         "perplexity": math.exp(min(val_loss, 700.0)),
         "tokens": tokens,

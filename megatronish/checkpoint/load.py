@@ -30,7 +30,7 @@ def restore_model(source, model: nn.Module) -> None:
 
 
 def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
-    """Loads the AdamW state of the parameters this rank's optimizer holds (under ZeRO-1 only
+    """Loads the AdamW state of the parameters this rank's optimizer holds (under ZeRO only
     the owned ones), re-sharded for the model's tp rank. Parameters without saved state start
     fresh; a checkpoint without optimizer state (e.g. imported) leaves the optimizer as is."""
     if ckpt.meta.get("optimizer") is None:

@@ -6,7 +6,7 @@ fails makes every rank raise instead of leaving the others waiting in a barrier)
   2. every rank writes its files there, fsyncs them and keeps their CRC-32C: dp x cp rank 0 of
      each tp rank (and stage) its model shard, the other ep ranks of its ep group their
      experts; the ranks that hold optimizer state their optim shard (dp x cp rank 0, and the
-     other ep ranks for their experts, without ZeRO; every dp x cp rank with ZeRO-1); every
+     other ep ranks for their experts, without ZeRO; every dp x cp rank with ZeRO); every
      rank its RNG states;
   3. rank 0 gathers the checksums, writes config.yaml, the tokenizer and metadata.json (which
      lists every file with its size and CRC-32C), fsyncs, renames the directory to
@@ -20,6 +20,7 @@ complete_save).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -124,6 +125,12 @@ def rng_tensors(model, ps: ParallelState) -> dict[str, torch.Tensor]:
     for name, state in model.tracker.get_states().items():
         out[f"tracker.{name}"] = state.cpu()
     return out
+
+
+def whole_params(optimizer):
+    """A context in which the model's parameters are whole for rank_files to read (ZeRO-1 and 2's
+    gathers waited for, ZeRO-3's buckets gathered); every rank enters it."""
+    return contextlib.nullcontext() if optimizer is None else optimizer.whole_params()
 
 
 def rank_files(model, optimizer, ps: ParallelState) -> dict[str, dict[str, torch.Tensor]]:
@@ -275,8 +282,9 @@ def save_checkpoint(
     checksums: dict[str, str] = {}
     error: BaseException | None = None
     try:
-        for name, tensors in rank_files(model, optimizer, ps).items():
-            checksums[name] = write_safetensors(tmp / name, tensors)
+        with whole_params(optimizer):
+            for name, tensors in rank_files(model, optimizer, ps).items():
+                checksums[name] = write_safetensors(tmp / name, tensors)
     except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
         error = exc
     return complete_save(
@@ -288,8 +296,6 @@ def save_checkpoint(
 def open_save(directory: Path, step: int, ps: ParallelState, optimizer=None) -> Path:
     """Step 1 of the protocol (every rank calls it; a broadcast and an agreement): the
     temporary step directory every rank writes its files into."""
-    if optimizer is not None and optimizer.grads is not None:
-        optimizer.grads.wait_params()  # ZeRO-1: the last step's parameter gathers
     token = torch.tensor([os.getpid()], dtype=torch.int64, device=ps.device)
     comm.broadcast(token, 0, None)
     tmp = directory / f"{step_dir_name(step)}.tmp-{int(token.item())}"
@@ -338,7 +344,7 @@ def complete_save(
             "pp": derived.pp,
             "cp": derived.cp,
             "ep": derived.ep,
-            "zero": int(bool(optimizer is not None and optimizer.zero)),
+            "zero": cfg.optim.zero if optimizer is not None and optimizer.zero else 0,
             "world_size": ps.world_size,
         }
         meta = base_metadata(

@@ -6,6 +6,7 @@ import yaml
 
 from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.flops import model_flops_per_step
+from megatronish.accounting.memory import model_state_bytes
 from megatronish.accounting.parameters import (
     approx_tp_rank_parameters,
     local_moe_params,
@@ -74,6 +75,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"tie_embeddings: {str(d.tie_embeddings).lower()}",
         f"model FLOPs per step (global batch, all ranks): {model_flops_per_step(cfg, d):.3e} FLOP",
     ]
+    lines += zero_lines(cfg, d)
     if d.moe_layers:
         lines += moe_lines(cfg, d, params)
     if d.cp > 1:
@@ -81,6 +83,29 @@ def check_config(cfg: Config, world_size: int | None) -> str:
     if d.pp > 1:
         lines += pipeline_lines(cfg, d)
     return "\n".join(lines + ["ok"])
+
+
+def zero_lines(cfg: Config, d) -> list[str]:
+    """The model state a rank holds at optim.zero (of the fullest stage) and the bytes of its
+    data-parallel collectives per step, by kind (ZeRO-3's gathers included)."""
+    states = [model_state_bytes(cfg, d, r) for r in range(d.pp)]
+    st = max(states, key=lambda x: x["weights"] + x["grads"] + x["optimizer"] + x["gathered"])
+    mib = 2**20
+    line = (
+        f"model state per rank (optim.zero={cfg.optim.zero}, fullest stage): weights "
+        f"{st['weights'] / mib:.2f} MiB, gradients {st['grads'] / mib:.2f} MiB, AdamW "
+        f"{st['optimizer'] / mib:.2f} MiB"
+    )
+    if st["gathered"]:
+        line += (
+            f"; a step adds up to {st['gathered'] / mib:.2f} MiB (buckets gathered or in flight)"
+        )
+    kinds: dict[str, int] = {}
+    for op in collectives_per_step(cfg, d):
+        if op.group == "dp":
+            kinds[op.kind] = kinds.get(op.kind, 0) + op.payload * op.count
+    traffic = ", ".join(f"{kind} {size / mib:.2f} MiB" for kind, size in sorted(kinds.items()))
+    return [line, f"data-parallel payload per step and rank (stage 0): {traffic or 'none'}"]
 
 
 def moe_lines(cfg: Config, d, params: int) -> list[str]:

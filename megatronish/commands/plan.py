@@ -14,8 +14,8 @@ pipeline degrees up to 64 with a layer for every stage; ep dividing dp and the e
 micro-batch sizes 1, 2, 4, 8 (and the config's) that divide the global batch over dp;
 interleaving v of 1, 2, 3, 4 where each stage's layers split evenly into v chunks and the
 micro-batches are a multiple of pp; recompute none, selective, full. Sequence parallelism is on
-at tp > 1 (without experts) and ZeRO-1 always; a layout fits when its fullest stage stays
-under HEADROOM of the device memory.
+at tp > 1 (without experts) and ZeRO always (the config's optim.zero, 1 at least); a layout
+fits when its fullest stage stays under HEADROOM of the device memory.
 """
 
 from __future__ import annotations
@@ -159,6 +159,7 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
     """(the config's own micro-batch, v and recompute at every (tp, cp, pp, ep): the memory
     table; every layout of the search that fits, fastest first)."""
     budget = tgt.memory_gib * HEADROOM
+    zero = max(1, cfg.optim.zero)  # ZeRO-1 at least: its state sharding costs no traffic
     layouts = [
         (tp, cp, pp, ep)
         for tp, cp, pp in candidate_layouts(cfg, world)
@@ -169,7 +170,7 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
         tp, cp, pp, ep = layout
         dp = world // (tp * cp * pp)
         if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp) == 0:
-            table.append(_row(cfg, world, layout, tgt, budget, zero=1))
+            table.append(_row(cfg, world, layout, tgt, budget, zero=zero))
         micro = sorted({*MICRO_BATCHES, cfg.train.micro_batch_size})
         for mb in micro:
             if cfg.train.global_batch_size % (mb * dp):
@@ -182,7 +183,7 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
                     if key in seen:
                         continue
                     seen.add(key)
-                    row = _row(variant, world, layout, tgt, budget, zero=1,
+                    row = _row(variant, world, layout, tgt, budget, zero=zero,
                                activation_checkpointing=recompute)  # fmt: skip
                     if row.time is not None:
                         fits.append(row)

@@ -93,7 +93,12 @@ def one_layout(row, title: str, budget: float) -> str:
             + " ".join(f"{k}={lay[k]}" for k in ("tp", "pp", "v", "cp", "dp", "ep"))
             + f", micro-batch {lay['micro_batch_size']}, recompute "
             f"{lay['activation_checkpointing']}",
-            f"memory per rank (GiB = 2^30 bytes, fullest stage): {e.total_gb:.2f} ({fits})",
+            f"memory per rank (GiB = 2^30 bytes, fullest stage): {e.total_gb:.2f} ({fits}): "
+            f"weights {e.weights_gb:.2f}, gradients {e.grads_gb:.2f}, AdamW "
+            f"{e.optimizer_gb:.2f}"
+            + (f", gathered in a step {e.gathered_gb:.2f}" if e.gathered_gb else "")
+            + f" (optim.zero={lay['zero']}), activations {e.activations_gb:.2f}, logits "
+            f"{e.logits_gb:.2f}",
             TIME_HEADER,
             _time_cells(row.time),
             TIME_LEGEND,
@@ -106,16 +111,20 @@ def report(
 ) -> str:
     """The search's report (see module doc)."""
     moe = cfg.model.moe.num_experts > 0
+    zero = max(1, cfg.optim.zero)  # plan's ZeRO level (search)
+    gathered = zero >= 2
     lines = [
         title,
         "",
         f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} "
         + (f"{'ep':>3} {'experts':>8} " if moe else "")
         + f"{'bubble':>6} {'v':>2} {'ring':>5} {'sp':>3} {'recompute':>9} "
-        f"{'weights':>8} {'grads':>7} {'adam':>7} {'activ.':>8} {'logits':>7} {'total':>7} "
-        f"{'sent':>8} {'step s':>8}",
+        f"{'weights':>8} {'grads':>7} {'adam':>7} "
+        + (f"{'gather':>7} " if gathered else "")
+        + f"{'activ.':>8} {'logits':>7} {'total':>7} {'sent':>8} {'step s':>8}",
         f"(at the config's micro-batch {cfg.train.micro_batch_size} and recompute; memory"
         + (" (experts: of it the experts')" if moe else "")
+        + (f" at ZeRO-{zero} (gather: what a step holds beyond the shards)" if gathered else "")
         + ": GiB (2^30 bytes) per rank, of the fullest pipeline stage; sent: GiB a rank sends "
         "per step; "
         "ring: cp transfer / block compute; step s: predicted seconds per step where it fits)",
@@ -130,13 +139,15 @@ def report(
             f"{e.tp:>3} {e.cp:>3} {e.dp:>4} {e.pp:>3} {experts}{e.bubble:>6.2f} "
             f"{e.pp_virtual:>2} {ring:>5} {'y' if e.sequence_parallel else 'n':>3} "
             f"{e.activation_checkpointing:>9} {e.weights_gb:>8.2f} {e.grads_gb:>7.2f} "
-            f"{e.optimizer_gb:>7.2f} {e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
+            f"{e.optimizer_gb:>7.2f} "
+            + (f"{e.gathered_gb:>7.2f} " if gathered else "")
+            + f"{e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
             f"{e.total_gb:>7.2f} {e.comm_gb_per_step:>8.2f} {step:>8}{mark}"
         )
     lines += ["", f"fastest layouts that fit {budget:.1f} GiB per rank ({min(show, len(fits))} "
               f"of the {len(fits)} that fit, --show N for more; "
               "searching tp, cp, pp, v, dp, ep, micro-batch, recompute; sequence parallel at "
-              "tp > 1, ZeRO-1):"]  # fmt: skip
+              f"tp > 1, ZeRO-{zero}):"]  # fmt: skip
     lines.append(
         f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} {'v':>2} {'ep':>3} {'mb':>3} {'recompute':>9} "
         f"{'GiB':>6} " + TIME_HEADER

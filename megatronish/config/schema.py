@@ -149,10 +149,13 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    zero: Literal[0, 1] = 0
+    zero: Literal[0, 1, 2, 3] = 0
     """0: every data-parallel rank holds the whole optimizer state; 1: the state is sharded
     across data-parallel ranks (ZeRO stage 1: gradients reduce-scattered, each rank updates
-    its block, parameters all-gathered)."""
+    its block, parameters all-gathered); 2: the gradients too (each bucket reduce-scattered
+    after every micro-batch's backward, only this rank's block kept); 3: the parameters too
+    (each module's buckets all-gathered before its forward and again before its backward,
+    freed after; at pp > 1 kept from their first use to the step's end)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -166,7 +169,12 @@ class OptimConfig:
     """Start each bucket's data-parallel reduction during the step's last backward, as soon as
     its gradients are ready, and with ZeRO-1 each bucket's parameter all-gather after the step,
     waited for by the next forward where it first needs them (false: all of them after
-    backward and after the step)."""
+    backward and after the step; with ZeRO-2 and 3 each reduce-scatter and gather
+    synchronous where it is issued)."""
+    zero3_prefetch: bool = True
+    """With optim.zero = 3 and the overlap: start the all-gather of the next module's
+    parameters when a module's own are ready (its forward, or its backward), so the gather
+    runs under that module's compute; false holds one module's parameters less at a time."""
 
 
 @dataclass
@@ -191,6 +199,10 @@ class DataConfig:
     """Attention never crosses an end-of-document token, and positions (learned or RoPE)
     restart at each document, as Megatron's reset_attention_mask and reset_position_ids: each
     document of a packed sequence is computed as if it were alone."""
+    eod_mask_loss: bool = False
+    """Leave the end-of-document token out of the loss, as Megatron's --eod-mask-loss: a target
+    that is the end-of-text token does not count (training and validation). The loss is then
+    the mean over the counted tokens of the whole global batch, as with an SFT loss mask."""
 
 
 @dataclass

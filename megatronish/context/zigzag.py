@@ -55,9 +55,14 @@ def zigzag_positions(local_len: int, cp: int, cp_rank: int, device=None) -> torc
     )
 
 
-def split_batch(batch: torch.Tensor, cp: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_batch(
+    batch: torch.Tensor, cp: int, cp_rank: int, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of this cp rank from a loader batch [..., s + 1]: the targets are
-    shifted by one over the full sequence first, then both are sharded: two [..., s / cp]."""
+    shifted by one over the full sequence first (and set to -100, ignored by the loss, where
+    loss_mask [..., s] is false), then both are sharded: two [..., s / cp]."""
     inputs, targets = batch[..., :-1], batch[..., 1:]
+    if loss_mask is not None:
+        targets = targets.masked_fill(~loss_mask.to(targets.device), -100)
     dim = batch.dim() - 1
     return shard_sequence(inputs, cp, cp_rank, dim), shard_sequence(targets, cp, cp_rank, dim)

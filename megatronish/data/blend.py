@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatronish.data.loader import BatchLoader
-from megatronish.data.sources import TokenSource, shared_eod_id
+from megatronish.data.loader import BatchLoader, step_tensors
+from megatronish.data.sources import DataPlan, TokenSource, shared_eod_id
 from megatronish.errors import UserError
 
 if TYPE_CHECKING:
@@ -40,9 +40,19 @@ def assign(positions: np.ndarray, bounds: np.ndarray, phase: float) -> np.ndarra
     return np.minimum(np.searchsorted(bounds, x, side="right"), len(bounds) - 1)
 
 
+def open_loader(data: DataPlan, split: str, **sizes: Any) -> BatchLoader | BlendLoader:
+    """The loader of `split` over a run's datasets: a BlendLoader for a blend, else a
+    BatchLoader; sizes are their other arguments by name (seq_len, ..., eod_mask_loss)."""
+    if data.blended:
+        return BlendLoader(data.sources, data.weights, split, **sizes)
+    return BatchLoader(data.sources[0], split, **sizes)
+
+
 class BlendLoader:
-    """BatchLoader's interface (next_step, reset, state_dict, load_state_dict) over a blend of
-    datasets. Only the datasets with documents in `split` take part (weights renormalized)."""
+    """BatchLoader's interface (next_step, next_masked_step, masks_loss, reset, state_dict,
+    load_state_dict) over a blend of datasets. Only the datasets with documents in `split` take
+    part (weights renormalized). The blend masks the loss when one of them does; every target
+    of a dataset without a mask counts (but the end-of-text with eod_mask_loss)."""
 
     def __init__(
         self,
@@ -55,6 +65,7 @@ class BlendLoader:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        eod_mask_loss: bool = False,
     ) -> None:
         chosen = [i for i, s in enumerate(sources) if s.docs_in(split)]
         if not chosen:
@@ -63,9 +74,10 @@ class BlendLoader:
         self.parts: list[BatchLoader] = []
         for index in chosen:
             part = BatchLoader(sources[index], split, seq_len, global_batch_size,
-                               micro_batch_size, 0, 1, seed)  # fmt: skip
+                               micro_batch_size, 0, 1, seed, eod_mask_loss)  # fmt: skip
             part.seed_key = [seed, index]
             self.parts.append(part)
+        self.masks_loss = any(part.masks_loss for part in self.parts)
         total = sum(weights[i] for i in chosen)
         self.weights = [weights[i] / total for i in chosen]
         self.bounds = np.cumsum(self.weights)
@@ -101,8 +113,11 @@ class BlendLoader:
 
     def next_step(self) -> torch.Tensor:
         """This dp rank's share of the next global batch: int64 [accum, m, s + 1]."""
-        import torch
+        return self.next_masked_step()[0]
 
+    def next_masked_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """next_step()'s batch and its targets' loss mask, bool [accum, m, s] (None when every
+        target counts)."""
         first, size = self.consumed_samples, self.global_batch_size
         which = assign(np.arange(first, first + size, dtype=np.int64), self.bounds, self.phase)
         index = np.empty(size, dtype=np.int64)  # each sample's place in its dataset's sequence
@@ -112,13 +127,16 @@ class BlendLoader:
         share = size // self.dp_size
         rows = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
         batch = np.empty((share, self.seq_len + 1), dtype=np.int64)
+        mask = np.ones((share, self.seq_len), dtype=bool) if self.masks_loss else None
         for k, part in enumerate(self.parts):
             mine = which[rows] == k
             if mine.any():
-                batch[mine] = part.read_samples(index[rows][mine])
+                batch[mine], counted = part.read_samples(index[rows][mine])
+                if counted is not None:
+                    mask[mine] = counted
         self._counts += np.bincount(which, minlength=len(self.parts))
         self.consumed_samples += size
-        return torch.from_numpy(batch.reshape(self.accum, self.micro_batch_size, -1))
+        return step_tensors(batch, mask, self.accum, self.micro_batch_size)
 
     def reset(self) -> None:
         self.consumed_samples = 0

@@ -58,12 +58,21 @@ def prepare_any(
     **options: Any,
 ) -> Path:
     """`prepare` for every input and output format; returns the output (directory or prefix).
-    options are prepare_dataset's (tokenizer, glob_pattern, jsonl_field, val_fraction, seed)."""
+    options are prepare_dataset's (tokenizer, glob_pattern, jsonl_field, val_fraction, seed,
+    sft)."""
     if output_format not in OUTPUT_FORMATS:
         raise UserError(f"--output-format {output_format}: must be one of megatronish, megatron")
     source = _dataset_input(inputs, vocab_size, eod_id)
     if source is None and eod_id is not None:
         raise UserError("--eod-id: applies to a Megatron prefix input (--input PREFIX.idx) only")
+    if options.get("sft") and source is not None:
+        raise UserError(f"--sft: reads JSON Lines files; {source.path} is already a dataset")
+    masked = options.get("sft") or (source is not None and source.loss_mask is not None)
+    if output_format == "megatron" and masked:
+        raise UserError(
+            "--output-format megatron: a Megatron indexed dataset cannot hold an SFT loss mask; "
+            "write a dataset directory (--output-format megatronish)"
+        )
     if output_format == "megatron":
         return _write_prefix(inputs, Path(output).expanduser(), source, vocab_size, options)
     if source is None:

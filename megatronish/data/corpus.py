@@ -1,9 +1,11 @@
 """The documents of a corpus: files, directories, JSON Lines files, or the built-in corpus
 (the Python standard library's own .py sources).
 
-A corpus is iterated as *pieces* `(text, ends_document)`: a file or a JSON Lines record is one
-document; a file larger than READ_CHUNK bytes comes in several pieces (cut after a newline),
-so memory stays bounded by the chunk size, not by the largest file.
+A corpus is iterated as *pieces* `(text, ends_document, counted)`: a file or a JSON Lines
+record is one document; a file larger than READ_CHUNK bytes comes in several pieces (cut after
+a newline), so memory stays bounded by the chunk size, not by the largest file. `counted`
+(whether the piece's tokens count in the loss) is always true here; an SFT corpus (sft.py) has
+pieces that are not.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ class Corpus:
         root, files = builtin_files()
         return cls([Source(p, explicit=False) for p in files], [str(root)], is_builtin=True)
 
-    def pieces(self) -> Iterator[tuple[str, bool]]:
-        """Yields (text, ends_document); empty documents are left out."""
+    def pieces(self) -> Iterator[tuple[str, bool, bool]]:
+        """Yields (text, ends_document, counted); empty documents are left out."""
         self.text_bytes = 0
         self.skipped_files = []
         for source in self.sources:
@@ -100,10 +102,10 @@ class Corpus:
 
     def texts(self) -> Iterator[str]:
         """The text of every piece (for tokenizer training)."""
-        for text, _ in self.pieces():
+        for text, _, _ in self.pieces():
             yield text
 
-    def _file_pieces(self, source: Source) -> Iterator[tuple[str, bool]]:
+    def _file_pieces(self, source: Source) -> Iterator[tuple[str, bool, bool]]:
         path = source.path
         try:
             handle = open(path, "rb")
@@ -136,46 +138,49 @@ class Corpus:
                     ) from None
                 offset += len(data)
                 self.text_bytes += len(data)
-                yield text, not carry
+                yield text, not carry, True
                 data = carry
 
-    def _jsonl_pieces(self, path: Path) -> Iterator[tuple[str, bool]]:
+    def _jsonl_pieces(self, path: Path) -> Iterator[tuple[str, bool, bool]]:
         field_name = self.jsonl_field
-        try:
-            handle = open(path, "rb")
-        except OSError as exc:
-            raise UserError(f"{path}: cannot read input file ({exc.strerror})") from None
-        with handle:
-            for lineno, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
-                    raise UserError(
-                        f"{path}:{lineno}: not a JSON Lines record ({reason})"
-                    ) from None
-                if not isinstance(record, dict):
-                    kind = type(record).__name__
-                    raise UserError(
-                        f"{path}:{lineno}: a JSON Lines record must be an object, not {kind}"
-                    )
-                if field_name not in record:
-                    fields = ", ".join(sorted(record)) or "none"
-                    raise UserError(
-                        f"{path}:{lineno}: record has no field '{field_name}' "
-                        f"(its fields: {fields}); choose one with --jsonl-field"
-                    )
-                text = record[field_name]
-                if not isinstance(text, str):
-                    kind = type(text).__name__
-                    raise UserError(
-                        f"{path}:{lineno}: field '{field_name}' is {kind}, not a string"
-                    )
-                if text:
-                    self.text_bytes += len(text.encode("utf-8"))
-                    yield text, True
+        for lineno, record in jsonl_records(path):
+            if field_name not in record:
+                fields = ", ".join(sorted(record)) or "none"
+                raise UserError(
+                    f"{path}:{lineno}: record has no field '{field_name}' "
+                    f"(its fields: {fields}); choose one with --jsonl-field"
+                )
+            text = record[field_name]
+            if not isinstance(text, str):
+                kind = type(text).__name__
+                raise UserError(f"{path}:{lineno}: field '{field_name}' is {kind}, not a string")
+            if text:
+                self.text_bytes += len(text.encode("utf-8"))
+                yield text, True, True
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of every non-blank line of a JSON Lines file; UserError naming
+    path:line for a line that is not a JSON object."""
+    try:
+        handle = open(path, "rb")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read input file ({exc.strerror})") from None
+    with handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+                raise UserError(f"{path}:{lineno}: not a JSON Lines record ({reason})") from None
+            if not isinstance(record, dict):
+                kind = type(record).__name__
+                raise UserError(
+                    f"{path}:{lineno}: a JSON Lines record must be an object, not {kind}"
+                )
+            yield lineno, record
 
 
 def builtin_files() -> tuple[Path, list[Path]]:

@@ -7,6 +7,9 @@ Layout of a dataset directory:
                     when the vocabulary fits in 65536 ids, else uint32; little-endian
     offsets.npy     int64 [n_docs + 1]: document d is tokens[offsets[d]:offsets[d + 1]]
     split.npy       uint8 [n_docs]: 0 train, 1 validation
+    loss_mask.bin   uint8 [n_tokens], SFT datasets only (metadata "loss_mask"): 1 where the
+                    token, as a target, counts in the loss (a response token or the end-of-text
+                    that closes the response), 0 elsewhere
     tokenizer.json  the Hugging Face tokenizer (BPE and file tokenizers only; a dataset
                     converted from a Megatron prefix has tokenizer kind "none" and no file)
 """
@@ -27,6 +30,7 @@ METADATA_FILE = "metadata.json"
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "offsets.npy"
 SPLIT_FILE = "split.npy"
+LOSS_MASK_FILE = "loss_mask.bin"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = {"train": 0, "val": 1}
 TOKENIZER_KINDS = ("byte", "bpe", "file", "none")
@@ -57,9 +61,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def read_metadata(dataset_dir: str | Path, validate: bool = False) -> dict[str, Any]:
     """The dataset's metadata.json, after checking that the directory is a whole dataset: the
     metadata parses and has every key, the token file holds exactly n_tokens ids, and the
-    offsets and split files match the document counts. validate=True also scans every token
-    (in chunks, memory-mapped) for an id beyond the vocabulary; a scan that passed is not
-    repeated in the same process. Every problem is a UserError naming the file."""
+    offsets, split and loss mask (if any) files match the counts. validate=True also scans
+    every token (in chunks, memory-mapped) for an id beyond the vocabulary, and the loss mask
+    for a value other than 0 or 1; a scan that passed is not repeated in the same process.
+    Every problem is a UserError naming the file."""
     directory = Path(dataset_dir).expanduser()
     if not directory.exists():
         raise UserError(f"{directory}: dataset directory does not exist")
@@ -77,11 +82,19 @@ def read_metadata(dataset_dir: str | Path, validate: bool = False) -> dict[str, 
             f"({meta['n_tokens']} tokens of {meta['dtype']}); it is truncated or corrupt"
         )
     offsets, split = load_documents(directory, meta)
+    mask_path = _loss_mask_path(directory, meta)
+    if mask_path is not None and (
+        not mask_path.is_file() or mask_path.stat().st_size != meta["n_tokens"]
+    ):
+        raise UserError(
+            f"{mask_path}: the loss mask must be a file of n_tokens = {meta['n_tokens']} bytes; "
+            "it is missing, truncated or corrupt (prepare the dataset again)"
+        )
     if meta["tokenizer"]["kind"] in ("bpe", "file") and not (directory / TOKENIZER_FILE).is_file():
         raise UserError(f"{directory / TOKENIZER_FILE}: tokenizer file is missing")
     if validate:
         _validate_documents(directory, meta, offsets, split)
-        _scan_tokens(tokens_path, meta)
+        _scan_tokens(tokens_path, meta, mask_path)
     return meta
 
 
@@ -114,6 +127,17 @@ def open_tokens(dataset_dir: str | Path, meta: dict[str, Any]) -> np.ndarray:
     if meta["n_tokens"] == 0:
         return np.zeros(0, dtype=_DTYPES[meta["dtype"]])
     return np.memmap(path, dtype=_DTYPES[meta["dtype"]], mode="r", shape=(meta["n_tokens"],))
+
+
+def open_loss_mask(dataset_dir: str | Path, meta: dict[str, Any]) -> np.ndarray | None:
+    """The loss mask as a read-only memory map uint8 [n_tokens], or None for a dataset without
+    one (every token counts)."""
+    path = _loss_mask_path(Path(dataset_dir), meta)
+    if path is None:
+        return None
+    if meta["n_tokens"] == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(meta["n_tokens"],))
 
 
 def load_tokenizer(dataset_dir: str | Path) -> ByteTokenizer | HFTokenizer:
@@ -177,6 +201,18 @@ def _load_metadata_json(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _loss_mask_path(directory: Path, meta: dict[str, Any]) -> Path | None:
+    name = meta.get("loss_mask")
+    if name is None:
+        return None
+    if name != LOSS_MASK_FILE:
+        raise UserError(
+            f"{directory / METADATA_FILE}: key 'loss_mask' must be {LOSS_MASK_FILE!r} or null, "
+            f"got {name!r}"
+        )
+    return directory / name
+
+
 def _validate_documents(
     directory: Path, meta: dict[str, Any], offsets: np.ndarray, split: np.ndarray
 ) -> None:
@@ -188,7 +224,7 @@ def _validate_documents(
         raise UserError(f"{directory / SPLIT_FILE}: flags must be 0/1 with {meta['val_docs']} ones")
 
 
-def _scan_tokens(tokens_path: Path, meta: dict[str, Any]) -> None:
+def _scan_tokens(tokens_path: Path, meta: dict[str, Any], mask_path: Path | None) -> None:
     stat = tokens_path.stat()
     key = (str(tokens_path.resolve()), stat.st_size, stat.st_mtime_ns, meta["sha256"])
     if key in _validated:
@@ -203,4 +239,15 @@ def _scan_tokens(tokens_path: Path, meta: dict[str, Any]) -> None:
                 f"{tokens_path}: token id {int(tokens[index])} at index {index} is beyond the "
                 f"vocabulary (vocab_size {vocab_size} in {METADATA_FILE})"
             )
+    if mask_path is not None:
+        _scan_loss_mask(mask_path, meta)
     _validated.add(key)
+
+
+def _scan_loss_mask(mask_path: Path, meta: dict[str, Any]) -> None:
+    mask = open_loss_mask(mask_path.parent, meta)
+    for start in range(0, len(mask), _SCAN_CHUNK):
+        chunk = mask[start : start + _SCAN_CHUNK]
+        if int(chunk.max()) > 1:
+            index = start + int(np.argmax(chunk > 1))
+            raise UserError(f"{mask_path}: value {int(mask[index])} at index {index} is not 0 or 1")

@@ -13,6 +13,11 @@ takes the contiguous slice [d*G/dp, (d+1)*G/dp) of a step's samples, so the conc
 the dp ranks' slices in rank order is the same global batch at every dp, and every tp rank of
 one dp group (same dp_rank) gets the same batch.
 
+Loss masks: when the dataset has one (SFT) or eod_mask_loss is set, next_masked_step() also
+gives, aligned with the targets (the samples' tokens 1..s), whether each target counts in the
+loss: the dataset's mask of that token (all ones without one), and with eod_mask_loss not where
+the target is the end-of-text token (as Megatron's --eod-mask-loss).
+
 The documents come through a TokenSource (sources.py): a prepared directory or a Megatron
 prefix read in place; a blend of several is blend.py's BlendLoader, built on this one.
 """
@@ -35,10 +40,24 @@ STATE_VERSION = 1
 _MATCHING_KEYS = ("split", "seq_len", "global_batch_size", "seed", "dataset_sha256", "n_samples")
 
 
+def step_tensors(
+    tokens: np.ndarray, mask: np.ndarray | None, accum: int, micro_batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A dp rank's samples [share, s + 1] and their targets' mask [share, s] (or None) as the
+    tensors of a step: [accum, m, s + 1] and [accum, m, s]."""
+    import torch
+
+    shape = (accum, micro_batch_size, -1)
+    masks = None if mask is None else torch.from_numpy(mask.reshape(shape))
+    return torch.from_numpy(tokens.reshape(shape)), masks
+
+
 class BatchLoader:
     """Batches of one split for one dp rank. next_step() returns torch.int64
     [accum, micro_batch_size, seq_len + 1]; a model takes [..., :-1] as input and [..., 1:] as
-    target. The dataset is validated (every token against the vocabulary) at construction.
+    target; next_masked_step() returns them with their targets' loss mask (masks_loss: whether
+    there is one). The dataset is validated (every token against the vocabulary) at
+    construction.
 
     state_dict() counts consumed global samples, so a run resumed from it sees exactly the
     batches an uninterrupted run would, also at another dp_size or micro_batch_size; a state
@@ -54,6 +73,7 @@ class BatchLoader:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        eod_mask_loss: bool = False,
     ) -> None:
         if split not in SPLIT_NAMES:
             raise UserError(f"data split {split!r}: must be one of {', '.join(SPLIT_NAMES)}")
@@ -82,6 +102,8 @@ class BatchLoader:
         self.accum = global_batch_size // (micro_batch_size * dp_size)
         self.meta = self.source.meta
         self._tokens = self.source.tokens
+        self.eod_mask_loss = eod_mask_loss
+        self.masks_loss = self.source.loss_mask is not None or eod_mask_loss
         self._build_runs()
         self.n_samples = (self.stream_len - 1) // seq_len
         if self.n_samples < 1:
@@ -143,35 +165,50 @@ class BatchLoader:
             out[mask] = self._permutation(int(epoch))[positions[mask] % self.n_samples]
         return out
 
-    def _read_window(self, stream_start: int, out: np.ndarray) -> None:
-        """Copies stream[stream_start : stream_start + len(out)] into out, across runs."""
+    def _read_window(self, array: np.ndarray, stream_start: int, out: np.ndarray) -> None:
+        """Copies the stream's stream_start : stream_start + len(out) of `array` (the tokens or
+        the loss mask, [n_tokens]) into out, across runs."""
         run = int(np.searchsorted(self._run_stream_start, stream_start, side="right")) - 1
         filled = 0
         while filled < len(out):
             offset = stream_start + filled - int(self._run_stream_start[run])
             take = min(len(out) - filled, int(self._run_length[run]) - offset)
             begin = int(self._run_file_start[run]) + offset
-            out[filled : filled + take] = self._tokens[begin : begin + take]
+            out[filled : filled + take] = array[begin : begin + take]
             filled += take
             run += 1
 
-    def read_samples(self, positions: np.ndarray) -> np.ndarray:
-        """int64 [len(positions), s + 1]: the samples at these global positions."""
+    def read_samples(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The samples at these global positions, int64 [len(positions), s + 1], and the loss
+        mask of their targets, bool [len(positions), s] (None unless masks_loss)."""
+        samples = self.ids_at(positions)
         batch = np.empty((len(positions), self.seq_len + 1), dtype=np.int64)
-        for row, sample in enumerate(self.ids_at(positions)):
-            self._read_window(int(sample) * self.seq_len, batch[row])
-        return batch
+        for row, sample in enumerate(samples):
+            self._read_window(self._tokens, int(sample) * self.seq_len, batch[row])
+        if not self.masks_loss:
+            return batch, None
+        counted = np.ones((len(positions), self.seq_len), dtype=bool)
+        if self.source.loss_mask is not None:
+            for row, sample in enumerate(samples):
+                self._read_window(
+                    self.source.loss_mask, int(sample) * self.seq_len + 1, counted[row]
+                )
+        if self.eod_mask_loss:
+            counted &= batch[:, 1:] != self.source.eot_id
+        return batch, counted
 
     def next_step(self) -> torch.Tensor:
         """This dp rank's share of the next global batch: int64 [accum, m, s + 1]."""
-        import torch
+        return self.next_masked_step()[0]
 
+    def next_masked_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """next_step()'s batch and its targets' loss mask, bool [accum, m, s] (None when every
+        target counts: masks_loss is false)."""
         share = self.global_batch_size // self.dp_size
         first = self.consumed_samples + self.dp_rank * share
-        batch = self.read_samples(np.arange(first, first + share, dtype=np.int64))
+        batch, mask = self.read_samples(np.arange(first, first + share, dtype=np.int64))
         self.consumed_samples += self.global_batch_size
-        shaped = batch.reshape(self.accum, self.micro_batch_size, self.seq_len + 1)
-        return torch.from_numpy(shaped)
+        return step_tensors(batch, mask, self.accum, self.micro_batch_size)
 
     def reset(self) -> None:
         """Back to the first sample of epoch 0 (evaluation runs the same batches every time)."""

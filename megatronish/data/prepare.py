@@ -2,7 +2,8 @@
 
 The corpus streams through in batches of documents: each batch is encoded (byte tokenizer:
 numpy views of the UTF-8 bytes; BPE: `encode_batch` on the library's thread pool) and appended
-to tokens.bin, so memory stays flat however large the corpus. Everything is written into a
+to tokens.bin (and, for SFT JSON Lines, each piece's counted flag to loss_mask.bin), so memory
+stays flat however large the corpus. Everything is written into a
 hidden temporary sibling of the output directory, renamed into place only once complete: a
 failed or interrupted prepare leaves nothing at the output path.
 """
@@ -31,6 +32,7 @@ from megatronish.data.corpus import Corpus
 from megatronish.data.dataset import (
     FORMAT,
     FORMAT_VERSION,
+    LOSS_MASK_FILE,
     METADATA_FILE,
     OFFSETS_FILE,
     SPLIT_FILE,
@@ -39,6 +41,7 @@ from megatronish.data.dataset import (
     TOKENS_FILE,
     token_dtype,
 )
+from megatronish.data.sft import SFTCorpus
 from megatronish.data.tokenizer import (
     DEFAULT_BPE_VOCAB,
     MIN_BPE_VOCAB,
@@ -76,19 +79,27 @@ def prepare_dataset(
     jsonl_field: str = "text",
     val_fraction: float = 0.01,
     seed: int = 1234,
+    sft: bool = False,
 ) -> Path:
     """Tokenizes `inputs` (files, directories, *.jsonl files; none: the built-in corpus) into a
     new dataset directory `output` and returns its path. tokenizer is "byte", "bpe" (trained on
     the corpus with vocab_size ids, default 8192) or the path of a tokenizer.json. Whole
     documents form the validation split: round(n_docs * val_fraction) of them (at least one
-    when val_fraction > 0 and there are two or more), drawn by `seed`. UserError, with nothing
-    left at `output`, for a bad input, an existing non-empty output or a bad option."""
+    when val_fraction > 0 and there are two or more), drawn by `seed`. sft: every input is SFT
+    JSON Lines (sft.py), and the dataset gets a loss mask. UserError, with nothing left at
+    `output`, for a bad input, an existing non-empty output or a bad option."""
     out = Path(output).expanduser()
     _check_output_free(out)
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction}: must be at least 0 and below 1")
+    if sft and (not inputs or jsonl_field != "text"):
+        raise UserError(
+            "--sft: give the JSON Lines files with --input (records with prompt and response, "
+            "or messages; --jsonl-field does not apply)"
+        )
     choice = resolve_tokenizer(tokenizer, vocab_size)
-    corpus = Corpus.from_inputs(inputs, glob_pattern, jsonl_field) if inputs else Corpus.builtin()
+    kind = SFTCorpus if sft else Corpus
+    corpus = kind.from_inputs(inputs, glob_pattern, jsonl_field) if inputs else Corpus.builtin()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -152,7 +163,11 @@ def write_dataset(
         shutil.copyfile(choice.path, directory / TOKENIZER_FILE)
     encoding_started = time.perf_counter()
     dtype = token_dtype(tok.vocab_size)
-    offsets, max_id, digest = _encode_corpus(corpus, tok, directory / TOKENS_FILE, dtype)
+    sft = isinstance(corpus, SFTCorpus)
+    mask_path = directory / LOSS_MASK_FILE if sft else None
+    offsets, max_id, digest, counted = _encode_corpus(
+        corpus, tok, directory / TOKENS_FILE, dtype, mask_path
+    )
     encoding_s = time.perf_counter() - encoding_started
     n_docs = len(offsets) - 1
     if n_docs == 0:
@@ -189,6 +204,9 @@ def write_dataset(
         "split_seed": seed,
         "max_token_id": max_id,
         "sha256": digest,
+        "sft": sft,
+        "loss_mask": LOSS_MASK_FILE if sft else None,
+        "counted_tokens": counted,
         "builtin": corpus.is_builtin,
         "sources": corpus.description,
         "n_files": len(corpus.sources),
@@ -241,26 +259,39 @@ def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
 
 
 def _encode_corpus(
-    corpus: Corpus, tok: ByteTokenizer | HFTokenizer, path: Path, dtype: np.dtype
-) -> tuple[np.ndarray, int, str]:
-    """Appends every document's ids and an end-of-text id to `path`, batch by batch; returns
-    (offsets int64 [n_docs + 1], the largest id, sha256 of the file)."""
+    corpus: Corpus,
+    tok: ByteTokenizer | HFTokenizer,
+    path: Path,
+    dtype: np.dtype,
+    mask_path: Path | None = None,
+) -> tuple[np.ndarray, int, str, int]:
+    """Appends every document's ids and an end-of-text id to `path`, batch by batch, and with
+    mask_path each token's loss-mask byte there (a piece's counted flag; 1 for the end-of-text);
+    returns (offsets int64 [n_docs + 1], the largest id, sha256 of the file, tokens counted in
+    the loss: all of them without a mask)."""
     eot = np.array([tok.eot_id], dtype=dtype)
     offsets = array("q", [0])
     position = 0  # tokens written so far, including the current batch
     doc_len = 0  # tokens of the document in progress
     max_id = -1
+    counted_tokens = 0
     digest = hashlib.sha256()
-    with open(path, "wb") as handle:
+    with contextlib.ExitStack() as files:
+        handle = files.enter_context(open(path, "wb"))
+        masks = files.enter_context(open(mask_path, "wb")) if mask_path is not None else None
         for batch, arrays in _encoded_batches(corpus, tok):
-            parts = []
-            for ids, (_, ends_document) in zip(arrays, batch, strict=True):
+            parts, mask_parts = [], []
+            for ids, (_, ends_document, counted) in zip(arrays, batch, strict=True):
                 if len(ids):
                     parts.append(ids)
+                    if masks is not None:
+                        mask_parts.append(np.full(len(ids), counted, dtype=np.uint8))
                     doc_len += len(ids)
                     position += len(ids)
                 if ends_document and doc_len:
                     parts.append(eot)
+                    if masks is not None:
+                        mask_parts.append(np.ones(1, dtype=np.uint8))
                     position += 1
                     offsets.append(position)
                     doc_len = 0
@@ -273,21 +304,29 @@ def _encode_corpus(
             chunk = chunk.astype(dtype, copy=False)
             handle.write(memoryview(chunk))
             digest.update(memoryview(chunk))
-        handle.flush()
-        os.fsync(handle.fileno())
-    return np.frombuffer(offsets, dtype=np.int64).copy(), max_id, digest.hexdigest()
+            if masks is None:
+                counted_tokens += len(chunk)
+            else:
+                mask = np.concatenate(mask_parts)
+                masks.write(memoryview(mask))
+                counted_tokens += int(mask.sum(dtype=np.int64))
+        for opened in (handle, masks):
+            if opened is not None:
+                opened.flush()
+                os.fsync(opened.fileno())
+    return np.frombuffer(offsets, dtype=np.int64).copy(), max_id, digest.hexdigest(), counted_tokens
 
 
 def _encoded_batches(
     corpus: Corpus, tok: ByteTokenizer | HFTokenizer
-) -> Iterator[tuple[list[tuple[str, bool]], list[np.ndarray]]]:
+) -> Iterator[tuple[list[tuple[str, bool, bool]], list[np.ndarray]]]:
     """(batch of pieces, their id arrays), in order. A worker thread encodes one batch while
     this thread reads the next one from disk and the caller writes the previous one (the BPE
     encoder releases the GIL and runs on all cores)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
         pending = None
         for batch in _batches(corpus.pieces()):
-            future = pool.submit(tok.encode_arrays, [text for text, _ in batch])
+            future = pool.submit(tok.encode_arrays, [text for text, _, _ in batch])
             if pending is not None:
                 yield pending[0], pending[1].result()
             pending = (batch, future)
@@ -295,8 +334,10 @@ def _encoded_batches(
             yield pending[0], pending[1].result()
 
 
-def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
-    batch: list[tuple[str, bool]] = []
+def _batches(
+    pieces: Iterator[tuple[str, bool, bool]],
+) -> Iterator[list[tuple[str, bool, bool]]]:
+    batch: list[tuple[str, bool, bool]] = []
     chars = 0
     for piece in pieces:
         batch.append(piece)

@@ -3,7 +3,8 @@ Megatron prefix read in place (indexed.py), each with its documents' train / val
 split, and the run's list of them with their blend weights (data.path or data.blend).
 
 A TokenSource is tokens [n_tokens] (memory-mapped), offsets int64 [n_docs + 1] (document d is
-tokens[offsets[d]:offsets[d + 1]]) and split uint8 [n_docs] (0 train, 1 validation, 2 test).
+tokens[offsets[d]:offsets[d + 1]]), split uint8 [n_docs] (0 train, 1 validation, 2 test) and,
+for an SFT dataset, loss_mask uint8 [n_tokens] (1: the token counts in the loss as a target).
 A prepared directory keeps the split `prepare` drew; a Megatron prefix has none of its own and
 takes data.split: contiguous runs of documents in the ratios "train,validation,test", as
 megatron-core splits (default "1,0,0": every document trains).
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from megatronish.data.cache import resolve_dataset
-from megatronish.data.dataset import load_documents, open_tokens, read_metadata
+from megatronish.data.dataset import load_documents, open_loss_mask, open_tokens, read_metadata
 from megatronish.data.indexed import check_token_ids, prefix_of, read_indexed
 from megatronish.errors import UserError
 
@@ -40,6 +41,7 @@ class TokenSource:
     eot_id: int
     sha256: str
     meta: dict[str, Any] | None = None  # a prepared directory's metadata.json
+    loss_mask: np.ndarray | None = None  # None: every token counts in the loss
 
     def docs_in(self, split: str) -> int:
         return int(np.count_nonzero(np.asarray(self.split) == SPLIT_NAMES.index(split)))
@@ -52,7 +54,7 @@ def open_prepared(directory: str | os.PathLike[str] | None) -> TokenSource:
     offsets, split = load_documents(path, meta)
     return TokenSource(
         path, "prepared", open_tokens(path, meta), offsets, split, int(meta["vocab_size"]),
-        int(meta["eot_id"]), meta["sha256"], meta,
+        int(meta["eot_id"]), meta["sha256"], meta, open_loss_mask(path, meta),
     )  # fmt: skip
 
 

@@ -94,13 +94,14 @@ class GPT(nn.Module):
     def forward_param_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """(module, the parameters used from its call on) in the order a forward calls the
         modules: the embeddings, the blocks, the final norm (followed by the LM head, which is
-        not called as a module). A forward pre-hook on each module can make its parameters
-        ready (ZeRO-1's all-gather overlapped with the forward: grads.GradBuffer)."""
+        not called as a module: its weight, or the tied embedding's). A forward pre-hook on
+        each module can make its parameters ready (ZeRO-1's all-gather overlapped with the
+        forward, ZeRO-3's gathers: grads.GradBuffer)."""
         uses = [(m, list(m.parameters())) for m in (self.tok_emb, self.pos_emb) if m is not None]
         uses += [(block, list(block.parameters())) for block in self.blocks.values()]
         if self.norm_f is not None:
-            head = list(self.lm_head.parameters()) if self.lm_head is not None else []
-            uses.append((self.norm_f, list(self.norm_f.parameters()) + head))
+            head = self.lm_head if self.lm_head is not None else self.tok_emb
+            uses.append((self.norm_f, list(self.norm_f.parameters()) + list(head.parameters())))
         return uses
 
     def moe_layers(self) -> dict[int, MoELayer]:
@@ -194,13 +195,19 @@ class GPT(nn.Module):
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits
 
-    def loss_of_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_of_logits(
+        self, logits: torch.Tensor, targets: torch.Tensor, divisor: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mean cross entropy over the tokens whose target is not -100. Under cp the count is
         the whole sequences' (summed over the cp group) and the value is scaled by cp, so the
         mean over the cp group of this loss (and of its gradients) is the full sequences'
-        mean, however the targets that count fall on the cp ranks."""
+        mean, however the targets that count fall on the cp ranks. With `divisor` (a loss
+        mask: training/loss.py) the sum over the counted targets divided by it, with no
+        collective."""
         with annotate("loss"):
             per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
+        if divisor is not None:
+            return per_token.float().sum() / divisor
         count = (targets != -100).sum()
         if self.derived.cp > 1:
             count = count.to(torch.float64).reshape(1)
@@ -209,11 +216,15 @@ class GPT(nn.Module):
         return per_token.float().sum() / count.clamp(min=1)
 
     def loss(
-        self, tokens: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        divisor: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
-        """Mean cross entropy over the tokens whose target is not -100 (one stage only);
-        documents: the tokens' under document masks (megatronish.context.documents)."""
-        return self.loss_of_logits(self(tokens, documents), targets)
+        """loss_of_logits of the tokens' logits (one stage only); documents: the tokens' under
+        document masks (megatronish.context.documents)."""
+        return self.loss_of_logits(self(tokens, documents), targets, divisor)
 
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor, cache: list, start_pos: int) -> torch.Tensor:

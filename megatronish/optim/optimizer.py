@@ -6,6 +6,7 @@ replicated parameters) and, under sequence parallelism, sequence_parallel_grad.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -105,13 +106,14 @@ class AdamW:
 
 
 class Optimizer:
-    """AdamW over the model's parameters, or with optim.zero = 1 over this rank's share of the
+    """AdamW over the model's parameters, or with optim.zero >= 1 over this rank's share of the
     dp x cp group's (expert weights: of their expert-data-parallel group's, the ranks that
     hold the same experts).
 
-    With a sharding gradient buffer (grads.GradBuffer(shard=True), the trainer's) the share
+    With a sharding gradient buffer (grads.GradBuffer(zero >= 1), the trainer's) the share
     is this rank's block of every bucket: AdamW updates the pieces of the parameters in it
-    (its state is laid out like the blocks) and the buffer all-gathers the updated blocks.
+    (its state is laid out like the blocks) and the buffer all-gathers the updated blocks
+    (under ZeRO-3 the modules gather them when they run).
     Parameters outside the buffer, and every parameter without one, are owned whole: greedy
     balancing over the group, and the owner broadcasts each updated parameter."""
 
@@ -120,7 +122,7 @@ class Optimizer:
     ):
         self.cfg, self.ps = cfg, ps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.zero = cfg.optim.zero == 1 and ps.dp_cp > 1
+        self.zero = cfg.optim.zero >= 1 and ps.dp_cp > 1
         self.grads = grads if self.zero and grads is not None and grads.shard else None
         groups = param_groups(model, cfg.train.weight_decay)
         self.owners: list[tuple[nn.Parameter, int, int, object]] = []
@@ -179,6 +181,13 @@ class Optimizer:
             comm.broadcast(param.data, owner, group)
         if self.grads is not None:
             self.grads.gather_params()
+
+    def whole_params(self, write_back: bool = False):
+        """A context in which every parameter is whole (a checkpoint reads them, or with
+        write_back loads them; ZeRO-3 gathers them for it); every rank enters it."""
+        if self.grads is None:
+            return contextlib.nullcontext()
+        return self.grads.whole(write_back)
 
     def zero_grad(self) -> None:
         for param in self.params:

@@ -194,7 +194,7 @@ class Pipeline:
             else:
                 output = self.model.chunk_forward(chunk, inputs, micro[2])
             if last:
-                loss = self.model.loss_of_logits(output, micro[1])
+                loss = self.model.loss_of_logits(output, micro[1], self.divisor)
         if last:
             self.loss_sum += loss.detach()
             output = loss * scale
@@ -221,13 +221,16 @@ class Pipeline:
         scale: float,
         autocast,
         forward_only: bool = False,
+        divisor: torch.Tensor | None = None,
         documents: Documents | None = None,
     ):
         """Forward (and, unless forward_only, backward) of every micro-batch of inputs and
         targets [m, micro, s] (this rank's sequence shard under cp), with their documents
-        [m, micro, ...] under document masks; each micro-batch's loss is scaled by `scale` for
-        backward. Returns the sum of the micro-batch losses (zero except on the last stage)."""
+        [m, micro, ...] under document masks; each micro-batch's loss (GPT.loss_of_logits, with
+        `divisor`) is scaled by `scale` for backward. Returns the sum of the micro-batch losses
+        (zero except on the last stage)."""
         start = time.perf_counter()
+        self.divisor = divisor
         batch = micro_batches(inputs, targets, documents)
         self.loss_sum = torch.zeros((), device=self.ps.device)
         self.stats = ScheduleStats()

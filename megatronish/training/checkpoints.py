@@ -55,7 +55,8 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
         if cfg.checkpoint.init_from_hf:
             from megatronish.checkpoint.hf import init_from_hf
 
-            init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, s.derived)
+            with optimizer.whole_params(write_back=True):
+                init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, s.derived)
             if ps.is_main:
                 print(f"initialized from {cfg.checkpoint.init_from_hf}", flush=True)
         return None
@@ -83,7 +84,8 @@ def _restore(s: Setup, path: Path, model: nn.Module, optimizer: Optimizer) -> Ch
     try:
         ckpt = Checkpoint(path)
         ckpt.check_in_background(ckpt.share(ps.rank, ps.world_size))
-        restore_model(ckpt, model)
+        with optimizer.whole_params(write_back=True):
+            restore_model(ckpt, model)
         restore_optimizer(ckpt, optimizer, model)
         restore_rng(ckpt, model, ps)
         ckpt.verify(ckpt.share(ps.rank, ps.world_size))

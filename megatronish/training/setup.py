@@ -17,7 +17,7 @@ from megatronish.config import (
     world_size_of,
 )
 from megatronish.data import BatchLoader
-from megatronish.data.blend import BlendLoader
+from megatronish.data.blend import BlendLoader, open_loader
 from megatronish.data.sources import DataPlan, resolve_data, shared_eod_id
 from megatronish.distributed.layout import (
     ParallelState,
@@ -95,19 +95,17 @@ def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
     data = s.data or resolve_data(
         str(s.dataset_dir), None, d.split, s.cfg.model.vocab_size, d.eod_id
     )
-    sizes = dict(
-        split=split,
+    loader = open_loader(
+        data,
+        split,
         seq_len=t.seq_len,
         global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size,
         dp_rank=s.ps.dp_rank,
         dp_size=s.ps.dp,
         seed=t.seed,
+        eod_mask_loss=d.eod_mask_loss,
     )
-    if data.blended:
-        loader: BatchLoader | BlendLoader = BlendLoader(data.sources, data.weights, **sizes)
-    else:
-        loader = BatchLoader(data.sources[0], **sizes)
     if split == "train" and s.ps.is_main:
         write_data_report(s.cfg.run.out_dir, loader, data, t.steps * t.global_batch_size)
     return loader

@@ -24,10 +24,6 @@ from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config
 from megatronish.context import Documents, documents_of, micro_batches, split_batch
 from megatronish.data import BatchLoader
-from megatronish.distributed import comm
-from megatronish.distributed.layout import (
-    ParallelState,
-)
 from megatronish.errors import RunFailure
 from megatronish.model import GPT
 from megatronish.model.precision import autocast
@@ -40,22 +36,9 @@ from megatronish.optim.optimizer import Optimizer, clip_grad_norm, lr_at
 from megatronish.optim.reduce import reduce_gradients
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
+from megatronish.training.loss import counted_share, mean_loss
 from megatronish.training.metrics import MetricsWriter, peak_flops
 from megatronish.training.setup import Setup, make_loader, setup
-
-
-def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
-    """Mean over the dp x cp group of a loss computed on the last pipeline stage, on every
-    rank (the other stages contribute zeros to a sum over the pipeline)."""
-    value = value.detach().float().reshape(1).clone()
-    if ps.dp_cp > 1:
-        comm.all_reduce(value, ps.dp_cp_group)
-        value /= ps.dp_cp
-    if ps.pp > 1:
-        if not ps.is_last_stage:
-            value.zero_()
-        comm.all_reduce(value, ps.pp_group)
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -96,11 +79,11 @@ class Trainer:
             s.ps,
             int(o.bucket_mb * 2**20),
             o.overlap_grad_reduce,
-            shard=o.zero == 1 and s.ps.dp_cp > 1,
+            zero=o.zero if s.ps.dp_cp > 1 else 0,
+            uses=self.model.forward_param_uses(),
+            prefetch=o.zero3_prefetch,
         )
         self.optimizer = Optimizer(self.model, s.cfg, s.ps, self.grads)
-        if self.grads.shard and o.overlap_grad_reduce:
-            self.grads.overlap_param_gather(self.model.forward_param_uses())
         self.loader = make_loader(s, "train")
         self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
         self.out_dir = Path(s.cfg.run.out_dir)
@@ -139,18 +122,23 @@ class Trainer:
         with timer.phase("data"):
             # [accum, micro, seq / cp] each; documents None unless data.document_mask
             inputs, targets, documents = self.next_batch(self.loader)
-        accum = inputs.shape[0]
+            accum = inputs.shape[0]
+            divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
+            if self.loader.masks_loss and self.ps.is_last_stage:
+                divisor = counted_share(targets, self.ps) / accum
         self.grads.start_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(
-                inputs, targets, 1.0 / accum, self.autocast, documents=documents
+                inputs, targets, 1.0 / accum, self.autocast, divisor=divisor, documents=documents
             )
         else:
             loss_sum = torch.zeros((), device=self.ps.device)
-            for micro in micro_batches(inputs, targets, documents):
+            for micro_inputs, micro_targets, micro_documents in micro_batches(
+                inputs, targets, documents
+            ):
                 with timer.phase("forward"), self.autocast():
-                    loss = self.model.loss(*micro)
+                    loss = self.model.loss(micro_inputs, micro_targets, divisor, micro_documents)
                 with timer.phase("backward"):
                     (loss / accum).backward()
                 loss_sum += loss.detach()
@@ -170,38 +158,47 @@ class Trainer:
         self, loader: BatchLoader
     ) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
         """The next global batch's inputs and targets for this rank, [accum, micro, seq / cp]
-        each: the loader's samples of this dp rank, this cp rank's zigzag shard of them; and
-        with data.document_mask their documents (found in the whole sequences, then split)."""
-        batch = loader.next_step().to(self.ps.device)  # [accum, micro, seq + 1]
+        each: the loader's samples of this dp rank, this cp rank's zigzag shard of them (targets
+        that do not count in the loss are -100); and with data.document_mask their documents
+        (found in the whole sequences, then split like them)."""
+        batch, loss_mask = loader.next_masked_step()  # [accum, micro, seq + 1], [.., seq]
+        batch = batch.to(self.ps.device)
         cp, cp_rank = self.ps.cp, self.ps.cp_rank
         documents = None
         if self.cfg.data.document_mask:
             documents = documents_of(batch[..., :-1], loader.eod_id).shard(cp, cp_rank)
-        return *split_batch(batch, cp, cp_rank), documents
+        return *split_batch(batch, cp, cp_rank, loss_mask), documents
 
     def autocast(self):
         return autocast(self.cfg, self.ps.device)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first train.eval_steps global batches of the validation split."""
+        """Mean loss over the first train.eval_steps global batches of the validation split:
+        of the micro-batch means, or with a loss mask of every counted token (loss.py)."""
         assert self.val_loader is not None
         self.model.eval()
         self.val_loader.reset()
         total = torch.zeros((), device=self.ps.device)
-        count = 0
+        divisor = torch.ones((), device=self.ps.device) if self.val_loader.masks_loss else None
+        seen, count = [], 0  # the targets, and the micro-batches, evaluated
         for _ in range(self.cfg.train.eval_steps):
             inputs, targets, documents = self.next_batch(self.val_loader)
             if self.pipeline is not None:
                 total += self.pipeline.run(
-                    inputs, targets, 1.0, self.autocast, forward_only=True, documents=documents
-                )
+                    inputs, targets, 1.0, self.autocast, forward_only=True, divisor=divisor,
+                    documents=documents,
+                )  # fmt: skip
             else:
-                for micro in micro_batches(inputs, targets, documents):
+                for x, y, docs in micro_batches(inputs, targets, documents):
                     with self.autocast():
-                        total += self.model.loss(*micro).float()
+                        loss = self.model.loss(x, y, divisor, docs)
+                    total += loss.float()
+            seen.append(targets)
             count += inputs.shape[0]
         self.model.train()
+        if divisor is not None and self.ps.is_last_stage:
+            return mean_loss(total / counted_share(torch.cat(seen), self.ps), self.ps)
         return mean_loss(total / count, self.ps)
 
     def write_run_files(self) -> None:
@@ -287,6 +284,8 @@ class Trainer:
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
             self.saver.finish()  # checkpoint.async: the last save on disk before the run ends
+            if self.grads.shards is not None:  # ZeRO-3: gathered (freed again when used)
+                self.grads.shards.gather_all()
         finally:
             self.saver.close()
             bar.close()

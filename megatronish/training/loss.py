@@ -1,0 +1,43 @@
+"""How the micro-batch losses of a step become its loss: the mean over the global batch.
+
+Without a loss mask every micro-batch has the same number of targets, so the loss is the mean
+of the micro-batch means (GPT.loss_of_logits), averaged over the dp x cp group with the
+gradients. With a loss mask (SFT data, data.eod_mask_loss: targets that do not count are -100)
+the micro-batches count different numbers of targets, and the loss is the sum over every
+counted target of the global batch divided by their number N, whatever the layout. One fp64
+all-reduce over dp x cp per step gives N; each micro-batch's loss is then its sum over its
+counted targets divided by `counted_share` / accum = N / (dp x cp x accum). The trainer scales
+it by 1 / accum for backward and the gradient reduction averages over dp x cp, so the gradients
+are those of sum / N on one process, and so is the mean of the reported losses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatronish.distributed import comm
+from megatronish.distributed.layout import ParallelState
+from megatronish.layers.cross_entropy import IGNORE_INDEX
+
+
+def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
+    """Mean over the dp x cp group of a loss computed on the last pipeline stage, on every
+    rank (the other stages contribute zeros to a sum over the pipeline)."""
+    value = value.detach().float().reshape(1).clone()
+    if ps.dp_cp > 1:
+        comm.all_reduce(value, ps.dp_cp_group)
+        value /= ps.dp_cp
+    if ps.pp > 1:
+        if not ps.is_last_stage:
+            value.zero_()
+        comm.all_reduce(value, ps.pp_group)
+    return float(value)
+
+
+def counted_share(targets: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """N / (dp x cp), fp32 scalar: N the targets that count (not -100) in `targets` on every
+    rank of the dp x cp group (one fp64 all-reduce when it has more than one rank), at least 1."""
+    count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+    if ps.dp_cp > 1:
+        comm.all_reduce(count, ps.dp_cp_group)
+    return (count.clamp(min=1) / ps.dp_cp).float()[0]
