@@ -81,11 +81,18 @@ def sft_data(tmp_path_factory) -> tuple[Path, list[dict]]:
     return root / "ds", records
 
 
-def counted_by_text(targets: torch.Tensor, eot_counts: bool = True) -> torch.Tensor:
+def counts(targets: torch.Tensor) -> torch.Tensor:
     """Which targets count, from the text alone: digits, capitals, and the end-of-text."""
     digit = (targets >= ord("0")) & (targets <= ord("9"))
     capital = (targets >= ord("A")) & (targets <= ord("Z"))
-    return digit | capital | ((targets == EOT) & eot_counts)
+    return digit | capital | (targets == EOT)
+
+
+def counted_by_text(tokens: torch.Tensor, eod_mask_loss: bool = False) -> torch.Tensor:
+    """Which targets of windows `tokens` [..., s + 1] count; with eod_mask_loss not those whose
+    input is the end-of-text (Megatron's --eod-mask-loss: nothing predicted across documents)."""
+    counted = counts(tokens[..., 1:])
+    return counted & (tokens[..., :-1] != EOT) if eod_mask_loss else counted
 
 
 def test_the_mask_counts_exactly_the_responses_and_their_end_of_text(sft_data):
@@ -97,7 +104,7 @@ def test_the_mask_counts_exactly_the_responses_and_their_end_of_text(sft_data):
     assert meta["sft"] is True and meta["counted_tokens"] == expected
     assert meta["n_docs"] == len(records)
     mask = torch.from_numpy(np.asarray(source.loss_mask, dtype=bool))
-    assert torch.equal(mask, counted_by_text(tokens))
+    assert torch.equal(mask, counts(tokens))
     assert int(mask.sum()) == expected
 
 
@@ -115,7 +122,7 @@ def test_the_loss_is_the_mean_over_exactly_the_counted_targets_of_the_global_bat
                         0, 1, t.seed)  # fmt: skip
     tokens = whole.next_step()[0]  # the global batch of step 1, [G, s + 1]
     targets = tokens[:, 1:]
-    counted = counted_by_text(targets, eot_counts=not eod_mask_loss)
+    counted = counted_by_text(tokens, eod_mask_loss)
     with torch.no_grad():
         logits = trainer.model(tokens[:, :-1]).float()
     per_token = torch.nn.functional.cross_entropy(
@@ -191,18 +198,17 @@ def test_loaders_mask_the_targets_as_the_text_says_with_and_without_eod_mask_los
     assert not unmasked.masks_loss and unmasked.next_masked_step()[1] is None
     sources = [open_source(str(plain)), open_source(str(directory))]
     blend = dict(sources=sources, weights=[0.5, 0.5], split="train", seed=1)
-    cases = [  # (loader, whether an end-of-text target counts)
-        (BatchLoader(sources[0], "train", seed=1, eod_mask_loss=True, **sizes), False),
-        (BlendLoader(**blend, **sizes), True),
-        (BlendLoader(**blend, eod_mask_loss=True, **sizes), False),
+    cases = [  # (loader, eod_mask_loss)
+        (BatchLoader(sources[0], "train", seed=1, eod_mask_loss=True, **sizes), True),
+        (BlendLoader(**blend, **sizes), False),
+        (BlendLoader(**blend, eod_mask_loss=True, **sizes), True),
     ]
-    for loader, eot_counts in cases:
+    for loader, eod_mask_loss in cases:
         assert loader.masks_loss
         for _ in range(3):
             tokens, mask = loader.next_masked_step()
-            targets = tokens[..., 1:]
-            assert (targets == EOT).any()
-            assert torch.equal(mask, counted_by_text(targets, eot_counts))
+            assert (tokens[..., :-1] == EOT).any()
+            assert torch.equal(mask, counted_by_text(tokens, eod_mask_loss))
 
 
 BAD_RECORDS = {

@@ -52,7 +52,8 @@ class BlendLoader:
     """BatchLoader's interface (next_step, next_masked_step, masks_loss, reset, state_dict,
     load_state_dict) over a blend of datasets. Only the datasets with documents in `split` take
     part (weights renormalized). The blend masks the loss when one of them does; every target
-    of a dataset without a mask counts (but the end-of-text with eod_mask_loss)."""
+    of a dataset without a mask counts (but, with eod_mask_loss, the one whose input is the
+    end-of-text)."""
 
     def __init__(
         self,

@@ -16,7 +16,8 @@ one dp group (same dp_rank) gets the same batch.
 Loss masks: when the dataset has one (SFT) or eod_mask_loss is set, next_masked_step() also
 gives, aligned with the targets (the samples' tokens 1..s), whether each target counts in the
 loss: the dataset's mask of that token (all ones without one), and with eod_mask_loss not where
-the target is the end-of-text token (as Megatron's --eod-mask-loss).
+the input is the end-of-text token, so no target is predicted across a document boundary (as
+Megatron's --eod-mask-loss, which masks the positions whose input is the end-of-document id).
 
 The documents come through a TokenSource (sources.py): a prepared directory or a Megatron
 prefix read in place; a blend of several is blend.py's BlendLoader, built on this one.
@@ -194,7 +195,7 @@ class BatchLoader:
                     self.source.loss_mask, int(sample) * self.seq_len + 1, counted[row]
                 )
         if self.eod_mask_loss:
-            counted &= batch[:, 1:] != self.source.eot_id
+            counted &= batch[:, :-1] != self.source.eot_id
         return batch, counted
 
     def next_step(self) -> torch.Tensor:
