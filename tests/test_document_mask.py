@@ -71,7 +71,7 @@ def test_blended_datasets_that_end_documents_with_different_ids_are_a_user_error
     assert str(error.value) == (
         "data.document_mask: the datasets end documents with different ids (a ends documents "
         "with 256, b ends documents with 50256); blend datasets of one tokenizer, or set "
-        "data.document_mask=false"
+        "data.document_mask=false (SFT data always trains with document masks)"
     )
 
 

@@ -251,18 +251,21 @@ def test_eval_reads_a_megatron_prefix_and_a_blend_as_the_run_validated_them(sft_
 
     directory, _ = sft_data
     rng = np.random.default_rng(0)
-    docs = [np.append(rng.integers(0, 299, rng.integers(5, 40)), 299) for _ in range(40)]
+    docs = [np.append(rng.integers(0, EOT, rng.integers(5, 40)), EOT) for _ in range(40)]
     write_indexed(tmp_path / "corpus", docs, 300)
     sets = [
         "model.n_layer=1", "model.d_model=32", "model.n_head=4", "model.vocab_size=300",
         "model.max_seq_len=16", "train.seq_len=16", "train.micro_batch_size=2",
         "train.global_batch_size=4", "train.steps=2", "train.eval_every=2", "train.eval_steps=2",
-        f"data.blend=0.5 {tmp_path / 'corpus'} 0.5 {directory}", "data.eod_id=299",
+        f"data.blend=0.5 {tmp_path / 'corpus'} 0.5 {directory}", f"data.eod_id={EOT}",
         "data.split=8,2,0", f"run.out_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}",
     ]  # fmt: skip
     args = [a for s in sets for a in ("--set", s)]
     result = invoke_cli("train", "--config", "configs/tiny.yaml", *args)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: SFT examples, packed with document masks" in result.stdout
+    saved = (tmp_path / "ck" / "step_000002" / "config.yaml").read_text()
+    assert "document_mask: true" in saved  # so eval masks documents as training did
     (logged,) = read_metrics(tmp_path / "run")[1]
     result = invoke_cli("eval", "--checkpoint", str(tmp_path / "ck"))
     assert result.returncode == 0, result.stderr

@@ -46,6 +46,7 @@ def evaluate_checkpoint(
             f"data.path: the dataset {dataset} has {data.vocab_size} token ids, more than the "
             f"checkpoint's vocabulary ({ckpt.vocab_size})"
         )
+    masked = d.document_mask or data.sft  # SFT examples never see each other, as in training
     ps = ParallelState.single(default_device())
     ckpt.check_in_background()  # every file, while the model is built
     model = build_model(ckpt, ps, cfg)
@@ -62,7 +63,7 @@ def evaluate_checkpoint(
         batch, loss_mask = loader.next_masked_step()
         batch = batch.to(ps.device)
         inputs, targets = split_batch(batch, 1, 0, loss_mask)  # -100: not counted
-        documents = documents_of(batch[..., :-1], loader.eod_id) if d.document_mask else None
+        documents = documents_of(batch[..., :-1], loader.eod_id) if masked else None
         for micro_inputs, micro_targets, micro_documents in micro_batches(
             inputs, targets, documents
         ):

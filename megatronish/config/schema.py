@@ -198,7 +198,7 @@ class DataConfig:
     document_mask: bool = False
     """Attention never crosses an end-of-document token, and positions (learned or RoPE)
     restart at each document, as Megatron's reset_attention_mask and reset_position_ids: each
-    document of a packed sequence is computed as if it were alone."""
+    document of a packed sequence is computed as if it were alone. Always on for SFT data."""
     eod_mask_loss: bool = False
     """Leave the end-of-document token out of the loss, as Megatron's --eod-mask-loss: the
     position whose input is the end-of-text token (its target is the next document's first

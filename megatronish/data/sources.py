@@ -139,6 +139,12 @@ class DataPlan:
     def vocab_size(self) -> int:
         return max(s.vocab_size for s in self.sources)
 
+    @property
+    def sft(self) -> bool:
+        """Whether a dataset holds SFT examples (a loss mask): packed examples must then never
+        see each other, so training and eval use document masks."""
+        return any(s.loss_mask is not None for s in self.sources)
+
     def docs_in(self, split: str) -> int:
         return sum(s.docs_in(split) for s in self.sources)
 
@@ -151,7 +157,8 @@ def shared_eod_id(sources: list[TokenSource]) -> int:
         names = ", ".join(f"{s.path} ends documents with {s.eot_id}" for s in sources)
         raise UserError(
             f"data.document_mask: the datasets end documents with different ids ({names}); "
-            "blend datasets of one tokenizer, or set data.document_mask=false"
+            "blend datasets of one tokenizer, or set data.document_mask=false (SFT data always "
+            "trains with document masks)"
         )
     return ids[0]
 

@@ -26,6 +26,7 @@ from megatronish.distributed.layout import (
     world_size_from_env,
 )
 from megatronish.errors import UserError
+from megatronish.files import write_text_atomic
 from megatronish.observe.tensorboard import check_available as check_tensorboard
 
 
@@ -71,7 +72,9 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
     dataset_dir = data.sources[0].path
     data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)
-    if cfg.data.document_mask:
+    if data.sft:
+        d.document_mask = True  # recorded in the checkpoints' config, so eval masks alike
+    if d.document_mask:
         shared_eod_id(data.sources)
     if cfg.train.eval_every > 0 and data.docs_in("val") == 0:
         raise UserError(
@@ -130,10 +133,12 @@ def write_data_report(
     ]
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "data.json").write_text(json.dumps({"datasets": rows}, indent=2) + "\n")
+    write_text_atomic(path / "data.json", json.dumps({"datasets": rows}, indent=2) + "\n")
     for row in rows:
         print(
             f"data: {row['path']} weight {row['weight']:.4g}, {row['samples']:,} of the run's "
             f"{total:,} samples",
             flush=True,
         )
+    if data.sft:
+        print("data: SFT examples, packed with document masks (each sees only itself)", flush=True)
