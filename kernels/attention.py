@@ -29,7 +29,13 @@ import triton.language as tl
 
 from ._utils import LOG2_E, Launch, check_device, device_arch, dot_precision
 from .attention_bwd import attention_backward
-from .attention_tiles import attention_blocks, check_segments, check_shapes, segment_bounds
+from .attention_tiles import (
+    attention_blocks,
+    check_segments,
+    check_shapes,
+    query_block_keys,
+    segment_bounds,
+)
 
 
 @triton.jit
@@ -93,24 +99,10 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    full_n = (seq_len // BLOCK_N) * BLOCK_N  # key blocks below full_n have no tail
-    if CAUSAL:
-        free_hi = tl.minimum(start_m, full_n)
-        hi = tl.minimum(start_m + BLOCK_M, seq_len)
-    else:
-        free_hi = full_n
-        hi = seq_len
-    lo, masked_lo = 0, free_hi
-    q_seg = tl.zeros([BLOCK_M], dtype=tl.int32)  # one document unless DOCS
-    seg_base = (bh // n_head).to(tl.int64) * seq_len  # this sequence's segments
-    if DOCS:  # only the key blocks that hold keys of this query block's documents
-        q_seg = tl.load(QSEG + seg_base + offs_m, mask=row_mask, other=-2)
-        bounds = BOUNDS + ((bh // n_head) * tl.num_programs(0) + block_m) * 2
-        lo = (tl.load(bounds) // BLOCK_N) * BLOCK_N
-        doc_hi = tl.load(bounds + 1)
-        masked_lo = tl.maximum(free_hi, lo)  # where the unmasked walk ends
-        free_hi = tl.minimum(free_hi, tl.cdiv(doc_hi, BLOCK_N) * BLOCK_N)
-        hi = tl.minimum(hi, doc_hi)
+    lo, free_hi, masked_lo, hi, q_seg, seg_base = query_block_keys(
+        QSEG, BOUNDS, offs_m, row_mask, start_m, block_m, bh, seq_len, n_head, CAUSAL, DOCS,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     Kh, Vh = K + kv_base, V + kv_base
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d, lo, free_hi,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from ._utils import interpreting
 
@@ -136,3 +137,32 @@ def check_segments(q: torch.Tensor, segments: tuple[torch.Tensor, torch.Tensor] 
                 f"attention: segments must be [b, s] = {[b, seq_len]}, got {list(seg.shape)}"
             )
     return tuple(seg.to(device=q.device, dtype=torch.int32).contiguous() for seg in segments)
+
+
+@triton.jit
+def query_block_keys(
+    QSEG, BOUNDS, offs_m, row_ok, start_m, block_m, bh, seq_len, n_head,
+    CAUSAL: tl.constexpr, DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The key range of one query block (the forward's and dQ's walk): keys [lo, free_hi) need
+    no mask, [masked_lo, hi) the causal, tail or document mask; q_seg, the queries' segments
+    (zeros unless DOCS) and seg_base, this sequence's offset into the segment arrays."""
+    full_n = (seq_len // BLOCK_N) * BLOCK_N  # key blocks below full_n have no tail
+    if CAUSAL:
+        free_hi = tl.minimum(start_m, full_n)
+        hi = tl.minimum(start_m + BLOCK_M, seq_len)
+    else:
+        free_hi = full_n
+        hi = seq_len
+    lo, masked_lo = 0, free_hi
+    q_seg = tl.zeros([BLOCK_M], dtype=tl.int32)  # one document unless DOCS
+    seg_base = (bh // n_head).to(tl.int64) * seq_len  # this sequence's segments
+    if DOCS:  # only the key blocks that hold keys of this query block's documents
+        q_seg = tl.load(QSEG + seg_base + offs_m, mask=row_ok, other=-2)
+        bounds = BOUNDS + ((bh // n_head) * tl.num_programs(0) + block_m) * 2
+        lo = (tl.load(bounds) // BLOCK_N) * BLOCK_N
+        doc_hi = tl.load(bounds + 1)
+        masked_lo = tl.maximum(free_hi, lo)  # where the unmasked walk ends
+        free_hi = tl.minimum(free_hi, tl.cdiv(doc_hi, BLOCK_N) * BLOCK_N)
+        hi = tl.minimum(hi, doc_hi)
+    return lo, free_hi, masked_lo, hi, q_seg, seg_base

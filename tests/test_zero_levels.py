@@ -1,15 +1,15 @@
-"""ZeRO-2 (gradients sharded too) and ZeRO-3 (parameters too) against ZeRO-0 at the same
-layout: at dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 (1F1B, and interleaved
-with tied embeddings), dp 2 x cp 2, a MoE at dp 4 x ep 2 (expert buckets over the
+"""ZeRO-2 (gradients sharded too) and ZeRO-3 (parameters too) against ZeRO-0 at the same layout: at
+dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 (1F1B, and interleaved with tied
+embeddings), dp 2 x cp 2 with selective recompute, a MoE at dp 4 x ep 2 (expert buckets over the
 expert-data-parallel group) and dp 4 with full recompute in bf16, and at dp 2 with gradient
-accumulation, the losses and gradient norms hold 1e-6 of ZeRO-0 (ZeRO-2 is bitwise ZeRO-1
-where a step has one micro-batch), every rank sends the payload the analytic count gives
-(ZeRO-3's gathers included), the model state each rank holds between steps, counted from the
-tensors' storages, is plan's estimate within 5% at every level (at ZeRO-3 16 P / dp), the
-overlap and the prefetch change no bit, the validation loss is ZeRO-0's, and a ZeRO-2 or 3
-checkpoint (ZeRO-3's saved in the background) resumes at another dp and level on the curve.
-`check` and plan's estimate shard weights, gradients and AdamW state by level, and count
-ZeRO-3's gathers; optim.zero outside 0..3 is one line.
+accumulation, the losses and gradient norms hold 1e-6 of ZeRO-0 (ZeRO-2 is bitwise ZeRO-1 where
+a step has one micro-batch), every rank sends the payload the analytic count gives (ZeRO-3's
+gathers included), the model state each rank holds between steps, counted from the tensors'
+storages, is plan's estimate within 5% at every level (at ZeRO-3 16 P / dp), the overlap and the
+prefetch change no bit, the validation loss is ZeRO-0's, and a ZeRO-2 or 3 checkpoint (ZeRO-3's
+saved in the background) resumes at another dp and level on the curve. `check` and plan's
+estimate shard weights, gradients and AdamW state by level, and count ZeRO-3's gathers;
+optim.zero outside 0..3 is one line.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ FOUR = {
     "dp2 tp2 sp": (2, 1, 2, 1, 1, GPT2 + SP),
     "dp2 pp2": (1, 1, 2, 2, 1, LLAMA),
     "dp2 pp2 interleaved tied": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_virtual=2"]),
-    "dp2 cp2": (1, 2, 2, 1, 1, GPT2),
+    "dp2 cp2 selective recompute": (
+        1, 2, 2, 1, 1, GPT2 + ["train.activation_checkpointing=selective"],
+    ),
     "moe dp4 ep2": (1, 1, 4, 1, 2, MOE),
     "dp4 full recompute bf16": (
         1, 1, 4, 1, 1, LLAMA + ["train.activation_checkpointing=full", "train.precision=bf16"],
