@@ -26,9 +26,6 @@ from megatronish.data.dataset import (
     FORMAT,
     FORMAT_VERSION,
     METADATA_FILE,
-    OFFSETS_FILE,
-    SPLIT_FILE,
-    SPLITS,
     TOKENS_FILE,
     token_dtype,
 )
@@ -40,7 +37,7 @@ from megatronish.data.indexed import (
     read_indexed,
     write_indexed,
 )
-from megatronish.data.prepare import prepare_dataset, split_documents
+from megatronish.data.prepare import prepare_dataset, write_documents
 from megatronish.data.sources import TokenSource, open_prepared
 from megatronish.errors import UserError
 from megatronish.files import follow_umask
@@ -203,12 +200,6 @@ def _write_tokens(
             f"{idx_path(source.path)}: the Megatron prefix has no documents or an empty one; "
             "a dataset directory holds non-empty documents (read the prefix in place instead)"
         )
-    split = split_documents(n_docs, val_fraction, seed)
-    np.save(directory / OFFSETS_FILE, offsets)
-    np.save(directory / SPLIT_FILE, split)
-    is_val = split == SPLITS["val"]
-    val_tokens = int(np.diff(offsets)[is_val].sum())
-    val_docs = int(np.count_nonzero(is_val))
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -217,14 +208,7 @@ def _write_tokens(
         "vocab_size": source.vocab_size,
         "eot_id": source.eot_id,
         "dtype": dtype.name,
-        "n_tokens": int(offsets[-1]),
-        "n_docs": n_docs,
-        "train_tokens": int(offsets[-1]) - val_tokens,
-        "train_docs": n_docs - val_docs,
-        "val_tokens": val_tokens,
-        "val_docs": val_docs,
-        "val_fraction": val_fraction,
-        "split_seed": seed,
+        **write_documents(directory, offsets, val_fraction, seed),
         "max_token_id": max(max_id, 0),
         "sha256": digest.hexdigest(),
         "builtin": False,

@@ -175,12 +175,6 @@ def write_dataset(
             f" ({len(corpus.skipped_files)} binary files skipped)" if corpus.skipped_files else ""
         )
         raise UserError(f"{', '.join(corpus.description)}: no text documents found{skipped}")
-    split = split_documents(n_docs, val_fraction, seed)
-    np.save(directory / OFFSETS_FILE, offsets)
-    np.save(directory / SPLIT_FILE, split)
-    doc_tokens = np.diff(offsets)
-    val_tokens = int(doc_tokens[split == SPLITS["val"]].sum())
-    val_docs = int(np.count_nonzero(split == SPLITS["val"]))
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -194,14 +188,7 @@ def write_dataset(
         "vocab_size": int(tok.vocab_size),
         "eot_id": int(tok.eot_id),
         "dtype": dtype.name,
-        "n_tokens": int(offsets[-1]),
-        "n_docs": n_docs,
-        "train_tokens": int(offsets[-1]) - val_tokens,
-        "train_docs": n_docs - val_docs,
-        "val_tokens": val_tokens,
-        "val_docs": val_docs,
-        "val_fraction": val_fraction,
-        "split_seed": seed,
+        **write_documents(directory, offsets, val_fraction, seed),
         "max_token_id": max_id,
         "sha256": digest,
         "sft": sft,
@@ -242,6 +229,30 @@ def prepare_notes(meta: dict[str, Any]) -> list[str]:
             f"note: skipped {skipped:,} binary files (not UTF-8 text): {', '.join(shown)}{rest}"
         )
     return notes
+
+
+def write_documents(
+    directory: Path, offsets: np.ndarray, val_fraction: float, seed: int
+) -> dict[str, Any]:
+    """Saves the document offsets and a drawn train/validation split of the documents into
+    `directory`; returns the metadata entries that count them."""
+    n_docs = len(offsets) - 1
+    split = split_documents(n_docs, val_fraction, seed)
+    np.save(directory / OFFSETS_FILE, offsets)
+    np.save(directory / SPLIT_FILE, split)
+    is_val = split == SPLITS["val"]
+    val_tokens = int(np.diff(offsets)[is_val].sum())
+    val_docs = int(np.count_nonzero(is_val))
+    return {
+        "n_tokens": int(offsets[-1]),
+        "n_docs": n_docs,
+        "train_tokens": int(offsets[-1]) - val_tokens,
+        "train_docs": n_docs - val_docs,
+        "val_tokens": val_tokens,
+        "val_docs": val_docs,
+        "val_fraction": val_fraction,
+        "split_seed": seed,
+    }
 
 
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
