@@ -80,6 +80,26 @@ def test_an_async_save_holds_the_state_of_its_step_and_is_complete_only_once_com
         assert torch.equal(got[key], expected[key]), key
 
 
+def test_an_async_save_whose_copy_fails_is_reported_at_completion_and_never_taken(
+    tmp_path, monkeypatch
+):
+    model, optimizer, derived = trained(tiny_cfg(), ParallelState.single())
+    saver = async_save.AsyncSaver()
+
+    def no_memory(*args):
+        raise RuntimeError("out of host memory for the copy")
+
+    monkeypatch.setattr(saver, "copy", no_memory)
+    try:
+        saver.begin(tmp_path / "async", 2, **save_args(model, optimizer, derived))
+        assert not saver.writing  # nothing queued: the step's flags agree it is done
+        with pytest.raises(RuntimeError, match="out of host memory"):
+            saver.complete()
+    finally:
+        saver.close()
+    assert find_latest(tmp_path / "async") is None
+
+
 def test_checkpoint_async_where_no_writer_thread_can_start_exits_2_in_one_line(
     tmp_path, monkeypatch, small_dataset
 ):

@@ -285,8 +285,9 @@ def zero3_gathers(cfg: Config, derived: Derived, pp_rank: int, dense: int) -> li
     size, payload, count); `dense`: the bytes of the buffer's dense buckets. At pp = 1 every
     micro-batch gathers each bucket before its module's forward, the tied embedding's again
     for the output layer, and each bucket again before its backward but the last module's (the
-    final norm and the output layer) and the tied embedding's, which stay from their forward;
-    at pp > 1 each bucket once a step (kept to its end)."""
+    final norm and the output layer) and the tied embedding's, which stay from their forward,
+    and the embeddings', whose backward reads no weight; at pp > 1 each bucket once a step
+    (kept to its end)."""
     t, h, pp, accum = derived.tp, cfg.model.d_model, derived.pp, derived.grad_accum_steps
     dp = derived.dp * derived.cp
     moe_layers = stage_moe_layers(derived, pp_rank)
@@ -302,10 +303,18 @@ def zero3_gathers(cfg: Config, derived: Derived, pp_rank: int, dense: int) -> li
     vocab = derived.padded_vocab_size // t * h * FP32_BYTES
     tied = vocab if derived.tie_embeddings else 0
     kept = (0 if sp else norm) + (0 if derived.tie_embeddings else vocab)
+    positions = cfg.model.max_seq_len * h * FP32_BYTES if cfg.model.arch == "gpt2" else 0
+    lookups = (0 if derived.tie_embeddings else vocab) + positions  # not gathered for backward
     return [
         ("ZeRO-3 parameter all-gather (forward)", "dp", dp, dense, accum),
         ("ZeRO-3 tied embedding all-gather (output layer)", "dp", dp, tied, accum),
-        ("ZeRO-3 parameter all-gather (backward)", "dp", dp, dense - kept - tied, accum),
+        (
+            "ZeRO-3 parameter all-gather (backward)",
+            "dp",
+            dp,
+            dense - kept - tied - lookups,
+            accum,
+        ),  # fmt: skip
         ("ZeRO-3 expert all-gather (forward, backward)", "dp", edp, experts, 2 * accum),
     ]
 

@@ -109,16 +109,24 @@ class AsyncSaver:
         save_checkpoint's keyword arguments); a save still in flight must be completed first."""
         assert self.pending is None, "complete() the save in flight first"
         ps, model, optimizer = save_args["ps"], save_args["model"], save_args.get("optimizer")
-        tmp = open_save(Path(directory), step, ps, optimizer)
-        with whole_params(optimizer):
-            files = self.copy(rank_files(model, optimizer, ps), ps.device)
+        tmp = open_save(Path(directory), step, ps)
+        files: dict[str, dict[str, torch.Tensor]] = {}
+        error: BaseException | None = None
+        with whole_params(optimizer):  # collectives on every rank; the copy is this rank's
+            try:
+                files = self.copy(rank_files(model, optimizer, ps), ps.device)
+            except Exception as exc:  # noqa: BLE001 - e.g. no host memory for the copy
+                error = exc
         ready = None
-        if ps.device.type == "cuda":
+        if ps.device.type == "cuda" and error is None:
             ready = torch.cuda.Event()
             ready.record()
         save_args = dict(save_args, directory=Path(directory), step=step)
-        self.pending = WriteJob(tmp, files, ready, save_args)
-        self.thread.jobs.put(self.pending)
+        self.pending = WriteJob(tmp, files, ready, save_args, error=error)
+        if error is None:
+            self.thread.jobs.put(self.pending)
+        else:  # nothing to write: complete() reports the error on every rank, as a failed write
+            self.pending.done.set()
 
     def copy(self, files: dict[str, dict[str, torch.Tensor]], device: torch.device) -> dict:
         """The files' tensors copied into this saver's buffers (allocated at the first save;

@@ -36,7 +36,7 @@ def evaluate_checkpoint(
     from megatronish.model.precision import autocast
 
     ckpt = Checkpoint(checkpoint)
-    cfg = load_config(ckpt.dir / CONFIG_FILE, overrides)
+    cfg = load_config(ckpt.dir / CONFIG_FILE, (*_other_data(overrides), *overrides))
     d, t = cfg.data, cfg.train
     vocab_size = cfg.model.vocab_size if cfg.model.vocab_size is not None else ckpt.vocab_size
     data = resolve_data(d.path, d.blend, d.split, vocab_size, d.eod_id)
@@ -81,3 +81,14 @@ def evaluate_checkpoint(
         "perplexity": math.exp(min(val_loss, 700.0)),
         "tokens": tokens,
     }
+
+
+def _other_data(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """An override of data.path replaces the run's data.blend, and one of data.blend its
+    data.path: eval on another dataset never meets both."""
+    named = {override.split("=", 1)[0].strip() for override in overrides}
+    if "data.path" in named and "data.blend" not in named:
+        return ("data.blend=null",)
+    if "data.blend" in named and "data.path" not in named:
+        return ("data.path=null",)
+    return ()

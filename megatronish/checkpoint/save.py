@@ -278,7 +278,7 @@ def save_checkpoint(
     """Saves the model (and the optimizer, the loader position, every rank's RNG) as
     <directory>/step_<step>; every rank of the run calls it. Returns the step directory."""
     directory = Path(directory)
-    tmp = open_save(directory, step, ps, optimizer)
+    tmp = open_save(directory, step, ps)
     checksums: dict[str, str] = {}
     error: BaseException | None = None
     try:
@@ -293,7 +293,7 @@ def save_checkpoint(
     )  # fmt: skip
 
 
-def open_save(directory: Path, step: int, ps: ParallelState, optimizer=None) -> Path:
+def open_save(directory: Path, step: int, ps: ParallelState) -> Path:
     """Step 1 of the protocol (every rank calls it; a broadcast and an agreement): the
     temporary step directory every rank writes its files into."""
     token = torch.tensor([os.getpid()], dtype=torch.int64, device=ps.device)

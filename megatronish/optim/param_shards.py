@@ -16,12 +16,15 @@ that backward (`backward_done`). The last module (the final norm, followed by th
 which is not called as a module) keeps its buckets from its forward to its backward; so do
 tied embeddings, which the output layer reads again, until the embedding's backward. A
 recomputed forward (activation checkpointing) runs inside its module's backward, while the
-buckets are held. With several micro-batches in flight (pp > 1) the buckets stay gathered from
-their first use to the step's end (`free_all`), so every bucket is gathered once a step.
+buckets are held. An embedding's backward (a scatter of the output's gradient into the rows
+looked up) reads no weight, so its buckets are not gathered for it. With several micro-batches
+in flight (pp > 1) the buckets stay gathered from their first use to the step's end
+(`free_all`), so every bucket is gathered once a step; evaluation, which has no backward,
+frees the kept ones with free_all as well.
 
 Per micro-batch at pp = 1 that is one all-gather of every bucket forward, plus the tied
-embedding's bucket again for the output layer, and one of every bucket but the last module's
-and the tied embedding's backward.
+embedding's bucket again for the output layer, and one of every bucket but the last module's,
+the tied embedding's and the embeddings' backward.
 """
 
 from __future__ import annotations
@@ -34,18 +37,24 @@ import torch
 from torch import nn
 
 from megatronish.distributed import comm
+from megatronish.layers.embedding import VocabParallelEmbedding
+
+# Modules whose backward reads no parameter of theirs (a lookup's gradient is a scatter).
+_LOOKUPS = (nn.Embedding, VocabParallelEmbedding)
 
 
 @dataclass
 class _Use:
     """A module's buckets (`own`), the next module's (`ahead`) and the previous one's
-    (`behind`) in forward order; keep: held from the forward to the backward (the last
-    module's); counted: whether the forward running now took a use of own."""
+    (`behind`, empty when that backward reads no parameter) in forward order; keep: held from
+    the forward to the backward (the last module's); backward: whether the module's backward
+    reads its parameters; counted: whether the forward running now took a use of own."""
 
     own: list
     ahead: list
     behind: list
     keep: bool
+    backward: bool
     counted: bool = False
 
 
@@ -157,12 +166,14 @@ class ParamShards:
         """Hooks each module of `uses` ((its buckets, module), in forward order; modules
         without buckets left out): gathers before its forward and backward, frees after."""
         last = len(uses) - 1
+        reads = [not isinstance(module, _LOOKUPS) for _, module in uses]
         for index, (buckets, module) in enumerate(uses):
             use = _Use(
                 buckets,
                 uses[index + 1][0] if index < last else [],
-                uses[index - 1][0] if index > 0 else [],
+                uses[index - 1][0] if index > 0 and reads[index - 1] else [],
                 keep=index == last,
+                backward=reads[index],
             )
             self._hooks.append(module.register_forward_pre_hook(partial(self._before, use)))
             self._hooks.append(module.register_forward_hook(partial(self._after, use)))
@@ -188,7 +199,7 @@ class ParamShards:
         for bucket in use.own:
             bucket.users -= 1
             self._maybe_free(bucket)
-        if isinstance(output, torch.Tensor) and output.requires_grad:
+        if use.backward and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._before_backward(use))
 
     def _before_backward(self, use: _Use) -> None:

@@ -196,6 +196,8 @@ class Trainer:
                     total += loss.float()
             seen.append(targets)
             count += inputs.shape[0]
+        if self.grads.shards is not None:
+            self.grads.shards.free_all()  # ZeRO-3: what the output layer kept (no backward)
         self.model.train()
         if divisor is not None and self.ps.is_last_stage:
             return mean_loss(total / counted_share(torch.cat(seen), self.ps), self.ps)
