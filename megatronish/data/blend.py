@@ -98,11 +98,14 @@ class BlendLoader:
         for part, weight in zip(self.parts, self.weights, strict=True):
             digest.update(f"{part.source.sha256} {weight!r}\n".encode())
         self.blend_sha256 = digest.hexdigest()
+        self._eod_id: int | None = None
 
     @property
     def eod_id(self) -> int:
         """The token id that ends every document of the blended datasets (one for all)."""
-        return shared_eod_id([part.source for part in self.parts])
+        if self._eod_id is None:
+            self._eod_id = shared_eod_id([part.source for part in self.parts])
+        return self._eod_id
 
     def counts_before(self, position: int) -> np.ndarray:
         """int64 [datasets]: samples each dataset gives to global positions [0, position)."""

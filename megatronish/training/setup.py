@@ -120,16 +120,16 @@ def write_data_report(
     """<out_dir>/data.json: {"datasets": [{"path", "weight", "samples"}]}, the samples each
     dataset gives to the run's total (train.steps x train.global_batch_size), and one printed
     line per dataset."""
-    samples = [0] * len(data.sources)
-    if isinstance(loader, BlendLoader):
-        for index, count in zip(loader.chosen, loader.counts_before(total), strict=True):
-            samples[index] = int(count)
+    samples, weights = [0] * len(data.sources), [0.0] * len(data.sources)
+    if isinstance(loader, BlendLoader):  # the datasets with documents in the split, reweighted
+        counts = loader.counts_before(total)
+        for index, weight, count in zip(loader.chosen, loader.weights, counts, strict=True):
+            samples[index], weights[index] = int(count), weight
     else:
-        samples[0] = total
-    weight_sum = sum(data.weights)
+        samples[0], weights[0] = total, 1.0
     rows = [
-        {"path": str(source.path), "weight": weight / weight_sum, "samples": count}
-        for source, weight, count in zip(data.sources, data.weights, samples, strict=True)
+        {"path": str(source.path), "weight": weight, "samples": count}
+        for source, weight, count in zip(data.sources, weights, samples, strict=True)
     ]
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
