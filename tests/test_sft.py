@@ -134,8 +134,10 @@ def test_the_loss_is_the_mean_over_exactly_the_counted_targets_of_the_global_bat
     assert abs(trainer.train_step().loss - want) <= 1e-5 * want
 
 
-# name -> (tp, dp, cp, pp): each trains the same SFT run as one process does.
+# name -> (tp, dp, cp, pp): each trains the same SFT run as one process does, with the
+# document masks a run on SFT data always has.
 LAYOUTS = {"dp2": (1, 2, 1, 1), "tp2": (2, 1, 1, 1), "cp2": (1, 1, 2, 1), "pp2": (1, 1, 1, 2)}
+SFT_RUN = MODEL + ["data.document_mask=true"]
 
 
 def _sft_runs(rank, world, layouts, directory):
@@ -145,7 +147,7 @@ def _sft_runs(rank, world, layouts, directory):
 
     results = {}
     for name, (tp, dp, cp, pp) in layouts.items():
-        cfg = make_config(tp, dp, pp, MODEL, directory, cp=cp)
+        cfg = make_config(tp, dp, pp, SFT_RUN, directory, cp=cp)
         trainer = make_trainer(cfg, world, directory)
         losses, norms, counter = train_counted(trainer, STEPS)
         formula = formula_payload_by_kind(
@@ -167,7 +169,7 @@ def test_an_sft_run_has_the_same_losses_at_dp1_dp2_tp2_cp2_and_pp2_and_the_count
     from megatronish.distributed.layout import ParallelState
 
     directory, _ = sft_data
-    cfg = make_config(1, 1, 1, MODEL, directory)
+    cfg = make_config(1, 1, 1, SFT_RUN, directory)
     trainer = make_trainer(cfg, 1, directory, ParallelState.single())
     assert trainer.loader.masks_loss
     losses, norms, _ = train_counted(trainer, STEPS)

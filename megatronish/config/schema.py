@@ -200,9 +200,9 @@ class DataConfig:
     restart at each document, as Megatron's reset_attention_mask and reset_position_ids: each
     document of a packed sequence is computed as if it were alone. Always on for SFT data."""
     eod_mask_loss: bool = False
-    """Leave the end-of-document token out of the loss, as Megatron's --eod-mask-loss: the
-    position whose input is the end-of-text token (its target is the next document's first
-    token) does not count, in training and validation. The loss is then the mean over the
+    """As Megatron's --eod-mask-loss: the position whose input is the end-of-document token
+    (its target, the next document's first token, has nothing of its document to go on) does
+    not count in the loss, in training and validation. The loss is then the mean over the
     counted tokens of the whole global batch, as with an SFT loss mask."""
 
 
