@@ -126,18 +126,16 @@ def due(step: int, cfg: Config) -> bool:
 
 def save(s: Setup, step: int, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> Path:
     """Saves the run's state at optimizer step `step` (every rank calls this)."""
-    return save_checkpoint(
-        checkpoint_dir(s.cfg),
-        step,
-        cfg=s.cfg,
-        derived=s.derived,
-        ps=s.ps,
-        model=model,
-        optimizer=optimizer,
-        loader_state=loader.state_dict(),
-        tokenizer=tokenizer_of_dataset(s.dataset_dir),
+    return save_checkpoint(checkpoint_dir(s.cfg), step, **_save_args(s, model, optimizer, loader))
+
+
+def _save_args(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> dict:
+    """save_checkpoint's keyword arguments for the run's state now."""
+    return dict(
+        cfg=s.cfg, derived=s.derived, ps=s.ps, model=model, optimizer=optimizer,
+        loader_state=loader.state_dict(), tokenizer=tokenizer_of_dataset(s.dataset_dir),
         keep=s.cfg.checkpoint.keep,
-    )
+    )  # fmt: skip
 
 
 class Saver:
@@ -164,12 +162,8 @@ class Saver:
             self.saved(save(self.setup, step, model, optimizer, loader))
             return
         self.finish()
-        s = self.setup
-        self.background.begin(
-            checkpoint_dir(s.cfg), step, cfg=s.cfg, derived=s.derived, ps=s.ps, model=model,
-            optimizer=optimizer, loader_state=loader.state_dict(),
-            tokenizer=tokenizer_of_dataset(s.dataset_dir), keep=s.cfg.checkpoint.keep,
-        )  # fmt: skip
+        args = _save_args(self.setup, model, optimizer, loader)
+        self.background.begin(checkpoint_dir(self.setup.cfg), step, **args)
 
     def poll(self, verdict: StepVerdict) -> None:
         """At a step's end: completes the save in flight if every rank's writer was done
