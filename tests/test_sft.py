@@ -279,3 +279,10 @@ def test_eval_reads_a_megatron_prefix_and_a_blend_as_the_run_validated_them(sft_
     prefix = json.loads(result.stdout.strip().splitlines()[-1])
     assert prefix["dataset"] == str(tmp_path / "corpus") and prefix["tokens"] == 2 * 4 * 16
     assert np.isfinite(prefix["val_loss"]) and prefix["val_loss"] != blend["val_loss"]
+
+
+def test_check_shows_the_document_masks_sft_data_trains_with(sft_data):
+    directory, _ = sft_data
+    result = invoke_cli("check", "--config", "configs/tiny.yaml", "--set", f"data.path={directory}")
+    assert result.returncode == 0, result.stderr
+    assert "document_mask: true" in result.stdout

@@ -27,15 +27,22 @@ from megatronish.errors import UserError
 def data_vocab_size(cfg: Config) -> int:
     """The vocabulary of the data a config trains on: its dataset's (read and checked against
     model.vocab_size), or the byte vocabulary of the built-in corpus when data.path is unset."""
+    return _data_facts(cfg)[0]
+
+
+def _data_facts(cfg: Config) -> tuple[int, bool]:
+    """(data_vocab_size, whether the data masks the loss: SFT data or data.eod_mask_loss); what
+    the data decides of cfg.data is settled in it, as training does."""
     from megatronish.data import ByteTokenizer
-    from megatronish.data.sources import resolve_data
+    from megatronish.data.sources import resolve_data, settle_data_config
 
     d = cfg.data
     if d.path is None and d.blend is None:
-        return ByteTokenizer().vocab_size
+        return ByteTokenizer().vocab_size, d.eod_mask_loss
     data = resolve_data(d.path, d.blend, d.split, cfg.model.vocab_size, d.eod_id)
     check_dataset_vocab(cfg, data.vocab_size, data.sources[0].path)
-    return data.vocab_size
+    settle_data_config(d, data)
+    return data.vocab_size, data.sft or d.eod_mask_loss
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
@@ -53,7 +60,8 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         check_available()
     if world_size is None:
         world_size = world_size_of(cfg)
-    d = derive(cfg, world_size, vocab_size=data_vocab_size(cfg))
+    vocab_size, loss_masked = _data_facts(cfg)
+    d = derive(cfg, world_size, vocab_size=vocab_size)
     params = parameter_count(cfg, d)
     lines = [
         "# resolved config",
@@ -75,7 +83,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"tie_embeddings: {str(d.tie_embeddings).lower()}",
         f"model FLOPs per step (global batch, all ranks): {model_flops_per_step(cfg, d):.3e} FLOP",
     ]
-    lines += zero_lines(cfg, d)
+    lines += zero_lines(cfg, d, loss_masked)
     if d.moe_layers:
         lines += moe_lines(cfg, d, params)
     if d.cp > 1:
@@ -85,7 +93,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
     return "\n".join(lines + ["ok"])
 
 
-def zero_lines(cfg: Config, d) -> list[str]:
+def zero_lines(cfg: Config, d, loss_masked: bool) -> list[str]:
     """The model state a rank holds at optim.zero (of the fullest stage) and the bytes of its
     data-parallel collectives per step, by kind (ZeRO-3's gathers included)."""
     states = [model_state_bytes(cfg, d, r) for r in range(d.pp)]
@@ -101,7 +109,7 @@ def zero_lines(cfg: Config, d) -> list[str]:
             f"; a step adds up to {st['gathered'] / mib:.2f} MiB (buckets gathered or in flight)"
         )
     kinds: dict[str, int] = {}
-    for op in collectives_per_step(cfg, d):
+    for op in collectives_per_step(cfg, d, loss_masked=loss_masked):
         if op.group == "dp":
             kinds[op.kind] = kinds.get(op.kind, 0) + op.payload * op.count
     traffic = ", ".join(f"{kind} {size / mib:.2f} MiB" for kind, size in sorted(kinds.items()))

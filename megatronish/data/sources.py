@@ -149,6 +149,14 @@ class DataPlan:
         return sum(s.docs_in(split) for s in self.sources)
 
 
+def settle_data_config(data_cfg: Any, plan: DataPlan) -> None:
+    """What the data decides of a run's data config (training and `check` alike, and so the
+    checkpoints' config): SFT examples must never see each other, so SFT data sets
+    data.document_mask."""
+    if plan.sft:
+        data_cfg.document_mask = True
+
+
 def shared_eod_id(sources: list[TokenSource]) -> int:
     """The end-of-document id of every dataset of the list (data.document_mask finds documents
     by it); a UserError when they differ."""

@@ -18,7 +18,7 @@ from megatronish.config import (
 )
 from megatronish.data import BatchLoader
 from megatronish.data.blend import BlendLoader, open_loader
-from megatronish.data.sources import DataPlan, resolve_data, shared_eod_id
+from megatronish.data.sources import DataPlan, resolve_data, settle_data_config, shared_eod_id
 from megatronish.distributed.layout import (
     ParallelState,
     default_device,
@@ -72,8 +72,7 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
     dataset_dir = data.sources[0].path
     data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)
-    if data.sft:
-        d.document_mask = True  # recorded in the checkpoints' config, so eval masks alike
+    settle_data_config(d, data)
     if d.document_mask:
         shared_eod_id(data.sources)
     if cfg.train.eval_every > 0 and data.docs_in("val") == 0:
