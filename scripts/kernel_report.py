@@ -15,9 +15,9 @@ the arch's limit per block, the estimated occupancy (warps per SM of 64, from re
 shared memory), the configs that launch it, and a status. A row FAILs when its shared memory is
 over the limit, or when it spills at bf16 (fp32 runs exact-fp32 dots without tensor cores:
 spills there are reported, not failed). --representative compiles one bf16 configuration per
-kernel only (what the tests compile). --json FILE writes the rows as a list of objects (kernel,
-config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes, num_warps,
-num_stages, occupancy_warps, models).
+kernel (and per attention kernel one under document masks) only: what the tests compile. --json
+FILE writes the rows as a list of objects (kernel, config, arch, dtype, registers, spill_bytes,
+shared_bytes, shared_limit_bytes, num_warps, num_stages, occupancy_warps, models).
 
 Exit status: 0 every row fits, 1 a row fails, 2 Triton cannot compile for NVIDIA targets here.
 Compiled kernels go to Triton's cache (TRITON_CACHE_DIR), so a second run takes seconds.
@@ -122,12 +122,13 @@ def plan(arch_names: list[str], representative: bool) -> tuple[list, dict]:
     else:
         runs = [(s, dtype) for s in shipped_shapes() for dtype in ("bf16", "fp32")]
     for arch_name in arch_names:
-        seen_kernels = set()
+        seen_kernels = set()  # (kernel, under document masks)
         for shapes, dtype in runs:
             for launch, where in compile_check.model_launches(shapes, dtype, ARCHS[arch_name]):
-                if representative and launch.name in seen_kernels:
+                variant = (launch.name, bool(launch.constexprs.get("DOCS")))
+                if representative and variant in seen_kernels:
                     continue
-                seen_kernels.add(launch.name)
+                seen_kernels.add(variant)
                 key = _key(launch, arch_name)
                 jobs.setdefault(key, (arch_name, launch))
                 users.setdefault(key, []).append(f"{shapes.name} {where}".strip())
