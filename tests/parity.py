@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatronish.config import derive, load_config
-from megatronish.data import dataset_vocab_size, prepare_dataset
+from megatronish.data import prepare_dataset
 from tests.conftest import invoke_cli
 
 STEPS = 20
@@ -78,15 +78,17 @@ def make_trainer(cfg, world: int, dataset: Path, ps=None):
     memory; the previous trainer's shared buffers released)."""
     from megatronish.distributed import comm
     from megatronish.distributed.layout import ParallelState, use_shared_memory
-    from megatronish.training.setup import Setup
+    from megatronish.training.setup import Setup, run_data
     from megatronish.training.trainer import Trainer
 
-    derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
+    assert cfg.data.path == str(dataset), "make_config puts the dataset in data.path"
+    data = run_data(cfg)  # as setup() opens it (SFT data: document masks)
+    derived = derive(cfg, world, vocab_size=data.vocab_size)
     if ps is None:
         comm.disable_shared_memory()
         ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp, derived.cp, derived.ep)
         ps = use_shared_memory(ps, 120)
-    return Trainer(Setup(cfg, derived, ps, dataset))
+    return Trainer(Setup(cfg, derived, ps, data))
 
 
 def train_losses(trainer) -> list[float]:

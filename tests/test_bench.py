@@ -68,16 +68,16 @@ def _count_on_ranks(rank, world, variants, dataset):
     """For each variant: (counted, formula) bytes sent per step and payload bytes per kind."""
     from megatronish.accounting.collectives import formula_payload_by_kind
     from megatronish.commands.bench import time_steps
-    from megatronish.data import dataset_vocab_size
     from megatronish.distributed.layout import ParallelState
-    from megatronish.training.setup import Setup
+    from megatronish.training.setup import Setup, run_data
     from megatronish.training.trainer import Trainer
 
     results = {}
     for name, (tp, dp, overrides) in variants.items():
         cfg = bench_config(tp, dp, overrides, dataset)
-        derived = derive(cfg, world, vocab_size=dataset_vocab_size(dataset))
-        trainer = Trainer(Setup(cfg, derived, ParallelState.from_world(tp, dp), dataset))
+        data = run_data(cfg)
+        derived = derive(cfg, world, vocab_size=data.vocab_size)
+        trainer = Trainer(Setup(cfg, derived, ParallelState.from_world(tp, dp), data))
         result = time_steps(trainer, steps=1, warmup=1)
         results[name] = (
             (result.bytes_sent_per_step, formula_bytes_per_step(cfg, derived)),

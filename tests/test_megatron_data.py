@@ -96,7 +96,7 @@ def _train_prefix(rank: int, world: int, tp: int, prefix: str, out_dir: str) -> 
         comm.disable_shared_memory()
         ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp, derived.cp, derived.ep)
         ps = use_shared_memory(ps, 120)
-    return train_losses(Trainer(Setup(cfg, derived, ps, data.sources[0].path, data)))
+    return train_losses(Trainer(Setup(cfg, derived, ps, data)))
 
 
 def test_a_megatron_core_prefix_trains_in_place_at_tp2_as_at_tp1(tmp_path):

@@ -112,6 +112,7 @@ def test_the_mask_counts_exactly_the_responses_and_their_end_of_text(sft_data):
 def test_the_loss_is_the_mean_over_exactly_the_counted_targets_of_the_global_batch(
     sft_data, eod_mask_loss
 ):
+    from megatronish.context import documents_of
     from megatronish.distributed.layout import ParallelState
 
     directory, _ = sft_data
@@ -123,8 +124,9 @@ def test_the_loss_is_the_mean_over_exactly_the_counted_targets_of_the_global_bat
     tokens = whole.next_step()[0]  # the global batch of step 1, [G, s + 1]
     targets = tokens[:, 1:]
     counted = counted_by_text(tokens, eod_mask_loss)
+    assert cfg.data.document_mask, "SFT data trains with document masks"
     with torch.no_grad():
-        logits = trainer.model(tokens[:, :-1]).float()
+        logits = trainer.model(tokens[:, :-1], documents_of(tokens[:, :-1], EOT)).float()
     per_token = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), reduction="none"
     ).view_as(targets)
@@ -135,9 +137,8 @@ def test_the_loss_is_the_mean_over_exactly_the_counted_targets_of_the_global_bat
 
 
 # name -> (tp, dp, cp, pp): each trains the same SFT run as one process does, with the
-# document masks a run on SFT data always has.
+# document masks a run on SFT data always has (make_trainer opens the data as setup does).
 LAYOUTS = {"dp2": (1, 2, 1, 1), "tp2": (2, 1, 1, 1), "cp2": (1, 1, 2, 1), "pp2": (1, 1, 1, 2)}
-SFT_RUN = MODEL + ["data.document_mask=true"]
 
 
 def _sft_runs(rank, world, layouts, directory):
@@ -147,7 +148,7 @@ def _sft_runs(rank, world, layouts, directory):
 
     results = {}
     for name, (tp, dp, cp, pp) in layouts.items():
-        cfg = make_config(tp, dp, pp, SFT_RUN, directory, cp=cp)
+        cfg = make_config(tp, dp, pp, MODEL, directory, cp=cp)
         trainer = make_trainer(cfg, world, directory)
         losses, norms, counter = train_counted(trainer, STEPS)
         formula = formula_payload_by_kind(
@@ -169,7 +170,7 @@ def test_an_sft_run_has_the_same_losses_at_dp1_dp2_tp2_cp2_and_pp2_and_the_count
     from megatronish.distributed.layout import ParallelState
 
     directory, _ = sft_data
-    cfg = make_config(1, 1, 1, SFT_RUN, directory)
+    cfg = make_config(1, 1, 1, MODEL, directory)
     trainer = make_trainer(cfg, 1, directory, ParallelState.single())
     assert trainer.loader.masks_loss
     losses, norms, _ = train_counted(trainer, STEPS)

@@ -34,14 +34,13 @@ def _data_facts(cfg: Config) -> tuple[int, bool]:
     """(data_vocab_size, whether the data masks the loss: SFT data or data.eod_mask_loss); what
     the data decides of cfg.data is settled in it, as training does."""
     from megatronish.data import ByteTokenizer
-    from megatronish.data.sources import resolve_data, settle_data_config
+    from megatronish.training.setup import run_data
 
     d = cfg.data
     if d.path is None and d.blend is None:
         return ByteTokenizer().vocab_size, d.eod_mask_loss
-    data = resolve_data(d.path, d.blend, d.split, cfg.model.vocab_size, d.eod_id)
+    data = run_data(cfg)
     check_dataset_vocab(cfg, data.vocab_size, data.sources[0].path)
-    settle_data_config(d, data)
     return data.vocab_size, data.sft or d.eod_mask_loss
 
 

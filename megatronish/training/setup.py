@@ -37,8 +37,12 @@ class Setup:
     cfg: Config
     derived: Derived
     ps: ParallelState
-    dataset_dir: Path  # the (first) dataset: a prepared directory or a Megatron prefix
-    data: DataPlan | None = None  # every dataset of the run, opened, with its blend weight
+    data: DataPlan  # every dataset of the run, opened, with its blend weight (run_data)
+
+    @property
+    def dataset_dir(self) -> Path:
+        """The (first) dataset: a prepared directory or a Megatron prefix."""
+        return self.data.sources[0].path
 
 
 def setup(cfg: Config) -> Setup:
@@ -54,7 +58,7 @@ def setup(cfg: Config) -> Setup:
     ps = init_distributed(
         derived.tp, derived.dp, cfg.parallel.timeout_s, derived.pp, derived.cp, derived.ep
     )
-    return Setup(cfg, derived, ps, data.sources[0].path, data)
+    return Setup(cfg, derived, ps, data)
 
 
 def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
@@ -68,11 +72,10 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
             "-m megatronish train --config ...`"
         )
     d = cfg.data
-    data = resolve_data(d.path, d.blend, d.split, cfg.model.vocab_size, d.eod_id)
+    data = run_data(cfg)
     dataset_dir = data.sources[0].path
     data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)
-    settle_data_config(d, data)
     if d.document_mask:
         shared_eod_id(data.sources)
     if cfg.train.eval_every > 0 and data.docs_in("val") == 0:
@@ -89,16 +92,22 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
     return data, derived
 
 
+def run_data(cfg: Config) -> DataPlan:
+    """The run's datasets (data.path or data.blend, each opened and checked), with what the data
+    decides of cfg.data settled in cfg (SFT data: document masks)."""
+    d = cfg.data
+    data = resolve_data(d.path, d.blend, d.split, cfg.model.vocab_size, d.eod_id)
+    settle_data_config(d, data)
+    return data
+
+
 def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
     """The loader of `split` for this rank; for the train split, rank 0 also writes
     <run.out_dir>/data.json and prints one line per dataset (data_report.py)."""
     t = s.cfg.train
     d = s.cfg.data
-    data = s.data or resolve_data(
-        str(s.dataset_dir), None, d.split, s.cfg.model.vocab_size, d.eod_id
-    )
     loader = open_loader(
-        data,
+        s.data,
         split,
         seq_len=t.seq_len,
         global_batch_size=t.global_batch_size,
@@ -109,7 +118,7 @@ def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
         eod_mask_loss=d.eod_mask_loss,
     )
     if split == "train" and s.ps.is_main:
-        write_data_report(s.cfg.run.out_dir, loader, data, t.steps * t.global_batch_size)
+        write_data_report(s.cfg.run.out_dir, loader, s.data, t.steps * t.global_batch_size)
     return loader
 
 
