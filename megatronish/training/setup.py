@@ -103,7 +103,7 @@ def run_data(cfg: Config) -> DataPlan:
 
 def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
     """The loader of `split` for this rank; for the train split, rank 0 also writes
-    <run.out_dir>/data.json and prints one line per dataset (data_report.py)."""
+    <run.out_dir>/data.json and prints one line per dataset (write_data_report)."""
     t = s.cfg.train
     d = s.cfg.data
     loader = open_loader(
