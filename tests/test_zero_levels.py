@@ -1,5 +1,5 @@
 """ZeRO-2 (gradients sharded too) and ZeRO-3 (parameters too) against ZeRO-0 at the same layout: at
-dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 (1F1B, and interleaved with tied
+dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 (1F1B, GPipe, and interleaved with tied
 embeddings), dp 2 x cp 2 with selective recompute, a MoE at dp 4 x ep 2 (expert buckets over the
 expert-data-parallel group) and dp 4 with full recompute in bf16, and at dp 2 with gradient
 accumulation, the losses and gradient norms hold 1e-6 of ZeRO-0 (ZeRO-2 is bitwise ZeRO-1 where
@@ -35,6 +35,7 @@ FOUR = {
     "dp4": (1, 1, 4, 1, 1, GPT2),
     "dp2 tp2 sp": (2, 1, 2, 1, 1, GPT2 + SP),
     "dp2 pp2": (1, 1, 2, 2, 1, LLAMA),
+    "dp2 pp2 gpipe": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_schedule=gpipe"]),
     "dp2 pp2 interleaved tied": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_virtual=2"]),
     "dp2 cp2 selective recompute": (
         1, 2, 2, 1, 1, GPT2 + ["train.activation_checkpointing=selective"],
