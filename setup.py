@@ -1,6 +1,7 @@
 """Package discovery (the rest of the build is in pyproject.toml): every package under
 megatronish/, and kernels/ with any subpackages installed as megatronish_kernels, since PyPI's
-`kernels` is another project."""
+`kernels` is another project. kernels/ has no __init__.py (see kernels/functions.py), so it is
+named here rather than found."""
 
 from setuptools import find_packages, setup
 

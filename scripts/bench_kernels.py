@@ -34,7 +34,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
-import megatronish_kernels as kernels  # noqa: E402
+from megatronish_kernels import functions as kernels  # noqa: E402
 
 from megatronish.ops import reference  # noqa: E402
 

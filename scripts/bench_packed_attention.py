@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from megatronish_kernels import attention
 from megatronish_kernels.attention_tiles import gpu_attention_blocks, segment_bounds
+from megatronish_kernels.functions import attention
 
 from megatronish.ops import reference
 

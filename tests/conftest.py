@@ -3,8 +3,6 @@ modules train on (prepared once per session), and CLI helpers."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import signal
@@ -25,23 +23,6 @@ from megatronish.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
-
-
-def _import_pypi_kernels() -> None:
-    """transformers imports PyPI's `kernels` package (one of its dependencies) when it is
-    installed. The repo's own kernels/ folder, which installs as megatronish_kernels, would
-    shadow it while the repo root is on sys.path (as pytest puts it, for the tests package):
-    import the installed one first, with the repo root out of the way."""
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
-    try:
-        if importlib.util.find_spec("kernels") is not None:  # not installed: nothing to shadow
-            importlib.import_module("kernels")
-    finally:
-        sys.path[:] = saved
-
-
-_import_pypi_kernels()
 
 
 @pytest.fixture(scope="session", autouse=True)

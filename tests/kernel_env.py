@@ -1,4 +1,4 @@
-"""megatronish_kernels imported the way the kernel tests need it.
+"""megatronish_kernels' functions imported the way the kernel tests need it.
 
 Triton reads TRITON_INTERPRET when a kernel is defined, so on a machine without CUDA the
 variable is set while the kernels are imported (they then run under Triton's interpreter) and
@@ -19,14 +19,14 @@ def _import_kernels():
     before = os.environ.get("TRITON_INTERPRET")
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    import megatronish_kernels
+    from megatronish_kernels import functions
 
     interpret = os.environ.get("TRITON_INTERPRET")
     if before is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = before
-    return megatronish_kernels, interpret
+    return functions, interpret
 
 
 kernels, INTERPRET = _import_kernels()

@@ -6,6 +6,8 @@ cannot express is one line."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from tests.checkpoints import (
     tiny_cfg,
     tokens,
 )
+from tests.conftest import REPO, finish, run_cli, start
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,6 +88,34 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
         ours = load_model(step_dir)(tokens(2, 30))
     assert theirs.shape == ours.shape == (2, 30, VOCAB)
     assert (theirs - ours).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("exported", ["llama"], indirect=True)  # any one family will do
+def test_from_the_repo_root_export_runs_and_transformers_loads_it_without_shadowing(
+    exported, tmp_path
+):
+    """The repo's kernels/ folder (installed as megatronish_kernels) must not shadow PyPI's
+    `kernels`, which transformers imports: the README's export command and a transformers load
+    of its output both run with the repo root as the working directory and first on the path,
+    as a user's `python -c` there has it."""
+    arch, step_dir, _ = exported
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    out = tmp_path / "hf"
+    args = ["--checkpoint", str(step_dir.parent), "--format", "hf", "--output", str(out)]
+    export = run_cli("export", *args, cwd=REPO)
+    assert export.returncode == 0, export.stderr
+    code = (
+        "import sys, torch, transformers, kernels\n"
+        "assert 'megatronish' not in (kernels.__file__ or ''), kernels.__file__\n"
+        "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "tokens = torch.arange(30).remainder(model.config.vocab_size)[None]\n"
+        "print(model(tokens).logits.double().sum().item())"
+    )
+    loaded = finish(start([sys.executable, "-c", code, str(out)], env=env, cwd=REPO))
+    assert loaded.returncode == 0, loaded.stderr
+    with torch.no_grad():
+        ours = load_model(step_dir)(torch.arange(30).remainder(VOCAB)[None]).double().sum()
+    assert float(loaded.stdout) == pytest.approx(ours.item(), rel=1e-4, abs=1e-3)
 
 
 def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):

@@ -58,15 +58,16 @@ _KERNELS: Any = None
 
 
 def _kernels() -> Any:
-    """The megatronish_kernels module, or None when triton is not installed."""
+    """The kernels' functions (megatronish_kernels.functions), or None when triton is not
+    installed."""
     global _KERNELS
     if _KERNELS is None:
         try:
-            import megatronish_kernels
+            from megatronish_kernels import functions
         except ImportError:
             _KERNELS = False
         else:
-            _KERNELS = megatronish_kernels
+            _KERNELS = functions
     return _KERNELS or None
 
 

@@ -1,8 +1,14 @@
-"""Triton kernels behind megatronish.ops (installed as ``megatronish_kernels``).
+"""The Triton kernels' public functions, which megatronish.ops calls.
+
+The kernels/ folder installs as ``megatronish_kernels`` and has no ``__init__.py`` on purpose:
+PyPI's unrelated ``kernels`` package (which transformers imports) is a regular package, and
+Python prefers a regular package over a folder without ``__init__.py`` wherever it stands on
+the path, so the repo's kernels/ never shadows it, even from the repo root. Import the
+modules by name (``from megatronish_kernels import functions``).
 
 Every function is autograd-capable (a torch.autograd.Function with a Triton forward and
 backward), takes CUDA tensors (fp32 or bf16; math in fp32, results in the input dtype), or CPU
-fp32 tensors when TRITON_INTERPRET=1 is set before this package is imported. Block sizes are
+fp32 tensors when TRITON_INTERPRET=1 is set before these modules are imported. Block sizes are
 fixed functions of the shapes and the GPU's arch (no autotuning), so every rank compiles the
 same kernels; compile_check compiles them for sm_80 and sm_90 without a GPU.
 
