@@ -2,9 +2,10 @@
 dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 (1F1B, GPipe, and interleaved with tied
 embeddings), dp 2 x cp 2 with selective recompute, a MoE at dp 4 x ep 2 (expert buckets over the
 expert-data-parallel group) and dp 4 with full recompute in bf16, and at dp 2 with gradient
-accumulation, the losses and gradient norms hold 1e-6 of ZeRO-0 (ZeRO-2 is bitwise ZeRO-1 where
-a step has one micro-batch), every rank sends the payload the analytic count gives (ZeRO-3's
-gathers included), the model state each rank holds between steps, counted from the tensors'
+accumulation, the losses and gradient norms hold 1e-6 of ZeRO-0 (in bf16 the steps after the
+first hold bf16's rounding, BF16_REL; ZeRO-2 is bitwise ZeRO-1 where a step has one
+micro-batch), every rank sends the payload the analytic count gives (ZeRO-3's gathers
+included), the model state each rank holds between steps, counted from the tensors'
 storages, is plan's estimate within 5% at every level (at ZeRO-3 16 P / dp), the overlap and the
 prefetch change no bit, the validation loss is ZeRO-0's, and a ZeRO-2 or 3 checkpoint (ZeRO-3's
 saved in the background) resumes at another dp and level on the curve. `check` and plan's
@@ -13,6 +14,8 @@ optim.zero outside 0..3 is one line.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -29,6 +32,20 @@ from tests.parity import (
 from tests.test_moe_training import MOE
 
 STEPS, SAVED_AT = 4, 2
+# How far a level's curve may stray from ZeRO-0's. The levels compute the same gradients and
+# sum them in the same rank order, but clipping's gradient norm is summed in fp32 per piece of
+# a bucket's block under ZeRO-1 to 3 and per parameter under ZeRO-0, so it differs in its last
+# bits (1e-8 to 2e-7 relative); every step clips (grad_clip 1), so the fp32 weights the
+# optimizer writes differ by an ulp here and there. In fp32 the curves stay within 1e-6. In
+# bf16 one step between bf16 values is 2^16 fp32 ulps, so now and then (about one weight in
+# 2^16 per ulp moved) a weight rounds to the other bf16 neighbour; from then on the two runs are
+# two bf16 roundings of one computation, whose tokens' losses differ by about bf16's unit
+# roundoff 2^-8 relative, independently in sign. The mean over the global batch's 8 x 16 tokens
+# (tests/parity.SMALL) moves by 2^-8 / sqrt(128) = 3.5e-4 relative; so does the gradient, a mean
+# over the same tokens, and its norm by no more (| |a| - |b| | <= |a - b|). The first step, from
+# the same weights, holds 1e-6 in bf16 too: it is the same computation, its norm summed apart.
+FP32_REL = 1e-6
+BF16_REL = 2**-8 / math.sqrt(8 * 16)
 LEVELS = (0, 2, 3)
 # name -> (tp, cp, dp, pp, ep, overrides); all four ranks
 FOUR = {
@@ -159,14 +176,16 @@ def _flat(curve) -> list[float]:
 
 
 @pytest.mark.parametrize("name", list(FOUR))
-def test_zero2_and_zero3_losses_and_grad_norms_hold_1e6_of_zero0(name, runs):
+def test_zero2_and_zero3_losses_and_grad_norms_hold_zero0s_to_fp32_or_bf16_rounding(name, runs):
     four, _ = runs
     want = four[0][(name, 0)]["curve"]
     assert want[-1][0] < want[0][0]  # it learns
+    later = BF16_REL if "bf16" in name else FP32_REL
     for rank in four:
         for zero in (2, 3):
-            got = _flat(rank[(name, zero)]["curve"])
-            assert got == pytest.approx(_flat(want), rel=1e-6, abs=0), zero
+            got = rank[(name, zero)]["curve"]
+            assert got[0] == pytest.approx(want[0], rel=FP32_REL, abs=0), zero  # same weights
+            assert _flat(got[1:]) == pytest.approx(_flat(want[1:]), rel=later, abs=0), zero
     for rank in four:  # one micro-batch a step: ZeRO-2 reduces as ZeRO-1 does, bit for bit
         assert rank[("dp4", 2)]["curve"] == rank[("dp4", 1)]["curve"]
 
@@ -178,11 +197,11 @@ def test_zero_levels_at_dp2_with_accumulation_hold_1e6_and_overlap_and_prefetch_
     want = _flat(two[0]["zero0"]["curve"])
     for rank in two:
         for name in TWO:
-            assert _flat(rank[name]["curve"]) == pytest.approx(want, rel=1e-6, abs=0), name
+            assert _flat(rank[name]["curve"]) == pytest.approx(want, rel=FP32_REL, abs=0), name
         assert rank["zero2 overlap off"]["curve"] == rank["zero2"]["curve"]
         assert rank["zero3 overlap off"]["curve"] == rank["zero3"]["curve"]
         assert rank["zero3 prefetch off"]["curve"] == rank["zero3"]["curve"]
-        assert rank["zero3"]["val_loss"] == pytest.approx(rank["zero0"]["val_loss"], rel=1e-6)
+        assert rank["zero3"]["val_loss"] == pytest.approx(rank["zero0"]["val_loss"], rel=FP32_REL)
 
 
 def test_every_rank_sends_the_payload_the_analytic_count_gives_zero3_gathers_included(runs):
