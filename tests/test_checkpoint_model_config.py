@@ -1,10 +1,11 @@
 """A checkpoint runs only as the model it was trained with: resuming, or `eval --set`, with a
 model.* key changed (also one that changes no tensor shape: model.n_head at a fixed d_model,
-model.rope_theta) is exit status 2 and one line naming the key and both values, and writes
-nothing; the same values, or a null standing for the same value, are accepted, and so is
-another model.dropout (said in one line). Every key of the schema's model section takes part,
-one added later too, and a checkpoint saved before a key existed compares as its default. A
-resume under checkpoint.resume=auto says which step it takes when it passes over newer ones."""
+model.rope_theta) is exit status 2 and one line naming the key and both values (`check`, and so
+`launch`, too), and writes nothing; the same values, or a null standing for the same value, are
+accepted, and so is another model.dropout (said in one line). Every key of the schema's model
+section takes part, one added later too, and a checkpoint saved before a key existed compares
+as its default. A resume under checkpoint.resume=auto says which step it takes when it passes
+over newer ones."""
 
 from __future__ import annotations
 
@@ -81,6 +82,19 @@ def test_resume_with_another_n_head_exits_2_naming_it_and_writes_nothing(
     ]
     assert result.stdout == ""
     assert _tree(tmp_path) == before
+
+
+def test_check_and_so_launch_refuse_the_changed_key_before_any_rank_starts(
+    gpt2_dir, small_dataset, tmp_path
+):
+    args = train_args(small_dataset, gpt2_dir, tmp_path / "run", "model.n_head=8")
+    result = invoke_cli("check", *args[1:])
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"error: model.n_head: the checkpoint in {gpt2_dir / 'step_000002'} was trained with 4, "
+        "the config asks for 8; keep model.n_head=4, or start over with checkpoint.resume=never "
+        "or a new checkpoint.dir"
+    ]
 
 
 def test_resume_with_the_same_model_written_out_and_another_dropout_goes_on(
