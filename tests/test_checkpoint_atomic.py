@@ -14,7 +14,7 @@ from megatronish.checkpoint.format import find_latest
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState
-from megatronish.training.checkpoints import resume_path
+from megatronish.training.resume import resume_path
 from tests.checkpoints import BYTES, save_single, tiny_cfg, trained
 
 

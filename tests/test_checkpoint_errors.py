@@ -91,17 +91,27 @@ def test_corrupt_metadata(broken, damage):
 
 
 def test_resuming_with_a_model_of_another_shape(good, tmp_path, small_dataset):
-    data = small_dataset
-    sets = [
-        "model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=64",
-        "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
-        f"data.path={data}", f"checkpoint.resume={good}", f"run.out_dir={tmp_path / 'run'}",
-    ]  # fmt: skip
-    args = ["train", "--config", str(CONFIGS / "tiny.yaml")] + [
-        x for s in sets for x in ("--set", s)
-    ]
-    line = one_line_error(args)
-    assert str(good / "metadata.json") in line
+    def resume_line(checkpoint) -> str:
+        sets = [
+            "model.n_layer=2", "model.n_head=4", "model.d_model=32", "model.max_seq_len=64",
+            "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4",
+            f"data.path={small_dataset}", f"checkpoint.resume={checkpoint}",
+            f"run.out_dir={tmp_path / 'run'}",
+        ]  # fmt: skip
+        args = ["train", "--config", str(CONFIGS / "tiny.yaml")]
+        return one_line_error(args + [x for s in sets for x in ("--set", s)])
+
+    assert resume_line(good) == (
+        f"error: model.d_model: the checkpoint in {good} was trained with 64, the config asks "
+        "for 32; keep model.d_model=64, or start over with checkpoint.resume=never"
+    )
+    # A config.yaml that does not describe the tensors: their recorded shapes still refuse.
+    copy = tmp_path / "ckpt"
+    shutil.copytree(good, copy)
+    config = copy / "config.yaml"
+    config.write_text(config.read_text().replace("  d_model: 64\n", "  d_model: 32\n"))
+    line = resume_line(copy)
+    assert str(copy / "metadata.json") in line
     assert "'tok_emb.weight' is [257, 64]" in line and "but [257, 32]" in line
 
 

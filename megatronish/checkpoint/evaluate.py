@@ -15,6 +15,7 @@ import torch
 
 from megatronish.checkpoint.format import CONFIG_FILE
 from megatronish.checkpoint.load import build_model
+from megatronish.checkpoint.model_match import model_differences, refuse_other_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState, default_device
@@ -29,7 +30,8 @@ def evaluate_checkpoint(
     the validation split of its data.path or data.blend (or the overrides', e.g.
     data.path=DIR): a prepared directory, a Megatron prefix or a blend of them. With a loss mask
     (SFT data, data.eod_mask_loss) val_loss is the mean over the counted tokens, and "tokens"
-    counts those."""
+    counts those. An override that changes a model.* key (but model_match.MAY_DIFFER) is a
+    UserError naming it: the model is the one the checkpoint was trained with."""
     from megatronish.context import documents_of, micro_batches, split_batch
     from megatronish.data.blend import open_loader
     from megatronish.data.sources import resolve_data
@@ -39,6 +41,12 @@ def evaluate_checkpoint(
     cfg = load_config(ckpt.dir / CONFIG_FILE, (*_other_data(overrides), *overrides))
     d, t = cfg.data, cfg.train
     vocab_size = cfg.model.vocab_size if cfg.model.vocab_size is not None else ckpt.vocab_size
+    refuse_other_model(
+        model_differences(ckpt.config, ckpt.vocab_size, cfg, vocab_size),
+        ckpt.dir,
+        "--set asks for",
+        "drop --set {key}={wanted}: eval runs the model the checkpoint was trained with",
+    )
     data = resolve_data(d.path, d.blend, d.split, vocab_size, d.eod_id)
     dataset = ", ".join(str(source.path) for source in data.sources)
     if data.vocab_size > ckpt.vocab_size:

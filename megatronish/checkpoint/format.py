@@ -285,6 +285,26 @@ def find_latest(directory: Path) -> Path | None:
     return steps[-1] if steps else None
 
 
+def passed_over(directory: Path, taken: Path | None) -> list[str]:
+    """Why find_latest(directory) took `taken` (None: no checkpoint) over each newer step
+    directory: "step_000030 is incomplete (no metadata.json)", or, for a complete one that
+    `latest` does not name, "step_000040 is newer, but 'latest' names step_000030"."""
+    if not directory.is_dir():
+        return []
+    after = int(STEP_RE.fullmatch(taken.name)[1]) if taken is not None else -1
+    newer = sorted(
+        (int(match[1]), child)
+        for child in directory.iterdir()
+        if (match := STEP_RE.fullmatch(child.name)) and child.is_dir() and int(match[1]) > after
+    )
+    return [
+        f"{child.name} is incomplete (no {METADATA_FILE})"
+        if taken is None or not (child / METADATA_FILE).is_file()
+        else f"{child.name} is newer, but '{LATEST_FILE}' names {taken.name}"
+        for _, child in newer
+    ]
+
+
 def resolve_step_dir(path: str | os.PathLike[str]) -> Path:
     """A step directory itself, or the newest complete one of a checkpoint.dir."""
     path = Path(path).expanduser()

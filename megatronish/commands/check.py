@@ -45,9 +45,12 @@ def _data_facts(cfg: Config) -> tuple[int, bool]:
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
-    """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1)."""
+    """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1). A
+    model.* key that differs from the checkpoint the run would resume from is a UserError, as
+    in `train`."""
     from megatronish import ops
     from megatronish.distributed.layout import default_device
+    from megatronish.training.resume import check_resumed_model
 
     if world_size is not None and world_size < 1:
         raise UserError(f"--world-size {world_size}: must be >= 1")
@@ -61,6 +64,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         world_size = world_size_of(cfg)
     vocab_size, loss_masked = _data_facts(cfg)
     d = derive(cfg, world_size, vocab_size=vocab_size)
+    check_resumed_model(cfg, d.vocab_size)  # a changed model.* key: the line train would say
     params = parameter_count(cfg, d)
     lines = [
         "# resolved config",

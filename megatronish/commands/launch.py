@@ -17,7 +17,7 @@ from megatronish.commands.check import check_config
 from megatronish.config import Config, world_size_of
 from megatronish.errors import UserError
 from megatronish.training import faults
-from megatronish.training.checkpoints import checkpoint_dir
+from megatronish.training.resume import checkpoint_dir
 
 # torchrun's own signal handling (it stops the ranks), less the signals the launcher forwards.
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"

@@ -61,7 +61,8 @@ class ModelConfig:
     max_seq_len: int = 256
     """Longest sequence the model accepts (size of gpt2's position table)."""
     dropout: float = 0.0
-    """Dropout probability on attention probabilities and residual branches."""
+    """Dropout probability on attention probabilities and residual branches. The only model key
+    a resumed run may change (the others must equal the checkpoint's)."""
     tie_embeddings: bool | None = None
     """Share the token embedding with the output layer. Default: true for gpt2, false for llama."""
     norm_eps: float = 1e-5

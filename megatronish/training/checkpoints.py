@@ -1,6 +1,6 @@
-"""What a training run does with checkpoints: where they go, when it saves (Saver: at once, or
-in the background with checkpoint.async), what it resumes from (checkpoint.resume: auto | never
-| PATH) and starting from Hugging Face weights."""
+"""What a training run does with checkpoints: when it saves (Saver: at once, or in the
+background with checkpoint.async), restoring the one it resumes from (the resume module says
+which) and starting from Hugging Face weights."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ from torch import nn
 from tqdm import tqdm
 
 from megatronish.checkpoint.async_save import AsyncSaver
-from megatronish.checkpoint.format import (
-    complete_steps,
-    find_latest,
-    resolve_step_dir,
-)
+from megatronish.checkpoint.format import complete_steps
 from megatronish.checkpoint.integrity import CorruptCheckpoint, first_message_of_ranks
 from megatronish.checkpoint.load import restore_model, restore_optimizer, restore_rng
 from megatronish.checkpoint.reader import Checkpoint
@@ -26,23 +22,8 @@ from megatronish.errors import UserError
 from megatronish.files import write_text_atomic
 from megatronish.optim.optimizer import Optimizer
 from megatronish.training.faults import StepVerdict
+from megatronish.training.resume import auto_choice, checkpoint_dir, resume_path
 from megatronish.training.setup import Setup
-
-
-def checkpoint_dir(cfg: Config) -> Path:
-    """checkpoint.dir, or <run.out_dir>/checkpoints."""
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.out_dir) / "checkpoints"
-
-
-def resume_path(cfg: Config) -> Path | None:
-    """The step directory to resume from: never -> None; auto -> the newest complete one in
-    checkpoint.dir (None when there is none); a path -> that checkpoint (UserError if missing)."""
-    mode = cfg.checkpoint.resume
-    if mode == "never":
-        return None
-    if mode == "auto":
-        return find_latest(checkpoint_dir(cfg))
-    return resolve_step_dir(mode)
 
 
 def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> int | None:
@@ -51,6 +32,9 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
     checkpoint.init_from_hf when that is set."""
     cfg, ps = s.cfg, s.ps
     path = resume_path(cfg)
+    choice = auto_choice(cfg, path)
+    if choice is not None and ps.is_main:
+        print(choice, flush=True)
     if path is None:
         if cfg.checkpoint.init_from_hf:
             from megatronish.checkpoint.hf import init_from_hf

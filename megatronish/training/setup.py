@@ -1,9 +1,11 @@
-"""What a run is built from before its loop starts: the config checked against the world size
-and the dataset, the joined process groups, the data loaders, the autocast context."""
+"""What a run is built from before its loop starts: the config checked against the world size,
+the dataset and the model of the checkpoint it resumes from, the joined process groups, the data
+loaders, the autocast context."""
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from megatronish.distributed.layout import (
 from megatronish.errors import UserError
 from megatronish.files import write_text_atomic
 from megatronish.observe.tensorboard import check_available as check_tensorboard
+from megatronish.training.resume import check_resumed_model
 
 
 @dataclass
@@ -46,7 +49,8 @@ class Setup:
 
 
 def setup(cfg: Config) -> Setup:
-    """Checks the config against the world size, the dataset and the output paths, then joins
+    """Checks the config against the world size, the dataset, the output paths and the model of
+    the checkpoint it resumes from (a model.* key it changes: one line naming it), then joins
     the process group. Every user error surfaces here, before any collective, so no rank waits
     on a failed one; every rank finds the same one, so only rank 0 prints it."""
     world = world_size_from_env()
@@ -89,6 +93,10 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
     if cfg.observe.tensorboard:
         check_tensorboard()
     check_output_paths(cfg)
+    changed = check_resumed_model(cfg, derived.vocab_size)
+    if os.environ.get("RANK", "0") == "0":  # torchrun's global rank: said once
+        for line in changed:
+            print(line, flush=True)
     return data, derived
 
 

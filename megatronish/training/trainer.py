@@ -38,6 +38,7 @@ from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
 from megatronish.training.loss import counted_share, mean_loss
 from megatronish.training.metrics import MetricsWriter, peak_flops
+from megatronish.training.resume import checkpoint_dir
 from megatronish.training.setup import Setup, make_loader, setup
 
 
@@ -365,11 +366,7 @@ def train(cfg: Config) -> dict:
     # From here to the end SIGTERM and SIGUSR1 only ask to stop, so a rank that torchrun
     # terminates because another rank failed still gets to say so in one line.
     stop_signals = faults.StopSignals()
-    lock = (
-        run_lock(checkpoints.checkpoint_dir(cfg), s.ps)
-        if cfg.checkpoint.save
-        else contextlib.nullcontext()
-    )
+    lock = run_lock(checkpoint_dir(cfg), s.ps) if cfg.checkpoint.save else contextlib.nullcontext()
     try:
         stop_signals.install()
         with lock:
