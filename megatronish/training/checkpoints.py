@@ -5,6 +5,7 @@ in the background with checkpoint.async), what it resumes from (checkpoint.resum
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from torch import nn
@@ -23,7 +24,7 @@ from megatronish.checkpoint.save import save_checkpoint, tokenizer_of_dataset
 from megatronish.config import Config
 from megatronish.data import BatchLoader
 from megatronish.errors import UserError
-from megatronish.files import write_text_atomic
+from megatronish.files import free_space, size_text, write_text_atomic
 from megatronish.optim.optimizer import Optimizer
 from megatronish.training.faults import StepVerdict
 from megatronish.training.setup import Setup
@@ -51,6 +52,8 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
     checkpoint.init_from_hf when that is set."""
     cfg, ps = s.cfg, s.ps
     path = resume_path(cfg)
+    if ps.is_main and cfg.checkpoint.save:
+        warn_if_short_of_space(checkpoint_dir(cfg), path or find_latest(checkpoint_dir(cfg)))
     if path is None:
         if cfg.checkpoint.init_from_hf:
             from megatronish.checkpoint.hf import init_from_hf
@@ -73,6 +76,24 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
                 flush=True,
             )
     return ckpt.step
+
+
+def warn_if_short_of_space(directory: Path, last: Path | None) -> None:
+    """Prints the one-line warning that `directory` (checkpoint.dir) has less free space than
+    checkpoint `last` (the one resumed from, else the newest there; None: nothing to compare)
+    takes on disk, so the run's next save will fail."""
+    if last is None:
+        return
+    needed = sum(child.stat().st_size for child in last.iterdir() if child.is_file())
+    where, free = free_space(directory)
+    if free < needed:
+        print(
+            f"warning: checkpoint.dir {directory} has {size_text(free)} free, less than the "
+            f"last checkpoint's {size_text(needed)} ({last.name}): the next save will fail; "
+            f"free space on {where} or set checkpoint.dir to another disk",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _restore(s: Setup, path: Path, model: nn.Module, optimizer: Optimizer) -> Checkpoint:
