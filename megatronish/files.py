@@ -1,5 +1,6 @@
-"""Writing files: atomically (a reader sees the old file or the new one, never a part), and
-with modes as readable as any file the user makes.
+"""Writing files: atomically (a reader sees the old file or the new one, never a part), with
+modes as readable as any file the user makes, and a write the system refuses (a full disk or
+quota, the file-size limit, a directory that is not writable) reported in one line.
 
 Plain `open()` and `mkdir()` take their mode from the user's umask (0644 and 0755 under the
 usual 022). Some writers create a private file or directory instead (safetensors writes 0600
@@ -10,10 +11,17 @@ exported model, a checkpoint, a hang report or a dataset from the people it is m
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import resource
+import shutil
 import stat
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+
+from megatronish.errors import RunFailure
 
 _UMASK_LOCK = threading.Lock()
 
@@ -53,9 +61,72 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Writes text under a temporary name, fsyncs it, then os.replace()s it into place: a reader
     sees the old file or the new one, never a part."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
+
+
+# The errors that say the file did not fit: the disk, the user's quota, the file-size limit.
+SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def size_text(n: float) -> str:
+    """A byte count for people, in powers of 1000: 512 B, 3.1 kB, 41.2 MB."""
+    units = ("B", "kB", "MB", "GB", "TB")
+    power = 0
+    while abs(n) >= 1000 and power < len(units) - 1:
+        n, power = n / 1000, power + 1
+    return f"{n:.0f} B" if power == 0 else f"{n:.1f} {units[power]}"
+
+
+def free_space(path: Path) -> tuple[Path, int]:
+    """(the filesystem's mount point, the bytes free to the user on it) for `path`, or for its
+    nearest existing ancestor where it does not exist yet."""
+    where = Path(path).absolute()
+    while not where.is_dir() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    where = where.resolve()
+    while not os.path.ismount(where):
+        where = where.parent
+    return where, free
+
+
+def write_failure(exc: OSError, path: Path, needed: int | None = None) -> str:
+    """One line naming what could not be written (the file or directory exc names, else `path`;
+    both names of a rename) and why; where space is the cause (ENOSPC, EDQUOT, EFBIG) also the
+    bytes `needed`, those free for it (counting what a partial file of it holds already) and a
+    file-size limit that is set."""
+    name = Path(exc.filename) if exc.filename is not None else Path(path)
+    action = f"write {name}" if exc.filename2 is None else f"rename {name} to {exc.filename2}"
+    cause = exc.strerror or str(exc)
+    line = f"cannot {action}: {cause[:1].lower()}{cause[1:]}"
+    if exc.errno not in SPACE_ERRORS:
+        return line
+    where, free = free_space(name.parent)
+    with contextlib.suppress(OSError):
+        free += name.stat().st_size if name.is_file() else 0
+    details = [] if needed is None else [f"needed {size_text(needed)}"]
+    details.append(f"{size_text(free)} free on {where}")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if exc.errno == errno.EFBIG and limit != resource.RLIM_INFINITY:
+        details.append(f"the file-size limit (ulimit -f) is {size_text(limit)}")
+    return f"{line} ({', '.join(details)})"
+
+
+@contextlib.contextmanager
+def write_failures(path: Path, needed: int | None = None) -> Iterator[None]:
+    """Turns an OSError raised in the body, which writes `path` (`needed` bytes), creates it or
+    renames it, into a RunFailure (exit status 1) whose message is write_failure's one line."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunFailure(write_failure(exc, path, needed)) from exc

@@ -10,11 +10,15 @@ FAULT_HOLD_WRITE_STEP=4 with FAULT_HOLD_WRITE_S=60 and FAULT_HOLD_MARKER=FILE (c
 rank r's background writer, having written the first file of step 4's save, creates FILE and
 holds there for that many seconds, so a save is in flight for certain while the test acts (only
 in a run's first attempt: a run torchrun restarts writes normally).
+FAULT_FSIZE=BYTES: rank r's process can write no file larger than that (RLIMIT_FSIZE, with
+SIGXFSZ ignored so that a write past it fails with EFBIG instead of killing the process).
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import time
 from pathlib import Path
 
@@ -29,6 +33,7 @@ HANG_STEP = int(os.environ.get("FAULT_HANG_STEP", "0"))
 HANG_S = float(os.environ.get("FAULT_HANG_S", "0"))
 HOLD_WRITE_STEP = int(os.environ.get("FAULT_HOLD_WRITE_STEP", "0"))
 HOLD_WRITE_S = float(os.environ.get("FAULT_HOLD_WRITE_S", "0"))
+FSIZE = int(os.environ.get("FAULT_FSIZE", "0"))
 compute_gradients = Trainer.compute_gradients
 write_file = async_save.write_file
 
@@ -67,4 +72,7 @@ def held_write_file(path: Path, tensors) -> str:
 Trainer.compute_gradients = faulty_compute_gradients
 if HOLD_WRITE_STEP:
     async_save.write_file = held_write_file
+if FSIZE and int(os.environ.get("RANK", "0")) == RANK:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE, FSIZE))
 main()

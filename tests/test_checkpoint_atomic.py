@@ -1,5 +1,6 @@
 """A save interrupted at any point leaves the previous complete checkpoint as the one that loads;
-old checkpoints are deleted only once a new one is complete."""
+a save that fails removes its temporary directory; old checkpoints are deleted only once a new
+one is complete."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megatronish.checkpoint.format import find_latest
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState
+from megatronish.errors import RunFailure
 from megatronish.training.resume import resume_path
 from tests.checkpoints import BYTES, save_single, tiny_cfg, trained
 
@@ -50,24 +52,28 @@ def _assert_loads_step_1(directory, first_model):
         assert torch.equal(got, want), name
 
 
-@pytest.mark.parametrize("crash_in", ["writing shards", "renaming the directory"])
-def test_a_save_interrupted_before_the_rename_leaves_the_previous_checkpoint_latest(
-    tmp_path, monkeypatch, two_models, crash_in
+@pytest.mark.parametrize(
+    "crash_in, raised",
+    [("serializing shards", OSError), ("renaming the directory", RunFailure)],
+)
+def test_a_save_failing_before_the_rename_leaves_the_previous_checkpoint_latest(
+    tmp_path, monkeypatch, two_models, crash_in, raised
 ):
     (model1, opt1, derived), (model2, opt2, _) = two_models
     _save(tmp_path, 1, model1, opt1, derived)
-    if crash_in == "writing shards":
+    if crash_in == "serializing shards":
         monkeypatch.setattr(save_module, "serialize", _fail)
     else:
         monkeypatch.setattr(os, "rename", _fail)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(raised, match="simulated crash"):
         _save(tmp_path, 2, model2, opt2, derived)
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text() == "step_000001\n"
     assert not (tmp_path / "step_000002").exists()
-    assert [p.name.split(".tmp-")[0] for p in _tmp_dirs(tmp_path)] == ["step_000002"]
+    assert not _tmp_dirs(tmp_path), "the failed save removed its temporary directory"
     _assert_loads_step_1(tmp_path, model1)
-    # The next complete save takes over and clears the leftover.
+    # The next complete save clears what a killed save left behind.
+    (tmp_path / "step_000002.tmp-99").mkdir()
     _save(tmp_path, 3, model2, opt2, derived)
     assert find_latest(tmp_path).name == "step_000003" and not _tmp_dirs(tmp_path)
 
@@ -78,7 +84,7 @@ def test_a_save_interrupted_before_latest_is_replaced_still_loads_the_previous_o
     (model1, opt1, derived), (model2, opt2, _) = two_models
     _save(tmp_path, 1, model1, opt1, derived)
     monkeypatch.setattr(os, "replace", _fail)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(RunFailure, match="simulated crash"):
         _save(tmp_path, 2, model2, opt2, derived)
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text() == "step_000001\n"
@@ -108,3 +114,23 @@ def test_resume_auto_ignores_interrupted_saves_and_starts_fresh_without_a_checkp
     assert resume_path(cfg) == tmp_path / "checkpoints" / "step_000002"
     never = load_config(None, [f"run.out_dir={tmp_path}", "checkpoint.resume=never"])
     assert resume_path(never) is None
+
+
+def test_a_resave_of_a_step_whose_rename_fails_puts_the_earlier_save_of_that_step_back(
+    tmp_path, monkeypatch, two_models
+):
+    (model1, opt1, derived), (model2, opt2, _) = two_models
+    _save(tmp_path, 1, model1, opt1, derived)
+    rename = os.rename
+
+    def refuse_the_temporary_directory(source, target):
+        if ".tmp-" in str(source):
+            raise PermissionError(13, "Permission denied", str(source), None, str(target))
+        rename(source, target)
+
+    monkeypatch.setattr(os, "rename", refuse_the_temporary_directory)
+    with pytest.raises(RunFailure, match=r"cannot rename .*\.tmp-\d+ to .*step_000001: permission"):
+        _save(tmp_path, 1, model2, opt2, derived)  # a run resumed from before step 1 saves it again
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
+    _assert_loads_step_1(tmp_path, model1)

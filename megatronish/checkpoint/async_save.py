@@ -12,7 +12,9 @@ so that training waits only while the state is copied.
     complete  (training thread, every rank at the same point; collectives): waits for this
               rank's writer, then steps 2 and 3 of the protocol: the ranks agree that every
               rank's files are on disk, rank 0 gathers the checksums, writes metadata.json,
-              renames the directory into place, replaces `latest` and prunes.
+              renames the directory into place, replaces `latest` and prunes. A file a
+              writer could not write (a full disk, the file-size limit, a read-only
+              directory) is raised here on every rank as the failing rank's one line.
 
 Only the training thread ever calls a collective, so the saves never interleave with the
 training's collectives on a process group. Until `complete` renames it, a save is a *.tmp-*

@@ -1,6 +1,6 @@
 """Saving a checkpoint, atomically, from every rank of a run.
 
-Protocol (each step ends with an agreement: an all-reduce of a failure flag, so a rank that
+Protocol (each step ends with an agreement: an all-gather of the ranks' failures, so a rank that
 fails makes every rank raise instead of leaving the others waiting in a barrier):
   1. rank 0 creates <dir>/step_NNNNNN.tmp-<pid of rank 0> (the pid is broadcast);
   2. every rank writes its files there, fsyncs them and keeps their CRC-32C: dp x cp rank 0 of
@@ -12,10 +12,12 @@ fails makes every rank raise instead of leaving the others waiting in a barrier)
      lists every file with its size and CRC-32C), fsyncs, renames the directory to
      step_NNNNNN, replaces `latest` atomically, then deletes checkpoints beyond
      checkpoint.keep and leftovers of interrupted saves.
-A crash at any point leaves `latest` naming the previous complete checkpoint. save_checkpoint
-runs the three steps at once; checkpoint.async_save runs step 1 and the copy of the state at the
-save, step 2's writing in a background thread, and the rest at a later step (open_save,
-complete_save).
+A crash at any point leaves `latest` naming the previous complete checkpoint. A file the system
+refuses to write or rename (a full disk or quota, the file-size limit, a directory made
+read-only) fails the save on every rank with the failing rank's one line (files.write_failures),
+once rank 0 has removed the temporary directory. save_checkpoint runs the three steps at once;
+checkpoint.async_save runs step 1 and the copy of the state at the save, step 2's writing in a
+background thread, and the rest at a later step (open_save, complete_save).
 """
 
 from __future__ import annotations
@@ -51,11 +53,12 @@ from megatronish.checkpoint.format import (
     saved_tensors,
     step_dir_name,
 )
-from megatronish.checkpoint.integrity import CHECKSUM_KEY, checksum_text
+from megatronish.checkpoint.integrity import CHECKSUM_KEY, checksum_text, first_message_of_ranks
 from megatronish.config import Config, Derived
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
-from megatronish.files import fsync_path, write_text_atomic
+from megatronish.errors import ReportedError, RunFailure
+from megatronish.files import fsync_path, write_failures, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,11 @@ def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo | None:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """One shard file, flushed to disk; returns the CRC-32C of the bytes written."""
+    """One shard file, flushed to disk; returns the CRC-32C of the bytes written. A write the
+    system refuses is a RunFailure naming the file (files.write_failures)."""
     cpu = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
     data = serialize(cpu, metadata={"format": "pt", "writer": FORMAT})
-    with open(path, "wb") as handle:
+    with write_failures(path, len(data)), open(path, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
@@ -215,25 +219,35 @@ def finalize(
             info[CHECKSUM_KEY] = checksums[child.name]
             meta["files"][child.name] = info
     if tokenizer is not None and tokenizer.file is not None:
-        shutil.copyfile(tokenizer.file, tmp / TOKENIZER_FILE)
-        fsync_path(tmp / TOKENIZER_FILE)
+        with write_failures(tmp / TOKENIZER_FILE, tokenizer.file.stat().st_size):
+            shutil.copyfile(tokenizer.file, tmp / TOKENIZER_FILE)
+            fsync_path(tmp / TOKENIZER_FILE)
     for name, text in (
         (CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False)),
         (METADATA_FILE, metadata_json(meta)),
     ):
-        with open(tmp / name, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        data = text.encode("utf-8")
+        with write_failures(tmp / name, len(data)), open(tmp / name, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-    fsync_path(tmp)
     final = directory / step_dir_name(meta["step"])
     aside = None
-    if final.exists():  # the same step saved before (a run resumed from an older checkpoint)
-        aside = directory / f"{final.name}.old-{os.getpid()}"
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    fsync_path(directory)
-    write_text_atomic(directory / LATEST_FILE, final.name + "\n")
+    with write_failures(tmp):
+        fsync_path(tmp)
+        if final.exists():  # the same step saved before (a run resumed from an older checkpoint)
+            aside = directory / f"{final.name}.old-{os.getpid()}"
+            os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if aside is not None:  # the earlier save of this step stays where it was
+                os.rename(aside, final)
+            raise
+        fsync_path(directory)
+    pointer = final.name + "\n"
+    with write_failures(directory / LATEST_FILE, len(pointer)):
+        write_text_atomic(directory / LATEST_FILE, pointer)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     prune(directory, keep, final)
@@ -252,14 +266,28 @@ def prune(directory: Path, keep: int, current: Path) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
-def _agree(error: BaseException | None, ps: ParallelState, what: str) -> None:
-    """Raises on every rank if any rank failed (this rank's own exception where it failed)."""
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=ps.device)
-    comm.all_reduce(failed, None, op=dist.ReduceOp.MAX)
-    if error is not None:
+def _agree(error: BaseException | None, ps: ParallelState, what: str, tmp: Path) -> None:
+    """Raises on every rank if any rank failed (an all-gather of the ranks' messages), rank 0
+    first removing the save's temporary directory `tmp`. A ReportedError (a file the system
+    refused: write_failures) is the first failing rank's one line, raised on every rank as a
+    RunFailure that rank 0 prints; any other exception is raised, with its traceback, where it
+    happened, and on the other ranks is a RunFailure naming that rank."""
+    message = None
+    if isinstance(error, ReportedError):
+        message = str(error)
+    elif error is not None:
+        message = (
+            f"checkpoint save failed on rank {ps.rank} (while it tried to {what}): "
+            f"{type(error).__name__}: {error}"
+        )
+    first = first_message_of_ranks(message, ps.world_size)
+    if first is None:
+        return
+    if ps.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None and not isinstance(error, ReportedError):
         raise error
-    if int(failed.item()):
-        raise RuntimeError(f"checkpoint save failed on another rank (while it tried to {what})")
+    raise RunFailure(first, rank0_prints=True) from error
 
 
 def save_checkpoint(
@@ -302,13 +330,14 @@ def open_save(directory: Path, step: int, ps: ParallelState) -> Path:
     error: BaseException | None = None
     if ps.is_main:
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        except OSError as exc:
+            with write_failures(tmp):
+                directory.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir()
+        except RunFailure as exc:
             error = exc
-    _agree(error, ps, f"create {tmp}")
+    _agree(error, ps, f"create {tmp}", tmp)
     return tmp
 
 
@@ -331,7 +360,7 @@ def complete_save(
     """Steps 2 (its end) and 3 of the protocol, every rank once its files are written (or
     `error` stopped it): the ranks agree that every rank's files are on disk, rank 0 gathers
     their `checksums` and finalizes. Returns the step directory."""
-    _agree(error, ps, f"write its files into {tmp}")
+    _agree(error, ps, f"write its files into {tmp}", tmp)
     if ps.world_size > 1:
         parts: list = [None] * ps.world_size
         dist.all_gather_object(parts, checksums)
@@ -355,5 +384,5 @@ def complete_save(
             finalize(directory, tmp, meta, cfg, tokenizer, keep, checksums)
         except Exception as exc:  # noqa: BLE001
             error = exc
-    _agree(error, ps, "finish the save")
+    _agree(error, ps, "finish the save", tmp)
     return directory / step_dir_name(step)

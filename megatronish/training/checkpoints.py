@@ -5,13 +5,14 @@ which) and starting from Hugging Face weights."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from torch import nn
 from tqdm import tqdm
 
 from megatronish.checkpoint.async_save import AsyncSaver
-from megatronish.checkpoint.format import complete_steps
+from megatronish.checkpoint.format import complete_steps, find_latest
 from megatronish.checkpoint.integrity import CorruptCheckpoint, first_message_of_ranks
 from megatronish.checkpoint.load import restore_model, restore_optimizer, restore_rng
 from megatronish.checkpoint.reader import Checkpoint
@@ -19,7 +20,7 @@ from megatronish.checkpoint.save import save_checkpoint, tokenizer_of_dataset
 from megatronish.config import Config
 from megatronish.data import BatchLoader
 from megatronish.errors import UserError
-from megatronish.files import write_text_atomic
+from megatronish.files import free_space, size_text, write_text_atomic
 from megatronish.optim.optimizer import Optimizer
 from megatronish.training.faults import StepVerdict
 from megatronish.training.resume import auto_choice, checkpoint_dir, resume_path
@@ -35,6 +36,8 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
     choice = auto_choice(cfg, path)
     if choice is not None and ps.is_main:
         print(choice, flush=True)
+    if ps.is_main and cfg.checkpoint.save:
+        warn_if_short_of_space(checkpoint_dir(cfg), path or find_latest(checkpoint_dir(cfg)))
     if path is None:
         if cfg.checkpoint.init_from_hf:
             from megatronish.checkpoint.hf import init_from_hf
@@ -57,6 +60,24 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
                 flush=True,
             )
     return ckpt.step
+
+
+def warn_if_short_of_space(directory: Path, last: Path | None) -> None:
+    """Prints the one-line warning that `directory` (checkpoint.dir) has less free space than
+    checkpoint `last` (the one resumed from, else the newest there; None: nothing to compare)
+    takes on disk, so the run's next save will fail."""
+    if last is None:
+        return
+    needed = sum(child.stat().st_size for child in last.iterdir() if child.is_file())
+    where, free = free_space(directory)
+    if free < needed:
+        print(
+            f"warning: checkpoint.dir {directory} has {size_text(free)} free, less than the "
+            f"last checkpoint's {size_text(needed)} ({last.name}): the next save will fail; "
+            f"free space on {where} or set checkpoint.dir to another disk",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _restore(s: Setup, path: Path, model: nn.Module, optimizer: Optimizer) -> Checkpoint:
