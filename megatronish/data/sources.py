@@ -116,9 +116,16 @@ def open_megatron(
     largest = check_token_ids(data, vocab_size, "model.vocab_size")
     flags = split_flags(data.n_docs, split or "1,0,0")
     return TokenSource(
-        prefix, "megatron", data.tokens, data.offsets, flags, vocab_size, eod_id, data.sha256,
+        prefix,
+        "megatron",
+        data.tokens,
+        data.offsets,
+        flags,
+        vocab_size,
+        eod_id,
+        data.sha256,
         max_token_id=largest,
-    )  # fmt: skip
+    )
 
 
 def open_source(
