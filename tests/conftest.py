@@ -28,11 +28,15 @@ CONFIGS = REPO / "configs"
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory):
     """The built-in corpus is prepared once per session into a temporary cache, which the CLI
-    subprocesses inherit through the environment."""
+    subprocesses inherit through the environment. It is prepared here, before any test, so no
+    command a test runs prints the line that says it prepares it."""
+    from megatronish.data import builtin_dataset_dir
+
     if "MEGATRONISH_TEST_CACHE" in os.environ:
         os.environ["MEGATRONISH_CACHE"] = os.environ["MEGATRONISH_TEST_CACHE"]
     else:
         os.environ["MEGATRONISH_CACHE"] = str(tmp_path_factory.mktemp("megatronish-cache"))
+    builtin_dataset_dir()
     yield
 
 

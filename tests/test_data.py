@@ -31,6 +31,7 @@ from megatronish.data import corpus as corpus_module
 from megatronish.data import prepare as prepare_module
 from megatronish.data.corpus import builtin_files
 from megatronish.errors import UserError
+from tests.conftest import invoke_cli
 
 UNICODE_TEXTS = [
     "",
@@ -396,7 +397,7 @@ def test_builtin_dataset_is_prepared_once_and_shared_by_concurrent_callers(tmp_p
         subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env, text=True)
         for _ in range(2)
     ]
-    outputs = [proc.communicate(timeout=120)[0].strip() for proc in procs]
+    outputs = [proc.communicate(timeout=120)[0].strip().splitlines()[-1] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0]
     assert outputs[0] == outputs[1]
     assert os.listdir(tmp_path / "cache") == [Path(outputs[0]).name]  # no staging left
@@ -412,6 +413,36 @@ def test_builtin_dataset_is_prepared_once_and_shared_by_concurrent_callers(tmp_p
     assert meta["val_docs"] >= 1
     (directory / "tokens.bin").write_bytes(b"")  # damaged: rebuilt on the next call
     assert read_metadata(builtin_dataset_dir())["sha256"] == meta["sha256"]
+
+
+def test_the_run_that_prepares_the_builtin_corpus_says_so_in_one_line_on_rank_0_only(
+    tmp_path, monkeypatch, capsys
+):
+    sets = ["model.n_layer=1", "model.d_model=32", "model.max_seq_len=16", "train.seq_len=16"]
+    sets += ["train.steps=1", "train.eval_every=0", "checkpoint.save=false"]
+    sets += [f"run.out_dir={tmp_path / 'run'}"]
+    env = {"MEGATRONISH_CACHE": str(tmp_path / "cache")}
+    args = ["train", "--config", "configs/tiny.yaml", *(a for s in sets for a in ("--set", s))]
+    said = []
+    for _ in range(2):
+        result = invoke_cli(*args, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        said.append([x for x in result.stdout.splitlines() if x.startswith("preparing the")])
+    (directory,) = (tmp_path / "cache").iterdir()
+    _, files = builtin_files()
+    mb = sum(f.stat().st_size for f in files) / 1e6
+    assert said == [
+        [
+            "preparing the built-in corpus (the Python standard library's sources: "
+            f"{len(files):,} files, {mb:.1f} MB) into {directory} ..."
+        ],
+        [],  # cached
+    ]
+    monkeypatch.setenv("MEGATRONISH_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("RANK", "1")  # another rank of a torchrun prepares it quietly
+    capsys.readouterr()
+    assert builtin_dataset_dir().parent == tmp_path / "other"
+    assert capsys.readouterr().out == ""
 
 
 # The loader

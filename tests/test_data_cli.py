@@ -4,6 +4,7 @@ in a real process; the error cases run in this one (invoke_cli), for speed."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -189,3 +190,71 @@ def test_truncated_token_file(dataset):
 def test_corrupt_metadata(dataset):
     (dataset / "metadata.json").write_text('{"format": "megatronish-tokens"')
     assert_user_error(read_dataset(dataset), str(dataset / "metadata.json"))
+
+
+# The datasets of one run share a tokenizer
+
+CONFIG = "configs/tiny.yaml"
+TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=4", "model.max_seq_len=16"]
+TINY += ["train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=4"]
+TINY += ["train.steps=2", "train.eval_every=0", "train.eval_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> dict[str, Path]:
+    """One text prepared byte-level, as a BPE, and with that BPE's tokenizer.json (kind file)."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    texts = root / "texts"
+    texts.mkdir()
+    for index in range(5):
+        (texts / f"{index}.txt").write_text(f"document {index} with ünïcode ✓\n" * 20)
+    tokenizers = {"byte": ["byte"], "bpe": ["bpe", "--vocab-size", "300"]}
+    tokenizers["file"] = [str(root / "bpe" / "tokenizer.json")]  # the BPE's, prepared first
+    for name, tokenizer in tokenizers.items():
+        result = invoke_cli(
+            "prepare", "--input", str(texts), "--tokenizer", *tokenizer, "--val-fraction", "0.2",
+            "--output", str(root / name),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    paths = {name: root / name for name in tokenizers}
+    return paths
+
+
+def command(tmp_path: Path, name: str, *sets: str) -> subprocess.CompletedProcess:
+    """`megatronish NAME` of the tiny config with these settings, in this process."""
+    every = [*TINY, f"run.out_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ck'}", *sets]
+    target = ["--checkpoint", str(tmp_path / "ck")] if name == "eval" else ["--config", CONFIG]
+    return run_cli(tmp_path, name, *target, *(a for s in every for a in ("--set", s)))
+
+
+def test_a_blend_of_a_byte_and_a_bpe_dataset_exits_2_naming_both_in_train_and_check(
+    tmp_path, tokenized
+):
+    byte, bpe = tokenized["byte"], tokenized["bpe"]
+    digest = hashlib.sha256((bpe / "tokenizer.json").read_bytes()).hexdigest()
+    vocab = json.loads((bpe / "metadata.json").read_text())["vocab_size"]
+    expected = (
+        f"error: data.blend: {byte} uses tokenizer byte (vocab 257, end of text 256) but {bpe} "
+        f"uses tokenizer bpe:{digest[:12]} (vocab {vocab}, end of text 0); the datasets of one "
+        "run must share a tokenizer"
+    )
+    for name in ("train", "check"):
+        result = command(tmp_path, name, f"data.blend=0.5 {byte} 0.5 {bpe}")
+        assert_user_error(result, str(bpe))
+        assert result.stderr.strip() == expected
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_blend_of_one_tokenizer_trains_and_eval_refuses_data_of_another(tmp_path, tokenized):
+    # The BPE and the dataset prepared with its tokenizer.json are one tokenizer.
+    bpe, file = tokenized["bpe"], tokenized["file"]
+    result = command(tmp_path, "train", f"data.blend=0.5 {bpe} 0.5 {file}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = tmp_path / "ck" / "step_000002" / "tokenizer.json"
+    assert saved.read_bytes() == (bpe / "tokenizer.json").read_bytes()
+    assert command(tmp_path, "eval").returncode == 0
+    mixed = command(tmp_path, "eval", f"data.blend=0.5 {bpe} 0.5 {tokenized['byte']}")
+    assert_user_error(mixed, f"data.blend: {bpe} uses tokenizer bpe:")
+    other = command(tmp_path, "eval", f"data.path={tokenized['byte']}")
+    assert_user_error(other, f"data.path: {tokenized['byte']} uses tokenizer byte")
+    assert f"the checkpoint {tmp_path / 'ck'}" in other.stderr

@@ -114,6 +114,7 @@ def test_a_megatron_core_prefix_trains_in_place_at_tp2_as_at_tp1(tmp_path):
     "sets, key",
     [
         (["model.vocab_size=null", f"data.eod_id={EOD}"], "model.vocab_size"),
+        (["model.vocab_size=null"], "model.vocab_size, data.eod_id: required"),  # both, at once
         ([f"model.vocab_size={VOCAB}"], "data.eod_id"),
         ([f"model.vocab_size={EOD}", "data.eod_id=0"], "model.vocab_size"),  # id EOD too big
         ([f"model.vocab_size={VOCAB}", f"data.eod_id={EOD}", "data.split=9,x"], "data.split"),
@@ -126,6 +127,32 @@ def test_a_prefix_without_what_it_needs_exits_2_naming_the_key(tmp_path, sets, k
     result = invoke_cli("check", "--config", "configs/tiny.yaml", *args)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert key in result.stderr, result.stderr
+
+
+def test_a_prefix_blends_with_a_dataset_of_a_tokenizer_only_at_its_eod_id_and_within_its_ids(
+    tmp_path, dataset
+):
+    rng = np.random.default_rng(0)
+    byte_docs = [np.append(rng.integers(0, 256, 30), 256) for _ in range(5)]
+    write_indexed(tmp_path / "bytes", byte_docs, VOCAB)
+    blend = f"0.5 {dataset} 0.5 {tmp_path / 'bytes'}"
+    plan = resolve_data(None, blend, None, VOCAB, 256)
+    assert plan.tokenizer_source.path == dataset  # what checkpoints record
+    with pytest.raises(UserError) as error:
+        resolve_data(None, blend, None, VOCAB, EOD)
+    assert str(error.value) == (
+        f"data.blend: {dataset} uses tokenizer byte (vocab 257, end of text 256) but "
+        f"{tmp_path / 'bytes'} is a Megatron prefix without a tokenizer (end of text {EOD} from "
+        "data.eod_id, largest id 256); the datasets of one run must share a tokenizer (one "
+        "without its own must share its end-of-text id and vocabulary)"
+    )
+    wide = np.append(rng.integers(0, VOCAB, 30), 256)
+    assert wide.max() >= 257  # ids beyond the byte vocabulary
+    write_indexed(tmp_path / "wide", [wide], VOCAB)
+    with pytest.raises(
+        UserError, match=f"end of text 256 from data.eod_id, largest id {wide.max()}"
+    ):
+        resolve_data(None, f"0.5 {dataset} 0.5 {tmp_path / 'wide'}", None, VOCAB, 256)
 
 
 def test_a_damaged_or_mismatched_prefix_is_a_user_error_naming_the_file(tmp_path):

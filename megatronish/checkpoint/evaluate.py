@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatronish.checkpoint.format import CONFIG_FILE
+from megatronish.checkpoint.format import CONFIG_FILE, TOKENIZER_FILE
 from megatronish.checkpoint.load import build_model
 from megatronish.checkpoint.model_match import model_differences, refuse_other_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState, default_device
 from megatronish.errors import UserError
+
+if TYPE_CHECKING:
+    from megatronish.data.sources import TokenSource
 
 
 @torch.no_grad()
@@ -48,6 +51,7 @@ def evaluate_checkpoint(
         "drop --set {key}={wanted}: eval runs the model the checkpoint was trained with",
     )
     data = resolve_data(d.path, d.blend, d.split, vocab_size, d.eod_id)
+    _check_tokenizer(ckpt, data.sources, "data.blend" if d.blend is not None else "data.path")
     dataset = ", ".join(str(source.path) for source in data.sources)
     if data.vocab_size > ckpt.vocab_size:
         raise UserError(
@@ -89,6 +93,24 @@ def evaluate_checkpoint(
         "perplexity": math.exp(min(val_loss, 700.0)),
         "tokens": tokens,
     }
+
+
+def _check_tokenizer(ckpt: Checkpoint, sources: list[TokenSource], key: str) -> None:
+    """A UserError naming `key` when a dataset's tokenizer is not the one the checkpoint was
+    trained on (where both record one)."""
+    from megatronish.data.tokenizer import same_tokenizer, tokenizer_id, tokenizer_label
+
+    info = ckpt.meta.get("tokenizer")
+    trained = tokenizer_id(str(info.get("kind")), ckpt.dir / TOKENIZER_FILE) if info else None
+    for source in sources:
+        if trained is None or source.tokenizer is None:
+            continue
+        if not same_tokenizer(trained, source.tokenizer):
+            raise UserError(
+                f"{key}: {source.path} {source.tokenizer_words()} but the checkpoint {ckpt.dir} "
+                f"was trained on tokenizer {tokenizer_label(trained)}; evaluate it on data of "
+                "that tokenizer"
+            )
 
 
 def _other_data(overrides: tuple[str, ...]) -> tuple[str, ...]:

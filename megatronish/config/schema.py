@@ -188,7 +188,8 @@ class DataConfig:
     blend: str | list | None = None
     """Datasets mixed by sampling proportion, instead of data.path: Megatron's "0.3 PATH_A 0.7
     PATH_B" or a YAML list of {path, weight}. Weights are positive and normalized; each
-    dataset's share of the samples follows its weight, whatever its size."""
+    dataset's share of the samples follows its weight, whatever its size. The datasets must
+    share a tokenizer."""
     split: str | None = None
     """Ratios "969,30,1": train, validation and test shares of the documents of a dataset
     without a split of its own (a Megatron prefix), in contiguous runs as Megatron splits.

@@ -4,7 +4,8 @@ Cache root: $MEGATRONISH_CACHE, else ~/.cache/megatronish. The dataset directory
 the Python version and a hash of the standard library's file list (paths and sizes), so another
 interpreter or an upgraded one gets its own. Several processes (the ranks of one run) may call
 builtin_dataset_dir() at once: each prepares into its own staging directory and renames it into
-place; a rename that loses the race is discarded and the winner's dataset is used.
+place; a rename that loses the race is discarded and the winner's dataset is used. The process
+that prepares it says so in one line on stdout (global rank 0 only, under torchrun).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def builtin_dataset_dir() -> Path:
     """The built-in corpus (byte tokenizer) as a dataset directory, prepared on first use."""
     root, files = builtin_files()
     key = hashlib.sha256(f"format {FORMAT_VERSION} byte val {BUILTIN_VAL_FRACTION}\n".encode())
-    for path in files:
-        key.update(f"{path.relative_to(root).as_posix()} {path.stat().st_size}\n".encode())
+    sizes = [path.stat().st_size for path in files]
+    for path, size in zip(files, sizes, strict=True):
+        key.update(f"{path.relative_to(root).as_posix()} {size}\n".encode())
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     target = cache_root() / f"stdlib-py{version}-{key.hexdigest()[:16]}"
     if target.is_dir():
@@ -54,6 +56,12 @@ def builtin_dataset_dir() -> Path:
             f"{target.parent}: cannot create the dataset cache ({exc.strerror}); "
             f"set {CACHE_ENV} to a writable directory"
         ) from None
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"preparing the built-in corpus (the Python standard library's sources: "
+            f"{len(files):,} files, {sum(sizes) / 1e6:.1f} MB) into {target} ...",
+            flush=True,
+        )
     corpus = Corpus([Source(p, explicit=False) for p in files], [str(root)], is_builtin=True)
     try:
         write_dataset(corpus, staging, TokenizerChoice("byte"), BUILTIN_VAL_FRACTION, BUILTIN_SEED)

@@ -127,9 +127,11 @@ def read_indexed(prefix: Path) -> IndexedDataset:
     return IndexedDataset(prefix, tokens, offsets, digest.hexdigest())
 
 
-def check_token_ids(data: IndexedDataset, vocab_size: int, key: str) -> None:
-    """UserError naming the .bin and `key` for an id outside [0, vocab_size)."""
+def check_token_ids(data: IndexedDataset, vocab_size: int, key: str) -> int:
+    """The largest id of the prefix (-1: no tokens); UserError naming the .bin and `key` for an
+    id outside [0, vocab_size)."""
     chunk_len = 1 << 24
+    largest = -1
     for start in range(0, len(data.tokens), chunk_len):
         chunk = data.tokens[start : start + chunk_len]
         bad = (chunk >= vocab_size) | (chunk < 0)
@@ -139,6 +141,8 @@ def check_token_ids(data: IndexedDataset, vocab_size: int, key: str) -> None:
                 f"{bin_path(data.prefix)}: token id {int(data.tokens[index])} at index {index} is "
                 f"outside [0, {key} {vocab_size}); set {key} above the largest id"
             )
+        largest = max(largest, int(chunk.max()))
+    return largest
 
 
 def write_indexed(prefix: Path, documents: Iterable[np.ndarray], vocab_size: int) -> int:

@@ -8,6 +8,11 @@ for an SFT dataset, loss_mask uint8 [n_tokens] (1: the token counts in the loss 
 A prepared directory keeps the split `prepare` drew; a Megatron prefix has none of its own and
 takes data.split: contiguous runs of documents in the ratios "train,validation,test", as
 megatron-core splits (default "1,0,0": every document trains).
+
+The datasets of one run share a tokenizer (check_shared_tokenizer): a prepared directory's is
+named by tokenizer_id (byte, or the hash of its tokenizer.json); a dataset without one of its
+own (a Megatron prefix, or a directory converted from one) joins others only when it ends
+documents with their end-of-text id and its ids lie in their vocabulary.
 """
 
 from __future__ import annotations
@@ -21,8 +26,15 @@ from typing import Any
 import numpy as np
 
 from megatronish.data.cache import resolve_dataset
-from megatronish.data.dataset import load_documents, open_loss_mask, open_tokens, read_metadata
+from megatronish.data.dataset import (
+    TOKENIZER_FILE,
+    load_documents,
+    open_loss_mask,
+    open_tokens,
+    read_metadata,
+)
 from megatronish.data.indexed import check_token_ids, prefix_of, read_indexed
+from megatronish.data.tokenizer import same_tokenizer, tokenizer_id, tokenizer_label
 from megatronish.errors import UserError
 
 SPLIT_NAMES = ("train", "val", "test")
@@ -42,9 +54,28 @@ class TokenSource:
     sha256: str
     meta: dict[str, Any] | None = None  # a prepared directory's metadata.json
     loss_mask: np.ndarray | None = None  # None: every token counts in the loss
+    tokenizer: str | None = None  # tokenizer_id; None: no tokenizer of its own
+    max_token_id: int | None = None  # the largest id (-1: no tokens; None: not known)
 
     def docs_in(self, split: str) -> int:
         return int(np.count_nonzero(np.asarray(self.split) == SPLIT_NAMES.index(split)))
+
+    def tokenizer_words(self) -> str:
+        """What the dataset's ids are tokens of, as a message says it after the path."""
+        if self.tokenizer is not None:
+            return (
+                f"uses tokenizer {tokenizer_label(self.tokenizer)} (vocab {self.vocab_size}, "
+                f"end of text {self.eot_id})"
+            )
+        if self.kind == "megatron":
+            return (
+                f"is a Megatron prefix without a tokenizer (end of text {self.eot_id} from "
+                f"data.eod_id, largest id {self.max_token_id})"
+            )
+        return (
+            f"has no tokenizer of its own (end of text {self.eot_id}, largest id "
+            f"{self.max_token_id})"
+        )
 
 
 def open_prepared(directory: str | os.PathLike[str] | None) -> TokenSource:
@@ -55,6 +86,7 @@ def open_prepared(directory: str | os.PathLike[str] | None) -> TokenSource:
     return TokenSource(
         path, "prepared", open_tokens(path, meta), offsets, split, int(meta["vocab_size"]),
         int(meta["eot_id"]), meta["sha256"], meta, open_loss_mask(path, meta),
+        tokenizer_id(meta["tokenizer"]["kind"], path / TOKENIZER_FILE), meta["max_token_id"],
     )  # fmt: skip
 
 
@@ -62,24 +94,37 @@ def open_megatron(
     prefix: Path, vocab_size: int | None, eod_id: int | None, split: str | None
 ) -> TokenSource:
     """A Megatron prefix read in place. It carries no vocabulary, so model.vocab_size and
-    data.eod_id are required; every id is checked against model.vocab_size."""
-    if vocab_size is None:
-        raise UserError(
-            f"model.vocab_size: required for the Megatron prefix {prefix} (it does not record "
-            "its vocabulary); set it to the tokenizer's vocabulary size"
+    data.eod_id are required (a UserError names every one missing); every id is checked against
+    model.vocab_size."""
+    missing = [
+        (key, what)
+        for key, value, what in (
+            ("model.vocab_size", vocab_size, "the tokenizer's vocabulary size"),
+            ("data.eod_id", eod_id, "the tokenizer's end-of-document id"),
         )
-    if eod_id is None:
+        if value is None
+    ]
+    if missing:
         raise UserError(
-            f"data.eod_id: required for the Megatron prefix {prefix}; set it to the tokenizer's "
-            "end-of-document id"
+            f"{', '.join(key for key, _ in missing)}: required for the Megatron prefix {prefix} "
+            f"(it records no tokenizer); set {' and '.join(f'{k} to {w}' for k, w in missing)}"
         )
+    assert vocab_size is not None and eod_id is not None
     if not 0 <= eod_id < vocab_size:
         raise UserError(f"data.eod_id: {eod_id} must be in [0, model.vocab_size {vocab_size})")
     data = read_indexed(prefix)
-    check_token_ids(data, vocab_size, "model.vocab_size")
+    largest = check_token_ids(data, vocab_size, "model.vocab_size")
     flags = split_flags(data.n_docs, split or "1,0,0")
     return TokenSource(
-        prefix, "megatron", data.tokens, data.offsets, flags, vocab_size, eod_id, data.sha256
+        prefix,
+        "megatron",
+        data.tokens,
+        data.offsets,
+        flags,
+        vocab_size,
+        eod_id,
+        data.sha256,
+        max_token_id=largest,
     )
 
 
@@ -140,6 +185,12 @@ class DataPlan:
         return max(s.vocab_size for s in self.sources)
 
     @property
+    def tokenizer_source(self) -> TokenSource:
+        """The dataset whose tokenizer the run's checkpoints record: the first with one of its
+        own (a blend's datasets share it), else the first."""
+        return next((s for s in self.sources if s.tokenizer is not None), self.sources[0])
+
+    @property
     def sft(self) -> bool:
         """Whether a dataset holds SFT examples (a loss mask): packed examples must then never
         see each other, so training and eval use document masks."""
@@ -184,7 +235,37 @@ def resolve_data(
         raise UserError("data.blend: set data.blend or data.path, not both")
     entries = parse_blend(blend)
     sources = [open_source(p, vocab_size, eod_id, split) for p, _ in entries]
+    check_shared_tokenizer(sources)
     return DataPlan(sources, [w for _, w in entries])
+
+
+def check_shared_tokenizer(sources: list[TokenSource]) -> None:
+    """The datasets of a blend must be tokens of one tokenizer: the same tokenizer_id where they
+    have one; a dataset without one of its own must end documents with the others' end-of-text
+    id and hold no id beyond a tokenizer's vocabulary. A UserError naming the first two that
+    differ otherwise."""
+    for index, first in enumerate(sources):
+        for other in sources[index + 1 :]:
+            if _same_tokens(first, other):
+                continue
+            rule = "the datasets of one run must share a tokenizer"
+            if first.tokenizer is None or other.tokenizer is None:
+                rule += " (one without its own must share its end-of-text id and vocabulary)"
+            raise UserError(
+                f"data.blend: {first.path} {first.tokenizer_words()} but {other.path} "
+                f"{other.tokenizer_words()}; {rule}"
+            )
+
+
+def _same_tokens(a: TokenSource, b: TokenSource) -> bool:
+    if a.eot_id != b.eot_id:
+        return False
+    if a.tokenizer is not None and b.tokenizer is not None:
+        return same_tokenizer(a.tokenizer, b.tokenizer)
+    own, bare = (a, b) if b.tokenizer is None else (b, a)
+    if own.tokenizer is None or bare.max_token_id is None:
+        return True
+    return bare.max_token_id < own.vocab_size
 
 
 def parse_blend(spec: Any) -> list[tuple[str, float]]:

@@ -9,6 +9,7 @@ its text, so decode(encode(t)) == t also when t contains it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -144,3 +145,26 @@ def load_tokenizer_file(path: str | Path, name: str = "file") -> HFTokenizer:
             return HFTokenizer(core, eot_id, name=name)
     candidates = ", ".join(EOT_CANDIDATES)
     raise UserError(f"{path}: the tokenizer has no end-of-text token; it needs one of {candidates}")
+
+
+def tokenizer_id(kind: str, file: Path) -> str | None:
+    """What identifies a tokenizer of `kind` (byte, bpe or file; `file` its tokenizer.json):
+    "byte", or "KIND:<sha256 of the file>" (copies of one file are one tokenizer, whichever kind
+    brought it). None: no tokenizer (kind none, or the file is missing)."""
+    if kind == "byte":
+        return "byte"
+    if kind not in ("bpe", "file") or not file.is_file():
+        return None
+    return f"{kind}:{hashlib.sha256(file.read_bytes()).hexdigest()}"
+
+
+def same_tokenizer(a: str, b: str) -> bool:
+    """Whether two tokenizer_id values name one tokenizer (the file's hash decides, not the
+    kind)."""
+    return a.rpartition(":")[2] == b.rpartition(":")[2]
+
+
+def tokenizer_label(identity: str) -> str:
+    """A tokenizer_id as a message shows it: "byte" or "bpe:<first 12 hex digits>"."""
+    kind, _, digest = identity.partition(":")
+    return f"{kind}:{digest[:12]}" if digest else kind

@@ -138,8 +138,8 @@ def _save_args(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLo
     """save_checkpoint's keyword arguments for the run's state now."""
     return dict(
         cfg=s.cfg, derived=s.derived, ps=s.ps, model=model, optimizer=optimizer,
-        loader_state=loader.state_dict(), tokenizer=tokenizer_of_dataset(s.dataset_dir),
-        keep=s.cfg.checkpoint.keep,
+        loader_state=loader.state_dict(),
+        tokenizer=tokenizer_of_dataset(s.data.tokenizer_source.path), keep=s.cfg.checkpoint.keep,
     )  # fmt: skip
 
 

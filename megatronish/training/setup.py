@@ -20,7 +20,7 @@ from megatronish.config import (
 )
 from megatronish.data import BatchLoader
 from megatronish.data.blend import BlendLoader, open_loader
-from megatronish.data.sources import DataPlan, resolve_data, settle_data_config, shared_eod_id
+from megatronish.data.sources import DataPlan, resolve_data, settle_data_config
 from megatronish.distributed.layout import (
     ParallelState,
     default_device,
@@ -75,13 +75,10 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
             f"them with `megatronish launch --config ...` or `torchrun --nproc-per-node {wanted} "
             "-m megatronish train --config ...`"
         )
-    d = cfg.data
     data = run_data(cfg)
     dataset_dir = data.sources[0].path
     data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)
-    if d.document_mask:
-        shared_eod_id(data.sources)
     if cfg.train.eval_every > 0 and data.docs_in("val") == 0:
         raise UserError(
             f"train.eval_every: the dataset {dataset_dir} has no validation documents; prepare "
