@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish.distributed.backend import TORCH, Backend
-from megatronish.distributed.bookkeeping import CommCounter as CommCounter  # counts callers read
+from megatronish.distributed.bookkeeping import CommCounter as CommCounter  # comm.CommCounter
 from megatronish.distributed.bookkeeping import Done, observed
 from megatronish.distributed.shm import shared_memory_backend
 from megatronish.observe.record import Timed
