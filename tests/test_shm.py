@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish.distributed import comm
+from megatronish.distributed.shm import SharedMemoryBackend
 from megatronish.errors import PeerLost
 from tests.distributed import run_on_ranks
 
@@ -30,7 +31,7 @@ def _all_reduce_into(rank, world, group, call, numel):
     comm.all_reduce(in_place, group)
     assert torch.equal(out, in_place)
     assert torch.equal(mine, _values(rank, call, numel, torch.float32))
-    if group in comm._SHARED:
+    if isinstance(comm.backend(group), SharedMemoryBackend):
         assert torch.equal(out, sum(_values(r, call, numel, torch.float32) for r in range(world)))
     return out
 
@@ -39,7 +40,7 @@ def _collectives(rank, world):
     group = dist.new_group(list(range(world)))
     through_gloo = _all_reduce_into(rank, world, group, call=98, numel=1000)
     assert comm.enable_shared_memory(group, timeout_s=60)
-    slot_elems = comm._SHARED[group].slot_bytes // 4
+    slot_elems = comm.backend(group).memory.slot_bytes // 4
     sizes = [1, 7, 1000, 513]
     results = []
     for call in range(40):  # many calls: both sets of slots are reused many times
@@ -103,7 +104,7 @@ def _block_collectives(rank, world, numel):
     for path in ("gloo", "shared memory"):
         if path == "shared memory":
             assert comm.enable_shared_memory(group, timeout_s=60)
-            comm._SHARED[group].slot_bytes = 4 * 1000  # blocks larger than a slot: in pieces
+            comm.backend(group).memory.slot_bytes = 4 * 1000  # blocks larger than a slot: in pieces
         block = slice(rank * numel // world, (rank + 1) * numel // world)
         for async_op in (False, True):
             whole = _values(rank, 7, numel, torch.float32)

@@ -1,68 +1,25 @@
-"""Every collective the project runs goes through these wrappers, which count its bytes and
-record it in the flight recorder (megatronish.observe.record: its sequence number on its
-group, start and end, and the time this rank waited in it).
+"""Every collective the project runs: what each one moves and what it counts as on the wire.
 
-A ``CommCounter`` used as a context manager records, for each collective issued inside it, the
-payload size and the bytes this rank sends under the ring algorithm NCCL and gloo use for large
-messages: all-reduce 2 (n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x the full
-tensor, broadcast (n-1)/n x payload. Tests and the benchmark compare these counts with the
-analytic formula.
+Each collective runs on its group's backend (megatronish.distributed.backend: torch.distributed,
+or shared memory for a group that ``enable_shared_memory`` turned it on for) inside
+megatronish.distributed.bookkeeping.observed, which counts its bytes in every active
+``CommCounter`` and records it in the flight recorder and the profiler. On a group of one rank
+a collective moves nothing and is neither counted nor recorded.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections import defaultdict
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
-from megatronish.distributed import shm
-from megatronish.distributed.shm import SharedMemoryGroup
-from megatronish.observe.profile import comm_range
-from megatronish.observe.record import RECORDER, Timed
+from megatronish.distributed.backend import TORCH, Backend
+from megatronish.distributed.bookkeeping import CommCounter as CommCounter  # comm.CommCounter
+from megatronish.distributed.bookkeeping import Done, observed
+from megatronish.distributed.shm import shared_memory_backend
+from megatronish.observe.record import Timed
 
-_ACTIVE: list[CommCounter] = []
-# Groups whose ranks share one host and exchange through shared memory (distributed.shm).
-_SHARED: dict[dist.ProcessGroup, SharedMemoryGroup] = {}
-
-
-class _Done:
-    """The work handle of a collective that has already completed."""
-
-    def wait(self) -> bool:
-        return True
-
-
-@dataclass
-class CommCounter:
-    """Bytes and calls per collective kind while active (``with CommCounter() as c:``)."""
-
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    sent_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-
-    def __enter__(self) -> CommCounter:
-        _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _ACTIVE.remove(self)
-
-    def record(self, kind: str, payload: int, sent: float) -> None:
-        self.calls[kind] += 1
-        self.payload_bytes[kind] += payload
-        self.sent_bytes[kind] += sent
-
-    @property
-    def total_sent(self) -> float:
-        return sum(self.sent_bytes.values())
-
-    @property
-    def total_payload(self) -> int:
-        return sum(self.payload_bytes.values())
+# Groups whose collectives do not run on TORCH (their ranks share one host: shared memory).
+_BACKENDS: dict[dist.ProcessGroup, Backend] = {}
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -79,79 +36,28 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
-@contextlib.contextmanager
-def _recorded(op: str, group, tensor: torch.Tensor):
-    """The body is a synchronous collective: a flight-recorder entry (its whole span is this
-    rank's wait) and, while profiling, a range named after it."""
-    entry = RECORDER.begin(op, group, tensor)
-    with comm_range(op, entry.group):
-        yield
-    RECORDER.end(entry, entry.start)
-
-
-def _issue(kind: str, group, tensor: torch.Tensor, async_op: bool, start):
-    """Runs start(async_op), which issues the collective `kind` on tensor: synchronously inside a
-    flight-recorder span, or asynchronously, returning a handle whose wait() closes the span
-    (start may return None for a collective it finished at once)."""
-    if not async_op:
-        with _recorded(kind, group, tensor):
-            start(False)
-        return None
-    entry = RECORDER.begin(kind, group, tensor)
-    with comm_range(kind, entry.group):
-        work = start(True)
-    return Timed(work or _Done(), entry)
-
-
-def _record(kind: str, payload: int, factor: float) -> None:
-    for counter in _ACTIVE:
-        counter.record(kind, payload, payload * factor)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def backend(group: dist.ProcessGroup | None) -> Backend:
+    """The backend group's collectives run on."""
+    return _BACKENDS.get(group, TORCH)
 
 
 def enable_shared_memory(group: dist.ProcessGroup, timeout_s: float) -> bool:
     """Lets group's collectives go through shared memory when all its ranks can (they decide
-    together, so none waits on a path the others skip). Every rank of group calls this."""
-    ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    vote = torch.tensor([1 if shm.usable(group, ranks_per_host) else 0])
-    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
-    if int(vote):
-        _SHARED[group] = SharedMemoryGroup(group, timeout_s)
-    return bool(int(vote))
+    together, so none waits on a path the others skip); returns whether they do. Every rank of
+    group calls this; `timeout_s` bounds every wait for the other ranks."""
+    shared = shared_memory_backend(group, timeout_s)
+    if shared is not None:
+        _BACKENDS[group] = shared
+    return shared is not None
 
 
 def disable_shared_memory() -> None:
     """Forgets every shared-memory group (before the process groups are destroyed)."""
-    _SHARED.clear()
+    _BACKENDS.clear()
 
 
-def _shared(group, tensor: torch.Tensor, op) -> SharedMemoryGroup | None:
-    """group's shared-memory path when it can reduce tensor with op, else None (gloo)."""
-    shared = _SHARED.get(group)
-    if shared is None or not tensor.is_contiguous():
-        return None
-    return shared if op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX) else None
-
-
-def _all_reduce(tensor, group, op, async_op):
-    shared = _shared(group, tensor, op)
-    if shared is not None:
-        return shared.all_reduce(tensor, op, async_op=async_op)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-
-def _all_reduce_into(output, tensor, group) -> None:
-    """output <- the sum of tensor over group (shared memory writes it there directly; gloo
-    reduces a copy in place)."""
-    shared = _shared(group, tensor, dist.ReduceOp.SUM)
-    if shared is not None and output.is_contiguous():
-        shared.all_reduce(tensor, dist.ReduceOp.SUM, out=output)
-        return
-    output.copy_(tensor)
-    dist.all_reduce(output, group=group)
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def all_reduce(
@@ -164,9 +70,15 @@ def all_reduce(
     n = group_size(group)
     if n == 1:
         return None
-    _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
-    return _issue(
-        "all_reduce", group, tensor, async_op, lambda a: _all_reduce(tensor, group, op, a)
+    payload = _nbytes(tensor)
+    return observed(
+        "all_reduce",
+        group,
+        tensor,
+        payload,
+        payload * (2 * (n - 1) / n),
+        lambda a: backend(group).all_reduce(tensor, group, op, a),
+        async_op,
     )
 
 
@@ -178,24 +90,33 @@ def all_reduce_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
     if n == 1:
         output.copy_(tensor)
         return
-    _record("all_reduce", _nbytes(tensor), 2 * (n - 1) / n)
-    with _recorded("all_reduce", group, tensor):
-        _all_reduce_into(output, tensor, group)
+    payload = _nbytes(tensor)
+    observed(
+        "all_reduce",
+        group,
+        tensor,
+        payload,
+        payload * (2 * (n - 1) / n),
+        lambda _: backend(group).all_reduce_into(output, tensor, group),
+    )
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None):
-    """Gathers each rank's tensor into output [n * tensor.shape[0], ...] (rank order on dim 0)."""
+    """Gathers each rank's tensor into output [n * tensor.shape[0], ...] (rank order on dim 0).
+    Counted as an all_gather of output."""
     n = group_size(group)
     if n == 1:
         output.copy_(tensor)
         return
-    _record("all_gather", _nbytes(output), (n - 1) / n)
-    shared = _SHARED.get(group)
-    with _recorded("all_gather", group, tensor):
-        if shared is not None and shared.fits(tensor) and output.is_contiguous():
-            shared.all_gather_into(output, tensor.contiguous())
-        else:
-            dist.all_gather_single(output, tensor.contiguous(), group=group)
+    payload = _nbytes(output)
+    observed(
+        "all_gather",
+        group,
+        tensor,
+        payload,
+        payload * ((n - 1) / n),
+        lambda _: backend(group).all_gather_into(output, tensor, group),
+    )
 
 
 def reduce_scatter_into(
@@ -206,15 +127,15 @@ def reduce_scatter_into(
     if n == 1:
         output.copy_(tensor)
         return
-    _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
-    with _recorded("reduce_scatter", group, tensor):
-        if dist.get_backend(group) == "gloo":
-            # gloo has no reduce-scatter: all-reduce then keep the local block.
-            full = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            _all_reduce_into(full, tensor.contiguous(), group)
-            output.copy_(full.chunk(n, dim=0)[group_rank(group)])
-        else:
-            dist.reduce_scatter_single(output, tensor.contiguous(), group=group)
+    payload = _nbytes(tensor)
+    observed(
+        "reduce_scatter",
+        group,
+        tensor,
+        payload,
+        payload * ((n - 1) / n),
+        lambda _: backend(group).reduce_scatter_into(output, tensor, group),
+    )
 
 
 def reduce_scatter_in_place(
@@ -229,24 +150,16 @@ def reduce_scatter_in_place(
     n = group_size(group)
     if n == 1:
         return None
-    _record("reduce_scatter", _nbytes(tensor), (n - 1) / n)
-    return _issue(
+    payload = _nbytes(tensor)
+    return observed(
         "reduce_scatter",
         group,
         tensor,
+        payload,
+        payload * ((n - 1) / n),
+        lambda a: backend(group).reduce_scatter_in_place(tensor, group, a),
         async_op,
-        lambda a: _reduce_scatter_in_place(tensor, group, n, a),
     )
-
-
-def _reduce_scatter_in_place(tensor, group, n: int, async_op: bool):
-    shared = _shared(group, tensor, dist.ReduceOp.SUM)
-    if shared is not None:
-        return shared.reduce_scatter(tensor, async_op=async_op)
-    if dist.get_backend(group) == "gloo":
-        return dist.all_reduce(tensor, group=group, async_op=async_op)
-    block = tensor.chunk(n)[group_rank(group)]
-    return dist.reduce_scatter_single(block, tensor, group=group, async_op=async_op)
 
 
 def all_gather_in_place(
@@ -259,21 +172,16 @@ def all_gather_in_place(
     n = group_size(group)
     if n == 1:
         return None
-    _record("all_gather", _nbytes(tensor), (n - 1) / n)
-    return _issue(
-        "all_gather", group, tensor, async_op, lambda a: _all_gather_in_place(tensor, group, n, a)
+    payload = _nbytes(tensor)
+    return observed(
+        "all_gather",
+        group,
+        tensor,
+        payload,
+        payload * ((n - 1) / n),
+        lambda a: backend(group).all_gather_in_place(tensor, group, a),
+        async_op,
     )
-
-
-def _all_gather_in_place(tensor, group, n: int, async_op: bool):
-    block = tensor.chunk(n)[group_rank(group)]
-    shared = _SHARED.get(group)
-    if shared is not None and tensor.is_contiguous():
-        shared.all_gather_blocks(tensor)
-        return None
-    if dist.get_backend(group) == "gloo":
-        block = block.clone()  # gloo's gather must not read what it writes
-    return dist.all_gather_single(tensor, block, group=group, async_op=async_op)
 
 
 def all_to_all(
@@ -292,13 +200,15 @@ def all_to_all(
         output.copy_(tensor)
         return
     row = _nbytes(tensor[:1]) if tensor.shape[0] else 0
-    kept = input_splits[group_rank(group)]
-    for counter in _ACTIVE:
-        counter.record("all_to_all", _nbytes(tensor), float((tensor.shape[0] - kept) * row))
-    with _recorded("all_to_all", group, tensor):
-        dist.all_to_all_single(
-            output, tensor.contiguous(), output_splits, input_splits, group=group
-        )
+    leaving = tensor.shape[0] - input_splits[group_rank(group)]
+    observed(
+        "all_to_all",
+        group,
+        tensor,
+        _nbytes(tensor),
+        float(leaving * row),
+        lambda _: backend(group).all_to_all(output, tensor, output_splits, input_splits, group),
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
@@ -306,9 +216,15 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -
     n = group_size(group)
     if n == 1:
         return
-    _record("broadcast", _nbytes(tensor), (n - 1) / n)
-    with _recorded("broadcast", group, tensor):
-        dist.broadcast(tensor, src=src, group=group)
+    payload = _nbytes(tensor)
+    observed(
+        "broadcast",
+        group,
+        tensor,
+        payload,
+        payload * ((n - 1) / n),
+        lambda _: backend(group).broadcast(tensor, src, group),
+    )
 
 
 def start_exchange(
@@ -317,32 +233,24 @@ def start_exchange(
     group: dist.ProcessGroup | None = None,
     kind: str = "p2p",
     tag: int = 0,
-) -> Timed | _Done:
+) -> Timed | Done:
     """Posts sends of each (tensor, global peer rank) and receives into each (buffer, global
     peer rank) together, over group (None: the default group), and returns at once; the
     caller computes meanwhile and calls wait() before it reads a buffer or changes a sent
-    tensor. Counted under `kind`: the bytes sent."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, buffer, peer, group, tag) for buffer, peer in recvs]
-    if not ops:
-        return _Done()
-    for tensor, _ in sends:
-        _record(kind, _nbytes(tensor), 1.0)
-    entry = RECORDER.begin(kind, group, (sends or recvs)[0][0])
-    with comm_range(kind, entry.group):
-        works = dist.batch_isend_irecv(ops)
-    return Timed(_Works(works), entry)
-
-
-class _Works:
-    """Point-to-point works posted together; wait() waits for all of them."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+    tensor. Counted under `kind`: one call per send, the bytes sent."""
+    if not sends and not recvs:
+        return Done()
+    payload = sum(_nbytes(tensor) for tensor, _ in sends)
+    return observed(
+        kind,
+        group,
+        (sends or recvs)[0][0],
+        payload,
+        float(payload),
+        lambda _: backend(group).exchange(sends, recvs, group, tag),
+        async_op=True,
+        calls=len(sends),
+    )
 
 
 def ring_shift(
@@ -353,20 +261,22 @@ def ring_shift(
     prev_rank: int,
     tag: int = 0,
     kind: str = "p2p",
-) -> Timed | _Done:
+) -> Timed:
     """One step around a ring of group's ranks: starts sending tensor to global rank next_rank
     and receiving prev_rank's tensor into out (contiguous, tensor's shape and dtype), and
     returns at once; wait() before reading out or changing tensor. Batched isend/irecv, or on a
     shared-memory group a published slot (every rank of the group shifts together). Counted
     under `kind`: the bytes sent."""
-    shared = _SHARED.get(group)
-    if shared is not None and shared.fits(tensor) and out.is_contiguous():
-        _record(kind, _nbytes(tensor), 1.0)
-        entry = RECORDER.begin(kind, group, tensor)
-        with comm_range(kind, entry.group):
-            pending = shared.shift(tensor.contiguous(), out)
-        return Timed(pending, entry)
-    return start_exchange([(tensor, next_rank)], [(out, prev_rank)], group, kind, tag)
+    payload = _nbytes(tensor)
+    return observed(
+        kind,
+        group,
+        tensor,
+        payload,
+        float(payload),
+        lambda _: backend(group).shift(tensor, out, group, next_rank, prev_rank, tag),
+        async_op=True,
+    )
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:

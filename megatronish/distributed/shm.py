@@ -14,8 +14,9 @@ Each rank also publishes its pid, so a rank waiting for one that has exited (kil
 and gone) raises PeerLost within PEER_CHECK_S instead of waiting for parallel.timeout_s.
 
 Only x86-64 (whose stores are seen by other cores in program order, so a counter is never seen
-before the data written ahead of it), only contiguous tensors (all-gathers up to the slot size),
-and only SUM and MAX; everything else goes to gloo. MEGATRONISH_SHM=0 turns it off.
+before the data written ahead of it), only contiguous tensors (all-gathers and ring shifts up to
+the slot size), and only SUM and MAX: ``SharedMemoryBackend``, the group's backend in
+megatronish.distributed.comm, leaves everything else to gloo. MEGATRONISH_SHM=0 turns it off.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatronish.distributed.backend import Backend
 from megatronish.distributed.processes import process_alive
 from megatronish.errors import PeerLost
 
@@ -231,6 +233,61 @@ class PendingCall:
         return True
 
 
+class SharedMemoryBackend(Backend):
+    """The collectives of a group whose ranks share one host: through its SharedMemoryGroup
+    (`memory`) what shared memory can take, the rest through gloo (Backend)."""
+
+    def __init__(self, memory: SharedMemoryGroup):
+        self.memory = memory
+
+    def all_reduce(self, tensor: torch.Tensor, group, op, async_op: bool):
+        if tensor.is_contiguous() and op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+            return self.memory.all_reduce(tensor, op, async_op=async_op)
+        return super().all_reduce(tensor, group, op, async_op)
+
+    def all_reduce_into(self, output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+        """output <- the sum of tensor over group, written there directly."""
+        if tensor.is_contiguous() and output.is_contiguous():
+            self.memory.all_reduce(tensor, dist.ReduceOp.SUM, out=output)
+        else:
+            super().all_reduce_into(output, tensor, group)
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+        if self.memory.fits(tensor) and output.is_contiguous():
+            self.memory.all_gather_into(output, tensor)
+        else:
+            super().all_gather_into(output, tensor, group)
+
+    def reduce_scatter_in_place(self, tensor: torch.Tensor, group, async_op: bool):
+        """Combines only this rank's block, in rank order."""
+        if tensor.is_contiguous():
+            return self.memory.reduce_scatter(tensor, async_op=async_op)
+        return super().reduce_scatter_in_place(tensor, group, async_op)
+
+    def all_gather_in_place(self, tensor: torch.Tensor, group, async_op: bool):
+        """Gathers at once (None: nothing left to wait for)."""
+        if tensor.is_contiguous():
+            self.memory.all_gather_blocks(tensor)
+            return None
+        return super().all_gather_in_place(tensor, group, async_op)
+
+    def shift(self, tensor, out, group, next_rank: int, prev_rank: int, tag: int):
+        """A published slot (every rank of the group shifts together), else point-to-point."""
+        if self.memory.fits(tensor) and out.is_contiguous():
+            return self.memory.shift(tensor, out)
+        return super().shift(tensor, out, group, next_rank, prev_rank, tag)
+
+
+def shared_memory_backend(group: dist.ProcessGroup, timeout_s: float) -> SharedMemoryBackend | None:
+    """group's SharedMemoryBackend when all its ranks can use shared memory, else None (they
+    decide together, so none waits on a path the others skip). Every rank of group calls this;
+    `timeout_s` bounds every wait for the other ranks."""
+    ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    vote = torch.tensor([1 if usable(group, ranks_per_host) else 0])
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    return SharedMemoryBackend(SharedMemoryGroup(group, timeout_s)) if int(vote) else None
+
+
 def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -238,7 +295,7 @@ def shm_dir() -> str:
 def usable(group: dist.ProcessGroup, ranks_per_host: int) -> bool:
     """Whether this rank can use shared memory for group: gloo on x86-64, all the group's ranks
     on this host, room for the buffer, and not turned off with MEGATRONISH_SHM=0. (The ranks
-    of the group must agree: see comm.enable_shared_memory.)"""
+    of the group must agree: see shared_memory_backend.)"""
     if os.environ.get("MEGATRONISH_SHM", "1") == "0" or platform.machine() not in (
         "x86_64",
         "AMD64",

@@ -1,5 +1,5 @@
-"""What this rank's collectives and point-to-point operations did, recorded by
-megatronish.distributed.comm.
+"""What this rank's collectives and point-to-point operations did, recorded as
+megatronish.distributed.comm issues them (megatronish.distributed.bookkeeping.observed).
 
 Every operation becomes an `Entry` of the flight recorder (the last `size` of them): its sequence
 number on its group, the op, the group by its mesh name (tp[2,3]: the kind and the global
@@ -34,10 +34,6 @@ _NAMES: dict = {}
 def name_group(group, kind: str, ranks) -> None:
     """Names group for the recorder: kind (tp, cp, dp, pp or world) and its global ranks."""
     _NAMES[group] = (kind, f"{kind}[{','.join(str(r) for r in ranks)}]")
-
-
-def forget_groups() -> None:
-    _NAMES.clear()
 
 
 @dataclass(slots=True)
