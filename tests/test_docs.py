@@ -9,8 +9,8 @@ and `python ...` with this interpreter, this checkout first on PYTHONPATH. The b
 file run in order, in one temporary working directory that holds links to the repository's
 configs/, docs/ and scripts/: an example names `configs/tiny.yaml` as a user in the repository
 root does, and what it writes (`runs/...`, `data/...`) lands in the temporary directory, so a
-later block of the file can read what an earlier one wrote. Only cheap one-process commands are
-marked (see docs/testing.md)."""
+later block of the file can read what an earlier one wrote; the files run side by side. Only
+cheap one-process commands are marked (see docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ import os
 import re
 import shlex
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 from tests.conftest import REPO, finish, start
 
@@ -154,25 +153,36 @@ def broken_links(path: Path) -> list[str]:
     return broken
 
 
-def _runnable_files() -> list[Path]:
-    return [path for path in DOCS if runnable_blocks(path)]
-
-
-@pytest.mark.parametrize("doc", _runnable_files(), ids=lambda p: p.relative_to(REPO).as_posix())
-def test_the_runnable_blocks_of_a_doc_run_as_written(doc, tmp_path):
+def _run_blocks(doc: Path, cwd: Path, env: dict[str, str]) -> str | None:
+    """Runs the runnable blocks of doc in order in cwd; the first failure, or None."""
     for name in LINKED_INTO_THE_WORKING_DIRECTORY:
-        (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
+        (cwd / name).symlink_to(REPO / name, target_is_directory=True)
+    for block in runnable_blocks(doc):
+        if not block.commands:
+            return f"{doc.name}:{block.line}: the marker marks no code block"
+        for command in block.commands:
+            done = finish(start(_argv(command), env, cwd=cwd), COMMAND_TIMEOUT_S)
+            where = f"{doc.name}:{block.line}: {command}"
+            if done.returncode != block.exit_status:
+                return f"{where}: exit {done.returncode}, not {block.exit_status}\n{done.stderr}"
+            if block.exit_status and len(done.stderr.splitlines()) != 1:
+                return f"{where}: not one line on stderr\n{done.stderr}"
+    return None
+
+
+def test_the_runnable_blocks_of_every_doc_run_as_written(tmp_path):
+    """Each file's blocks in a directory of its own, the files side by side (every command is
+    one process), so the test takes about as long as the file with the most commands."""
+    docs = [doc for doc in DOCS if runnable_blocks(doc)]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    for block in runnable_blocks(doc):
-        assert block.commands, f"{doc.name}:{block.line}: the marker marks no code block"
-        for command in block.commands:
-            done = finish(start(_argv(command), env, cwd=tmp_path), COMMAND_TIMEOUT_S)
-            where = f"{doc.name}:{block.line}: {command}"
-            assert done.returncode == block.exit_status, f"{where}\n{done.stderr[-3000:]}"
-            if block.exit_status:
-                assert len(done.stderr.splitlines()) == 1, f"{where}: not one line\n{done.stderr}"
+    cwds = {doc: tmp_path / doc.stem for doc in docs}
+    for cwd in cwds.values():
+        cwd.mkdir()
+    with ThreadPoolExecutor(len(docs)) as pool:
+        failures = [f for f in pool.map(lambda d: _run_blocks(d, cwds[d], env), docs) if f]
+    assert not failures, "\n\n".join(failures)
 
 
 def test_every_runnable_marker_marks_a_code_block():
