@@ -1,4 +1,4 @@
-"""Prints the config reference of the README (a Markdown table per section) from the field
+"""Prints the config reference of docs/config.md (a Markdown table per section) from the field
 declarations and docstrings in megatronish/config/schema.py, so the two never disagree.
 
     python scripts/config_reference.py

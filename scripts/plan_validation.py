@@ -1,4 +1,4 @@
-"""The step-time model against published large runs: prints the README's table (published,
+"""The step-time model against published large runs: prints docs/planning.md's table (published,
 predicted, error per row) from tests/published_runs.py, which holds the rows and their sources
 (Narayanan et al. 2021, Table 1: hardware TFLOP/s per GPU by the paper's eq. (3); Korthikanti
 et al. 2022, Tables 3 and 5: iteration time and MFU).

@@ -95,7 +95,7 @@ def test_from_the_repo_root_export_runs_and_transformers_loads_it_without_shadow
     exported, tmp_path
 ):
     """The repo's kernels/ folder (installed as megatronish_kernels) must not shadow PyPI's
-    `kernels`, which transformers imports: the README's export command and a transformers load
+    `kernels`, which transformers imports: the documented export command and a transformers load
     of its output both run with the repo root as the working directory and first on the path,
     as a user's `python -c` there has it."""
     arch, step_dir, _ = exported

@@ -1,7 +1,7 @@
 """The config schema: one typed dataclass per section, every key of CONTRACT.md a field
-documented where it is declared (scripts/config_reference.py prints the README's reference from
-these docstrings). Loading is in config.load, range checks in config.checks, sizes that follow
-from the values in config.derive."""
+documented where it is declared (scripts/config_reference.py prints the reference in
+docs/config.md from these docstrings). Loading is in config.load, range checks in
+config.checks, sizes that follow from the values in config.derive."""
 
 from __future__ import annotations
 
