@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from megatronish.checkpoint.load import CheckpointModel
+    from megatronish.inference.model import CheckpointModel
 
 
 def load_model(
@@ -18,6 +18,6 @@ def load_model(
     """The model of a checkpoint (a step directory, or a checkpoint.dir whose newest complete
     checkpoint is taken) saved at any layout, re-sharded to one process, in eval mode:
     model(tokens [b, s] int64) -> logits [b, s, vocab_size] over the real vocabulary."""
-    from megatronish.checkpoint.load import load_model as _load_model
+    from megatronish.inference.model import load_model as _load_model
 
     return _load_model(checkpoint_dir, device)

@@ -307,7 +307,7 @@ def eval_command(checkpoint_path, overrides):
     """Validation loss and perplexity of a checkpoint; the last line is one JSON object."""
     import json
 
-    from megatronish.checkpoint.evaluate import evaluate_checkpoint
+    from megatronish.inference.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(checkpoint_path, overrides)
     click.echo(
@@ -330,8 +330,8 @@ def generate(checkpoint_path, prompt, max_new_tokens, temperature, top_k, top_p,
     """Continue a prompt, streaming the text as it is sampled (under torchrun: at tp = ranks)."""
     import os
 
-    from megatronish.checkpoint.generate import Sampling, generate_text
     from megatronish.distributed.layout import world_size_from_env
+    from megatronish.inference.generate import Sampling, generate_text
 
     main_rank = os.environ.get("RANK", "0") == "0"  # torchrun's global rank
 
@@ -371,7 +371,7 @@ def convert(checkpoint_path, tp, output):
 @user_errors
 def export(checkpoint_path, fmt, output):
     """A Hugging Face directory (config.json + model.safetensors) that transformers loads."""
-    from megatronish.checkpoint.hf import export_hf
+    from megatronish.hf.exporter import export_hf
 
     for line in export_hf(checkpoint_path, output):
         click.echo(line)
@@ -384,7 +384,7 @@ def export(checkpoint_path, fmt, output):
 @user_errors
 def import_command(hf_dir, output, overrides):
     """A checkpoint (step 0, weights only) of a Hugging Face GPT-2 or Llama directory."""
-    from megatronish.checkpoint.hf import import_hf
+    from megatronish.hf.importer import import_hf
 
     step_dir, has_tokenizer = import_hf(hf_dir, output, overrides)
     click.echo(f"wrote {step_dir}" + ("" if has_tokenizer else " (no tokenizer found)"))

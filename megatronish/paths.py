@@ -35,6 +35,15 @@ def require_output_dir(path: str | os.PathLike[str], name: str) -> Path:
     return out
 
 
+def require_new_output_dir(path: str | os.PathLike[str], name: str) -> Path:
+    """As require_output_dir, and the directory must not exist yet or be empty (a command that
+    writes a whole new directory, never into another one). Creates nothing."""
+    out = require_output_dir(path, name)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{name} {out}: exists and is not empty; choose a new directory")
+    return out
+
+
 def require_output_file(path: str | os.PathLike[str], name: str) -> Path:
     """Path `path` (given as flag `name`) as a file to write (or replace): not a directory, and
     its directory one that exists or can be made, writable; UserError naming both otherwise.

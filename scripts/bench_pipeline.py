@@ -54,8 +54,9 @@ def _rank(rank: int, pp: int, port: int, cases, args, dataset: str, out) -> None
     """One stage of every case (schedule, v, m): its median schedule and compute seconds and
     the most activations it held."""
     from megatronish.config import derive, load_config
+    from megatronish.data.sources import run_data
     from megatronish.distributed.layout import ParallelState
-    from megatronish.training.setup import Setup, run_data
+    from megatronish.training.setup import Setup
     from megatronish.training.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -75,7 +76,7 @@ def _rank(rank: int, pp: int, port: int, cases, args, dataset: str, out) -> None
             f"data.path={dataset}",
         ]
         cfg = load_config(None, sets)
-        data = run_data(cfg)
+        cfg, data = run_data(cfg)
         derived = derive(cfg, pp, vocab_size=data.vocab_size)
         trainer = Trainer(Setup(cfg, derived, ps, data))
         for _ in range(2):

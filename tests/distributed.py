@@ -36,7 +36,7 @@ PRELOAD = [
     "megatronish.commands.bench",
     "megatronish.checkpoint.load",
     "megatronish.checkpoint.save",
-    "megatronish.checkpoint.generate",
+    "megatronish.inference.generate",
     "tests.distributed",
     "tests.conftest",  # what test modules import (pytest, click's runner, the CLI)
     "tests.parity",  # the training tests' harness

@@ -76,13 +76,14 @@ def make_config(
 def make_trainer(cfg, world: int, dataset: Path, ps=None):
     """A Trainer on the ranks' groups as a launched run builds them (tp and dp through shared
     memory; the previous trainer's shared buffers released)."""
+    from megatronish.data.sources import run_data
     from megatronish.distributed import comm
     from megatronish.distributed.layout import ParallelState, use_shared_memory
-    from megatronish.training.setup import Setup, run_data
+    from megatronish.training.setup import Setup
     from megatronish.training.trainer import Trainer
 
     assert cfg.data.path == str(dataset), "make_config puts the dataset in data.path"
-    data = run_data(cfg)  # as setup() opens it (SFT data: document masks)
+    cfg, data = run_data(cfg)  # as setup() opens it (SFT data: document masks)
     derived = derive(cfg, world, vocab_size=data.vocab_size)
     if ps is None:
         comm.disable_shared_memory()

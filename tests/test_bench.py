@@ -68,14 +68,15 @@ def _count_on_ranks(rank, world, variants, dataset):
     """For each variant: (counted, formula) bytes sent per step and payload bytes per kind."""
     from megatronish.accounting.collectives import formula_payload_by_kind
     from megatronish.commands.bench import time_steps
+    from megatronish.data.sources import run_data
     from megatronish.distributed.layout import ParallelState
-    from megatronish.training.setup import Setup, run_data
+    from megatronish.training.setup import Setup
     from megatronish.training.trainer import Trainer
 
     results = {}
     for name, (tp, dp, overrides) in variants.items():
         cfg = bench_config(tp, dp, overrides, dataset)
-        data = run_data(cfg)
+        cfg, data = run_data(cfg)
         derived = derive(cfg, world, vocab_size=data.vocab_size)
         trainer = Trainer(Setup(cfg, derived, ParallelState.from_world(tp, dp), data))
         result = time_steps(trainer, steps=1, warmup=1)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatronish.checkpoint.hf import export_hf
 from megatronish.data import prepare_dataset
 from megatronish.files import umask
+from megatronish.hf.exporter import export_hf
 from megatronish.observe import flight
 from tests.checkpoints import save_single, tiny_cfg
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from megatronish.checkpoint.generate import Generation, Sampling, StreamDecoder, next_token
-from megatronish.checkpoint.load import build_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.cli import cli
 from megatronish.data import ByteTokenizer
 from megatronish.distributed.layout import ParallelState
+from megatronish.inference.generate import Generation, Sampling, StreamDecoder, next_token
+from megatronish.inference.model import build_model
 from tests.checkpoints import VOCAB, save_single, tiny_cfg, tokens
 from tests.distributed import run_on_ranks
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -14,12 +15,13 @@ import torch
 from click.testing import CliRunner
 
 from megatronish import load_model
-from megatronish.checkpoint.hf import export_hf, import_hf
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import tokenizer_of_dataset
 from megatronish.cli import cli
 from megatronish.data import dataset_vocab_size, load_tokenizer
 from megatronish.errors import UserError
+from megatronish.hf.exporter import export_hf
+from megatronish.hf.importer import import_hf
 from megatronish.training.setup import setup
 from megatronish.training.trainer import Trainer
 from tests.checkpoints import (
@@ -131,6 +133,56 @@ def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):
         assert torch.equal(a, b), name
 
 
+def _copy_of(hf_dir, to, **config_changes):
+    """A copy of an HF directory with config.json's keys changed (None: removed)."""
+    shutil.copytree(hf_dir, to)
+    config = json.loads((to / "config.json").read_text())
+    config.update(config_changes)
+    config = {key: value for key, value in config.items() if value is not None}
+    (to / "config.json").write_text(json.dumps(config))
+    return to
+
+
+def _assert_same_weights(a, b) -> None:
+    for (name, x), y in zip(a.gpt.named_parameters(), b.gpt.parameters(), strict=True):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("exported", ["mixtral"], indirect=True)
+def test_import_finds_the_family_by_architectures_then_by_model_type(exported, tmp_path):
+    _, step_dir, hf_dir = exported
+    by_name = _copy_of(hf_dir, tmp_path / "by-name", model_type="some-fork")
+    by_type = _copy_of(hf_dir, tmp_path / "by-type", architectures=None)
+    for source in (by_name, by_type):
+        import_hf(str(source), str(tmp_path / f"{source.name}-ckpt"))
+        back = load_model(tmp_path / f"{source.name}-ckpt")
+        assert back.config.model.moe.num_experts == 4
+        _assert_same_weights(load_model(step_dir), back)
+    unknown = _copy_of(hf_dir, tmp_path / "unknown", architectures=["X"], model_type="y")
+    with pytest.raises(UserError, match=r"model_type 'y', architectures \['X'\]; .* mixtral"):
+        import_hf(str(unknown), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("exported", ["llama"], indirect=True)
+def test_import_reads_weights_sharded_over_files_by_an_index(exported, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, step_dir, hf_dir = exported
+    sharded = _copy_of(hf_dir, tmp_path / "sharded")
+    tensors = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for index, part in enumerate((names[::2], names[1::2])):
+        file = f"model-{index + 1:05d}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, str(sharded / file))
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    import_hf(str(sharded), str(tmp_path / "back"))
+    _assert_same_weights(load_model(step_dir), load_model(tmp_path / "back"))
+
+
 def test_training_can_start_from_an_hf_directory(exported, tmp_path, small_dataset):
     arch, step_dir, hf_dir = exported
     data = small_dataset
@@ -143,9 +195,12 @@ def test_training_can_start_from_an_hf_directory(exported, tmp_path, small_datas
     ):
         assert torch.equal(got, want), name
     wrong = tiny_cfg(
-        *_cfg_args(arch), "model.n_head=2", "model.n_kv_head=2", f"data.path={data}",
+        *_cfg_args(arch),
+        "model.n_head=2",
+        "model.n_kv_head=2",
+        f"data.path={data}",
         f"checkpoint.init_from_hf={hf_dir}",
-    )  # fmt: skip
+    )
     with pytest.raises(UserError, match=r"config.json: the model has n_head 4, this config 2"):
         Trainer(setup(wrong))
 
@@ -187,9 +242,17 @@ def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):
 def test_an_moe_mixtral_cannot_express_exits_2_with_one_line(extra, key, tmp_path):
     save_single(tmp_path / "ckpt", tiny_cfg("llama", *MOE, *extra), step=0)
     result = CliRunner().invoke(
-        cli, ["export", "--checkpoint", str(tmp_path / "ckpt"), "--format", "hf",
-              "--output", str(tmp_path / "hf")],
-    )  # fmt: skip
+        cli,
+        [
+            "export",
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--format",
+            "hf",
+            "--output",
+            str(tmp_path / "hf"),
+        ],
+    )
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and key in lines[0] and "Traceback" not in result.output

@@ -183,8 +183,8 @@ def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
     from safetensors.torch import load_file
 
     from megatronish import load_model
-    from megatronish.checkpoint.hf import export_hf
     from megatronish.checkpoint.reader import Checkpoint
+    from megatronish.hf.exporter import export_hf
 
     ckpt = Checkpoint(saved_dir / "step_000020")
     assert ckpt.pp == 2 and ckpt.tp == 2

@@ -119,12 +119,13 @@ def test_the_loss_is_the_mean_over_exactly_the_counted_targets_of_the_global_bat
     cfg = make_config(1, 1, 1, MODEL, directory, [f"data.eod_mask_loss={eod_mask_loss}"])
     trainer = make_trainer(cfg, 1, directory, ParallelState.single())
     t = cfg.train
-    whole = BatchLoader(directory, "train", t.seq_len, t.global_batch_size, t.global_batch_size,
-                        0, 1, t.seed)  # fmt: skip
+    size = t.global_batch_size  # the whole global batch in one micro-batch on one rank
+    whole = BatchLoader(directory, "train", t.seq_len, size, size, 0, 1, t.seed)
     tokens = whole.next_step()[0]  # the global batch of step 1, [G, s + 1]
     targets = tokens[:, 1:]
     counted = counted_by_text(tokens, eod_mask_loss)
-    assert cfg.data.document_mask, "SFT data trains with document masks"
+    assert trainer.cfg.data.document_mask, "SFT data trains with document masks"
+    assert not cfg.data.document_mask, "settled in a copy: the caller's config is as it was"
     with torch.no_grad():
         logits = trainer.model(tokens[:, :-1], documents_of(tokens[:, :-1], EOT)).float()
     per_token = torch.nn.functional.cross_entropy(

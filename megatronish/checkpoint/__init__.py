@@ -1,5 +1,5 @@
-"""Checkpoints: sharded, atomic saves; exact resume; re-sharding to any tp; Hugging Face
-export and import; evaluation and generation from a checkpoint.
+"""Checkpoints: sharded, atomic saves; exact resume; re-sharding to any tp. (Hugging Face
+export and import are megatronish.hf; eval, generate and load_model megatronish.inference.)
 
 On disk, a checkpoint directory (checkpoint.dir) holds one directory per saved step and a
 pointer to the newest complete one:

@@ -4,7 +4,6 @@ re-padded for the new tp, RNG states mapped as a resume at the new layout would 
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 from dataclasses import replace
@@ -17,27 +16,23 @@ from megatronish.checkpoint.format import (
     rng_file,
     step_dir_name,
 )
-from megatronish.checkpoint.load import rng_states_for
+from megatronish.checkpoint.load import rng_states_for, single_layout_config
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize, write_safetensors
 from megatronish.config import derive
 from megatronish.errors import UserError
-from megatronish.paths import require_output_dir
+from megatronish.paths import require_new_output_dir
 
 
 def convert_checkpoint(source: str, tp: int, output: str) -> Path:
     """Writes checkpoint `source` (saved at any tp, dp, pp and ZeRO setting) as a checkpoint
     directory `output` at tp ranks, dp 1 and pp 1, and returns its step directory. Resuming from it
     at tp continues exactly as resuming from the source would."""
-    out = require_output_dir(output, "--output")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--output {out}: exists and is not empty; choose a new directory")
+    out = require_new_output_dir(output, "--output")
     ckpt = Checkpoint(source)
     if tp < 1:
         raise UserError(f"--tp {tp}: must be a positive integer")
-    cfg = copy.deepcopy(ckpt.config)
-    cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.pp_layers = tp, None, 1, None
-    cfg.parallel.cp = cfg.parallel.ep = 1
+    cfg = single_layout_config(ckpt.config, tp)
     try:
         derived = derive(cfg, tp, vocab_size=ckpt.vocab_size)
     except UserError as exc:

@@ -1,17 +1,16 @@
 """Loading a checkpoint into a model (at any tp), an optimizer (any dp, ZeRO or not) and the
-RNGs; `load_model`, a checkpoint's model in one process."""
+RNGs; the config a checkpoint's model runs with for inference."""
 
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 from torch import nn
 
 from megatronish.checkpoint.format import all_stage_specs, model_specs
 from megatronish.checkpoint.reader import Checkpoint
-from megatronish.config import Config, derive
+from megatronish.config import Config
 from megatronish.distributed.layout import ParallelState
 from megatronish.moe.experts import is_expert, stored_tensors
 
@@ -96,56 +95,19 @@ def restore_rng(ckpt: Checkpoint, model: nn.Module, ps: ParallelState) -> None:
         model.tracker.set_states(tracker)
 
 
-def inference_config(cfg: Config, vocab_size: int, tp: int) -> Config:
-    """A copy of a checkpoint's config for inference at tp ranks (dp, pp and cp 1): no sequence
-    parallelism, no activation checkpointing, the saved vocab size."""
+def single_layout_config(cfg: Config, tp: int) -> Config:
+    """A copy of a checkpoint's config at tp ranks alone: dp, pp, cp and ep 1."""
     cfg = copy.deepcopy(cfg)
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.pp_layers = tp, None, 1, None
     cfg.parallel.cp = cfg.parallel.ep = 1
+    return cfg
+
+
+def inference_config(cfg: Config, vocab_size: int, tp: int) -> Config:
+    """A copy of a checkpoint's config for inference at tp ranks alone (single_layout_config):
+    no sequence parallelism, no activation checkpointing, the saved vocab size."""
+    cfg = single_layout_config(cfg, tp)
     cfg.parallel.sequence_parallel = False
     cfg.train.activation_checkpointing = "none"
     cfg.model.vocab_size = vocab_size
     return cfg
-
-
-def build_model(ckpt: Checkpoint, ps: ParallelState, cfg: Config | None = None):
-    """A GPT holding the checkpoint's weights at ps's tp degree, in eval mode. cfg defaults to
-    the checkpoint's own config."""
-    from megatronish.model import GPT
-
-    cfg = inference_config(cfg if cfg is not None else ckpt.config, ckpt.vocab_size, ps.tp)
-    derived = derive(cfg, ps.tp, vocab_size=ckpt.vocab_size)
-    model = GPT(cfg, derived, ps)
-    restore_model(ckpt, model)
-    return model.eval()
-
-
-class CheckpointModel(nn.Module):
-    """A checkpoint's GPT at tp = 1 whose forward returns logits over the real vocabulary:
-    tokens [b, s] int64 -> logits [b, s, vocab_size] (the padding columns sliced off)."""
-
-    def __init__(self, gpt: nn.Module, vocab_size: int, step: int, path: str):
-        super().__init__()
-        self.gpt, self.vocab_size, self.step, self.path = gpt, vocab_size, step, path
-
-    @property
-    def config(self) -> Config:
-        return self.gpt.cfg
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.gpt(tokens)[..., : self.vocab_size]
-
-
-def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu") -> CheckpointModel:
-    """The model of a checkpoint (a step directory, or a checkpoint.dir whose newest complete
-    checkpoint is taken), saved at any layout, in eval mode, in this one process (it must not
-    be one rank of a larger initialized process group)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError("load_model runs in one process; this one is a rank of a process group")
-    ckpt = Checkpoint(path)
-    ckpt.check_in_background()  # every file, while the model is built
-    model = build_model(ckpt, ParallelState.single(device))
-    ckpt.verify()
-    return CheckpointModel(model, ckpt.vocab_size, ckpt.step, str(ckpt.dir))

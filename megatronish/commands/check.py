@@ -27,21 +27,21 @@ from megatronish.errors import UserError
 def data_vocab_size(cfg: Config) -> int:
     """The vocabulary of the data a config trains on: its dataset's (read and checked against
     model.vocab_size), or the byte vocabulary of the built-in corpus when data.path is unset."""
-    return _data_facts(cfg)[0]
+    return _data_facts(cfg)[1]
 
 
-def _data_facts(cfg: Config) -> tuple[int, bool]:
-    """(data_vocab_size, whether the data masks the loss: SFT data or data.eod_mask_loss); what
-    the data decides of cfg.data is settled in it, as training does."""
+def _data_facts(cfg: Config) -> tuple[Config, int, bool]:
+    """(cfg as its data settles it, as training settles it (data.sources.run_data);
+    data_vocab_size; whether the data masks the loss: SFT data or data.eod_mask_loss)."""
     from megatronish.data import ByteTokenizer
-    from megatronish.training.setup import run_data
+    from megatronish.data.sources import run_data
 
     d = cfg.data
     if d.path is None and d.blend is None:
-        return ByteTokenizer().vocab_size, d.eod_mask_loss
-    data = run_data(cfg)
+        return cfg, ByteTokenizer().vocab_size, d.eod_mask_loss
+    cfg, data = run_data(cfg)
     check_dataset_vocab(cfg, data.vocab_size, data.sources[0].path)
-    return data.vocab_size, data.sft or d.eod_mask_loss
+    return cfg, data.vocab_size, data.sft or d.eod_mask_loss
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
@@ -62,7 +62,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         check_available()
     if world_size is None:
         world_size = world_size_of(cfg)
-    vocab_size, loss_masked = _data_facts(cfg)
+    cfg, vocab_size, loss_masked = _data_facts(cfg)
     d = derive(cfg, world_size, vocab_size=vocab_size)
     check_resumed_model(cfg, d.vocab_size)  # a changed model.* key: the line train would say
     params = parameter_count(cfg, d)
@@ -131,14 +131,17 @@ def moe_lines(cfg: Config, d, params: int) -> list[str]:
     return [
         f"mixture of experts: {moe.num_experts} experts (top {moe.top_k}, d_ff {d.moe_d_ff}, "
         f"router {moe.router}, {route}) in blocks {layers}",
-        f"parameters: {params:,} total, {active:,} active per token "
-        f"({100 * active / params:.0f}%)",
+        f"parameters: {params:,} total, {active:,} active per token ({100 * active / params:.0f}%)",
         f"experts per ep rank: {moe.num_experts // d.ep} (ep {d.ep}); expert parameters per "
         f"rank: ~{local:,} ({local * 16 / 2**20:.1f} MiB of fp32 weights, grads and AdamW)",
         f"all-to-all per step and rank (ep {d.ep}): "
-        + (f"{sum(op.payload * op.count for op in a2a) / 2**20:.2f} MiB payload, "
-           f"{sent / 2**20:.2f} MiB sent" if a2a else "none (ep 1)"),
-    ]  # fmt: skip
+        + (
+            f"{sum(op.payload * op.count for op in a2a) / 2**20:.2f} MiB payload, "
+            f"{sent / 2**20:.2f} MiB sent"
+            if a2a
+            else "none (ep 1)"
+        ),
+    ]
 
 
 def context_lines(cfg: Config, d) -> list[str]:

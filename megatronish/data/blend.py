@@ -27,6 +27,8 @@ from megatronish.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from megatronish.config import Config
+
 ALPHA = (math.sqrt(5.0) - 1.0) / 2.0
 STATE_KIND = "blend"
 _PHASE_STREAM = 0xB1E5D  # the seed's stream for the phase
@@ -40,9 +42,22 @@ def assign(positions: np.ndarray, bounds: np.ndarray, phase: float) -> np.ndarra
     return np.minimum(np.searchsorted(bounds, x, side="right"), len(bounds) - 1)
 
 
-def open_loader(data: DataPlan, split: str, **sizes: Any) -> BatchLoader | BlendLoader:
-    """The loader of `split` over a run's datasets: a BlendLoader for a blend, else a
-    BatchLoader; sizes are their other arguments by name (seq_len, ..., eod_mask_loss)."""
+def open_loader(
+    cfg: Config, data: DataPlan, split: str, dp_rank: int = 0, dp_size: int = 1
+) -> BatchLoader | BlendLoader:
+    """The loader of `split` over a run's datasets for dp rank dp_rank of dp_size, at cfg's
+    train.seq_len, batch sizes and seed and its data.eod_mask_loss: a BlendLoader for a blend,
+    else a BatchLoader. Training and `eval` read their batches through it."""
+    t = cfg.train
+    sizes = dict(
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=t.seed,
+        eod_mask_loss=cfg.data.eod_mask_loss,
+    )
     if data.blended:
         return BlendLoader(data.sources, data.weights, split, **sizes)
     return BatchLoader(data.sources[0], split, **sizes)
@@ -74,8 +89,17 @@ class BlendLoader:
         self.chosen = chosen  # indices into `sources` of the datasets taking part
         self.parts: list[BatchLoader] = []
         for index in chosen:
-            part = BatchLoader(sources[index], split, seq_len, global_batch_size,
-                               micro_batch_size, 0, 1, seed, eod_mask_loss)  # fmt: skip
+            part = BatchLoader(
+                sources[index],
+                split,
+                seq_len,
+                global_batch_size,
+                micro_batch_size,
+                0,
+                1,
+                seed,
+                eod_mask_loss,
+            )
             part.seed_key = [seed, index]
             self.parts.append(part)
         self.masks_loss = any(part.masks_loss for part in self.parts)

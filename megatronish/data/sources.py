@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from megatronish.data.dataset import (
 from megatronish.data.indexed import check_token_ids, prefix_of, read_indexed
 from megatronish.data.tokenizer import same_tokenizer, tokenizer_id, tokenizer_label
 from megatronish.errors import UserError
+
+if TYPE_CHECKING:
+    from megatronish.config import Config
 
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -84,10 +87,19 @@ def open_prepared(directory: str | os.PathLike[str] | None) -> TokenSource:
     meta = read_metadata(path, validate=True)
     offsets, split = load_documents(path, meta)
     return TokenSource(
-        path, "prepared", open_tokens(path, meta), offsets, split, int(meta["vocab_size"]),
-        int(meta["eot_id"]), meta["sha256"], meta, open_loss_mask(path, meta),
-        tokenizer_id(meta["tokenizer"]["kind"], path / TOKENIZER_FILE), meta["max_token_id"],
-    )  # fmt: skip
+        path=path,
+        kind="prepared",
+        tokens=open_tokens(path, meta),
+        offsets=offsets,
+        split=split,
+        vocab_size=int(meta["vocab_size"]),
+        eot_id=int(meta["eot_id"]),
+        sha256=meta["sha256"],
+        meta=meta,
+        loss_mask=open_loss_mask(path, meta),
+        tokenizer=tokenizer_id(meta["tokenizer"]["kind"], path / TOKENIZER_FILE),
+        max_token_id=meta["max_token_id"],
+    )
 
 
 def open_megatron(
@@ -129,9 +141,11 @@ def open_megatron(
 
 
 def open_source(
-    path: str | None, vocab_size: int | None = None, eod_id: int | None = None,
+    path: str | None,
+    vocab_size: int | None = None,
+    eod_id: int | None = None,
     split: str | None = None,
-) -> TokenSource:  # fmt: skip
+) -> TokenSource:
     """data.path (or one blend entry) -> its TokenSource: a Megatron prefix when PATH.idx (or
     PATH itself, ending in .idx / .bin) names one, else a prepared directory."""
     prefix = prefix_of(path) if path is not None else None
@@ -200,12 +214,19 @@ class DataPlan:
         return sum(s.docs_in(split) for s in self.sources)
 
 
-def settle_data_config(data_cfg: Any, plan: DataPlan) -> None:
-    """What the data decides of a run's data config (training and `check` alike, and so the
-    checkpoints' config): SFT examples must never see each other, so SFT data sets
-    data.document_mask."""
-    if plan.sft:
-        data_cfg.document_mask = True
+def run_data(cfg: Config, vocab_size: int | None = None) -> tuple[Config, DataPlan]:
+    """(cfg as its data settles it, the DataPlan of its data.path or data.blend): every dataset
+    opened and checked (a Megatron prefix against vocab_size, default model.vocab_size). What
+    the data decides is decided here for training, `check` and `eval` alike, and so for the
+    checkpoints' config: SFT examples must never see each other, so SFT data sets
+    data.document_mask. cfg itself is not changed: the settled config is a copy (sharing the
+    sections it leaves as they are) when it differs."""
+    d = cfg.data
+    vocab_size = vocab_size if vocab_size is not None else cfg.model.vocab_size
+    plan = resolve_data(d.path, d.blend, d.split, vocab_size, d.eod_id)
+    if plan.sft and not d.document_mask:
+        cfg = replace(cfg, data=replace(d, document_mask=True))
+    return cfg, plan
 
 
 def shared_eod_id(sources: list[TokenSource]) -> int:
@@ -223,9 +244,12 @@ def shared_eod_id(sources: list[TokenSource]) -> int:
 
 
 def resolve_data(
-    path: str | None, blend: Any, split: str | None, vocab_size: int | None,
+    path: str | None,
+    blend: Any,
+    split: str | None,
+    vocab_size: int | None,
     eod_id: int | None,
-) -> DataPlan:  # fmt: skip
+) -> DataPlan:
     """data.path / data.blend -> the DataPlan (every dataset opened and checked)."""
     if split is not None:
         parse_split(split)

@@ -40,7 +40,7 @@ def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader)
         warn_if_short_of_space(checkpoint_dir(cfg), path or find_latest(checkpoint_dir(cfg)))
     if path is None:
         if cfg.checkpoint.init_from_hf:
-            from megatronish.checkpoint.hf import init_from_hf
+            from megatronish.hf.importer import init_from_hf
 
             with optimizer.whole_params(write_back=True):
                 init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, s.derived)
@@ -137,10 +137,15 @@ def save(s: Setup, step: int, model: nn.Module, optimizer: Optimizer, loader: Ba
 def _save_args(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> dict:
     """save_checkpoint's keyword arguments for the run's state now."""
     return dict(
-        cfg=s.cfg, derived=s.derived, ps=s.ps, model=model, optimizer=optimizer,
+        cfg=s.cfg,
+        derived=s.derived,
+        ps=s.ps,
+        model=model,
+        optimizer=optimizer,
         loader_state=loader.state_dict(),
-        tokenizer=tokenizer_of_dataset(s.data.tokenizer_source.path), keep=s.cfg.checkpoint.keep,
-    )  # fmt: skip
+        tokenizer=tokenizer_of_dataset(s.data.tokenizer_source.path),
+        keep=s.cfg.checkpoint.keep,
+    )
 
 
 class Saver:

@@ -34,10 +34,15 @@ def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
     return float(value)
 
 
+def counted_targets(targets: torch.Tensor) -> torch.Tensor:
+    """The targets of `targets` that count in the loss (not -100) on this rank: int64 scalar."""
+    return (targets != IGNORE_INDEX).sum()
+
+
 def counted_share(targets: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """N / (dp x cp), fp32 scalar: N the targets that count (not -100) in `targets` on every
+    """N / (dp x cp), fp32 scalar: N the counted targets (counted_targets) of `targets` on every
     rank of the dp x cp group (one fp64 all-reduce when it has more than one rank), at least 1."""
-    count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+    count = counted_targets(targets).to(torch.float64).reshape(1)
     if ps.dp_cp > 1:
         comm.all_reduce(count, ps.dp_cp_group)
     return (count.clamp(min=1) / ps.dp_cp).float()[0]

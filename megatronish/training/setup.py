@@ -20,7 +20,7 @@ from megatronish.config import (
 )
 from megatronish.data import BatchLoader
 from megatronish.data.blend import BlendLoader, open_loader
-from megatronish.data.sources import DataPlan, resolve_data, settle_data_config
+from megatronish.data.sources import DataPlan, run_data
 from megatronish.distributed.layout import (
     ParallelState,
     default_device,
@@ -37,7 +37,7 @@ from megatronish.training.resume import check_resumed_model
 class Setup:
     """Everything a run is built from, before the loop starts."""
 
-    cfg: Config
+    cfg: Config  # as its data settles it (data.sources.run_data)
     derived: Derived
     ps: ParallelState
     data: DataPlan  # every dataset of the run, opened, with its blend weight (run_data)
@@ -55,7 +55,7 @@ def setup(cfg: Config) -> Setup:
     on a failed one; every rank finds the same one, so only rank 0 prints it."""
     world = world_size_from_env()
     try:
-        data, derived = _checked(cfg, world)
+        cfg, data, derived = _checked(cfg, world)
     except UserError as exc:
         exc.rank0_prints = True
         raise
@@ -65,8 +65,9 @@ def setup(cfg: Config) -> Setup:
     return Setup(cfg, derived, ps, data)
 
 
-def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
-    """(the datasets, derived sizes) of a config checked for a world of `world` ranks."""
+def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
+    """(the config as its data settles it, the datasets, derived sizes) of a config checked for
+    a world of `world` ranks."""
     wanted = world_size_of(cfg)
     if world == 1 and wanted > 1:
         raise UserError(
@@ -75,7 +76,7 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
             f"them with `megatronish launch --config ...` or `torchrun --nproc-per-node {wanted} "
             "-m megatronish train --config ...`"
         )
-    data = run_data(cfg)
+    cfg, data = run_data(cfg)
     dataset_dir = data.sources[0].path
     data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)
@@ -94,34 +95,14 @@ def _checked(cfg: Config, world: int) -> tuple[DataPlan, Derived]:
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank: said once
         for line in changed:
             print(line, flush=True)
-    return data, derived
-
-
-def run_data(cfg: Config) -> DataPlan:
-    """The run's datasets (data.path or data.blend, each opened and checked), with what the data
-    decides of cfg.data settled in cfg (SFT data: document masks)."""
-    d = cfg.data
-    data = resolve_data(d.path, d.blend, d.split, cfg.model.vocab_size, d.eod_id)
-    settle_data_config(d, data)
-    return data
+    return cfg, data, derived
 
 
 def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
     """The loader of `split` for this rank; for the train split, rank 0 also writes
     <run.out_dir>/data.json and prints one line per dataset (write_data_report)."""
     t = s.cfg.train
-    d = s.cfg.data
-    loader = open_loader(
-        s.data,
-        split,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
-        dp_rank=s.ps.dp_rank,
-        dp_size=s.ps.dp,
-        seed=t.seed,
-        eod_mask_loss=d.eod_mask_loss,
-    )
+    loader = open_loader(s.cfg, s.data, split, s.ps.dp_rank, s.ps.dp)
     if split == "train" and s.ps.is_main:
         write_data_report(s.cfg.run.out_dir, loader, s.data, t.steps * t.global_batch_size)
     return loader

@@ -22,8 +22,7 @@ from tqdm import tqdm
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config
-from megatronish.context import Documents, documents_of, micro_batches, split_batch
-from megatronish.data import BatchLoader
+from megatronish.context import micro_batches
 from megatronish.errors import RunFailure
 from megatronish.model import GPT
 from megatronish.model.precision import autocast
@@ -36,6 +35,7 @@ from megatronish.optim.optimizer import Optimizer, clip_grad_norm, lr_at
 from megatronish.optim.reduce import reduce_gradients
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
+from megatronish.training.batches import next_batch, validation_loss
 from megatronish.training.loss import counted_share, mean_loss
 from megatronish.training.metrics import MetricsWriter, peak_flops
 from megatronish.training.resume import checkpoint_dir
@@ -122,7 +122,9 @@ class Trainer:
         timer = self.timer
         with timer.phase("data"):
             # [accum, micro, seq / cp] each; documents None unless data.document_mask
-            inputs, targets, documents = self.next_batch(self.loader)
+            inputs, targets, documents = next_batch(
+                self.loader, self.ps, self.cfg.data.document_mask
+            )
             accum = inputs.shape[0]
             divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
             if self.loader.masks_loss and self.ps.is_last_stage:
@@ -155,54 +157,21 @@ class Trainer:
             loss = mean_loss(loss_sum / accum, self.ps)
         return loss, grad_norm
 
-    def next_batch(
-        self, loader: BatchLoader
-    ) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
-        """The next global batch's inputs and targets for this rank, [accum, micro, seq / cp]
-        each: the loader's samples of this dp rank, this cp rank's zigzag shard of them (targets
-        that do not count in the loss are -100); and with data.document_mask their documents
-        (found in the whole sequences, then split like them)."""
-        batch, loss_mask = loader.next_masked_step()  # [accum, micro, seq + 1], [.., seq]
-        batch = batch.to(self.ps.device)
-        cp, cp_rank = self.ps.cp, self.ps.cp_rank
-        documents = None
-        if self.cfg.data.document_mask:
-            documents = documents_of(batch[..., :-1], loader.eod_id).shard(cp, cp_rank)
-        return *split_batch(batch, cp, cp_rank, loss_mask), documents
-
     def autocast(self):
         return autocast(self.cfg, self.ps.device)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first train.eval_steps global batches of the validation split:
-        of the micro-batch means, or with a loss mask of every counted token (loss.py)."""
+        """The validation loss of the model now (batches.validation_loss), from the start of
+        the validation split."""
         assert self.val_loader is not None
         self.model.eval()
         self.val_loader.reset()
-        total = torch.zeros((), device=self.ps.device)
-        divisor = torch.ones((), device=self.ps.device) if self.val_loader.masks_loss else None
-        seen, count = [], 0  # the targets, and the micro-batches, evaluated
-        for _ in range(self.cfg.train.eval_steps):
-            inputs, targets, documents = self.next_batch(self.val_loader)
-            if self.pipeline is not None:
-                total += self.pipeline.run(
-                    inputs, targets, 1.0, self.autocast, forward_only=True, divisor=divisor,
-                    documents=documents,
-                )  # fmt: skip
-            else:
-                for x, y, docs in micro_batches(inputs, targets, documents):
-                    with self.autocast():
-                        loss = self.model.loss(x, y, divisor, docs)
-                    total += loss.float()
-            seen.append(targets)
-            count += inputs.shape[0]
+        loss, _ = validation_loss(self.model, self.val_loader, self.cfg, self.ps, self.pipeline)
         if self.grads.shards is not None:
             self.grads.shards.free_all()  # ZeRO-3: what the output layer kept (no backward)
         self.model.train()
-        if divisor is not None and self.ps.is_last_stage:
-            return mean_loss(total / counted_share(torch.cat(seen), self.ps), self.ps)
-        return mean_loss(total / count, self.ps)
+        return loss
 
     def write_run_files(self) -> None:
         if not self.ps.is_main:

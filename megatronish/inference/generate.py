@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish.checkpoint.integrity import CorruptCheckpoint, first_message_of_ranks
-from megatronish.checkpoint.load import build_model, inference_config
+from megatronish.checkpoint.load import inference_config
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import derive
 from megatronish.distributed import comm
@@ -27,6 +27,7 @@ from megatronish.distributed.layout import (
     world_size_from_env,
 )
 from megatronish.errors import UserError
+from megatronish.inference.model import build_model
 from megatronish.layers import mappings
 
 
@@ -106,9 +107,15 @@ class Generation:
     afterwards stop_reason is "eot", "max_new_tokens" or "max_seq_len"."""
 
     def __init__(
-        self, model, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, seed: int,
-        eot_id: int | None, vocab_size: int,
-    ):  # fmt: skip
+        self,
+        model,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int,
+        eot_id: int | None,
+        vocab_size: int,
+    ):
         self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
         self.sampling, self.seed, self.eot_id, self.vocab_size = sampling, seed, eot_id, vocab_size
         self.stop_reason: str | None = None

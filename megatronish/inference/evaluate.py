@@ -1,8 +1,8 @@
 """`megatronish eval`: validation loss and perplexity of a checkpoint, in one process at tp 1.
 
-The loss is computed as the trainer's evaluation computes it: the mean over the micro-batches
-of the first train.eval_steps global batches of the validation split, so at the run's data and
-batch settings it equals the val_loss the run logged at that step.
+The loss is the one the run's evaluation computes (training.batches.validation_loss) over the
+first train.eval_steps global batches of the validation split, so at the run's data and batch
+settings it equals the val_loss the run logged at that step.
 """
 
 from __future__ import annotations
@@ -11,21 +11,18 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from megatronish.checkpoint.format import CONFIG_FILE, TOKENIZER_FILE
-from megatronish.checkpoint.load import build_model
 from megatronish.checkpoint.model_match import model_differences, refuse_other_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState, default_device
 from megatronish.errors import UserError
+from megatronish.inference.model import build_model
 
 if TYPE_CHECKING:
     from megatronish.data.sources import TokenSource
 
 
-@torch.no_grad()
 def evaluate_checkpoint(
     checkpoint: str | os.PathLike[str], overrides: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -35,14 +32,13 @@ def evaluate_checkpoint(
     (SFT data, data.eod_mask_loss) val_loss is the mean over the counted tokens, and "tokens"
     counts those. An override that changes a model.* key (but model_match.MAY_DIFFER) is a
     UserError naming it: the model is the one the checkpoint was trained with."""
-    from megatronish.context import documents_of, micro_batches, split_batch
     from megatronish.data.blend import open_loader
-    from megatronish.data.sources import resolve_data
-    from megatronish.model.precision import autocast
+    from megatronish.data.sources import run_data
+    from megatronish.training.batches import validation_loss
+    from megatronish.training.loss import counted_targets
 
     ckpt = Checkpoint(checkpoint)
     cfg = load_config(ckpt.dir / CONFIG_FILE, (*_other_data(overrides), *overrides))
-    d, t = cfg.data, cfg.train
     vocab_size = cfg.model.vocab_size if cfg.model.vocab_size is not None else ckpt.vocab_size
     refuse_other_model(
         model_differences(ckpt.config, ckpt.vocab_size, cfg, vocab_size),
@@ -50,48 +46,28 @@ def evaluate_checkpoint(
         "--set asks for",
         "drop --set {key}={wanted}: eval runs the model the checkpoint was trained with",
     )
-    data = resolve_data(d.path, d.blend, d.split, vocab_size, d.eod_id)
-    _check_tokenizer(ckpt, data.sources, "data.blend" if d.blend is not None else "data.path")
+    cfg, data = run_data(cfg, vocab_size)  # SFT data: document masks, as in training
+    _check_tokenizer(
+        ckpt, data.sources, "data.blend" if cfg.data.blend is not None else "data.path"
+    )
     dataset = ", ".join(str(source.path) for source in data.sources)
     if data.vocab_size > ckpt.vocab_size:
         raise UserError(
             f"data.path: the dataset {dataset} has {data.vocab_size} token ids, more than the "
             f"checkpoint's vocabulary ({ckpt.vocab_size})"
         )
-    masked = d.document_mask or data.sft  # SFT examples never see each other, as in training
     ps = ParallelState.single(default_device())
     ckpt.check_in_background()  # every file, while the model is built
     model = build_model(ckpt, ps, cfg)
     ckpt.verify()
-    loader = open_loader(
-        data, "val", seq_len=t.seq_len, global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size, dp_rank=0, dp_size=1, seed=t.seed,
-        eod_mask_loss=d.eod_mask_loss,
-    )  # fmt: skip
-    divisor = torch.ones((), device=ps.device) if loader.masks_loss else None
-    total = torch.zeros((), device=ps.device)
-    count = tokens = 0
-    for _ in range(t.eval_steps):
-        batch, loss_mask = loader.next_masked_step()
-        batch = batch.to(ps.device)
-        inputs, targets = split_batch(batch, 1, 0, loss_mask)  # -100: not counted
-        documents = documents_of(batch[..., :-1], loader.eod_id) if masked else None
-        for micro_inputs, micro_targets, micro_documents in micro_batches(
-            inputs, targets, documents
-        ):
-            with autocast(cfg, ps.device):
-                loss = model.loss(micro_inputs, micro_targets, divisor, micro_documents)
-            total += loss.float()
-            count += 1
-            tokens += int((micro_targets != -100).sum())
-    val_loss = float(total / (count if divisor is None else max(tokens, 1)))
+    val_loss, targets = validation_loss(model, open_loader(cfg, data, "val"), cfg, ps)
     return {
         "checkpoint": str(ckpt.dir),
         "step": ckpt.step,
         "dataset": dataset,
         "val_loss": val_loss,
         "perplexity": math.exp(min(val_loss, 700.0)),
-        "tokens": tokens,
+        "tokens": int(counted_targets(targets)),
     }
 
 

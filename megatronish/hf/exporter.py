@@ -1,0 +1,57 @@
+"""Checkpoint -> a Hugging Face directory that transformers' from_pretrained loads with no custom
+code, as its family's own class (fp32, the real vocab), written whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from megatronish.checkpoint.load import inference_config
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.config import derive
+from megatronish.files import follow_umask
+from megatronish.hf.family import HEAD
+from megatronish.hf.files import CONFIG_JSON, WEIGHTS
+from megatronish.hf.registry import family_of_model
+from megatronish.hf.tokenizer import write_tokenizer
+from megatronish.paths import require_new_output_dir
+
+
+def export_hf(checkpoint: str, output: str) -> list[str]:
+    """Writes checkpoint `checkpoint` as a Hugging Face directory; returns lines to print."""
+    from safetensors.torch import save_file
+
+    out = require_new_output_dir(output, "--output")
+    ckpt = Checkpoint(checkpoint)
+    cfg = inference_config(ckpt.config, ckpt.vocab_size, 1)
+    derived = derive(cfg, 1, vocab_size=ckpt.vocab_size)
+    family = family_of_model(cfg, derived)
+    config = family.config_json(cfg, derived)  # a model the family cannot express fails here
+    info = ckpt.meta.get("tokenizer")
+    ckpt.check_in_background()  # every file, while the tensors are read
+    ours = {name: ckpt.full(name).float() for name in ckpt.specs}
+    ckpt.verify()
+    tensors = family.to_hf(cfg, derived, ours)
+    if not derived.tie_embeddings:
+        tensors[HEAD] = ours[HEAD]
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    config["tie_word_embeddings"] = derived.tie_embeddings
+    eot_id = info["eot_id"] if info else None
+    if eot_id is not None:
+        config["bos_token_id"] = config["eos_token_id"] = eot_id
+    config["torch_dtype"] = "float32"
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    follow_umask(tmp / WEIGHTS)  # safetensors writes 0600: the export is to share
+    count = sum(t.numel() for t in tensors.values())
+    lines = [f"wrote {family.architecture} ({count:,} parameters, vocab {derived.vocab_size})"]
+    lines.append(write_tokenizer(ckpt, tmp, config, cfg.model.max_seq_len))
+    (tmp / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()
+    os.rename(tmp, out)
+    lines[0] += f" to {out}"
+    return lines

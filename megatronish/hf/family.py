@@ -1,0 +1,112 @@
+"""What a Hugging Face model family is to the shared machinery (`Family`), a config.json as the
+families read it (`ConfigJson`), and the name-mapping helpers they share.
+
+Shapes: h d_model, n query heads, k kv heads, d head dim. Ours: qkv [(n + 2k) d, h] laid out by
+kv group (each group: its n/k query heads, its key head, its value head); every linear weight
+[out, in]. All tensors here are full and unpadded (the real vocab's rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatronish.config import Config, Derived
+from megatronish.errors import UserError
+
+Tensors = dict[str, torch.Tensor]
+Names = Sequence[tuple[str, str]]  # (our parameter name, theirs), copied as they are
+_REQUIRED = object()
+HEAD = "lm_head.weight"  # the output layer in every family (an untied model's; tied: absent)
+
+
+class ConfigJson:
+    """A config.json's keys; `need` and `refuse` make UserErrors that name its path."""
+
+    def __init__(self, raw: dict[str, Any], path: Path):
+        self.raw, self.path = raw, path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    def need(self, key: str, default: Any = _REQUIRED) -> Any:
+        """The key's value (or default); a UserError when it is missing and has none."""
+        value = self.raw.get(key, default)
+        if value is _REQUIRED:
+            raise UserError(f"{self.path}: key '{key}' is missing")
+        return value
+
+    def refuse(self, what: str) -> UserError:
+        """The error for a setting megatronish cannot run, `what` saying which and why."""
+        return UserError(f"{self.path}: {what}")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: its config.json translated to our model.* settings and back, and its
+    parameter names mapped to ours. The output layer (lm_head.weight, untied models only) and
+    the tokenizer are the shared machinery's: `to_hf` and `from_hf` map every other tensor."""
+
+    architectures: tuple[str, ...]
+    """config.json `architectures` the family reads; export writes the first."""
+    model_type: str
+    """config.json `model_type`: how a directory is found when no architecture is known."""
+    model_fields: Callable[[ConfigJson], dict[str, Any]]
+    """config.json -> our model.* settings (arch first); a UserError for what we cannot run."""
+    exports: Callable[[Config, Derived], bool]
+    """Whether export writes a model of this config as this family."""
+    config_json: Callable[[Config, Derived], dict[str, Any]]
+    """Our config -> the family's config.json keys (architectures and model_type first); a
+    UserError for a model the family cannot express."""
+    to_hf: Callable[[Config, Derived, Tensors], Tensors]
+    """Our full tensors -> theirs."""
+    from_hf: Callable[[Tensors, dict[str, Any]], Tensors]
+    """Their tensors -> ours, given model_fields' settings; pops each tensor it takes (what is
+    left is unexpected), KeyError naming one missing."""
+    buffers: tuple[str, ...] = ()
+    """Endings of tensor names a state dict may hold that are no weights (dropped on import)."""
+
+    @property
+    def architecture(self) -> str:
+        return self.architectures[0]
+
+
+def copy_to_hf(ours: Tensors, out: Tensors, names: Names, src: str, dst: str) -> None:
+    """out[dst + theirs] = ours[src + our name] for each pair of names."""
+    for mine, theirs in names:
+        out[dst + theirs] = ours[src + mine]
+
+
+def take_from_hf(hf: Tensors, ours: Tensors, names: Names, src: str, dst: str) -> None:
+    """ours[dst + our name] = the popped hf[src + theirs] for each pair of names."""
+    for mine, theirs in names:
+        ours[dst + mine] = hf.pop(src + theirs)
+
+
+def transposed(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous()
+
+
+def split_qkv(fused: torch.Tensor, n: int, k: int, d: int) -> tuple[torch.Tensor, ...]:
+    """Our grouped qkv rows [(n + 2k) d, ...] -> (q [n d, ...], k [k d, ...], v [k d, ...])."""
+    rest = fused.shape[1:]
+    grouped = fused.reshape(k, n // k + 2, d, *rest)
+    q = grouped[:, : n // k].reshape(n * d, *rest)
+    return q, grouped[:, n // k].reshape(k * d, *rest), grouped[:, n // k + 1].reshape(k * d, *rest)
+
+
+def merge_qkv(
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n: int, k: int, d: int
+) -> torch.Tensor:
+    """The inverse of split_qkv."""
+    rest = q.shape[1:]
+    parts = [
+        q.reshape(k, n // k, d, *rest),
+        key.reshape(k, 1, d, *rest),
+        value.reshape(k, 1, d, *rest),
+    ]
+    return torch.cat(parts, dim=1).reshape((n + 2 * k) * d, *rest).contiguous()

@@ -1,0 +1,56 @@
+"""The tokenizer that travels with a model. Export writes a file tokenizer (BPE, tokenizer.json)
+with a tokenizer_config.json that transformers' AutoTokenizer reads, or marks a byte-level
+model in config.json (transformers has no byte tokenizer class); import takes either back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from megatronish.checkpoint.format import TOKENIZER_FILE
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.checkpoint.save import TokenizerInfo
+from megatronish.errors import UserError
+from megatronish.hf.family import ConfigJson
+
+BYTE_TOKENIZER_KEY = "megatronish_tokenizer"  # config.json marker of the byte-level tokenizer
+
+
+def write_tokenizer(ckpt: Checkpoint, out: Path, config: dict, max_seq_len: int) -> str:
+    """Writes the checkpoint's tokenizer into the export directory `out` (or marks `config`,
+    the config.json to write, byte-level); returns the line saying what was written."""
+    info = ckpt.meta.get("tokenizer")
+    if info is not None and info["kind"] == "byte":
+        config[BYTE_TOKENIZER_KEY] = "byte"
+        return (
+            "no tokenizer written: the model is byte-level (ids 0-255 are UTF-8 bytes, 256 is "
+            "<|endoftext|>), which transformers has no tokenizer class for"
+        )
+    if info is None or not (ckpt.dir / TOKENIZER_FILE).is_file():
+        return "no tokenizer written: the checkpoint records none"
+    shutil.copyfile(ckpt.dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    eot = ckpt.tokenizer().tokenizer.id_to_token(info["eot_id"])
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_seq_len,
+        "bos_token": eot,
+        "eos_token": eot,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return f"tokenizer: {TOKENIZER_FILE} (end of text {eot!r})"
+
+
+def read_tokenizer(hf_dir: Path, config: ConfigJson) -> TokenizerInfo | None:
+    """The tokenizer of a Hugging Face directory, None when it has none we read."""
+    from megatronish.data import load_tokenizer_file
+
+    if config.get(BYTE_TOKENIZER_KEY) == "byte":
+        return TokenizerInfo("byte", 256)
+    path = hf_dir / TOKENIZER_FILE
+    if not path.is_file():
+        return None
+    try:
+        return TokenizerInfo("file", load_tokenizer_file(path).eot_id, path)
+    except UserError:
+        return None

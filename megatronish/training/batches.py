@@ -1,0 +1,82 @@
+"""The global batch as the step loop reads it (`next_batch`), and the validation loss read the
+same way (`validation_loss`): the run's evaluation and `megatronish eval` both compute it here,
+so eval of a checkpoint at the run's data and batch settings gives the val_loss the run logged.
+
+Shapes: accum micro-batches of micro sequences per rank and global batch, s the sequence length
+(s / cp on a cp rank: its zigzag shard).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatronish.config import Config
+from megatronish.context import Documents, documents_of, micro_batches, split_batch
+from megatronish.data import BatchLoader
+from megatronish.distributed.layout import ParallelState
+from megatronish.model.precision import autocast
+from megatronish.training.loss import counted_share, mean_loss
+
+if TYPE_CHECKING:
+    from megatronish.data.blend import BlendLoader
+    from megatronish.pipeline.runner import Pipeline
+
+
+def next_batch(
+    loader: BatchLoader | BlendLoader, ps: ParallelState, document_mask: bool
+) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
+    """The next global batch's inputs and targets for this rank, [accum, micro, s / cp] each:
+    the loader's samples of this dp rank, this cp rank's zigzag shard of them (targets that do
+    not count in the loss are -100); and with document_mask (data.document_mask) their documents
+    (found in the whole sequences, then split like them)."""
+    batch, loss_mask = loader.next_masked_step()  # [accum, micro, s + 1], [..., s]
+    batch = batch.to(ps.device)
+    documents = None
+    if document_mask:
+        documents = documents_of(batch[..., :-1], loader.eod_id).shard(ps.cp, ps.cp_rank)
+    return *split_batch(batch, ps.cp, ps.cp_rank, loss_mask), documents
+
+
+@torch.no_grad()
+def validation_loss(
+    model: torch.nn.Module,
+    loader: BatchLoader | BlendLoader,
+    cfg: Config,
+    ps: ParallelState,
+    pipeline: Pipeline | None = None,
+) -> tuple[float, torch.Tensor]:
+    """(the mean loss over the next train.eval_steps global batches of `loader`, the targets
+    evaluated [eval_steps x accum, micro, s / cp]). The mean is of the micro-batch means, or
+    with a loss mask of every counted target of the dp x cp group (loss.py), on every rank;
+    documents are masked as cfg's data.document_mask says. Runs the pipeline when given one,
+    else the model on this rank's micro-batches; the model's mode is the caller's."""
+    divisor = torch.ones((), device=ps.device) if loader.masks_loss else None
+    in_precision = functools.partial(autocast, cfg, ps.device)
+    total = torch.zeros((), device=ps.device)
+    seen, count = [], 0  # the targets, and the micro-batches, evaluated
+    for _ in range(cfg.train.eval_steps):
+        inputs, targets, documents = next_batch(loader, ps, cfg.data.document_mask)
+        if pipeline is not None:
+            total += pipeline.run(
+                inputs,
+                targets,
+                1.0,
+                in_precision,
+                forward_only=True,
+                divisor=divisor,
+                documents=documents,
+            )
+        else:
+            for x, y, docs in micro_batches(inputs, targets, documents):
+                with in_precision():
+                    loss = model.loss(x, y, divisor, docs)
+                total += loss.float()
+        seen.append(targets)
+        count += inputs.shape[0]
+    evaluated = torch.cat(seen)
+    if divisor is not None and ps.is_last_stage:
+        return mean_loss(total / counted_share(evaluated, ps), ps), evaluated
+    return mean_loss(total / count, ps), evaluated
