@@ -14,6 +14,12 @@ reduce-scatter, broadcast, all-to-all), each paying the link's latency, and send
 ``Collective.sent`` bytes a rank (2 (n-1)/n or (n-1)/n of the payload) at the bus bandwidth,
 the link's times Efficiency.nvlink_fraction or network_fraction. A point-to-point send and a
 ring-attention hop are one step.
+
+Plan's memory table also shows how well each cp ring step hides (``ring_ratio``): it sends one
+block of k and v, c [2, b, k/t, s/cp, d] for k kv heads, while the rank computes one block of
+attention, 4 b (n/t) d s^2 / (2 cp^2) FLOPs, here at ASSUMED_MFU of the peak; the transfer hides
+when it is the shorter of the two. The ring stays inside a node (NVLink) while tp x cp <=
+GPUS_PER_NODE, else it crosses nodes (INTER_NODE_GB_S).
 """
 
 from __future__ import annotations
@@ -21,8 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronish.accounting.collectives import Collective
-from megatronish.accounting.hardware import Device
+from megatronish.accounting.hardware import GPUS_PER_NODE, INTER_NODE_GB_S, Device
 from megatronish.accounting.roofline import Efficiency
+from megatronish.config import Config, Derived
+
+# ring_ratio's block compute: a rough rate, this fraction of the peak (the step-time model's
+# attention time is accounting.layer_time's).
+ASSUMED_MFU = 0.40
 
 
 @dataclass(frozen=True)
@@ -69,3 +80,17 @@ def collective_seconds(op: Collective, mesh: Mesh, device: Device, eff: Efficien
     """Seconds all `op.count` calls of one kind of collective take on this rank's links."""
     bandwidth, latency = link(mesh, op.group, op.size, device, eff)
     return op.count * ring_steps(op.kind, op.size) * latency + op.sent / bandwidth
+
+
+def ring_ratio(cfg: Config, d: Derived, peak_flops: float, link_gb_s: float) -> float | None:
+    """A cp ring step's transfer time over its block compute time, for one layer and
+    micro-batch forward (None at cp 1; see module doc); link_gb_s: the NVLink bandwidth of one
+    GPU, peak_flops its peak."""
+    b, s, cp, t = cfg.train.micro_batch_size, cfg.train.seq_len, d.cp, d.tp
+    if cp == 1:
+        return None
+    width = 2 if cfg.train.precision == "bf16" else 4
+    kv_bytes = 2 * b * (d.n_kv_head // t) * (s // cp) * d.head_dim * width
+    flops = 4 * b * (cfg.model.n_head // t) * d.head_dim * s * s / (2 * cp * cp)
+    link = link_gb_s if t * cp <= GPUS_PER_NODE else INTER_NODE_GB_S
+    return (kv_bytes / (link * 1e9)) / (flops / (peak_flops * ASSUMED_MFU))

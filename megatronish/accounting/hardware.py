@@ -70,10 +70,8 @@ GPUS = {
     "V100": Device("V100", 125.0, 32.0, 0.9, 150.0, 12.5, 8),
 }
 
-# The tables other modules read, matched against torch.cuda.get_device_name (in this order).
+# The peaks MFU reads, matched against torch.cuda.get_device_name (in this order).
 GPU_PEAK_TFLOPS = {name: gpu.peak_tflops for name, gpu in GPUS.items()}
-GPU_MEMORY_GB = {name: gpu.memory_gb for name, gpu in GPUS.items()}
-GPU_LINK_GB_S = {name: gpu.nvlink_gb_s for name, gpu in GPUS.items()}
 INTER_NODE_GB_S = GPUS["H100"].network_gb_s
 GPUS_PER_NODE = 8
 

@@ -1,5 +1,5 @@
-"""Per-rank memory of a layout (``estimate``, with the step time and traffic plan prints beside
-it), from formulas without starting anything.
+"""Per-rank memory of a layout (``estimate``, with the traffic plan prints beside it), from
+formulas without starting anything.
 
 Memory per rank (bytes), P the parameters one tp rank holds, D = dp x cp (expert weights: the
 dp x cp / ep ranks that hold the same experts):
@@ -24,7 +24,8 @@ With pipeline parallelism (pp stages, m micro-batches per step) each stage holds
 layers' parameters (the embeddings on the first stage, the output layer on the last) and the
 activations of the micro-batches in flight: under 1F1B stage r holds min(pp - r, m) of them,
 under GPipe all m (the last stage then also keeps m micro-batches of logits). A layout's
-memory is that of its fullest stage. The schedule's bubble stretches the step by (pp - 1) / m.
+memory is that of its fullest stage. The schedule's bubble (``Estimate.bubble``) stretches the
+step by (pp - 1) / m.
 Interleaved (parallel.pp_virtual = v, kept at every pp > 1 whose m is a multiple of pp and
 that leaves a layer for each of the pp v chunks, else 1): the bubble is (pp - 1) / (v m), and
 under 1F1B stage r holds min(2 (pp - r - 1) + (v - 1) pp + 1, m v) (micro-batch, chunk) pairs
@@ -33,11 +34,7 @@ logits), each of its L_r / v layers on average: the first stage (1 + (pp - 1) / 
 the micro-batches of layers of plain 1F1B.
 
 With context parallelism (cp ranks split every sequence) a rank keeps the activations and
-logits of s / cp tokens: the formulas above with s / cp. Each ring step sends one block of k and
-v, c [2, b, k/t, s/cp, d] for k kv heads, while the rank computes one block of attention,
-4 b (n/t) d s^2 / (2 cp^2) FLOPs; the transfer hides when it is the shorter of the two. The ring
-stays inside a node (NVLink, GPU_LINK_GB_S) while tp x cp <= GPUS_PER_NODE, else it crosses
-nodes (INTER_NODE_GB_S); what does not hide is added to the step time.
+logits of s / cp tokens: the formulas above with s / cp.
 """
 
 from __future__ import annotations
@@ -46,8 +43,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatronish.accounting.collectives import formula_bytes_per_step
-from megatronish.accounting.flops import model_flops_per_step
-from megatronish.accounting.hardware import GPU_LINK_GB_S, GPUS_PER_NODE, INTER_NODE_GB_S
 from megatronish.accounting.parameters import (
     local_layer_params,
     local_moe_params,
@@ -59,9 +54,6 @@ from megatronish.config import Config, Derived, derive, virtual_stages
 from megatronish.optim import IN_FLIGHT
 from megatronish.pipeline.schedule import warmup_forwards
 
-# Estimate.step_time_s and ring_ratio: a rough compute bound at this MFU, kept for the memory
-# table's `ring` column; plan's predicted step time is accounting.step_time's model.
-ASSUMED_MFU = 0.40
 GB = 1024**3
 
 
@@ -81,11 +73,8 @@ class Estimate:
     optimizer_gb: float
     activations_gb: float
     logits_gb: float
-    step_time_s: float
     comm_gb_per_step: float
     cp: int = 1
-    ring_ratio: float | None = None
-    """Ring transfer time / block compute time per ring step (None at cp 1)."""
     pp_virtual: int = 1
     """Model chunks per pipeline stage (interleaved schedule when > 1)."""
     ep: int = 1
@@ -123,30 +112,13 @@ def activation_bytes_per_layer(
     return sbh * per * width
 
 
-def ring_seconds(cfg: Config, d, peak_flops: float, link_gb_s: float) -> tuple[float, float]:
-    """(transfer, compute) seconds of one forward ring step of one layer and micro-batch."""
-    b, s, cp, t = cfg.train.micro_batch_size, cfg.train.seq_len, d.cp, d.tp
-    width = 2 if cfg.train.precision == "bf16" else 4
-    kv_bytes = 2 * b * (d.n_kv_head // t) * (s // cp) * d.head_dim * width
-    flops = 4 * b * (cfg.model.n_head // t) * d.head_dim * s * s / (2 * cp * cp)
-    return kv_bytes / (link_gb_s * 1e9), flops / (peak_flops * ASSUMED_MFU)
-
-
 def estimate(
-    cfg: Config,
-    world: int,
-    tp: int,
-    peak_flops: float,
-    pp: int = 1,
-    cp: int = 1,
-    link_gb_s: float = GPU_LINK_GB_S["H100"],
-    ep: int = 1,
-    **changes,
+    cfg: Config, world: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1, **changes
 ) -> Estimate:
-    """Per-rank memory (of the fullest pipeline stage), step time and traffic of cfg at
-    tensor-parallel degree tp, context-parallel degree cp, pipeline degree pp and (MoE)
-    expert-parallel degree ep on world devices (link_gb_s: the NVLink bandwidth of one GPU);
-    `changes` override parallel.sequence_parallel, optim.zero, activation_checkpointing."""
+    """Per-rank memory (of the fullest pipeline stage) and traffic of cfg at tensor-parallel
+    degree tp, context-parallel degree cp, pipeline degree pp and (MoE) expert-parallel degree
+    ep on world devices; `changes` override parallel.sequence_parallel, optim.zero,
+    activation_checkpointing."""
     layout, d = layout_config(cfg, world, tp, pp, cp, ep, **changes)
     sp, zero = layout.parallel.sequence_parallel, layout.optim.zero
     recompute, virtual = layout.train.activation_checkpointing, d.pp_virtual
@@ -157,17 +129,6 @@ def estimate(
     per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
     logits_one = t.micro_batch_size * t.seq_len // cp * d.padded_vocab_size / tp * 6
     bubble = (pp - 1) / (virtual * m)
-    step_time = model_flops_per_step(layout, d) / (world * peak_flops * ASSUMED_MFU) * (1 + bubble)
-    ring_ratio = None
-    if cp > 1:
-        link = link_gb_s if tp * cp <= GPUS_PER_NODE else INTER_NODE_GB_S
-        transfer, compute = ring_seconds(layout, d, peak_flops, link)
-        ring_ratio = transfer / compute
-        # Forward: k, v against one block; backward: k, v and the fp32 dk, dv (2 x the bytes
-        # at bf16) against about twice the block's compute.
-        dkv = transfer * (2 if t.precision == "bf16" else 1)
-        exposed = max(0.0, transfer - compute) + max(0.0, transfer + dkv - 2 * compute)
-        step_time += exposed * (cp - 1) * max(d.stage_layers) * m
     comm = max(formula_bytes_per_step(layout, d, r) for r in range(pp)) / GB
     stages = []
     for r in range(pp):
@@ -191,10 +152,8 @@ def estimate(
                 optimizer_gb=state["optimizer"] / GB,
                 activations_gb=act / GB,
                 logits_gb=logits / GB,
-                step_time_s=step_time,
                 comm_gb_per_step=comm,
                 cp=cp,
-                ring_ratio=ring_ratio,
                 pp_virtual=virtual,
                 ep=d.ep,
                 expert_gb=state["experts"] / GB,
@@ -214,8 +173,9 @@ def model_state_bytes(cfg: Config, d: Derived, pp_rank: int) -> dict[str, float]
     experts = stage_moe_layers(d, pp_rank) * local_moe_params(cfg, d, experts_only=True)
     dp = d.dp * d.cp
     edp = max(1, dp // d.ep)  # the ranks that hold the same experts
-    outside = sequence_parallel_grad_count(cfg, d, pp_rank) if d.tp > 1 and (
-        cfg.parallel.sequence_parallel) else 0  # fmt: skip
+    outside = 0
+    if d.tp > 1 and cfg.parallel.sequence_parallel:
+        outside = sequence_parallel_grad_count(cfg, d, pp_rank)
     last, first = pp_rank == d.pp - 1, pp_rank == 0
     vocab = d.padded_vocab_size // d.tp * cfg.model.d_model
     if d.pp > 1 and d.tie_embeddings and (first or last):
@@ -266,15 +226,16 @@ def layout_config(
     dp = world // (tp * cp * pp)
     virtual = _virtual(cfg, pp, dp)
     same_split = pp == cfg.parallel.pp and virtual == virtual_stages(cfg)
+    layers = cfg.parallel.pp_layers if same_split else None
+    parallel = dataclasses.replace(
+        cfg.parallel, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, sequence_parallel=sp
+    )
     layout = dataclasses.replace(
         cfg,
-        parallel=dataclasses.replace(
-            cfg.parallel, tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, sequence_parallel=sp,
-            pp_virtual=virtual, pp_layers=cfg.parallel.pp_layers if same_split else None,
-        ),
+        parallel=dataclasses.replace(parallel, pp_virtual=virtual, pp_layers=layers),
         optim=dataclasses.replace(cfg.optim, zero=zero),
         train=dataclasses.replace(cfg.train, activation_checkpointing=recompute),
-    )  # fmt: skip
+    )
     return layout, derive(layout, world, vocab_size=cfg.model.vocab_size)
 
 

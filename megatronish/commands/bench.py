@@ -210,7 +210,6 @@ def memory_record(cfg: Config, derived: Derived, ps, rss_before: float) -> dict:
     import dataclasses
 
     from megatronish.accounting.memory import estimate
-    from megatronish.training.metrics import peak_flops
 
     peak, reserved = peak_memory(ps.device)
     above = peak - rss_before if ps.device.type == "cpu" else peak
@@ -221,10 +220,15 @@ def memory_record(cfg: Config, derived: Derived, ps, rss_before: float) -> dict:
         cfg, model=dataclasses.replace(cfg.model, vocab_size=derived.vocab_size)
     )
     plan = estimate(
-        sized, derived.world_size, derived.tp, peak_flops(ps.device)[0], derived.pp, derived.cp,
-        sequence_parallel=cfg.parallel.sequence_parallel, zero=cfg.optim.zero,
+        sized,
+        derived.world_size,
+        derived.tp,
+        derived.pp,
+        derived.cp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        zero=cfg.optim.zero,
         activation_checkpointing=cfg.train.activation_checkpointing,
-    )  # fmt: skip
+    )
     return {
         "peak_memory_gb": float(mine[0]) / 2**30,
         "peak_reserved_gb": float(mine[1]) / 2**30,

@@ -24,6 +24,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from megatronish.accounting.comm_time import ring_ratio
 from megatronish.accounting.hardware import Device, device_named
 from megatronish.accounting.memory import Estimate, estimate, layout_config
 from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency
@@ -43,11 +44,13 @@ LAYOUT_KEYS = ("tp", "pp", "v", "cp", "dp", "ep")
 
 @dataclass
 class Row:
-    """One layout: its config, memory (Estimate, GiB) and, where it fits, its predicted step."""
+    """One layout: its config, memory (Estimate, GiB), where it fits its predicted step, and
+    its cp ring's transfer over block compute time (``comm_time.ring_ratio``; None at cp 1)."""
 
     cfg: Config
     memory: Estimate
     time: StepTime | None
+    ring_ratio: float | None
 
 
 @dataclass
@@ -149,10 +152,11 @@ def _virtuals(cfg: Config, pp: int, m: int) -> list[int]:
 def _row(cfg: Config, world: int, layout: tuple, tgt: Target, budget: float, **changes) -> Row:
     tp, cp, pp, ep = layout
     device, eff = tgt.device(tp, cp, world // (tp * cp * pp))
-    memory = estimate(cfg, world, tp, tgt.peak_flops, pp, cp, device.nvlink_gb_s, ep, **changes)
+    memory = estimate(cfg, world, tp, pp, cp, ep, **changes)
     layout_cfg, d = layout_config(cfg, world, tp, pp, cp, ep, **changes)
     time = step_time(layout_cfg, d, device, eff) if memory.total_gb <= budget else None
-    return Row(layout_cfg, memory, time)
+    ring = ring_ratio(layout_cfg, d, tgt.peak_flops, device.nvlink_gb_s)
+    return Row(layout_cfg, memory, time, ring)
 
 
 def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
@@ -236,11 +240,18 @@ def fixed_layout(cfg: Config, world: int, text: str, tgt: Target) -> Row:
         raise UserError(f"--layout {text!r}: {exc}") from None
     device, eff = tgt.device(d.tp, d.cp, d.dp)
     memory = estimate(
-        layout_cfg, world, d.tp, tgt.peak_flops, d.pp, d.cp, device.nvlink_gb_s, d.ep,
-        sequence_parallel=parallel.sequence_parallel, zero=cfg.optim.zero,
+        layout_cfg,
+        world,
+        d.tp,
+        d.pp,
+        d.cp,
+        d.ep,
+        sequence_parallel=parallel.sequence_parallel,
+        zero=cfg.optim.zero,
         activation_checkpointing=cfg.train.activation_checkpointing,
-    )  # fmt: skip
-    return Row(layout_cfg, memory, step_time(layout_cfg, d, device, eff))
+    )
+    ring = ring_ratio(layout_cfg, d, tgt.peak_flops, device.nvlink_gb_s)
+    return Row(layout_cfg, memory, step_time(layout_cfg, d, device, eff), ring)
 
 
 def plan(

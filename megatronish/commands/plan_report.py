@@ -132,7 +132,7 @@ def report(
     for row in table:
         e = row.memory
         mark = "  <- fits" if e.total_gb <= budget else ""
-        ring = "-" if e.ring_ratio is None else f"{e.ring_ratio:.2f}"
+        ring = "-" if row.ring_ratio is None else f"{row.ring_ratio:.2f}"
         experts = f"{e.ep:>3} {e.expert_gb:>8.2f} " if moe else ""
         step = "-" if row.time is None else f"{row.time.step_time_s:.3f}"
         lines.append(

@@ -1,0 +1,44 @@
+"""Context parallelism: what a rank issues over its cp group (nothing at cp = 1 but the loss
+mask's count, which runs over the whole data-parallel group).
+
+Per micro-batch and layer the ring attention sends ("cp_ring") its k and v, c [2, b, k/t, s, d]
+with k kv heads (only those travel), cp - 1 times forward and again backward, plus cp hops of
+their fp32 gradient accumulator backward; attention recompute (selective or full) reruns the
+forward ring. Per micro-batch and MoE layer the E int64 routed counts of the balancing loss.
+
+The loss divides by the tokens it counts: without a loss mask the last stage all-reduces its
+token count (one fp64) over cp per micro-batch; with one it instead all-reduces the counted
+tokens of the global batch (one fp64) over the data-parallel group dp x cp once per step
+(training/loss.py), at cp = 1 too.
+"""
+
+from __future__ import annotations
+
+from megatronish.accounting.collectives.step import (
+    FP32_BYTES,
+    FP64_BYTES,
+    INT64_BYTES,
+    Collective,
+    Step,
+)
+
+
+def cp_collectives(step: Step) -> list[Collective]:
+    """The ring's, the MoE balancing loss's and the loss's token counts (see module doc)."""
+    cp, accum, n = step.cp, step.accum, step.layers
+    kv = 2 * step.b * (step.d.n_kv_head // step.t) * step.s * step.d.head_dim  # elements
+    forward_rings = 2 if step.cfg.train.activation_checkpointing != "none" else 1
+    hops = (cp - 1) * (forward_rings + 1) * n * accum
+    what = "ring attention k and v (forward, backward)"
+    ops = [Collective(what, "cp_ring", "cp", cp, kv * step.c, hops)]
+    what = "ring attention dk and dv accumulator (backward)"
+    ops.append(Collective(what, "cp_ring", "cp", cp, kv * FP32_BYTES, cp * n * accum))
+    counts, calls = step.cfg.model.moe.num_experts * INT64_BYTES, step.moe_layers * accum
+    what = "MoE routed counts for the balancing loss"
+    ops.append(Collective(what, "all_reduce", "cp", cp, counts, calls))
+    if step.last and not step.masked:
+        ops.append(Collective("loss token count", "all_reduce", "cp", cp, FP64_BYTES, accum))
+    if step.last and step.masked:
+        what = "counted tokens of the global batch (loss mask)"
+        ops.append(Collective(what, "all_reduce", "dp", step.dp, FP64_BYTES, 1))
+    return ops

@@ -1,0 +1,136 @@
+"""Data parallelism and ZeRO: what a rank issues over its data-parallel group, the dp x cp
+ranks that hold the same parameters (the experts' over their expert-data-parallel group, the
+dp x cp / ep ranks that hold the same experts). P: the rank's local parameters
+(``local_parameter_count``), all gradients and parameters fp32.
+
+Per step at optim.zero = 0 (or dp x cp = 1): the all-reduce of every local gradient (4 P bytes,
+the experts' over their group). With optim.zero >= 1 instead a reduce-scatter of the gradient
+buffer (ZeRO-2 and 3: one after each of the A micro-batches) and an all-gather of the updated
+parameters (ZeRO-3: the modules' gathers before forward and backward, ``zero3_gathers``), 4 P
+bytes each, less the parameters outside the buffer (the sequence-parallel replicated ones and
+the pipeline's tied embedding copies, which are all-reduced and broadcast by their owners),
+and the blocks' grad-norm partial sums (two fp64; one more over the experts' group); the
+buckets are padded to a multiple of dp, which adds nothing when dp divides every bucket's size,
+as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
+"""
+
+from __future__ import annotations
+
+from megatronish.accounting.collectives.step import FP32_BYTES, FP64_BYTES, Collective, Step
+from megatronish.accounting.parameters import (
+    local_moe_params,
+    local_parameter_count,
+    sequence_parallel_grad_count,
+)
+
+
+def dp_collectives(step: Step) -> list[Collective]:
+    """The gradient reductions and parameter gathers of optim.zero, and the loss mean."""
+    dp = step.dp
+    if step.cfg.optim.zero >= 1 and dp > 1:
+        ops = _zero(step)
+    else:
+        experts, edp = _expert_bytes(step), _edp(step)
+        dense = local_parameter_count(step.cfg, step.d, step.pp_rank) * FP32_BYTES - experts
+        ops = _over_dp(
+            [
+                ("data-parallel gradient average", "all_reduce", dp, dense, 1),
+                ("expert gradient sum (expert-data-parallel)", "all_reduce", edp, experts, 1),
+            ]
+        )
+    return ops + _over_dp([("loss mean", "all_reduce", dp, FP32_BYTES, 1)])
+
+
+def _over_dp(rows: list[tuple[str, str, int, int, int]]) -> list[Collective]:
+    """The Collectives of rows (what, kind, group size, payload, count) over the data-parallel
+    group (size dp x cp) or the experts' (size ``_edp``)."""
+    return [
+        Collective(what, kind, "dp", size, payload, count)
+        for what, kind, size, payload, count in rows
+    ]
+
+
+def _edp(step: Step) -> int:
+    """The expert-data-parallel group: the ranks that hold the same experts."""
+    return step.dp // step.d.ep
+
+
+def _expert_bytes(step: Step) -> int:
+    """The stage's expert parameters on this rank, fp32."""
+    return step.moe_layers * local_moe_params(step.cfg, step.d, True) * FP32_BYTES
+
+
+def _outside_bytes(step: Step) -> int:
+    """The parameters outside ZeRO's gradient buffer (summed over tp or the embedding group
+    first), fp32: whole parameters, all-reduced and broadcast by their owners."""
+    d = step.d
+    replicated = 0
+    if step.cfg.parallel.sequence_parallel:
+        replicated = sequence_parallel_grad_count(step.cfg, d, step.pp_rank)
+    outside = replicated * FP32_BYTES
+    if d.pp > 1 and d.tie_embeddings and (step.first or step.last):
+        outside += d.padded_vocab_size // step.t * step.h * FP32_BYTES
+    return outside
+
+
+def _zero(step: Step) -> list[Collective]:
+    """optim.zero >= 1 at dp x cp > 1: the buffer's buckets reduce-scattered (ZeRO-2 and 3:
+    after every micro-batch) and their updated blocks all-gathered (ZeRO-3: by each module,
+    ``zero3_gathers``); the parameters outside it all-reduced and broadcast; the blocks' norms."""
+    zero, dp, edp = step.cfg.optim.zero, step.dp, _edp(step)
+    experts, outside = _expert_bytes(step), _outside_bytes(step)
+    dense = local_parameter_count(step.cfg, step.d, step.pp_rank) * FP32_BYTES - experts - outside
+    rows = []
+    if outside:
+        broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
+        rows += [
+            ("gradients outside the buffer: average", "all_reduce", dp, outside, 1),
+            (broadcast, "broadcast", dp, outside, 1),
+        ]
+    passes = step.accum if zero >= 2 else 1  # reductions per step
+    rows += [
+        (f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", dp, dense, passes),
+        (f"ZeRO-{zero} expert gradient reduce-scatter", "reduce_scatter", edp, experts, passes),
+    ]
+    if zero < 3:
+        rows += [
+            (f"ZeRO-{zero} parameter all-gather", "all_gather", dp, dense, 1),
+            (f"ZeRO-{zero} expert all-gather", "all_gather", edp, experts, 1),
+        ]
+    else:
+        rows += zero3_gathers(step, dense)
+    rows.append(
+        ("gradient norm of the blocks (split, replicated)", "all_reduce", dp, 2 * FP64_BYTES, 1)
+    )
+    if experts:
+        rows.append(("gradient norm of the expert blocks", "all_reduce", edp, FP64_BYTES, 1))
+    return _over_dp(rows)
+
+
+def zero3_gathers(step: Step, dense: int) -> list[tuple[str, str, int, int, int]]:
+    """ZeRO-3's parameter all-gathers of one step, as rows of ``_over_dp``; `dense`: the bytes
+    of the buffer's dense buckets. At pp = 1 every micro-batch gathers each bucket before its
+    module's forward, the tied embedding's again for the output layer, and each bucket again
+    before its backward but the last module's (the final norm and the output layer) and the
+    tied embedding's, which stay from their forward, and the embeddings', whose backward reads
+    no weight; at pp > 1 each bucket once a step (kept to its end)."""
+    m, d, dp, accum = step.cfg.model, step.d, step.dp, step.accum
+    experts, edp = _expert_bytes(step), _edp(step)
+    if d.pp > 1:
+        return [
+            ("ZeRO-3 parameter all-gather (kept for the step)", "all_gather", dp, dense, 1),
+            ("ZeRO-3 expert all-gather (kept for the step)", "all_gather", edp, experts, 1),
+        ]
+    norm = (2 if m.arch == "gpt2" else 1) * step.h * FP32_BYTES
+    vocab = d.padded_vocab_size // step.t * step.h * FP32_BYTES
+    tied = vocab if d.tie_embeddings else 0
+    kept = (0 if step.sp else norm) + (0 if d.tie_embeddings else vocab)
+    positions = m.max_seq_len * step.h * FP32_BYTES if m.arch == "gpt2" else 0
+    lookups = (0 if d.tie_embeddings else vocab) + positions  # not gathered for backward
+    backward = dense - kept - tied - lookups
+    return [
+        ("ZeRO-3 parameter all-gather (forward)", "all_gather", dp, dense, accum),
+        ("ZeRO-3 tied embedding all-gather (output layer)", "all_gather", dp, tied, accum),
+        ("ZeRO-3 parameter all-gather (backward)", "all_gather", dp, backward, accum),
+        ("ZeRO-3 expert all-gather (forward, backward)", "all_gather", edp, experts, 2 * accum),
+    ]

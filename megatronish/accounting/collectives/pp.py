@@ -1,0 +1,36 @@
+"""Pipeline parallelism: what a rank of stage pp_rank issues to the other stages (pp > 1).
+
+Per micro-batch a stage sends its fp32 hidden states [b, s, h] ([b, s/t, h] under sequence
+parallelism) forward (all but the last stage) and their gradient backward (all but the first),
+counted as sent once ("p2p"); with pp_virtual = v it does so for each of its v model chunks (per
+micro-batch 2 v - 1 sends on the first and the last stage, 2 v on the others). Per step the
+first and the last stage all-reduce the tied embedding's gradient (fp32, their vocab shard) over
+their two-rank "embedding" group, and the grad-norm partial sum (fp64) and the last stage's loss
+(fp32) are all-reduced over the pipeline.
+"""
+
+from __future__ import annotations
+
+from megatronish.accounting.collectives.step import FP32_BYTES, FP64_BYTES, Collective, Step
+
+
+def pp_collectives(step: Step) -> list[Collective]:
+    """The sends, the tied embedding's gradient, the norm and the loss (see module doc)."""
+    d, pp = step.d, step.d.pp
+    if pp == 1:
+        return []
+    hidden = step.b * (step.s // step.t if step.sp else step.s) * step.h * FP32_BYTES
+    # Per model chunk: its output forward (all but the model's last chunk) and its input
+    # gradient backward (all but chunk 0).
+    v = d.pp_virtual
+    sends = (v - (1 if step.last else 0)) + (v - (1 if step.first else 0))
+    what = "hidden states and their gradients (point to point)"
+    ops = [Collective(what, "p2p", "pp", pp, hidden, sends * step.accum)]
+    if d.tie_embeddings and (step.first or step.last):
+        shard = d.padded_vocab_size // step.t * step.h * FP32_BYTES
+        what = "tied embedding gradient (first and last stage)"
+        ops.append(Collective(what, "all_reduce", "embedding", 2, shard, 1))
+    return ops + [
+        Collective("gradient norm over the stages", "all_reduce", "pp", pp, FP64_BYTES, 1),
+        Collective("loss from the last stage", "all_reduce", "pp", pp, FP32_BYTES, 1),
+    ]

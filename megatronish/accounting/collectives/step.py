@@ -1,0 +1,108 @@
+"""What every dimension's count shares: ``Collective`` (one kind of call and its bytes),
+``Step`` (the sizes of one rank's optimizer step, legend in the package doc) and the step
+agreement every rank joins at the end of a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatronish.accounting.parameters import stage_moe_layers
+from megatronish.config import Config, Derived
+
+FP32_BYTES = 4
+FP64_BYTES = 8
+INT64_BYTES = 8
+STEP_FLAGS = 4  # faults.agree_on_step: loss and grad_norm non-finite, stop, writer busy
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a training step issues: `count` calls of `payload` bytes each on
+    the `group` ("tp", "cp", "dp", "ep", "pp" or "embedding") of `size` ranks. payload is what
+    ``comm`` counts: the tensor of an all-reduce or broadcast, the full (gathered) tensor of an
+    all-gather or reduce-scatter."""
+
+    what: str
+    kind: str
+    group: str
+    size: int
+    payload: int
+    count: int
+
+    @property
+    def sent(self) -> float:
+        """Bytes this rank sends for all `count` calls: ring all-reduce 2 (n-1)/n x payload,
+        all-gather, reduce-scatter and broadcast (n-1)/n x payload."""
+        if self.kind in ("p2p", "cp_ring"):
+            return self.count * self.payload
+        factor = (2 if self.kind == "all_reduce" else 1) * (self.size - 1) / self.size
+        return self.count * self.payload * factor
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rank of pipeline stage pp_rank in one optimizer step (``step_of``): the config, its
+    derived layout and the sizes every dimension's count reads (t tp, accum micro-batches a
+    step, b micro-batch, h hidden)."""
+
+    cfg: Config
+    d: Derived
+    pp_rank: int
+    masked: bool
+    """Whether the run's loader masks the loss (SFT data or data.eod_mask_loss)."""
+    first: bool
+    """The first stage: it holds the embeddings."""
+    last: bool
+    """The last stage: it holds the output layer and the loss."""
+    t: int
+    cp: int
+    dp: int
+    """The data-parallel group, dp x cp ranks: the data-parallel collectives run over it."""
+    accum: int
+    b: int
+    s: int
+    """A rank's share of the sequence, seq_len / cp."""
+    h: int
+    c: int
+    """Bytes of a matmul operand: 2 under bf16 autocast, 4 in fp32."""
+    sp: bool
+    """Sequence parallelism in effect (on, and tp > 1)."""
+    layers: int
+    moe_layers: int
+    """Transformer layers and MoE layers of the stage."""
+
+
+def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | None) -> Step:
+    """The Step of stage pp_rank; loss_masked None: data.eod_mask_loss."""
+    tr = cfg.train
+    cp = derived.cp
+    return Step(
+        cfg=cfg,
+        d=derived,
+        pp_rank=pp_rank,
+        masked=cfg.data.eod_mask_loss if loss_masked is None else loss_masked,
+        first=pp_rank == 0,
+        last=pp_rank == derived.pp - 1,
+        t=derived.tp,
+        cp=cp,
+        dp=derived.dp * cp,
+        accum=derived.grad_accum_steps,
+        b=tr.micro_batch_size,
+        s=tr.seq_len // cp,
+        h=cfg.model.d_model,
+        c=2 if tr.precision == "bf16" else FP32_BYTES,
+        sp=cfg.parallel.sequence_parallel and derived.tp > 1,
+        layers=derived.stage_layers[pp_rank],
+        moe_layers=stage_moe_layers(derived, pp_rank),
+    )
+
+
+def step_agreement(step: Step) -> list[Collective]:
+    """faults.agree_on_step: four fp32 flags (16 bytes) all-reduced over tp, then dp x cp, then
+    pp, once per step."""
+    groups = (("tp", step.t), ("dp", step.dp), ("pp", step.d.pp))
+    what = "step agreement: non-finite and stop flags"
+    return [
+        Collective(what, "all_reduce", group, size, STEP_FLAGS * FP32_BYTES, 1)
+        for group, size in groups
+    ]

@@ -1,0 +1,160 @@
+"""Tensor parallelism: what a rank issues over its tp group of t ranks (nothing at t = 1).
+
+Per micro-batch without sequence parallelism: one fp32 all-reduce after the embedding (first
+stage); per layer 2 all-reduces forward (attention projection, MLP down) and 2 backward (input
+gradients of qkv and of the MLP's first projection), each c [b, s, h]; the LM head's input
+gradient c [b, s, h] backward (last stage). With sequence parallelism each activation
+all-reduce becomes an all-gather plus a reduce-scatter of the same full tensor: forward
+all-gathers of the norm outputs before qkv, the MLP and the LM head, reduce-scatters of the
+row-parallel outputs; backward the matching reduce-scatters of the input gradients and
+all-gathers of the output gradients, the all-gather of the embedding's gradient, and a second
+all-gather of the input of qkv, of gpt2's MLP up and of the LM head (these recompute their
+gathered input instead of keeping it; llama's gate and up keep it). Full activation
+checkpointing reruns each block's forward, up to the last op that saves a tensor for backward
+(torch.utils.checkpoint stops there): the attention projection's collective, and the MLP
+down's only with dropout after it.
+
+The vocab-parallel cross entropy (last stage, per micro-batch): the fp32 row max [b, s] and
+the target logit and sum of exp [2, b, s].
+
+Per micro-batch and MoE layer (T = b s tokens, k top_k, E experts): the combine weights' fp32
+gradient [T, k] backward (the output and the routed tokens' gradient are the MLP's two
+all-reduces above) and a shared expert's two; under sequence parallelism instead the weights
+all-gathered [T, k] fp32 and their gradient reduce-scattered, the tokens' experts all-gathered
+[T, k] int64, the E int64 counts all-reduced, a shared expert's gathers and reduce-scatters.
+
+Per step: the grad-norm partial sum (one fp64) and, under sequence parallelism, the sum of the
+replicated parameters' gradients (fp32, ``sequence_parallel_grad_count``).
+"""
+
+from __future__ import annotations
+
+from megatronish.accounting.collectives.step import (
+    FP32_BYTES,
+    FP64_BYTES,
+    INT64_BYTES,
+    Collective,
+    Step,
+)
+from megatronish.accounting.parameters import sequence_parallel_grad_count
+
+
+def tp_collectives(step: Step) -> list[Collective]:
+    """The tp collectives of one step (see module doc)."""
+    embed = 1 if step.first else 0  # the embedding's collectives, per micro-batch
+    fp32 = step.b * step.s * step.h * FP32_BYTES
+    ops = _over_tp(step, [("embedding output (forward)", "all_reduce", fp32, embed)])
+    ops += _sequence_parallel_blocks(step) if step.sp else _blocks(step)
+    ops += _vocab_parallel_loss(step) + _moe(step)
+    what = "gradient norm (fp64 partial sum)"
+    ops.append(Collective(what, "all_reduce", "tp", step.t, FP64_BYTES, 1))
+    if step.cfg.parallel.sequence_parallel:
+        replicated = sequence_parallel_grad_count(step.cfg, step.d, step.pp_rank) * FP32_BYTES
+        what = "replicated-parameter gradients (sequence parallel)"
+        ops.append(Collective(what, "all_reduce", "tp", step.t, replicated, 1))
+    return ops
+
+
+def _over_tp(step: Step, rows: list[tuple[str, str, int, int]]) -> list[Collective]:
+    """The Collectives of rows (what, kind, payload, calls per micro-batch) over tp: each
+    row's calls in every one of the step's micro-batches."""
+    return [
+        Collective(what, kind, "tp", step.t, payload, per_micro * step.accum)
+        for what, kind, payload, per_micro in rows
+    ]
+
+
+def _forward_runs(step: Step) -> tuple[int, int]:
+    """Forward runs a step makes of the attention projection's and the MLP down's collective:
+    full recompute reruns the first, and the second only with dropout after it."""
+    full = step.cfg.train.activation_checkpointing == "full"
+    return (2 if full else 1), (2 if full and step.cfg.model.dropout > 0 else 1)
+
+
+def _blocks(step: Step) -> list[Collective]:
+    """Without sequence parallelism: the layers' and the LM head's all-reduces."""
+    act, n, head = step.b * step.s * step.h * step.c, step.layers, 1 if step.last else 0
+    attn_runs, down_runs = _forward_runs(step)
+    return _over_tp(
+        step,
+        [
+            ("attention projection output (forward)", "all_reduce", act, n * attn_runs),
+            ("MLP down output (forward)", "all_reduce", act, n * down_runs),
+            ("qkv input gradient (backward)", "all_reduce", act, n),
+            ("MLP first projection input gradient (backward)", "all_reduce", act, n),
+            ("LM head input gradient (backward)", "all_reduce", act, head),
+        ],
+    )
+
+
+def _sequence_parallel_blocks(step: Step) -> list[Collective]:
+    """Under sequence parallelism: the layers', the LM head's and the embedding gradient's
+    all-gathers and reduce-scatters."""
+    act, n = step.b * step.s * step.h * step.c, step.layers
+    embed, head = (1 if step.first else 0), (1 if step.last else 0)
+    fp32 = step.b * step.s * step.h * FP32_BYTES
+    attn_runs, down_runs = _forward_runs(step)
+    # Forward all-gathers of norm outputs; qkv, gpt2's MLP up and the LM head gather again in
+    # backward. Under full recompute the rerun block forward gathers once more.
+    rerun = 1 if step.cfg.train.activation_checkpointing == "full" else 0
+    qkv_gathers = 2 + rerun
+    mlp_gathers = (2 if step.cfg.model.arch == "gpt2" else 1) + rerun
+    return _over_tp(
+        step,
+        [
+            ("embedding output gradient (backward)", "all_gather", fp32, embed),
+            ("qkv input (forward, backward)", "all_gather", act, n * qkv_gathers),
+            ("MLP input (forward, backward)", "all_gather", act, n * mlp_gathers),
+            ("LM head input (forward, backward)", "all_gather", act, 2 * head),
+            ("qkv input gradient (backward)", "reduce_scatter", act, n),
+            ("MLP first projection input gradient (backward)", "reduce_scatter", act, n),
+            ("LM head input gradient (backward)", "reduce_scatter", act, head),
+            ("attention projection output (forward)", "reduce_scatter", act, n * attn_runs),
+            ("MLP down output (forward)", "reduce_scatter", act, n * down_runs),
+            ("row-parallel output gradients (backward)", "all_gather", act, 2 * n),
+        ],
+    )
+
+
+def _vocab_parallel_loss(step: Step) -> list[Collective]:
+    """The last stage's cross entropy over the vocabulary's tp shards, per micro-batch."""
+    loss = 1 if step.last else 0
+    rows = step.b * step.s * FP32_BYTES
+    return _over_tp(
+        step,
+        [
+            ("cross-entropy row max (forward)", "all_reduce", rows, loss),
+            ("cross-entropy target logit and sum of exp (forward)", "all_reduce", 2 * rows, loss),
+        ],
+    )
+
+
+def _moe(step: Step) -> list[Collective]:
+    """The stage's MoE layers' routing and shared-expert collectives over tp."""
+    moe, n = step.cfg.model.moe, step.moe_layers
+    if not n:
+        return []
+    tokens = step.b * step.s * moe.top_k  # T k routed rows
+    weights, act = tokens * FP32_BYTES, step.b * step.s * step.h * step.c
+    counts = moe.num_experts * INT64_BYTES
+    if not step.sp:
+        rows = [("MoE combine weights gradient (backward)", "all_reduce", weights, n)]
+        if moe.shared_expert:
+            rows += [
+                ("shared expert output (forward)", "all_reduce", act, n),
+                ("shared expert input gradient (backward)", "all_reduce", act, n),
+            ]
+        return _over_tp(step, rows)
+    # Each tp rank routes its own tokens: weights and experts are gathered.
+    rows = [
+        ("MoE combine weights (forward)", "all_gather", weights, n),
+        ("MoE combine weights gradient (backward)", "reduce_scatter", weights, n),
+        ("MoE experts of the tokens (forward)", "all_gather", tokens * INT64_BYTES, n),
+        ("MoE routed counts for the balancing loss", "all_reduce", counts, n),
+    ]
+    if moe.shared_expert:
+        rows += [
+            ("shared expert input and output gradient", "all_gather", act, 2 * n),
+            ("shared expert output and input gradient", "reduce_scatter", act, 2 * n),
+        ]
+    return _over_tp(step, rows)
