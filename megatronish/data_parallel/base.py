@@ -51,7 +51,8 @@ class DataParallel(ABC):
         self.overlap = o.overlap_grad_reduce
         uses = model.forward_param_uses()
         members = self.params if buckets else []
-        self.layout = BucketLayout(members, ps, self.bucket_bytes, self.zero, self._parts(uses))
+        parts = self._parts(uses)
+        self.layout = BucketLayout(members, ps, self.bucket_bytes, padded=self.zero, part_of=parts)
         self.buckets = self.layout.buckets
         self.outside = [p for p in self.params if not self.layout.holds(p)]
         self.micro_batches, self.active = 0, False

@@ -48,9 +48,11 @@ class Bucket:
 
     What the levels keep in it: `view`, the bucket's gradients (ZeRO-0 and 1: a view of the
     whole buffer; ZeRO-2 and 3: those of the micro-batches since its last reduce-scatter, None
-    between them); `work`, its reduction in flight; `block`, this rank's block of the reduced
-    gradients and `pieces`, the parameters' parts in it (ZeRO); `params_view` and `gather`, its
-    parameters in the flat parameter buffer and their all-gather in flight (ZeRO-1 and 2)."""
+    between them); `work`, its reduction in flight; `block`, what this rank keeps of the reduced
+    gradients (ZeRO-0 all of them, ZeRO its block) and `pieces`, the parameters' parts in the
+    block (ZeRO); `params_view` and `gather`, its parameters in the flat parameter buffer and
+    their all-gather in flight (ZeRO-1 and 2). ZeRO-3's param_shards.ParamShards adds its own
+    (the gathered parameters `full`, this rank's `param_block`, their state of use)."""
 
     def __init__(
         self, start: int, stop: int, params: list[nn.Parameter], group, size: int, rank: int

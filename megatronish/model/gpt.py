@@ -101,7 +101,7 @@ class GPT(nn.Module):
         modules: the embeddings, the blocks, the final norm (followed by the LM head, which is
         not called as a module: its weight, or the tied embedding's). A forward pre-hook on
         each module can make its parameters ready (ZeRO-1's all-gather overlapped with the
-        forward, ZeRO-3's gathers: grads.GradBuffer)."""
+        forward, ZeRO-3's gathers: megatronish.data_parallel)."""
         uses = [(m, list(m.parameters())) for m in (self.tok_emb, self.pos_emb) if m is not None]
         uses += [(block, list(block.parameters())) for block in self.blocks.values()]
         if self.norm_f is not None:
