@@ -46,14 +46,20 @@ from megatronish.checkpoint.load import restore_model, restore_optimizer, restor
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
 from megatronish.config import Config, derive, load_config
+from megatronish.data_parallel import data_parallel_for
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.optim.optimizer import Optimizer
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_OVERRIDES = ["parallel.tp=1", "optim.zero=0", "train.precision=fp32", "kernels.backend=torch"]
-GPT2_124M = ["model.arch=gpt2", "model.n_layer=12", "model.n_head=12", "model.d_model=768",
-             "model.vocab_size=50257", "model.max_seq_len=1024"]  # fmt: skip
+GPT2_124M = [
+    "model.arch=gpt2",
+    "model.n_layer=12",
+    "model.n_head=12",
+    "model.d_model=768",
+    "model.vocab_size=50257",
+    "model.max_seq_len=1024",
+]
 
 
 def gpt2_124m() -> Config:
@@ -67,12 +73,12 @@ def build(cfg: Config, with_state: bool):
     ps = ParallelState.single()
     derived = derive(cfg, 1)
     model = GPT(cfg, derived, ps)
-    optimizer = Optimizer(model, cfg, ps)
+    optimizer = data_parallel_for(model, cfg, ps, buckets=False)
     if with_state:
         batch = torch.randint(0, derived.vocab_size, (1, 17))
         model.loss(batch[:, :-1], batch[:, 1:]).backward()
         optimizer.step(cfg.train.lr)
-        optimizer.zero_grad()
+        optimizer.after_step()
     return model, optimizer, derived
 
 
@@ -152,9 +158,16 @@ def async_blocked(root: Path, steps: range, cfg: Config, derived, model, optimiz
         for step in steps:
             started = time.perf_counter()
             saver.begin(
-                root, step, cfg=cfg, derived=derived, ps=model.ps, model=model,
-                optimizer=optimizer, tokenizer=TokenizerInfo("file", 50256), keep=1,
-            )  # fmt: skip
+                root,
+                step,
+                cfg=cfg,
+                derived=derived,
+                ps=model.ps,
+                model=model,
+                optimizer=optimizer,
+                tokenizer=TokenizerInfo("file", 50256),
+                keep=1,
+            )
             copy_s.append(time.perf_counter() - started)
             saver.pending.done.wait()  # training would run meanwhile
             write_s.append(time.perf_counter() - started - copy_s[-1])
@@ -170,9 +183,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="Saves (and loads after each).")
     parser.add_argument(
-        "--load-repeats", type=int, default=5,
+        "--load-repeats",
+        type=int,
+        default=5,
         help="Checked and unchecked loads after the last save, alternating (best of each).",
-    )  # fmt: skip
+    )
     parser.add_argument("--dir", default=None, help="Where to write (default: a temp dir).")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -185,9 +200,16 @@ def main() -> None:
         for repeat in range(args.repeats):
             started = time.perf_counter()
             step_dir = save_checkpoint(
-                root, repeat + 1, cfg=cfg, derived=derived, ps=model.ps, model=model,
-                optimizer=optimizer, tokenizer=TokenizerInfo("file", 50256), keep=1,
-            )  # fmt: skip
+                root,
+                repeat + 1,
+                cfg=cfg,
+                derived=derived,
+                ps=model.ps,
+                model=model,
+                optimizer=optimizer,
+                tokenizer=TokenizerInfo("file", 50256),
+                keep=1,
+            )
             save_s.append(time.perf_counter() - started)
             unchecked = unchecked_copy(step_dir, root / "unchecked")
             restore_s.append(restore(step_dir, cfg))

@@ -14,10 +14,9 @@ import torch
 
 from megatronish.checkpoint.save import TokenizerInfo, save_checkpoint
 from megatronish.config import Config, load_config
+from megatronish.data_parallel import data_parallel_for
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.optim.optimizer import Optimizer
-from megatronish.optim.reduce import reduce_gradients
 
 VOCAB = 257  # the byte tokenizer's
 BYTES = TokenizerInfo("byte", 256)
@@ -46,19 +45,22 @@ def tiny_cfg(arch: str = "gpt2", *extra: str, tp: int = 1, dp: int | None = None
 
 def trained(cfg: Config, ps: ParallelState, steps: int = 2, lr: float = 1e-2):
     """(model in eval mode, optimizer, derived) after `steps` AdamW steps on random tokens (two
-    sequences per dp rank), so no weight is at its init and the AdamW state is not zero."""
+    sequences per dp rank), so no weight is at its init and the AdamW state is not zero. The
+    optimizer is data parallelism without buckets: under ZeRO each parameter's state is whole
+    on one rank."""
     from megatronish.config import derive
 
     derived = derive(cfg, ps.world_size, vocab_size=VOCAB)
     model = GPT(cfg, derived, ps)
-    optimizer = Optimizer(model, cfg, ps)
+    optimizer = data_parallel_for(model, cfg, ps, buckets=False)
     gen = torch.Generator().manual_seed(7)
     for _ in range(steps):
         batch = torch.randint(0, VOCAB, (2 * ps.dp, 17), generator=gen)[2 * ps.dp_rank :][:2]
+        optimizer.start_of_step(1)
         model.loss(batch[:, :-1], batch[:, 1:]).backward()
-        reduce_gradients(optimizer.params, ps)
+        optimizer.after_backward()
         optimizer.step(lr)
-        optimizer.zero_grad()
+        optimizer.after_step()
     return model.eval(), optimizer, derived
 
 
@@ -69,9 +71,15 @@ def save_single(
     ps = ParallelState.single()
     model, optimizer, derived = trained(cfg, ps)
     path = save_checkpoint(
-        directory, step, cfg=cfg, derived=derived, ps=ps, model=model, optimizer=optimizer,
+        directory,
+        step,
+        cfg=cfg,
+        derived=derived,
+        ps=ps,
+        model=model,
+        optimizer=optimizer,
         tokenizer=tokenizer,
-    )  # fmt: skip
+    )
     return path, model
 
 

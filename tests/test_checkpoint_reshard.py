@@ -13,10 +13,11 @@ from megatronish.checkpoint.load import restore_model, restore_optimizer
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import save_checkpoint
 from megatronish.config import derive
+from megatronish.data_parallel import data_parallel_for
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
+from megatronish.layers.roles import role
 from megatronish.model import GPT
-from megatronish.optim.optimizer import Optimizer
 from tests.checkpoints import BYTES, VOCAB, tiny_cfg, tokens, trained
 from tests.distributed import run_on_ranks
 
@@ -25,7 +26,7 @@ UNTIED = ("model.tie_embeddings=false",)  # both vocab-sized tensors: embedding 
 
 def _local_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: s["exp_avg"].clone() for p, s in optimizer.inner.state.items() if s}
+    return {names[id(p)]: s["exp_avg"].clone() for p, s in optimizer.adamw.state.items() if s}
 
 
 def _save_at_tp2_dp2_zero1_then_load_at_tp4(rank: int, world: int, ckpt_dir: str) -> dict:
@@ -34,9 +35,15 @@ def _save_at_tp2_dp2_zero1_then_load_at_tp4(rank: int, world: int, ckpt_dir: str
     with torch.no_grad():
         logits_tp2 = mappings.gather_from_tensor_parallel_region(model(tokens()), ps.tp_group)
     save_checkpoint(
-        ckpt_dir, 2, cfg=model.cfg, derived=derived, ps=ps, model=model, optimizer=optimizer,
+        ckpt_dir,
+        2,
+        cfg=model.cfg,
+        derived=derived,
+        ps=ps,
+        model=model,
+        optimizer=optimizer,
         tokenizer=BYTES,
-    )  # fmt: skip
+    )
     saved = {
         "tp_rank": ps.tp_rank,
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -46,7 +53,7 @@ def _save_at_tp2_dp2_zero1_then_load_at_tp4(rank: int, world: int, ckpt_dir: str
     ps4 = ParallelState.from_world(4, 1)
     cfg4 = tiny_cfg("gpt2", *UNTIED, tp=4)
     model4 = GPT(cfg4, derive(cfg4, 4, vocab_size=VOCAB), ps4).eval()
-    optimizer4 = Optimizer(model4, cfg4, ps4)
+    optimizer4 = data_parallel_for(model4, cfg4, ps4)
     ckpt = Checkpoint(ckpt_dir)
     restore_model(ckpt, model4)
     restore_optimizer(ckpt, optimizer4, model4)
@@ -101,12 +108,12 @@ def test_optimizer_state_reloads_at_tp1_and_tp4_from_zero1_shards(saved):
     ckpt_dir, results = saved
     cfg1 = tiny_cfg("gpt2", *UNTIED)
     model1 = GPT(cfg1, derive(cfg1, 1, vocab_size=VOCAB), ParallelState.single())
-    optimizer1 = Optimizer(model1, cfg1, ParallelState.single())
+    optimizer1 = data_parallel_for(model1, cfg1, ParallelState.single())
     restore_optimizer(Checkpoint(ckpt_dir), optimizer1, model1)
     full = _local_optimizer_state(model1, optimizer1)
     assert set(full) == {n for n, _ in model1.named_parameters()}
     for name, param in model1.named_parameters():
-        saved_full = _full_exp_avg(results, name, param.tp_split_dim)
+        saved_full = _full_exp_avg(results, name, role(param).tp_split_dim)
         assert full[name].abs().sum() > 0, name
         if name in ("tok_emb.weight", "lm_head.weight"):  # vocab padded to 512 at tp 2, 384 at 1
             assert saved_full.shape[0] == 512 and full[name].shape[0] == 384
@@ -118,8 +125,9 @@ def test_optimizer_state_reloads_at_tp1_and_tp4_from_zero1_shards(saved):
             want_tp4 = full[name]
         for tp_rank, result in enumerate(results):
             want = want_tp4
-            if param.tp_split_dim is not None:
-                want = want_tp4.chunk(4, dim=param.tp_split_dim)[tp_rank]
+            split_dim = role(param).tp_split_dim
+            if split_dim is not None:
+                want = want_tp4.chunk(4, dim=split_dim)[tp_rank]
             assert torch.equal(result["exp_avg_tp4"][name], want), (name, tp_rank)
 
 

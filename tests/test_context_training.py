@@ -211,9 +211,9 @@ def _masked_batch():
 def _masked_loss(rank, world):
     from megatronish.config import derive, load_config
     from megatronish.context import shard_sequence
+    from megatronish.data_parallel.outside import reduce_gradients
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.optim.reduce import reduce_gradients
     from megatronish.training.trainer import mean_loss
 
     if world == 1:

@@ -1,6 +1,6 @@
 """Gradient reduction from a contiguous buffer, overlapped with backward: at dp2, dp2 x tp2
 (sequence parallel) and dp2 x pp2 (tied embeddings across stages), the losses and gradient
-norms are bitwise those of the unbuffered reduction (optim.reduce_gradients over every
+norms are bitwise those of the unbuffered reduction (data_parallel.outside over every
 gradient), with the overlap on and off, and with buckets small enough that every layer has
 its own. With ZeRO-1 (dp2, and dp2 x tp2 with sequence parallelism, whose replicated
 parameters stay outside the buffer) the sharded buffer holds 1e-6 of whole-parameter ZeRO-1
@@ -29,21 +29,20 @@ WAYS = {
 
 
 def _curves(rank, world, variants, dataset):
-    from megatronish.optim.grad_buffer import GradBuffer
-    from megatronish.optim.optimizer import Optimizer
+    from megatronish.data_parallel import data_parallel_for
 
     out = {}
     for name, (tp, dp, pp, overrides) in variants.items():
         for way, sets in WAYS.items():
             cfg = make_config(tp, dp, pp, overrides + sets, dataset, [f"train.steps={STEPS}"])
             trainer = make_trainer(cfg, world, dataset)
-            if way == "unbuffered":  # every gradient through optim.reduce_gradients
-                trainer.grads.close()
-                trainer.grads = GradBuffer([], trainer.ps, trainer.grads.bucket_bytes, False)
+            if way == "unbuffered":  # every gradient through data_parallel.outside
+                trainer.data_parallel.close()
                 # ZeRO-1 owning whole parameters (each owner broadcasts its updated ones)
-                trainer.optimizer = Optimizer(trainer.model, cfg, trainer.ps)
+                unbuffered = data_parallel_for(trainer.model, cfg, trainer.ps, buckets=False)
+                trainer.data_parallel = unbuffered
             else:
-                assert len(trainer.grads.buckets) > 3
+                assert len(trainer.data_parallel.buckets) > 3
             steps = [trainer.train_step() for _ in range(STEPS)]
             out[(name, way)] = [(s.loss, s.grad_norm) for s in steps]
     return out

@@ -10,6 +10,7 @@ import torch
 
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
+from megatronish.layers.roles import role
 from megatronish.model import GPT
 from tests.distributed import run_on_ranks
 
@@ -52,8 +53,8 @@ def run_model(model: GPT):
         name: (
             p.detach().clone(),
             p.grad.detach().clone(),
-            p.tp_split_dim,
-            getattr(p, "sequence_parallel_grad", False),
+            role(p).tp_split_dim,
+            role(p).sequence_parallel_grad,
         )
         for name, p in model.named_parameters()
     }

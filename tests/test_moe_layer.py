@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from megatronish.layers.roles import role
 from megatronish.moe.dispatch import capacity_keep, combine, dispatch, make_plan
 from megatronish.moe.router import balancing_loss_share, route, z_loss_share
 from tests.distributed import run_on_ranks
@@ -26,12 +27,24 @@ CASES = {"spread": (3,), "skewed": (2, 3)}
 def _config(tp: int = 1, dp: int = 1, ep: int = 1):
     from megatronish.config import load_config
 
-    return load_config(None, [
-        "model.arch=llama", f"model.d_model={H}", "model.n_head=2", "model.n_layer=1",
-        f"model.moe.num_experts={E}", f"model.moe.top_k={K}", f"model.moe.d_ff={F}",
-        "model.vocab_size=64", "train.micro_batch_size=1", f"train.global_batch_size={dp}",
-        f"parallel.tp={tp}", f"parallel.dp={dp}", f"parallel.ep={ep}",
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            "model.arch=llama",
+            f"model.d_model={H}",
+            "model.n_head=2",
+            "model.n_layer=1",
+            f"model.moe.num_experts={E}",
+            f"model.moe.top_k={K}",
+            f"model.moe.d_ff={F}",
+            "model.vocab_size=64",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={dp}",
+            f"parallel.tp={tp}",
+            f"parallel.dp={dp}",
+            f"parallel.ep={ep}",
+        ],
+    )
 
 
 def _weights(case: str) -> dict[str, torch.Tensor]:
@@ -62,7 +75,7 @@ def _layer(cfg, world: int, ps, weights):
 
     derived = derive(cfg, world, vocab_size=64)
     layer = MoELayer(cfg, derived, ps).double().train()
-    ids = list(layer.experts.gate.expert_ids)
+    ids = list(role(layer.experts.gate).expert_ids)
     tp, rank = derived.tp, ps.tp_rank
     with torch.no_grad():
         layer.router.weight.copy_(weights["router"])

@@ -20,9 +20,12 @@ COMMON = GPT2 + ["train.global_batch_size=6", "optim.bucket_mb=0.01"]
 
 def _config(dp: int, zero: int, dataset, ckpt_dir, resume: str = "never"):
     extra = [
-        f"train.steps={STEPS}", f"optim.zero={zero}", "checkpoint.save=true",
-        f"checkpoint.dir={ckpt_dir}", f"checkpoint.resume={resume}",
-    ]  # fmt: skip
+        f"train.steps={STEPS}",
+        f"optim.zero={zero}",
+        "checkpoint.save=true",
+        f"checkpoint.dir={ckpt_dir}",
+        f"checkpoint.resume={resume}",
+    ]
     return make_config(1, dp, 1, COMMON, dataset, extra)
 
 
@@ -41,25 +44,25 @@ def _dp3(rank, world, dataset, ckpt_dir):
 
     os.environ["MEGATRONISH_SHM"] = "0"  # gloo: asynchronous gathers (shared memory: the others)
     trainer = make_trainer(_config(3, 1, dataset, ckpt_dir), world, dataset)
-    grads, optimizer = trainer.grads, trainer.optimizer
+    dp = trainer.data_parallel
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     facts = {
-        "buckets": [(b.stop - b.start, sum(p.numel() for p in b.params)) for b in grads.buckets],
-        "pieces": [(names[id(pc.param)], pc.lo, pc.data.numel()) for pc in grads.pieces],
+        "buckets": [(b.stop - b.start, sum(p.numel() for p in b.params)) for b in dp.buckets],
+        "pieces": [(names[id(pc.param)], pc.lo, pc.data.numel()) for pc in dp.pieces],
         "sizes": {n: p.numel() for n, p in trainer.model.named_parameters()},
         # AdamW's moments: the tensors allocated, and the pieces' views of them
-        "allocated": sum(t.numel() for moments in optimizer.block_state for t in moments.values()),
+        "allocated": sum(t.numel() for moments in dp.block_state for t in moments.values()),
         "viewed": sum(
-            t.numel() for st in optimizer.inner.state.values() for k, t in st.items() if k != "step"
+            t.numel() for st in dp.adamw.state.values() for k, t in st.items() if k != "step"
         ),
-        "whole": [n for n, p in trainer.model.named_parameters() if p in optimizer.inner.state],
-        "blocks": sum(b.block.numel() for b in grads.buckets),
-        "grad_is_none": all(p.grad is None for p in optimizer.params),
+        "whole": [n for n, p in trainer.model.named_parameters() if p in dp.adamw.state],
+        "blocks": sum(b.block.numel() for b in dp.buckets),
+        "grad_is_none": all(p.grad is None for p in dp.params),
     }
     facts["curve"] = _run(trainer, 1)
     # the step ends with every bucket's parameter all-gather in flight (the next forward's
     # pre-hooks wait for them)
-    facts["in_flight"] = sum(b.gather is not None for b in grads.buckets) == len(grads.buckets)
+    facts["in_flight"] = sum(b.gather is not None for b in dp.buckets) == len(dp.buckets)
     facts["curve"] += _run(trainer, STEPS - 1, save_at=SAVED_AT)
     resume = str(ckpt_dir / f"step_{SAVED_AT:06d}")
     again = make_trainer(_config(3, 1, dataset, ckpt_dir / "again", resume), world, dataset)

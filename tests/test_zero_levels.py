@@ -47,6 +47,8 @@ STEPS, SAVED_AT = 4, 2
 FP32_REL = 1e-6
 BF16_REL = 2**-8 / math.sqrt(8 * 16)
 LEVELS = (0, 2, 3)
+SELECTIVE = GPT2 + ["train.activation_checkpointing=selective"]
+FULL_BF16 = LLAMA + ["train.activation_checkpointing=full", "train.precision=bf16"]
 # name -> (tp, cp, dp, pp, ep, overrides); all four ranks
 FOUR = {
     "dp4": (1, 1, 4, 1, 1, GPT2),
@@ -54,14 +56,10 @@ FOUR = {
     "dp2 pp2": (1, 1, 2, 2, 1, LLAMA),
     "dp2 pp2 gpipe": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_schedule=gpipe"]),
     "dp2 pp2 interleaved tied": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_virtual=2"]),
-    "dp2 cp2 selective recompute": (
-        1, 2, 2, 1, 1, GPT2 + ["train.activation_checkpointing=selective"],
-    ),
+    "dp2 cp2 selective recompute": (1, 2, 2, 1, 1, SELECTIVE),
     "moe dp4 ep2": (1, 1, 4, 1, 2, MOE),
-    "dp4 full recompute bf16": (
-        1, 1, 4, 1, 1, LLAMA + ["train.activation_checkpointing=full", "train.precision=bf16"],
-    ),
-}  # fmt: skip
+    "dp4 full recompute bf16": (1, 1, 4, 1, 1, FULL_BF16),
+}
 # dp 2, two micro-batches a step: reduce-scatters and gathers every micro-batch
 TWO = {
     "zero0": ["optim.zero=0"],
@@ -76,14 +74,17 @@ TWO = {
 def _held_bytes(trainer) -> int:
     """Bytes of the distinct storages of the parameters, gradients and optimizer state this
     rank holds."""
-    grads, state = trainer.grads, trainer.optimizer.inner.state
+    dp = trainer.data_parallel
     tensors = [*trainer.model.parameters()]
     tensors += [p.grad for p in trainer.model.parameters() if p.grad is not None]
-    tensors += [getattr(grads, name) for name in ("buffer", "params", "grad_blocks")
-                if hasattr(grads, name)]  # fmt: skip
-    if grads.shards is not None:
-        tensors += [grads.shards.blocks] + [bucket.full for bucket in grads.buckets]
-    tensors += [t for st in state.values() for t in st.values()]
+    # the level's flat tensors: gradients (ZeRO-0 and 1 whole, 2 and 3 blocks), parameters
+    # (ZeRO-1 and 2 flat, 3 the blocks and each bucket's gathered tensor)
+    for name in ("grad_buffer", "grad_blocks", "flat_params"):
+        if hasattr(dp, name):
+            tensors.append(getattr(dp, name))
+    if hasattr(dp, "shards"):
+        tensors += [dp.shards.blocks] + [bucket.full for bucket in dp.buckets]
+    tensors += [t for st in dp.adamw.state.values() for t in st.values()]
     storages = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
@@ -133,8 +134,11 @@ def _four(rank, world, dataset, ckpt_dir):
             save = name == "dp4" and zero >= 2
             extra = [f"train.steps={STEPS}", f"optim.zero={zero}"]
             if save:  # ZeRO-3's in the background
-                extra += ["checkpoint.save=true", f"checkpoint.dir={ckpt_dir / f'zero{zero}'}",
-                          f"checkpoint.async={str(zero == 3).lower()}"]  # fmt: skip
+                extra += [
+                    "checkpoint.save=true",
+                    f"checkpoint.dir={ckpt_dir / f'zero{zero}'}",
+                    f"checkpoint.async={str(zero == 3).lower()}",
+                ]
             cfg = make_config(tp, dp, pp, overrides, dataset, extra, cp=cp, ep=ep)
             run = _train(cfg, world, dataset, save)
             del run["trainer"]
@@ -155,8 +159,9 @@ def _two(rank, world, dataset, ckpt_dir):
     # dp 4 checkpoints resumed at dp 2, at the other level
     for saved, zero in ((2, 3), (3, 2)):
         resume = f"checkpoint.resume={ckpt_dir / f'zero{saved}' / f'step_{SAVED_AT:06d}'}"
-        cfg = make_config(1, 2, 1, GPT2, dataset, [f"train.steps={STEPS}", f"optim.zero={zero}",
-                                                   resume])  # fmt: skip
+        cfg = make_config(
+            1, 2, 1, GPT2, dataset, [f"train.steps={STEPS}", f"optim.zero={zero}", resume]
+        )
         trainer = make_trainer(cfg, world, dataset)
         steps = [trainer.train_step() for _ in range(STEPS - SAVED_AT)]
         out[f"zero{saved} resumed at zero{zero}"] = [(s.loss, s.grad_norm) for s in steps]
@@ -246,8 +251,12 @@ def test_check_and_plan_shard_weights_gradients_and_state_by_level_with_zero3_ga
     mib = r"([0-9.]+) MiB"
     report, payload = {}, {}
     for zero in (0, 1, 2, 3):
-        sets = ["parallel.dp=4", "train.global_batch_size=64", f"optim.zero={zero}",
-                f"model.vocab_size={ByteTokenizer().vocab_size}"]  # fmt: skip
+        sets = [
+            "parallel.dp=4",
+            "train.global_batch_size=64",
+            f"optim.zero={zero}",
+            f"model.vocab_size={ByteTokenizer().vocab_size}",
+        ]
         args = [x for item in sets for x in ("--set", item)]
         out = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *args)
         assert out.returncode == 0, out.stderr
@@ -262,8 +271,11 @@ def test_check_and_plan_shard_weights_gradients_and_state_by_level_with_zero3_ga
         )
         assert (plan.gathered_gb > 0) == (zero >= 2)
     weights, grads, adam = report[0]
-    shards = {1: [weights, grads, adam / 4], 2: [weights, grads / 4, adam / 4],
-              3: [weights / 4, grads / 4, adam / 4]}  # fmt: skip
+    shards = {
+        1: [weights, grads, adam / 4],
+        2: [weights, grads / 4, adam / 4],
+        3: [weights / 4, grads / 4, adam / 4],
+    }
     for zero, want in shards.items():
         assert report[zero] == pytest.approx(want, rel=1e-2), zero  # printed to 0.01 MiB
     # two micro-batches: gathers before each forward and backward, not once after the step

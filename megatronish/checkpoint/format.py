@@ -17,6 +17,7 @@ from typing import Any
 
 from megatronish.checkpoint.integrity import CHECKSUM_KEY, is_checksum
 from megatronish.errors import UserError, read_json_object
+from megatronish.layers.roles import role
 from megatronish.moe.experts import stored_tensors
 
 FORMAT = "megatronish-checkpoint"
@@ -125,13 +126,13 @@ def dtype_name(dtype) -> str:
 
 def model_specs(model) -> dict[str, TensorSpec]:
     """The TensorSpec of every stored tensor of a GPT (each expert its own, by global id),
-    from its mark_parallel tags."""
+    from their roles (layers.roles)."""
     return {
         name: TensorSpec(
-            tuple(param.full_shape),
-            param.tp_split_dim,
+            role(param).full_shape,
+            role(param).tp_split_dim,
             dtype_name(param.dtype),
-            getattr(param, "valid_rows", None),
+            role(param).valid_rows,
         )
         for name, param, _ in stored_tensors(model.named_parameters())
     }
@@ -143,7 +144,7 @@ def saved_tensors(model) -> list[tuple[str, Any, int | None]]:
     return [
         entry
         for entry in stored_tensors(model.named_parameters())
-        if not getattr(entry[1], "pipeline_duplicate", False)
+        if not role(entry[1]).pipeline_duplicate
     ]
 
 

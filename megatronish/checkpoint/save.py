@@ -59,6 +59,7 @@ from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import ReportedError, RunFailure
 from megatronish.files import fsync_path, write_failures, write_text_atomic
+from megatronish.layers.roles import role
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def optimizer_tensors(
     states = optimizer.states_to_save()
     for name, param, index in saved_tensors(model):
         state = states.get(param)
-        if not state or (param.tp_split_dim is None and not include_replicated):
+        if not state or (role(param).tp_split_dim is None and not include_replicated):
             continue
         if experts_only and index is None:
             continue
@@ -148,7 +149,8 @@ def rank_files(model, optimizer, ps: ParallelState) -> dict[str, dict[str, torch
         files[model_file(ps.tp_rank, stage, ps.ep_rank)] = {
             name: _part(param, index)
             for name, param, index in saved_tensors(model)
-            if (index is not None or dense) and (param.tp_split_dim is not None or ps.tp_rank == 0)
+            if (index is not None or dense)
+            and (role(param).tp_split_dim is not None or ps.tp_rank == 0)
         }
     if optimizer is not None and (optimizer.zero or ps.edp_rank == 0):
         experts_only = not optimizer.zero and ps.dp_cp_rank != 0

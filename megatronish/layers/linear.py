@@ -20,6 +20,7 @@ from torch import nn
 
 from megatronish.distributed import comm
 from megatronish.layers import mappings
+from megatronish.layers.roles import role, set_role
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -37,10 +38,9 @@ DEFAULT_INIT = normal_init(0.02)
 
 
 def mark_parallel(param: nn.Parameter, split_dim: int | None, full_shape: tuple[int, ...]) -> None:
-    """Tags param with how it is split over the tp group: split_dim (None: replicated) and the
-    full (unsplit) shape. Checkpoints, re-sharding and the gradient norm read these tags."""
-    param.tp_split_dim = split_dim
-    param.full_shape = tuple(full_shape)
+    """Sets param's role (layers.roles) of how it is split over the tp group: split_dim (None:
+    replicated) and the full (unsplit) shape."""
+    set_role(param, tp_split_dim=split_dim, full_shape=tuple(full_shape))
 
 
 def init_sharded(
@@ -50,7 +50,7 @@ def init_sharded(
     the same full weight at every tp."""
     if init_method is None:
         return
-    full = torch.empty(param.full_shape, dtype=param.dtype, device=param.device)
+    full = torch.empty(role(param).full_shape, dtype=param.dtype, device=param.device)
     init_method(full)
     size, rank = comm.group_size(group), comm.group_rank(group)
     with torch.no_grad():
@@ -204,8 +204,8 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
             mark_parallel(self.bias, None, (out_features,))
             # Under sequence parallelism each rank sees part of the sequence: the bias gradient
-            # must be summed over the tp group (the trainer does it for tagged parameters).
-            self.bias.sequence_parallel_grad = sequence_parallel
+            # must be summed over the tp group (data parallelism does it for such parameters).
+            set_role(self.bias, sequence_parallel_grad=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 

@@ -22,6 +22,7 @@ from megatronish.layers.linear import (
     mark_parallel,
     to_autocast_dtype,
 )
+from megatronish.layers.roles import set_role
 from megatronish.model.attention import Attention
 from megatronish.moe import MoELayer
 
@@ -34,11 +35,11 @@ class Norm(nn.Module):
         self.kind, self.eps, self.backend = kind, eps, backend
         self.weight = nn.Parameter(torch.ones(dim))
         mark_parallel(self.weight, None, (dim,))
-        self.weight.sequence_parallel_grad = sequence_parallel
+        set_role(self.weight, sequence_parallel_grad=sequence_parallel)
         if kind == "layernorm":
             self.bias = nn.Parameter(torch.zeros(dim))
             mark_parallel(self.bias, None, (dim,))
-            self.bias.sequence_parallel_grad = sequence_parallel
+            set_role(self.bias, sequence_parallel_grad=sequence_parallel)
         else:
             self.register_parameter("bias", None)
 

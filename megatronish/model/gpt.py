@@ -23,6 +23,7 @@ from megatronish.layers.linear import (
     column_parallel_linear,
     mark_parallel,
 )
+from megatronish.layers.roles import set_role
 from megatronish.model.block import Block, Norm
 from megatronish.model.init import init_weights
 from megatronish.model.recompute import checkpoint
@@ -60,10 +61,10 @@ class GPT(nn.Module):
             self.tok_emb = VocabParallelEmbedding(
                 V, m.d_model, tp_group=ps.tp_group, init_method=None
             )
-            self.tok_emb.weight.valid_rows = derived.vocab_size
+            set_role(self.tok_emb.weight, valid_rows=derived.vocab_size)
             if derived.pp > 1 and derived.tie_embeddings:
-                self.tok_emb.weight.pipeline_tied = True
-                self.tok_emb.weight.pipeline_duplicate = not self.is_first_stage
+                duplicate = not self.is_first_stage
+                set_role(self.tok_emb.weight, pipeline_tied=True, pipeline_duplicate=duplicate)
         if self.is_first_stage and m.arch == "gpt2":
             self.pos_emb = nn.Embedding(m.max_seq_len, m.d_model)
             mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
@@ -80,10 +81,14 @@ class GPT(nn.Module):
             self.norm_f = Norm(m.d_model, kind, m.norm_eps, self.backend, self.sequence_parallel)
             if not derived.tie_embeddings:
                 self.lm_head = ColumnParallelLinear(
-                    m.d_model, V, bias=False, sequence_parallel=self.sequence_parallel,
-                    tp_group=ps.tp_group, init_method=None,
-                )  # fmt: skip
-                self.lm_head.weight.valid_rows = derived.vocab_size
+                    m.d_model,
+                    V,
+                    bias=False,
+                    sequence_parallel=self.sequence_parallel,
+                    tp_group=ps.tp_group,
+                    init_method=None,
+                )
+                set_role(self.lm_head.weight, valid_rows=derived.vocab_size)
         local_v = V // derived.tp
         ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)
         self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
@@ -96,7 +101,7 @@ class GPT(nn.Module):
         modules: the embeddings, the blocks, the final norm (followed by the LM head, which is
         not called as a module: its weight, or the tied embedding's). A forward pre-hook on
         each module can make its parameters ready (ZeRO-1's all-gather overlapped with the
-        forward, ZeRO-3's gathers: grads.GradBuffer)."""
+        forward, ZeRO-3's gathers: megatronish.data_parallel)."""
         uses = [(m, list(m.parameters())) for m in (self.tok_emb, self.pos_emb) if m is not None]
         uses += [(block, list(block.parameters())) for block in self.blocks.values()]
         if self.norm_f is not None:

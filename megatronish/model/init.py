@@ -11,6 +11,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from megatronish.layers.roles import role
 from megatronish.moe.experts import stored_tensors
 
 
@@ -37,11 +38,11 @@ def init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
         std = (
             0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
         )
-        full_shape = list(param.full_shape)
-        rows = getattr(param, "valid_rows", full_shape[0])
+        tags = role(param)
+        rows = tags.valid_rows if tags.valid_rows is not None else tags.full_shape[0]
         gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
-        full = torch.zeros(full_shape)
+        full = torch.zeros(tags.full_shape)
         full[:rows].normal_(0.0, std, generator=gen)
-        if param.tp_split_dim is not None:
-            full = full.chunk(model.derived.tp, dim=param.tp_split_dim)[ps.tp_rank]
+        if tags.tp_split_dim is not None:
+            full = full.chunk(model.derived.tp, dim=tags.tp_split_dim)[ps.tp_rank]
         target.copy_(full)

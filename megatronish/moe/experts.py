@@ -7,7 +7,7 @@ d_ff, t tp. gate and up [E_l, f/t, h] (column-parallel), down [E_l, h, f/t] (row
 each expert's slice is exactly the nn.Linear weight of a dense SwiGLU MLP's block, so the
 output [R, h] is a partial sum over the tp ranks (the caller all-reduces it).
 
-Each weight is tagged (mark_experts) with its per-expert full shape and tp split dim (those of
+Each weight's role (mark_experts) holds its per-expert full shape and tp split dim (those of
 one expert's 2-D weight) and its global expert ids: checkpoints store every expert by global
 id (blocks.<i>.mlp.experts.<e>.gate.weight, ...), the same at every tp and ep.
 """
@@ -19,6 +19,7 @@ from torch import nn
 
 from megatronish import ops
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
+from megatronish.layers.roles import is_expert, role, set_role
 
 
 def mark_experts(
@@ -27,13 +28,7 @@ def mark_experts(
     """Tags a stacked expert weight [E_l, ...]: one expert's tp split dim and full 2-D shape,
     and the global ids of its experts."""
     mark_parallel(param, split_dim, full_shape)
-    param.expert_ids = tuple(range(first, first + param.shape[0]))
-
-
-def is_expert(param: nn.Parameter) -> bool:
-    """Whether param holds experts (split over ep; its gradient is reduced over the
-    expert-data-parallel group)."""
-    return hasattr(param, "expert_ids")
+    set_role(param, expert_ids=tuple(range(first, first + param.shape[0])))
 
 
 class GroupedExperts(nn.Module):
@@ -70,6 +65,6 @@ def stored_tensors(named_parameters) -> list[tuple[str, nn.Parameter, int | None
             out.append((name, param, None))
             continue
         module, _, weight = name.rpartition(".")
-        for j, expert in enumerate(param.expert_ids):
+        for j, expert in enumerate(role(param).expert_ids):
             out.append((f"{module}.{expert}.{weight}.weight", param, j))
     return out

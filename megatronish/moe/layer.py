@@ -32,6 +32,7 @@ from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
+from megatronish.layers.roles import set_role
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.router import balancing_loss_share, route, router_logits, z_loss_share
@@ -80,11 +81,15 @@ class MoELayer(nn.Module):
         self.token_shards = self.cp * (derived.tp if self.sequence_parallel else 1)
         local = moe.num_experts // derived.ep
         self.router = Router(moe.num_experts, cfg.model.d_model)
-        self.router.weight.sequence_parallel_grad = self.sequence_parallel
+        set_role(self.router.weight, sequence_parallel_grad=self.sequence_parallel)
         self.experts = GroupedExperts(
-            local, ps.ep_rank * local, cfg.model.d_model, derived.moe_d_ff, derived.tp,
+            local,
+            ps.ep_rank * local,
+            cfg.model.d_model,
+            derived.moe_d_ff,
+            derived.tp,
             cfg.kernels.backend,
-        )  # fmt: skip
+        )
         self.shared = shared
         self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)
         self.stats = LayerStats(moe.num_experts, split_over_tp=self.sequence_parallel)

@@ -19,15 +19,15 @@ from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import save_checkpoint, tokenizer_of_dataset
 from megatronish.config import Config
 from megatronish.data import BatchLoader
+from megatronish.data_parallel import DataParallel
 from megatronish.errors import UserError
 from megatronish.files import free_space, size_text, write_text_atomic
-from megatronish.optim.optimizer import Optimizer
 from megatronish.training.faults import StepVerdict
 from megatronish.training.resume import auto_choice, checkpoint_dir, resume_path
 from megatronish.training.setup import Setup
 
 
-def start(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> int | None:
+def start(s: Setup, model: nn.Module, optimizer: DataParallel, loader: BatchLoader) -> int | None:
     """Restores the model, optimizer, RNGs and loader position from the resume checkpoint and
     returns its step; None for a fresh start, whose weights come from
     checkpoint.init_from_hf when that is set."""
@@ -80,7 +80,7 @@ def warn_if_short_of_space(directory: Path, last: Path | None) -> None:
         )
 
 
-def _restore(s: Setup, path: Path, model: nn.Module, optimizer: Optimizer) -> Checkpoint:
+def _restore(s: Setup, path: Path, model: nn.Module, optimizer: DataParallel) -> Checkpoint:
     """Restores model, optimizer and RNGs from `path`, each rank checking the files it reads
     and its share of the others; a corrupt file found by any rank stops every rank (before a
     step is trained), rank 0 printing the one line that names it (and, under
@@ -129,12 +129,14 @@ def due(step: int, cfg: Config) -> bool:
     return cfg.checkpoint.save and every > 0 and step % every == 0
 
 
-def save(s: Setup, step: int, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> Path:
+def save(
+    s: Setup, step: int, model: nn.Module, optimizer: DataParallel, loader: BatchLoader
+) -> Path:
     """Saves the run's state at optimizer step `step` (every rank calls this)."""
     return save_checkpoint(checkpoint_dir(s.cfg), step, **_save_args(s, model, optimizer, loader))
 
 
-def _save_args(s: Setup, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> dict:
+def _save_args(s: Setup, model: nn.Module, optimizer: DataParallel, loader: BatchLoader) -> dict:
     """save_checkpoint's keyword arguments for the run's state now."""
     return dict(
         cfg=s.cfg,
@@ -165,7 +167,9 @@ class Saver:
         """Whether this rank is still writing a save in flight (agreed on at each step's end)."""
         return self.background is not None and self.background.writing
 
-    def save(self, step: int, model: nn.Module, optimizer: Optimizer, loader: BatchLoader) -> None:
+    def save(
+        self, step: int, model: nn.Module, optimizer: DataParallel, loader: BatchLoader
+    ) -> None:
         """Saves optimizer step `step` (with checkpoint.async: starts saving it, after the
         previous save completes)."""
         if self.background is None:

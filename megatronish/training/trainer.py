@@ -23,6 +23,7 @@ from megatronish.accounting.flops import model_flops_per_step
 from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config
 from megatronish.context import micro_batches
+from megatronish.data_parallel import data_parallel_for
 from megatronish.errors import RunFailure
 from megatronish.model import GPT
 from megatronish.model.precision import autocast
@@ -30,9 +31,7 @@ from megatronish.moe import step_metrics
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
-from megatronish.optim.grad_buffer import GradBuffer
-from megatronish.optim.optimizer import Optimizer, clip_grad_norm, lr_at
-from megatronish.optim.reduce import reduce_gradients
+from megatronish.optim.optimizer import lr_at
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
 from megatronish.training.batches import next_batch, validation_loss
@@ -74,24 +73,15 @@ class Trainer:
             if s.derived.pp > 1
             else None
         )
-        o = s.cfg.optim
-        self.grads = GradBuffer(
-            [p for p in self.model.parameters() if p.requires_grad],
-            s.ps,
-            int(o.bucket_mb * 2**20),
-            o.overlap_grad_reduce,
-            zero=o.zero if s.ps.dp_cp > 1 else 0,
-            uses=self.model.forward_param_uses(),
-            prefetch=o.zero3_prefetch,
-        )
-        self.optimizer = Optimizer(self.model, s.cfg, s.ps, self.grads)
+        # The gradients' reduction, clipping, AdamW and ZeRO (optim.zero): data_parallel.
+        self.data_parallel = data_parallel_for(self.model, s.cfg, s.ps)
         self.loader = make_loader(s, "train")
         self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
         self.out_dir = Path(s.cfg.run.out_dir)
         self.flops_per_step = model_flops_per_step(s.cfg, s.derived)
         self.peak, self.peak_source = peak_flops(s.ps.device)
         # The step resumed from (checkpoint.resume), or None for a fresh start.
-        self.resumed_from = checkpoints.start(s, self.model, self.optimizer, self.loader)
+        self.resumed_from = checkpoints.start(s, self.model, self.data_parallel, self.loader)
         self.step = self.resumed_from or 0
         self.saved_step = self.resumed_from
         # Asks to stop at a step boundary once installed (train() installs it).
@@ -109,9 +99,8 @@ class Trainer:
                 verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps, writing)
             with self.timer.phase("optimizer"):
                 if not verdict.skip:
-                    self.optimizer.step(lr_at(self.step + 1, self.cfg))
-                self.optimizer.zero_grad()
-                self.grads.zero()
+                    self.data_parallel.step(lr_at(self.step + 1, self.cfg))
+                self.data_parallel.after_step()
         self.step += 1
         self.profiler.end_step(self.step)
         return StepResult(loss, grad_norm, verdict)
@@ -129,7 +118,7 @@ class Trainer:
             divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
             if self.loader.masks_loss and self.ps.is_last_stage:
                 divisor = counted_share(targets, self.ps) / accum
-        self.grads.start_step(accum)
+        self.data_parallel.start_of_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(
@@ -146,14 +135,8 @@ class Trainer:
                     (loss / accum).backward()
                 loss_sum += loss.detach()
         with timer.phase("grad_sync"):
-            params = self.optimizer.params
-            self.grads.finish()
-            reduce_gradients(
-                [p for p in params if not self.grads.holds(p)], self.ps, self.grads.bucket_bytes
-            )
-            grad_norm = clip_grad_norm(
-                params, self.cfg.train.grad_clip, self.ps, self.optimizer.grads
-            )
+            self.data_parallel.after_backward()
+            grad_norm = self.data_parallel.clip_grads(self.cfg.train.grad_clip)
             loss = mean_loss(loss_sum / accum, self.ps)
         return loss, grad_norm
 
@@ -168,8 +151,7 @@ class Trainer:
         self.model.eval()
         self.val_loader.reset()
         loss, _ = validation_loss(self.model, self.val_loader, self.cfg, self.ps, self.pipeline)
-        if self.grads.shards is not None:
-            self.grads.shards.free_all()  # ZeRO-3: what the output layer kept (no backward)
+        self.data_parallel.after_eval()
         self.model.train()
         return loss
 
@@ -252,12 +234,10 @@ class Trainer:
                     self.save_checkpoint()
                     window_start = time.perf_counter()
                 stopped = result.verdict.stop
-            self.grads.wait_params()  # ZeRO-1: the model is whole when the run returns
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
             self.saver.finish()  # checkpoint.async: the last save on disk before the run ends
-            if self.grads.shards is not None:  # ZeRO-3: gathered (freed again when used)
-                self.grads.shards.gather_all()
+            self.data_parallel.make_whole()  # the model is whole when the run returns
         finally:
             self.saver.close()
             bar.close()
@@ -319,7 +299,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Saves a checkpoint of this step, or starts saving it (checkpoint.async); every rank
         calls it."""
-        self.saver.save(self.step, self.model, self.optimizer, self.loader)
+        self.saver.save(self.step, self.model, self.data_parallel, self.loader)
         self.saved_step = self.step
 
 

@@ -1,7 +1,7 @@
 """ZeRO-3's parameters: each rank keeps only its block of every bucket's parameters, and a
 bucket's whole parameters exist only while a module uses them.
 
-Each bucket of the gradient buffer gets its own flat parameter tensor laid out like its
+Each bucket (data_parallel.buckets) gets its own flat parameter tensor laid out like its
 gradients, whose parameters are views; between uses its storage is resized to nothing (the
 views stay valid, so tensors autograd saved in forward see the parameters again once the
 bucket is gathered back). `blocks` holds this rank's block of every bucket (what AdamW
@@ -11,7 +11,7 @@ all-gathers the blocks over the bucket's group (comm.all_gather_in_place).
 The modules of GPT.forward_param_uses drive it: a forward pre-hook gathers the module's buckets
 (and starts the next module's gather: the prefetch), the forward hook frees them and hooks the
 module's output, whose gradient, when backward reaches it, gathers them again (and starts the
-previous module's); a bucket is freed again when the gradient buffer has its gradients of
+previous module's); a bucket is freed again when ZeRO-3 has reduce-scattered its gradients of
 that backward (`backward_done`). The last module (the final norm, followed by the output layer,
 which is not called as a module) keeps its buckets from its forward to its backward; so do
 tied embeddings, which the output layer reads again, until the embedding's backward. A
@@ -59,9 +59,9 @@ class _Use:
 
 
 class ParamShards:
-    """The sharded parameters of `buckets` (the gradient buffer's, each with .start, .stop,
-    .params, .group, .size and .rank, this rank's index in the group; `offsets`: each
-    parameter's start in the buffer). `overlap`: gathers start asynchronously, and with
+    """The sharded parameters of `buckets` (buckets.Bucket: .start, .stop, .params, .group,
+    .size and .rank, this rank's index in the group; `offsets`: each parameter's start in the
+    flat layout). `overlap`: gathers start asynchronously, and with
     `prefetch` one module ahead; `keep_for_step`: a gathered bucket stays until free_all."""
 
     def __init__(
@@ -129,7 +129,7 @@ class ParamShards:
             self._wait(bucket)
 
     def backward_done(self, bucket) -> None:
-        """The gradient buffer has bucket's gradients of this backward: no module of this
+        """bucket's gradients of this backward are reduce-scattered: no module of this
         micro-batch needs its parameters any more."""
         bucket.held = False
         self._maybe_free(bucket)

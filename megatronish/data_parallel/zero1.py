@@ -1,0 +1,218 @@
+"""ZeRO-1 (Megatron's distributed optimizer): AdamW state sharded over the group."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatronish.data_parallel.base import Uses
+from megatronish.data_parallel.buckets import Bucket
+from megatronish.data_parallel.outside import WholeOwners
+from megatronish.data_parallel.zero0 import Zero0
+from megatronish.distributed import comm
+from megatronish.layers.roles import role
+from megatronish.optim.clip import Squares, squares
+from megatronish.optim.optimizer import AdamW
+
+
+class Zero1(Zero0):
+    """Each bucket is padded to a multiple of its group's size n, and rank r keeps block r of it:
+    the bucket's gradients, in ZeRO-0's whole buffer, are reduce-scattered instead of
+    all-reduced (rank r gets block r reduced; only it is divided by dp x cp), and AdamW updates
+    the pieces of the parameters in this rank's blocks (its moments one tensor per block,
+    `block_state`). The buckets' parameters keep no .grad: their reduced gradient is only in
+    the pieces. The parameters live in one flat buffer laid out like the gradients; after the
+    step each bucket is all-gathered in place, with the overlap asynchronously in the order the
+    next forward needs them, each module's forward pre-hook waiting for its own buckets. The
+    parameters outside the buckets are owned whole (outside.WholeOwners).
+
+    Collectives per step: a reduce-scatter and a parameter all-gather per bucket, a broadcast
+    per parameter outside the buckets, and for the gradient norm an all-reduce of the blocks'
+    squares over the dp x cp group (and one over the expert-data-parallel group with experts).
+    A checkpoint gathers each bucket's AdamW moments over its group."""
+
+    zero = True
+
+    def _lay_out(self, uses: Uses) -> None:
+        self._lay_out_grads()
+        self._lay_out_params()
+        for bucket in self.buckets:
+            self.layout.cut_pieces(bucket, self._param_block(bucket))
+        self.pieces = [piece for bucket in self.buckets for piece in bucket.pieces]
+        self.owners = WholeOwners(self.outside, self.ps)
+        self._hook_modules(uses)
+
+    def _lay_out_grads(self) -> None:
+        super()._lay_out_grads()
+        for bucket in self.buckets:
+            lo = bucket.block_lo
+            bucket.block = self.grad_buffer[lo : lo + bucket.block_size]
+
+    def _lay_out_params(self) -> None:
+        """Moves the buckets' parameters into one flat buffer laid out like the gradients."""
+        layout = self.layout
+        dtypes = {p.dtype for p in layout.members}
+        assert len(dtypes) <= 1, f"ZeRO buffers parameters of one dtype, not {dtypes}"
+        dtype = dtypes.pop() if dtypes else None
+        self.flat_params = torch.zeros(layout.size, dtype=dtype, device=layout.device)
+        for param in layout.members:
+            flat = layout.flat_view(self.flat_params, param)
+            flat.copy_(param.data)
+            param.data = flat
+        for bucket in self.buckets:
+            bucket.params_view = self.flat_params[bucket.start : bucket.stop]
+
+    def _param_block(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's block of bucket's parameters (what AdamW updates)."""
+        return self.flat_params[bucket.block_lo : bucket.block_lo + bucket.block_size]
+
+    def _hook_modules(self, uses: Uses) -> None:
+        """With the overlap: _gather_params starts the buckets' all-gathers asynchronously, in
+        the order the forward needs them, and a forward pre-hook on each module waits for its
+        parameters' buckets, so the gathers overlap the next forward."""
+        self.gather_order: list[Bucket] | None = None
+        if not self.overlap:
+            return
+        need: dict[int, int] = {}  # bucket index -> first use
+        index_of = {id(b): i for i, b in enumerate(self.buckets)}
+        for use, (buckets, module) in enumerate(self.layout.bucket_uses(uses)):
+            for bucket in buckets:
+                need.setdefault(index_of[id(bucket)], use)
+            hook = module.register_forward_pre_hook(lambda *_, b=buckets: self._wait_params(b))
+            self._hooks.append(hook)
+        # a bucket no module claims goes first (read before any module runs)
+        self.gather_order = sorted(self.buckets, key=lambda b: need.get(index_of[id(b)], -1))
+
+    # ---- gradients
+
+    def _reduce(self, bucket: Bucket):
+        return comm.reduce_scatter_in_place(bucket.view, bucket.group, async_op=True)
+
+    def _finish_buckets(self) -> None:
+        self._wait_params()  # a parameter no forward used
+        self._reduce_all()
+
+    def _add_block_squares(self, local: Squares) -> Squares:
+        """Adds the squares of this rank's blocks, summed over the buckets' groups."""
+        if not self.buckets:
+            return local
+        device = self.params[0].device
+        blocks = squares([(piece.param, piece.grad) for piece in self.pieces], device)
+        dense = torch.stack([blocks.split, blocks.replicated])
+        comm.all_reduce(dense, self.ps.dp_cp_group, op=dist.ReduceOp.SUM)
+        if any(role(b.params[0]).is_expert for b in self.buckets):
+            comm.all_reduce(blocks.expert, self.ps.edp_group, op=dist.ReduceOp.SUM)
+        return Squares(
+            local.split + dense[0], local.replicated + dense[1], local.expert + blocks.expert
+        )
+
+    def _block_grads(self) -> list:
+        return [piece.grad for piece in self.pieces]
+
+    # ---- parameters
+
+    def _after_update(self) -> None:
+        self.owners.broadcast()
+        self._gather_params()
+
+    def _gather_params(self) -> None:
+        """Every bucket's parameters all-gathered over its group, in place (only started, with
+        the overlap)."""
+        order = self.gather_order
+        for bucket in order or self.buckets:
+            bucket.gather = comm.all_gather_in_place(
+                bucket.params_view, bucket.group, async_op=order is not None
+            )
+
+    def _wait_params(self, buckets: list[Bucket] | None = None) -> None:
+        """Waits for the parameter all-gathers of buckets (default: all) still in flight."""
+        for bucket in self.buckets if buckets is None else buckets:
+            if bucket.gather is not None:
+                bucket.gather.wait()
+                bucket.gather = None
+
+    def make_whole(self) -> None:
+        self._wait_params()
+
+    def whole_params(self, write_back: bool = False):
+        self._wait_params()
+        return contextlib.nullcontext()
+
+    # ---- AdamW state
+
+    def _make_adamw(self, groups: list[dict]) -> AdamW:
+        """AdamW over the parameters this rank owns whole and the pieces of its blocks, the
+        pieces' moments views of one tensor per bucket's block (`block_state`)."""
+        owned = {id(p) for p in self.owners.owned}
+        shares = []
+        for group in groups:
+            members = {id(p) for p in group["params"]}
+            whole = [p for p in group["params"] if id(p) in owned]
+            pieces = [piece.data for piece in self.pieces if id(piece.param) in members]
+            shares.append({**group, "params": whole + pieces})
+        adamw = super()._make_adamw(shares)
+        self.block_state = []
+        for bucket in self.buckets:
+            moments = {k: torch.zeros_like(bucket.block) for k in ("exp_avg", "exp_avg_sq")}
+            self.block_state.append(moments)
+            for piece in bucket.pieces:
+                lo = piece.at - bucket.block_lo
+                at = slice(lo, lo + piece.data.numel())
+                adamw.state[piece.data] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=piece.data.device),
+                    **{k: v[at] for k, v in moments.items()},
+                }
+        return adamw
+
+    def held(self) -> list[nn.Parameter]:
+        held = {id(p) for p in self.owners.owned} | {id(piece.param) for piece in self.pieces}
+        return [p for p in self.params if id(p) in held]
+
+    def states_to_save(self) -> dict[nn.Parameter, dict]:
+        """The whole state of the parameters this rank owns whole and, of each bucket, of
+        those that start in its block (the blocks are gathered over the bucket's group: every
+        rank of it calls this)."""
+        whole = super().states_to_save()
+        for bucket, moments in zip(self.buckets, self.block_state):
+            full = {k: self._gather_block(bucket, v) for k, v in moments.items()}
+            for piece in bucket.pieces:
+                if piece.lo != 0:
+                    continue  # the parameter starts in an earlier block: saved by its rank
+                param, at = piece.param, piece.at - bucket.start
+                span = slice(at, at + param.numel())
+                whole[param] = {
+                    "step": self.adamw.state[piece.data]["step"],
+                    **{k: v[span].view_as(param).clone() for k, v in full.items()},
+                }
+        return whole
+
+    @staticmethod
+    def _gather_block(bucket: Bucket, block: torch.Tensor) -> torch.Tensor:
+        """A bucket-sized tensor whose block r is rank r's `block` (a tensor laid out like
+        bucket's block), gathered over bucket's group."""
+        full = block.new_zeros(bucket.stop - bucket.start)
+        full.view(bucket.size, -1)[bucket.rank].copy_(block)
+        comm.all_gather_in_place(full, bucket.group)
+        return full
+
+    def load_states(self, read) -> None:
+        """read(param) (None: fresh) into the whole states this rank owns and its pieces."""
+        state = self.adamw.state
+        for param in [p for p in list(state) if isinstance(p, nn.Parameter)]:
+            del state[param]
+        states = {id(p): read(p) for p in self.held()}
+        for param in self.owners.owned:
+            if states[id(param)] is not None:
+                state[param] = states[id(param)]
+        for piece in self.pieces:
+            saved, mine = states[id(piece.param)], state[piece.data]
+            part = slice(piece.lo, piece.lo + piece.data.numel())
+            mine["step"].copy_(saved["step"] if saved is not None else 0.0)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                if saved is None:
+                    mine[kind].zero_()
+                else:
+                    mine[kind].copy_(saved[kind].reshape(-1)[part])
