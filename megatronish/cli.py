@@ -183,16 +183,21 @@ def check(config_path, overrides, world_size):
     "--rdzv-endpoint", default="127.0.0.1:29500", show_default=True,
     help="HOST:PORT of the rendezvous (node 0's address) for multi-node runs.",
 )  # fmt: skip
+@click.option(
+    "--rdzv-timeout", type=int, default=600, show_default=True,
+    help="Seconds the nodes of a multi-node run have to meet (torchrun's c10d default).",
+)  # fmt: skip
 @click.option("--max-restarts", type=int, default=0, show_default=True)
 @user_errors
-def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restarts):
+def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_timeout, max_restarts):
     """Start `train` through torchrun with processes per node from the parallel degrees."""
     from megatronish.commands.launch import launch as run_launch
 
     cfg = load_config(config_path, overrides)
-    sys.exit(
-        run_launch(cfg, config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restarts)
+    status = run_launch(
+        cfg, config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout
     )
+    sys.exit(status)
 
 
 @cli.command()

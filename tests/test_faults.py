@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -240,6 +242,65 @@ def test_the_lock_names_its_holder_and_is_taken_over_once_the_holder_is_killed(t
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+# --------------------------------------------------------------------------------------------
+# A launch of two nodes with one started
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_one_of_two_nodes(out_dir: Path, dataset: Path, *options: str) -> list[str]:
+    endpoint = f"127.0.0.1:{free_port()}"
+    options = ("--nnodes", "2", "--rdzv-endpoint", endpoint, *options)
+    return launch(out_dir, dataset, "parallel.tp=1", "parallel.dp=2", options=options)
+
+
+def wait_for_text(run: Run, text: str, limit_s: float = 60.0) -> str:
+    """run's stderr once it contains text (a failure if the run ends or limit_s passes first)."""
+    deadline = time.monotonic() + limit_s
+    while text not in run.stderr:
+        assert run.proc.poll() is None, f"ended without {text!r}:\n{run.stderr[-3000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} within {limit_s} s"
+        time.sleep(0.05)
+    return run.stderr
+
+
+def test_a_launch_waiting_for_another_node_says_once_for_whom_where_and_until_when(
+    tmp_path, small_dataset
+):
+    out = tmp_path / "run"
+    with started(launch_one_of_two_nodes(out, small_dataset), out) as run:
+        stderr = wait_for_text(run, "launch: waiting")
+        time.sleep(1.0)  # said once, not repeated while it waits
+        lines = [line for line in run.stderr.splitlines() if line.startswith("launch: ")]
+    endpoint = run.proc.args[run.proc.args.index("--rdzv-endpoint") + 1]
+    assert len(lines) == 1, stderr
+    pattern = (
+        rf"launch: waiting for 1 more node\(s\) at {re.escape(endpoint)} \(this is node rank 0 "
+        r"of 2\); the rendezvous times out at \d\d:\d\d:\d\d \(600 s, --rdzv-timeout\)"
+    )
+    assert re.fullmatch(pattern, lines[0]), lines[0]
+
+
+def test_a_launch_whose_other_node_never_comes_exits_1_in_one_line_at_the_timeout(
+    tmp_path, small_dataset
+):
+    out = tmp_path / "run"
+    command = launch_one_of_two_nodes(out, small_dataset, "--rdzv-timeout", "2")
+    with started(command, out) as run:
+        wait_for_text(run, "launch: waiting")
+        status = run.finish()
+        lines = run.stderr.strip().splitlines()
+    assert status == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert lines[-1].startswith("error: launch: not all 2 nodes joined the rendezvous at ")
+    assert "within 2 s (--rdzv-timeout)" in lines[-1]
+    assert not out.exists(), "nothing written before the ranks started"
 
 
 # --------------------------------------------------------------------------------------------
