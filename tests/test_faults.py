@@ -417,6 +417,68 @@ def test_interrupted_runs_have_the_losses_of_an_uninterrupted_run(interrupted, k
         assert loss == pytest.approx(expected, rel=1e-5), step
 
 
+def train_command(out_dir: Path, dataset: Path, *overrides: str, faulty_script: bool = False):
+    """`megatronish train` of one process (tests/faulty_rank.py's, with faulty_script)."""
+    program = (
+        [sys.executable, str(REPO / "tests" / "faulty_rank.py")] if faulty_script else MEGATRONISH
+    )
+    return [*program, "train", *config_args(out_dir, dataset, "parallel.tp=1", *overrides)]
+
+
+def test_a_first_ctrl_c_stops_at_the_end_of_the_step_saves_and_the_run_resumes_from_it(
+    tmp_path, small_dataset
+):
+    out = tmp_path / "run"
+    with started(train_command(out, small_dataset, "train.steps=100000"), out) as run:
+        run.wait_for_step(1)
+        run.proc.send_signal(signal.SIGINT)
+        status = run.finish()
+        stdout, stderr = run.stdout, run.stderr
+    assert status == 0, stderr[-3000:]
+    notices = [line for line in stderr.splitlines() if line.startswith("interrupted: ")]
+    stopped = max(x["step"] for x in metrics_lines(out))
+    assert notices == [
+        f"interrupted: stopping at the end of step {stopped} and saving; press Ctrl-C again to "
+        "abort now"
+    ], stderr[-3000:]
+    assert f"stopped at step {stopped} of 100000 (SIGINT): saved step {stopped}" in stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:06d}"
+    again = train_command(out, small_dataset, f"train.steps={stopped + 2}")
+    with started(again, out, "resumed") as run:
+        assert run.finish() == 0, run.stderr[-3000:]
+        assert resumed_steps(run.stdout) == [stopped]
+    assert [x["step"] for x in metrics_lines(out)] == list(range(1, stopped + 3))
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_130_leaving_no_unfinished_save(
+    tmp_path, small_dataset
+):
+    out, marker = tmp_path / "run", tmp_path / "writer-holds"
+    command = train_command(
+        out, small_dataset, "train.steps=100000", "checkpoint.async=true", faulty_script=True
+    )
+    hold = dict(FAULT_RANK="0", FAULT_HOLD_WRITE_STEP="2", FAULT_HOLD_WRITE_S="120",
+                FAULT_HOLD_MARKER=str(marker))  # fmt: skip
+    with started(command, out, **hold) as run:
+        deadline = time.monotonic() + TIMEOUT
+        while not marker.exists():  # step 2's save is in flight, held by its writer
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr[-3000:]
+            time.sleep(0.02)
+        run.proc.send_signal(signal.SIGINT)
+        wait_for_text(run, "interrupted: stopping at the end of step ")
+        run.proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        status = run.finish()
+        took = time.monotonic() - sent
+        stderr = run.stderr
+    assert status == 130, stderr[-3000:]
+    assert took < 10, "a second Ctrl-C does not wait for the save in flight"
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("aborted: a second Ctrl-C"), stderr[-3000:]
+    assert [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name] == []
+
+
 # --------------------------------------------------------------------------------------------
 # Injected faults
 

@@ -1,7 +1,10 @@
 """`megatronish launch`: runs `megatronish train` under torchrun (torch.distributed.run).
 
-The launcher passes SIGTERM and SIGUSR1 on to the ranks (torchrun is told to leave them alone),
-which save a checkpoint at the end of their step and exit 0, so the launch exits 0 as well.
+The launcher passes SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) on to the ranks (torchrun is told to
+leave them alone), which save a checkpoint at the end of their step and exit 0, so the launch
+exits 0 as well. A second Ctrl-C aborts the ranks, and the launch exits 130 without waiting for
+torchrun to restart anything. (The ranks run in sessions of their own: a terminal's Ctrl-C
+reaches only the launcher.)
 With --max-restarts, torchrun restarts every rank when one fails, and they resume from the
 newest checkpoint.
 
@@ -27,7 +30,7 @@ from megatronish.training import faults
 from megatronish.training.checkpoints import checkpoint_dir
 
 # torchrun's own signal handling (it stops the ranks), less the signals the launcher forwards.
-TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 
 
 def launch(
@@ -95,8 +98,8 @@ def launch(
         ) from None
     except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
         failures = getattr(exc, "failures", {})
-        codes = [f.exitcode for f in failures.values()] if failures else [1]
-        return 2 if all(c == 2 for c in codes) else 1
+        codes = {f.exitcode for f in failures.values()} if failures else {1}
+        return codes.pop() if codes in ({2}, {130}) else 1  # a user error, or aborted: theirs
     return 0
 
 

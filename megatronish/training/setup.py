@@ -102,11 +102,11 @@ def run_data(cfg: Config) -> DataPlan:
 
 
 def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
-    """The loader of `split` for this rank; for the train split, rank 0 also writes
-    <run.out_dir>/data.json and prints one line per dataset (write_data_report)."""
+    """The loader of `split` for this rank (the run reports the train split's datasets once it
+    starts: write_data_report)."""
     t = s.cfg.train
     d = s.cfg.data
-    loader = open_loader(
+    return open_loader(
         s.data,
         split,
         seq_len=t.seq_len,
@@ -117,9 +117,6 @@ def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
         seed=t.seed,
         eod_mask_loss=d.eod_mask_loss,
     )
-    if split == "train" and s.ps.is_main:
-        write_data_report(s.cfg.run.out_dir, loader, s.data, t.steps * t.global_batch_size)
-    return loader
 
 
 def write_data_report(
