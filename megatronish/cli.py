@@ -16,17 +16,23 @@ from megatronish.errors import ReportedError
 
 
 def user_errors(fn):
-    """Turns a UserError or RunFailure into `error: <message>` on stderr and its exit status
-    (2 or 1); one raised alike on every rank (rank0_prints) is printed by global rank 0 only."""
+    """Turns a ReportedError into `error: <message>` (`aborted: ...`) on stderr and its exit
+    status, and a Ctrl-C the command did not handle into `aborted: Ctrl-C` and 130; one raised
+    alike on every rank (rank0_prints, Ctrl-C) is printed by global rank 0 only."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        rank0 = os.environ.get("RANK", "0") == "0"
         try:
             return fn(*args, **kwargs)
         except ReportedError as exc:
-            if not exc.rank0_prints or os.environ.get("RANK", "0") == "0":
-                click.echo(f"error: {exc}", err=True)
+            if not exc.rank0_prints or rank0:
+                click.echo(f"{exc.label}: {exc}", err=True)
             sys.exit(exc.exit_status)
+        except KeyboardInterrupt:  # e.g. train before the run turns Ctrl-C into a stop request
+            if rank0:
+                click.echo("aborted: Ctrl-C", err=True)
+            sys.exit(130)
 
     return wrapper
 
@@ -183,16 +189,16 @@ def check(config_path, overrides, world_size):
     "--rdzv-endpoint", default="127.0.0.1:29500", show_default=True,
     help="HOST:PORT of the rendezvous (node 0's address) for multi-node runs.",
 )  # fmt: skip
+@click.option("--rdzv-timeout", type=int, default=600, help="Seconds for the nodes to meet (600).")
 @click.option("--max-restarts", type=int, default=0, show_default=True)
 @user_errors
-def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restarts):
+def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_timeout, max_restarts):
     """Start `train` through torchrun with processes per node from the parallel degrees."""
     from megatronish.commands.launch import launch as run_launch
 
     cfg = load_config(config_path, overrides)
-    sys.exit(
-        run_launch(cfg, config_path, overrides, nnodes, node_rank, rdzv_endpoint, max_restarts)
-    )
+    args = (nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout)
+    sys.exit(run_launch(cfg, config_path, overrides, *args))
 
 
 @cli.command()
@@ -328,8 +334,6 @@ def eval_command(checkpoint_path, overrides):
 @user_errors
 def generate(checkpoint_path, prompt, max_new_tokens, temperature, top_k, top_p, seed):
     """Continue a prompt, streaming the text as it is sampled (under torchrun: at tp = ranks)."""
-    import os
-
     from megatronish.distributed.layout import world_size_from_env
     from megatronish.inference.generate import Sampling, generate_text
 

@@ -9,11 +9,12 @@ from typing import Any
 
 
 class ReportedError(Exception):
-    """An error the CLI prints as one line, `error: <message>`, and exits with `exit_status`,
+    """An error the CLI prints as one line, `<label>: <message>`, and exits with `exit_status`,
     never with a traceback. `rank0_prints`: the run raised it on every rank after agreeing on
     it, so only global rank 0 prints it (the others exit with the same status, quietly)."""
 
     exit_status = 1
+    label = "error"
 
     def __init__(self, message: str, *, rank0_prints: bool = False):
         super().__init__(message)
@@ -30,6 +31,14 @@ class UserError(ReportedError):
 class RunFailure(ReportedError):
     """A failure while running whose message says what happened (steps that stayed non-finite,
     another rank that failed); the CLI prints it as one line and exits with status 1."""
+
+
+class Interrupted(ReportedError):
+    """A run aborted by a second Ctrl-C (or a first one before it started): the CLI prints
+    `aborted: <message>` and exits with status 130 (128 + SIGINT), as a shell reports it."""
+
+    exit_status = 130
+    label = "aborted"
 
 
 class PeerLost(ConnectionError):

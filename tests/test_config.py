@@ -104,6 +104,20 @@ def test_cli_missing_config_file_exits_2(tmp_path):
     one_line_error(invoke_cli("train", "--config", str(tmp_path / "nope.yaml")), "nope.yaml")
 
 
+def test_cli_a_directory_as_config_file_exits_2_saying_it_is_a_directory():
+    one_line_error(
+        invoke_cli("train", "--config", str(CONFIGS)),
+        f"config file {CONFIGS}: is a directory",
+        "YAML file",
+    )
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_cli_a_non_finite_number_in_the_yaml_exits_2_naming_the_key(tmp_path, value):
+    path = write(tmp_path, f"model:\n  rope_theta: {value}\n")
+    one_line_error(invoke_cli("check", "--config", str(path)), "model.rope_theta", "finite number")
+
+
 def test_cli_non_numeric_value_exits_2(tmp_path):
     tiny = str(CONFIGS / "tiny.yaml")
     one_line_error(

@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -243,6 +245,65 @@ def test_the_lock_names_its_holder_and_is_taken_over_once_the_holder_is_killed(t
 
 
 # --------------------------------------------------------------------------------------------
+# A launch of two nodes with one started
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_one_of_two_nodes(out_dir: Path, dataset: Path, *options: str) -> list[str]:
+    endpoint = f"127.0.0.1:{free_port()}"
+    options = ("--nnodes", "2", "--rdzv-endpoint", endpoint, *options)
+    return launch(out_dir, dataset, "parallel.tp=1", "parallel.dp=2", options=options)
+
+
+def wait_for_text(run: Run, text: str, limit_s: float = 60.0) -> str:
+    """run's stderr once it contains text (a failure if the run ends or limit_s passes first)."""
+    deadline = time.monotonic() + limit_s
+    while text not in run.stderr:
+        assert run.proc.poll() is None, f"ended without {text!r}:\n{run.stderr[-3000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} within {limit_s} s"
+        time.sleep(0.05)
+    return run.stderr
+
+
+def test_a_launch_waiting_for_another_node_says_once_for_whom_where_and_until_when(
+    tmp_path, small_dataset
+):
+    out = tmp_path / "run"
+    with started(launch_one_of_two_nodes(out, small_dataset), out) as run:
+        stderr = wait_for_text(run, "launch: waiting")
+        time.sleep(1.0)  # said once, not repeated while it waits
+        lines = [line for line in run.stderr.splitlines() if line.startswith("launch: ")]
+    endpoint = run.proc.args[run.proc.args.index("--rdzv-endpoint") + 1]
+    assert len(lines) == 1, stderr
+    pattern = (
+        rf"launch: waiting for 1 more node\(s\) at {re.escape(endpoint)} \(this is node rank 0 "
+        r"of 2\); the rendezvous times out at \d\d:\d\d:\d\d \(600 s, --rdzv-timeout\)"
+    )
+    assert re.fullmatch(pattern, lines[0]), lines[0]
+
+
+def test_a_launch_whose_other_node_never_comes_exits_1_in_one_line_at_the_timeout(
+    tmp_path, small_dataset
+):
+    out = tmp_path / "run"
+    command = launch_one_of_two_nodes(out, small_dataset, "--rdzv-timeout", "2")
+    with started(command, out) as run:
+        wait_for_text(run, "launch: waiting")
+        status = run.finish()
+        lines = run.stderr.strip().splitlines()
+    assert status == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert lines[-1].startswith("error: launch: not all 2 nodes joined the rendezvous at ")
+    assert "within 2 s (--rdzv-timeout)" in lines[-1]
+    assert not out.exists(), "nothing written before the ranks started"
+
+
+# --------------------------------------------------------------------------------------------
 # The launcher killed, a second run meanwhile; restarts and preemption
 
 
@@ -354,6 +415,68 @@ def test_interrupted_runs_have_the_losses_of_an_uninterrupted_run(interrupted, k
     assert [step for step, _ in never_stopped] == list(range(1, STEPS + 1))
     for (step, loss), (_, expected) in zip(curve, never_stopped[:stopped], strict=True):
         assert loss == pytest.approx(expected, rel=1e-5), step
+
+
+def train_command(out_dir: Path, dataset: Path, *overrides: str, faulty_script: bool = False):
+    """`megatronish train` of one process (tests/faulty_rank.py's, with faulty_script)."""
+    program = (
+        [sys.executable, str(REPO / "tests" / "faulty_rank.py")] if faulty_script else MEGATRONISH
+    )
+    return [*program, "train", *config_args(out_dir, dataset, "parallel.tp=1", *overrides)]
+
+
+def test_a_first_ctrl_c_stops_at_the_end_of_the_step_saves_and_the_run_resumes_from_it(
+    tmp_path, small_dataset
+):
+    out = tmp_path / "run"
+    with started(train_command(out, small_dataset, "train.steps=100000"), out) as run:
+        run.wait_for_step(1)
+        run.proc.send_signal(signal.SIGINT)
+        status = run.finish()
+        stdout, stderr = run.stdout, run.stderr
+    assert status == 0, stderr[-3000:]
+    notices = [line for line in stderr.splitlines() if line.startswith("interrupted: ")]
+    stopped = max(x["step"] for x in metrics_lines(out))
+    assert notices == [
+        f"interrupted: stopping at the end of step {stopped} and saving; press Ctrl-C again to "
+        "abort now"
+    ], stderr[-3000:]
+    assert f"stopped at step {stopped} of 100000 (SIGINT): saved step {stopped}" in stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:06d}"
+    again = train_command(out, small_dataset, f"train.steps={stopped + 2}")
+    with started(again, out, "resumed") as run:
+        assert run.finish() == 0, run.stderr[-3000:]
+        assert resumed_steps(run.stdout) == [stopped]
+    assert [x["step"] for x in metrics_lines(out)] == list(range(1, stopped + 3))
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_130_leaving_no_unfinished_save(
+    tmp_path, small_dataset
+):
+    out, marker = tmp_path / "run", tmp_path / "writer-holds"
+    command = train_command(
+        out, small_dataset, "train.steps=100000", "checkpoint.async=true", faulty_script=True
+    )
+    hold = dict(FAULT_RANK="0", FAULT_HOLD_WRITE_STEP="2", FAULT_HOLD_WRITE_S="120",
+                FAULT_HOLD_MARKER=str(marker))  # fmt: skip
+    with started(command, out, **hold) as run:
+        deadline = time.monotonic() + TIMEOUT
+        while not marker.exists():  # step 2's save is in flight, held by its writer
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr[-3000:]
+            time.sleep(0.02)
+        run.proc.send_signal(signal.SIGINT)
+        wait_for_text(run, "interrupted: stopping at the end of step ")
+        run.proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        status = run.finish()
+        took = time.monotonic() - sent
+        stderr = run.stderr
+    assert status == 130, stderr[-3000:]
+    assert took < 10, "a second Ctrl-C does not wait for the save in flight"
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("aborted: a second Ctrl-C"), stderr[-3000:]
+    assert [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name] == []
 
 
 # --------------------------------------------------------------------------------------------

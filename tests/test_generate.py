@@ -14,6 +14,7 @@ from megatronish.distributed.layout import ParallelState
 from megatronish.inference.generate import Generation, Sampling, StreamDecoder, next_token
 from megatronish.inference.model import build_model
 from tests.checkpoints import VOCAB, save_single, tiny_cfg, tokens
+from tests.conftest import invoke_cli
 from tests.distributed import run_on_ranks
 
 GREEDY = Sampling(temperature=0.0)
@@ -115,3 +116,29 @@ def test_generate_command_streams_the_continuation_of_the_prompt(checkpoints):
     assert "[stopped at" in result.stderr
     bad = CliRunner().invoke(cli, args + ["--top-p", "0"])
     assert bad.exit_code == 2 and "--top-p 0.0: must be in (0, 1]" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "option, value, valid",
+    [
+        ("--temperature", "nan", "must be a finite number >= 0"),
+        ("--temperature", "inf", "must be a finite number >= 0"),
+        ("--temperature", "-inf", "must be a finite number >= 0"),
+        ("--temperature", "-0.5", "must be a finite number >= 0"),
+        ("--top-p", "nan", "must be in (0, 1]"),
+        ("--top-p", "inf", "must be in (0, 1]"),
+        ("--top-p", "1.5", "must be in (0, 1]"),
+        ("--top-k", "-1", "must be >= 0"),
+        ("--max-new-tokens", "-3", "must be >= 0"),
+    ],
+)
+def test_a_sampling_option_out_of_range_exits_2_naming_it_and_what_is_valid(
+    tmp_path, option, value, valid
+):
+    # Checked before the checkpoint is opened: a path that does not exist is never reached.
+    args = ["generate", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "hi"]
+    result = invoke_cli(*args, option, value)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {option} "), result.stderr
+    assert valid in lines[0]

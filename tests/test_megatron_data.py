@@ -96,7 +96,9 @@ def _train_prefix(rank: int, world: int, tp: int, prefix: str, out_dir: str) -> 
         comm.disable_shared_memory()
         ps = ParallelState.from_world(derived.tp, derived.dp, derived.pp, derived.cp, derived.ep)
         ps = use_shared_memory(ps, 120)
-    return train_losses(Trainer(Setup(cfg, derived, ps, data)))
+    trainer = Trainer(Setup(cfg, derived, ps, data))
+    trainer.write_run_files()  # data.json among them, as a run writes them when it starts
+    return train_losses(trainer)
 
 
 def test_a_megatron_core_prefix_trains_in_place_at_tp2_as_at_tp1(tmp_path):

@@ -18,6 +18,7 @@ from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.observe.flight import TRIGGER, Watchdog, watchdog_for
 from megatronish.observe.record import RECORDER
+from tests.conftest import run_cli
 from tests.distributed import run_on_ranks
 
 HUNG_AFTER_S = 3.0
@@ -239,6 +240,47 @@ def test_diagnose_falls_back_to_point_to_point(tmp_path):
     text, _ = diagnose_run(tmp_path)
     assert text.startswith("rank 1 waits in point-to-point p2p (in flight 20.0 s; the peer is")
     assert "rank 1's stack:" in text
+
+
+def test_diagnose_of_a_healthy_run_dumped_mid_step_finds_no_rank_stuck(tmp_path):
+    # Rank 0 had just entered all_reduce #5 when it dumped; rank 1 dumped a moment before,
+    # still computing: the dumps are not one instant, and nobody waits for anybody.
+    _dump(tmp_path, 0, [(4, "all_reduce", "world", 990.0, 990.1),
+                        (5, "all_reduce", "world", 1000.0, None)], world_size=2)  # fmt: skip
+    _dump(tmp_path, 1, [(4, "all_reduce", "world", 990.0, 990.1)], world_size=2, at=999.9)
+    expected = (
+        "no rank is stuck: no collective had been in flight longer than 1 s when the ranks "
+        "dumped (2 dumps: ranks 0-1)"
+    )
+    assert diagnose_run(tmp_path) == (expected, 0)
+    # rank 1 dumped 0.6 s after rank 0 entered, not yet there: 0.6 s of waiting is no hang
+    _dump(tmp_path, 0, [(5, "all_reduce", "world", 999.4, None)], world_size=2)
+    _dump(tmp_path, 1, [(4, "all_reduce", "world", 990.0, 990.1)], world_size=2, at=1000.0)
+    assert diagnose_run(tmp_path) == (expected, 0)
+    # both inside it, for a moment
+    _dump(tmp_path, 1, [(5, "all_reduce", "world", 999.8, None)], world_size=2)
+    assert diagnose_run(tmp_path) == (expected, 0)
+    result = run_cli("diagnose", str(tmp_path), timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, expected + "\n", "")
+
+
+def test_diagnose_names_a_rank_only_once_it_was_absent_past_the_threshold(tmp_path):
+    # rank 0 entered #5 at 998.9 and dumped at 1000.0; rank 1's dump at 999.4 shows it absent
+    # for 0.5 s only: no verdict. Rank 0 in it since 998.0: rank 1 was absent for 1.4 s.
+    _dump(tmp_path, 0, [(5, "all_reduce", "world", 998.9, None)], world_size=2)
+    _dump(tmp_path, 1, [(4, "all_reduce", "world", 990.0, 990.1)], world_size=2, at=999.4)
+    assert diagnose_run(tmp_path)[0].startswith("no rank is stuck: ")
+    _dump(tmp_path, 0, [(5, "all_reduce", "world", 998.0, None)], world_size=2)
+    text, status = diagnose_run(tmp_path)
+    assert status == 0
+    assert text.startswith(
+        "rank 1 never entered all_reduce #5 on world; rank 0 waits there (in flight 2.0 s)"
+    )
+    # a dump older than the waiter's by more than the threshold did not answer its request:
+    # the rank counts as absent until the waiter dumped
+    _dump(tmp_path, 0, [(5, "all_reduce", "world", 998.9, None)], world_size=2)
+    _dump(tmp_path, 1, [(4, "all_reduce", "world", 990.0, 990.1)], world_size=2, at=990.5)
+    assert diagnose_run(tmp_path)[0].startswith("rank 1 never entered all_reduce #5 on world")
 
 
 def test_rank_lists_are_compressed():

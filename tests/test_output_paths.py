@@ -1,6 +1,7 @@
 """Every output path is checked before any work starts: a key or flag whose path is a file, or
 lies under a file, is exit status 2 with one line naming the key or flag and the path, no
-traceback, and nothing created."""
+traceback, and nothing created. A config error that train finds only at start (a resume or
+init path, a split too short for train.seq_len) leaves the run directory as it was too."""
 
 from __future__ import annotations
 
@@ -87,3 +88,32 @@ def test_an_output_file_that_is_a_directory(command, tmp_path):
     (tmp_path / "a_dir").mkdir()
     assert_refused([command, str(tmp_path), "--output", str(tmp_path / "a_dir")], "--output",
                    tmp_path / "a_dir", tmp_path)  # fmt: skip
+
+
+START_ERRORS = {
+    "resume": (["checkpoint.resume={tmp}/nowhere"], "nowhere: checkpoint does not exist"),
+    "init_from_hf": (
+        ["checkpoint.init_from_hf={tmp}/nowhere"],
+        "nowhere: not a Hugging Face model directory",
+    ),
+    "val-split-too-short": (
+        ["model.max_seq_len=4096", "train.seq_len=4096", "train.eval_every=1"],
+        "the val split has only",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(START_ERRORS))
+def test_a_config_error_found_at_train_start_creates_nothing_in_the_run_dir(
+    case, tmp_path, dataset
+):
+    extra, message = START_ERRORS[case]
+    out = tmp_path / "run"
+    sets = [*TRAIN_SETS, f"data.path={dataset}", f"run.out_dir={out}"]
+    sets += [item.format(tmp=tmp_path) for item in extra]
+    args = ["train", "--config", str(CONFIGS / "tiny.yaml")]
+    result = invoke_cli(*args, *[a for item in sets for a in ("--set", item)])
+    assert result.returncode == 2, result.stdout[-500:] + result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not out.exists(), sorted(str(p.relative_to(out)) for p in out.rglob("*"))

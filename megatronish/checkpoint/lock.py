@@ -63,7 +63,10 @@ class RunLock:
 
 def ensure_unlocked(directory: str | os.PathLike[str]) -> None:
     """Raises the UserError RunLock.acquire would, without keeping the lock (so `launch` can
-    refuse a locked directory in one line before it starts any rank)."""
+    refuse a locked directory in one line before it starts any rank). Creates nothing: where
+    there is no lock file, nobody holds one."""
+    if not (Path(directory) / LOCK_FILE).exists():
+        return
     lock = RunLock(directory)
     lock.acquire()
     lock.release()

@@ -8,6 +8,12 @@ the report is the one whose missing ranks are not themselves waiting in another 
 (a rank waiting for a waiting rank only passes the hang on), the earliest of those to start.
 Point-to-point operations have no member list; they are reported only when no collective
 explains the hang.
+
+The dumps are not one instant: each rank writes its own within a poll of the request, so a rank
+that had just entered a collective may name one that was computing a moment before or after.
+A verdict therefore needs time: a member counts as missing only when its dump, or the waiter's
+own if it is later, shows the waiter had already waited more than STUCK_AFTER_S without it; an
+operation in flight no longer than that is no hang. A dump of a healthy run finds no rank stuck.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from megatronish.errors import UserError
 _KEYS = ("rank", "pid", "reason", "time", "entries", "in_flight", "stacks")
 _ENTRY_KEYS = ("seq", "op", "group", "start", "end")
 _STACK_LINES = 8
+STUCK_AFTER_S = 1.0  # longer than a dump request takes to reach every rank (a poll, 0.5 s)
 
 
 @dataclass
@@ -129,17 +136,46 @@ def _stack(report: dict) -> list[str]:
     return ["    " + line for line in lines[-_STACK_LINES:]]
 
 
+def _stuck(dumps: dict[int, dict], rank: int, entry: dict) -> bool:
+    """Whether `entry`, in flight on `rank`, had been for more than STUCK_AFTER_S at its dump."""
+    return entry["end"] is None and dumps[rank]["time"] - entry["start"] > STUCK_AFTER_S
+
+
+def _last_seqs(dumps: dict[int, dict]) -> dict[tuple[int, str], int]:
+    """(rank, group) -> the highest sequence number the rank recorded on the group."""
+    last_seq: dict[tuple[int, str], int] = {}
+    for rank, report in dumps.items():
+        for entry in report["entries"]:
+            if not _is_p2p(entry):
+                key = (rank, entry["group"])
+                last_seq[key] = max(last_seq.get(key, 0), entry["seq"])
+    return last_seq
+
+
+def _absent_too_long(dumps: dict[int, dict], member: int, flights: list[tuple[int, dict]]) -> bool:
+    """Whether `member`, which had not entered the collective of `flights`, is known to have
+    kept one of its waiters there more than STUCK_AFTER_S: until the member's dump or the
+    waiter's, whichever is earlier. A member that wrote no dump, or only one older than the
+    waiter's by more than STUCK_AFTER_S (it did not answer that request), counts as absent until
+    the waiter's."""
+    for rank, entry in flights:
+        waiter_at = dumps[rank]["time"]
+        seen_at = dumps[member]["time"] if member in dumps else waiter_at
+        if seen_at < waiter_at - STUCK_AFTER_S:
+            seen_at = waiter_at
+        if min(waiter_at, seen_at) - entry["start"] > STUCK_AFTER_S:
+            return True
+    return False
+
+
 def _hangs(dumps: dict[int, dict], world_size: int | None) -> list[_Hang]:
-    """Per group, the first in-flight collective that a member never entered."""
-    last_seq: dict[tuple[int, str], int] = {}  # (rank, group) -> its highest seq there
+    """Per group, the first collective stuck in flight that a member never entered (for longer
+    than STUCK_AFTER_S)."""
+    last_seq = _last_seqs(dumps)
     waiting: dict[str, dict[int, list[tuple[int, dict]]]] = {}  # group -> seq -> (rank, entry)
     for rank, report in dumps.items():
         for entry in report["entries"]:
-            if _is_p2p(entry):
-                continue
-            key = (rank, entry["group"])
-            last_seq[key] = max(last_seq.get(key, 0), entry["seq"])
-            if entry["end"] is None:
+            if not _is_p2p(entry) and _stuck(dumps, rank, entry):
                 by_seq = waiting.setdefault(entry["group"], {})
                 by_seq.setdefault(entry["seq"], []).append((rank, entry))
     hangs = []
@@ -148,9 +184,14 @@ def _hangs(dumps: dict[int, dict], world_size: int | None) -> list[_Hang]:
         if members is None:
             continue
         for seq in sorted(by_seq):
-            missing = [m for m in members if m not in dumps or last_seq.get((m, group), 0) < seq]
+            flights = by_seq[seq]
+            missing = [
+                m
+                for m in members
+                if (m not in dumps or last_seq.get((m, group), 0) < seq)
+                and _absent_too_long(dumps, m, flights)
+            ]
             if missing:
-                flights = by_seq[seq]
                 start = min(e["start"] for _, e in flights)
                 waited = max(dumps[r]["time"] - e["start"] for r, e in flights)
                 waiters, op = [r for r, _ in flights], flights[0][1]["op"]
@@ -176,11 +217,32 @@ def _describe(hang: _Hang, dumps: dict[int, dict]) -> list[str]:
     return [f"{line}; rank {present[0]}'s stack:", *_stack(dumps[present[0]])]
 
 
-def _no_missing_rank(dumps: dict[int, dict]) -> list[str]:
-    """The oldest in-flight operation, when every collective in flight has all its ranks."""
+def _entered_by_all(
+    entry: dict,
+    dumps: dict[int, dict],
+    world_size: int | None,
+    last_seq: dict[tuple[int, str], int],
+) -> bool:
+    """Whether every member of entry's collective had entered it; True for point-to-point and
+    for a group without a member list (nothing says otherwise)."""
+    members = None if _is_p2p(entry) else _members(entry["group"], world_size)
+    if members is None:
+        return True
+    return all(m in dumps and last_seq.get((m, entry["group"]), 0) >= entry["seq"] for m in members)
+
+
+def _no_missing_rank(dumps: dict[int, dict], world_size: int | None) -> list[str] | None:
+    """The oldest operation stuck in flight that no member is missing from (no collective
+    misses a rank); None when there is none."""
+    last_seq = _last_seqs(dumps)
     flights = [
-        (e["start"], r, e) for r, d in dumps.items() for e in d["entries"] if e["end"] is None
+        (e["start"], r, e)
+        for r, d in dumps.items()
+        for e in d["entries"]
+        if _stuck(dumps, r, e) and _entered_by_all(e, dumps, world_size, last_seq)
     ]
+    if not flights:
+        return None
     _, rank, oldest = min(flights, key=lambda f: (f[0], f[1]))
     waited = dumps[rank]["time"] - oldest["start"]
     if _is_p2p(oldest):
@@ -199,7 +261,8 @@ def _no_missing_rank(dumps: dict[int, dict]) -> list[str]:
 
 def verdict(dumps: dict[int, dict]) -> str:
     """The hang report of dumps (by rank), as text: which rank the others wait for, where, and
-    its stack; or that no rank was inside a collective."""
+    its stack; or that no rank was stuck (none in flight longer than STUCK_AFTER_S), or inside
+    a collective at all."""
     sizes = [d["world_size"] for d in dumps.values() if isinstance(d.get("world_size"), int)]
     world_size = max(sizes) if sizes else None
     hangs = _hangs(dumps, world_size)
@@ -214,9 +277,14 @@ def verdict(dumps: dict[int, dict]) -> str:
             noun = "group hangs" if len(others) == 1 else "groups hang"
             lines.append(f"({len(others)} other {noun} too: {names})")
         return "\n".join(lines)
+    stuck = _no_missing_rank(dumps, world_size)
+    if stuck is not None:
+        return "\n".join(stuck)
     if any(e["end"] is None for d in dumps.values() for e in d["entries"]):
-        return "\n".join(_no_missing_rank(dumps))
-    text = "no hang: no rank was inside a collective when the dumps were taken "
+        text = f"no rank is stuck: no collective had been in flight longer than {STUCK_AFTER_S:g} "
+        text += "s when the ranks dumped "
+    else:
+        text = "no hang: no rank was inside a collective when the dumps were taken "
     text += f"({len(dumps)} dumps: {rank_list(dumps)})"
     absent = [r for r in range(world_size or 0) if r not in dumps]
     if absent:

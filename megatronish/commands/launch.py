@@ -1,26 +1,36 @@
 """`megatronish launch`: runs `megatronish train` under torchrun (torch.distributed.run).
 
-The launcher passes SIGTERM and SIGUSR1 on to the ranks (torchrun is told to leave them alone),
-which save a checkpoint at the end of their step and exit 0, so the launch exits 0 as well.
+The launcher passes SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) on to the ranks (torchrun is told to
+leave them alone), which save a checkpoint at the end of their step and exit 0, so the launch
+exits 0 as well. A second Ctrl-C aborts the ranks, and the launch exits 130 without waiting for
+torchrun to restart anything. (The ranks run in sessions of their own: a terminal's Ctrl-C
+reaches only the launcher.)
 With --max-restarts, torchrun restarts every rank when one fails, and they resume from the
 newest checkpoint.
+
+Several nodes meet at torchrun's c10d rendezvous on --rdzv-endpoint. Each launcher says once
+whom it waits for, where and until when (--rdzv-timeout, passed to torchrun as its join
+timeout); when the other nodes do not come by then, the launch exits 1 in one line.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import sys
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 from megatronish.checkpoint.lock import ensure_unlocked
 from megatronish.commands.check import check_config
 from megatronish.config import Config, world_size_of
-from megatronish.errors import UserError
+from megatronish.errors import RunFailure, UserError
 from megatronish.training import faults
 from megatronish.training.resume import checkpoint_dir
 
 # torchrun's own signal handling (it stops the ranks), less the signals the launcher forwards.
-TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 
 
 def launch(
@@ -31,12 +41,15 @@ def launch(
     node_rank: int,
     rdzv_endpoint: str,
     max_restarts: int,
+    rdzv_timeout: int,
 ) -> int:
     """Starts tp * cp * dp * pp / nnodes processes on this node; returns torchrun's exit
-    status."""
+    status. With several nodes, waits up to rdzv_timeout seconds for all of them."""
     world = world_size_of(cfg)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is not valid for --nnodes {nnodes}")
+    if rdzv_timeout < 1:
+        raise UserError(f"--rdzv-timeout {rdzv_timeout}: must be at least 1 (seconds)")
     if world % nnodes:
         raise UserError(
             f"world size tp * cp * dp * pp = {world} is not divisible by --nnodes {nnodes}"
@@ -62,8 +75,10 @@ def launch(
         args += [
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--rdzv-conf=join_timeout={rdzv_timeout}",
             f"--node-rank={node_rank}",
         ]
+        print(waiting_line(nnodes, node_rank, rdzv_endpoint, rdzv_timeout), file=sys.stderr)
     else:
         args += ["--standalone"]
     args += ["-m", "megatronish", "train", "--config", config_path]
@@ -74,8 +89,28 @@ def launch(
             torchrun.main(args)
     except SystemExit as exc:
         return int(exc.code or 0)
+    except RendezvousTimeoutError:
+        raise RunFailure(
+            f"launch: not all {nnodes} nodes joined the rendezvous at "
+            f"{rdzv_endpoint} within {rdzv_timeout} s (--rdzv-timeout); start `megatronish "
+            "launch` on every node with the same --nnodes and --rdzv-endpoint, each with its "
+            "own --node-rank"
+        ) from None
     except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
         failures = getattr(exc, "failures", {})
-        codes = [f.exitcode for f in failures.values()] if failures else [1]
-        return 2 if all(c == 2 for c in codes) else 1
+        codes = {f.exitcode for f in failures.values()} if failures else {1}
+        return codes.pop() if codes in ({2}, {130}) else 1  # a user error, or aborted: theirs
     return 0
+
+
+def waiting_line(nnodes: int, node_rank: int, endpoint: str, timeout_s: int) -> str:
+    """What a launcher of several nodes says once before the rendezvous: whom it waits for,
+    where, and when the wait ends (local time)."""
+    now = datetime.datetime.now()
+    until = now + datetime.timedelta(seconds=timeout_s)
+    when = until.strftime("%H:%M:%S" if until.date() == now.date() else "%Y-%m-%d %H:%M:%S")
+    return (
+        f"launch: waiting for {nnodes - 1} more node(s) at {endpoint} (this is node rank "
+        f"{node_rank} of {nnodes}); the rendezvous times out at {when} ({timeout_s} s, "
+        "--rdzv-timeout)"
+    )

@@ -45,9 +45,12 @@ def _describe(tp: Any) -> str:
     if origin in (Union, types.UnionType):
         parts = [_describe(a) for a in get_args(tp) if a is not type(None)]
         return " or ".join(parts) + " or null"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        tp, str(tp)
-    )
+    return {
+        int: "an integer",
+        float: "a finite number",
+        bool: "true or false",
+        str: "a string",
+    }.get(tp, str(tp))
 
 
 def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
@@ -98,15 +101,14 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
+        result = value
         if isinstance(value, str):
             try:
                 result = float(value)
             except ValueError:
                 raise bad from None
-            if math.isfinite(result):
-                return result
+        if isinstance(result, (int, float)) and math.isfinite(result):  # YAML .nan, .inf: not
+            return float(result)
         raise bad
     if tp is str:
         if value is None:
@@ -164,6 +166,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     data: Any = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise UserError(f"config file {path}: is a directory; give a YAML file (see configs/)")
         if not path.is_file():
             raise UserError(f"config file {path} does not exist")
         try:

@@ -8,6 +8,7 @@ the same seeded generator and rank 0's token is broadcast, so all ranks feed the
 from __future__ import annotations
 
 import codecs
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,8 +43,10 @@ class Sampling:
     top_p: float = 1.0
 
     def check(self) -> None:
-        if self.temperature < 0:
-            raise UserError(f"--temperature {self.temperature}: must be >= 0 (0: greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan, inf too
+            raise UserError(
+                f"--temperature {self.temperature}: must be a finite number >= 0 (0: greedy)"
+            )
         if self.top_k < 0:
             raise UserError(f"--top-k {self.top_k}: must be >= 0 (0: no limit)")
         if not 0 < self.top_p <= 1:

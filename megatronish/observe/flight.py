@@ -124,8 +124,8 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         """Removes this rank's dump (and on rank 0 the request) left by an earlier run, installs
-        the SIGUSR2 handler when called from the main thread, starts watching; returns self."""
-        self.debug.mkdir(parents=True, exist_ok=True)
+        the SIGUSR2 handler when called from the main thread, starts watching; returns self.
+        Creates nothing: the debug directory comes with the first dump."""
         stale = [self.debug / f"rank_{self.rank}.json"]
         if self.rank == 0:
             stale.append(self.debug / TRIGGER)

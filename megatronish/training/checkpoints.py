@@ -5,6 +5,8 @@ which) and starting from Hugging Face weights."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,11 +22,21 @@ from megatronish.checkpoint.save import save_checkpoint, tokenizer_of_dataset
 from megatronish.config import Config
 from megatronish.data import BatchLoader
 from megatronish.data_parallel import DataParallel
-from megatronish.errors import UserError
+from megatronish.distributed.comm import any_rank
+from megatronish.errors import Interrupted, UserError
 from megatronish.files import free_space, size_text, write_text_atomic
 from megatronish.training.faults import StepVerdict
 from megatronish.training.resume import auto_choice, checkpoint_dir, resume_path
 from megatronish.training.setup import Setup
+
+
+def lock_before_building(s: Setup) -> bool:
+    """Whether the run locks checkpoint.dir before it builds and restores: when it saves and
+    checkpoint.dir exists (on any rank; one all-reduce), since it may resume from there. A new
+    checkpoint.dir is locked, and so created, only once the run is built, so that a run that
+    fails to start leaves nothing behind."""
+    exists = s.cfg.checkpoint.save and checkpoint_dir(s.cfg).is_dir()
+    return s.cfg.checkpoint.save and any_rank(exists, s.ps.device)
 
 
 def start(s: Setup, model: nn.Module, optimizer: DataParallel, loader: BatchLoader) -> int | None:
@@ -108,6 +120,26 @@ def _restore(s: Setup, path: Path, model: nn.Module, optimizer: DataParallel) ->
         )
         corrupt += f"; checkpoint.resume=auto took {path}, and nothing was trained on it: {advice}"
     raise UserError(corrupt, rank0_prints=True)
+
+
+def aborted(cfg: Config, is_main: bool) -> Interrupted:
+    """After a second Ctrl-C (every rank calls it): rank 0 removes the temporary directory of a
+    save in progress, which its pid names (checkpoint.save.open_save), and the error says what
+    the run can continue from."""
+    directory = checkpoint_dir(cfg)
+    if is_main and directory.is_dir():
+        for unfinished in directory.glob(f"step_*.tmp-{os.getpid()}"):
+            for _ in range(3):  # a writer may create one more file as it goes
+                shutil.rmtree(unfinished, ignore_errors=True)
+                if not unfinished.exists():
+                    break
+    latest = find_latest(directory)
+    where = (
+        f"the newest checkpoint is {latest}: run the same command again to continue from it"
+        if latest is not None
+        else "no checkpoint was saved"
+    )
+    return Interrupted(f"a second Ctrl-C stopped the run at once; {where}", rank0_prints=True)
 
 
 def newest_intact_before(step_dir: Path) -> Path | None:

@@ -8,6 +8,9 @@
 - The run is asked to stop (SIGTERM, or SIGUSR1 as Slurm sends before a time limit) on any rank
   or on its launcher: `StopSignals` turns the signal into a request, and the ranks agree on it
   at the end of the step (`agree_on_step`), save a checkpoint and exit with status 0.
+- Ctrl-C (SIGINT): the first asks the same and says so in one line; a second aborts at once
+  (KeyboardInterrupt; the run exits 130, leaving no unfinished save). A launcher passes SIGINT
+  on to its ranks as it does SIGTERM, and leaves torchrun after a second.
 - A step's loss or gradient norm is not finite on some rank: `agree_on_step` makes every rank
   skip that optimizer update alike.
 - Another rank fails: the collective this rank waits in fails (gloo sees the connection close,
@@ -22,7 +25,7 @@ import contextlib
 import math
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +40,15 @@ if TYPE_CHECKING:
     from megatronish.distributed.layout import ParallelState
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def handled() -> tuple[signal.Signals, ...]:
+    """The signals a run turns into a stop request: STOP_SIGNALS, and SIGINT (whose second one
+    aborts) unless this process ignores it, as a shell's background job does."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    return STOP_SIGNALS if ignored else (*STOP_SIGNALS, signal.SIGINT)
+
+
 # What gloo says when the other end of a collective has gone away or stopped answering.
 GLOO_PEER_ERRORS = (
     "Connection closed by peer",
@@ -53,18 +65,56 @@ GLOO_PEER_ERRORS = (
 class StopSignals:
     """Between install() and restore(), SIGTERM and SIGUSR1 no longer end the process: they ask
     the run to stop at the end of the current step (`requested` names the first signal; None:
-    not asked). restore() puts the previous handlers back."""
+    not asked). So does a first SIGINT (Ctrl-C), which also writes notice(the step the run
+    stops after; None before the run has one) to stderr when notice is given: at once, or, when
+    it comes while the step in progress is being decided on (between asked() and agreed(), so
+    the ranks may see it at that step or the next), once every rank has agreed. A second SIGINT
+    raises KeyboardInterrupt at once; later ones are ignored while the run unwinds. restore()
+    puts the previous handlers back."""
 
-    def __init__(self) -> None:
+    def __init__(self, notice: Callable[[int | None], str] | None = None) -> None:
         self.requested: str | None = None
+        self.notice = notice
+        self.settled: int | None = None  # the last step every rank agreed on (agreed)
+        self.interrupts = 0
+        self._deciding = False
+        self._notice_due = False
         self._previous: dict[int, object] = {}
 
+    def asked(self) -> bool:
+        """Whether this rank was asked to stop, as the step in progress decides (its stop flag
+        for agree_on_step)."""
+        self._deciding = True
+        return self.requested is not None
+
+    def agreed(self, step: int, stop: bool) -> None:
+        """Every rank agreed on step `step`'s verdict (stop: the run stops after it)."""
+        self._deciding, self.settled = False, step
+        if self._notice_due:
+            self._notice_due = False
+            self._say(step if stop else step + 1)
+
+    def _say(self, step: int | None) -> None:
+        # os.write: the main thread may be inside a print to stderr. On a line of its own, below
+        # the progress bar, which tqdm then draws again on the next line.
+        if self.notice is not None:
+            os.write(2, ("\n" + self.notice(step) + "\n").encode())
+
     def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                raise KeyboardInterrupt
+            if self._deciding:
+                self._notice_due = True
+            else:
+                self._say(None if self.settled is None else self.settled + 1)
         if self.requested is None:
             self.requested = signal.Signals(signum).name
 
     def install(self) -> None:
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in handled()}
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -72,22 +122,54 @@ class StopSignals:
         self._previous = {}
 
 
+def interrupt_notice(saves: bool, steps: int) -> Callable[[int | None], str]:
+    """The notice of a run's first Ctrl-C (StopSignals), for a run that saves or not and ends
+    at step `steps` anyway."""
+
+    def notice(step: int | None) -> str:
+        when = "its first step" if step is None else f"step {min(step, steps)}"
+        saving = "and saving" if saves else "(checkpoint.save is false: nothing is saved)"
+        return (
+            f"interrupted: stopping at the end of {when} {saving}; press Ctrl-C again to abort now"
+        )
+
+    return notice
+
+
+def stop_report(step: int, steps: int, requested: str | None, saves: bool) -> str:
+    """The line rank 0 prints when the run stopped early because a rank was asked to."""
+    why = requested or "asked on another rank"
+    saved = (
+        f"saved step {step}; run the same command again to continue"
+        if saves
+        else "nothing saved (checkpoint.save is false)"
+    )
+    return f"stopped at step {step} of {steps} ({why}): {saved}"
+
+
 @contextlib.contextmanager
 def forward_stop_signals() -> Iterator[None]:
-    """While entered (in a launcher), SIGTERM and SIGUSR1 are passed on to this process's
-    children, the ranks, which save at the end of their step and exit 0; the launcher then
-    finishes as after any successful run. With no rank running (before they start, between
-    restarts) the signal ends the launcher with status 128 + signal, as it would have."""
+    """While entered (in a launcher), SIGTERM, SIGUSR1 and SIGINT are passed on to this
+    process's children, the ranks, which save at the end of their step and exit 0; the launcher
+    then finishes as after any successful run. A second SIGINT is passed on too (the ranks
+    abort) and ends the launcher with status 130, so that torchrun does not restart them. With
+    no rank running (before they start, between restarts) the signal ends the launcher with
+    status 128 + signal, as it would have."""
+    interrupts = 0
 
     def forward(signum: int, frame) -> None:
+        nonlocal interrupts
         children = child_pids()
         if not children:
             raise SystemExit(128 + signum)
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
+        interrupts += signum == signal.SIGINT
+        if interrupts > 1:
+            raise SystemExit(128 + signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, forward) for sig in handled()}
     try:
         yield
     finally:

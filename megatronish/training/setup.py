@@ -99,13 +99,9 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
 
 
 def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
-    """The loader of `split` for this rank; for the train split, rank 0 also writes
-    <run.out_dir>/data.json and prints one line per dataset (write_data_report)."""
-    t = s.cfg.train
-    loader = open_loader(s.cfg, s.data, split, s.ps.dp_rank, s.ps.dp)
-    if split == "train" and s.ps.is_main:
-        write_data_report(s.cfg.run.out_dir, loader, s.data, t.steps * t.global_batch_size)
-    return loader
+    """The loader of `split` for this rank (the run reports the train split's datasets once it
+    starts: write_data_report)."""
+    return open_loader(s.cfg, s.data, split, s.ps.dp_rank, s.ps.dp)
 
 
 def write_data_report(

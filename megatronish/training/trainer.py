@@ -3,7 +3,7 @@
 Rank 0 shows a progress bar and writes metrics.jsonl; the other ranks print nothing but errors.
 After the gradients of a step, the ranks agree (megatronish.training.faults) whether to apply
 the update (not when the loss or gradient norm is non-finite on any rank) and whether to stop
-after it (a rank got SIGTERM or SIGUSR1): then the run saves a checkpoint and exits 0.
+after it (a rank got SIGTERM, SIGUSR1 or a first Ctrl-C): then it saves a checkpoint, exits 0.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from megatronish.training.batches import next_batch, validation_loss
 from megatronish.training.loss import counted_share, mean_loss
 from megatronish.training.metrics import MetricsWriter, peak_flops
 from megatronish.training.resume import checkpoint_dir
-from megatronish.training.setup import Setup, make_loader, setup
+from megatronish.training.setup import Setup, make_loader, setup, write_data_report
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class Trainer:
         self.saved_step = self.resumed_from
         # Asks to stop at a step boundary once installed (train() installs it).
         self.stop_signals = stop_signals or faults.StopSignals()
+        self.stop_signals.settled = self.step
 
     def train_step(self) -> StepResult:
         """One optimizer step attempt over the next global batch. Its update is skipped on every
@@ -93,10 +94,11 @@ class Trainer:
         self.profiler.begin_step(self.step + 1)
         with self.timer.step():
             loss, grad_norm = self.compute_gradients()
-            asked = self.stop_signals.requested is not None
+            asked = self.stop_signals.asked()
             with self.timer.phase("grad_sync"):
                 writing = self.saver.writing
                 verdict = faults.agree_on_step(loss, grad_norm, asked, self.ps, writing)
+            self.stop_signals.agreed(self.step + 1, verdict.stop)
             with self.timer.phase("optimizer"):
                 if not verdict.skip:
                     self.data_parallel.step(lr_at(self.step + 1, self.cfg))
@@ -164,9 +166,11 @@ class Trainer:
         )
         derived = dict(vars(self.setup.derived), dataset=str(self.setup.dataset_dir))
         (self.out_dir / "derived.json").write_text(json.dumps(derived, indent=2) + "\n")
+        total = self.cfg.train.steps * self.cfg.train.global_batch_size
+        write_data_report(self.out_dir, self.loader, self.setup.data, total)
 
     def run(self) -> dict:
-        """Trains to train.steps, or until a rank is asked to stop (SIGTERM or SIGUSR1, once
+        """Trains to train.steps, or until a rank is asked to stop (SIGTERM, SIGUSR1, Ctrl-C, once
         stop_signals are installed; it saves first); returns the last metrics line (and
         val_loss if computed)."""
         cfg, ps = self.cfg, self.ps
@@ -244,7 +248,9 @@ class Trainer:
             metrics.close()
             self.profiler.close()
         if stopped and ps.is_main:
-            self.report_stop()
+            why = self.stop_signals.requested
+            line = faults.stop_report(self.step, cfg.train.steps, why, cfg.checkpoint.save)
+            print(line, flush=True)
         return last
 
     def moe_metrics(self) -> dict:
@@ -269,16 +275,6 @@ class Trainer:
         if summary["straggler"] is not None and self.ps.is_main:
             tqdm.write(straggler_line(self.step, summary, ratio))
         return summary
-
-    def report_stop(self) -> None:
-        """The line rank 0 prints when the run stopped early because a rank was asked to."""
-        why = self.stop_signals.requested or "asked on another rank"
-        saved = (
-            f"saved step {self.step}; run the same command again to continue"
-            if self.cfg.checkpoint.save
-            else "nothing saved (checkpoint.save is false)"
-        )
-        print(f"stopped at step {self.step} of {self.cfg.train.steps} ({why}): {saved}", flush=True)
 
     def record_skip(self, metrics: MetricsWriter, verdict: faults.StepVerdict, in_a_row: int):
         """Writes the metrics line of a skipped step; after train.max_skipped_steps in a row,
@@ -305,21 +301,28 @@ class Trainer:
 
 def train(cfg: Config) -> dict:
     """Runs `megatronish train` for this process (one rank); returns the last metrics. Rank 0
-    holds the lock of checkpoint.dir while the run may write there. A rank that fails because
-    another rank went away raises a one-line RunFailure (only rank 0 prints it): the rank that
-    failed first has printed the error."""
+    holds the lock of checkpoint.dir while the run may read or write there. Nothing is written
+    until the run is built and restored (a config error found on the way creates nothing). A
+    rank that fails because another rank went away raises a one-line RunFailure (only rank 0
+    prints it): the rank that failed first has printed the error."""
     s = setup(cfg)
     # The flight recorder's watchdog: a hang report in <run.out_dir>/debug on a collective that
     # does not finish, on SIGUSR2, or when another rank asks (see megatronish diagnose).
     watchdog = flight.watchdog_for(cfg, s.ps)
-    # From here to the end SIGTERM and SIGUSR1 only ask to stop, so a rank that torchrun
-    # terminates because another rank failed still gets to say so in one line.
-    stop_signals = faults.StopSignals()
-    lock = run_lock(checkpoint_dir(cfg), s.ps) if cfg.checkpoint.save else contextlib.nullcontext()
+    # From here to the end SIGTERM, SIGUSR1 and a first Ctrl-C only ask to stop, so a rank that
+    # torchrun terminates because another rank failed still gets to say so in one line.
+    notice = faults.interrupt_notice(cfg.checkpoint.save, cfg.train.steps)
+    stop_signals = faults.StopSignals(notice if s.ps.is_main else None)
+    directory = checkpoint_dir(cfg)
     try:
         stop_signals.install()
-        with lock:
+        with contextlib.ExitStack() as held:
+            lock_first = checkpoints.lock_before_building(s)
+            if lock_first:
+                held.enter_context(run_lock(directory, s.ps))
             trainer = Trainer(s, stop_signals)
+            if cfg.checkpoint.save and not lock_first:
+                held.enter_context(run_lock(directory, s.ps))
             summary = trainer.run()
         if s.ps.is_main and summary:
             line = f"step {summary['step']}: loss {summary['loss']:.4f}"
@@ -329,6 +332,8 @@ def train(cfg: Config) -> dict:
             line += f" (vs {trainer.peak_source})"
             print(line, flush=True)
         return summary
+    except KeyboardInterrupt:  # a second Ctrl-C
+        raise checkpoints.aborted(cfg, s.ps.is_main) from None
     except Exception as exc:
         reason = faults.lost_peer(exc)
         if reason is None:
