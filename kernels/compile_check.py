@@ -6,8 +6,8 @@ specialization of every argument), their compilation with Triton for sm_80 or sm
 cubin's registers, spills (its stack frame) and shared memory (`cuobjdump
 --dump-resource-usage` plus Triton's dynamic shared memory) against the architecture's limits,
 with the occupancy those allow. scripts/kernel_report.py runs it over the shipped configs,
-tests/test_kernel_compile.py at one configuration per kernel, and scripts/gpu_check.py puts it
-next to what the driver reports.
+tests/kernels/test_kernel_compile.py at one configuration per kernel, and scripts/gpu_check.py
+puts it next to what the driver reports.
 
 Shapes (one tensor-parallel rank's): b batch, s sequence, h d_model, n and kv heads, d head
 dim, f MLP width, v vocab shard, E local experts, A = b s top_k expert rows.

@@ -21,9 +21,10 @@ On a machine with one or more CUDA GPUs it runs, in this order:
    bound ops) or TFLOP/s (attention, GEMM), and the largest absolute error of the output and of
    the input gradients against the torch op on float64 copies of the same bf16 inputs (rms_norm
    and rope compute in fp32 inside), next to torch bf16's own error. Ours passes within
-   2 x torch's error + 0.02, the bound of tests/test_kernels.py. Then attention over sequences
-   of 2048 tokens packed with documents of 128 (document masks, scripts/bench_packed_attention.py)
-   next to our causal attention of the same length: both times, the packed / causal ratio of
+   2 x torch's error + 0.02, the bound of tests/kernels/test_kernels.py. Then attention over
+   sequences of 2048 tokens packed with documents of 128 (document masks,
+   scripts/bench_packed_attention.py) next to our causal attention of the same length: both
+   times, the packed / causal ratio of
    forward+backward next to the share of causal's FLOPs the kernels walk for this GPU's tiles,
    and the packed output's error against float64, ours next to torch SDPA's with the mask.
 4. compile: every kernel at scripts/kernel_report.py's representative configuration, compiled

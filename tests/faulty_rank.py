@@ -1,4 +1,5 @@
-"""`megatronish` with faults injected into one rank, for tests/test_faults.py (no tests here).
+"""`megatronish` with faults injected into one rank, for tests/training/test_faults.py (no
+tests here).
 
     torchrun ... tests/faulty_rank.py train --config ...
 

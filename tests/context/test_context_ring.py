@@ -1,0 +1,168 @@
+"""Ring attention alone: on its zigzag shards it equals full causal attention, forward and
+every gradient, in float64 (torch blocks) and under Triton's interpreter (flash blocks), also
+under document masks with documents that span chunks and cp ranks; only the kv heads travel
+(grouped-query attention), the ring sends exactly the analytic bytes, and every cp rank scores
+the same number of query-key pairs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatronish.context.zigzag import (
+    shard_sequence,
+    unshard_sequence,
+    zigzag_positions,
+)
+from tests.ranks import run_on_ranks
+
+B, N_HEAD, N_KV, HEAD_DIM = 2, 4, 2, 16
+
+
+def _inputs(cp: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(cp)
+    s = 6 * cp  # chunks of 3 tokens: odd sizes
+    q = torch.randn(B, N_HEAD, s, HEAD_DIM, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, N_KV, s, HEAD_DIM, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, N_KV, s, HEAD_DIM, generator=gen, dtype=torch.float64)
+    dout = torch.randn(B, N_HEAD, s, HEAD_DIM, generator=gen, dtype=torch.float64)
+    return [x.to(dtype) for x in (q, k, v, dout)]
+
+
+def _documents(cp: int):
+    """The documents of the two sequences: five in the first (ends at 1, 3 cp, 3 cp + 1 and
+    5 cp: two span chunks and ranks), one in the second."""
+    from megatronish.context import documents_of
+
+    tokens = torch.ones(B, 6 * cp, dtype=torch.long)
+    tokens[0, [1, 3 * cp, 3 * cp + 1, 5 * cp]] = 0
+    return documents_of(tokens, 0)
+
+
+def _ring_rank(rank, world, backend, dtype):
+    from megatronish.context import Ring, RingCounter, ring_attention
+    from megatronish.distributed import comm
+    from megatronish.distributed.layout import ParallelState
+
+    ps = ParallelState.from_world(1, 1, 1, cp=world)
+    q, k, v, dout = (shard_sequence(x, world, rank, 2) for x in _inputs(world, dtype))
+    results = {}
+    for masked in (False, True):
+        shards = _documents(world).shard(world, rank).shards if masked else None
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        with comm.CommCounter() as counter, RingCounter() as work:
+            out = ring_attention(*leaves, Ring.of(ps), backend=backend, shards=shards)
+            out.backward(dout)
+        grads = [out.detach()] + [x.grad for x in leaves]
+        results["documents" if masked else "grads"] = grads
+        if not masked:
+            results.update(sent=dict(counter.sent_bytes), pairs=work.pairs)
+    return results
+
+
+def _full_causal(cp: int, masked: bool = False):
+    from megatronish.ops import reference
+
+    q, k, v, dout = (x.clone() for x in _inputs(cp, torch.float64))
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    segments = _documents(cp).segments if masked else None
+    out = reference.attention(q, k, v, causal=True, segments=segments)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+_RUNS: dict = {}
+
+
+def ring_run(cp: int, backend: str = "torch"):
+    key = (cp, backend)
+    if key not in _RUNS:
+        dtype = torch.float64
+        _RUNS[key] = run_on_ranks(_ring_rank, cp, backend, dtype, timeout=120)
+    return _RUNS[key]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_forward_and_every_gradient_equal_full_causal_attention_float64(cp):
+    per_rank = ring_run(cp)
+    want = _full_causal(cp)
+    for index, name in enumerate(["out", "dq", "dk", "dv"]):
+        got = unshard_sequence([r["grads"][index] for r in per_rank], dim=2)
+        torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_sends_only_the_kv_heads_the_analytic_count_gives(cp):
+    # Forward: cp - 1 hops of k and v; backward: cp - 1 hops of k and v and cp hops of their
+    # fp32 (here fp64) gradient accumulator. Only the N_KV heads travel, not N_HEAD.
+    local = B * N_KV * (6 * cp // cp) * HEAD_DIM * 8  # one of k or v, float64
+    want = 2 * local * (cp - 1) * 2 + 2 * local * cp
+    for result in ring_run(cp):
+        assert result["sent"] == {"cp_ring": want}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_cp_rank_scores_the_same_query_key_pairs(cp):
+    pairs = [r["pairs"] for r in ring_run(cp)]
+    assert len(set(pairs)) == 1
+    # The forward blocks of all ranks together score the causal triangle of the full sequence.
+    s = 6 * cp
+    assert sum(pairs) == B * N_HEAD * s * (s + 1) // 2
+
+
+def test_zigzag_shards_hold_chunks_r_and_2cp_minus_1_minus_r_at_their_global_positions():
+    x = torch.arange(16).view(1, 16)
+    assert shard_sequence(x, 4, 1).tolist() == [[2, 3, 12, 13]]
+    assert zigzag_positions(4, 4, 1).tolist() == [2, 3, 12, 13]
+    shards = [shard_sequence(x, 4, r) for r in range(4)]
+    assert torch.equal(unshard_sequence(shards), x)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_on_triton_flash_blocks_equals_full_causal_attention(cp, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU: the kernels run under the interpreter
+    per_rank = ring_run(cp, "triton")
+    want = _full_causal(cp)
+    for index, name in enumerate(["out", "dq", "dk", "dv"]):
+        got = unshard_sequence([r["grads"][index] for r in per_rank], dim=2)
+        torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_ring_attention_over_documents_spanning_cp_ranks_equals_masked_full_attention(
+    backend, cp, monkeypatch
+):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    per_rank = ring_run(cp, backend)
+    want = _full_causal(cp, masked=True)
+    for index, name in enumerate(["out", "dq", "dk", "dv"]):
+        got = unshard_sequence([r["documents"][index] for r in per_rank], dim=2)
+        torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_flash_blocks_on_cuda_match_the_float64_blocks(causal):
+    from megatronish.context.blocks import (
+        torch_backward,
+        torch_forward,
+        triton_backward,
+        triton_forward,
+    )
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (
+        torch.randn(2, n, 200, 64, generator=gen, dtype=torch.float64) for n in (8, 2, 2, 8)
+    )
+    want_out, want_lse = torch_forward(q, k, v, causal)
+    want = torch_backward(q, k, v, want_out, want_lse, dout, causal)
+    cuda = [x.to("cuda", torch.bfloat16) for x in (q, k, v, dout)]
+    out, lse = triton_forward(*cuda[:3], causal)
+    got = triton_backward(*cuda[:3], want_out.to("cuda"), want_lse.to("cuda"), cuda[3], causal)
+    torch.testing.assert_close(out.double().cpu(), want_out, rtol=0, atol=3e-2)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=0, atol=3e-2)
+    for name, g, w in zip(["dq", "dk", "dv"], got, want):
+        scale = w.abs().max().item()
+        torch.testing.assert_close(g.double().cpu() / scale, w / scale, rtol=0, atol=3e-2, msg=name)

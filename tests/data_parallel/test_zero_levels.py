@@ -1,0 +1,288 @@
+"""ZeRO-2 (gradients sharded too) and ZeRO-3 (parameters too) against ZeRO-0 at the same layout: at
+dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 (1F1B, GPipe, and interleaved with tied
+embeddings), dp 2 x cp 2 with selective recompute, a MoE at dp 4 x ep 2 (expert buckets over the
+expert-data-parallel group) and dp 4 with full recompute in bf16, and at dp 2 with gradient
+accumulation, the losses and gradient norms hold 1e-6 of ZeRO-0 (in bf16 the steps after the
+first hold bf16's rounding, BF16_REL; ZeRO-2 is bitwise ZeRO-1 where a step has one
+micro-batch), every rank sends the payload the analytic count gives (ZeRO-3's gathers
+included), the model state each rank holds between steps, counted from the tensors'
+storages, is plan's estimate within 5% at every level (at ZeRO-3 16 P / dp), the overlap and the
+prefetch change no bit, the validation loss is ZeRO-0's, and a ZeRO-2 or 3 checkpoint (ZeRO-3's
+saved in the background) resumes at another dp and level on the curve. `check` and plan's
+estimate shard weights, gradients and AdamW state by level, and count ZeRO-3's gathers;
+optim.zero outside 0..3 is one line.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.conftest import CONFIGS
+from tests.moe.test_moe_training import MOE
+from tests.parity import (
+    GPT2,
+    LLAMA,
+    SP,
+    assert_check_fails_with_one_line,
+    make_config,
+    make_trainer,
+)
+from tests.ranks import run_on_ranks
+
+STEPS, SAVED_AT = 4, 2
+# How far a level's curve may stray from ZeRO-0's. The levels compute the same gradients and
+# sum them in the same rank order, but clipping's gradient norm is summed in fp32 per piece of
+# a bucket's block under ZeRO-1 to 3 and per parameter under ZeRO-0, so it differs in its last
+# bits (1e-8 to 2e-7 relative); every step clips (grad_clip 1), so the fp32 weights the
+# optimizer writes differ by an ulp here and there. In fp32 the curves stay within 1e-6. In
+# bf16 one step between bf16 values is 2^16 fp32 ulps, so now and then (about one weight in
+# 2^16 per ulp moved) a weight rounds to the other bf16 neighbour; from then on the two runs are
+# two bf16 roundings of one computation, whose tokens' losses differ by about bf16's unit
+# roundoff 2^-8 relative, independently in sign. The mean over the global batch's 8 x 16 tokens
+# (tests/parity.SMALL) moves by 2^-8 / sqrt(128) = 3.5e-4 relative; so does the gradient, a mean
+# over the same tokens, and its norm by no more (| |a| - |b| | <= |a - b|). The first step, from
+# the same weights, holds 1e-6 in bf16 too: it is the same computation, its norm summed apart.
+FP32_REL = 1e-6
+BF16_REL = 2**-8 / math.sqrt(8 * 16)
+LEVELS = (0, 2, 3)
+SELECTIVE = GPT2 + ["train.activation_checkpointing=selective"]
+FULL_BF16 = LLAMA + ["train.activation_checkpointing=full", "train.precision=bf16"]
+# name -> (tp, cp, dp, pp, ep, overrides); all four ranks
+FOUR = {
+    "dp4": (1, 1, 4, 1, 1, GPT2),
+    "dp2 tp2 sp": (2, 1, 2, 1, 1, GPT2 + SP),
+    "dp2 pp2": (1, 1, 2, 2, 1, LLAMA),
+    "dp2 pp2 gpipe": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_schedule=gpipe"]),
+    "dp2 pp2 interleaved tied": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_virtual=2"]),
+    "dp2 cp2 selective recompute": (1, 2, 2, 1, 1, SELECTIVE),
+    "moe dp4 ep2": (1, 1, 4, 1, 2, MOE),
+    "dp4 full recompute bf16": (1, 1, 4, 1, 1, FULL_BF16),
+}
+# dp 2, two micro-batches a step: reduce-scatters and gathers every micro-batch
+TWO = {
+    "zero0": ["optim.zero=0"],
+    "zero2": ["optim.zero=2"],
+    "zero3": ["optim.zero=3"],
+    "zero2 overlap off": ["optim.zero=2", "optim.overlap_grad_reduce=false"],
+    "zero3 overlap off": ["optim.zero=3", "optim.overlap_grad_reduce=false"],
+    "zero3 prefetch off": ["optim.zero=3", "optim.zero3_prefetch=false"],
+}
+
+
+def _held_bytes(trainer) -> int:
+    """Bytes of the distinct storages of the parameters, gradients and optimizer state this
+    rank holds."""
+    dp = trainer.data_parallel
+    tensors = [*trainer.model.parameters()]
+    tensors += [p.grad for p in trainer.model.parameters() if p.grad is not None]
+    # the level's flat tensors: gradients (ZeRO-0 and 1 whole, 2 and 3 blocks), parameters
+    # (ZeRO-1 and 2 flat, 3 the blocks and each bucket's gathered tensor)
+    for name in ("grad_buffer", "grad_blocks", "flat_params"):
+        if hasattr(dp, name):
+            tensors.append(getattr(dp, name))
+    if hasattr(dp, "shards"):
+        tensors += [dp.shards.blocks] + [bucket.full for bucket in dp.buckets]
+    tensors += [t for st in dp.adamw.state.values() for t in st.values()]
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _train(cfg, world, dataset, save: bool = False) -> dict:
+    from megatronish.accounting.collectives import formula_payload_by_kind
+    from megatronish.accounting.memory import model_state_bytes
+    from megatronish.distributed import comm
+
+    trainer = make_trainer(cfg, world, dataset)
+    curve = []
+    for _ in range(STEPS):
+        with comm.CommCounter() as counter:
+            result = trainer.train_step()
+        curve.append((result.loss, result.grad_norm))
+        if trainer.step == 1:
+            payload = dict(counter.payload_bytes)
+        if save and trainer.step == SAVED_AT:
+            trainer.save_checkpoint()
+    trainer.saver.finish()  # checkpoint.async: the save on disk
+    trainer.saver.close()
+    estimate = model_state_bytes(cfg, trainer.setup.derived, trainer.ps.pp_rank)
+    return {
+        "curve": curve,
+        "payload": {k: v for k, v in payload.items() if k != "all_to_all"},  # routing-dependent
+        "formula": {
+            k: v
+            for k, v in formula_payload_by_kind(
+                cfg, trainer.setup.derived, trainer.ps.pp_rank
+            ).items()
+            if k != "all_to_all"
+        },
+        "held": _held_bytes(trainer),
+        "estimate": estimate["weights"] + estimate["grads"] + estimate["optimizer"],
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+        "trainer": trainer,
+    }
+
+
+def _four(rank, world, dataset, ckpt_dir):
+    out = {}
+    for name, (tp, cp, dp, pp, ep, overrides) in FOUR.items():
+        for zero in (0, 1, 2, 3) if name == "dp4" else LEVELS:
+            save = name == "dp4" and zero >= 2
+            extra = [f"train.steps={STEPS}", f"optim.zero={zero}"]
+            if save:  # ZeRO-3's in the background
+                extra += [
+                    "checkpoint.save=true",
+                    f"checkpoint.dir={ckpt_dir / f'zero{zero}'}",
+                    f"checkpoint.async={str(zero == 3).lower()}",
+                ]
+            cfg = make_config(tp, dp, pp, overrides, dataset, extra, cp=cp, ep=ep)
+            run = _train(cfg, world, dataset, save)
+            del run["trainer"]
+            out[(name, zero)] = run
+    return out
+
+
+def _two(rank, world, dataset, ckpt_dir):
+    out = {}
+    for name, sets in TWO.items():
+        evaluated = ["train.eval_every=100", "train.eval_steps=1"]
+        cfg = make_config(1, 2, 1, GPT2, dataset, [f"train.steps={STEPS}", *evaluated, *sets])
+        run = _train(cfg, world, dataset)
+        if name in ("zero0", "zero3"):
+            run["val_loss"] = run["trainer"].evaluate()
+        del run["trainer"]
+        out[name] = run
+    # dp 4 checkpoints resumed at dp 2, at the other level
+    for saved, zero in ((2, 3), (3, 2)):
+        resume = f"checkpoint.resume={ckpt_dir / f'zero{saved}' / f'step_{SAVED_AT:06d}'}"
+        cfg = make_config(
+            1, 2, 1, GPT2, dataset, [f"train.steps={STEPS}", f"optim.zero={zero}", resume]
+        )
+        trainer = make_trainer(cfg, world, dataset)
+        steps = [trainer.train_step() for _ in range(STEPS - SAVED_AT)]
+        out[f"zero{saved} resumed at zero{zero}"] = [(s.loss, s.grad_norm) for s in steps]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(dataset, tmp_path_factory):
+    ckpt_dir = tmp_path_factory.mktemp("zero-levels")
+    four = run_on_ranks(_four, 4, dataset, ckpt_dir, timeout=240)
+    two = run_on_ranks(_two, 2, dataset, ckpt_dir, timeout=240)
+    return four, two
+
+
+def _flat(curve) -> list[float]:
+    return [x for pair in curve for x in pair]
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_zero2_and_zero3_losses_and_grad_norms_hold_zero0s_to_fp32_or_bf16_rounding(name, runs):
+    four, _ = runs
+    want = four[0][(name, 0)]["curve"]
+    assert want[-1][0] < want[0][0]  # it learns
+    later = BF16_REL if "bf16" in name else FP32_REL
+    for rank in four:
+        for zero in (2, 3):
+            got = rank[(name, zero)]["curve"]
+            assert got[0] == pytest.approx(want[0], rel=FP32_REL, abs=0), zero  # same weights
+            assert _flat(got[1:]) == pytest.approx(_flat(want[1:]), rel=later, abs=0), zero
+    for rank in four:  # one micro-batch a step: ZeRO-2 reduces as ZeRO-1 does, bit for bit
+        assert rank[("dp4", 2)]["curve"] == rank[("dp4", 1)]["curve"]
+
+
+def test_zero_levels_at_dp2_with_accumulation_hold_1e6_and_overlap_and_prefetch_change_no_bit(
+    runs,
+):
+    _, two = runs
+    want = _flat(two[0]["zero0"]["curve"])
+    for rank in two:
+        for name in TWO:
+            assert _flat(rank[name]["curve"]) == pytest.approx(want, rel=FP32_REL, abs=0), name
+        assert rank["zero2 overlap off"]["curve"] == rank["zero2"]["curve"]
+        assert rank["zero3 overlap off"]["curve"] == rank["zero3"]["curve"]
+        assert rank["zero3 prefetch off"]["curve"] == rank["zero3"]["curve"]
+        assert rank["zero3"]["val_loss"] == pytest.approx(rank["zero0"]["val_loss"], rel=FP32_REL)
+
+
+def test_every_rank_sends_the_payload_the_analytic_count_gives_zero3_gathers_included(runs):
+    four, two = runs
+    for rank in four:
+        for key, run in rank.items():
+            assert run["payload"] == run["formula"], key
+            if key[1] == 3:
+                assert run["payload"]["all_gather"] > 0
+    for rank in two:
+        for name in TWO:
+            assert rank[name]["payload"] == rank[name]["formula"], name
+
+
+def test_model_state_held_between_steps_is_plans_estimate_at_every_zero_level(runs):
+    four, _ = runs
+    for rank in four:
+        held = {zero: rank[("dp4", zero)]["held"] for zero in (0, 1, 2, 3)}
+        for zero, count in held.items():
+            assert count == pytest.approx(rank[("dp4", zero)]["estimate"], rel=0.05), zero
+        assert held[0] > held[1] > held[2] > held[3]
+        assert held[3] <= 1.05 * 16 * rank[("dp4", 3)]["params"] / 4  # 16 P / dp
+
+
+def test_zero2_and_zero3_checkpoints_resume_at_another_dp_and_level_on_the_curve(runs):
+    four, two = runs
+    after = _flat(four[0][("dp4", 0)]["curve"][SAVED_AT:])
+    for rank in two:
+        for saved, zero in ((2, 3), (3, 2)):
+            got = _flat(rank[f"zero{saved} resumed at zero{zero}"])
+            assert got == pytest.approx(after, rel=1e-5)
+
+
+def test_check_and_plan_shard_weights_gradients_and_state_by_level_with_zero3_gathers():
+    import re
+
+    from megatronish.accounting.memory import estimate
+    from megatronish.config import load_config
+    from megatronish.data import ByteTokenizer
+    from tests.conftest import invoke_cli
+
+    mib = r"([0-9.]+) MiB"
+    report, payload = {}, {}
+    for zero in (0, 1, 2, 3):
+        sets = [
+            "parallel.dp=4",
+            "train.global_batch_size=64",
+            f"optim.zero={zero}",
+            f"model.vocab_size={ByteTokenizer().vocab_size}",
+        ]
+        args = [x for item in sets for x in ("--set", item)]
+        out = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *args)
+        assert out.returncode == 0, out.stderr
+        state = re.search(f"weights {mib}, gradients {mib}, AdamW {mib}", out.stdout)
+        report[zero] = [float(x) for x in state.groups()]
+        gathers = re.search(f"all_gather {mib}", out.stdout)
+        payload[zero] = float(gathers.group(1)) if gathers else 0.0
+        cfg = load_config(CONFIGS / "tiny.yaml", sets)
+        plan = estimate(cfg, 4, 1)
+        assert [plan.weights_gb, plan.grads_gb, plan.optimizer_gb] == pytest.approx(
+            [x / 1024 for x in report[zero]], rel=1e-2
+        )
+        assert (plan.gathered_gb > 0) == (zero >= 2)
+    weights, grads, adam = report[0]
+    shards = {
+        1: [weights, grads, adam / 4],
+        2: [weights, grads / 4, adam / 4],
+        3: [weights / 4, grads / 4, adam / 4],
+    }
+    for zero, want in shards.items():
+        assert report[zero] == pytest.approx(want, rel=1e-2), zero  # printed to 0.01 MiB
+    # two micro-batches: gathers before each forward and backward, not once after the step
+    assert payload[0] == 0 and payload[1] == payload[2] > 0 and payload[3] > 3 * payload[1]
+
+
+def test_zero_outside_0_to_3_is_one_line():
+    assert_check_fails_with_one_line(
+        ["--config", str(CONFIGS / "tiny.yaml"), "--set", "optim.zero=4"], "optim.zero"
+    )

@@ -1,0 +1,144 @@
+"""Generation: the KV-cached decoding path computes what the full forward does, greedy
+generation is the same at tp = 1 and tp = 2, sampling is seeded, and the CLI streams text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.cli import cli
+from megatronish.data import ByteTokenizer
+from megatronish.distributed.layout import ParallelState
+from megatronish.inference.generate import Generation, Sampling, StreamDecoder, next_token
+from megatronish.inference.model import build_model
+from tests.checkpoints import VOCAB, save_single, tiny_cfg, tokens
+from tests.conftest import invoke_cli
+from tests.ranks import run_on_ranks
+
+GREEDY = Sampling(temperature=0.0)
+PROMPT = [104, 101, 108, 108, 111]  # "hello"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    return {arch: save_single(root / arch, tiny_cfg(arch))[0] for arch in ("gpt2", "llama")}
+
+
+def generate(model, max_new: int, sampling: Sampling = GREEDY, seed: int = 0, eot=None):
+    generation = Generation(model, PROMPT, max_new, sampling, seed, eot, VOCAB)
+    return list(generation), generation.stop_reason
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch):
+    model = build_model(Checkpoint(checkpoints[arch]), ParallelState.single())
+    sequence = tokens(2, 24, seed=3)
+    with torch.no_grad():
+        full = model(sequence)
+        cache: list = []
+        pieces = [model.forward_cached(sequence[:, :7], cache, 0)]
+        for pos in range(7, 24):
+            pieces.append(model.forward_cached(sequence[:, pos : pos + 1], cache, pos))
+    assert len(cache) == 2 and cache[0][0].shape[2] == 24
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-5)
+
+
+def _greedy_at_tp2(rank: int, world: int, paths: dict) -> dict:
+    ps = ParallelState.from_world(2, 1)
+    return {arch: generate(build_model(Checkpoint(p), ps), 20)[0] for arch, p in paths.items()}
+
+
+def test_greedy_generation_is_the_same_at_tp1_and_tp2(checkpoints):
+    at_tp1 = {
+        arch: generate(build_model(Checkpoint(path), ParallelState.single()), 20)[0]
+        for arch, path in checkpoints.items()
+    }
+    at_tp2 = run_on_ranks(_greedy_at_tp2, 2, checkpoints, timeout=120)
+    assert at_tp2[0] == at_tp2[1] == at_tp1
+    # and the cache changes nothing: the argmax of the full forward, token by token
+    model = build_model(Checkpoint(checkpoints["gpt2"]), ParallelState.single())
+    sequence = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(20):
+            sequence.append(int(model(torch.tensor([sequence]))[0, -1, :VOCAB].argmax()))
+    assert sequence[len(PROMPT) :] == at_tp1["gpt2"]
+
+
+def test_sampling_is_seeded_and_top_k_1_or_a_tiny_top_p_is_greedy(checkpoints):
+    model = build_model(Checkpoint(checkpoints["llama"]), ParallelState.single())
+    greedy, _ = generate(model, 15)
+    hot = Sampling(temperature=1.5)
+    assert generate(model, 15, hot, seed=1) == generate(model, 15, hot, seed=1)
+    assert generate(model, 15, hot, seed=1)[0] != generate(model, 15, hot, seed=2)[0]
+    assert generate(model, 15, Sampling(1.5, top_k=1), seed=3)[0] == greedy
+    assert generate(model, 15, Sampling(1.5, top_p=1e-6), seed=3)[0] == greedy
+
+
+def test_top_p_samples_only_from_the_smallest_set_that_reaches_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    gen = torch.Generator().manual_seed(0)
+    drawn = {next_token(logits, Sampling(1.0, top_p=0.7), gen) for _ in range(300)}
+    assert drawn == {0, 1}
+    drawn = {next_token(logits, Sampling(1.0, top_k=3), gen) for _ in range(300)}
+    assert drawn == {0, 1, 2}
+
+
+def test_generation_stops_at_max_seq_len_and_at_the_end_of_text(checkpoints):
+    model = build_model(Checkpoint(checkpoints["gpt2"]), ParallelState.single())
+    produced, reason = generate(model, 500)
+    assert reason == "max_seq_len" and len(PROMPT) + len(produced) == 64
+    full, reason = generate(model, 8)
+    assert reason == "max_new_tokens" and len(full) == 8
+    stop_at = full[3]
+    produced, reason = generate(model, 8, eot=stop_at)
+    assert reason == "eot" and produced == full[: full.index(stop_at)]
+
+
+def test_byte_streams_print_multibyte_characters_once_complete():
+    decoder = StreamDecoder(ByteTokenizer())
+    pieces = [decoder.push(b) for b in "aé€".encode()]
+    assert pieces == ["a", "", "é", "", "", "€"]
+    assert decoder.push(0xE2) == "" and decoder.flush() == "\ufffd"
+
+
+def test_generate_command_streams_the_continuation_of_the_prompt(checkpoints):
+    args = ["generate", "--checkpoint", str(checkpoints["gpt2"]), "--prompt", "hello"]
+    args += ["--max-new-tokens", "12", "--temperature", "0"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    model = build_model(Checkpoint(checkpoints["gpt2"]), ParallelState.single())
+    produced, reason = generate(model, 12, eot=256)
+    expected = "hello" + ByteTokenizer().decode(produced).replace("\ufffd", "")
+    assert result.stdout.replace("\ufffd", "") == expected + "\n"
+    assert "[stopped at" in result.stderr
+    bad = CliRunner().invoke(cli, args + ["--top-p", "0"])
+    assert bad.exit_code == 2 and "--top-p 0.0: must be in (0, 1]" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "option, value, valid",
+    [
+        ("--temperature", "nan", "must be a finite number >= 0"),
+        ("--temperature", "inf", "must be a finite number >= 0"),
+        ("--temperature", "-inf", "must be a finite number >= 0"),
+        ("--temperature", "-0.5", "must be a finite number >= 0"),
+        ("--top-p", "nan", "must be in (0, 1]"),
+        ("--top-p", "inf", "must be in (0, 1]"),
+        ("--top-p", "1.5", "must be in (0, 1]"),
+        ("--top-k", "-1", "must be >= 0"),
+        ("--max-new-tokens", "-3", "must be >= 0"),
+    ],
+)
+def test_a_sampling_option_out_of_range_exits_2_naming_it_and_what_is_valid(
+    tmp_path, option, value, valid
+):
+    # Checked before the checkpoint is opened: a path that does not exist is never reached.
+    args = ["generate", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "hi"]
+    result = invoke_cli(*args, option, value)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {option} "), result.stderr
+    assert valid in lines[0]

@@ -1,0 +1,299 @@
+"""Mixture of experts in training: 20 fp32 dropless steps at ep = 2 (also with a shared expert
+and the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 x ep 2 with
+ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and router metrics (balancing and
+z-losses, imbalance) of one process within 1e-5 relative; with a capacity factor the dropped
+fraction does not change with ep, nor with tp under sequence parallelism, and the one
+metrics.jsonl reports equals a count made outside the model on the same router output; an
+ep = 2 checkpoint resumes at ep = 1 on the same curve and loads, evaluates and generates in one
+process; one-process training is deterministic; bad MoE settings exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIGS, invoke_cli
+from tests.parity import (
+    STEPS,
+    assert_check_fails_with_one_line,
+    assert_close,
+    assert_curves_match,
+    make_trainer,
+    prepare_code_dataset,
+    train_counted,
+    train_losses,
+)
+from tests.parity import make_config as parity_config
+from tests.ranks import run_on_ranks
+
+# Two blocks, both MoE; the pipeline run mixes dense and MoE blocks (4 blocks, every 2).
+MOE = [
+    "model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "model.moe.num_experts=4",
+    "model.moe.top_k=2", "model.moe.every=1", "model.moe.d_ff=48", "model.moe.z_loss_coef=0.01",
+]  # fmt: skip
+CAPACITY = ["model.moe.capacity_factor=1.0"]
+# name -> (tp, cp, dp, pp, ep, overrides); the reference of each is its overrides at one rank.
+TWO_RANKS = {
+    "ep2": (1, 1, 2, 1, 2, MOE),
+    "dp2 ep1": (1, 1, 2, 1, 1, MOE),
+    "ep2 capacity": (1, 1, 2, 1, 2, MOE + CAPACITY),
+    "ep2 shared expert topk_softmax": (
+        1, 1, 2, 1, 2, MOE + ["model.moe.shared_expert=true", "model.moe.router=topk_softmax"],
+    ),
+}  # fmt: skip
+FOUR_RANKS = {
+    "ep2 tp2": (2, 1, 2, 1, 2, MOE),
+    "ep2 tp2 sequence parallel capacity": (
+        2,
+        1,
+        2,
+        1,
+        2,
+        MOE + CAPACITY + ["parallel.sequence_parallel=true"],
+    ),
+    "ep2 pp2 dense and moe blocks": (1, 1, 2, 2, 2, MOE + ["model.n_layer=4", "model.moe.every=2"]),
+    "ep2 cp2": (1, 2, 2, 1, 2, MOE),
+    "dp4 ep2 zero1": (1, 1, 4, 1, 2, MOE + ["optim.zero=1"]),
+}
+SAVED = "ep2"  # also saves a checkpoint at step 10
+ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """Ten documents like the session's `dataset` (tests/conftest.py), which this module's
+    fixture overrides, of other functions: the data these MoE curves have always trained on."""
+    function = "def h{i}(y):\n    return y * {i} + {part}\n\n"
+    return prepare_code_dataset(tmp_path_factory.mktemp("moe-data"), function)
+
+
+def make_config(tp, cp, dp, pp, ep, overrides, dataset, extra=()):
+    """The parity config (tests/parity.py) at this layout, in the variants' order."""
+    return parity_config(tp, dp, pp, overrides, dataset, extra, cp=cp, ep=ep)
+
+
+def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
+    from megatronish.accounting.collectives import formula_payload_by_kind
+
+    trainer = make_trainer(cfg, world, dataset, ps)
+    losses, norms, counter = train_counted(trainer, STEPS, save_every)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "metrics": trainer.moe_metrics(),  # over all 20 steps
+        "payload": dict(counter.payload_bytes),
+        "formula": formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank),
+    }
+
+
+def _train_on_ranks(rank, world, variants, dataset, save_dir):
+    results = {}
+    for name, variant in variants.items():
+        extra = []
+        if name == SAVED:
+            extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
+        cfg = make_config(*variant, dataset, extra)
+        results[name] = _train(cfg, world, dataset, save_every=10 if name == SAVED else 0)
+    return results
+
+
+_REFERENCES: dict = {}
+
+
+def reference(overrides: list[str], dataset: Path) -> dict:
+    """The one-rank run of these model settings (cached)."""
+    from megatronish.distributed.layout import ParallelState
+
+    key = (tuple(o for o in overrides if not o.startswith("optim.")), dataset)
+    if key not in _REFERENCES:
+        cfg = make_config(1, 1, 1, 1, 1, list(key[0]), dataset)
+        _REFERENCES[key] = _train(cfg, 1, dataset, ParallelState.single())
+    return _REFERENCES[key]
+
+
+@pytest.fixture(scope="module")
+def save_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ep2-ckpt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(dataset, save_dir):
+    return run_on_ranks(_train_on_ranks, 2, TWO_RANKS, dataset, save_dir, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(dataset, save_dir):
+    return run_on_ranks(_train_on_ranks, 4, FOUR_RANKS, dataset, save_dir, timeout=300)
+
+
+def assert_router_metrics_match(per_rank: list[dict], name: str, ref: dict) -> None:
+    for rank_results in per_rank:
+        got = rank_results[name]["metrics"]
+        for key in ROUTER_METRICS:
+            assert got[key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-9), key
+
+
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_moe_at_two_ranks_losses_norms_and_router_metrics_equal_one_process(
+    name, two_ranks, dataset
+):
+    ref = reference(TWO_RANKS[name][-1], dataset)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
+    assert_curves_match(two_ranks, name, ref)
+    assert_router_metrics_match(two_ranks, name, ref)
+    if name == "ep2 capacity":
+        assert ref["metrics"]["moe_dropped_frac"] > 0
+    else:
+        assert ref["metrics"]["moe_dropped_frac"] == 0
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_moe_with_tp_pp_cp_zero_losses_norms_and_router_metrics_equal_one_process(
+    name, four_ranks, dataset
+):
+    ref = reference(FOUR_RANKS[name][-1], dataset)
+    assert_curves_match(four_ranks, name, ref)
+    assert_router_metrics_match(four_ranks, name, ref)
+
+
+def test_every_rank_sends_the_payload_the_analytic_count_gives_all_to_all_included(
+    two_ranks, four_ranks
+):
+    """Per rank for every kind but all_to_all, whose returned rows depend on the routing:
+    its sum over the ranks (dropless)."""
+    for per_rank in (two_ranks, four_ranks):
+        for name in per_rank[0]:
+            ep = {**TWO_RANKS, **FOUR_RANKS}[name][4]
+            results = [rank_results[name] for rank_results in per_rank]
+            for result in results:
+                assert ("all_to_all" in result["payload"]) == (ep > 1), name
+                measured = {k: v for k, v in result["payload"].items() if k != "all_to_all"}
+                assert measured == {k: v for k, v in result["formula"].items() if k != "all_to_all"}
+            if "capacity" not in name:
+                total = sum(r["payload"].get("all_to_all", 0) for r in results)
+                assert total == sum(r["formula"].get("all_to_all", 0) for r in results), name
+
+
+def test_one_process_moe_training_is_deterministic(dataset):
+    from megatronish.distributed.layout import ParallelState
+
+    first = reference(MOE, dataset)
+    cfg = make_config(1, 1, 1, 1, 1, MOE, dataset)
+    again = _train(cfg, 1, dataset, ParallelState.single())
+    assert again["losses"] == first["losses"] and again["norms"] == first["norms"]
+
+
+def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve_and_loads_evaluates_generates(
+    two_ranks, dataset, save_dir
+):
+    import torch
+
+    from megatronish import load_model
+    from megatronish.distributed.layout import ParallelState
+
+    ref = reference(MOE, dataset)
+    extra = [f"checkpoint.resume={save_dir}/step_000010", "checkpoint.save=false"]
+    cfg = make_config(1, 1, 1, 1, 1, MOE, dataset, extra)
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+    assert trainer.resumed_from == 10
+    assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
+    # The ep = 2 run's step 20 in one process: the logits of the ep = 1 continuation.
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    trainer.model.eval()
+    with torch.no_grad():
+        want = trainer.model(tokens)[..., : trainer.setup.derived.vocab_size]
+        got = load_model(save_dir / "step_000020")(tokens)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    step20 = str(save_dir / "step_000020")
+    assert invoke_cli("eval", "--checkpoint", step20).returncode == 0
+    generated = invoke_cli("generate", "--checkpoint", step20, "--prompt", "def", "--seed", "1",
+                           "--max-new-tokens", "8")  # fmt: skip
+    assert generated.returncode == 0, generated.stderr
+    saved = json.loads((save_dir / "step_000010" / "metadata.json").read_text())
+    assert saved["layout"]["ep"] == 2
+    assert "blocks.0.mlp.experts.3.down.weight" in saved["tensors"]
+    assert "model_tp00_ep01.safetensors" in saved["files"]
+
+
+def test_metrics_dropped_fraction_equals_a_count_outside_the_model(dataset, tmp_path, monkeypatch):
+    """A one-process run with a capacity factor logs moe_dropped_frac every step; the router's
+    choices, recorded as the model makes them, give the same fraction counted here."""
+    from megatronish.distributed.layout import ParallelState
+    from megatronish.moe import layer
+
+    routed = []
+
+    def recording_route(logits, top_k, kind):
+        routing = route(logits, top_k, kind)
+        routed.append(routing.experts.tolist())
+        return routing
+
+    route = layer.route
+    monkeypatch.setattr(layer, "route", recording_route)
+    steps, out = 3, tmp_path / "run"
+    extra = [f"train.steps={steps}", "train.log_every=1", f"run.out_dir={out}"]
+    cfg = make_config(1, 1, 1, 1, 1, MOE + ["model.moe.capacity_factor=0.75"], dataset, extra)
+    make_trainer(cfg, 1, dataset, ParallelState.single()).run()
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    per_step = len(routed) // steps  # MoE layers x micro-batches
+    for step, line in enumerate(logged):
+        dropped = total = 0
+        for choices in routed[step * per_step : (step + 1) * per_step]:
+            capacity = math.ceil(0.75 * len(choices) * 2 / 4)
+            taken = [0] * 4
+            for slot in range(2):  # first choices first, in token order
+                for token in choices:
+                    taken[token[slot]] += 1
+                    dropped += taken[token[slot]] > capacity
+            total += 2 * len(choices)
+        assert line["moe_dropped_frac"] == pytest.approx(dropped / total, abs=1e-12)
+        assert dropped > 0
+
+
+@pytest.mark.parametrize(
+    ("world", "sets", "key"),
+    [
+        (1, ["model.moe.top_k=5"], "model.moe.top_k"),
+        (2, ["model.moe.num_experts=6", "parallel.ep=4"], "model.moe.num_experts"),
+        (2, ["parallel.ep=4"], "parallel.ep"),
+        (1, ["model.moe.num_experts=0", "parallel.ep=2"], "parallel.ep"),
+        (1, ["model.arch=gpt2", "model.n_kv_head=null"], "model.moe"),
+        (1, ["model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
+    ],
+)
+def test_cli_bad_moe_settings_exit_2_with_one_line(world, sets, key):
+    args = ["--config", str(CONFIGS / "tiny.yaml"), "--world-size", str(world)]
+    for s in [*MOE, "model.moe.num_experts=4", *sets]:
+        args += ["--set", s]
+    assert_check_fails_with_one_line(args, key)
+
+
+def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
+    from megatronish.accounting.flops import model_flops_per_step
+    from megatronish.accounting.memory import estimate
+    from megatronish.accounting.parameters import parameter_count
+    from megatronish.commands.check import check_config
+    from megatronish.config import derive, load_config
+    from megatronish.distributed.layout import ParallelState
+    from megatronish.model import GPT
+
+    sets = ["model.vocab_size=256", "model.moe.shared_expert=true", "parallel.dp=2"]
+    cfg = load_config(CONFIGS / "tiny-moe.yaml", sets)
+    d = derive(cfg, 2)
+    built = sum(p.numel() for p in GPT(cfg, d, ParallelState.single()).parameters())
+    assert parameter_count(cfg, d) == built  # vocab 256 needs no padding
+    h, f, layers = cfg.model.d_model, d.moe_d_ff, len(d.moe_layers)
+    assert parameter_count(cfg, d) - parameter_count(cfg, d, active=True) == layers * 6 * 3 * h * f
+    top1 = load_config(CONFIGS / "tiny-moe.yaml", [*sets, "model.moe.top_k=1"])
+    tokens = d.tokens_per_step
+    assert model_flops_per_step(cfg, d) - model_flops_per_step(top1, derive(top1, 2)) == (
+        6 * layers * 3 * h * f * tokens
+    )
+    report = check_config(load_config(CONFIGS / "tiny-moe.yaml", [*sets, "parallel.ep=2"]), None)
+    assert "experts per ep rank: 4 (ep 2)" in report
+    assert "all-to-all per step and rank (ep 2)" in report
+    ep1, ep2 = (estimate(cfg, 2, 1, ep=ep) for ep in (1, 2))
+    assert ep2.expert_gb == pytest.approx(ep1.expert_gb / 2)

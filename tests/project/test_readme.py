@@ -1,0 +1,72 @@
+"""The README and the config reference stay true: the README's three commands come first, the
+config reference in docs/config.md is the one generated from megatronish/config/schema.py, and
+what the docs' examples write into the checkout is ignored."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+START = "<!-- config-reference:start -->\n"
+END = "<!-- config-reference:end -->"
+
+
+def test_the_config_reference_in_docs_matches_the_config_schema():
+    generated = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "config_reference.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    text = (REPO / "docs" / "config.md").read_text()
+    start = text.index(START) + len(START)
+    end = text.index(END)
+    assert text[start:end] == generated, (
+        "run scripts/config_reference.py and paste its output into docs/config.md"
+    )
+
+
+def test_readme_starts_with_install_main_job_and_tests():
+    lines = [line.strip() for line in (REPO / "README.md").read_text().splitlines()]
+    commands = [
+        line.split("#")[0].strip()
+        for line in lines
+        if line.startswith(("pip ", "megatronish ", "pytest"))
+    ]
+    assert commands[:3] == [
+        'pip install -e ".[dev]"',
+        "megatronish train --config configs/tiny.yaml",
+        "pytest",
+    ]
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+
+def _readme_outputs() -> list[str]:
+    """The relative paths the example commands of the README and docs/ write (--output,
+    --calibration)."""
+    paths = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for line in doc.read_text().splitlines():
+            if line.startswith("    megatronish "):
+                paths += re.findall(r"--(?:output|calibration) ([^\s\]]+)", line)
+    return [p for p in paths if not p.startswith(("/", "runs/"))]  # runs/: ignored as a whole
+
+
+@pytest.mark.skipif(_git("rev-parse").returncode != 0, reason="not a git checkout")
+def test_the_readme_examples_outputs_are_ignored_and_no_tracked_file_is():
+    outputs = _readme_outputs()
+    assert {"data/stdlib", "ckpt-tp4", "hf-tiny", "merged.json"} <= set(outputs)
+    for path in [*outputs, "runs/tiny"]:
+        assert _git("check-ignore", "-q", "--no-index", path).returncode == 0, path
+    for kept in ["megatronish/data/loader.py", "tests/fixtures", "megatronish/hf/exporter.py"]:
+        assert _git("check-ignore", "-q", "--no-index", kept).returncode == 1, kept
+    ignored = _git("ls-files", "--cached", "--ignored", "--exclude-standard").stdout
+    assert ignored == "", f"tracked files that .gitignore covers: {ignored}"

@@ -1,0 +1,117 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each rank returns.
+
+``run_on_ranks(fn, world_size, *args)`` starts world_size processes, initializes a gloo process
+group on a free port in each, calls ``fn(rank, world_size, *args)`` and returns the list of
+results in rank order. A worker's exception is re-raised here with its traceback; a worker that
+does not finish within ``timeout`` seconds, or dies, fails the test instead of hanging it.
+
+The processes are forked from a server that imported torch and megatronish once per session
+(multiprocessing's "forkserver"), so each is as fresh as a spawned one (nothing a test leaves
+behind reaches the next: process groups, RNG state, shared memory, module state) without paying
+for those imports again. Each sees the environment of the caller at the time of the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Imported once by the fork server; a module that fails to import is left to each worker.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatronish.training.trainer",
+    "megatronish.commands.bench",
+    "megatronish.checkpoint.load",
+    "megatronish.checkpoint.save",
+    "megatronish.inference.generate",
+    "tests.ranks",
+    "tests.conftest",  # what test modules import (pytest, click's runner, the CLI)
+    "tests.parity",  # the training tests' harness
+]
+_context = mp.get_context("forkserver")
+_context.set_forkserver_preload(PRELOAD)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue, timeout, environ):
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        result = fn(rank, world_size, *args)
+        buffer = io.BytesIO()  # bytes, not shared-memory tensors, so they outlive this process
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _next_result(queue, procs, deadline: float, timeout: float):
+    """The next (rank, ok, value) a worker sent; an error once the deadline passes or a worker
+    exits without sending one."""
+    while True:
+        with contextlib.suppress(queue_module.Empty):
+            return queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"a rank did not finish within {timeout} s")
+        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead:
+            try:  # it may have sent its result just before it exited
+                return queue.get(timeout=1.0)
+            except queue_module.Empty:
+                rank, code = dead[0]
+                raise RuntimeError(f"rank {rank} exited with status {code}") from None
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Results of fn(rank, world_size, *args) on each of world_size gloo ranks, in rank order."""
+    queue = _context.Queue()
+    port = free_port()
+    environ = dict(os.environ)
+    procs = [
+        _context.Process(
+            target=_worker, args=(r, world_size, port, fn, args, queue, timeout, environ)
+        )
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = _next_result(queue, procs, deadline, timeout)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for proc in procs:  # after a failure the other ranks may wait forever: stop them
+            proc.join(timeout=10 if len(results) == world_size else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[r] for r in range(world_size)]
