@@ -38,7 +38,10 @@ from tests.training.test_faults import (
     training_curve,
 )
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [
+    pytest.mark.slow,  # torchrun runs with background saves held and stopped
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
 
 STEPS = 8
 

@@ -44,7 +44,10 @@ from tests.training.test_faults import (
     started,
 )
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux faults")
+pytestmark = [
+    pytest.mark.slow,  # training runs whose saves hit a full disk
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux faults"),
+]
 
 BASE = ("parallel.tp=1", "checkpoint.every=2", "checkpoint.keep=0")
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 from megatronish.cli import cli
 from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, run_cli, start_cli
 
+pytestmark = pytest.mark.slow  # multi-rank training, saved and resumed
+
 # warmup_steps > steps: the learning rate of a step does not depend on train.steps, so a run of
 # 3 steps is the first half of a run of 6.
 BASE = [

@@ -11,6 +11,8 @@ import torch
 
 from tests.conftest import REPO, invoke_cli, read_metrics, run_cli
 
+pytestmark = pytest.mark.slow  # the old checkpoint evaluated, resumed and exported
+
 LEGACY = REPO / "tests" / "fixtures" / "legacy"
 CHECKPOINT = LEGACY / "checkpoint" / "step_000003"
 EXPECTED = json.loads((LEGACY / "expected.json").read_text())

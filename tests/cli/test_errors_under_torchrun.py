@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 from tests.conftest import CONFIGS, finish, invoke_cli, start
+
+pytestmark = pytest.mark.slow  # torchrun runs with bad configs
 
 BAD_LAYOUT = ["--set", "model.n_head=3", "--set", "parallel.tp=2"]
 MESSAGE = "model.n_head: 3 is not divisible by parallel.tp=2"

@@ -15,6 +15,8 @@ from megatronish.data import prepare_dataset
 from tests.conftest import invoke_cli, run_cli
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # two-rank training runs held to the byte formula
+
 TINY = [
     "model.n_layer=2",
     "model.d_model=32",

@@ -118,6 +118,7 @@ def test_zigzag_shards_hold_chunks_r_and_2cp_minus_1_minus_r_at_their_global_pos
     assert torch.equal(unshard_sequence(shards), x)
 
 
+@pytest.mark.slow  # Triton flash blocks under the interpreter
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_on_triton_flash_blocks_equals_full_causal_attention(cp, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU: the kernels run under the interpreter
@@ -128,6 +129,7 @@ def test_ring_attention_on_triton_flash_blocks_equals_full_causal_attention(cp, 
         torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # Triton flash blocks under the interpreter at cp 4
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_ring_attention_over_documents_spanning_cp_ranks_equals_masked_full_attention(

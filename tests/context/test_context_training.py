@@ -25,6 +25,8 @@ from tests.parity import (
 from tests.parity import make_config as parity_config
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # multi-rank training at every cp layout
+
 # Two layers and two micro-batches of 4 a step: each ring step costs a wait on every cp rank.
 GPT2 = ["model.arch=gpt2", "model.n_layer=2", "train.micro_batch_size=4"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "train.micro_batch_size=4"]

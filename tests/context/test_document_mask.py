@@ -241,6 +241,7 @@ def references(short_documents):
     }
 
 
+@pytest.mark.slow  # multi-rank training at four layouts
 def test_training_with_document_masks_has_the_same_losses_at_cp1_cp2_cp2_tp2_and_pp2(
     short_documents, references
 ):

@@ -25,6 +25,8 @@ from tests.conftest import invoke_cli, read_metrics
 from tests.parity import GPT2, assert_close, make_config, make_trainer, train_counted
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # SFT training at every layout
+
 EOT = 256  # the byte tokenizer's end-of-text id
 STEPS = 8
 MODEL = GPT2 + ["model.n_layer=2", f"train.steps={STEPS}", "train.eval_every=100"]

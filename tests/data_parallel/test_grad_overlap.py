@@ -13,6 +13,8 @@ import pytest
 from tests.parity import GPT2, LLAMA, SP, make_config, make_trainer
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # multi-rank training with and without the overlap
+
 STEPS = 8
 SMALL_BUCKETS = "optim.bucket_mb=0.01"  # 10 kB: many buckets
 TWO = {"gpt2 dp2": (1, 2, 1, GPT2), "llama dp2 zero1": (1, 2, 1, LLAMA + ["optim.zero=1"])}

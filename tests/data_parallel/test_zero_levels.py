@@ -31,6 +31,8 @@ from tests.parity import (
 )
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # four-rank training at every ZeRO level
+
 STEPS, SAVED_AT = 4, 2
 # How far a level's curve may stray from ZeRO-0's. The levels compute the same gradients and
 # sum them in the same rank order, but clipping's gradient norm is summed in fp32 per piece of

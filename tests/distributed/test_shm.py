@@ -149,6 +149,7 @@ def _absent_rank(rank, world):
     return "no error"
 
 
+@pytest.mark.slow  # waits out a timeout
 def test_a_rank_that_never_comes_is_a_timeout_error_not_a_hang():
     message = run_on_ranks(_absent_rank, 2, timeout=60)[0]
     assert "did not reach collective 1 within 1 s" in message

@@ -92,6 +92,7 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
     assert (theirs - ours).abs().max() < 1e-4
 
 
+@pytest.mark.slow  # two subprocesses, one importing transformers
 @pytest.mark.parametrize("exported", ["llama"], indirect=True)  # any one family will do
 def test_from_the_repo_root_export_runs_and_transformers_loads_it_without_shadowing(
     exported, tmp_path

@@ -67,6 +67,7 @@ def test_greedy_generation_is_the_same_at_tp1_and_tp2(checkpoints):
     assert sequence[len(PROMPT) :] == at_tp1["gpt2"]
 
 
+@pytest.mark.slow  # several generate subprocesses
 def test_sampling_is_seeded_and_top_k_1_or_a_tiny_top_p_is_greedy(checkpoints):
     model = build_model(Checkpoint(checkpoints["llama"]), ParallelState.single())
     greedy, _ = generate(model, 15)

@@ -29,6 +29,8 @@ from tests.parity import (
 from tests.parity import make_config as parity_config
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # multi-rank MoE training at every layout
+
 # Two blocks, both MoE; the pipeline run mixes dense and MoE blocks (4 blocks, every 2).
 MOE = [
     "model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "model.moe.num_experts=4",

@@ -21,6 +21,8 @@ from megatronish.observe.record import RECORDER
 from tests.conftest import run_cli
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # multi-rank runs that hang on purpose
+
 HUNG_AFTER_S = 3.0
 
 

@@ -14,6 +14,8 @@ from megatronish.observe.phases import FIELDS, PHASES
 from tests.parity import GPT2, make_config, make_trainer
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # multi-rank runs with a slowed rank
+
 SLOW_RANK, SLOW_S = 3, 0.02
 STEPS = 6
 

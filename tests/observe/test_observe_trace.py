@@ -22,6 +22,8 @@ from megatronish.observe.quiet import native_noise_filtered
 from tests.parity import GPT2, make_config, make_trainer
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # multi-rank runs under the profiler
+
 
 def _profiled_workload(rank: int, world_size: int, out_dir: str) -> list[bool]:
     """Four steps of matmuls, an all-reduce, an all-gather and an exchange with the other rank,

@@ -29,6 +29,8 @@ from tests.parity import (
 )
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # multi-rank training at every pipeline layout
+
 # name -> (tp, dp, pp, overrides); the reference of each is the same overrides at pp = 1 alone.
 TWO_RANKS = {
     "gpt2 pp2 1f1b": (1, 1, 2, GPT2 + ["parallel.pp_schedule=1f1b"]),

@@ -30,6 +30,8 @@ from tests.parity import (
 )
 from tests.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # multi-rank training at every interleaved layout
+
 V2 = ["parallel.pp_virtual=2"]
 # 8 layers for 8 chunks; gpt2 in micro-batches of 1, so m = 8 and 1F1B has a steady phase at
 # pp = 4; llama at m = 4 = pp, where every rank runs all its forwards first (as Megatron does).

@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, finish, start
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -170,6 +172,7 @@ def _run_blocks(doc: Path, cwd: Path, env: dict[str, str]) -> str | None:
     return None
 
 
+@pytest.mark.slow  # every runnable example of the docs, as written
 def test_the_runnable_blocks_of_every_doc_run_as_written(tmp_path):
     """Each file's blocks in a directory of its own, the files side by side (every command is
     one process), so the test takes about as long as the file with the most commands."""

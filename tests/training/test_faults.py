@@ -35,7 +35,10 @@ from megatronish.training.setup import setup
 from megatronish.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+pytestmark = [
+    pytest.mark.slow,  # torchrun runs with ranks killed, stalled and stopped
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
 
 TIMEOUT = 180  # seconds any one command may take before the test fails
 STEPS = 40  # the uninterrupted curve: longer than the interrupted run gets

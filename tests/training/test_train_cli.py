@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, start_cli
 
+pytestmark = pytest.mark.slow  # the CLI trains end to end
+
 TINY = [
     "model.n_layer=2",
     "model.d_model=64",
