@@ -9,8 +9,8 @@ Forward: one program per (BLOCK_M queries, batch * head). It walks the key block
 softmax (running max m, running sum l, fp32 accumulator), so no s x s matrix exists. Key
 blocks that need no mask (all keys valid, none past the diagonal) run first without one; the
 rest (the diagonal band when causal, the sequence tail) run with the mask. The tiles are
-chosen in attention_tiles.py; the backward kernels are in attention_bwd.py (imported here, and
-importing nothing from here).
+chosen in attention_tiles.py; the backward kernels are in attention_bwd.py and
+attention_dkdv.py (imported here, and importing nothing from here).
 
 Document masks (DOCS, segments [b, s] of the queries and of the keys): every key block also
 masks the keys of other documents, and a query block walks only the key blocks that hold keys
@@ -40,10 +40,29 @@ from .attention_tiles import (
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, q_seg, K, V, KSEG, seg_base, offs_m, offs_n, offs_d, lo, hi, seq_len,
-    qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_seg,
+    K,
+    V,
+    KSEG,
+    seg_base,
+    offs_m,
+    offs_n,
+    offs_d,
+    lo,
+    hi,
+    seq_len,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_offs = cols[:, None] * HEAD_DIM + offs_d[None, :]
@@ -78,10 +97,25 @@ def _fwd_inner(
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, QSEG, KSEG, BOUNDS, seq_len, n_head, group, qk_scale,
-    CAUSAL: tl.constexpr, DOCS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    QSEG,
+    KSEG,
+    BOUNDS,
+    seq_len,
+    n_head,
+    group,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
     # Causal: the last query blocks have the most keys; launch them first for a balanced tail.
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)
     start_m = block_m * BLOCK_M
@@ -100,18 +134,69 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, free_hi, masked_lo, hi, q_seg, seg_base = query_block_keys(
-        QSEG, BOUNDS, offs_m, row_mask, start_m, block_m, bh, seq_len, n_head, CAUSAL, DOCS,
-        BLOCK_M, BLOCK_N,
-    )  # fmt: skip
+        QSEG,
+        BOUNDS,
+        offs_m,
+        row_mask,
+        start_m,
+        block_m,
+        bh,
+        seq_len,
+        n_head,
+        CAUSAL,
+        DOCS,
+        BLOCK_M,
+        BLOCK_N,
+    )
     Kh, Vh = K + kv_base, V + kv_base
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d, lo, free_hi,
-        seq_len, qk_scale, False, CAUSAL, DOCS, HEAD_DIM, BLOCK_N, PREC,
-    )  # fmt: skip
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_seg,
+        Kh,
+        Vh,
+        KSEG,
+        seg_base,
+        offs_m,
+        offs_n,
+        offs_d,
+        lo,
+        free_hi,
+        seq_len,
+        qk_scale,
+        False,
+        CAUSAL,
+        DOCS,
+        HEAD_DIM,
+        BLOCK_N,
+        PREC,
+    )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, q_seg, Kh, Vh, KSEG, seg_base, offs_m, offs_n, offs_d, masked_lo, hi,
-        seq_len, qk_scale, True, CAUSAL, DOCS, HEAD_DIM, BLOCK_N, PREC,
-    )  # fmt: skip
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_seg,
+        Kh,
+        Vh,
+        KSEG,
+        seg_base,
+        offs_m,
+        offs_n,
+        offs_d,
+        masked_lo,
+        hi,
+        seq_len,
+        qk_scale,
+        True,
+        CAUSAL,
+        DOCS,
+        HEAD_DIM,
+        BLOCK_N,
+        PREC,
+    )
     if DOCS:  # a row that saw no key (m_i -inf): output 0, lse -inf
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -140,9 +225,13 @@ def forward_launch(
     if segments is not None:
         docs = (*segments, segment_bounds(segments[0], segments[1], tile.block_m))
     constexprs = dict(
-        CAUSAL=causal, DOCS=segments is not None, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, PREC=dot_precision(q.dtype),
-    )  # fmt: skip
+        CAUSAL=causal,
+        DOCS=segments is not None,
+        HEAD_DIM=head_dim,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        PREC=dot_precision(q.dtype),
+    )
     return Launch(
         _attn_fwd_kernel,
         grid=(triton.cdiv(seq_len, tile.block_m), b * n_head),

@@ -141,9 +141,20 @@ def check_segments(q: torch.Tensor, segments: tuple[torch.Tensor, torch.Tensor] 
 
 @triton.jit
 def query_block_keys(
-    QSEG, BOUNDS, offs_m, row_ok, start_m, block_m, bh, seq_len, n_head,
-    CAUSAL: tl.constexpr, DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    QSEG,
+    BOUNDS,
+    offs_m,
+    row_ok,
+    start_m,
+    block_m,
+    bh,
+    seq_len,
+    n_head,
+    CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The key range of one query block (the forward's and dQ's walk): keys [lo, free_hi) need
     no mask, [masked_lo, hi) the causal, tail or document mask; q_seg, the queries' segments
     (zeros unless DOCS) and seg_base, this sequence's offset into the segment arrays."""

@@ -5,9 +5,10 @@ tensors, so the check compiles exactly what a GPU run launches: tiles, warps, st
 specialization of every argument), their compilation with Triton for sm_80 or sm_90, and each
 cubin's registers, spills (its stack frame) and shared memory (`cuobjdump
 --dump-resource-usage` plus Triton's dynamic shared memory) against the architecture's limits,
-with the occupancy those allow. scripts/kernel_report.py runs it over the shipped configs,
-tests/kernels/test_kernel_compile.py at one configuration per kernel, and scripts/gpu_check.py
-puts it next to what the driver reports.
+with the occupancy those allow (read and estimated in gpu_resources.py).
+scripts/kernel_report.py runs it over the shipped configs, tests/kernels/test_kernel_compile.py
+at one configuration per kernel, and scripts/gpu_check.py puts it next to what the driver
+reports.
 
 Shapes (one tensor-parallel rank's): b batch, s sequence, h d_model, n and kv heads, d head
 dim, f MLP width, v vocab shard, E local experts, A = b s top_k expert rows.
@@ -19,12 +20,9 @@ nothing.
 from __future__ import annotations
 
 import importlib.util
-import re
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,24 +32,10 @@ from .attention import forward_launch
 from .attention_bwd import backward_launches
 from .cross_entropy import ce_backward_launch, ce_forward_launch
 from .elementwise import bias_gelu_launch, swiglu_launch
+from .gpu_resources import Arch, cubin_resources, occupancy_warps
 from .grouped_gemm import grouped_dw_launch, grouped_mm_launch
 from .norms import norm_backward_launch, norm_forward_launch
 from .rope import rope_launch
-
-# Registers per SM, the most warps and blocks an SM holds: the same on sm_80 and sm_90.
-REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
-RESERVED_SHARED = 1024  # shared memory the CUDA runtime keeps per block (sm_80 and later)
-
-
-@dataclass(frozen=True)
-class Arch:
-    """A GPU target: its compute capability and shared memory per block and per SM (bytes)."""
-
-    name: str
-    capability: int
-    shared_limit: int
-    shared_per_sm: int
-
 
 ARCHS = {
     "sm_80": Arch("sm_80", 80, 163 * 1024, 164 * 1024),  # A100
@@ -59,9 +43,13 @@ ARCHS = {
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TYPE_NAMES = {
-    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-    torch.float64: "fp64", torch.int32: "i32", torch.int64: "i64",
-}  # fmt: skip
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 
 
 @dataclass(frozen=True)
@@ -89,9 +77,14 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _attention(
-    m: ModelShapes, dtype: torch.dtype, arch: int, seq_len: int, causal: bool, ring: bool,
+    m: ModelShapes,
+    dtype: torch.dtype,
+    arch: int,
+    seq_len: int,
+    causal: bool,
+    ring: bool,
     documents: bool,
-) -> list[Launch]:  # fmt: skip
+) -> list[Launch]:
     """Forward and backward of attention at sequence (or ring block) length seq_len; a ring
     block's forward writes fp32 (attention_block_forward); documents: under document masks
     (data.document_mask: segments and the per-block ranges)."""
@@ -248,44 +241,6 @@ def compile_launch(launch: Launch, arch: Arch) -> Any:
     source = ASTSource(launch.kernel, signature, constexprs, attrs)
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
     return compile(source, target=GPUTarget("cuda", arch.capability, 32), options=options)
-
-
-def cuobjdump() -> str:
-    """The cuobjdump that Triton ships (or the one its knobs point to)."""
-    from triton import knobs
-
-    return knobs.nvidia.cuobjdump.path
-
-
-def cubin_resources(cubin: bytes) -> dict[str, int]:
-    """REG, STACK, SHARED (static) and LOCAL of the one kernel in a cubin, from cuobjdump
-    --dump-resource-usage."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        out = subprocess.run(
-            [cuobjdump(), "--dump-resource-usage", str(path)],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-    usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out))
-    if "REG" not in usage:
-        raise RuntimeError(f"cuobjdump printed no resource usage:\n{out}")
-    return {key: int(value) for key, value in usage.items()}
-
-
-def occupancy_warps(registers: int, shared_bytes: int, num_warps: int, arch: Arch) -> int:
-    """Warps an SM of arch holds at once (of 64): the CUDA occupancy calculator's estimate
-    from the registers (allocated per warp in units of 256) and the shared memory of a block
-    (plus the 1 KB the runtime keeps per block)."""
-    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
-    blocks = min(
-        REGISTERS_PER_SM // regs_per_warp // num_warps,
-        MAX_WARPS_PER_SM // num_warps,
-        MAX_BLOCKS_PER_SM,
-    )
-    if shared_bytes:
-        blocks = min(blocks, arch.shared_per_sm // (shared_bytes + RESERVED_SHARED))
-    return blocks * num_warps
 
 
 @dataclass

@@ -45,10 +45,7 @@ class VocabSplit(Protocol):
 
 
 @triton.jit
-def _ce_fwd_kernel(
-    LOGITS, TARGET, LSE, TARGET_LOGIT, n_cols, shard_start,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
+def _ce_fwd_kernel(LOGITS, TARGET, LSE, TARGET_LOGIT, n_cols, shard_start, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = LOGITS + row * n_cols
     offs = tl.arange(0, BLOCK)
@@ -68,10 +65,7 @@ def _ce_fwd_kernel(
 
 
 @triton.jit
-def _ce_bwd_kernel(
-    LOGITS, TARGET, LSE, DLOSS, DLOGITS, n_cols, shard_start,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
+def _ce_bwd_kernel(LOGITS, TARGET, LSE, DLOSS, DLOGITS, n_cols, shard_start, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

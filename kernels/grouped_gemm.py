@@ -34,10 +34,25 @@ def gemm_tiles(dtype: torch.dtype) -> tuple[int, int, int]:
 
 @triton.jit
 def _grouped_mm_kernel(
-    X, W, Y, OFFS, G, N, K,
-    sxm, sxk, swg, swk, swn, sym, syn,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    X,
+    W,
+    Y,
+    OFFS,
+    G,
+    N,
+    K,
+    sxm,
+    sxk,
+    swg,
+    swk,
+    swn,
+    sym,
+    syn,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = 0
@@ -68,12 +83,14 @@ def _grouped_mm_kernel(
         k_ok = ks < K
         a = tl.load(
             X + rows64[:, None] * sxm + ks[None, :] * sxk,
-            mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-        )  # fmt: skip
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         b = tl.load(
             w_base + ks[:, None] * swk + cols[None, :] * swn,
-            mask=k_ok[:, None] & col_ok[None, :], other=0.0,
-        )  # fmt: skip
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         acc += tl.dot(a, b, input_precision=PREC)
     out = Y + rows64[:, None] * sym + cols[None, :] * syn
     tl.store(out, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -81,10 +98,24 @@ def _grouped_mm_kernel(
 
 @triton.jit
 def _grouped_dw_kernel(
-    X, DY, DW, OFFS, N, K,
-    sxm, sxk, sdm, sdn, swg, swk, swn,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    X,
+    DY,
+    DW,
+    OFFS,
+    N,
+    K,
+    sxm,
+    sxk,
+    sdm,
+    sdn,
+    swg,
+    swk,
+    swn,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     group = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -101,12 +132,14 @@ def _grouped_dw_kernel(
         rows64 = rows.to(tl.int64)
         a = tl.load(  # [BLOCK_K, BLOCK_M]: x_g transposed
             X + rows64[None, :] * sxm + ks[:, None] * sxk,
-            mask=k_ok[:, None] & row_ok[None, :], other=0.0,
-        )  # fmt: skip
+            mask=k_ok[:, None] & row_ok[None, :],
+            other=0.0,
+        )
         d = tl.load(
             DY + rows64[:, None] * sdm + cols[None, :] * sdn,
-            mask=row_ok[:, None] & col_ok[None, :], other=0.0,
-        )  # fmt: skip
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         acc += tl.dot(a, d, input_precision=PREC)
     out = DW + group.to(tl.int64) * swg + ks[:, None] * swk + cols[None, :] * swn
     tl.store(out, acc.to(DW.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
@@ -120,9 +153,21 @@ def grouped_mm_launch(
     groups, _, n = w.shape
     block_m, block_n, block_k = gemm_tiles(x.dtype)
     args = (
-        x, w, y, offsets, groups, n, k,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
-    )  # fmt: skip
+        x,
+        w,
+        y,
+        offsets,
+        groups,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        y.stride(0),
+        y.stride(1),
+    )
     return Launch(
         _grouped_mm_kernel,
         grid=(triton.cdiv(rows, block_m) + groups, triton.cdiv(n, block_n)),
@@ -140,10 +185,20 @@ def grouped_dw_launch(
     k, n = x.shape[1], dy.shape[1]
     block_m, block_n, block_k = gemm_tiles(x.dtype)
     args = (
-        x, dy, dw, offsets, n, k,
-        x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-        dw.stride(0), dw.stride(1), dw.stride(2),
-    )  # fmt: skip
+        x,
+        dy,
+        dw,
+        offsets,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        dy.stride(0),
+        dy.stride(1),
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+    )
     return Launch(
         _grouped_dw_kernel,
         grid=(dw.shape[0], triton.cdiv(k, block_k), triton.cdiv(n, block_n)),

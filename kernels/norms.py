@@ -20,9 +20,18 @@ from ._utils import Launch, check_device, persistent_programs, row_block, row_wa
 
 @triton.jit
 def _norm_fwd_kernel(
-    X, W, B, Y, MEAN, RSTD, h, eps,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    X,
+    W,
+    B,
+    Y,
+    MEAN,
+    RSTD,
+    h,
+    eps,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < h
@@ -45,9 +54,20 @@ def _norm_fwd_kernel(
 
 @triton.jit
 def _norm_bwd_kernel(
-    X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, h,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    X,
+    W,
+    DY,
+    DX,
+    MEAN,
+    RSTD,
+    DW_PART,
+    DB_PART,
+    n_rows,
+    h,
+    IS_RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)

@@ -48,9 +48,19 @@ def rope_table(
 
 @triton.jit
 def _rope_kernel(
-    X, OUT, COS, SIN, n_rows, seq_len, half, sample_rows, table_stride,
-    INVERSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
+    X,
+    OUT,
+    COS,
+    SIN,
+    n_rows,
+    seq_len,
+    half,
+    sample_rows,
+    table_stride,
+    INVERSE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     mask = (rows < n_rows)[:, None] & (cols < half)[None, :]

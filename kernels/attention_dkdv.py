@@ -1,0 +1,224 @@
+"""The dK/dV kernel of the attention backward (attention_bwd.py launches it).
+
+One program per (key block, batch * kv head). It keeps dk, dv for its keys in fp32 registers and
+walks the query blocks of every query head of its group, so the GQA sum over the group happens
+in registers: no atomics, no races, deterministic. For each head it walks three query ranges:
+the band across the diagonal (causal only, masked), the blocks that need no mask, and the
+masked tail; under document masks (DOCS) each range is cut to the query blocks that hold
+queries of its keys' documents (attention_tiles.segment_bounds), and pairs of different
+documents are masked. Shapes and formulas as in attention_bwd.py.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    k_seg,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    QSEG,
+    seg_base,
+    offs_n,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    seq_len,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        if MASKED:
+            row_ok = rows < seq_len
+            q = tl.load(Q + q_offs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + q_offs, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(Q + q_offs)
+            do = tl.load(DO + q_offs)
+            lse = tl.load(LSE + rows)
+            delta = tl.load(DELTA + rows)
+        # Transposed tiles [BLOCK_N keys, BLOCK_M queries], so dk and dv need no transpose.
+        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+        if MASKED:
+            valid = row_ok[None, :] & (offs_n < seq_len)[:, None]
+            if CAUSAL:
+                valid = valid & (rows[None, :] >= offs_n[:, None])
+            p_t = tl.where(valid, p_t, 0.0)
+        if DOCS:
+            q_seg = tl.load(QSEG + seg_base + rows, mask=rows < seq_len, other=-1)
+            p_t = tl.where(k_seg[:, None] == q_seg[None, :], p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    QSEG,
+    KSEG,
+    BOUNDS,
+    seq_len,
+    n_head,
+    group,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    kv_bh = tl.program_id(1)
+    n_kv = n_head // group
+    first_head = (kv_bh // n_kv) * n_head + (kv_bh % n_kv) * group  # its group's first q head
+    kv_base = kv_bh.to(tl.int64) * seq_len * HEAD_DIM
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_offs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    col_ok = (offs_n < seq_len)[:, None]
+    k = tl.load(K + kv_base + kv_offs, mask=col_ok, other=0.0)
+    v = tl.load(V + kv_base + kv_offs, mask=col_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Query ranges: [lo, diag_hi) straddles the diagonal (causal only, masked); [mid_lo, mid_hi)
+    # needs no mask (whole query blocks, whole key block, past the diagonal); [tail_lo, s) is
+    # the masked tail. A key block that runs past s is handled entirely by the masked tail.
+    full_m = (seq_len // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = start_n
+        diag_hi = tl.minimum(start_n + BLOCK_N, seq_len)
+        mid_lo = start_n + BLOCK_N
+    else:
+        lo = 0
+        diag_hi = 0
+        mid_lo = 0
+    mid_hi = tl.where(start_n + BLOCK_N <= seq_len, full_m, mid_lo)
+    tail_lo = tl.maximum(mid_lo, mid_hi)
+    tail_hi = seq_len
+    k_seg = tl.zeros([BLOCK_N], dtype=tl.int32)  # one document unless DOCS
+    seg_base = (kv_bh // n_kv).to(tl.int64) * seq_len  # this sequence's segments
+    if DOCS:  # each range cut to the query blocks that hold queries of these keys' documents
+        k_seg = tl.load(KSEG + seg_base + offs_n, mask=offs_n < seq_len, other=-2)
+        bounds = BOUNDS + ((kv_bh // n_kv) * tl.num_programs(0) + tl.program_id(0)) * 2
+        doc_lo = (tl.load(bounds) // BLOCK_M) * BLOCK_M
+        doc_hi = tl.cdiv(tl.load(bounds + 1), BLOCK_M) * BLOCK_M
+        lo, diag_hi = tl.maximum(lo, doc_lo), tl.minimum(diag_hi, doc_hi)
+        mid_lo, mid_hi = tl.maximum(mid_lo, doc_lo), tl.minimum(mid_hi, doc_hi)
+        tail_lo, tail_hi = tl.maximum(tail_lo, doc_lo), tl.minimum(tail_hi, doc_hi)
+    for g in range(group):
+        bh = (first_head + g).to(tl.int64)
+        Qh, DOh = Q + bh * seq_len * HEAD_DIM, DO + bh * seq_len * HEAD_DIM
+        LSEh, DELTAh = LSE + bh * seq_len, DELTA + bh * seq_len
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            k_seg,
+            Qh,
+            DOh,
+            LSEh,
+            DELTAh,
+            QSEG,
+            seg_base,
+            offs_n,
+            offs_m,
+            offs_d,
+            lo,
+            diag_hi,
+            seq_len,
+            qk_scale,
+            True,
+            CAUSAL,
+            DOCS,
+            HEAD_DIM,
+            BLOCK_M,
+            PREC,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            k_seg,
+            Qh,
+            DOh,
+            LSEh,
+            DELTAh,
+            QSEG,
+            seg_base,
+            offs_n,
+            offs_m,
+            offs_d,
+            mid_lo,
+            mid_hi,
+            seq_len,
+            qk_scale,
+            False,
+            CAUSAL,
+            DOCS,
+            HEAD_DIM,
+            BLOCK_M,
+            PREC,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            k_seg,
+            Qh,
+            DOh,
+            LSEh,
+            DELTAh,
+            QSEG,
+            seg_base,
+            offs_n,
+            offs_m,
+            offs_d,
+            tail_lo,
+            tail_hi,
+            seq_len,
+            qk_scale,
+            True,
+            CAUSAL,
+            DOCS,
+            HEAD_DIM,
+            BLOCK_M,
+            PREC,
+        )
+    tl.store(DK + kv_base + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
+    tl.store(DV + kv_base + kv_offs, dv.to(DV.dtype.element_ty), mask=col_ok)
