@@ -18,7 +18,8 @@ from megatronish.checkpoint.format import (
 )
 from megatronish.checkpoint.load import rng_states_for, single_layout_config
 from megatronish.checkpoint.reader import Checkpoint
-from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize, write_safetensors
+from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize
+from megatronish.checkpoint.writer import write_safetensors
 from megatronish.config import derive
 from megatronish.errors import UserError
 from megatronish.paths import require_new_output_dir
@@ -78,9 +79,16 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
             )
         layout = {"tp": tp, "dp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "world_size": tp}
         meta = base_metadata(
-            ckpt.step, layout, specs, ckpt.vocab_size, derived.padded_vocab_size,
-            cfg.model.arch, has_optimizer, ckpt.loader_state, tokenizer,
-        )  # fmt: skip
+            ckpt.step,
+            layout,
+            specs,
+            ckpt.vocab_size,
+            derived.padded_vocab_size,
+            cfg.model.arch,
+            has_optimizer,
+            ckpt.loader_state,
+            tokenizer,
+        )
         return finalize(out, tmp, meta, cfg, tokenizer, keep=0, checksums=checksums)
     except BaseException:
         shutil.rmtree(out if created else tmp, ignore_errors=True)

@@ -183,8 +183,10 @@ def load_or_measure(path: str | None) -> dict:
             _check(data, path)
             return data
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"--calibration {path}: not a calibration this command wrote; "
-                            "delete it to measure again") from None  # fmt: skip
+            raise UserError(
+                f"--calibration {path}: not a calibration this command wrote; "
+                "delete it to measure again"
+            ) from None
     data = measure_host()
     if path:
         Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -91,23 +91,27 @@ def target(
         memory = memory_gb or ram / world
         first, _ = cpu_device(measured, world, world)
         return Target(
-            "cpu", memory, first.peak_flops,
+            "cpu",
+            memory,
+            first.peak_flops,
             lambda tp, cp, dp: cpu_device(measured, world, tp * cp * dp),
             f"plan for {world} CPU process(es) on this host ({memory:.1f} GiB each; measured: "
             f"{first.peak_tflops * 1e3:.1f} GFLOP/s fp32 matmul a rank, "
             f"{first.hbm_tb_s * 1e3:.1f} GB/s memory, shared-memory all-reduce "
             f"{first.nvlink_gb_s:.2f} GB/s)",
-        )  # fmt: skip
+        )
     gpu_device = device_named(gpu)
     memory = memory_gb or gpu_device.memory_gb
     return Target(
-        gpu_device.name, memory, gpu_device.peak_flops,
+        gpu_device.name,
+        memory,
+        gpu_device.peak_flops,
         lambda tp, cp, dp: (gpu_device, GPU_EFFICIENCY),
         f"plan for {world} x {gpu_device.name} ({memory:.0f} GiB each, dense bf16 peak "
         f"{gpu_device.peak_tflops:.0f} TFLOP/s, HBM {gpu_device.hbm_tb_s:.2f} TB/s, NVLink "
         f"{gpu_device.nvlink_gb_s:.0f} GB/s and network {gpu_device.network_gb_s:.0f} GB/s per "
         f"GPU and direction, {gpu_device.gpus_per_node} GPUs a node)",
-    )  # fmt: skip
+    )
 
 
 def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
@@ -187,8 +191,15 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
                     if key in seen:
                         continue
                     seen.add(key)
-                    row = _row(variant, world, layout, tgt, budget, zero=zero,
-                               activation_checkpointing=recompute)  # fmt: skip
+                    row = _row(
+                        variant,
+                        world,
+                        layout,
+                        tgt,
+                        budget,
+                        zero=zero,
+                        activation_checkpointing=recompute,
+                    )
                     if row.time is not None:
                         fits.append(row)
     fits.sort(key=lambda r: (round(r.time.step_time_s, 9), r.memory.total_gb))
@@ -229,10 +240,16 @@ def fixed_layout(cfg: Config, world: int, text: str, tgt: Target) -> Row:
     recompute, precision, sequence parallelism and ZeRO as given."""
     values = parse_layout(text, world)
     parallel = dataclasses.replace(
-        cfg.parallel, tp=values["tp"], pp=values["pp"], cp=values["cp"], dp=values["dp"],
-        ep=values["ep"], pp_virtual=values["v"], pp_layers=None,
+        cfg.parallel,
+        tp=values["tp"],
+        pp=values["pp"],
+        cp=values["cp"],
+        dp=values["dp"],
+        ep=values["ep"],
+        pp_virtual=values["v"],
+        pp_layers=None,
         sequence_parallel=cfg.parallel.sequence_parallel and values["tp"] > 1,
-    )  # fmt: skip
+    )
     layout_cfg = dataclasses.replace(cfg, parallel=parallel)
     try:
         d = derive(layout_cfg, world, vocab_size=cfg.model.vocab_size)

@@ -27,11 +27,17 @@ SHORT = {
 def _layout(row) -> dict:
     p, t = row.cfg.parallel, row.cfg.train
     return {
-        "tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp, "v": row.memory.pp_virtual, "ep": p.ep,
+        "tp": p.tp,
+        "cp": p.cp,
+        "dp": p.dp,
+        "pp": p.pp,
+        "v": row.memory.pp_virtual,
+        "ep": p.ep,
         "micro_batch_size": t.micro_batch_size,
         "activation_checkpointing": t.activation_checkpointing,
-        "sequence_parallel": bool(p.sequence_parallel and p.tp > 1), "zero": row.cfg.optim.zero,
-    }  # fmt: skip
+        "sequence_parallel": bool(p.sequence_parallel and p.tp > 1),
+        "zero": row.cfg.optim.zero,
+    }
 
 
 def as_json(row, gpu: str, world: int, budget: float) -> str:
@@ -144,10 +150,13 @@ def report(
             + f"{e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
             f"{e.total_gb:>7.2f} {e.comm_gb_per_step:>8.2f} {step:>8}{mark}"
         )
-    lines += ["", f"fastest layouts that fit {budget:.1f} GiB per rank ({min(show, len(fits))} "
-              f"of the {len(fits)} that fit, --show N for more; "
-              "searching tp, cp, pp, v, dp, ep, micro-batch, recompute; sequence parallel at "
-              f"tp > 1, ZeRO-{zero}):"]  # fmt: skip
+    lines += [
+        "",
+        f"fastest layouts that fit {budget:.1f} GiB per rank ({min(show, len(fits))} "
+        f"of the {len(fits)} that fit, --show N for more; "
+        "searching tp, cp, pp, v, dp, ep, micro-batch, recompute; sequence parallel at "
+        f"tp > 1, ZeRO-{zero}):",
+    ]
     lines.append(
         f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} {'v':>2} {'ep':>3} {'mb':>3} {'recompute':>9} "
         f"{'GiB':>6} " + TIME_HEADER

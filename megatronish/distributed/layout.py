@@ -173,14 +173,23 @@ class ParallelState:
             outer, E = range(dp // ep), range(ep)
             ep_group, _ = build(
                 "ep",
-                [[at(t, o * ep + e, p, c) for e in E] for p in P for o in outer for c in C
-                 for t in T],
-            )  # fmt: skip
+                [
+                    [at(t, o * ep + e, p, c) for e in E]
+                    for p in P
+                    for o in outer
+                    for c in C
+                    for t in T
+                ],
+            )
             edp_group, _ = build(
                 "dp",
-                [[at(t, o * ep + e, p, c) for o in outer for c in C] for p in P for e in E
-                 for t in T],
-            )  # fmt: skip
+                [
+                    [at(t, o * ep + e, p, c) for o in outer for c in C]
+                    for p in P
+                    for e in E
+                    for t in T
+                ],
+            )
         pp_group = embedding_group = None
         if pp > 1:
             pp_group, _ = build(

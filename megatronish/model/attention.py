@@ -45,9 +45,13 @@ class Attention(nn.Module):
             m.d_model, qkv_out, bias=bias, sequence_parallel=sp, tp_group=group, init_method=None
         )
         self.proj = RowParallelLinear(
-            m.n_head * self.head_dim, m.d_model, bias=bias, sequence_parallel=sp,
-            tp_group=group, init_method=None,
-        )  # fmt: skip
+            m.n_head * self.head_dim,
+            m.d_model,
+            bias=bias,
+            sequence_parallel=sp,
+            tp_group=group,
+            init_method=None,
+        )
 
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None

@@ -69,7 +69,7 @@ class Trainer:
                 s.cfg.parallel.pp_schedule,
                 s.cfg.train.seq_len,
                 timer=self.timer,
-            )  # fmt: skip
+            )
             if s.derived.pp > 1
             else None
         )
@@ -182,9 +182,13 @@ class Trainer:
             self.out_dir, enabled=ps.is_main, append=resumed, tensorboard=cfg.observe.tensorboard
         )
         bar = tqdm(
-            total=cfg.train.steps, initial=self.step, disable=not ps.is_main,
-            desc="train", unit="step", dynamic_ncols=True,
-        )  # fmt: skip
+            total=cfg.train.steps,
+            initial=self.step,
+            disable=not ps.is_main,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
         last: dict = {}
         window_start, window_steps = time.perf_counter(), 0
         skipped_in_a_row, stopped = 0, False
@@ -212,9 +216,10 @@ class Trainer:
                     last.update(self.observe_step())
                     metrics.write(last)
                     postfix = dict(
-                        loss=f"{result.loss:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                        loss=f"{result.loss:.4f}",
+                        tok_s=f"{last['tokens_per_s']:.0f}",
                         mfu=f"{100 * last['mfu']:.1f}%",
-                    )  # fmt: skip
+                    )
                     if "moe_aux_loss" in last:
                         postfix["aux"] = f"{last['moe_aux_loss']:.3f}"
                         postfix["z"] = f"{last['moe_z_loss']:.2f}"
