@@ -45,10 +45,10 @@ class DataParallel(ABC):
 
     def __init__(self, model: nn.Module, cfg: Config, ps: ParallelState, buckets: bool = True):
         self.cfg, self.ps = cfg, ps
-        o = cfg.optim
+        optim = cfg.optim
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.bucket_bytes = int(o.bucket_mb * 2**20)
-        self.overlap = o.overlap_grad_reduce
+        self.bucket_bytes = int(optim.bucket_mb * 2**20)
+        self.overlap = optim.overlap_grad_reduce
         uses = model.forward_param_uses()
         members = self.params if buckets else []
         parts = self._parts(uses)
@@ -156,8 +156,8 @@ class DataParallel(ABC):
 
     def _make_adamw(self, groups: list[dict]) -> AdamW:
         """AdamW over groups (optim.param_groups of the model), or this rank's share of them."""
-        o = self.cfg.optim
-        return AdamW(groups, lr=self.cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        optim = self.cfg.optim
+        return AdamW(groups, lr=self.cfg.train.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if self.active:

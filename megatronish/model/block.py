@@ -92,18 +92,18 @@ class Block(nn.Module):
         self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, index: int
     ):
         super().__init__()
-        m, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
-        kind = "rmsnorm" if m.arch == "llama" else "layernorm"
+        model, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
+        kind = "rmsnorm" if model.arch == "llama" else "layernorm"
         backend = cfg.kernels.backend
-        self.norm1 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
+        self.norm1 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         self.attn = Attention(cfg, derived, ps, tracker)
-        self.norm2 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
+        self.norm2 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         if index in derived.moe_layers:
-            shared = MLP(cfg, derived, ps, derived.moe_d_ff) if m.moe.shared_expert else None
+            shared = MLP(cfg, derived, ps, derived.moe_d_ff) if model.moe.shared_expert else None
             self.mlp = MoELayer(cfg, derived, ps, shared)
         else:
             self.mlp = MLP(cfg, derived, ps)
-        self.dropout, self.tracker, self.sequence_parallel = m.dropout, tracker, sp
+        self.dropout, self.tracker, self.sequence_parallel = model.dropout, tracker, sp
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout == 0 or not self.training:
