@@ -118,7 +118,7 @@ def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
     """(tp, cp, pp) whose product divides the world and leaves a dp that divides the global
     batch (see module doc)."""
     n_kv = cfg.model.n_kv_head or cfg.model.n_head
-    s = cfg.train.seq_len
+    seq_len = cfg.train.seq_len
     out = []
     for tp in (1, 2, 4, 8):
         if cfg.model.n_head % tp or n_kv % tp:
@@ -126,7 +126,9 @@ def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
         if cfg.model.d_ff is not None and cfg.model.d_ff % tp:
             continue
         for cp in (1, 2, 4, 8):
-            if cp > 1 and (s % (2 * cp) or s // cp < MIN_CP_TOKENS or (s // cp) % tp):
+            if cp > 1 and (
+                seq_len % (2 * cp) or seq_len // cp < MIN_CP_TOKENS or (seq_len // cp) % tp
+            ):
                 continue
             for pp in (1, 2, 4, 8, 16, 32, 64):
                 if world % (tp * cp * pp) or pp > cfg.model.n_layer:
@@ -146,20 +148,20 @@ def _variant(cfg: Config, micro_batch: int, virtual: int) -> Config:
     )
 
 
-def _virtuals(cfg: Config, pp: int, m: int) -> list[int]:
+def _virtuals(cfg: Config, pp: int, micro_batches: int) -> list[int]:
     if pp == 1:
         return [1]
-    n = cfg.model.n_layer
-    return [v for v in VIRTUAL if v == 1 or (n % (pp * v) == 0 and m % pp == 0)]
+    n_layer = cfg.model.n_layer
+    return [v for v in VIRTUAL if v == 1 or (n_layer % (pp * v) == 0 and micro_batches % pp == 0)]
 
 
 def _row(cfg: Config, world: int, layout: tuple, tgt: Target, budget: float, **changes) -> Row:
     tp, cp, pp, ep = layout
     device, eff = tgt.device(tp, cp, world // (tp * cp * pp))
     memory = estimate(cfg, world, tp, pp, cp, ep, **changes)
-    layout_cfg, d = layout_config(cfg, world, tp, pp, cp, ep, **changes)
-    time = step_time(layout_cfg, d, device, eff) if memory.total_gb <= budget else None
-    ring = ring_ratio(layout_cfg, d, tgt.peak_flops, device.nvlink_gb_s)
+    layout_cfg, derived = layout_config(cfg, world, tp, pp, cp, ep, **changes)
+    time = step_time(layout_cfg, derived, device, eff) if memory.total_gb <= budget else None
+    ring = ring_ratio(layout_cfg, derived, tgt.peak_flops, device.nvlink_gb_s)
     return Row(layout_cfg, memory, time, ring)
 
 
@@ -183,8 +185,8 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
         for mb in micro:
             if cfg.train.global_batch_size % (mb * dp):
                 continue
-            m = cfg.train.global_batch_size // (mb * dp)
-            for v in _virtuals(cfg, pp, m):
+            micro_batches = cfg.train.global_batch_size // (mb * dp)
+            for v in _virtuals(cfg, pp, micro_batches):
                 variant = _variant(cfg, mb, v)
                 for recompute in RECOMPUTE:
                     key = (layout, mb, v, recompute)
@@ -252,23 +254,23 @@ def fixed_layout(cfg: Config, world: int, text: str, tgt: Target) -> Row:
     )
     layout_cfg = dataclasses.replace(cfg, parallel=parallel)
     try:
-        d = derive(layout_cfg, world, vocab_size=cfg.model.vocab_size)
+        derived = derive(layout_cfg, world, vocab_size=cfg.model.vocab_size)
     except UserError as exc:
         raise UserError(f"--layout {text!r}: {exc}") from None
-    device, eff = tgt.device(d.tp, d.cp, d.dp)
+    device, eff = tgt.device(derived.tp, derived.cp, derived.dp)
     memory = estimate(
         layout_cfg,
         world,
-        d.tp,
-        d.pp,
-        d.cp,
-        d.ep,
+        derived.tp,
+        derived.pp,
+        derived.cp,
+        derived.ep,
         sequence_parallel=parallel.sequence_parallel,
         zero=cfg.optim.zero,
         activation_checkpointing=cfg.train.activation_checkpointing,
     )
-    ring = ring_ratio(layout_cfg, d, tgt.peak_flops, device.nvlink_gb_s)
-    return Row(layout_cfg, memory, step_time(layout_cfg, d, device, eff), ring)
+    ring = ring_ratio(layout_cfg, derived, tgt.peak_flops, device.nvlink_gb_s)
+    return Row(layout_cfg, memory, step_time(layout_cfg, derived, device, eff), ring)
 
 
 def plan(
