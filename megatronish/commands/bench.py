@@ -243,16 +243,16 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     from megatronish.training.setup import setup
     from megatronish.training.trainer import Trainer
 
-    s = setup(cfg)
+    built = setup(cfg)
     trainer = None
     try:
         before = current_rss()
-        trainer = Trainer(s)
+        trainer = Trainer(built)
         result = time_steps(trainer, steps, warmup)
-        record = report(cfg, s.derived, result, steps, warmup)
-        record.update(memory_record(cfg, s.derived, s.ps, before))
-        if s.ps.is_main:
-            for line in [*summary_lines(cfg, s.derived, record), memory_line(record)]:
+        record = report(cfg, built.derived, result, steps, warmup)
+        record.update(memory_record(cfg, built.derived, built.ps, before))
+        if built.ps.is_main:
+            for line in [*summary_lines(cfg, built.derived, record), memory_line(record)]:
                 print(line)
             print(json.dumps(record), flush=True)
         return record
