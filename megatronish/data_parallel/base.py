@@ -85,9 +85,9 @@ class DataParallel(ABC):
         the norm before clipping."""
         with_grad = [p for p in self.params if p.grad is not None]
         counted = [(p, p.grad) for p in with_grad if not role(p).pipeline_duplicate]
-        local = self._add_block_squares(squares(counted, self.params[0].device))
+        local = self._add_shard_squares(squares(counted, self.params[0].device))
         norm = global_norm(local, self.ps)
-        clip_([p.grad for p in with_grad] + self._block_grads(), norm, max_norm)
+        clip_([p.grad for p in with_grad] + self._shard_grads(), norm, max_norm)
         return norm
 
     def step(self, lr: float) -> None:
@@ -171,12 +171,12 @@ class DataParallel(ABC):
     def _finish_buckets(self) -> None:
         """Every bucket's reduction of the step done and divided by dp x cp."""
 
-    def _add_block_squares(self, local: Squares) -> Squares:
+    def _add_shard_squares(self, local: Squares) -> Squares:
         """local with the squares of the gradients only this rank holds added (ZeRO)."""
         return local
 
-    def _block_grads(self) -> list:
-        """The gradients clipping scales besides the parameters' .grad (ZeRO's blocks)."""
+    def _shard_grads(self) -> list:
+        """The gradients clipping scales besides the parameters' .grad (ZeRO's shards)."""
         return []
 
     def _after_update(self) -> None:  # noqa: B027 (a level with nothing to do)
