@@ -77,21 +77,21 @@ def virtual_stages(cfg: Config) -> int:
 def chunk_layers(cfg: Config) -> tuple[int, ...]:
     """Transformer layers per model chunk (pp x pp_virtual chunks; per stage at pp_virtual 1):
     parallel.pp_layers, or an even split, earlier chunks taking the remainder."""
-    n, pp, spec = cfg.model.n_layer, cfg.parallel.pp, cfg.parallel.pp_layers
+    n_layer, pp, spec = cfg.model.n_layer, cfg.parallel.pp, cfg.parallel.pp_layers
     virtual = virtual_stages(cfg)
     chunks = pp * virtual
     if virtual == 1:
         require(
-            n >= pp,
-            f"parallel.pp: {pp} stages need at least {pp} layers; model.n_layer is {n}",
+            n_layer >= pp,
+            f"parallel.pp: {pp} stages need at least {pp} layers; model.n_layer is {n_layer}",
         )
     else:
         require(
-            n >= chunks,
+            n_layer >= chunks,
             f"parallel.pp_virtual: {pp} stages x {virtual} chunks need at least {chunks} layers; "
-            f"model.n_layer is {n}",
+            f"model.n_layer is {n_layer}",
         )
-    base, extra = divmod(n, chunks)
+    base, extra = divmod(n_layer, chunks)
     even = tuple(base + (1 if chunk < extra else 0) for chunk in range(chunks))
     if spec is None:
         return even
@@ -101,9 +101,9 @@ def chunk_layers(cfg: Config) -> tuple[int, ...]:
         layers = ()
     what = f"{pp}" if virtual == 1 else f"{chunks} (parallel.pp x parallel.pp_virtual)"
     require(
-        len(layers) == chunks and all(x >= 1 for x in layers) and sum(layers) == n,
+        len(layers) == chunks and all(x >= 1 for x in layers) and sum(layers) == n_layer,
         f"parallel.pp_layers: {spec!r} is not valid; expected {what} positive integers, "
-        f'comma-separated, that sum to model.n_layer={n} (e.g. "{",".join(map(str, even))}")',
+        f'comma-separated, that sum to model.n_layer={n_layer} (e.g. "{",".join(map(str, even))}")',
     )
     return layers
 

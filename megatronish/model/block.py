@@ -54,16 +54,18 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, d_ff: int | None = None):
         super().__init__()
-        m, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
+        model, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
         d_ff = derived.d_ff if d_ff is None else d_ff
-        self.is_llama, self.backend = m.arch == "llama", cfg.kernels.backend
+        self.is_llama, self.backend = model.arch == "llama", cfg.kernels.backend
         common = dict(sequence_parallel=sp, tp_group=group, init_method=None)
         if self.is_llama:
-            self.gate = ColumnParallelLinear(m.d_model, d_ff, bias=False, **common)
-            self.up = ColumnParallelLinear(m.d_model, d_ff, bias=False, **common)
+            self.gate = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
+            self.up = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
         else:
-            self.up = ColumnParallelLinear(m.d_model, d_ff, bias=True, skip_bias_add=True, **common)
-        self.down = RowParallelLinear(d_ff, m.d_model, bias=not self.is_llama, **common)
+            self.up = ColumnParallelLinear(
+                model.d_model, d_ff, bias=True, skip_bias_add=True, **common
+            )
+        self.down = RowParallelLinear(d_ff, model.d_model, bias=not self.is_llama, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_llama:

@@ -9,7 +9,7 @@ buffer (ZeRO-2 and 3: one after each of the A micro-batches) and an all-gather o
 parameters (ZeRO-3: the modules' gathers before forward and backward, ``zero3_gathers``), 4 P
 bytes each, less the parameters outside the buffer (the sequence-parallel replicated ones and
 the pipeline's tied embedding copies, which are all-reduced and broadcast by their owners),
-and the blocks' grad-norm partial sums (two fp64; one more over the experts' group); the
+and the shards' grad-norm partial sums (two fp64; one more over the experts' group); the
 buckets are padded to a multiple of dp, which adds nothing when dp divides every bucket's size,
 as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
 """
@@ -75,8 +75,8 @@ def _outside_bytes(step: Step) -> int:
 
 def _zero(step: Step) -> list[Collective]:
     """optim.zero >= 1 at dp x cp > 1: the buffer's buckets reduce-scattered (ZeRO-2 and 3:
-    after every micro-batch) and their updated blocks all-gathered (ZeRO-3: by each module,
-    ``zero3_gathers``); the parameters outside it all-reduced and broadcast; the blocks' norms."""
+    after every micro-batch) and their updated shards all-gathered (ZeRO-3: by each module,
+    ``zero3_gathers``); the parameters outside it all-reduced and broadcast; the shards' norms."""
     zero, dp, edp = step.cfg.optim.zero, step.dp, _edp(step)
     experts, outside = _expert_bytes(step), _outside_bytes(step)
     dense = (
@@ -102,10 +102,10 @@ def _zero(step: Step) -> list[Collective]:
     else:
         rows += zero3_gathers(step, dense)
     rows.append(
-        ("gradient norm of the blocks (split, replicated)", "all_reduce", dp, 2 * FP64_BYTES, 1)
+        ("gradient norm of the shards (split, replicated)", "all_reduce", dp, 2 * FP64_BYTES, 1)
     )
     if experts:
-        rows.append(("gradient norm of the expert blocks", "all_reduce", edp, FP64_BYTES, 1))
+        rows.append(("gradient norm of the expert shards", "all_reduce", edp, FP64_BYTES, 1))
     return _over_dp(rows)
 
 
