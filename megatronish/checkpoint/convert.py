@@ -18,9 +18,9 @@ from megatronish.checkpoint.format import (
     step_dir_name,
 )
 from megatronish.checkpoint.load import rng_states_for, single_layout_config
+from megatronish.checkpoint.rank_files import write_safetensors
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize
-from megatronish.checkpoint.writer import write_safetensors
 from megatronish.config import derive
 from megatronish.errors import UserError
 from megatronish.paths import require_new_output_dir

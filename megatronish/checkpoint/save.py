@@ -18,7 +18,7 @@ read-only) fails the save on every rank with the failing rank's one line (files.
 once rank 0 has removed the temporary directory. save_checkpoint runs the three steps at once;
 checkpoint.async_save runs step 1 and the copy of the state at the save, step 2's writing in a
 background thread, and the rest at a later step (open_save, complete_save). What each rank
-writes in step 2 is checkpoint.writer's.
+writes in step 2: checkpoint.rank_files.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from megatronish.checkpoint.format import (
     step_dir_name,
 )
 from megatronish.checkpoint.integrity import CHECKSUM_KEY, first_message_of_ranks
-from megatronish.checkpoint.writer import rank_files, whole_params, write_safetensors
+from megatronish.checkpoint.rank_files import rank_files, whole_params, write_safetensors
 from megatronish.config import Config, Derived
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState

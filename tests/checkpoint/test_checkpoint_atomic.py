@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
+import megatronish.checkpoint.rank_files as rank_files_module
 import megatronish.checkpoint.save as save_module
-import megatronish.checkpoint.writer as writer_module
 from megatronish import load_model
 from megatronish.checkpoint.format import find_latest
 from megatronish.checkpoint.reader import Checkpoint
@@ -63,7 +63,7 @@ def test_a_save_failing_before_the_rename_leaves_the_previous_checkpoint_latest(
     (model1, opt1, derived), (model2, opt2, _) = two_models
     _save(tmp_path, 1, model1, opt1, derived)
     if crash_in == "serializing shards":
-        monkeypatch.setattr(writer_module, "serialize", _fail)
+        monkeypatch.setattr(rank_files_module, "serialize", _fail)
     else:
         monkeypatch.setattr(os, "rename", _fail)
     with pytest.raises(raised, match="simulated crash"):
