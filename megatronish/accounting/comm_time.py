@@ -82,15 +82,15 @@ def collective_seconds(op: Collective, mesh: Mesh, device: Device, eff: Efficien
     return op.count * ring_steps(op.kind, op.size) * latency + op.sent / bandwidth
 
 
-def ring_ratio(cfg: Config, d: Derived, peak_flops: float, link_gb_s: float) -> float | None:
+def ring_ratio(cfg: Config, derived: Derived, peak_flops: float, link_gb_s: float) -> float | None:
     """A cp ring step's transfer time over its block compute time, for one layer and
     micro-batch forward (None at cp 1; see module doc); link_gb_s: the NVLink bandwidth of one
     GPU, peak_flops its peak."""
-    b, s, cp, t = cfg.train.micro_batch_size, cfg.train.seq_len, d.cp, d.tp
+    b, s, cp, tp = cfg.train.micro_batch_size, cfg.train.seq_len, derived.cp, derived.tp
     if cp == 1:
         return None
     width = 2 if cfg.train.precision == "bf16" else 4
-    kv_bytes = 2 * b * (d.n_kv_head // t) * (s // cp) * d.head_dim * width
-    flops = 4 * b * (cfg.model.n_head // t) * d.head_dim * s * s / (2 * cp * cp)
-    link = link_gb_s if t * cp <= GPUS_PER_NODE else INTER_NODE_GB_S
+    kv_bytes = 2 * b * (derived.n_kv_head // tp) * (s // cp) * derived.head_dim * width
+    flops = 4 * b * (cfg.model.n_head // tp) * derived.head_dim * s * s / (2 * cp * cp)
+    link = link_gb_s if tp * cp <= GPUS_PER_NODE else INTER_NODE_GB_S
     return (kv_bytes / (link * 1e9)) / (flops / (peak_flops * ASSUMED_MFU))

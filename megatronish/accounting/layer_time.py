@@ -89,44 +89,46 @@ class _Timer:
 
 
 def layer_time(
-    cfg: Config, d: Derived, device: Device, eff: Efficiency, moe: bool, attention: str
+    cfg: Config, derived: Derived, device: Device, eff: Efficiency, moe: bool, attention: str
 ) -> LayerTime:
     """One transformer layer (an MoE layer when `moe`) for one micro-batch on one rank."""
-    m, tr, t = cfg.model, cfg.train, d.tp
-    width = 2 if tr.precision == "bf16" else 4
+    model, train, tp = cfg.model, cfg.train, derived.tp
+    width = 2 if train.precision == "bf16" else 4
     timer = _Timer(device, eff, width)
-    s = tr.seq_len // d.cp
-    T, h, hd = tr.micro_batch_size * s, m.d_model, d.head_dim
-    heads, kv = m.n_head // t, d.n_kv_head // t
-    sp = cfg.parallel.sequence_parallel and t > 1
-    N = T // t if sp else T
-    llama = m.arch == "llama"
+    s = train.seq_len // derived.cp
+    T, h, hd = train.micro_batch_size * s, model.d_model, derived.head_dim
+    heads, kv = model.n_head // tp, derived.n_kv_head // tp
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    N = T // tp if sp else T
+    llama = model.arch == "llama"
     gemms = [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
-    f_local = (d.moe_d_ff if moe else d.d_ff) // t
+    f_local = (derived.moe_d_ff if moe else derived.d_ff) // tp
     mlp_gemms = [(T, (2 if llama else 1) * f_local, h), (T, h, f_local)]
     if not moe:
         gemms += mlp_gemms
     fwd = sum(timer.gemm(*g) for g in gemms)
     bwd = sum(timer.gemm(*g, backward=True) for g in gemms)
     if moe:
-        experts = m.moe.num_experts
-        local = experts // d.ep
-        rows = max(1, T * m.moe.top_k * d.ep // experts)  # per expert, dropless on average
+        experts = model.moe.num_experts
+        local = experts // derived.ep
+        rows = max(
+            1, T * model.moe.top_k * derived.ep // experts
+        )  # per expert, dropless on average
         expert_gemms = [(T, experts, h)] + [(rows, f_local, h)] * 2 + [(rows, h, f_local)]
         for i, g in enumerate(expert_gemms):
             batch = 1 if i == 0 else local
             fwd += timer.gemm(*g, batch=batch)
             bwd += timer.gemm(*g, backward=True, batch=batch)
-        if m.moe.shared_expert:
+        if model.moe.shared_expert:
             shared = [(T, 2 * f_local, h), (T, h, f_local)]
             fwd += sum(timer.gemm(*g) for g in shared)
             bwd += sum(timer.gemm(*g, backward=True) for g in shared)
         # Permute the routed rows out and back, forward; twice backward.
-        routed = T * m.moe.top_k * h
+        routed = T * model.moe.top_k * h
         fwd += timer.stream(4 * routed, 4)
         bwd += timer.stream(8 * routed, 8)
-    attn_fwd, attn_bwd = _attention(cfg, d, timer, device, eff, attention, s)
-    mask = 1 if m.dropout > 0 else 0
+    attn_fwd, attn_bwd = _attention(cfg, derived, timer, device, eff, attention, s)
+    mask = 1 if model.dropout > 0 else 0
     act_elems = T * f_local * (3 if llama or moe else 2)
     rope = 2 * T * (heads + kv) * hd if llama else 0
     heads_copy = 2 * T * (2 * heads + 2 * kv) * hd  # [s, b, n, d] <-> [b, n, s, d], in and out
@@ -138,34 +140,34 @@ def layer_time(
 
 
 def _attention(
-    cfg: Config, d: Derived, timer: _Timer, device: Device, eff: Efficiency, kind: str, s: int
+    cfg: Config, derived: Derived, timer: _Timer, device: Device, eff: Efficiency, kind: str, s: int
 ) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core of one layer."""
-    m, tr, t = cfg.model, cfg.train, d.tp
-    b, heads, hd = tr.micro_batch_size, m.n_head // t, d.head_dim
+    model, train, tp = cfg.model, cfg.train, derived.tp
+    b, heads, hd = train.micro_batch_size, model.n_head // tp, derived.head_dim
     if kind == "flash":
-        flops = attention_flops(b, heads, s, tr.seq_len, hd, causal=True)
+        flops = attention_flops(b, heads, s, train.seq_len, hd, causal=True)
         return (
             flash_attention_seconds(flops, device.peak_flops, eff, backward=False),
             flash_attention_seconds(flops, device.peak_flops, eff, backward=True),
         )
     if kind != "materialized":
         raise ValueError(f"attention {kind!r}: expected flash or materialized")
-    batch, full = b * heads, tr.seq_len
+    batch, full = b * heads, train.seq_len
     forward = timer.gemm(s, full, hd, batch=batch) + timer.gemm(s, hd, full, batch=batch)
     backward = timer.gemm(s, full, hd, True, batch) + timer.gemm(s, hd, full, True, batch)
     scores = b * heads * s * full
-    mask = scores if m.dropout > 0 else 0
+    mask = scores if model.dropout > 0 else 0
     forward += timer.stream(scores * (2 + (2 if mask else 0)), 2, extra_bytes=mask)
     backward += timer.stream(scores * ((2 if mask else 0) + 3), 2, extra_bytes=mask)
     return forward, backward
 
 
-def embedding_time(cfg: Config, d: Derived, device: Device, eff: Efficiency) -> LayerTime:
+def embedding_time(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> LayerTime:
     """The token (and position) embedding of one micro-batch on the first stage."""
     width = 2 if cfg.train.precision == "bf16" else 4
     timer = _Timer(device, eff, width)
-    T, h = cfg.train.micro_batch_size * cfg.train.seq_len // d.cp, cfg.model.d_model
+    T, h = cfg.train.micro_batch_size * cfg.train.seq_len // derived.cp, cfg.model.d_model
     return LayerTime(
         forward=timer.stream(T * h, 1, extra_bytes=4 * T * h),
         backward=timer.stream(0, 1, extra_bytes=8 * T * h),
@@ -173,15 +175,15 @@ def embedding_time(cfg: Config, d: Derived, device: Device, eff: Efficiency) -> 
     )
 
 
-def output_time(cfg: Config, d: Derived, device: Device, eff: Efficiency) -> LayerTime:
+def output_time(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> LayerTime:
     """The final norm, the output layer and the cross entropy of one micro-batch on the last
     stage (full recompute does not rerun them)."""
     width = 2 if cfg.train.precision == "bf16" else 4
     timer = _Timer(device, eff, width)
-    T, h = cfg.train.micro_batch_size * cfg.train.seq_len // d.cp, cfg.model.d_model
-    v_local = d.padded_vocab_size // d.tp
-    sp = cfg.parallel.sequence_parallel and d.tp > 1
-    norm = timer.stream(2 * (T // d.tp if sp else T) * h, 1)
+    T, h = cfg.train.micro_batch_size * cfg.train.seq_len // derived.cp, cfg.model.d_model
+    v_local = derived.padded_vocab_size // derived.tp
+    sp = cfg.parallel.sequence_parallel and derived.tp > 1
+    norm = timer.stream(2 * (T // derived.tp if sp else T) * h, 1)
     loss = timer.stream(0, 3, extra_bytes=(2 * width + 8) * T * v_local)
     return LayerTime(
         forward=timer.gemm(T, v_local, h) + norm + loss / 2,

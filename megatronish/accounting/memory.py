@@ -119,29 +119,29 @@ def estimate(
     degree tp, context-parallel degree cp, pipeline degree pp and (MoE) expert-parallel degree
     ep on world devices; `changes` override parallel.sequence_parallel, optim.zero,
     activation_checkpointing."""
-    layout, d = layout_config(cfg, world, tp, pp, cp, ep, **changes)
+    layout, derived = layout_config(cfg, world, tp, pp, cp, ep, **changes)
     sp, zero = layout.parallel.sequence_parallel, layout.optim.zero
-    recompute, virtual = layout.train.activation_checkpointing, d.pp_virtual
-    m, t = d.grad_accum_steps, cfg.train
+    recompute, virtual = layout.train.activation_checkpointing, derived.pp_virtual
+    m, train = derived.grad_accum_steps, cfg.train
     # The last stage keeps every micro-batch's logits when it runs all its forwards first.
     gpipe = layout.parallel.pp_schedule == "gpipe"
     all_forwards_first = pp > 1 and (gpipe or (virtual > 1 and m == pp))
     per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
-    logits_one = t.micro_batch_size * t.seq_len // cp * d.padded_vocab_size / tp * 6
+    logits_one = train.micro_batch_size * train.seq_len // cp * derived.padded_vocab_size / tp * 6
     bubble = (pp - 1) / (virtual * m)
-    comm = max(formula_bytes_per_step(layout, d, r) for r in range(pp)) / GB
+    comm = max(formula_bytes_per_step(layout, derived, r) for r in range(pp)) / GB
     stages = []
     for r in range(pp):
         in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
-        state = model_state_bytes(layout, d, r)
-        act = per_layer * d.stage_layers[r] * in_flight
+        state = model_state_bytes(layout, derived, r)
+        act = per_layer * derived.stage_layers[r] * in_flight
         if recompute == "full":  # one layer is rebuilt at a time during backward
             act += activation_bytes_per_layer(layout, tp, sp, "none")
         logits = logits_one * (m if all_forwards_first else 1) if r == pp - 1 else 0.0
         stages.append(
             Estimate(
                 tp=tp,
-                dp=d.dp,
+                dp=derived.dp,
                 pp=pp,
                 bubble=bubble,
                 sequence_parallel=sp,
@@ -155,7 +155,7 @@ def estimate(
                 comm_gb_per_step=comm,
                 cp=cp,
                 pp_virtual=virtual,
-                ep=d.ep,
+                ep=derived.ep,
                 expert_gb=state["experts"] / GB,
                 gathered_gb=state["gathered"] / GB,
             )
@@ -163,22 +163,22 @@ def estimate(
     return max(stages, key=lambda e: e.total_gb)
 
 
-def model_state_bytes(cfg: Config, d: Derived, pp_rank: int) -> dict[str, float]:
+def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, float]:
     """Bytes one rank of stage pp_rank holds of the model's state at cfg's optim.zero (see the
     module doc): "weights", "grads", "optimizer" (what it keeps between steps, the weights'
     bf16 copies aside), "gathered" (what a step adds) and "experts" (the experts' part of the
     first three)."""
     zero, bf16 = cfg.optim.zero, cfg.train.precision == "bf16"
-    params = local_parameter_count(cfg, d, pp_rank)
-    experts = stage_moe_layers(d, pp_rank) * local_moe_params(cfg, d, experts_only=True)
-    dp = d.dp * d.cp
-    edp = max(1, dp // d.ep)  # the ranks that hold the same experts
+    params = local_parameter_count(cfg, derived, pp_rank)
+    experts = stage_moe_layers(derived, pp_rank) * local_moe_params(cfg, derived, experts_only=True)
+    dp = derived.dp * derived.cp
+    edp = max(1, dp // derived.ep)  # the ranks that hold the same experts
     outside = 0
-    if d.tp > 1 and cfg.parallel.sequence_parallel:
-        outside = sequence_parallel_grad_count(cfg, d, pp_rank)
-    last, first = pp_rank == d.pp - 1, pp_rank == 0
-    vocab = d.padded_vocab_size // d.tp * cfg.model.d_model
-    if d.pp > 1 and d.tie_embeddings and (first or last):
+    if derived.tp > 1 and cfg.parallel.sequence_parallel:
+        outside = sequence_parallel_grad_count(cfg, derived, pp_rank)
+    last, first = pp_rank == derived.pp - 1, pp_rank == 0
+    vocab = derived.padded_vocab_size // derived.tp * cfg.model.d_model
+    if derived.pp > 1 and derived.tie_embeddings and (first or last):
         outside += vocab
     buffered = params - experts - outside
 
@@ -196,8 +196,8 @@ def model_state_bytes(cfg: Config, d: Derived, pp_rank: int) -> dict[str, float]
     if zero >= 2 and dp > 1:
         gathered = min(buffered + experts, (IN_FLIGHT + 1) * cfg.optim.bucket_mb * 2**18)
     if zero == 3 and dp > 1:
-        layer = local_layer_params(cfg, d, moe=stage_moe_layers(d, pp_rank) > 0)
-        gathered += buffered + experts if d.pp > 1 else 2 * layer + (vocab if last else 0)
+        layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
+        gathered += buffered + experts if derived.pp > 1 else 2 * layer + (vocab if last else 0)
     copies = 2 * params if bf16 else 0
     return {
         "weights": weights * 4 + copies,

@@ -12,18 +12,18 @@ def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     """Parameters of the full model (all tp and ep ranks together), at the real (unpadded)
     vocab; active: those one token goes through (of each MoE MLP the router, its top_k experts
     and the shared expert)."""
-    m, h = cfg.model, cfg.model.d_model
-    bias = m.arch == "gpt2"
+    model, h = cfg.model, cfg.model.d_model
+    bias = model.arch == "gpt2"
     norm = 2 * h if bias else h
-    qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim
-    attn = h * qkv_out + m.n_head * derived.head_dim * h + (qkv_out + h if bias else 0)
-    mlp = (3 if m.arch == "llama" else 2) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
+    qkv_out = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
+    attn = h * qkv_out + model.n_head * derived.head_dim * h + (qkv_out + h if bias else 0)
+    mlp = (3 if model.arch == "llama" else 2) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
     per_layer = attn + mlp + 2 * norm
-    embed = derived.vocab_size * h + (m.max_seq_len * h if m.arch == "gpt2" else 0)
+    embed = derived.vocab_size * h + (model.max_seq_len * h if model.arch == "gpt2" else 0)
     head = 0 if derived.tie_embeddings else derived.vocab_size * h
     moe = len(derived.moe_layers)
     experts = moe * (moe_mlp_params(cfg, derived, active) - mlp) if moe else 0
-    return m.n_layer * per_layer + experts + embed + norm + head
+    return model.n_layer * per_layer + experts + embed + norm + head
 
 
 def approx_tp_rank_parameters(cfg: Config, derived: Derived, total: int) -> int:
@@ -47,12 +47,12 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
     elements its data-parallel gradient all-reduce (or ZeRO reduce-scatter and all-gather)
     carries. The first stage holds the embeddings, the last the final norm and the output layer
     (with tied embeddings and pp > 1, a copy of the token embedding)."""
-    m, t, h = cfg.model, derived.tp, cfg.model.d_model
+    model, tp, h = cfg.model, derived.tp, cfg.model.d_model
     first, last = pp_rank == 0, pp_rank == derived.pp - 1
-    gpt2 = m.arch == "gpt2"
+    gpt2 = model.arch == "gpt2"
     norm = 2 * h if gpt2 else h
-    vocab_local = derived.padded_vocab_size // t
-    embed = vocab_local * h + (m.max_seq_len * h if gpt2 else 0) if first else 0
+    vocab_local = derived.padded_vocab_size // tp
+    embed = vocab_local * h + (model.max_seq_len * h if gpt2 else 0) if first else 0
     head = vocab_local * h if last and (not derived.tie_embeddings or not first) else 0
     layers, moe = derived.stage_layers[pp_rank], stage_moe_layers(derived, pp_rank)
     blocks = (layers - moe) * local_layer_params(cfg, derived)
@@ -62,13 +62,13 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
 
 def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
     """Parameters of one transformer layer on one tp rank (moe: with a MoE MLP)."""
-    m, t, h = cfg.model, derived.tp, cfg.model.d_model
-    gpt2 = m.arch == "gpt2"
+    model, tp, h = cfg.model, derived.tp, cfg.model.d_model
+    gpt2 = model.arch == "gpt2"
     norm = 2 * h if gpt2 else h
-    qkv_out = (m.n_head + 2 * derived.n_kv_head) * derived.head_dim // t
-    attn = qkv_out * h + h * (m.n_head * derived.head_dim // t)
+    qkv_out = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim // tp
+    attn = qkv_out * h + h * (model.n_head * derived.head_dim // tp)
     attn += qkv_out + h if gpt2 else 0
-    f_local = derived.d_ff // t
+    f_local = derived.d_ff // tp
     mlp = (2 if gpt2 else 3) * f_local * h + (f_local + h if gpt2 else 0)
     return attn + 2 * norm + (local_moe_params(cfg, derived) if moe else mlp)
 

@@ -71,10 +71,12 @@ def gemm_seconds(
     return max(compute, memory) + eff.kernel_overhead_s
 
 
-def attention_flops(b: int, heads: int, s_q: int, s_k: int, head_dim: int, causal: bool) -> float:
-    """Forward FLOPs of softmax(q k^T) v for `heads` heads: 4 b heads s_q s_k d, half when
-    causal (the masked half of the scores is skipped)."""
-    flops = 4.0 * b * heads * s_q * s_k * head_dim
+def attention_flops(
+    batch: int, heads: int, s_q: int, s_k: int, head_dim: int, causal: bool
+) -> float:
+    """Forward FLOPs of softmax(q k^T) v for `heads` heads: 4 batch heads s_q s_k head_dim,
+    half when causal (the masked half of the scores is skipped)."""
+    flops = 4.0 * batch * heads * s_q * s_k * head_dim
     return flops / 2 if causal else flops
 
 

@@ -101,58 +101,73 @@ class StepTime:
         return self.hardware_tflops_per_gpu * 1e12 / self.peak_flops
 
 
-def flops_per_step(cfg: Config, d: Derived) -> tuple[float, float]:
+def flops_per_step(cfg: Config, derived: Derived) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one step (see module doc)."""
-    tr, m = cfg.train, cfg.model
-    plain = dataclasses.replace(cfg, train=dataclasses.replace(tr, activation_checkpointing="none"))
-    model = model_flops_per_step(plain, d)
-    attention = 4 * m.n_layer * tr.seq_len * m.n_head * d.head_dim * d.tokens_per_step
-    if tr.activation_checkpointing == "full":  # the layers' forward again, not the output layer
-        head = 2 * m.d_model * d.vocab_size * d.tokens_per_step
-        return model, model + (model / 3 - head)
-    if tr.activation_checkpointing == "selective":
-        return model, model + attention
-    return model, model
+    train, model = cfg.train, cfg.model
+    plain = dataclasses.replace(
+        cfg, train=dataclasses.replace(train, activation_checkpointing="none")
+    )
+    model_flops = model_flops_per_step(plain, derived)
+    attention = (
+        4
+        * model.n_layer
+        * train.seq_len
+        * model.n_head
+        * derived.head_dim
+        * derived.tokens_per_step
+    )
+    if train.activation_checkpointing == "full":  # the layers' forward again, not the output layer
+        head = 2 * model.d_model * derived.vocab_size * derived.tokens_per_step
+        return model_flops, model_flops + (model_flops / 3 - head)
+    if train.activation_checkpointing == "selective":
+        return model_flops, model_flops + attention
+    return model_flops, model_flops
 
 
-def _stage(cfg: Config, d: Derived, r: int, device: Device, eff: Efficiency, attention: str):
+def _stage(cfg: Config, derived: Derived, r: int, device: Device, eff: Efficiency, attention: str):
     """(per-micro-batch compute, forward, backward) seconds of stage r."""
     recompute = cfg.train.activation_checkpointing
-    dense = layer_time(cfg, d, device, eff, False, attention)
-    moe_layers = stage_moe_layers(d, r)
-    layers = d.stage_layers[r]
+    dense = layer_time(cfg, derived, device, eff, False, attention)
+    moe_layers = stage_moe_layers(derived, r)
+    layers = derived.stage_layers[r]
     parts = [(dense, layers - moe_layers)]
     if moe_layers:
-        parts.append((layer_time(cfg, d, device, eff, True, attention), moe_layers))
+        parts.append((layer_time(cfg, derived, device, eff, True, attention), moe_layers))
     compute = sum(lt.total(recompute) * n for lt, n in parts)
     forward = sum(lt.forward * n for lt, n in parts)
     backward = sum((lt.total(recompute) - lt.forward) * n for lt, n in parts)
-    for edge, on in ((embedding_time, r == 0), (output_time, r == d.pp - 1)):
+    for edge, on in ((embedding_time, r == 0), (output_time, r == derived.pp - 1)):
         if on:
-            lt = edge(cfg, d, device, eff)
+            lt = edge(cfg, derived, device, eff)
             compute += lt.forward + lt.backward
             forward += lt.forward
             backward += lt.backward
     return compute, forward, backward
 
 
-def _optimizer_seconds(cfg: Config, d: Derived, r: int, device: Device, eff: Efficiency) -> float:
-    params = local_parameter_count(cfg, d, r)
-    experts = stage_moe_layers(d, r) * local_moe_params(cfg, d, experts_only=True)
+def _optimizer_seconds(
+    cfg: Config, derived: Derived, r: int, device: Device, eff: Efficiency
+) -> float:
+    params = local_parameter_count(cfg, derived, r)
+    experts = stage_moe_layers(derived, r) * local_moe_params(cfg, derived, experts_only=True)
     if cfg.optim.zero >= 1:
-        state = (params - experts) / (d.dp * d.cp) + experts / max(1, d.dp * d.cp // d.ep)
+        state = (params - experts) / (derived.dp * derived.cp) + experts / max(
+            1, derived.dp * derived.cp // derived.ep
+        )
     else:
         state = params
     return memory_seconds(28 * state + 4 * params, device.hbm_tb_s * 1e12, eff, kernels=4)
 
 
-def _comm(cfg, d, r, mesh, device, eff, attention_s: float, forward_s: float, backward_s: float):
+def _comm(
+    cfg, derived, r, mesh, device, eff, attention_s: float, forward_s: float, backward_s: float
+):
     """Exposed seconds per part of stage r's collectives in one step (see module doc)."""
     out = dict.fromkeys(("tp", "cp", "ep", "dp", "sends", "pp"), 0.0)
     grad, gather, ring = 0.0, 0.0, 0.0
     bucket = cfg.optim.bucket_mb * 1e6
     grad_payload = gather_payload = 0.0
-    for op in collectives_per_step(cfg, d, r):
+    for op in collectives_per_step(cfg, derived, r):
         seconds = collective_seconds(op, mesh, device, eff)
         if op.group == "tp":
             out["tp"] += seconds
@@ -175,19 +190,19 @@ def _comm(cfg, d, r, mesh, device, eff, attention_s: float, forward_s: float, ba
         else:
             out["dp"] += seconds
     out["cp"] += max(0.0, ring - attention_s)
-    o, m = cfg.optim, d.grad_accum_steps
-    if not (o.overlap_grad_reduce and grad_payload):
+    optim, m = cfg.optim, derived.grad_accum_steps
+    if not (optim.overlap_grad_reduce and grad_payload):
         out["dp"] += grad + gather
         return out
-    passes = m if o.zero >= 2 else 1  # reductions after each micro-batch's backward
+    passes = m if optim.zero >= 2 else 1  # reductions after each micro-batch's backward
     last_bucket = grad * min(1.0, bucket * passes / grad_payload)
     out["dp"] += max(last_bucket, grad - passes * backward_s)
-    if o.zero < 3:
+    if optim.zero < 3:
         out["dp"] += max(0.0, gather - forward_s)
-    elif not o.zero3_prefetch:
+    elif not optim.zero3_prefetch:
         out["dp"] += gather
     else:
-        passes, under = (1, forward_s) if d.pp > 1 else (2 * m, m * (forward_s + backward_s))
+        passes, under = (1, forward_s) if derived.pp > 1 else (2 * m, m * (forward_s + backward_s))
         first_bucket = gather * min(1.0, bucket * passes / gather_payload)
         out["dp"] += max(first_bucket, gather - under)
     return out
@@ -195,29 +210,29 @@ def _comm(cfg, d, r, mesh, device, eff, attention_s: float, forward_s: float, ba
 
 def step_time(
     cfg: Config,
-    d: Derived,
+    derived: Derived,
     device: Device,
     eff: Efficiency = GPU_EFFICIENCY,
     attention: str = "flash",
 ) -> StepTime:
-    """The predicted step of cfg (its parallel section a layout whose Derived is d) on world
-    d.world_size devices; attention "flash" (megatronish's fused kernel) or "materialized"
+    """The predicted step of cfg (its parallel section a layout whose Derived is `derived`) on
+    derived.world_size devices; attention "flash" (megatronish's fused kernel) or "materialized"
     (scores in memory, as Megatron-LM ran before flash attention)."""
-    m, pp, virtual = d.grad_accum_steps, d.pp, d.pp_virtual
-    mesh = Mesh(tp=d.tp, cp=d.cp, dp=d.dp, pp=pp)
+    m, pp, virtual = derived.grad_accum_steps, derived.pp, derived.pp_virtual
+    mesh = Mesh(tp=derived.tp, cp=derived.cp, dp=derived.dp, pp=pp)
     recompute = cfg.train.activation_checkpointing
-    attention_one = layer_time(cfg, d, device, eff, False, attention).attention_forward
+    attention_one = layer_time(cfg, derived, device, eff, False, attention).attention_forward
     attention_one *= 3.5 + (1 if recompute != "none" else 0)  # forward, backward, recompute
     stages, done = [], {}
     for r in range(pp):
         # Stages that differ neither in their layers nor in being first or last time alike.
-        key = (r == 0, r == pp - 1, d.stage_layers[r], stage_moe_layers(d, r))
+        key = (r == 0, r == pp - 1, derived.stage_layers[r], stage_moe_layers(derived, r))
         if key not in done:
-            compute, forward, backward = _stage(cfg, d, r, device, eff, attention)
-            attention_s = attention_one * d.stage_layers[r] * m
-            comm = _comm(cfg, d, r, mesh, device, eff, attention_s, forward, backward)
+            compute, forward, backward = _stage(cfg, derived, r, device, eff, attention)
+            attention_s = attention_one * derived.stage_layers[r] * m
+            comm = _comm(cfg, derived, r, mesh, device, eff, attention_s, forward, backward)
             per_micro = compute + (comm["tp"] + comm["cp"] + comm["ep"]) / m
-            done[key] = (per_micro, compute, comm, _optimizer_seconds(cfg, d, r, device, eff))
+            done[key] = (per_micro, compute, comm, _optimizer_seconds(cfg, derived, r, device, eff))
         stages.append(done[key])
     slowest = max(stages, key=lambda st: st[0])
     per_micro, compute, comm, _ = slowest
@@ -231,13 +246,13 @@ def step_time(
         "pipeline_sends": max(st[2]["sends"] + st[2]["pp"] for st in stages),
         "optimizer": max(st[3] for st in stages),
     }
-    model, hardware = flops_per_step(cfg, d)
+    model_flops, hardware_flops = flops_per_step(cfg, derived)
     return StepTime(
         step_time_s=sum(breakdown.values()),
-        tokens_per_step=d.tokens_per_step,
-        world_size=d.world_size,
-        model_flops=model,
-        hardware_flops=hardware,
+        tokens_per_step=derived.tokens_per_step,
+        world_size=derived.world_size,
+        model_flops=model_flops,
+        hardware_flops=hardware_flops,
         peak_flops=device.peak_flops,
         breakdown=breakdown,
     )

@@ -31,13 +31,8 @@ from typing import Any
 
 import torch
 
-from megatronish.checkpoint.save import (
-    complete_save,
-    open_save,
-    rank_files,
-    whole_params,
-    write_safetensors,
-)
+from megatronish.checkpoint.rank_files import rank_files, whole_params, write_safetensors
+from megatronish.checkpoint.save import complete_save, open_save
 from megatronish.errors import UserError
 
 

@@ -11,14 +11,16 @@ from pathlib import Path
 
 from megatronish.checkpoint.format import (
     TOKENIZER_FILE,
+    TensorSpec,
     model_file,
     optim_file,
     rng_file,
     step_dir_name,
 )
 from megatronish.checkpoint.load import rng_states_for, single_layout_config
+from megatronish.checkpoint.rank_files import write_safetensors
 from megatronish.checkpoint.reader import Checkpoint
-from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize, write_safetensors
+from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize
 from megatronish.config import derive
 from megatronish.errors import UserError
 from megatronish.paths import require_new_output_dir
@@ -51,37 +53,60 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
     ckpt.check_in_background()  # every file, while the new shards are written
     try:
         for tp_rank in range(tp):
-            mine = [n for n, s in specs.items() if s.split_dim is not None or tp_rank == 0]
-            checksums[model_file(tp_rank)] = write_safetensors(
-                tmp / model_file(tp_rank),
-                {n: ckpt.block(n, "param", specs[n], tp, tp_rank) for n in mine},
-            )
-            state = {}
-            for name in (n for n in mine if has_optimizer and ckpt.has_optimizer_state(n)):
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    state[f"{name}.{kind}"] = ckpt.block(name, kind, specs[name], tp, tp_rank)
-                state[f"{name}.step"] = ckpt.scalar(name, "step")
-            if state:
-                checksums[optim_file(tp_rank, 0)] = write_safetensors(
-                    tmp / optim_file(tp_rank, 0), state
-                )
-            rng = rng_states_for(ckpt, tp, 1, tp_rank)
-            if rng is not None:
-                checksums[rng_file(tp_rank)] = write_safetensors(tmp / rng_file(tp_rank), rng)
+            checksums.update(_write_rank(ckpt, specs, tp, tp_rank, tmp, has_optimizer))
         ckpt.verify()
-        info = ckpt.meta.get("tokenizer")
-        tokenizer = None
-        if info is not None:
-            path = ckpt.dir / TOKENIZER_FILE
-            tokenizer = TokenizerInfo(
-                info["kind"], info["eot_id"], path if path.is_file() else None
-            )
+        tokenizer = _tokenizer_of(ckpt)
         layout = {"tp": tp, "dp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "world_size": tp}
         meta = base_metadata(
-            ckpt.step, layout, specs, ckpt.vocab_size, derived.padded_vocab_size,
-            cfg.model.arch, has_optimizer, ckpt.loader_state, tokenizer,
-        )  # fmt: skip
+            ckpt.step,
+            layout,
+            specs,
+            ckpt.vocab_size,
+            derived.padded_vocab_size,
+            cfg.model.arch,
+            has_optimizer,
+            ckpt.loader_state,
+            tokenizer,
+        )
         return finalize(out, tmp, meta, cfg, tokenizer, keep=0, checksums=checksums)
     except BaseException:
         shutil.rmtree(out if created else tmp, ignore_errors=True)
         raise
+
+
+def _write_rank(
+    ckpt: Checkpoint,
+    specs: dict[str, TensorSpec],
+    tp: int,
+    tp_rank: int,
+    tmp: Path,
+    has_optimizer: bool,
+) -> dict[str, str]:
+    """Writes tp rank tp_rank's files of the new checkpoint into `tmp` (its model shard, its
+    optimizer state, its RNG states); returns their checksums by file name."""
+    checksums = {}
+    mine = [name for name, spec in specs.items() if spec.split_dim is not None or tp_rank == 0]
+    checksums[model_file(tp_rank)] = write_safetensors(
+        tmp / model_file(tp_rank),
+        {name: ckpt.block(name, "param", specs[name], tp, tp_rank) for name in mine},
+    )
+    state = {}
+    for name in (n for n in mine if has_optimizer and ckpt.has_optimizer_state(n)):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            state[f"{name}.{kind}"] = ckpt.block(name, kind, specs[name], tp, tp_rank)
+        state[f"{name}.step"] = ckpt.scalar(name, "step")
+    if state:
+        checksums[optim_file(tp_rank, 0)] = write_safetensors(tmp / optim_file(tp_rank, 0), state)
+    rng = rng_states_for(ckpt, tp, 1, tp_rank)
+    if rng is not None:
+        checksums[rng_file(tp_rank)] = write_safetensors(tmp / rng_file(tp_rank), rng)
+    return checksums
+
+
+def _tokenizer_of(ckpt: Checkpoint) -> TokenizerInfo | None:
+    """The tokenizer the source checkpoint records (its tokenizer.json, when it has one)."""
+    info = ckpt.meta.get("tokenizer")
+    if info is None:
+        return None
+    path = ckpt.dir / TOKENIZER_FILE
+    return TokenizerInfo(info["kind"], info["eot_id"], path if path.is_file() else None)

@@ -29,10 +29,17 @@ CHECKSUM_KEY = "crc32c"
 CHUNK_BYTES = 8 << 20
 _MADV_POPULATE_READ = 22  # Linux's value; Python 3.11's mmap module does not name it
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _announced: set[str] = set()
 
 

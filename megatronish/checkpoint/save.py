@@ -17,12 +17,12 @@ refuses to write or rename (a full disk or quota, the file-size limit, a directo
 read-only) fails the save on every rank with the failing rank's one line (files.write_failures),
 once rank 0 has removed the temporary directory. save_checkpoint runs the three steps at once;
 checkpoint.async_save runs step 1 and the copy of the state at the save, step 2's writing in a
-background thread, and the rest at a later step (open_save, complete_save).
+background thread, and the rest at a later step (open_save, complete_save). What each rank
+writes in step 2: checkpoint.rank_files.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors.torch import save as serialize
 
 from megatronish.checkpoint.format import (
     CONFIG_FILE,
@@ -47,19 +46,15 @@ from megatronish.checkpoint.format import (
     complete_steps,
     describe_file,
     metadata_json,
-    model_file,
-    optim_file,
-    rng_file,
-    saved_tensors,
     step_dir_name,
 )
-from megatronish.checkpoint.integrity import CHECKSUM_KEY, checksum_text, first_message_of_ranks
+from megatronish.checkpoint.integrity import CHECKSUM_KEY, first_message_of_ranks
+from megatronish.checkpoint.rank_files import rank_files, whole_params, write_safetensors
 from megatronish.config import Config, Derived
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import ReportedError, RunFailure
 from megatronish.files import fsync_path, write_failures, write_text_atomic
-from megatronish.layers.roles import role
 
 
 @dataclass(frozen=True)
@@ -83,82 +78,6 @@ def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo | None:
     return TokenizerInfo(
         meta["tokenizer"]["kind"], meta["eot_id"], path if path.is_file() else None
     )
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """One shard file, flushed to disk; returns the CRC-32C of the bytes written. A write the
-    system refuses is a RunFailure naming the file (files.write_failures)."""
-    cpu = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
-    data = serialize(cpu, metadata={"format": "pt", "writer": FORMAT})
-    with write_failures(path, len(data)), open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return checksum_text(data)
-
-
-def _part(tensor: torch.Tensor, index: int | None) -> torch.Tensor:
-    """The stored tensor: the whole tensor, or expert `index` of a stacked one."""
-    return tensor if index is None else tensor[index]
-
-
-def optimizer_tensors(
-    model, optimizer, include_replicated: bool, experts_only: bool = False
-) -> dict[str, torch.Tensor]:
-    """This rank's AdamW state as '<name>.exp_avg', '.exp_avg_sq' and '.step' tensors (a
-    stacked expert weight's state by each expert's name)."""
-    out: dict[str, torch.Tensor] = {}
-    states = optimizer.states_to_save()
-    for name, param, index in saved_tensors(model):
-        state = states.get(param)
-        if not state or (role(param).tp_split_dim is None and not include_replicated):
-            continue
-        if experts_only and index is None:
-            continue
-        out[f"{name}.exp_avg"] = _part(state["exp_avg"], index)
-        out[f"{name}.exp_avg_sq"] = _part(state["exp_avg_sq"], index)
-        step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
-        out[f"{name}.step"] = step if index is None else step.clone()  # one per expert
-    return out
-
-
-def rng_tensors(model, ps: ParallelState) -> dict[str, torch.Tensor]:
-    """This rank's default CPU (and CUDA) generator states and the model's tracker streams."""
-    out = {"cpu": torch.get_rng_state()}
-    if ps.device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(ps.device)
-    for name, state in model.tracker.get_states().items():
-        out[f"tracker.{name}"] = state.cpu()
-    return out
-
-
-def whole_params(optimizer):
-    """A context in which the model's parameters are whole for rank_files to read (ZeRO-1 and 2's
-    gathers waited for, ZeRO-3's buckets gathered); every rank enters it."""
-    return contextlib.nullcontext() if optimizer is None else optimizer.whole_params()
-
-
-def rank_files(model, optimizer, ps: ParallelState) -> dict[str, dict[str, torch.Tensor]]:
-    """The files this rank writes, each as its tensors (replicated ones only on tp rank 0).
-    Rank 0 of the dp x cp group writes the model and its experts; ranks 1 .. ep - 1 of it (the
-    other ep ranks, at expert-data-parallel rank 0) write their experts only."""
-    files: dict[str, dict[str, torch.Tensor]] = {}
-    stage = ps.pp_rank if ps.pp > 1 else None
-    if ps.edp_rank == 0:
-        dense = ps.dp_cp_rank == 0
-        files[model_file(ps.tp_rank, stage, ps.ep_rank)] = {
-            name: _part(param, index)
-            for name, param, index in saved_tensors(model)
-            if (index is not None or dense)
-            and (role(param).tp_split_dim is not None or ps.tp_rank == 0)
-        }
-    if optimizer is not None and (optimizer.zero or ps.edp_rank == 0):
-        experts_only = not optimizer.zero and ps.dp_cp_rank != 0
-        state = optimizer_tensors(model, optimizer, ps.tp_rank == 0, experts_only)
-        if state:
-            files[optim_file(ps.tp_rank, ps.dp_cp_rank, stage)] = state
-    files[rng_file(ps.rank)] = rng_tensors(model, ps)
-    return files
 
 
 def base_metadata(
@@ -318,9 +237,20 @@ def save_checkpoint(
     except Exception as exc:  # noqa: BLE001 - reported to the other ranks, then re-raised
         error = exc
     return complete_save(
-        directory, tmp, step, checksums, error, cfg=cfg, derived=derived, ps=ps, model=model,
-        optimizer=optimizer, loader_state=loader_state, tokenizer=tokenizer, keep=keep,
-    )  # fmt: skip
+        directory,
+        tmp,
+        step,
+        checksums,
+        error,
+        cfg=cfg,
+        derived=derived,
+        ps=ps,
+        model=model,
+        optimizer=optimizer,
+        loader_state=loader_state,
+        tokenizer=tokenizer,
+        keep=keep,
+    )
 
 
 def open_save(directory: Path, step: int, ps: ParallelState) -> Path:
@@ -379,9 +309,16 @@ def complete_save(
             "world_size": ps.world_size,
         }
         meta = base_metadata(
-            step, layout, specs, derived.vocab_size, derived.padded_vocab_size,
-            cfg.model.arch, optimizer is not None, loader_state, tokenizer,
-        )  # fmt: skip
+            step,
+            layout,
+            specs,
+            derived.vocab_size,
+            derived.padded_vocab_size,
+            cfg.model.arch,
+            optimizer is not None,
+            loader_state,
+            tokenizer,
+        )
         try:
             finalize(directory, tmp, meta, cfg, tokenizer, keep, checksums)
         except Exception as exc:  # noqa: BLE001

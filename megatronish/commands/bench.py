@@ -154,7 +154,7 @@ def report(cfg: Config, derived: Derived, result: BenchResult, steps: int, warmu
 
 def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
     """The human-readable lines printed before the JSON record."""
-    m, t = cfg.model, cfg.train
+    model, train = cfg.model, cfg.train
     sent, formula = record["bytes_sent_per_step"], record["bytes_sent_per_step_formula"]
     calls = f" in {record['comm_calls_per_step']:.0f} collectives"
     overlap = "on" if record["overlap_grad_reduce"] else "off"
@@ -168,10 +168,10 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
             )
         )
     return [
-        f"bench: {m.arch} {m.n_layer} layers, d_model {m.d_model}, {t.precision}; "
+        f"bench: {model.arch} {model.n_layer} layers, d_model {model.d_model}, {train.precision}; "
         f"tp {derived.tp} x cp {derived.cp} x dp {derived.dp} x pp {derived.pp} "
         f"(world {derived.world_size}); "
-        f"micro-batch {t.micro_batch_size} x seq {t.seq_len}, {derived.grad_accum_steps} "
+        f"micro-batch {train.micro_batch_size} x seq {train.seq_len}, {derived.grad_accum_steps} "
         "accumulation steps",
         f"step time {record['step_time_s']:.4f} s (median of {record['steps']} after "
         f"{record['warmup']} warm-up; min {record['step_time_min_s']:.4f}, max "
@@ -243,16 +243,16 @@ def run_bench(cfg: Config, steps: int, warmup: int) -> dict:
     from megatronish.training.setup import setup
     from megatronish.training.trainer import Trainer
 
-    s = setup(cfg)
+    built = setup(cfg)
     trainer = None
     try:
         before = current_rss()
-        trainer = Trainer(s)
+        trainer = Trainer(built)
         result = time_steps(trainer, steps, warmup)
-        record = report(cfg, s.derived, result, steps, warmup)
-        record.update(memory_record(cfg, s.derived, s.ps, before))
-        if s.ps.is_main:
-            for line in [*summary_lines(cfg, s.derived, record), memory_line(record)]:
+        record = report(cfg, built.derived, result, steps, warmup)
+        record.update(memory_record(cfg, built.derived, built.ps, before))
+        if built.ps.is_main:
+            for line in [*summary_lines(cfg, built.derived, record), memory_line(record)]:
                 print(line)
             print(json.dumps(record), flush=True)
         return record

@@ -116,12 +116,12 @@ def _collective_worker(rank: int, port: int, queue) -> None:
         comm.enable_shared_memory(dist.group.WORLD, 60.0)
         small, large = torch.ones(8), torch.ones(LARGE)
 
-        def reduce(t):
-            return lambda: comm.all_reduce(t, dist.group.WORLD)
+        def reduce(tensor):
+            return lambda: comm.all_reduce(tensor, dist.group.WORLD)
 
-        def send(t):
-            buffer = torch.empty_like(t)
-            return lambda: comm.exchange([(t, 1 - rank)], [(buffer, 1 - rank)])
+        def send(tensor):
+            buffer = torch.empty_like(tensor)
+            return lambda: comm.exchange([(tensor, 1 - rank)], [(buffer, 1 - rank)])
 
         result = {}
         for name, make in (("shm_all_reduce", reduce), ("gloo_p2p", send)):
@@ -183,8 +183,10 @@ def load_or_measure(path: str | None) -> dict:
             _check(data, path)
             return data
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"--calibration {path}: not a calibration this command wrote; "
-                            "delete it to measure again") from None  # fmt: skip
+            raise UserError(
+                f"--calibration {path}: not a calibration this command wrote; "
+                "delete it to measure again"
+            ) from None
     data = measure_host()
     if path:
         Path(path).write_text(json.dumps(data, indent=1) + "\n")

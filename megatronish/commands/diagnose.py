@@ -92,8 +92,12 @@ def _invalid(report) -> str | None:
     for entry in report["entries"]:
         if not isinstance(entry, dict) or any(k not in entry for k in _ENTRY_KEYS):
             return f"an entry lacks one of {', '.join(_ENTRY_KEYS)}"
-        types = ((entry["seq"], int), (entry["start"], (int, float)), (entry["group"], str),
-                 (entry["op"], str))  # fmt: skip
+        types = (
+            (entry["seq"], int),
+            (entry["start"], (int, float)),
+            (entry["group"], str),
+            (entry["op"], str),
+        )
         if not all(isinstance(value, t) for value, t in types):
             return f"an entry's seq, start, group or op has the wrong type: {entry}"
     return None

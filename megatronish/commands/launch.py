@@ -46,17 +46,7 @@ def launch(
     """Starts tp * cp * dp * pp / nnodes processes on this node; returns torchrun's exit
     status. With several nodes, waits up to rdzv_timeout seconds for all of them."""
     world = world_size_of(cfg)
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise UserError(f"--node-rank {node_rank} is not valid for --nnodes {nnodes}")
-    if rdzv_timeout < 1:
-        raise UserError(f"--rdzv-timeout {rdzv_timeout}: must be at least 1 (seconds)")
-    if world % nnodes:
-        raise UserError(
-            f"world size tp * cp * dp * pp = {world} is not divisible by --nnodes {nnodes}"
-        )
-    check_config(cfg, world)  # a bad config is one line here, not an error from every rank
-    if cfg.checkpoint.save:
-        ensure_unlocked(checkpoint_dir(cfg))  # another run writing there: one line, too
+    _check_launch(cfg, world, nnodes, node_rank, rdzv_timeout)
     nproc = world // nnodes
     # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -65,25 +55,10 @@ def launch(
         # attempt's keys, so restarted ranks dial the dead ranks' addresses (pytorch#135712):
         # each attempt's rank 0 hosts a fresh store instead.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    args = [
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        f"--signals-to-handle={TORCHRUN_SIGNALS}",
-    ]
     if nnodes > 1:
-        args += [
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rdzv_endpoint}",
-            f"--rdzv-conf=join_timeout={rdzv_timeout}",
-            f"--node-rank={node_rank}",
-        ]
         print(waiting_line(nnodes, node_rank, rdzv_endpoint, rdzv_timeout), file=sys.stderr)
-    else:
-        args += ["--standalone"]
-    args += ["-m", "megatronish", "train", "--config", config_path]
-    for override in overrides:
-        args += ["--set", override]
+    rendezvous = (nnodes, node_rank, rdzv_endpoint, rdzv_timeout)
+    args = torchrun_args(config_path, overrides, nproc, max_restarts, *rendezvous)
     try:
         with faults.forward_stop_signals():
             torchrun.main(args)
@@ -101,6 +76,55 @@ def launch(
         codes = {f.exitcode for f in failures.values()} if failures else {1}
         return codes.pop() if codes in ({2}, {130}) else 1  # a user error, or aborted: theirs
     return 0
+
+
+def _check_launch(cfg: Config, world: int, nnodes: int, node_rank: int, rdzv_timeout: int) -> None:
+    """The options, the config and the checkpoint directory checked before any process starts:
+    a mistake is one line here, not an error from every rank."""
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank {node_rank} is not valid for --nnodes {nnodes}")
+    if rdzv_timeout < 1:
+        raise UserError(f"--rdzv-timeout {rdzv_timeout}: must be at least 1 (seconds)")
+    if world % nnodes:
+        raise UserError(
+            f"world size tp * cp * dp * pp = {world} is not divisible by --nnodes {nnodes}"
+        )
+    check_config(cfg, world)
+    if cfg.checkpoint.save:
+        ensure_unlocked(checkpoint_dir(cfg))  # another run writing there
+
+
+def torchrun_args(
+    config_path: str,
+    overrides: tuple[str, ...],
+    nproc: int,
+    max_restarts: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str,
+    rdzv_timeout: int,
+) -> list[str]:
+    """torchrun's command line that starts `megatronish train` on nproc processes of this node:
+    standalone on one node, else a c10d rendezvous at rdzv_endpoint."""
+    args = [
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        f"--signals-to-handle={TORCHRUN_SIGNALS}",
+    ]
+    if nnodes > 1:
+        args += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--rdzv-conf=join_timeout={rdzv_timeout}",
+            f"--node-rank={node_rank}",
+        ]
+    else:
+        args += ["--standalone"]
+    args += ["-m", "megatronish", "train", "--config", config_path]
+    for override in overrides:
+        args += ["--set", override]
+    return args
 
 
 def waiting_line(nnodes: int, node_rank: int, endpoint: str, timeout_s: int) -> str:

@@ -91,30 +91,34 @@ def target(
         memory = memory_gb or ram / world
         first, _ = cpu_device(measured, world, world)
         return Target(
-            "cpu", memory, first.peak_flops,
+            "cpu",
+            memory,
+            first.peak_flops,
             lambda tp, cp, dp: cpu_device(measured, world, tp * cp * dp),
             f"plan for {world} CPU process(es) on this host ({memory:.1f} GiB each; measured: "
             f"{first.peak_tflops * 1e3:.1f} GFLOP/s fp32 matmul a rank, "
             f"{first.hbm_tb_s * 1e3:.1f} GB/s memory, shared-memory all-reduce "
             f"{first.nvlink_gb_s:.2f} GB/s)",
-        )  # fmt: skip
+        )
     gpu_device = device_named(gpu)
     memory = memory_gb or gpu_device.memory_gb
     return Target(
-        gpu_device.name, memory, gpu_device.peak_flops,
+        gpu_device.name,
+        memory,
+        gpu_device.peak_flops,
         lambda tp, cp, dp: (gpu_device, GPU_EFFICIENCY),
         f"plan for {world} x {gpu_device.name} ({memory:.0f} GiB each, dense bf16 peak "
         f"{gpu_device.peak_tflops:.0f} TFLOP/s, HBM {gpu_device.hbm_tb_s:.2f} TB/s, NVLink "
         f"{gpu_device.nvlink_gb_s:.0f} GB/s and network {gpu_device.network_gb_s:.0f} GB/s per "
         f"GPU and direction, {gpu_device.gpus_per_node} GPUs a node)",
-    )  # fmt: skip
+    )
 
 
 def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
     """(tp, cp, pp) whose product divides the world and leaves a dp that divides the global
     batch (see module doc)."""
     n_kv = cfg.model.n_kv_head or cfg.model.n_head
-    s = cfg.train.seq_len
+    seq_len = cfg.train.seq_len
     out = []
     for tp in (1, 2, 4, 8):
         if cfg.model.n_head % tp or n_kv % tp:
@@ -122,7 +126,9 @@ def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
         if cfg.model.d_ff is not None and cfg.model.d_ff % tp:
             continue
         for cp in (1, 2, 4, 8):
-            if cp > 1 and (s % (2 * cp) or s // cp < MIN_CP_TOKENS or (s // cp) % tp):
+            if cp > 1 and (
+                seq_len % (2 * cp) or seq_len // cp < MIN_CP_TOKENS or (seq_len // cp) % tp
+            ):
                 continue
             for pp in (1, 2, 4, 8, 16, 32, 64):
                 if world % (tp * cp * pp) or pp > cfg.model.n_layer:
@@ -142,20 +148,20 @@ def _variant(cfg: Config, micro_batch: int, virtual: int) -> Config:
     )
 
 
-def _virtuals(cfg: Config, pp: int, m: int) -> list[int]:
+def _virtuals(cfg: Config, pp: int, micro_batches: int) -> list[int]:
     if pp == 1:
         return [1]
-    n = cfg.model.n_layer
-    return [v for v in VIRTUAL if v == 1 or (n % (pp * v) == 0 and m % pp == 0)]
+    n_layer = cfg.model.n_layer
+    return [v for v in VIRTUAL if v == 1 or (n_layer % (pp * v) == 0 and micro_batches % pp == 0)]
 
 
 def _row(cfg: Config, world: int, layout: tuple, tgt: Target, budget: float, **changes) -> Row:
     tp, cp, pp, ep = layout
     device, eff = tgt.device(tp, cp, world // (tp * cp * pp))
     memory = estimate(cfg, world, tp, pp, cp, ep, **changes)
-    layout_cfg, d = layout_config(cfg, world, tp, pp, cp, ep, **changes)
-    time = step_time(layout_cfg, d, device, eff) if memory.total_gb <= budget else None
-    ring = ring_ratio(layout_cfg, d, tgt.peak_flops, device.nvlink_gb_s)
+    layout_cfg, derived = layout_config(cfg, world, tp, pp, cp, ep, **changes)
+    time = step_time(layout_cfg, derived, device, eff) if memory.total_gb <= budget else None
+    ring = ring_ratio(layout_cfg, derived, tgt.peak_flops, device.nvlink_gb_s)
     return Row(layout_cfg, memory, time, ring)
 
 
@@ -179,16 +185,23 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
         for mb in micro:
             if cfg.train.global_batch_size % (mb * dp):
                 continue
-            m = cfg.train.global_batch_size // (mb * dp)
-            for v in _virtuals(cfg, pp, m):
+            micro_batches = cfg.train.global_batch_size // (mb * dp)
+            for v in _virtuals(cfg, pp, micro_batches):
                 variant = _variant(cfg, mb, v)
                 for recompute in RECOMPUTE:
                     key = (layout, mb, v, recompute)
                     if key in seen:
                         continue
                     seen.add(key)
-                    row = _row(variant, world, layout, tgt, budget, zero=zero,
-                               activation_checkpointing=recompute)  # fmt: skip
+                    row = _row(
+                        variant,
+                        world,
+                        layout,
+                        tgt,
+                        budget,
+                        zero=zero,
+                        activation_checkpointing=recompute,
+                    )
                     if row.time is not None:
                         fits.append(row)
     fits.sort(key=lambda r: (round(r.time.step_time_s, 9), r.memory.total_gb))
@@ -229,29 +242,35 @@ def fixed_layout(cfg: Config, world: int, text: str, tgt: Target) -> Row:
     recompute, precision, sequence parallelism and ZeRO as given."""
     values = parse_layout(text, world)
     parallel = dataclasses.replace(
-        cfg.parallel, tp=values["tp"], pp=values["pp"], cp=values["cp"], dp=values["dp"],
-        ep=values["ep"], pp_virtual=values["v"], pp_layers=None,
+        cfg.parallel,
+        tp=values["tp"],
+        pp=values["pp"],
+        cp=values["cp"],
+        dp=values["dp"],
+        ep=values["ep"],
+        pp_virtual=values["v"],
+        pp_layers=None,
         sequence_parallel=cfg.parallel.sequence_parallel and values["tp"] > 1,
-    )  # fmt: skip
+    )
     layout_cfg = dataclasses.replace(cfg, parallel=parallel)
     try:
-        d = derive(layout_cfg, world, vocab_size=cfg.model.vocab_size)
+        derived = derive(layout_cfg, world, vocab_size=cfg.model.vocab_size)
     except UserError as exc:
         raise UserError(f"--layout {text!r}: {exc}") from None
-    device, eff = tgt.device(d.tp, d.cp, d.dp)
+    device, eff = tgt.device(derived.tp, derived.cp, derived.dp)
     memory = estimate(
         layout_cfg,
         world,
-        d.tp,
-        d.pp,
-        d.cp,
-        d.ep,
+        derived.tp,
+        derived.pp,
+        derived.cp,
+        derived.ep,
         sequence_parallel=parallel.sequence_parallel,
         zero=cfg.optim.zero,
         activation_checkpointing=cfg.train.activation_checkpointing,
     )
-    ring = ring_ratio(layout_cfg, d, tgt.peak_flops, device.nvlink_gb_s)
-    return Row(layout_cfg, memory, step_time(layout_cfg, d, device, eff), ring)
+    ring = ring_ratio(layout_cfg, derived, tgt.peak_flops, device.nvlink_gb_s)
+    return Row(layout_cfg, memory, step_time(layout_cfg, derived, device, eff), ring)
 
 
 def plan(

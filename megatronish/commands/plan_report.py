@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from megatronish.accounting.step_time import PARTS
+from megatronish.accounting.step_time import PARTS, StepTime
 from megatronish.config import Config
 
 SHOWN = 12  # fastest layouts listed
@@ -25,32 +25,38 @@ SHORT = {
 
 
 def _layout(row) -> dict:
-    p, t = row.cfg.parallel, row.cfg.train
+    parallel, train = row.cfg.parallel, row.cfg.train
     return {
-        "tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp, "v": row.memory.pp_virtual, "ep": p.ep,
-        "micro_batch_size": t.micro_batch_size,
-        "activation_checkpointing": t.activation_checkpointing,
-        "sequence_parallel": bool(p.sequence_parallel and p.tp > 1), "zero": row.cfg.optim.zero,
-    }  # fmt: skip
+        "tp": parallel.tp,
+        "cp": parallel.cp,
+        "dp": parallel.dp,
+        "pp": parallel.pp,
+        "v": row.memory.pp_virtual,
+        "ep": parallel.ep,
+        "micro_batch_size": train.micro_batch_size,
+        "activation_checkpointing": train.activation_checkpointing,
+        "sequence_parallel": bool(parallel.sequence_parallel and parallel.tp > 1),
+        "zero": row.cfg.optim.zero,
+    }
 
 
 def as_json(row, gpu: str, world: int, budget: float) -> str:
     """One JSON object: the layout, its memory and its predicted step."""
-    t = row.time
+    predicted = row.time
     return json.dumps(
         {
             "gpu": gpu,
             "gpus": world,
             "layout": _layout(row),
-            "step_time_s": t.step_time_s,
-            "tokens_per_s": t.tokens_per_s,
-            "model_tflops_per_gpu": t.model_tflops_per_gpu,
-            "hardware_tflops_per_gpu": t.hardware_tflops_per_gpu,
-            "mfu": t.mfu,
-            "hfu": t.hfu,
+            "step_time_s": predicted.step_time_s,
+            "tokens_per_s": predicted.tokens_per_s,
+            "model_tflops_per_gpu": predicted.model_tflops_per_gpu,
+            "hardware_tflops_per_gpu": predicted.hardware_tflops_per_gpu,
+            "mfu": predicted.mfu,
+            "hfu": predicted.hfu,
             "memory_gb": row.memory.total_gb,
             "fits": row.memory.total_gb <= budget,
-            "breakdown": t.breakdown,
+            "breakdown": predicted.breakdown,
             "units": {
                 "memory_gb": "GiB (2^30 bytes) per rank, of the fullest pipeline stage",
                 "breakdown": "seconds per step, summing to step_time_s",
@@ -61,11 +67,11 @@ def as_json(row, gpu: str, world: int, budget: float) -> str:
     )
 
 
-def _time_cells(t) -> str:
+def _time_cells(step: StepTime) -> str:
     return (
-        f"{t.step_time_s:>9.4g} {t.tokens_per_s:>10.0f} {t.model_tflops_per_gpu:>7.4g} "
-        f"{t.hardware_tflops_per_gpu:>7.4g} {100 * t.mfu:>5.1f} {100 * t.hfu:>5.1f} "
-        + " ".join(f"{1e3 * t.breakdown[p]:>8.1f}" for p in PARTS)
+        f"{step.step_time_s:>9.4g} {step.tokens_per_s:>10.0f} {step.model_tflops_per_gpu:>7.4g} "
+        f"{step.hardware_tflops_per_gpu:>7.4g} {100 * step.mfu:>5.1f} {100 * step.hfu:>5.1f} "
+        + " ".join(f"{1e3 * step.breakdown[p]:>8.1f}" for p in PARTS)
     )
 
 
@@ -83,8 +89,8 @@ TIME_LEGEND = (
 
 def one_layout(row, title: str, budget: float) -> str:
     """One layout as text: memory per rank and the predicted step."""
-    e, lay = row.memory, _layout(row)
-    fits = "fits" if e.total_gb <= budget else f"does NOT fit {budget:.1f} GiB"
+    memory, lay = row.memory, _layout(row)
+    fits = "fits" if memory.total_gb <= budget else f"does NOT fit {budget:.1f} GiB"
     return "\n".join(
         [
             title,
@@ -93,12 +99,12 @@ def one_layout(row, title: str, budget: float) -> str:
             + " ".join(f"{k}={lay[k]}" for k in ("tp", "pp", "v", "cp", "dp", "ep"))
             + f", micro-batch {lay['micro_batch_size']}, recompute "
             f"{lay['activation_checkpointing']}",
-            f"memory per rank (GiB = 2^30 bytes, fullest stage): {e.total_gb:.2f} ({fits}): "
-            f"weights {e.weights_gb:.2f}, gradients {e.grads_gb:.2f}, AdamW "
-            f"{e.optimizer_gb:.2f}"
-            + (f", gathered in a step {e.gathered_gb:.2f}" if e.gathered_gb else "")
-            + f" (optim.zero={lay['zero']}), activations {e.activations_gb:.2f}, logits "
-            f"{e.logits_gb:.2f}",
+            f"memory per rank (GiB = 2^30 bytes, fullest stage): {memory.total_gb:.2f} ({fits}): "
+            f"weights {memory.weights_gb:.2f}, gradients {memory.grads_gb:.2f}, AdamW "
+            f"{memory.optimizer_gb:.2f}"
+            + (f", gathered in a step {memory.gathered_gb:.2f}" if memory.gathered_gb else "")
+            + f" (optim.zero={lay['zero']}), activations {memory.activations_gb:.2f}, logits "
+            f"{memory.logits_gb:.2f}",
             TIME_HEADER,
             _time_cells(row.time),
             TIME_LEGEND,
@@ -112,10 +118,23 @@ def report(
     """The search's report (see module doc)."""
     moe = cfg.model.moe.num_experts > 0
     zero = max(1, cfg.optim.zero)  # plan's ZeRO level (search)
+    lines = [title, "", *_table_lines(cfg, table, budget, moe, zero)]
+    lines += _fastest_lines(fits, budget, show, zero)
+    if not fits:
+        lines.append(
+            f"does not fit: no layout stays under {budget:.1f} GiB per rank; use more GPUs, a "
+            "smaller train.micro_batch_size or a GPU with more memory"
+        )
+        return "\n".join(lines)
+    lines.append(_recommendation(fits[0], moe))
+    return "\n".join(lines)
+
+
+def _table_lines(cfg: Config, table: list, budget: float, moe: bool, zero: int) -> list[str]:
+    """Every layout of the search at the config's micro-batch and recompute: its memory, its
+    traffic and, where it fits, its predicted step."""
     gathered = zero >= 2
     lines = [
-        title,
-        "",
         f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} "
         + (f"{'ep':>3} {'experts':>8} " if moe else "")
         + f"{'bubble':>6} {'v':>2} {'ring':>5} {'sp':>3} {'recompute':>9} "
@@ -130,28 +149,35 @@ def report(
         "ring: cp transfer / block compute; step s: predicted seconds per step where it fits)",
     ]
     for row in table:
-        e = row.memory
-        mark = "  <- fits" if e.total_gb <= budget else ""
+        memory = row.memory
+        mark = "  <- fits" if memory.total_gb <= budget else ""
         ring = "-" if row.ring_ratio is None else f"{row.ring_ratio:.2f}"
-        experts = f"{e.ep:>3} {e.expert_gb:>8.2f} " if moe else ""
+        experts = f"{memory.ep:>3} {memory.expert_gb:>8.2f} " if moe else ""
         step = "-" if row.time is None else f"{row.time.step_time_s:.3f}"
         lines.append(
-            f"{e.tp:>3} {e.cp:>3} {e.dp:>4} {e.pp:>3} {experts}{e.bubble:>6.2f} "
-            f"{e.pp_virtual:>2} {ring:>5} {'y' if e.sequence_parallel else 'n':>3} "
-            f"{e.activation_checkpointing:>9} {e.weights_gb:>8.2f} {e.grads_gb:>7.2f} "
-            f"{e.optimizer_gb:>7.2f} "
-            + (f"{e.gathered_gb:>7.2f} " if gathered else "")
-            + f"{e.activations_gb:>8.2f} {e.logits_gb:>7.2f} "
-            f"{e.total_gb:>7.2f} {e.comm_gb_per_step:>8.2f} {step:>8}{mark}"
+            f"{memory.tp:>3} {memory.cp:>3} {memory.dp:>4} {memory.pp:>3} {experts}"
+            f"{memory.bubble:>6.2f} {memory.pp_virtual:>2} {ring:>5} "
+            f"{'y' if memory.sequence_parallel else 'n':>3} "
+            f"{memory.activation_checkpointing:>9} {memory.weights_gb:>8.2f} "
+            f"{memory.grads_gb:>7.2f} {memory.optimizer_gb:>7.2f} "
+            + (f"{memory.gathered_gb:>7.2f} " if gathered else "")
+            + f"{memory.activations_gb:>8.2f} {memory.logits_gb:>7.2f} "
+            f"{memory.total_gb:>7.2f} {memory.comm_gb_per_step:>8.2f} {step:>8}{mark}"
         )
-    lines += ["", f"fastest layouts that fit {budget:.1f} GiB per rank ({min(show, len(fits))} "
-              f"of the {len(fits)} that fit, --show N for more; "
-              "searching tp, cp, pp, v, dp, ep, micro-batch, recompute; sequence parallel at "
-              f"tp > 1, ZeRO-{zero}):"]  # fmt: skip
-    lines.append(
+    return lines
+
+
+def _fastest_lines(fits: list, budget: float, show: int, zero: int) -> list[str]:
+    """The `show` fastest layouts that fit, with the legend of their columns."""
+    lines = [
+        "",
+        f"fastest layouts that fit {budget:.1f} GiB per rank ({min(show, len(fits))} "
+        f"of the {len(fits)} that fit, --show N for more; "
+        "searching tp, cp, pp, v, dp, ep, micro-batch, recompute; sequence parallel at "
+        f"tp > 1, ZeRO-{zero}):",
         f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} {'v':>2} {'ep':>3} {'mb':>3} {'recompute':>9} "
-        f"{'GiB':>6} " + TIME_HEADER
-    )
+        f"{'GiB':>6} " + TIME_HEADER,
+    ]
     for row in fits[:show]:
         lay = _layout(row)
         lines.append(
@@ -159,16 +185,13 @@ def report(
             f"{lay['ep']:>3} {lay['micro_batch_size']:>3} {lay['activation_checkpointing']:>9} "
             f"{row.memory.total_gb:>6.2f} " + _time_cells(row.time)
         )
-    lines += [TIME_LEGEND, ""]
-    if not fits:
-        lines.append(
-            f"does not fit: no layout stays under {budget:.1f} GiB per rank; use more GPUs, a "
-            "smaller train.micro_batch_size or a GPU with more memory"
-        )
-        return "\n".join(lines)
-    best, lay = fits[0], _layout(fits[0])
-    t = best.time
-    lines.append(
+    return [*lines, TIME_LEGEND, ""]
+
+
+def _recommendation(best, moe: bool) -> str:
+    """The --set options of the fastest layout that fits, with its memory and its step."""
+    lay, predicted = _layout(best), best.time
+    return (
         f"recommended: --set parallel.tp={lay['tp']} --set parallel.cp={lay['cp']} "
         f"--set parallel.dp={lay['dp']} --set parallel.pp={lay['pp']} "
         + (f"--set parallel.ep={lay['ep']} " if moe else "")
@@ -176,8 +199,7 @@ def report(
         + f"--set parallel.sequence_parallel={str(lay['sequence_parallel']).lower()} "
         f"--set optim.zero={lay['zero']} --set train.micro_batch_size={lay['micro_batch_size']} "
         f"--set train.activation_checkpointing={lay['activation_checkpointing']} "
-        f"({best.memory.total_gb:.3g} GiB per rank; predicted {t.step_time_s:.4g} s per step, "
-        f"{t.tokens_per_s:,.0f} tokens/s, {t.model_tflops_per_gpu:.4g} model TFLOP/s per GPU, "
-        f"MFU {100 * t.mfu:.1f}%)"
+        f"({best.memory.total_gb:.3g} GiB per rank; predicted {predicted.step_time_s:.4g} s per "
+        f"step, {predicted.tokens_per_s:,.0f} tokens/s, {predicted.model_tflops_per_gpu:.4g} "
+        f"model TFLOP/s per GPU, MFU {100 * predicted.mfu:.1f}%)"
     )
-    return "\n".join(lines)

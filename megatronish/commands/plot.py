@@ -94,9 +94,12 @@ def _phase_panels(ax_time, ax_memory, records: list[dict]) -> None:
             continue
         line = ax_time.plot(steps, [s["median"] for s in stats], label=name.removesuffix("_s"))
         ax_time.fill_between(
-            steps, [s["min"] for s in stats], [s["max"] for s in stats],
-            color=line[0].get_color(), alpha=0.2,
-        )  # fmt: skip
+            steps,
+            [s["min"] for s in stats],
+            [s["max"] for s in stats],
+            color=line[0].get_color(),
+            alpha=0.2,
+        )
     ax_time.set_ylabel("s per step (ranks:\nmedian, min-max)")
     ax_time.legend(fontsize="small", ncol=3)
     memory = [r["phases"]["peak_memory"] for r in records]

@@ -17,66 +17,91 @@ def require(cond: bool, message: str) -> None:
 
 def check_values(cfg: Config) -> None:
     """Ranges of single values; checks between values and the world size are in `derive`."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _check_sizes(cfg)
+    _check_ranges(cfg)
+    check_moe_values(cfg)
+    observe = cfg.observe
+    require(
+        observe.straggler_ratio > 1,
+        f"observe.straggler_ratio: {observe.straggler_ratio} must be > 1",
+    )
+    require(
+        observe.flight_recorder >= 0,
+        f"observe.flight_recorder: {observe.flight_recorder} must be >= 0",
+    )
+    profile_steps(cfg)
+    profile_ranks(cfg)
+
+
+def _check_sizes(cfg: Config) -> None:
+    """The counts and sizes: positive integers (or null where the config may leave one unset)."""
+    model, parallel, train = cfg.model, cfg.parallel, cfg.train
     for key, value in [
-        ("model.n_layer", m.n_layer),
-        ("model.n_head", m.n_head),
-        ("model.d_model", m.d_model),
-        ("model.max_seq_len", m.max_seq_len),
-        ("parallel.tp", p.tp),
-        ("parallel.pp", p.pp),
-        ("parallel.pp_virtual", p.pp_virtual),
-        ("parallel.cp", p.cp),
-        ("parallel.ep", p.ep),
-        ("model.moe.top_k", m.moe.top_k),
-        ("model.moe.every", m.moe.every),
-        ("train.steps", t.steps),
-        ("train.micro_batch_size", t.micro_batch_size),
-        ("train.global_batch_size", t.global_batch_size),
-        ("train.seq_len", t.seq_len),
-        ("train.log_every", t.log_every),
-        ("train.max_skipped_steps", t.max_skipped_steps),
+        ("model.n_layer", model.n_layer),
+        ("model.n_head", model.n_head),
+        ("model.d_model", model.d_model),
+        ("model.max_seq_len", model.max_seq_len),
+        ("parallel.tp", parallel.tp),
+        ("parallel.pp", parallel.pp),
+        ("parallel.pp_virtual", parallel.pp_virtual),
+        ("parallel.cp", parallel.cp),
+        ("parallel.ep", parallel.ep),
+        ("model.moe.top_k", model.moe.top_k),
+        ("model.moe.every", model.moe.every),
+        ("train.steps", train.steps),
+        ("train.micro_batch_size", train.micro_batch_size),
+        ("train.global_batch_size", train.global_batch_size),
+        ("train.seq_len", train.seq_len),
+        ("train.log_every", train.log_every),
+        ("train.max_skipped_steps", train.max_skipped_steps),
     ]:
         require(value >= 1, f"{key}: {value} is not valid; must be a positive integer")
     for key, value in [
-        ("model.n_kv_head", m.n_kv_head),
-        ("model.d_ff", m.d_ff),
-        ("model.vocab_size", m.vocab_size),
-        ("model.moe.d_ff", m.moe.d_ff),
-        ("parallel.dp", p.dp),
+        ("model.n_kv_head", model.n_kv_head),
+        ("model.d_ff", model.d_ff),
+        ("model.vocab_size", model.vocab_size),
+        ("model.moe.d_ff", model.moe.d_ff),
+        ("parallel.dp", parallel.dp),
     ]:
         require(value is None or value >= 1, f"{key}: {value} is not valid; must be >= 1 or null")
-    require(0.0 <= m.dropout < 1.0, f"model.dropout: {m.dropout} is not valid; must be in [0, 1)")
-    require(m.norm_eps > 0, f"model.norm_eps: {m.norm_eps} must be > 0")
-    require(t.lr > 0, f"train.lr: {t.lr} must be > 0")
-    require(0 <= t.min_lr <= t.lr, f"train.min_lr: {t.min_lr} must be in [0, train.lr={t.lr}]")
-    require(t.warmup_steps >= 0, f"train.warmup_steps: {t.warmup_steps} must be >= 0")
-    require(t.weight_decay >= 0, f"train.weight_decay: {t.weight_decay} must be >= 0")
-    require(t.grad_clip >= 0, f"train.grad_clip: {t.grad_clip} must be >= 0 (0 disables)")
-    require(t.eval_every >= 0, f"train.eval_every: {t.eval_every} must be >= 0 (0: never)")
-    require(t.eval_steps >= 1, f"train.eval_steps: {t.eval_steps} must be >= 1")
+
+
+def _check_ranges(cfg: Config) -> None:
+    """The rates, intervals, limits and epsilons, and the sequence and kv heads the model
+    allows."""
+    model, train = cfg.model, cfg.train
+    require(
+        0.0 <= model.dropout < 1.0,
+        f"model.dropout: {model.dropout} is not valid; must be in [0, 1)",
+    )
+    require(model.norm_eps > 0, f"model.norm_eps: {model.norm_eps} must be > 0")
+    require(train.lr > 0, f"train.lr: {train.lr} must be > 0")
+    require(
+        0 <= train.min_lr <= train.lr,
+        f"train.min_lr: {train.min_lr} must be in [0, train.lr={train.lr}]",
+    )
+    require(train.warmup_steps >= 0, f"train.warmup_steps: {train.warmup_steps} must be >= 0")
+    require(train.weight_decay >= 0, f"train.weight_decay: {train.weight_decay} must be >= 0")
+    require(train.grad_clip >= 0, f"train.grad_clip: {train.grad_clip} must be >= 0 (0 disables)")
+    require(train.eval_every >= 0, f"train.eval_every: {train.eval_every} must be >= 0 (0: never)")
+    require(train.eval_steps >= 1, f"train.eval_steps: {train.eval_steps} must be >= 1")
     require(cfg.checkpoint.every >= 0, f"checkpoint.every: {cfg.checkpoint.every} must be >= 0")
     require(cfg.checkpoint.keep >= 0, f"checkpoint.keep: {cfg.checkpoint.keep} must be >= 0")
-    require(p.timeout_s > 0, f"parallel.timeout_s: {p.timeout_s} must be > 0")
+    timeout_s = cfg.parallel.timeout_s
+    require(timeout_s > 0, f"parallel.timeout_s: {timeout_s} must be > 0")
     require(cfg.optim.bucket_mb > 0, f"optim.bucket_mb: {cfg.optim.bucket_mb} must be > 0")
     require(
         0 < cfg.optim.beta1 < 1 and 0 < cfg.optim.beta2 < 1,
         "optim.beta1 and optim.beta2 must be in (0, 1)",
     )
     require(
-        t.seq_len <= m.max_seq_len,
-        f"train.seq_len: {t.seq_len} is longer than model.max_seq_len={m.max_seq_len}",
+        train.seq_len <= model.max_seq_len,
+        f"train.seq_len: {train.seq_len} is longer than model.max_seq_len={model.max_seq_len}",
     )
     require(
-        m.arch != "gpt2" or m.n_kv_head in (None, m.n_head),
-        f"model.n_kv_head: gpt2 uses n_kv_head = n_head = {m.n_head}; got {m.n_kv_head}",
+        model.arch != "gpt2" or model.n_kv_head in (None, model.n_head),
+        f"model.n_kv_head: gpt2 uses n_kv_head = n_head = {model.n_head}; got {model.n_kv_head}",
     )
-    check_moe_values(cfg)
-    o = cfg.observe
-    require(o.straggler_ratio > 1, f"observe.straggler_ratio: {o.straggler_ratio} must be > 1")
-    require(o.flight_recorder >= 0, f"observe.flight_recorder: {o.flight_recorder} must be >= 0")
-    profile_steps(cfg)
-    profile_ranks(cfg)
 
 
 def check_moe_values(cfg: Config) -> None:

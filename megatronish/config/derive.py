@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronish.config.checks import divisors, require
-from megatronish.config.schema import Config
+from megatronish.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 
 VOCAB_PAD_MULTIPLE = 128
 
@@ -77,21 +77,21 @@ def virtual_stages(cfg: Config) -> int:
 def chunk_layers(cfg: Config) -> tuple[int, ...]:
     """Transformer layers per model chunk (pp x pp_virtual chunks; per stage at pp_virtual 1):
     parallel.pp_layers, or an even split, earlier chunks taking the remainder."""
-    n, pp, spec = cfg.model.n_layer, cfg.parallel.pp, cfg.parallel.pp_layers
+    n_layer, pp, spec = cfg.model.n_layer, cfg.parallel.pp, cfg.parallel.pp_layers
     virtual = virtual_stages(cfg)
     chunks = pp * virtual
     if virtual == 1:
         require(
-            n >= pp,
-            f"parallel.pp: {pp} stages need at least {pp} layers; model.n_layer is {n}",
+            n_layer >= pp,
+            f"parallel.pp: {pp} stages need at least {pp} layers; model.n_layer is {n_layer}",
         )
     else:
         require(
-            n >= chunks,
+            n_layer >= chunks,
             f"parallel.pp_virtual: {pp} stages x {virtual} chunks need at least {chunks} layers; "
-            f"model.n_layer is {n}",
+            f"model.n_layer is {n_layer}",
         )
-    base, extra = divmod(n, chunks)
+    base, extra = divmod(n_layer, chunks)
     even = tuple(base + (1 if chunk < extra else 0) for chunk in range(chunks))
     if spec is None:
         return even
@@ -101,111 +101,42 @@ def chunk_layers(cfg: Config) -> tuple[int, ...]:
         layers = ()
     what = f"{pp}" if virtual == 1 else f"{chunks} (parallel.pp x parallel.pp_virtual)"
     require(
-        len(layers) == chunks and all(x >= 1 for x in layers) and sum(layers) == n,
+        len(layers) == chunks and all(x >= 1 for x in layers) and sum(layers) == n_layer,
         f"parallel.pp_layers: {spec!r} is not valid; expected {what} positive integers, "
-        f'comma-separated, that sum to model.n_layer={n} (e.g. "{",".join(map(str, even))}")',
+        f'comma-separated, that sum to model.n_layer={n_layer} (e.g. "{",".join(map(str, even))}")',
     )
     return layers
 
 
 def world_size_of(cfg: Config) -> int:
     """The processes a config asks for: tp * cp * pp * (parallel.dp, or 1 when unset)."""
-    p = cfg.parallel
-    return p.tp * p.cp * p.pp * (p.dp or 1)
+    parallel = cfg.parallel
+    return parallel.tp * parallel.cp * parallel.pp * (parallel.dp or 1)
 
 
 def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Derived:
     """Every derived size, after the checks between values; vocab_size is the dataset's when the
     config leaves model.vocab_size unset."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, pp, cp = p.tp, p.pp, p.cp
-    require(world_size >= 1, f"world size {world_size} is not valid; must be >= 1")
-    require(
-        world_size % (tp * cp * pp) == 0,
-        f"world size {world_size} is not divisible by parallel.tp * parallel.cp * parallel.pp = "
-        f"{tp} * {cp} * {pp} = {tp * cp * pp}",
-    )
-    dp = p.dp if p.dp is not None else world_size // (tp * cp * pp)
-    require(
-        tp * cp * dp * pp == world_size,
-        f"world size {world_size} != parallel.tp * parallel.cp * parallel.dp * parallel.pp = "
-        f"{tp} * {cp} * {dp} * {pp}; launch {tp * cp * dp * pp} processes or change parallel.dp",
-    )
+    model, parallel, train = cfg.model, cfg.parallel, cfg.train
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    dp = _data_parallel_degree(parallel, world_size)
     if cp > 1:
-        require(
-            t.seq_len % (2 * cp) == 0,
-            f"train.seq_len: {t.seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp "
-            f"rank holds two chunks of every sequence); valid: a multiple of {2 * cp}",
-        )
-        require(
-            m.dropout == 0,
-            f"model.dropout: {m.dropout} is not supported with parallel.cp={cp} (ring attention "
-            "has no attention dropout); set model.dropout=0 or parallel.cp=1",
-        )
-    n_kv = m.n_kv_head if m.n_kv_head is not None else m.n_head
-    require(
-        m.n_head % tp == 0,
-        f"model.n_head: {m.n_head} is not divisible by parallel.tp={tp}; "
-        f"valid tp: {', '.join(str(d) for d in divisors(m.n_head))}",
-    )
-    require(
-        m.n_head % n_kv == 0, f"model.n_kv_head: {n_kv} does not divide model.n_head={m.n_head}"
-    )
-    require(
-        n_kv % tp == 0,
-        f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; "
-        f"valid tp: {', '.join(str(d) for d in divisors(n_kv))}",
-    )
-    require(
-        m.d_model % m.n_head == 0,
-        f"model.d_model: {m.d_model} is not divisible by model.n_head={m.n_head}",
-    )
-    head_dim = m.d_model // m.n_head
-    if m.arch == "llama":
-        require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
-    if m.d_ff is not None:
-        d_ff = m.d_ff
-    elif m.arch == "gpt2":
-        d_ff = 4 * m.d_model
-    else:
-        d_ff = -(-(8 * m.d_model // 3) // 256) * 256
-    require(d_ff % tp == 0, f"model.d_ff: {d_ff} is not divisible by parallel.tp={tp}")
-    micro_total = t.micro_batch_size * dp
-    require(
-        t.global_batch_size % micro_total == 0,
-        f"train.global_batch_size: {t.global_batch_size} is not divisible by "
-        f"train.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {micro_total}",
-    )
-    vocab = m.vocab_size if m.vocab_size is not None else vocab_size
+        _check_context_parallel(cfg)
+    n_kv, head_dim = _head_sizes(model, tp)
+    d_ff = _ffn_size(model, tp)
+    accum = _grad_accum_steps(train, dp)
+    vocab = model.vocab_size if model.vocab_size is not None else vocab_size
     require(vocab is not None, "model.vocab_size: not set and no dataset to take it from")
-    tie = m.tie_embeddings if m.tie_embeddings is not None else m.arch == "gpt2"
+    tie = model.tie_embeddings if model.tie_embeddings is not None else model.arch == "gpt2"
     require(
-        not (p.sequence_parallel and tp > 1 and (t.seq_len // cp) % tp != 0),
-        f"train.seq_len: {t.seq_len} / parallel.cp={cp} must be divisible by parallel.tp={tp} "
-        "with sequence_parallel",
+        not (parallel.sequence_parallel and tp > 1 and (train.seq_len // cp) % tp != 0),
+        f"train.seq_len: {train.seq_len} / parallel.cp={cp} must be divisible by "
+        f"parallel.tp={tp} with sequence_parallel",
     )
-    accum = t.global_batch_size // micro_total
     virtual = virtual_stages(cfg)
     if virtual > 1:
-        valid = micro_total * pp * max(1, -(-accum // pp))
-        require(
-            accum % pp == 0,
-            f"parallel.pp_virtual: {virtual} (interleaved) needs the micro-batches per step, "
-            f"train.global_batch_size / (train.micro_batch_size * dp) = {accum}, to be a multiple "
-            f"of parallel.pp={pp}; e.g. train.global_batch_size={valid}",
-        )
-    moe_d_ff = 0
-    if m.moe.num_experts > 0:
-        ep = p.ep
-        require(
-            dp % ep == 0,
-            f"parallel.ep: {ep} does not divide the data-parallel degree {dp} (experts are split "
-            f"over ep of the dp ranks); valid ep: {', '.join(str(d) for d in divisors(dp))}",
-        )
-        moe_d_ff = m.moe.d_ff if m.moe.d_ff is not None else d_ff
-        require(
-            moe_d_ff % tp == 0, f"model.moe.d_ff: {moe_d_ff} is not divisible by parallel.tp={tp}"
-        )
+        _check_interleaving(train, dp, pp, virtual, accum)
+    moe_d_ff = _expert_ffn_size(model, parallel, dp, d_ff) if model.moe.num_experts > 0 else 0
     chunks = chunk_layers(cfg)
     return Derived(
         world_size=world_size,
@@ -219,12 +150,124 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         vocab_size=vocab,
         padded_vocab_size=padded_vocab(vocab, tp),
         tie_embeddings=tie,
-        tokens_per_step=t.global_batch_size * t.seq_len,
+        tokens_per_step=train.global_batch_size * train.seq_len,
         stage_layers=tuple(sum(chunks[r::pp]) for r in range(pp)),
         cp=cp,
         pp_virtual=virtual,
         chunk_layers=chunks,
-        ep=p.ep if m.moe.num_experts > 0 else 1,
+        ep=parallel.ep if model.moe.num_experts > 0 else 1,
         moe_layers=moe_layers(cfg),
         moe_d_ff=moe_d_ff,
     )
+
+
+def _data_parallel_degree(parallel: ParallelConfig, world_size: int) -> int:
+    """parallel.dp, or the world size's share left by tp x cp x pp, once the world fits."""
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    require(world_size >= 1, f"world size {world_size} is not valid; must be >= 1")
+    require(
+        world_size % (tp * cp * pp) == 0,
+        f"world size {world_size} is not divisible by parallel.tp * parallel.cp * parallel.pp = "
+        f"{tp} * {cp} * {pp} = {tp * cp * pp}",
+    )
+    dp = parallel.dp if parallel.dp is not None else world_size // (tp * cp * pp)
+    require(
+        tp * cp * dp * pp == world_size,
+        f"world size {world_size} != parallel.tp * parallel.cp * parallel.dp * parallel.pp = "
+        f"{tp} * {cp} * {dp} * {pp}; launch {tp * cp * dp * pp} processes or change parallel.dp",
+    )
+    return dp
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """What parallel.cp > 1 needs of the sequence length and dropout."""
+    cp, seq_len, dropout = cfg.parallel.cp, cfg.train.seq_len, cfg.model.dropout
+    require(
+        seq_len % (2 * cp) == 0,
+        f"train.seq_len: {seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp "
+        f"rank holds two chunks of every sequence); valid: a multiple of {2 * cp}",
+    )
+    require(
+        dropout == 0,
+        f"model.dropout: {dropout} is not supported with parallel.cp={cp} (ring attention "
+        "has no attention dropout); set model.dropout=0 or parallel.cp=1",
+    )
+
+
+def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
+    """(kv heads, head dim), once the heads split over tp and into the kv groups."""
+    n_kv = model.n_kv_head if model.n_kv_head is not None else model.n_head
+    require(
+        model.n_head % tp == 0,
+        f"model.n_head: {model.n_head} is not divisible by parallel.tp={tp}; "
+        f"valid tp: {', '.join(str(d) for d in divisors(model.n_head))}",
+    )
+    require(
+        model.n_head % n_kv == 0,
+        f"model.n_kv_head: {n_kv} does not divide model.n_head={model.n_head}",
+    )
+    require(
+        n_kv % tp == 0,
+        f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; "
+        f"valid tp: {', '.join(str(d) for d in divisors(n_kv))}",
+    )
+    require(
+        model.d_model % model.n_head == 0,
+        f"model.d_model: {model.d_model} is not divisible by model.n_head={model.n_head}",
+    )
+    head_dim = model.d_model // model.n_head
+    if model.arch == "llama":
+        require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
+    return n_kv, head_dim
+
+
+def _ffn_size(model: ModelConfig, tp: int) -> int:
+    """model.d_ff, or the architecture's default (4 d_model; Llama's 8/3 d_model rounded up to
+    a multiple of 256), once it splits over tp."""
+    if model.d_ff is not None:
+        d_ff = model.d_ff
+    elif model.arch == "gpt2":
+        d_ff = 4 * model.d_model
+    else:
+        d_ff = -(-(8 * model.d_model // 3) // 256) * 256
+    require(d_ff % tp == 0, f"model.d_ff: {d_ff} is not divisible by parallel.tp={tp}")
+    return d_ff
+
+
+def _grad_accum_steps(train: TrainConfig, dp: int) -> int:
+    """Micro-batches per step on each dp rank, once the global batch splits into them."""
+    micro_total = train.micro_batch_size * dp
+    require(
+        train.global_batch_size % micro_total == 0,
+        f"train.global_batch_size: {train.global_batch_size} is not divisible by "
+        f"train.micro_batch_size * dp = {train.micro_batch_size} * {dp} = {micro_total}",
+    )
+    return train.global_batch_size // micro_total
+
+
+def _check_interleaving(train: TrainConfig, dp: int, pp: int, virtual: int, accum: int) -> None:
+    """What the interleaved schedule (virtual > 1 chunks a stage) needs of the micro-batches."""
+    micro_total = train.micro_batch_size * dp
+    valid = micro_total * pp * max(1, -(-accum // pp))
+    require(
+        accum % pp == 0,
+        f"parallel.pp_virtual: {virtual} (interleaved) needs the micro-batches per step, "
+        f"train.global_batch_size / (train.micro_batch_size * dp) = {accum}, to be a multiple "
+        f"of parallel.pp={pp}; e.g. train.global_batch_size={valid}",
+    )
+
+
+def _expert_ffn_size(model: ModelConfig, parallel: ParallelConfig, dp: int, d_ff: int) -> int:
+    """model.moe.d_ff (default: the dense d_ff), once ep divides dp and it splits over tp."""
+    ep = parallel.ep
+    require(
+        dp % ep == 0,
+        f"parallel.ep: {ep} does not divide the data-parallel degree {dp} (experts are split "
+        f"over ep of the dp ranks); valid ep: {', '.join(str(d) for d in divisors(dp))}",
+    )
+    moe_d_ff = model.moe.d_ff if model.moe.d_ff is not None else d_ff
+    require(
+        moe_d_ff % parallel.tp == 0,
+        f"model.moe.d_ff: {moe_d_ff} is not divisible by parallel.tp={parallel.tp}",
+    )
+    return moe_d_ff

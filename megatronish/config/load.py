@@ -75,47 +75,62 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
         return value
     bad = UserError(f"{key}: {value!r} is not {_describe(tp)}")
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if from_string and str(value).lower() in ("true", "false", "yes", "no", "1", "0"):
-            return str(value).lower() in ("true", "yes", "1")
-        raise bad
+        return _as_bool(value, from_string, bad)
     if tp is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                try:
-                    as_float = float(value)
-                except ValueError:
-                    raise bad from None
-                if as_float.is_integer():
-                    return int(as_float)
-        raise bad
+        return _as_int(value, bad)
     if tp is float:
-        if isinstance(value, bool):
-            raise bad
-        result = value
-        if isinstance(value, str):
-            try:
-                result = float(value)
-            except ValueError:
-                raise bad from None
-        if isinstance(result, (int, float)) and math.isfinite(result):  # YAML .nan, .inf: not
-            return float(result)
-        raise bad
+        return _as_float(value, bad)
     if tp is str:
         if value is None:
             raise UserError(f"{key}: null is not valid; expected a string")
         if isinstance(value, (dict, list)):
             raise bad
         return str(value)
+    raise bad
+
+
+def _as_bool(value: Any, from_string: bool, bad: UserError) -> bool:
+    """A YAML bool, or from --set true/false, yes/no, 1/0; else `bad`."""
+    if isinstance(value, bool):
+        return value
+    if from_string and str(value).lower() in ("true", "false", "yes", "no", "1", "0"):
+        return str(value).lower() in ("true", "yes", "1")
+    raise bad
+
+
+def _as_int(value: Any, bad: UserError) -> int:
+    """An integer, a float or string of a whole number (1e3) as one; else `bad` (a bool too)."""
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            try:
+                as_float = float(value)
+            except ValueError:
+                raise bad from None
+            if as_float.is_integer():
+                return int(as_float)
+    raise bad
+
+
+def _as_float(value: Any, bad: UserError) -> float:
+    """A finite number (a string of one too) as a float; else `bad` (a bool, YAML .nan, .inf)."""
+    if isinstance(value, bool):
+        raise bad
+    result = value
+    if isinstance(value, str):
+        try:
+            result = float(value)
+        except ValueError:
+            raise bad from None
+    if isinstance(result, (int, float)) and math.isfinite(result):
+        return float(result)
     raise bad
 
 

@@ -188,10 +188,15 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None):
         for q_part, kv_part, causal in _units(step, ring.rank):
             rows = _rows(q_part, c)
             dq_b, dk_b, dv_b = backward(
-                _part(q, q_part, c), _part(kv[0], kv_part, c), _part(kv[1], kv_part, c),
-                out[:, :, rows], lse[:, :, rows], dout[:, :, rows], causal,
+                _part(q, q_part, c),
+                _part(kv[0], kv_part, c),
+                _part(kv[1], kv_part, c),
+                out[:, :, rows],
+                lse[:, :, rows],
+                dout[:, :, rows],
+                causal,
                 _segments(shards, step, ring, q_part, kv_part, c),
-            )  # fmt: skip
+            )
             dq[:, :, rows] += dq_b
             grads.append((_rows(kv_part, c), dk_b, dv_b))
         if dkv_pending is None:  # step 0: this rank's own block

@@ -48,14 +48,14 @@ def open_loader(
     """The loader of `split` over a run's datasets for dp rank dp_rank of dp_size, at cfg's
     train.seq_len, batch sizes and seed and its data.eod_mask_loss: a BlendLoader for a blend,
     else a BatchLoader. Training and `eval` read their batches through it."""
-    t = cfg.train
+    train = cfg.train
     sizes = dict(
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        micro_batch_size=t.micro_batch_size,
+        seq_len=train.seq_len,
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
-        seed=t.seed,
+        seed=train.seed,
         eod_mask_loss=cfg.data.eod_mask_loss,
     )
     if data.blended:

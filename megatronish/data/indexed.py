@@ -35,9 +35,15 @@ MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = len(MAGIC) + 8 + 1 + 8 + 8
 DTYPE_CODES = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-    7: np.float32, 8: np.uint16,
-}  # fmt: skip
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _INTEGER_CODES = (1, 2, 3, 4, 5, 8)
 _UINT16_BELOW = 65500  # megatron-core's DType.optimal_dtype threshold
 

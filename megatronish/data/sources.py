@@ -221,11 +221,11 @@ def run_data(cfg: Config, vocab_size: int | None = None) -> tuple[Config, DataPl
     checkpoints' config: SFT examples must never see each other, so SFT data sets
     data.document_mask. cfg itself is not changed: the settled config is a copy (sharing the
     sections it leaves as they are) when it differs."""
-    d = cfg.data
+    data = cfg.data
     vocab_size = vocab_size if vocab_size is not None else cfg.model.vocab_size
-    plan = resolve_data(d.path, d.blend, d.split, vocab_size, d.eod_id)
-    if plan.sft and not d.document_mask:
-        cfg = replace(cfg, data=replace(d, document_mask=True))
+    plan = resolve_data(data.path, data.blend, data.split, vocab_size, data.eod_id)
+    if plan.sft and not data.document_mask:
+        cfg = replace(cfg, data=replace(data, document_mask=True))
     return cfg, plan
 
 

@@ -45,10 +45,10 @@ class DataParallel(ABC):
 
     def __init__(self, model: nn.Module, cfg: Config, ps: ParallelState, buckets: bool = True):
         self.cfg, self.ps = cfg, ps
-        o = cfg.optim
+        optim = cfg.optim
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.bucket_bytes = int(o.bucket_mb * 2**20)
-        self.overlap = o.overlap_grad_reduce
+        self.bucket_bytes = int(optim.bucket_mb * 2**20)
+        self.overlap = optim.overlap_grad_reduce
         uses = model.forward_param_uses()
         members = self.params if buckets else []
         parts = self._parts(uses)
@@ -85,9 +85,9 @@ class DataParallel(ABC):
         the norm before clipping."""
         with_grad = [p for p in self.params if p.grad is not None]
         counted = [(p, p.grad) for p in with_grad if not role(p).pipeline_duplicate]
-        local = self._add_block_squares(squares(counted, self.params[0].device))
+        local = self._add_shard_squares(squares(counted, self.params[0].device))
         norm = global_norm(local, self.ps)
-        clip_([p.grad for p in with_grad] + self._block_grads(), norm, max_norm)
+        clip_([p.grad for p in with_grad] + self._shard_grads(), norm, max_norm)
         return norm
 
     def step(self, lr: float) -> None:
@@ -156,8 +156,8 @@ class DataParallel(ABC):
 
     def _make_adamw(self, groups: list[dict]) -> AdamW:
         """AdamW over groups (optim.param_groups of the model), or this rank's share of them."""
-        o = self.cfg.optim
-        return AdamW(groups, lr=self.cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        optim = self.cfg.optim
+        return AdamW(groups, lr=self.cfg.train.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if self.active:
@@ -171,12 +171,12 @@ class DataParallel(ABC):
     def _finish_buckets(self) -> None:
         """Every bucket's reduction of the step done and divided by dp x cp."""
 
-    def _add_block_squares(self, local: Squares) -> Squares:
+    def _add_shard_squares(self, local: Squares) -> Squares:
         """local with the squares of the gradients only this rank holds added (ZeRO)."""
         return local
 
-    def _block_grads(self) -> list:
-        """The gradients clipping scales besides the parameters' .grad (ZeRO's blocks)."""
+    def _shard_grads(self) -> list:
+        """The gradients clipping scales besides the parameters' .grad (ZeRO's shards)."""
         return []
 
     def _after_update(self) -> None:  # noqa: B027 (a level with nothing to do)

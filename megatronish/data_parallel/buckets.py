@@ -1,7 +1,7 @@
 """The bucket layout of data parallelism: which parameters' gradients go through buckets, their
 places in one flat layout (the reverse of the parameters' order, the order backward produces
-their gradients), the buckets it is cut into, and under ZeRO each bucket's blocks (one per
-rank of its group) and the pieces of the parameters in this rank's block.
+their gradients), the buckets it is cut into, and under ZeRO each bucket's shards (one per
+rank of its group) and the pieces of the parameters in this rank's shard.
 
 A bucket holds parameters reduced over one group: the dp x cp group, or for expert weights
 (MoE, split over ep) the expert-data-parallel group (the ranks that hold the same experts).
@@ -25,7 +25,7 @@ def bucketed(param: nn.Parameter) -> bool:
 
 
 class Piece:
-    """The part of a parameter in this rank's block of a bucket (ZeRO): `data`, a 1-D view of
+    """The part of a parameter in this rank's shard of a bucket (ZeRO): `data`, a 1-D view of
     the parameter's values there, carrying the matching part of the reduced gradient as
     `.grad` (so AdamW updates it as it updates a whole parameter); lo: where it starts in the
     flattened parameter; at: where in the flat layout."""
@@ -44,15 +44,16 @@ class Piece:
 class Bucket:
     """A run of parameters reduced together over `group` (of `size` ranks; this one is its
     `rank`), from start to stop in the flat layout (under ZeRO padded to a multiple of size:
-    block r, the r-th (stop - start) / size elements, is rank r's).
+    shard r, the r-th (stop - start) / size elements, is rank r's).
 
     What the levels keep in it: `view`, the bucket's gradients (ZeRO-0 and 1: a view of the
     whole buffer; ZeRO-2 and 3: those of the micro-batches since its last reduce-scatter, None
-    between them); `work`, its reduction in flight; `block`, what this rank keeps of the reduced
-    gradients (ZeRO-0 all of them, ZeRO its block) and `pieces`, the parameters' parts in the
-    block (ZeRO); `params_view` and `gather`, its parameters in the flat parameter buffer and
-    their all-gather in flight (ZeRO-1 and 2). ZeRO-3's param_shards.ParamShards adds its own
-    (the gathered parameters `full`, this rank's `param_block`, their state of use)."""
+    between them); `work`, its reduction in flight; `grad_shard`, what this rank keeps of the
+    reduced gradients (ZeRO-0 all of them, ZeRO its shard) and `pieces`, the parameters' parts
+    in the shard (ZeRO); `params_view` and `gather`, its parameters in the flat parameter
+    buffer and their all-gather in flight (ZeRO-1 and 2). ZeRO-3's param_shards.ParamShards
+    adds its own (the gathered parameters `full`, this rank's `param_shard`, their state of
+    use)."""
 
     def __init__(
         self, start: int, stop: int, params: list[nn.Parameter], group, size: int, rank: int
@@ -63,19 +64,19 @@ class Bucket:
         self.work = None
         self.pending = 0  # parameters still to produce their last micro-batch's gradient
         self.arrived = 0  # ZeRO-2 and 3: gradients the bucket received this step
-        self.block: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
         self.pieces: list[Piece] = []
         self.params_view: torch.Tensor | None = None
         self.gather = None
 
     @property
-    def block_size(self) -> int:
+    def shard_size(self) -> int:
         return (self.stop - self.start) // self.size
 
     @property
-    def block_lo(self) -> int:
-        """Where this rank's block starts in the flat layout."""
-        return self.start + self.rank * self.block_size
+    def shard_start(self) -> int:
+        """Where this rank's shard starts in the flat layout."""
+        return self.start + self.rank * self.shard_size
 
 
 class BucketLayout:
@@ -112,7 +113,7 @@ class BucketLayout:
                 or part_of.get(following) != part_of.get(param)
             ):
                 bucket = self._add_bucket(start, offset, current)
-                if padded:  # equal blocks
+                if padded:  # equal shards
                     offset += -(offset - start) % bucket.size
                     bucket.stop = offset
                 start, current = offset, []
@@ -152,14 +153,14 @@ class BucketLayout:
                 out.append((list(held.values()), module))
         return out
 
-    def cut_pieces(self, bucket: Bucket, param_block: torch.Tensor) -> None:
-        """Lists in bucket.pieces the parts of its parameters in this rank's block, whose
-        values are param_block and whose gradients bucket.block (set first)."""
-        lo = bucket.block_lo
-        hi = lo + bucket.block_size
+    def cut_pieces(self, bucket: Bucket, param_shard: torch.Tensor) -> None:
+        """Lists in bucket.pieces the parts of its parameters in this rank's shard, whose
+        values are param_shard and whose gradients bucket.grad_shard (set first)."""
+        lo = bucket.shard_start
+        hi = lo + bucket.shard_size
         for param in bucket.params:
             start = self.offsets[param]
             a, b = max(lo, start), min(hi, start + param.numel())
             if a < b:
-                grad = bucket.block[a - lo : b - lo]
-                bucket.pieces.append(Piece(param, param_block[a - lo : b - lo], grad, a - start, a))
+                grad = bucket.grad_shard[a - lo : b - lo]
+                bucket.pieces.append(Piece(param, param_shard[a - lo : b - lo], grad, a - start, a))

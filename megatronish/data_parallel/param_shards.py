@@ -1,12 +1,12 @@
-"""ZeRO-3's parameters: each rank keeps only its block of every bucket's parameters, and a
+"""ZeRO-3's parameters: each rank keeps only its shard of every bucket's parameters, and a
 bucket's whole parameters exist only while a module uses them.
 
 Each bucket (data_parallel.buckets) gets its own flat parameter tensor laid out like its
 gradients, whose parameters are views; between uses its storage is resized to nothing (the
 views stay valid, so tensors autograd saved in forward see the parameters again once the
-bucket is gathered back). `blocks` holds this rank's block of every bucket (what AdamW
-updates). Gathering a bucket reallocates its storage, writes this rank's block into it and
-all-gathers the blocks over the bucket's group (comm.all_gather_in_place).
+bucket is gathered back). `owned` holds this rank's shard of every bucket (what AdamW
+updates). Gathering a bucket reallocates its storage, writes this rank's shard into it and
+all-gathers the shards over the bucket's group (comm.all_gather_in_place).
 
 The modules of GPT.forward_param_uses drive it: a forward pre-hook gathers the module's buckets
 (and starts the next module's gather: the prefetch), the forward hook frees them and hooks the
@@ -79,7 +79,7 @@ class ParamShards:
         dtype = dtypes.pop() if dtypes else torch.float32
         device = buckets[0].params[0].device if buckets else None
         sizes = [(b.stop - b.start) // b.size for b in buckets]
-        self.blocks = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        self.owned = torch.zeros(sum(sizes), dtype=dtype, device=device)
         at = 0
         for bucket, size in zip(buckets, sizes):
             bucket.full = torch.zeros(bucket.stop - bucket.start, dtype=dtype, device=device)
@@ -88,8 +88,8 @@ class ParamShards:
                 flat = bucket.full[lo : lo + param.numel()]
                 flat.copy_(param.data.reshape(-1))
                 param.data = flat.view_as(param)
-            bucket.param_block = self.blocks[at : at + size]
-            bucket.param_block.copy_(bucket.full.view(bucket.size, -1)[bucket.rank])
+            bucket.param_shard = self.owned[at : at + size]
+            bucket.param_shard.copy_(bucket.full.view(bucket.size, -1)[bucket.rank])
             bucket.users, bucket.held, bucket.fetch, bucket.resident = 0, False, None, True
             self._free(bucket)
             at += size
@@ -104,7 +104,7 @@ class ParamShards:
         storage = bucket.full.untyped_storage()
         storage.resize_(bucket.full.numel() * bucket.full.element_size())
         bucket.resident = True
-        bucket.full.view(bucket.size, -1)[bucket.rank].copy_(bucket.param_block)
+        bucket.full.view(bucket.size, -1)[bucket.rank].copy_(bucket.param_shard)
         bucket.fetch = comm.all_gather_in_place(bucket.full, bucket.group, self.overlap)
 
     def _wait(self, bucket) -> None:
@@ -149,7 +149,7 @@ class ParamShards:
     @contextlib.contextmanager
     def gathered(self, write_back: bool = False):
         """Every parameter whole inside the body (a checkpoint reads or writes them); with
-        write_back this rank's blocks are taken from the parameters afterwards (they were
+        write_back this rank's shards are taken from the parameters afterwards (they were
         loaded). Every rank of the groups enters it."""
         self.gather_all()
         try:
@@ -157,7 +157,7 @@ class ParamShards:
         finally:
             if write_back:
                 for bucket in self.buckets:
-                    bucket.param_block.copy_(bucket.full.view(bucket.size, -1)[bucket.rank])
+                    bucket.param_shard.copy_(bucket.full.view(bucket.size, -1)[bucket.rank])
             self.free_all()
 
     # ---- the modules' hooks

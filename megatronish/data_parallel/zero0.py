@@ -31,7 +31,7 @@ class Zero0(DataParallel):
         layout = self.layout
         self.grad_buffer = torch.zeros(layout.size, dtype=torch.float32, device=layout.device)
         for bucket in self.buckets:
-            bucket.view = bucket.block = self.grad_buffer[bucket.start : bucket.stop]
+            bucket.view = bucket.grad_shard = self.grad_buffer[bucket.start : bucket.stop]
         self.main_grad = {p: layout.flat_view(self.grad_buffer, p) for p in layout.members}
 
     def _take_grad(self, param: nn.Parameter) -> None:
@@ -59,7 +59,7 @@ class Zero0(DataParallel):
 
     def _reduce_all(self) -> None:
         """Starts the buckets not started yet (in order), waits for each and divides what this
-        rank keeps of it (bucket.block) by dp x cp."""
+        rank keeps of it (bucket.grad_shard) by dp x cp."""
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
@@ -68,7 +68,7 @@ class Zero0(DataParallel):
             if bucket.work is not None:
                 bucket.work.wait()
             if self.ps.dp_cp > 1:
-                bucket.block.mul_(scale)
+                bucket.grad_shard.mul_(scale)
 
     def _clear_grads(self) -> None:
         self.grad_buffer.zero_()

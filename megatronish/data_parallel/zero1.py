@@ -19,18 +19,18 @@ from megatronish.optim.optimizer import AdamW
 
 
 class Zero1(Zero0):
-    """Each bucket is padded to a multiple of its group's size n, and rank r keeps block r of it:
+    """Each bucket is padded to a multiple of its group's size n, and rank r keeps shard r of it:
     the bucket's gradients, in ZeRO-0's whole buffer, are reduce-scattered instead of
-    all-reduced (rank r gets block r reduced; only it is divided by dp x cp), and AdamW updates
-    the pieces of the parameters in this rank's blocks (its moments one tensor per block,
-    `block_state`). The buckets' parameters keep no .grad: their reduced gradient is only in
+    all-reduced (rank r gets shard r reduced; only it is divided by dp x cp), and AdamW updates
+    the pieces of the parameters in this rank's shards (its moments one tensor per shard,
+    `shard_state`). The buckets' parameters keep no .grad: their reduced gradient is only in
     the pieces. The parameters live in one flat buffer laid out like the gradients; after the
     step each bucket is all-gathered in place, with the overlap asynchronously in the order the
     next forward needs them, each module's forward pre-hook waiting for its own buckets. The
     parameters outside the buckets are owned whole (outside.WholeOwners).
 
     Collectives per step: a reduce-scatter and a parameter all-gather per bucket, a broadcast
-    per parameter outside the buckets, and for the gradient norm an all-reduce of the blocks'
+    per parameter outside the buckets, and for the gradient norm an all-reduce of the shards'
     squares over the dp x cp group (and one over the expert-data-parallel group with experts).
     A checkpoint gathers each bucket's AdamW moments over its group."""
 
@@ -40,7 +40,7 @@ class Zero1(Zero0):
         self._lay_out_grads()
         self._lay_out_params()
         for bucket in self.buckets:
-            self.layout.cut_pieces(bucket, self._param_block(bucket))
+            self.layout.cut_pieces(bucket, self._param_shard(bucket))
         self.pieces = [piece for bucket in self.buckets for piece in bucket.pieces]
         self.owners = WholeOwners(self.outside, self.ps)
         self._hook_modules(uses)
@@ -48,8 +48,8 @@ class Zero1(Zero0):
     def _lay_out_grads(self) -> None:
         super()._lay_out_grads()
         for bucket in self.buckets:
-            lo = bucket.block_lo
-            bucket.block = self.grad_buffer[lo : lo + bucket.block_size]
+            lo = bucket.shard_start
+            bucket.grad_shard = self.grad_buffer[lo : lo + bucket.shard_size]
 
     def _lay_out_params(self) -> None:
         """Moves the buckets' parameters into one flat buffer laid out like the gradients."""
@@ -65,9 +65,9 @@ class Zero1(Zero0):
         for bucket in self.buckets:
             bucket.params_view = self.flat_params[bucket.start : bucket.stop]
 
-    def _param_block(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's block of bucket's parameters (what AdamW updates)."""
-        return self.flat_params[bucket.block_lo : bucket.block_lo + bucket.block_size]
+    def _param_shard(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's shard of bucket's parameters (what AdamW updates)."""
+        return self.flat_params[bucket.shard_start : bucket.shard_start + bucket.shard_size]
 
     def _hook_modules(self, uses: Uses) -> None:
         """With the overlap: _gather_params starts the buckets' all-gathers asynchronously, in
@@ -95,21 +95,21 @@ class Zero1(Zero0):
         self._wait_params()  # a parameter no forward used
         self._reduce_all()
 
-    def _add_block_squares(self, local: Squares) -> Squares:
-        """Adds the squares of this rank's blocks, summed over the buckets' groups."""
+    def _add_shard_squares(self, local: Squares) -> Squares:
+        """Adds the squares of this rank's shards, summed over the buckets' groups."""
         if not self.buckets:
             return local
         device = self.params[0].device
-        blocks = squares([(piece.param, piece.grad) for piece in self.pieces], device)
-        dense = torch.stack([blocks.split, blocks.replicated])
+        shards = squares([(piece.param, piece.grad) for piece in self.pieces], device)
+        dense = torch.stack([shards.split, shards.replicated])
         comm.all_reduce(dense, self.ps.dp_cp_group, op=dist.ReduceOp.SUM)
         if any(role(b.params[0]).is_expert for b in self.buckets):
-            comm.all_reduce(blocks.expert, self.ps.edp_group, op=dist.ReduceOp.SUM)
+            comm.all_reduce(shards.expert, self.ps.edp_group, op=dist.ReduceOp.SUM)
         return Squares(
-            local.split + dense[0], local.replicated + dense[1], local.expert + blocks.expert
+            local.split + dense[0], local.replicated + dense[1], local.expert + shards.expert
         )
 
-    def _block_grads(self) -> list:
+    def _shard_grads(self) -> list:
         return [piece.grad for piece in self.pieces]
 
     # ---- parameters
@@ -144,8 +144,8 @@ class Zero1(Zero0):
     # ---- AdamW state
 
     def _make_adamw(self, groups: list[dict]) -> AdamW:
-        """AdamW over the parameters this rank owns whole and the pieces of its blocks, the
-        pieces' moments views of one tensor per bucket's block (`block_state`)."""
+        """AdamW over the parameters this rank owns whole and the pieces of its shards, the
+        pieces' moments views of one tensor per bucket's shard (`shard_state`)."""
         owned = {id(p) for p in self.owners.owned}
         shares = []
         for group in groups:
@@ -154,12 +154,12 @@ class Zero1(Zero0):
             pieces = [piece.data for piece in self.pieces if id(piece.param) in members]
             shares.append({**group, "params": whole + pieces})
         adamw = super()._make_adamw(shares)
-        self.block_state = []
+        self.shard_state = []
         for bucket in self.buckets:
-            moments = {k: torch.zeros_like(bucket.block) for k in ("exp_avg", "exp_avg_sq")}
-            self.block_state.append(moments)
+            moments = {k: torch.zeros_like(bucket.grad_shard) for k in ("exp_avg", "exp_avg_sq")}
+            self.shard_state.append(moments)
             for piece in bucket.pieces:
-                lo = piece.at - bucket.block_lo
+                lo = piece.at - bucket.shard_start
                 at = slice(lo, lo + piece.data.numel())
                 adamw.state[piece.data] = {
                     "step": torch.zeros((), dtype=torch.float32, device=piece.data.device),
@@ -173,14 +173,14 @@ class Zero1(Zero0):
 
     def states_to_save(self) -> dict[nn.Parameter, dict]:
         """The whole state of the parameters this rank owns whole and, of each bucket, of
-        those that start in its block (the blocks are gathered over the bucket's group: every
+        those that start in its shard (the shards are gathered over the bucket's group: every
         rank of it calls this)."""
         whole = super().states_to_save()
-        for bucket, moments in zip(self.buckets, self.block_state):
-            full = {k: self._gather_block(bucket, v) for k, v in moments.items()}
+        for bucket, moments in zip(self.buckets, self.shard_state):
+            full = {k: self._gather_shard(bucket, v) for k, v in moments.items()}
             for piece in bucket.pieces:
                 if piece.lo != 0:
-                    continue  # the parameter starts in an earlier block: saved by its rank
+                    continue  # the parameter starts in an earlier shard: saved by its rank
                 param, at = piece.param, piece.at - bucket.start
                 span = slice(at, at + param.numel())
                 whole[param] = {
@@ -190,11 +190,11 @@ class Zero1(Zero0):
         return whole
 
     @staticmethod
-    def _gather_block(bucket: Bucket, block: torch.Tensor) -> torch.Tensor:
-        """A bucket-sized tensor whose block r is rank r's `block` (a tensor laid out like
-        bucket's block), gathered over bucket's group."""
-        full = block.new_zeros(bucket.stop - bucket.start)
-        full.view(bucket.size, -1)[bucket.rank].copy_(block)
+    def _gather_shard(bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
+        """A bucket-sized tensor whose shard r is rank r's `shard` (a tensor laid out like
+        bucket's shard), gathered over bucket's group."""
+        full = shard.new_zeros(bucket.stop - bucket.start)
+        full.view(bucket.size, -1)[bucket.rank].copy_(shard)
         comm.all_gather_in_place(full, bucket.group)
         return full
 

@@ -15,10 +15,10 @@ from megatronish.optim import IN_FLIGHT
 
 class Zero2(Zero1):
     """ZeRO-1 without the whole gradient buffer: of each bucket's gradients only this rank's
-    block is kept between steps (`grad_blocks`). A bucket's gradients accumulate in a
+    shard is kept between steps (`grad_shards`). A bucket's gradients accumulate in a
     bucket-sized tensor made when its first gradient of a micro-batch arrives; when every
     parameter of the bucket has given it one more, it is reduce-scattered (started at once with
-    the overlap) and, once done, this rank's block of it is added into the kept block and the
+    the overlap) and, once done, this rank's shard of it is added into the kept shard and the
     tensor dropped: one reduce-scatter per bucket per micro-batch (Megatron-FSDP's choice of
     reducing every micro-batch, not keeping whole gradients until the last), with at most
     optim.IN_FLIGHT of them outstanding. At one micro-batch a step this is ZeRO-1's reduction,
@@ -28,12 +28,12 @@ class Zero2(Zero1):
     all-gathers, the owners' broadcasts and the norm's all-reduces as ZeRO-1."""
 
     def _lay_out_grads(self) -> None:
-        sizes = [bucket.block_size for bucket in self.buckets]
+        sizes = [bucket.shard_size for bucket in self.buckets]
         device = self.layout.device
-        self.grad_blocks = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.grad_shards = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         at = 0
         for bucket, size in zip(self.buckets, sizes):
-            bucket.block = self.grad_blocks[at : at + size]
+            bucket.grad_shard = self.grad_shards[at : at + size]
             at += size
         self.in_flight: deque = deque()  # (bucket, its gradients, the reduce-scatter's work)
 
@@ -53,30 +53,30 @@ class Zero2(Zero1):
 
     def _reduce_scatter(self, bucket: Bucket) -> None:
         """Starts the reduce-scatter of bucket's gradients (synchronous without the overlap),
-        whose block _add_block adds to the kept one."""
+        whose shard _add_shard adds to the kept one."""
         grads, bucket.view = bucket.view, None
         work = comm.reduce_scatter_in_place(grads, bucket.group, async_op=self.overlap)
         self.in_flight.append((bucket, grads, work))
         while len(self.in_flight) > (IN_FLIGHT if self.overlap else 0):
-            self._add_block(*self.in_flight.popleft())
+            self._add_shard(*self.in_flight.popleft())
 
     @staticmethod
-    def _add_block(bucket: Bucket, grads: torch.Tensor, work) -> None:
+    def _add_shard(bucket: Bucket, grads: torch.Tensor, work) -> None:
         if work is not None:
             work.wait()
-        bucket.block.add_(grads.view(bucket.size, -1)[bucket.rank])
+        bucket.grad_shard.add_(grads.view(bucket.size, -1)[bucket.rank])
 
     def _finish_buckets(self) -> None:
         """The last reduce-scatters (of buckets some parameter of which gave no gradient)
-        started, every block added and divided by dp x cp."""
+        started, every shard added and divided by dp x cp."""
         self._wait_params()  # a parameter no forward used
         for bucket in self.buckets:
             if bucket.view is not None:
                 self._reduce_scatter(bucket)
         while self.in_flight:
-            self._add_block(*self.in_flight.popleft())
+            self._add_shard(*self.in_flight.popleft())
         if self.ps.dp_cp > 1:
-            torch._foreach_mul_([b.block for b in self.buckets], 1.0 / self.ps.dp_cp)
+            torch._foreach_mul_([b.grad_shard for b in self.buckets], 1.0 / self.ps.dp_cp)
 
     def _clear_grads(self) -> None:
-        self.grad_blocks.zero_()
+        self.grad_shards.zero_()

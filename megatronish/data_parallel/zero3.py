@@ -14,7 +14,7 @@ from megatronish.data_parallel.zero2 import Zero2
 class Zero3(Zero2):
     """ZeRO-2 whose buckets' parameters are sharded too (param_shards.ParamShards): each bucket
     holds the parameters of one module of the forward (model.forward_param_uses), so that a
-    module's gather is its own buckets'. This rank keeps only its block of each bucket's
+    module's gather is its own buckets'. This rank keeps only its shard of each bucket's
     parameters, which AdamW updates; a module's buckets are all-gathered before its forward and
     its backward and freed after (a bucket once its gradients of that backward are
     reduce-scattered); with several micro-batches in flight (pp > 1) a gathered bucket stays
@@ -36,8 +36,8 @@ class Zero3(Zero2):
         prefetch, keep = self.cfg.optim.zero3_prefetch, self.ps.pp > 1
         self.shards = ParamShards(self.buckets, self.layout.offsets, self.overlap, prefetch, keep)
 
-    def _param_block(self, bucket: Bucket) -> torch.Tensor:
-        return bucket.param_block
+    def _param_shard(self, bucket: Bucket) -> torch.Tensor:
+        return bucket.param_shard
 
     def _hook_modules(self, uses: Uses) -> None:
         self.shards.register(self.layout.bucket_uses(uses))

@@ -38,6 +38,47 @@ def layout_rank(
     return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
+def group_rank_lists(
+    tp: int, dp: int, pp: int = 1, cp: int = 1, ep: int = 1
+) -> dict[str, tuple[str, list[list[int]]]]:
+    """The ranks of every process group of the layout, by the ParallelState field that holds a
+    rank's group, each with the kind the flight recorder names it by, in the order the groups
+    are created: tp and dp; cp and dp x cp at cp > 1; ep and expert-data-parallel at ep > 1;
+    pp and the tied embedding's at pp > 1."""
+
+    def at(t: int, d: int, p: int, c: int) -> int:  # the rank at tp, dp, pp, cp coordinates
+        return layout_rank(t, d, p, tp, dp, c, cp)
+
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+    lists = {
+        "tp_group": ("tp", [[at(t, d, p, c) for t in T] for p in P for d in D for c in C]),
+        "dp_group": ("dp", [[at(t, d, p, c) for d in D] for p in P for c in C for t in T]),
+    }
+    if cp > 1:
+        lists["cp_group"] = ("cp", [[at(t, d, p, c) for c in C] for p in P for d in D for t in T])
+        lists["dp_cp_group"] = (
+            "dp",
+            [[at(t, d, p, c) for d in D for c in C] for p in P for t in T],
+        )
+    if ep > 1:
+        outer, E = range(dp // ep), range(ep)
+        lists["ep_group"] = (
+            "ep",
+            [[at(t, o * ep + e, p, c) for e in E] for p in P for o in outer for c in C for t in T],
+        )
+        lists["edp_group"] = (
+            "dp",
+            [[at(t, o * ep + e, p, c) for o in outer for c in C] for p in P for e in E for t in T],
+        )
+    if pp > 1:
+        lists["pp_group"] = ("pp", [[at(t, d, p, c) for p in P] for d in D for c in C for t in T])
+        lists["embedding_group"] = (
+            "pp",
+            [[at(t, d, 0, c), at(t, d, pp - 1, c)] for d in D for c in C for t in T],
+        )
+    return lists
+
+
 @dataclass
 class ParallelState:
     """The run's process groups, ranks and sizes. With world size 1 and no process group
@@ -137,80 +178,36 @@ class ParallelState:
         world, rank = dist.get_world_size(), dist.get_rank()
         if tp * cp * dp * pp != world:
             raise ValueError(f"tp * cp * dp * pp = {tp} * {cp} * {dp} * {pp} != world size {world}")
-        tp_rank, cp_rank = rank % tp, (rank // tp) % cp
-        dp_rank, pp_rank = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
-
-        def at(t: int, d: int, p: int, c: int) -> int:
-            return layout_rank(t, d, p, tp, dp, c, cp)
-
-        def build(kind: str, rank_lists: list[list[int]]):
-            """Every rank list's group (collectively); this rank's, named for the recorder."""
-            mine = None
-            for ranks in rank_lists:
+        if ep > 1 and dp % ep:
+            raise ValueError(f"ep {ep} does not divide dp {dp}")
+        groups: dict[str, dist.ProcessGroup | None] = {}
+        tp_ranks: tuple[int, ...] = ()
+        for field, (kind, rank_lists) in group_rank_lists(tp, dp, pp, cp, ep).items():
+            groups[field] = None
+            for ranks in rank_lists:  # every list's group, collectively; this rank's kept
                 group = dist.new_group(ranks)
                 if rank in ranks:
-                    mine = (group, tuple(ranks))
+                    groups[field] = group
                     record.name_group(group, kind, ranks)
-            return mine if mine is not None else (None, ())
-
-        T, C, D, P = range(tp), range(cp), range(dp), range(pp)
-        tp_group, tp_ranks = build(
-            "tp", [[at(t, d, p, c) for t in T] for p in P for d in D for c in C]
-        )
-        dp_group, _ = build("dp", [[at(t, d, p, c) for d in D] for p in P for c in C for t in T])
-        cp_group, dp_cp_group = None, dp_group
-        if cp > 1:
-            cp_group, _ = build(
-                "cp", [[at(t, d, p, c) for c in C] for p in P for d in D for t in T]
-            )
-            dp_cp_group, _ = build(
-                "dp", [[at(t, d, p, c) for d in D for c in C] for p in P for t in T]
-            )
-        ep_group, edp_group = None, dp_cp_group
-        if ep > 1:
-            if dp % ep:
-                raise ValueError(f"ep {ep} does not divide dp {dp}")
-            outer, E = range(dp // ep), range(ep)
-            ep_group, _ = build(
-                "ep",
-                [[at(t, o * ep + e, p, c) for e in E] for p in P for o in outer for c in C
-                 for t in T],
-            )  # fmt: skip
-            edp_group, _ = build(
-                "dp",
-                [[at(t, o * ep + e, p, c) for o in outer for c in C] for p in P for e in E
-                 for t in T],
-            )  # fmt: skip
-        pp_group = embedding_group = None
-        if pp > 1:
-            pp_group, _ = build(
-                "pp", [[at(t, d, p, c) for p in P] for d in D for c in C for t in T]
-            )
-            embedding_group, _ = build(
-                "pp", [[at(t, d, 0, c), at(t, d, pp - 1, c)] for d in D for c in C for t in T]
-            )
+                    if field == "tp_group":
+                        tp_ranks = tuple(ranks)
+        groups.setdefault("dp_cp_group", groups["dp_group"])
+        groups.setdefault("edp_group", groups["dp_cp_group"])
         return cls(
             world_size=world,
             rank=rank,
             tp=tp,
             dp=dp,
-            tp_rank=tp_rank,
-            dp_rank=dp_rank,
-            tp_group=tp_group,
-            dp_group=dp_group,
+            tp_rank=rank % tp,
+            dp_rank=(rank // (tp * cp)) % dp,
             device=default_device(),
             tp_ranks=tp_ranks,
             pp=pp,
-            pp_rank=pp_rank,
-            pp_group=pp_group,
-            embedding_group=embedding_group,
+            pp_rank=rank // (tp * cp * dp),
             cp=cp,
-            cp_rank=cp_rank,
-            cp_group=cp_group,
-            dp_cp_group=dp_cp_group,
+            cp_rank=(rank // tp) % cp,
             ep=ep,
-            ep_group=ep_group,
-            edp_group=edp_group,
+            **groups,
         )
 
 

@@ -91,22 +91,34 @@ def transposed(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous()
 
 
-def split_qkv(fused: torch.Tensor, n: int, k: int, d: int) -> tuple[torch.Tensor, ...]:
-    """Our grouped qkv rows [(n + 2k) d, ...] -> (q [n d, ...], k [k d, ...], v [k d, ...])."""
+def split_qkv(
+    fused: torch.Tensor, n_head: int, n_kv_head: int, head_dim: int
+) -> tuple[torch.Tensor, ...]:
+    """Our grouped qkv rows (per kv head: its group's query heads, then its k and its v; each
+    head_dim rows) -> (q [n_head * head_dim, ...], k and v [n_kv_head * head_dim, ...])."""
     rest = fused.shape[1:]
-    grouped = fused.reshape(k, n // k + 2, d, *rest)
-    q = grouped[:, : n // k].reshape(n * d, *rest)
-    return q, grouped[:, n // k].reshape(k * d, *rest), grouped[:, n // k + 1].reshape(k * d, *rest)
+    group = n_head // n_kv_head
+    grouped = fused.reshape(n_kv_head, group + 2, head_dim, *rest)
+    q = grouped[:, :group].reshape(n_head * head_dim, *rest)
+    k = grouped[:, group].reshape(n_kv_head * head_dim, *rest)
+    v = grouped[:, group + 1].reshape(n_kv_head * head_dim, *rest)
+    return q, k, v
 
 
 def merge_qkv(
-    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n: int, k: int, d: int
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    n_head: int,
+    n_kv_head: int,
+    head_dim: int,
 ) -> torch.Tensor:
     """The inverse of split_qkv."""
     rest = q.shape[1:]
     parts = [
-        q.reshape(k, n // k, d, *rest),
-        key.reshape(k, 1, d, *rest),
-        value.reshape(k, 1, d, *rest),
+        q.reshape(n_kv_head, n_head // n_kv_head, head_dim, *rest),
+        key.reshape(n_kv_head, 1, head_dim, *rest),
+        value.reshape(n_kv_head, 1, head_dim, *rest),
     ]
-    return torch.cat(parts, dim=1).reshape((n + 2 * k) * d, *rest).contiguous()
+    rows = (n_head + 2 * n_kv_head) * head_dim
+    return torch.cat(parts, dim=1).reshape(rows, *rest).contiguous()

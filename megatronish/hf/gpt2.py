@@ -59,28 +59,28 @@ def exports(cfg: Config, derived: Derived) -> bool:
 
 
 def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
-    m = cfg.model
+    model = cfg.model
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": derived.vocab_size,
-        "n_positions": m.max_seq_len,
-        "n_ctx": m.max_seq_len,
-        "n_embd": m.d_model,
-        "n_layer": m.n_layer,
-        "n_head": m.n_head,
+        "n_positions": model.max_seq_len,
+        "n_ctx": model.max_seq_len,
+        "n_embd": model.d_model,
+        "n_layer": model.n_layer,
+        "n_head": model.n_head,
         "n_inner": derived.d_ff,
         "activation_function": "gelu_new",
-        "resid_pdrop": m.dropout,
-        "embd_pdrop": m.dropout,
-        "attn_pdrop": m.dropout,
-        "layer_norm_epsilon": m.norm_eps,
+        "resid_pdrop": model.dropout,
+        "embd_pdrop": model.dropout,
+        "attn_pdrop": model.dropout,
+        "layer_norm_epsilon": model.norm_eps,
         "scale_attn_weights": True,
     }
 
 
 def to_hf(cfg: Config, derived: Derived, ours: Tensors) -> Tensors:
-    n, d = cfg.model.n_head, derived.head_dim
+    n_head, head_dim = cfg.model.n_head, derived.head_dim
     out: Tensors = {
         "transformer.wte.weight": ours["tok_emb.weight"],
         "transformer.wpe.weight": ours["pos_emb.weight"],
@@ -88,9 +88,11 @@ def to_hf(cfg: Config, derived: Derived, ours: Tensors) -> Tensors:
     for i in range(cfg.model.n_layer):
         src, dst = f"blocks.{i}.", f"transformer.h.{i}."
         copy_to_hf(ours, out, NORMS + CONV1D_BIASES, src, dst)
-        qkv_weight = split_qkv(ours[src + "attn.qkv.weight"], n, n, d)
+        qkv_weight = split_qkv(ours[src + "attn.qkv.weight"], n_head, n_head, head_dim)
         out[dst + "attn.c_attn.weight"] = transposed(torch.cat(qkv_weight))
-        out[dst + "attn.c_attn.bias"] = torch.cat(split_qkv(ours[src + "attn.qkv.bias"], n, n, d))
+        out[dst + "attn.c_attn.bias"] = torch.cat(
+            split_qkv(ours[src + "attn.qkv.bias"], n_head, n_head, head_dim)
+        )
         for mine, theirs in CONV1D:
             out[dst + theirs + ".weight"] = transposed(ours[src + mine + ".weight"])
     copy_to_hf(ours, out, FINAL_NORM, "", "transformer.")
@@ -101,16 +103,16 @@ def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
     """Our tensors of a GPT2LMHeadModel state dict (or a GPT2Model one: no 'transformer.')."""
     for name in [name for name in hf if name.startswith("transformer.")]:
         hf[name.removeprefix("transformer.")] = hf.pop(name)
-    n = fields["n_head"]
+    n_head = fields["n_head"]
     ours: Tensors = {"tok_emb.weight": hf.pop("wte.weight"), "pos_emb.weight": hf.pop("wpe.weight")}
-    d = ours["tok_emb.weight"].shape[1] // n
+    head_dim = ours["tok_emb.weight"].shape[1] // n_head
     for i in range(fields["n_layer"]):
         src, dst = f"h.{i}.", f"blocks.{i}."
         take_from_hf(hf, ours, NORMS + CONV1D_BIASES, src, dst)
         q, key, value = hf.pop(src + "attn.c_attn.weight").t().chunk(3)
-        ours[dst + "attn.qkv.weight"] = merge_qkv(q, key, value, n, n, d)
+        ours[dst + "attn.qkv.weight"] = merge_qkv(q, key, value, n_head, n_head, head_dim)
         q_bias, k_bias, v_bias = hf.pop(src + "attn.c_attn.bias").chunk(3)
-        ours[dst + "attn.qkv.bias"] = merge_qkv(q_bias, k_bias, v_bias, n, n, d)
+        ours[dst + "attn.qkv.bias"] = merge_qkv(q_bias, k_bias, v_bias, n_head, n_head, head_dim)
         for mine, theirs in CONV1D:
             ours[dst + mine + ".weight"] = transposed(hf.pop(src + theirs + ".weight"))
     take_from_hf(hf, ours, FINAL_NORM, "", "")

@@ -71,35 +71,36 @@ def exports(cfg: Config, derived: Derived) -> bool:
 
 
 def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
-    m = cfg.model
+    model = cfg.model
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": derived.vocab_size,
-        "hidden_size": m.d_model,
+        "hidden_size": model.d_model,
         "intermediate_size": derived.d_ff,
-        "num_hidden_layers": m.n_layer,
-        "num_attention_heads": m.n_head,
+        "num_hidden_layers": model.n_layer,
+        "num_attention_heads": model.n_head,
         "num_key_value_heads": derived.n_kv_head,
         "head_dim": derived.head_dim,
-        "max_position_embeddings": m.max_seq_len,
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "max_position_embeddings": model.max_seq_len,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "attention_dropout": m.dropout,
+        "attention_dropout": model.dropout,
     }
 
 
 def tensors_to_hf(cfg: Config, derived: Derived, ours: Tensors, mlp: Names) -> Tensors:
     """Their tensors of ours, every block's MLP named as `mlp` says."""
-    n, k, d = cfg.model.n_head, derived.n_kv_head, derived.head_dim
+    n_head, n_kv_head, head_dim = cfg.model.n_head, derived.n_kv_head, derived.head_dim
     out: Tensors = {"model.embed_tokens.weight": ours["tok_emb.weight"]}
     for i in range(cfg.model.n_layer):
         src, dst = f"blocks.{i}.", f"model.layers.{i}."
-        for name, part in zip(QKV, split_qkv(ours[src + "attn.qkv.weight"], n, k, d), strict=True):
+        qkv = split_qkv(ours[src + "attn.qkv.weight"], n_head, n_kv_head, head_dim)
+        for name, part in zip(QKV, qkv, strict=True):
             out[dst + name] = part.contiguous()
         copy_to_hf(ours, out, (*BLOCK, *mlp), src, dst)
     out["model.norm.weight"] = ours["norm_f.weight"]
@@ -108,12 +109,14 @@ def tensors_to_hf(cfg: Config, derived: Derived, ours: Tensors, mlp: Names) -> T
 
 def tensors_from_hf(hf: Tensors, fields: dict[str, Any], mlp: Names) -> Tensors:
     """Our tensors of theirs, every block's MLP named as `mlp` says."""
-    n, k = fields["n_head"], fields["n_kv_head"]
+    n_head, n_kv_head = fields["n_head"], fields["n_kv_head"]
     ours: Tensors = {"tok_emb.weight": hf.pop("model.embed_tokens.weight")}
     for i in range(fields["n_layer"]):
         src, dst = f"model.layers.{i}.", f"blocks.{i}."
         q, key, value = (hf.pop(src + name) for name in QKV)
-        ours[dst + "attn.qkv.weight"] = merge_qkv(q, key, value, n, k, q.shape[0] // n)
+        ours[dst + "attn.qkv.weight"] = merge_qkv(
+            q, key, value, n_head, n_kv_head, q.shape[0] // n_head
+        )
         take_from_hf(hf, ours, (*BLOCK, *mlp), src, dst)
     ours["norm_f.weight"] = hf.pop("model.norm.weight")
     return ours

@@ -29,25 +29,34 @@ from megatronish.ops import reference
 class Attention(nn.Module):
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker):
         super().__init__()
-        m, t = cfg.model, derived.tp
+        model, tp = cfg.model, derived.tp
         self.head_dim = derived.head_dim
-        self.local_heads, self.local_groups = m.n_head // t, derived.n_kv_head // t
-        self.heads_per_group = m.n_head // derived.n_kv_head
-        self.is_llama, self.rope_theta = m.arch == "llama", m.rope_theta
-        self.dropout, self.tracker = m.dropout, tracker
+        self.local_heads, self.local_groups = model.n_head // tp, derived.n_kv_head // tp
+        self.heads_per_group = model.n_head // derived.n_kv_head
+        self.is_llama, self.rope_theta = model.arch == "llama", model.rope_theta
+        self.dropout, self.tracker = model.dropout, tracker
         self.backend = cfg.kernels.backend
         self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
         self.cp = derived.cp
         self.ring = Ring.of(ps) if derived.cp > 1 else None
-        bias, sp, group = m.arch == "gpt2", cfg.parallel.sequence_parallel, ps.tp_group
-        qkv_out = (m.n_head + 2 * derived.n_kv_head) * self.head_dim
+        bias, sp, group = model.arch == "gpt2", cfg.parallel.sequence_parallel, ps.tp_group
+        qkv_out = (model.n_head + 2 * derived.n_kv_head) * self.head_dim
         self.qkv = ColumnParallelLinear(
-            m.d_model, qkv_out, bias=bias, sequence_parallel=sp, tp_group=group, init_method=None
+            model.d_model,
+            qkv_out,
+            bias=bias,
+            sequence_parallel=sp,
+            tp_group=group,
+            init_method=None,
         )
         self.proj = RowParallelLinear(
-            m.n_head * self.head_dim, m.d_model, bias=bias, sequence_parallel=sp,
-            tp_group=group, init_method=None,
-        )  # fmt: skip
+            model.n_head * self.head_dim,
+            model.d_model,
+            bias=bias,
+            sequence_parallel=sp,
+            tp_group=group,
+            init_method=None,
+        )
 
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None

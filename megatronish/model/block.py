@@ -54,16 +54,18 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, d_ff: int | None = None):
         super().__init__()
-        m, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
+        model, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
         d_ff = derived.d_ff if d_ff is None else d_ff
-        self.is_llama, self.backend = m.arch == "llama", cfg.kernels.backend
+        self.is_llama, self.backend = model.arch == "llama", cfg.kernels.backend
         common = dict(sequence_parallel=sp, tp_group=group, init_method=None)
         if self.is_llama:
-            self.gate = ColumnParallelLinear(m.d_model, d_ff, bias=False, **common)
-            self.up = ColumnParallelLinear(m.d_model, d_ff, bias=False, **common)
+            self.gate = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
+            self.up = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
         else:
-            self.up = ColumnParallelLinear(m.d_model, d_ff, bias=True, skip_bias_add=True, **common)
-        self.down = RowParallelLinear(d_ff, m.d_model, bias=not self.is_llama, **common)
+            self.up = ColumnParallelLinear(
+                model.d_model, d_ff, bias=True, skip_bias_add=True, **common
+            )
+        self.down = RowParallelLinear(d_ff, model.d_model, bias=not self.is_llama, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_llama:
@@ -92,18 +94,18 @@ class Block(nn.Module):
         self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, index: int
     ):
         super().__init__()
-        m, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
-        kind = "rmsnorm" if m.arch == "llama" else "layernorm"
+        model, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
+        kind = "rmsnorm" if model.arch == "llama" else "layernorm"
         backend = cfg.kernels.backend
-        self.norm1 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
+        self.norm1 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         self.attn = Attention(cfg, derived, ps, tracker)
-        self.norm2 = Norm(m.d_model, kind, m.norm_eps, backend, sp)
+        self.norm2 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         if index in derived.moe_layers:
-            shared = MLP(cfg, derived, ps, derived.moe_d_ff) if m.moe.shared_expert else None
+            shared = MLP(cfg, derived, ps, derived.moe_d_ff) if model.moe.shared_expert else None
             self.mlp = MoELayer(cfg, derived, ps, shared)
         else:
             self.mlp = MLP(cfg, derived, ps)
-        self.dropout, self.tracker, self.sequence_parallel = m.dropout, tracker, sp
+        self.dropout, self.tracker, self.sequence_parallel = model.dropout, tracker, sp
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout == 0 or not self.training:

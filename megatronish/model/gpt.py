@@ -48,7 +48,7 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
         super().__init__()
-        m = cfg.model
+        model = cfg.model
         self.cfg, self.derived, self.ps = cfg, derived, ps
         self.tracker = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)
         self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
@@ -59,14 +59,14 @@ class GPT(nn.Module):
         self.tok_emb = self.pos_emb = self.norm_f = self.lm_head = None
         if self.is_first_stage or (self.is_last_stage and derived.tie_embeddings):
             self.tok_emb = VocabParallelEmbedding(
-                V, m.d_model, tp_group=ps.tp_group, init_method=None
+                V, model.d_model, tp_group=ps.tp_group, init_method=None
             )
             set_role(self.tok_emb.weight, valid_rows=derived.vocab_size)
             if derived.pp > 1 and derived.tie_embeddings:
                 duplicate = not self.is_first_stage
                 set_role(self.tok_emb.weight, pipeline_tied=True, pipeline_duplicate=duplicate)
-        if self.is_first_stage and m.arch == "gpt2":
-            self.pos_emb = nn.Embedding(m.max_seq_len, m.d_model)
+        if self.is_first_stage and model.arch == "gpt2":
+            self.pos_emb = nn.Embedding(model.max_seq_len, model.d_model)
             mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
         self.chunks = [[str(i) for i in layers] for layers in derived.stage_chunks(ps.pp_rank)]
         self.blocks = nn.ModuleDict(
@@ -77,11 +77,13 @@ class GPT(nn.Module):
             }
         )
         if self.is_last_stage:
-            kind = "rmsnorm" if m.arch == "llama" else "layernorm"
-            self.norm_f = Norm(m.d_model, kind, m.norm_eps, self.backend, self.sequence_parallel)
+            kind = "rmsnorm" if model.arch == "llama" else "layernorm"
+            self.norm_f = Norm(
+                model.d_model, kind, model.norm_eps, self.backend, self.sequence_parallel
+            )
             if not derived.tie_embeddings:
                 self.lm_head = ColumnParallelLinear(
-                    m.d_model,
+                    model.d_model,
                     V,
                     bias=False,
                     sequence_parallel=self.sequence_parallel,
@@ -94,7 +96,7 @@ class GPT(nn.Module):
         self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
         self.has_padding = bool(self.vocab_padding.any())
         self.to(ps.device)
-        init_weights(self, cfg.train.seed, m.n_layer)
+        init_weights(self, cfg.train.seed, model.n_layer)
 
     def forward_param_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """(module, the parameters used from its call on) in the order a forward calls the

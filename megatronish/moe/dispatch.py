@@ -95,15 +95,18 @@ def make_plan(
     sizes_em, starts_em = received.t().reshape(-1), starts.t().reshape(-1)  # expert-major
     run_base = torch.cumsum(sizes_em, 0) - sizes_em
     rows = int(sizes.sum())
-    to_expert_major = (
-        torch.repeat_interleave(starts_em - run_base, sizes_em, output_size=rows)
-        + torch.arange(rows, device=counts.device)
-    )  # fmt: skip
+    offsets = torch.repeat_interleave(starts_em - run_base, sizes_em, output_size=rows)
+    to_expert_major = offsets + torch.arange(rows, device=counts.device)
     to_source_major = torch.argsort(to_expert_major)
     return DispatchPlan(
-        token_of, slots, send_splits, recv_splits, received.sum(0),
-        to_expert_major, to_source_major,
-    )  # fmt: skip
+        token_of,
+        slots,
+        send_splits,
+        recv_splits,
+        received.sum(0),
+        to_expert_major,
+        to_source_major,
+    )
 
 
 class _AllToAll(torch.autograd.Function):

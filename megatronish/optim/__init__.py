@@ -2,7 +2,7 @@
 
 IN_FLIGHT belongs to data parallelism's ZeRO-2 and 3 (megatronish.data_parallel.zero2): the
 reduce-scatters of micro-batch gradients outstanding at once, each holding its bucket-sized
-tensor until its block is added to the kept one; the memory estimate reads it here.
+tensor until its shard is added to the kept one; the memory estimate reads it here.
 """
 
 IN_FLIGHT = 2

@@ -1,7 +1,7 @@
 """Gradient clipping by the global norm, each parameter counted once: the squares of tp-split
 gradients are summed over the tp group (experts' over the ep group first: each ep rank holds
 other experts), replicated ones are taken once, and the stages' sums are added over the
-pipeline. Which gradients a rank counts (whole ones, or its blocks of sharded ones, summed over
+pipeline. Which gradients a rank counts (whole ones, or its shards of sharded ones, summed over
 their groups first) is data parallelism's to say (megatronish.data_parallel)."""
 
 from __future__ import annotations

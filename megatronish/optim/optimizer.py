@@ -14,12 +14,12 @@ from megatronish.config import Config
 def lr_at(step: int, cfg: Config) -> float:
     """Learning rate of optimizer step `step` (1-based): linear warmup to train.lr over
     warmup_steps, then cosine decay to min_lr at train.steps."""
-    t = cfg.train
-    if t.warmup_steps > 0 and step <= t.warmup_steps:
-        return t.lr * step / t.warmup_steps
-    decay_steps = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / decay_steps)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
+    train = cfg.train
+    if train.warmup_steps > 0 and step <= train.warmup_steps:
+        return train.lr * step / train.warmup_steps
+    decay_steps = max(1, train.steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
+    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

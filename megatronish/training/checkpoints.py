@@ -30,20 +30,22 @@ from megatronish.training.resume import auto_choice, checkpoint_dir, resume_path
 from megatronish.training.setup import Setup
 
 
-def lock_before_building(s: Setup) -> bool:
+def lock_before_building(setup: Setup) -> bool:
     """Whether the run locks checkpoint.dir before it builds and restores: when it saves and
     checkpoint.dir exists (on any rank; one all-reduce), since it may resume from there. A new
     checkpoint.dir is locked, and so created, only once the run is built, so that a run that
     fails to start leaves nothing behind."""
-    exists = s.cfg.checkpoint.save and checkpoint_dir(s.cfg).is_dir()
-    return s.cfg.checkpoint.save and any_rank(exists, s.ps.device)
+    exists = setup.cfg.checkpoint.save and checkpoint_dir(setup.cfg).is_dir()
+    return setup.cfg.checkpoint.save and any_rank(exists, setup.ps.device)
 
 
-def start(s: Setup, model: nn.Module, optimizer: DataParallel, loader: BatchLoader) -> int | None:
+def start(
+    setup: Setup, model: nn.Module, optimizer: DataParallel, loader: BatchLoader
+) -> int | None:
     """Restores the model, optimizer, RNGs and loader position from the resume checkpoint and
     returns its step; None for a fresh start, whose weights come from
     checkpoint.init_from_hf when that is set."""
-    cfg, ps = s.cfg, s.ps
+    cfg, ps = setup.cfg, setup.ps
     path = resume_path(cfg)
     choice = auto_choice(cfg, path)
     if choice is not None and ps.is_main:
@@ -55,11 +57,11 @@ def start(s: Setup, model: nn.Module, optimizer: DataParallel, loader: BatchLoad
             from megatronish.hf.importer import init_from_hf
 
             with optimizer.whole_params(write_back=True):
-                init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, s.derived)
+                init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, setup.derived)
             if ps.is_main:
                 print(f"initialized from {cfg.checkpoint.init_from_hf}", flush=True)
         return None
-    ckpt = _restore(s, path, model, optimizer)
+    ckpt = _restore(setup, path, model, optimizer)
     if ckpt.loader_state is not None:
         loader.load_state_dict(ckpt.loader_state)
     if ps.is_main:
@@ -92,12 +94,12 @@ def warn_if_short_of_space(directory: Path, last: Path | None) -> None:
         )
 
 
-def _restore(s: Setup, path: Path, model: nn.Module, optimizer: DataParallel) -> Checkpoint:
+def _restore(setup: Setup, path: Path, model: nn.Module, optimizer: DataParallel) -> Checkpoint:
     """Restores model, optimizer and RNGs from `path`, each rank checking the files it reads
     and its share of the others; a corrupt file found by any rank stops every rank (before a
     step is trained), rank 0 printing the one line that names it (and, under
     checkpoint.resume=auto, the newest older checkpoint that is intact)."""
-    ps, corrupt, ckpt = s.ps, None, None
+    ps, corrupt, ckpt = setup.ps, None, None
     try:
         ckpt = Checkpoint(path)
         ckpt.check_in_background(ckpt.share(ps.rank, ps.world_size))
@@ -111,7 +113,7 @@ def _restore(s: Setup, path: Path, model: nn.Module, optimizer: DataParallel) ->
     corrupt = first_message_of_ranks(corrupt, ps.world_size)
     if corrupt is None:
         return ckpt
-    if s.cfg.checkpoint.resume == "auto" and ps.is_main:
+    if setup.cfg.checkpoint.resume == "auto" and ps.is_main:
         older = newest_intact_before(path)
         advice = (
             f"resume from the newest intact checkpoint with --set checkpoint.resume={older}"
@@ -162,23 +164,27 @@ def due(step: int, cfg: Config) -> bool:
 
 
 def save(
-    s: Setup, step: int, model: nn.Module, optimizer: DataParallel, loader: BatchLoader
+    setup: Setup, step: int, model: nn.Module, optimizer: DataParallel, loader: BatchLoader
 ) -> Path:
     """Saves the run's state at optimizer step `step` (every rank calls this)."""
-    return save_checkpoint(checkpoint_dir(s.cfg), step, **_save_args(s, model, optimizer, loader))
+    return save_checkpoint(
+        checkpoint_dir(setup.cfg), step, **_save_args(setup, model, optimizer, loader)
+    )
 
 
-def _save_args(s: Setup, model: nn.Module, optimizer: DataParallel, loader: BatchLoader) -> dict:
+def _save_args(
+    setup: Setup, model: nn.Module, optimizer: DataParallel, loader: BatchLoader
+) -> dict:
     """save_checkpoint's keyword arguments for the run's state now."""
     return dict(
-        cfg=s.cfg,
-        derived=s.derived,
-        ps=s.ps,
+        cfg=setup.cfg,
+        derived=setup.derived,
+        ps=setup.ps,
         model=model,
         optimizer=optimizer,
         loader_state=loader.state_dict(),
-        tokenizer=tokenizer_of_dataset(s.data.tokenizer_source.path),
-        keep=s.cfg.checkpoint.keep,
+        tokenizer=tokenizer_of_dataset(setup.data.tokenizer_source.path),
+        keep=setup.cfg.checkpoint.keep,
     )
 
 
@@ -189,9 +195,9 @@ class Saver:
     "saved" printed by rank 0) at the first step boundary where every rank's writer is done
     (poll), at the next save, or at finish()."""
 
-    def __init__(self, s: Setup):
-        self.setup = s
-        wanted = s.cfg.checkpoint.async_ and s.cfg.checkpoint.save
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        wanted = setup.cfg.checkpoint.async_ and setup.cfg.checkpoint.save
         self.background = AsyncSaver() if wanted else None
 
     @property

@@ -98,10 +98,10 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
     return cfg, data, derived
 
 
-def make_loader(s: Setup, split: str) -> BatchLoader | BlendLoader:
+def make_loader(setup: Setup, split: str) -> BatchLoader | BlendLoader:
     """The loader of `split` for this rank (the run reports the train split's datasets once it
     starts: write_data_report)."""
-    return open_loader(s.cfg, s.data, split, s.ps.dp_rank, s.ps.dp)
+    return open_loader(setup.cfg, setup.data, split, setup.ps.dp_rank, setup.ps.dp)
 
 
 def write_data_report(

@@ -52,36 +52,36 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, s: Setup, stop_signals: faults.StopSignals | None = None):
-        self.setup, self.cfg, self.ps = s, s.cfg, s.ps
-        self.saver = checkpoints.Saver(s)  # checkpoint.async: starts the writer thread first
+    def __init__(self, setup: Setup, stop_signals: faults.StopSignals | None = None):
+        self.setup, self.cfg, self.ps = setup, setup.cfg, setup.ps
+        self.saver = checkpoints.Saver(setup)  # checkpoint.async: starts the writer thread first
         # The default stream (dropout on replicated activations) is the same on every rank.
-        torch.manual_seed(s.cfg.train.seed)
-        self.model = GPT(s.cfg, s.derived, s.ps)
+        torch.manual_seed(setup.cfg.train.seed)
+        self.model = GPT(setup.cfg, setup.derived, setup.ps)
         # Phase times of every step on this rank (observe.phase_times).
-        self.timer = PhaseTimer(s.cfg.observe.phase_times, s.ps.device)
+        self.timer = PhaseTimer(setup.cfg.observe.phase_times, setup.ps.device)
         self.observed = False  # whether a logged window has been observed yet
-        self.profiler = StepProfiler(s.cfg, s.ps.rank, s.ps.device)
+        self.profiler = StepProfiler(setup.cfg, setup.ps.rank, setup.ps.device)
         self.pipeline = (
             Pipeline(
                 self.model,
-                s.ps,
-                s.cfg.parallel.pp_schedule,
-                s.cfg.train.seq_len,
+                setup.ps,
+                setup.cfg.parallel.pp_schedule,
+                setup.cfg.train.seq_len,
                 timer=self.timer,
-            )  # fmt: skip
-            if s.derived.pp > 1
+            )
+            if setup.derived.pp > 1
             else None
         )
         # The gradients' reduction, clipping, AdamW and ZeRO (optim.zero): data_parallel.
-        self.data_parallel = data_parallel_for(self.model, s.cfg, s.ps)
-        self.loader = make_loader(s, "train")
-        self.val_loader = make_loader(s, "val") if s.cfg.train.eval_every > 0 else None
-        self.out_dir = Path(s.cfg.run.out_dir)
-        self.flops_per_step = model_flops_per_step(s.cfg, s.derived)
-        self.peak, self.peak_source = peak_flops(s.ps.device)
+        self.data_parallel = data_parallel_for(self.model, setup.cfg, setup.ps)
+        self.loader = make_loader(setup, "train")
+        self.val_loader = make_loader(setup, "val") if setup.cfg.train.eval_every > 0 else None
+        self.out_dir = Path(setup.cfg.run.out_dir)
+        self.flops_per_step = model_flops_per_step(setup.cfg, setup.derived)
+        self.peak, self.peak_source = peak_flops(setup.ps.device)
         # The step resumed from (checkpoint.resume), or None for a fresh start.
-        self.resumed_from = checkpoints.start(s, self.model, self.data_parallel, self.loader)
+        self.resumed_from = checkpoints.start(setup, self.model, self.data_parallel, self.loader)
         self.step = self.resumed_from or 0
         self.saved_step = self.resumed_from
         # Asks to stop at a step boundary once installed (train() installs it).
@@ -174,17 +174,7 @@ class Trainer:
         stop_signals are installed; it saves first); returns the last metrics line (and
         val_loss if computed)."""
         cfg, ps = self.cfg, self.ps
-        self.write_run_files()
-        resumed = self.resumed_from is not None
-        if resumed and ps.is_main:
-            checkpoints.trim_metrics(self.out_dir, self.step)
-        metrics = MetricsWriter(
-            self.out_dir, enabled=ps.is_main, append=resumed, tensorboard=cfg.observe.tensorboard
-        )
-        bar = tqdm(
-            total=cfg.train.steps, initial=self.step, disable=not ps.is_main,
-            desc="train", unit="step", dynamic_ncols=True,
-        )  # fmt: skip
+        metrics, bar = self.open_outputs()
         last: dict = {}
         window_start, window_steps = time.perf_counter(), 0
         skipped_in_a_row, stopped = 0, False
@@ -198,32 +188,7 @@ class Trainer:
                     self.record_skip(metrics, result.verdict, skipped_in_a_row)
                 elif self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
                     elapsed = time.perf_counter() - window_start
-                    step_time = elapsed / window_steps
-                    last = {
-                        "step": self.step,
-                        "loss": result.loss,
-                        "lr": lr_at(self.step, cfg),
-                        "grad_norm": result.grad_norm,
-                        "tokens_per_s": self.setup.derived.tokens_per_step / step_time,
-                        "mfu": self.flops_per_step / step_time / (self.peak * ps.world_size),
-                        "step_time_s": step_time,
-                    }
-                    last.update(self.moe_metrics())
-                    last.update(self.observe_step())
-                    metrics.write(last)
-                    postfix = dict(
-                        loss=f"{result.loss:.4f}", tok_s=f"{last['tokens_per_s']:.0f}",
-                        mfu=f"{100 * last['mfu']:.1f}%",
-                    )  # fmt: skip
-                    if "moe_aux_loss" in last:
-                        postfix["aux"] = f"{last['moe_aux_loss']:.3f}"
-                        postfix["z"] = f"{last['moe_z_loss']:.2f}"
-                        postfix["imb"] = f"{last['moe_imbalance']:.2f}"
-                        if self.cfg.model.moe.capacity_factor is not None:
-                            postfix["drop"] = f"{100 * last['moe_dropped_frac']:.1f}%"
-                    if "peak_memory_gb" in last:
-                        postfix["mem"] = f"{last['peak_memory_gb']:.2f}GiB"
-                    bar.set_postfix(**postfix)
+                    last = self.log_step(metrics, bar, result, elapsed / window_steps)
                     window_start, window_steps = time.perf_counter(), 0
                 bar.update(1)
                 every = cfg.train.eval_every
@@ -252,6 +217,66 @@ class Trainer:
             line = faults.stop_report(self.step, cfg.train.steps, why, cfg.checkpoint.save)
             print(line, flush=True)
         return last
+
+    def open_outputs(self) -> tuple[MetricsWriter, tqdm]:
+        """The run files written; metrics.jsonl opened (on a resume: appended to, its lines
+        after the resumed step dropped first) and the progress bar (rank 0's)."""
+        cfg, ps = self.cfg, self.ps
+        self.write_run_files()
+        resumed = self.resumed_from is not None
+        if resumed and ps.is_main:
+            checkpoints.trim_metrics(self.out_dir, self.step)
+        metrics = MetricsWriter(
+            self.out_dir, enabled=ps.is_main, append=resumed, tensorboard=cfg.observe.tensorboard
+        )
+        bar = tqdm(
+            total=cfg.train.steps,
+            initial=self.step,
+            disable=not ps.is_main,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
+        return metrics, bar
+
+    def log_step(
+        self, metrics: MetricsWriter, bar: tqdm, result: StepResult, step_time: float
+    ) -> dict:
+        """The metrics line of a logged step (`step_time`: the mean seconds a step since the
+        last one), written and shown on the progress bar; every rank calls it (the MoE and
+        phase metrics are gathered)."""
+        last = {
+            "step": self.step,
+            "loss": result.loss,
+            "lr": lr_at(self.step, self.cfg),
+            "grad_norm": result.grad_norm,
+            "tokens_per_s": self.setup.derived.tokens_per_step / step_time,
+            "mfu": self.flops_per_step / step_time / (self.peak * self.ps.world_size),
+            "step_time_s": step_time,
+        }
+        last.update(self.moe_metrics())
+        last.update(self.observe_step())
+        metrics.write(last)
+        bar.set_postfix(**self.progress_postfix(last))
+        return last
+
+    def progress_postfix(self, last: dict) -> dict[str, str]:
+        """What the progress bar shows of a metrics line: loss, tokens/s and MFU; the MoE
+        losses, imbalance (and dropped share, with a capacity factor); the peak memory."""
+        postfix = dict(
+            loss=f"{last['loss']:.4f}",
+            tok_s=f"{last['tokens_per_s']:.0f}",
+            mfu=f"{100 * last['mfu']:.1f}%",
+        )
+        if "moe_aux_loss" in last:
+            postfix["aux"] = f"{last['moe_aux_loss']:.3f}"
+            postfix["z"] = f"{last['moe_z_loss']:.2f}"
+            postfix["imb"] = f"{last['moe_imbalance']:.2f}"
+            if self.cfg.model.moe.capacity_factor is not None:
+                postfix["drop"] = f"{100 * last['moe_dropped_frac']:.1f}%"
+        if "peak_memory_gb" in last:
+            postfix["mem"] = f"{last['peak_memory_gb']:.2f}GiB"
+        return postfix
 
     def moe_metrics(self) -> dict:
         """The MoE layers' router metrics since the last logged step (every rank calls this;
@@ -305,26 +330,26 @@ def train(cfg: Config) -> dict:
     until the run is built and restored (a config error found on the way creates nothing). A
     rank that fails because another rank went away raises a one-line RunFailure (only rank 0
     prints it): the rank that failed first has printed the error."""
-    s = setup(cfg)
+    built = setup(cfg)
     # The flight recorder's watchdog: a hang report in <run.out_dir>/debug on a collective that
     # does not finish, on SIGUSR2, or when another rank asks (see megatronish diagnose).
-    watchdog = flight.watchdog_for(cfg, s.ps)
+    watchdog = flight.watchdog_for(cfg, built.ps)
     # From here to the end SIGTERM, SIGUSR1 and a first Ctrl-C only ask to stop, so a rank that
     # torchrun terminates because another rank failed still gets to say so in one line.
     notice = faults.interrupt_notice(cfg.checkpoint.save, cfg.train.steps)
-    stop_signals = faults.StopSignals(notice if s.ps.is_main else None)
+    stop_signals = faults.StopSignals(notice if built.ps.is_main else None)
     directory = checkpoint_dir(cfg)
     try:
         stop_signals.install()
         with contextlib.ExitStack() as held:
-            lock_first = checkpoints.lock_before_building(s)
+            lock_first = checkpoints.lock_before_building(built)
             if lock_first:
-                held.enter_context(run_lock(directory, s.ps))
-            trainer = Trainer(s, stop_signals)
+                held.enter_context(run_lock(directory, built.ps))
+            trainer = Trainer(built, stop_signals)
             if cfg.checkpoint.save and not lock_first:
-                held.enter_context(run_lock(directory, s.ps))
+                held.enter_context(run_lock(directory, built.ps))
             summary = trainer.run()
-        if s.ps.is_main and summary:
+        if built.ps.is_main and summary:
             line = f"step {summary['step']}: loss {summary['loss']:.4f}"
             if "val_loss" in summary:
                 line += f", val_loss {summary['val_loss']:.4f}"
@@ -333,13 +358,14 @@ def train(cfg: Config) -> dict:
             print(line, flush=True)
         return summary
     except KeyboardInterrupt:  # a second Ctrl-C
-        raise checkpoints.aborted(cfg, s.ps.is_main) from None
+        raise checkpoints.aborted(cfg, built.ps.is_main) from None
     except Exception as exc:
         reason = faults.lost_peer(exc)
         if reason is None:
             raise
         raise RunFailure(
-            f"rank {s.ps.rank}: stopped because another rank failed ({reason})", rank0_prints=True
+            f"rank {built.ps.rank}: stopped because another rank failed ({reason})",
+            rank0_prints=True,
         ) from exc
     finally:
         stop_signals.restore()

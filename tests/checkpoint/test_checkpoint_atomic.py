@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+import megatronish.checkpoint.rank_files as rank_files_module
 import megatronish.checkpoint.save as save_module
 from megatronish import load_model
 from megatronish.checkpoint.format import find_latest
@@ -62,7 +63,7 @@ def test_a_save_failing_before_the_rename_leaves_the_previous_checkpoint_latest(
     (model1, opt1, derived), (model2, opt2, _) = two_models
     _save(tmp_path, 1, model1, opt1, derived)
     if crash_in == "serializing shards":
-        monkeypatch.setattr(save_module, "serialize", _fail)
+        monkeypatch.setattr(rank_files_module, "serialize", _fail)
     else:
         monkeypatch.setattr(os, "rename", _fail)
     with pytest.raises(raised, match="simulated crash"):

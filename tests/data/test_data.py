@@ -28,7 +28,7 @@ from megatronish.data import (
     train_bpe,
 )
 from megatronish.data import corpus as corpus_module
-from megatronish.data import prepare as prepare_module
+from megatronish.data import encode as encode_module
 from megatronish.data.corpus import builtin_files
 from megatronish.errors import UserError
 from tests.conftest import invoke_cli
@@ -278,7 +278,7 @@ def test_large_files_stream_in_pieces_with_identical_tokens(tmp_path, monkeypatc
     (corpus / "small.txt").write_text("é" * 501, "utf-8")
     whole = prepare_dataset([str(corpus)], str(tmp_path / "whole"))
     monkeypatch.setattr(corpus_module, "READ_CHUNK", 97)
-    monkeypatch.setattr(prepare_module, "BATCH_CHARS", 50)
+    monkeypatch.setattr(encode_module, "BATCH_CHARS", 50)
     pieces = prepare_dataset([str(corpus)], str(tmp_path / "pieces"))
     assert (pieces / "tokens.bin").read_bytes() == (whole / "tokens.bin").read_bytes()
     assert np.array_equal(np.load(pieces / "offsets.npy"), np.load(whole / "offsets.npy"))

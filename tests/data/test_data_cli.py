@@ -20,7 +20,7 @@ from tests.conftest import run_cli as real_cli
 # Reads a dataset the way the training commands do (resolve_dataset), behind the CLI's own
 # UserError handler, until a command that only reads a dataset exists.
 READ_DATASET = (
-    "import sys; from megatronish.cli import user_errors; "
+    "import sys; from megatronish.cli.shared import user_errors; "
     "from megatronish.data import resolve_dataset; user_errors(resolve_dataset)(sys.argv[1])"
 )
 

@@ -51,12 +51,12 @@ def _dp3(rank, world, dataset, ckpt_dir):
         "pieces": [(names[id(pc.param)], pc.lo, pc.data.numel()) for pc in dp.pieces],
         "sizes": {n: p.numel() for n, p in trainer.model.named_parameters()},
         # AdamW's moments: the tensors allocated, and the pieces' views of them
-        "allocated": sum(t.numel() for moments in dp.block_state for t in moments.values()),
+        "allocated": sum(t.numel() for moments in dp.shard_state for t in moments.values()),
         "viewed": sum(
             t.numel() for st in dp.adamw.state.values() for k, t in st.items() if k != "step"
         ),
         "whole": [n for n, p in trainer.model.named_parameters() if p in dp.adamw.state],
-        "blocks": sum(b.block.numel() for b in dp.buckets),
+        "blocks": sum(b.grad_shard.numel() for b in dp.buckets),
         "grad_is_none": all(p.grad is None for p in dp.params),
     }
     facts["curve"] = _run(trainer, 1)

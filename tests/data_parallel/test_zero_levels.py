@@ -79,13 +79,13 @@ def _held_bytes(trainer) -> int:
     dp = trainer.data_parallel
     tensors = [*trainer.model.parameters()]
     tensors += [p.grad for p in trainer.model.parameters() if p.grad is not None]
-    # the level's flat tensors: gradients (ZeRO-0 and 1 whole, 2 and 3 blocks), parameters
-    # (ZeRO-1 and 2 flat, 3 the blocks and each bucket's gathered tensor)
-    for name in ("grad_buffer", "grad_blocks", "flat_params"):
+    # the level's flat tensors: gradients (ZeRO-0 and 1 whole, 2 and 3 shards), parameters
+    # (ZeRO-1 and 2 flat, 3 the shards and each bucket's gathered tensor)
+    for name in ("grad_buffer", "grad_shards", "flat_params"):
         if hasattr(dp, name):
             tensors.append(getattr(dp, name))
     if hasattr(dp, "shards"):
-        tensors += [dp.shards.blocks] + [bucket.full for bucket in dp.buckets]
+        tensors += [dp.shards.owned] + [bucket.full for bucket in dp.buckets]
     tensors += [t for st in dp.adamw.state.values() for t in st.values()]
     storages = {}
     for tensor in tensors:

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from megatronish.cli import user_errors
+from megatronish.cli.shared import user_errors
 from megatronish.commands.trace import merge_traces, step_breakdown
 from megatronish.config import Config
 from megatronish.distributed import comm

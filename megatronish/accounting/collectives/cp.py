@@ -26,7 +26,9 @@ from megatronish.accounting.collectives.step import (
 def cp_collectives(step: Step) -> list[Collective]:
     """The ring's, the MoE balancing loss's and the loss's token counts (see module doc)."""
     cp, accum, n = step.cp, step.accum, step.layers
-    kv = 2 * step.b * (step.d.n_kv_head // step.t) * step.s * step.d.head_dim  # elements
+    kv = (
+        2 * step.b * (step.derived.n_kv_head // step.tp) * step.s * step.derived.head_dim
+    )  # elements
     forward_rings = 2 if step.cfg.train.activation_checkpointing != "none" else 1
     hops = (cp - 1) * (forward_rings + 1) * n * accum
     what = "ring attention k and v (forward, backward)"

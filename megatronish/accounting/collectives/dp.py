@@ -9,7 +9,7 @@ buffer (ZeRO-2 and 3: one after each of the A micro-batches) and an all-gather o
 parameters (ZeRO-3: the modules' gathers before forward and backward, ``zero3_gathers``), 4 P
 bytes each, less the parameters outside the buffer (the sequence-parallel replicated ones and
 the pipeline's tied embedding copies, which are all-reduced and broadcast by their owners),
-and the blocks' grad-norm partial sums (two fp64; one more over the experts' group); the
+and the shards' grad-norm partial sums (two fp64; one more over the experts' group); the
 buckets are padded to a multiple of dp, which adds nothing when dp divides every bucket's size,
 as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
 """
@@ -31,7 +31,7 @@ def dp_collectives(step: Step) -> list[Collective]:
         ops = _zero(step)
     else:
         experts, edp = _expert_bytes(step), _edp(step)
-        dense = local_parameter_count(step.cfg, step.d, step.pp_rank) * FP32_BYTES - experts
+        dense = local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts
         ops = _over_dp(
             [
                 ("data-parallel gradient average", "all_reduce", dp, dense, 1),
@@ -52,34 +52,36 @@ def _over_dp(rows: list[tuple[str, str, int, int, int]]) -> list[Collective]:
 
 def _edp(step: Step) -> int:
     """The expert-data-parallel group: the ranks that hold the same experts."""
-    return step.dp // step.d.ep
+    return step.dp // step.derived.ep
 
 
 def _expert_bytes(step: Step) -> int:
     """The stage's expert parameters on this rank, fp32."""
-    return step.moe_layers * local_moe_params(step.cfg, step.d, True) * FP32_BYTES
+    return step.moe_layers * local_moe_params(step.cfg, step.derived, True) * FP32_BYTES
 
 
 def _outside_bytes(step: Step) -> int:
     """The parameters outside ZeRO's gradient buffer (summed over tp or the embedding group
     first), fp32: whole parameters, all-reduced and broadcast by their owners."""
-    d = step.d
+    derived = step.derived
     replicated = 0
     if step.cfg.parallel.sequence_parallel:
-        replicated = sequence_parallel_grad_count(step.cfg, d, step.pp_rank)
+        replicated = sequence_parallel_grad_count(step.cfg, derived, step.pp_rank)
     outside = replicated * FP32_BYTES
-    if d.pp > 1 and d.tie_embeddings and (step.first or step.last):
-        outside += d.padded_vocab_size // step.t * step.h * FP32_BYTES
+    if derived.pp > 1 and derived.tie_embeddings and (step.first or step.last):
+        outside += derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
     return outside
 
 
 def _zero(step: Step) -> list[Collective]:
     """optim.zero >= 1 at dp x cp > 1: the buffer's buckets reduce-scattered (ZeRO-2 and 3:
-    after every micro-batch) and their updated blocks all-gathered (ZeRO-3: by each module,
-    ``zero3_gathers``); the parameters outside it all-reduced and broadcast; the blocks' norms."""
+    after every micro-batch) and their updated shards all-gathered (ZeRO-3: by each module,
+    ``zero3_gathers``); the parameters outside it all-reduced and broadcast; the shards' norms."""
     zero, dp, edp = step.cfg.optim.zero, step.dp, _edp(step)
     experts, outside = _expert_bytes(step), _outside_bytes(step)
-    dense = local_parameter_count(step.cfg, step.d, step.pp_rank) * FP32_BYTES - experts - outside
+    dense = (
+        local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts - outside
+    )
     rows = []
     if outside:
         broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
@@ -100,10 +102,10 @@ def _zero(step: Step) -> list[Collective]:
     else:
         rows += zero3_gathers(step, dense)
     rows.append(
-        ("gradient norm of the blocks (split, replicated)", "all_reduce", dp, 2 * FP64_BYTES, 1)
+        ("gradient norm of the shards (split, replicated)", "all_reduce", dp, 2 * FP64_BYTES, 1)
     )
     if experts:
-        rows.append(("gradient norm of the expert blocks", "all_reduce", edp, FP64_BYTES, 1))
+        rows.append(("gradient norm of the expert shards", "all_reduce", edp, FP64_BYTES, 1))
     return _over_dp(rows)
 
 
@@ -114,19 +116,19 @@ def zero3_gathers(step: Step, dense: int) -> list[tuple[str, str, int, int, int]
     before its backward but the last module's (the final norm and the output layer) and the
     tied embedding's, which stay from their forward, and the embeddings', whose backward reads
     no weight; at pp > 1 each bucket once a step (kept to its end)."""
-    m, d, dp, accum = step.cfg.model, step.d, step.dp, step.accum
+    model, derived, dp, accum = step.cfg.model, step.derived, step.dp, step.accum
     experts, edp = _expert_bytes(step), _edp(step)
-    if d.pp > 1:
+    if derived.pp > 1:
         return [
             ("ZeRO-3 parameter all-gather (kept for the step)", "all_gather", dp, dense, 1),
             ("ZeRO-3 expert all-gather (kept for the step)", "all_gather", edp, experts, 1),
         ]
-    norm = (2 if m.arch == "gpt2" else 1) * step.h * FP32_BYTES
-    vocab = d.padded_vocab_size // step.t * step.h * FP32_BYTES
-    tied = vocab if d.tie_embeddings else 0
-    kept = (0 if step.sp else norm) + (0 if d.tie_embeddings else vocab)
-    positions = m.max_seq_len * step.h * FP32_BYTES if m.arch == "gpt2" else 0
-    lookups = (0 if d.tie_embeddings else vocab) + positions  # not gathered for backward
+    norm = (2 if model.arch == "gpt2" else 1) * step.h * FP32_BYTES
+    vocab = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
+    tied = vocab if derived.tie_embeddings else 0
+    kept = (0 if step.sp else norm) + (0 if derived.tie_embeddings else vocab)
+    positions = model.max_seq_len * step.h * FP32_BYTES if model.arch == "gpt2" else 0
+    lookups = (0 if derived.tie_embeddings else vocab) + positions  # not gathered for backward
     backward = dense - kept - tied - lookups
     return [
         ("ZeRO-3 parameter all-gather (forward)", "all_gather", dp, dense, accum),

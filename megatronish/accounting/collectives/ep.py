@@ -15,7 +15,7 @@ from megatronish.accounting.collectives.step import FP64_BYTES, INT64_BYTES, Col
 
 def ep_collectives(step: Step) -> list[Collective]:
     """The all-to-alls of the stage's MoE layers and the expert gradient norm (module doc)."""
-    moe, ep, calls = step.cfg.model.moe, step.d.ep, step.moe_layers * step.accum
+    moe, ep, calls = step.cfg.model.moe, step.derived.ep, step.moe_layers * step.accum
     rows = step.b * step.s * moe.top_k * step.h * step.c  # every token's top_k copies
     counts = moe.num_experts * INT64_BYTES
     dispatch = "MoE token dispatch and return (forward, backward)"

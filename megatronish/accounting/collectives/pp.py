@@ -16,18 +16,18 @@ from megatronish.accounting.collectives.step import FP32_BYTES, FP64_BYTES, Coll
 
 def pp_collectives(step: Step) -> list[Collective]:
     """The sends, the tied embedding's gradient, the norm and the loss (see module doc)."""
-    d, pp = step.d, step.d.pp
+    derived, pp = step.derived, step.derived.pp
     if pp == 1:
         return []
-    hidden = step.b * (step.s // step.t if step.sp else step.s) * step.h * FP32_BYTES
+    hidden = step.b * (step.s // step.tp if step.sp else step.s) * step.h * FP32_BYTES
     # Per model chunk: its output forward (all but the model's last chunk) and its input
     # gradient backward (all but chunk 0).
-    v = d.pp_virtual
+    v = derived.pp_virtual
     sends = (v - (1 if step.last else 0)) + (v - (1 if step.first else 0))
     what = "hidden states and their gradients (point to point)"
     ops = [Collective(what, "p2p", "pp", pp, hidden, sends * step.accum)]
-    if d.tie_embeddings and (step.first or step.last):
-        shard = d.padded_vocab_size // step.t * step.h * FP32_BYTES
+    if derived.tie_embeddings and (step.first or step.last):
+        shard = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
         what = "tied embedding gradient (first and last stage)"
         ops.append(Collective(what, "all_reduce", "embedding", 2, shard, 1))
     return ops + [

@@ -42,11 +42,11 @@ class Collective:
 @dataclass(frozen=True)
 class Step:
     """One rank of pipeline stage pp_rank in one optimizer step (``step_of``): the config, its
-    derived layout and the sizes every dimension's count reads (t tp, accum micro-batches a
-    step, b micro-batch, h hidden)."""
+    derived layout and the sizes every dimension's count reads (tp the tp degree, accum
+    micro-batches a step, b micro-batch, h hidden)."""
 
     cfg: Config
-    d: Derived
+    derived: Derived
     pp_rank: int
     masked: bool
     """Whether the run's loader masks the loss (SFT data or data.eod_mask_loss)."""
@@ -54,7 +54,7 @@ class Step:
     """The first stage: it holds the embeddings."""
     last: bool
     """The last stage: it holds the output layer and the loss."""
-    t: int
+    tp: int
     cp: int
     dp: int
     """The data-parallel group, dp x cp ranks: the data-parallel collectives run over it."""
@@ -74,23 +74,23 @@ class Step:
 
 def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | None) -> Step:
     """The Step of stage pp_rank; loss_masked None: data.eod_mask_loss."""
-    tr = cfg.train
+    train = cfg.train
     cp = derived.cp
     return Step(
         cfg=cfg,
-        d=derived,
+        derived=derived,
         pp_rank=pp_rank,
         masked=cfg.data.eod_mask_loss if loss_masked is None else loss_masked,
         first=pp_rank == 0,
         last=pp_rank == derived.pp - 1,
-        t=derived.tp,
+        tp=derived.tp,
         cp=cp,
         dp=derived.dp * cp,
         accum=derived.grad_accum_steps,
-        b=tr.micro_batch_size,
-        s=tr.seq_len // cp,
+        b=train.micro_batch_size,
+        s=train.seq_len // cp,
         h=cfg.model.d_model,
-        c=2 if tr.precision == "bf16" else FP32_BYTES,
+        c=2 if train.precision == "bf16" else FP32_BYTES,
         sp=cfg.parallel.sequence_parallel and derived.tp > 1,
         layers=derived.stage_layers[pp_rank],
         moe_layers=stage_moe_layers(derived, pp_rank),
@@ -100,7 +100,7 @@ def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | Non
 def step_agreement(step: Step) -> list[Collective]:
     """faults.agree_on_step: four fp32 flags (16 bytes) all-reduced over tp, then dp x cp, then
     pp, once per step."""
-    groups = (("tp", step.t), ("dp", step.dp), ("pp", step.d.pp))
+    groups = (("tp", step.tp), ("dp", step.dp), ("pp", step.derived.pp))
     what = "step agreement: non-finite and stop flags"
     return [
         Collective(what, "all_reduce", group, size, STEP_FLAGS * FP32_BYTES, 1)

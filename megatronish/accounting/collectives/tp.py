@@ -47,11 +47,11 @@ def tp_collectives(step: Step) -> list[Collective]:
     ops += _sequence_parallel_blocks(step) if step.sp else _blocks(step)
     ops += _vocab_parallel_loss(step) + _moe(step)
     what = "gradient norm (fp64 partial sum)"
-    ops.append(Collective(what, "all_reduce", "tp", step.t, FP64_BYTES, 1))
+    ops.append(Collective(what, "all_reduce", "tp", step.tp, FP64_BYTES, 1))
     if step.cfg.parallel.sequence_parallel:
-        replicated = sequence_parallel_grad_count(step.cfg, step.d, step.pp_rank) * FP32_BYTES
+        replicated = sequence_parallel_grad_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
         what = "replicated-parameter gradients (sequence parallel)"
-        ops.append(Collective(what, "all_reduce", "tp", step.t, replicated, 1))
+        ops.append(Collective(what, "all_reduce", "tp", step.tp, replicated, 1))
     return ops
 
 
@@ -59,7 +59,7 @@ def _over_tp(step: Step, rows: list[tuple[str, str, int, int]]) -> list[Collecti
     """The Collectives of rows (what, kind, payload, calls per micro-batch) over tp: each
     row's calls in every one of the step's micro-batches."""
     return [
-        Collective(what, kind, "tp", step.t, payload, per_micro * step.accum)
+        Collective(what, kind, "tp", step.tp, payload, per_micro * step.accum)
         for what, kind, payload, per_micro in rows
     ]
 
