@@ -34,7 +34,7 @@ class RunFailure(ReportedError):
 
 
 class Interrupted(ReportedError):
-    """A run aborted by a second Ctrl-C (or a first one before it started): the CLI prints
+    """A run aborted by a second Ctrl-C: the CLI prints
     `aborted: <message>` and exits with status 130 (128 + SIGINT), as a shell reports it."""
 
     exit_status = 130

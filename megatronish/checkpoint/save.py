@@ -140,7 +140,8 @@ def finalize(
             info[CHECKSUM_KEY] = checksums[child.name]
             meta["files"][child.name] = info
     if tokenizer is not None and tokenizer.file is not None:
-        with write_failures(tmp / TOKENIZER_FILE, tokenizer.file.stat().st_size):
+        needed = tokenizer.file.stat().st_size if tokenizer.file.is_file() else None
+        with write_failures(tmp / TOKENIZER_FILE, needed):
             shutil.copyfile(tokenizer.file, tmp / TOKENIZER_FILE)
             fsync_path(tmp / TOKENIZER_FILE)
     for name, text in (
@@ -166,24 +167,26 @@ def finalize(
                 os.rename(aside, final)
             raise
         fsync_path(directory)
+    if aside is not None:  # before `latest`: a failure there must not leave a second copy
+        shutil.rmtree(aside, ignore_errors=True)
     pointer = final.name + "\n"
     with write_failures(directory / LATEST_FILE, len(pointer)):
         write_text_atomic(directory / LATEST_FILE, pointer)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
     prune(directory, keep, final)
     return final
 
 
 def prune(directory: Path, keep: int, current: Path) -> None:
     """Deletes all but the `keep` newest complete checkpoints (0: keeps all; never `current`),
-    and the temporary directories of interrupted saves."""
+    and what interrupted saves left: their temporary directories and the earlier copies of a
+    re-saved step (step_N.old-PID)."""
     if keep > 0:
         for old in complete_steps(directory)[:-keep]:
             if old != current:
                 shutil.rmtree(old, ignore_errors=True)
     for child in directory.iterdir():
-        if child.name.startswith("step_") and ".tmp-" in child.name and child.is_dir():
+        leftover = ".tmp-" in child.name or ".old-" in child.name
+        if child.name.startswith("step_") and leftover and child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
 
 

@@ -50,7 +50,13 @@ def check(config_path, overrides, world_size):
     show_default=True,
     help="HOST:PORT of the rendezvous (node 0's address) for multi-node runs.",
 )
-@click.option("--rdzv-timeout", type=int, default=600, help="Seconds for the nodes to meet (600).")
+@click.option(
+    "--rdzv-timeout",
+    type=int,
+    default=600,
+    show_default=True,
+    help="Seconds for the nodes to meet, and for node 0's endpoint to answer.",
+)
 @click.option("--max-restarts", type=int, default=0, show_default=True)
 @user_errors
 def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_timeout, max_restarts):

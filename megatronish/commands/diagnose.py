@@ -265,8 +265,8 @@ def _no_missing_rank(dumps: dict[int, dict], world_size: int | None) -> list[str
 
 def verdict(dumps: dict[int, dict]) -> str:
     """The hang report of dumps (by rank), as text: which rank the others wait for, where, and
-    its stack; or that no rank was stuck (none in flight longer than STUCK_AFTER_S), or inside
-    a collective at all."""
+    its stack; or that no rank was stuck (no collective waited longer than STUCK_AFTER_S for a
+    rank seen outside it), or inside a collective at all."""
     sizes = [d["world_size"] for d in dumps.values() if isinstance(d.get("world_size"), int)]
     world_size = max(sizes) if sizes else None
     hangs = _hangs(dumps, world_size)
@@ -285,8 +285,8 @@ def verdict(dumps: dict[int, dict]) -> str:
     if stuck is not None:
         return "\n".join(stuck)
     if any(e["end"] is None for d in dumps.values() for e in d["entries"]):
-        text = f"no rank is stuck: no collective had been in flight longer than {STUCK_AFTER_S:g} "
-        text += "s when the ranks dumped "
+        text = "no rank is stuck: no collective had waited longer than "
+        text += f"{STUCK_AFTER_S:g} s for a rank seen outside it when the ranks dumped "
     else:
         text = "no hang: no rank was inside a collective when the dumps were taken "
     text += f"({len(dumps)} dumps: {rank_list(dumps)})"

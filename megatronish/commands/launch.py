@@ -20,7 +20,7 @@ import os
 import sys
 
 from torch.distributed import run as torchrun
-from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 
 from megatronish.checkpoint.lock import ensure_unlocked
 from megatronish.commands.check import check_config
@@ -56,7 +56,7 @@ def launch(
         # each attempt's rank 0 hosts a fresh store instead.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if nnodes > 1:
-        print(waiting_line(nnodes, node_rank, rdzv_endpoint, rdzv_timeout), file=sys.stderr)
+        print(waiting_line(nnodes, rdzv_endpoint, rdzv_timeout), file=sys.stderr)
     rendezvous = (nnodes, node_rank, rdzv_endpoint, rdzv_timeout)
     args = torchrun_args(config_path, overrides, nproc, max_restarts, *rendezvous)
     try:
@@ -68,8 +68,13 @@ def launch(
         raise RunFailure(
             f"launch: not all {nnodes} nodes joined the rendezvous at "
             f"{rdzv_endpoint} within {rdzv_timeout} s (--rdzv-timeout); start `megatronish "
-            "launch` on every node with the same --nnodes and --rdzv-endpoint, each with its "
-            "own --node-rank"
+            "launch` on every node with the same --nnodes and --rdzv-endpoint"
+        ) from None
+    except RendezvousError as exc:  # the endpoint did not answer: node 0 not up, or mistyped
+        raise RunFailure(
+            f"launch: could not reach the rendezvous at {rdzv_endpoint} within {rdzv_timeout} s "
+            f"(--rdzv-timeout): {type(exc).__name__}; start node 0's launch (the endpoint's "
+            "host) and check --rdzv-endpoint"
         ) from None
     except Exception as exc:  # torchrun's ChildFailedError: the ranks printed their errors
         failures = getattr(exc, "failures", {})
@@ -116,7 +121,7 @@ def torchrun_args(
         args += [
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={rdzv_endpoint}",
-            f"--rdzv-conf=join_timeout={rdzv_timeout}",
+            f"--rdzv-conf=join_timeout={rdzv_timeout},read_timeout={rdzv_timeout}",
             f"--node-rank={node_rank}",
         ]
     else:
@@ -127,14 +132,13 @@ def torchrun_args(
     return args
 
 
-def waiting_line(nnodes: int, node_rank: int, endpoint: str, timeout_s: int) -> str:
+def waiting_line(nnodes: int, endpoint: str, timeout_s: int) -> str:
     """What a launcher of several nodes says once before the rendezvous: whom it waits for,
     where, and when the wait ends (local time)."""
     now = datetime.datetime.now()
     until = now + datetime.timedelta(seconds=timeout_s)
     when = until.strftime("%H:%M:%S" if until.date() == now.date() else "%Y-%m-%d %H:%M:%S")
     return (
-        f"launch: waiting for {nnodes - 1} more node(s) at {endpoint} (this is node rank "
-        f"{node_rank} of {nnodes}); the rendezvous times out at {when} ({timeout_s} s, "
-        "--rdzv-timeout)"
+        f"launch: waiting for {nnodes - 1} more node(s) at {endpoint} ({nnodes} nodes in all); "
+        f"the rendezvous times out at {when} ({timeout_s} s, --rdzv-timeout)"
     )

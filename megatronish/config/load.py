@@ -120,17 +120,16 @@ def _as_int(value: Any, bad: UserError) -> int:
 
 
 def _as_float(value: Any, bad: UserError) -> float:
-    """A finite number (a string of one too) as a float; else `bad` (a bool, YAML .nan, .inf)."""
-    if isinstance(value, bool):
+    """A finite number (a string of one too) as a float; else `bad` (a bool, YAML .nan, .inf,
+    a whole number too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise bad
-    result = value
-    if isinstance(value, str):
-        try:
-            result = float(value)
-        except ValueError:
-            raise bad from None
-    if isinstance(result, (int, float)) and math.isfinite(result):
-        return float(result)
+    try:
+        result = float(value)
+    except (ValueError, OverflowError):
+        raise bad from None
+    if math.isfinite(result):
+        return result
     raise bad
 
 

@@ -212,7 +212,7 @@ class Trainer:
             bar.close()
             metrics.close()
             self.profiler.close()
-        if stopped and ps.is_main:
+        if stopped and ps.is_main and self.step < cfg.train.steps:  # else: it simply finished
             why = self.stop_signals.requested
             line = faults.stop_report(self.step, cfg.train.steps, why, cfg.checkpoint.save)
             print(line, flush=True)

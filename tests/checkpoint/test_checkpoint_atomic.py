@@ -135,3 +135,29 @@ def test_a_resave_of_a_step_whose_rename_fails_puts_the_earlier_save_of_that_ste
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001"]
     _assert_loads_step_1(tmp_path, model1)
+
+
+def test_a_resave_whose_latest_cannot_be_written_leaves_one_copy_of_the_step(
+    tmp_path, monkeypatch, two_models
+):
+    (model1, opt1, derived), (model2, opt2, _) = two_models
+    _save(tmp_path, 1, model1, opt1, derived)
+    (tmp_path / "step_000000.old-7").mkdir()  # what an earlier interrupted re-save left
+    write = save_module.write_text_atomic
+
+    def full_disk(path, text):
+        if path.name == "latest":
+            raise OSError(28, "No space left on device", str(path))
+        write(path, text)
+
+    monkeypatch.setattr(save_module, "write_text_atomic", full_disk)
+    with pytest.raises(RunFailure, match=r"cannot write .*latest: no space left on device"):
+        _save(tmp_path, 1, model2, opt2, derived)  # the earlier copy is gone before `latest`
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step_000000.old-7",
+        "step_000001",
+    ]
+    _save(tmp_path, 2, model2, opt2, derived)  # a save that completes clears what others left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000001", "step_000002"]

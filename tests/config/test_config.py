@@ -112,7 +112,7 @@ def test_cli_a_directory_as_config_file_exits_2_saying_it_is_a_directory():
     )
 
 
-@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "1" + "0" * 400])  # 1e400: no float
 def test_cli_a_non_finite_number_in_the_yaml_exits_2_naming_the_key(tmp_path, value):
     path = write(tmp_path, f"model:\n  rope_theta: {value}\n")
     one_line_error(invoke_cli("check", "--config", str(path)), "model.rope_theta", "finite number")

@@ -251,8 +251,8 @@ def test_diagnose_of_a_healthy_run_dumped_mid_step_finds_no_rank_stuck(tmp_path)
                         (5, "all_reduce", "world", 1000.0, None)], world_size=2)  # fmt: skip
     _dump(tmp_path, 1, [(4, "all_reduce", "world", 990.0, 990.1)], world_size=2, at=999.9)
     expected = (
-        "no rank is stuck: no collective had been in flight longer than 1 s when the ranks "
-        "dumped (2 dumps: ranks 0-1)"
+        "no rank is stuck: no collective had waited longer than 1 s for a rank seen outside it "
+        "when the ranks dumped (2 dumps: ranks 0-1)"
     )
     assert diagnose_run(tmp_path) == (expected, 0)
     # rank 1 dumped 0.6 s after rank 0 entered, not yet there: 0.6 s of waiting is no hang

@@ -284,8 +284,8 @@ def test_a_launch_waiting_for_another_node_says_once_for_whom_where_and_until_wh
     endpoint = run.proc.args[run.proc.args.index("--rdzv-endpoint") + 1]
     assert len(lines) == 1, stderr
     pattern = (
-        rf"launch: waiting for 1 more node\(s\) at {re.escape(endpoint)} \(this is node rank 0 "
-        r"of 2\); the rendezvous times out at \d\d:\d\d:\d\d \(600 s, --rdzv-timeout\)"
+        rf"launch: waiting for 1 more node\(s\) at {re.escape(endpoint)} \(2 nodes in all\); "
+        r"the rendezvous times out at \d\d:\d\d:\d\d \(600 s, --rdzv-timeout\)"
     )
     assert re.fullmatch(pattern, lines[0]), lines[0]
 
