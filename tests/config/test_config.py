@@ -224,3 +224,19 @@ def test_a_head_dim_the_triton_attention_kernels_do_not_compile_for_is_a_user_er
     assert derive(load_config(CONFIGS / "tiny.yaml", sets + ["model.head_dim=16"]), 1)
     with pytest.raises(UserError, match="model.head_dim: 24 .*valid head dims: 16, 32, 64, 128"):
         derive(load_config(CONFIGS / "tiny.yaml", sets + ["model.head_dim=24"]), 1)
+
+
+def test_auto_backend_runs_attention_on_torch_for_a_head_dim_the_kernels_do_not_compile(
+    monkeypatch,
+):
+    from megatronish import ops
+
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, x: "triton")  # as on a GPU
+    called = []
+    kernels = type("Kernels", (), {"attention": staticmethod(lambda *a: called.append(a))})
+    monkeypatch.setattr(ops, "_kernels", lambda: kernels)
+    q = torch.randn(1, 2, 4, 24)
+    torch.testing.assert_close(ops.attention(q, q, q), ops.reference.attention(q, q, q, True))
+    assert called == [] and ops.attention_backend("triton", q) == "triton"
+    ops.attention(*[torch.randn(1, 2, 4, 16)] * 3)
+    assert len(called) == 1  # a head dim of 16 runs on the kernel
