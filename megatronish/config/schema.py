@@ -239,7 +239,8 @@ class CheckpointConfig:
 @dataclass
 class KernelsConfig:
     backend: Literal["auto", "triton", "torch"] = "auto"
-    """auto: Triton kernels on CUDA, torch ops elsewhere; triton; torch."""
+    """auto: Triton kernels on CUDA (attention on torch for a head dim other than 16, 32, 64
+    or 128), torch ops elsewhere; triton (those head dims only); torch."""
 
 
 @dataclass
