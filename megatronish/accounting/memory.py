@@ -51,6 +51,7 @@ from megatronish.accounting.parameters import (
     stage_moe_layers,
 )
 from megatronish.config import Config, Derived, derive, virtual_stages
+from megatronish.config.derive import head_dim_of
 from megatronish.optim import IN_FLIGHT
 from megatronish.pipeline.schedule import warmup_forwards
 
@@ -108,7 +109,9 @@ def activation_bytes_per_layer(
     if recompute == "full":
         kept = 2 * sbh / (tp if sequence_parallel else 1)
         return kept * width
-    per = 34 / tp if sequence_parallel else 10 + 24 / tp
+    # q, k, v and the output projection's input: 8 sbh when the heads span d_model.
+    heads = 8 * cfg.model.n_head * head_dim_of(cfg.model) / h
+    per = (26 + heads) / tp if sequence_parallel else 10 + (16 + heads) / tp
     return sbh * per * width
 
 

@@ -58,6 +58,7 @@ def _check_sizes(cfg: Config) -> None:
         require(value >= 1, f"{key}: {value} is not valid; must be a positive integer")
     for key, value in [
         ("model.n_kv_head", model.n_kv_head),
+        ("model.head_dim", model.head_dim),
         ("model.d_ff", model.d_ff),
         ("model.vocab_size", model.vocab_size),
         ("model.moe.d_ff", model.moe.d_ff),
@@ -101,6 +102,10 @@ def _check_ranges(cfg: Config) -> None:
     require(
         model.arch != "gpt2" or model.n_kv_head in (None, model.n_head),
         f"model.n_kv_head: gpt2 uses n_kv_head = n_head = {model.n_head}; got {model.n_kv_head}",
+    )
+    require(
+        model.arch != "gpt2" or model.head_dim is None,
+        f"model.head_dim: gpt2 uses d_model / n_head; got {model.head_dim} (set it only for llama)",
     )
 
 

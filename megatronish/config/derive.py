@@ -11,6 +11,9 @@ from megatronish.config.schema import Config, ModelConfig, ParallelConfig, Train
 
 VOCAB_PAD_MULTIPLE = 128
 
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
+"""The head dims the Triton attention kernels compile for."""
+
 
 def moe_layers(cfg: Config) -> tuple[int, ...]:
     """The indices of the blocks whose MLP is a mixture of experts (none when moe is off)."""
@@ -123,6 +126,11 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
     if cp > 1:
         _check_context_parallel(cfg)
     n_kv, head_dim = _head_sizes(model, tp)
+    require(
+        cfg.kernels.backend != "triton" or head_dim in TRITON_HEAD_DIMS,
+        f"model.head_dim: {head_dim} is not supported by kernels.backend=triton; valid head dims: "
+        f"{', '.join(map(str, TRITON_HEAD_DIMS))} (or kernels.backend=torch)",
+    )
     d_ff = _ffn_size(model, tp)
     accum = _grad_accum_steps(train, dp)
     vocab = model.vocab_size if model.vocab_size is not None else vocab_size
@@ -195,7 +203,8 @@ def _check_context_parallel(cfg: Config) -> None:
 
 
 def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
-    """(kv heads, head dim), once the heads split over tp and into the kv groups."""
+    """(kv heads, head dim: model.head_dim or d_model / n_head), once the heads split over tp
+    and into the kv groups."""
     n_kv = model.n_kv_head if model.n_kv_head is not None else model.n_head
     require(
         model.n_head % tp == 0,
@@ -211,14 +220,26 @@ def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
         f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; "
         f"valid tp: {', '.join(str(d) for d in divisors(n_kv))}",
     )
+    if model.head_dim is not None:
+        require(
+            model.head_dim % 2 == 0,
+            f"model.head_dim: {model.head_dim} is not valid; must be a positive even integer "
+            "(RoPE)",
+        )
+        return n_kv, head_dim_of(model)
     require(
         model.d_model % model.n_head == 0,
         f"model.d_model: {model.d_model} is not divisible by model.n_head={model.n_head}",
     )
-    head_dim = model.d_model // model.n_head
+    head_dim = head_dim_of(model)
     if model.arch == "llama":
         require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
     return n_kv, head_dim
+
+
+def head_dim_of(model: ModelConfig) -> int:
+    """The size of one attention head: model.head_dim, or d_model / n_head when it is unset."""
+    return model.head_dim if model.head_dim is not None else model.d_model // model.n_head
 
 
 def _ffn_size(model: ModelConfig, tp: int) -> int:

@@ -52,7 +52,11 @@ class ModelConfig:
     """Key/value heads (grouped-query attention); divides n_head and is divisible by parallel.tp.
     Default: n_head (gpt2 always uses n_head)."""
     d_model: int = 128
-    """Hidden size; divisible by n_head."""
+    """Hidden size; divisible by n_head unless head_dim is set."""
+    head_dim: int | None = None
+    """Size of one attention head, even (RoPE); llama only. The qkv projection is then
+    (n_head + 2 n_kv_head) * head_dim wide and the output projection n_head * head_dim to
+    d_model (Qwen3: 16 heads of 128 on d_model 1024). Default: d_model / n_head."""
     d_ff: int | None = None
     """MLP inner size, divisible by parallel.tp. Default: 4 * d_model for gpt2, and for llama
     8/3 * d_model rounded up to a multiple of 256 (the same at every tp)."""
@@ -235,7 +239,8 @@ class CheckpointConfig:
 @dataclass
 class KernelsConfig:
     backend: Literal["auto", "triton", "torch"] = "auto"
-    """auto: Triton kernels on CUDA, torch ops elsewhere; triton; torch."""
+    """auto: Triton kernels on CUDA (attention on torch for a head dim other than 16, 32, 64
+    or 128), torch ops elsewhere; triton (those head dims only); torch."""
 
 
 @dataclass

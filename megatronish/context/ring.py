@@ -248,8 +248,8 @@ def ring_attention(
     q [b, n, 2c, d], k and v [b, k, 2c, d] -> [b, n, 2c, d] in q's dtype; the keys and values
     of the other cp ranks' shards come around the ring. Every cp rank calls it together. Under
     document masks, shards [b, cp, 2c] holds the segments of every cp rank's shard."""
-    from megatronish.ops import resolve_backend
+    from megatronish.ops import attention_backend
 
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: local sequence {q.shape[2]} must be two equal chunks")
-    return _RingAttention.apply(q, k, v, ring, resolve_backend(backend, q), shards)
+    return _RingAttention.apply(q, k, v, ring, attention_backend(backend, q), shards)

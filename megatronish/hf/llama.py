@@ -46,11 +46,10 @@ def model_fields(config: ConfigJson) -> dict[str, Any]:
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise config.refuse(f"rope scaling {rope!r} is not supported; only plain RoPE")
     n_head, d_model = config.need("num_attention_heads"), config.need("hidden_size")
-    if config.get("head_dim") not in (None, d_model // n_head):
-        raise config.refuse(
-            f"head_dim {config.get('head_dim')} != hidden_size / num_attention_heads"
-        )
+    head_dim = config.get("head_dim")
+    decoupled = {} if head_dim in (None, d_model // n_head) else {"head_dim": head_dim}
     return dict(
+        **decoupled,
         arch="llama",
         n_layer=config.need("num_hidden_layers"),
         n_head=n_head,

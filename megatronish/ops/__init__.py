@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatronish.config.derive import TRITON_HEAD_DIMS
 from megatronish.errors import UserError
 from megatronish.ops import reference
 
@@ -54,6 +55,16 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return "triton"
 
 
+def attention_backend(backend: str, q: torch.Tensor) -> str:
+    """The backend attention runs with for q [..., d]: resolve_backend's, except that "auto"
+    takes torch for a head dim d the Triton attention kernels do not compile for (the config
+    checks refuse such a head dim with an explicit "triton")."""
+    resolved = resolve_backend(backend, q)
+    if resolved == "triton" and backend == "auto" and q.shape[-1] not in TRITON_HEAD_DIMS:
+        return "torch"
+    return resolved
+
+
 _KERNELS: Any = None
 
 
@@ -90,7 +101,7 @@ def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None
     segments [b, s] int (each position's document, non-decreasing along the sequence:
     megatronish.context.documents) a query sees the keys of its own document only; the Triton
     kernels skip the blocks of keys that lie wholly in other documents."""
-    if resolve_backend(backend, q) == "triton":
+    if attention_backend(backend, q) == "triton":
         return _kernels().attention(q, k, v, causal, segments)
     return reference.attention(q, k, v, causal, segments)
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from megatronish.accounting.flops import matmul_params
 from megatronish.accounting.memory import GB, activation_bytes_per_layer, estimate
 from megatronish.commands.plan import plan
-from megatronish.config import load_config
+from megatronish.config import derive, load_config
+from megatronish.distributed.layout import ParallelState
+from megatronish.model import GPT
 from tests.conftest import CONFIGS, invoke_cli
 
 
@@ -47,3 +50,30 @@ def test_cli_plan_unknown_gpu_exits_2():
     result = invoke_cli("plan", "--config", str(CONFIGS / "gpt2-124m.yaml"), "--gpu", "TPU9")
     assert result.returncode == 2 and "--gpu TPU9" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+HEAD_DIM_LLAMA = ["model.arch=llama", "model.n_head=8", "model.n_kv_head=4", "model.d_model=32"]
+
+
+def test_activation_formula_counts_q_k_v_and_projection_input_at_n_head_times_head_dim():
+    sets = HEAD_DIM_LLAMA + ["train.seq_len=64", "model.max_seq_len=64", "train.precision=bf16"]
+    sets += ["train.micro_batch_size=1", "train.global_batch_size=1"]
+    sbh = 64 * 1 * 32
+    wide = load_config(None, sets + ["model.head_dim=8"])  # the heads span 2 d_model: 16 sbh
+    assert activation_bytes_per_layer(wide, 1, False, "none") == sbh * (26 + 16)
+    assert activation_bytes_per_layer(wide, 4, False, "none") == sbh * (10 + 32 / 4)
+    assert activation_bytes_per_layer(wide, 4, True, "none") == sbh * 42 / 4
+
+
+def test_matmul_flops_count_the_model_linear_weights_whatever_the_head_dim():
+    for head_dim in (None, 6, 12):
+        sets = ["model.vocab_size=61", f"model.head_dim={'null' if head_dim is None else head_dim}"]
+        cfg = load_config(None, HEAD_DIM_LLAMA + sets)
+        derived = derive(cfg, 1)
+        gpt = GPT(cfg, derived, ParallelState.single())
+        linear = sum(
+            p.numel()
+            for name, p in gpt.named_parameters()
+            if p.dim() == 2 and name not in ("tok_emb.weight", "lm_head.weight")
+        )
+        assert matmul_params(cfg, derived) == linear + 32 * 61, head_dim

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from megatronish.config import derive, load_config, padded_vocab
+from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
+from megatronish.model import GPT
 from tests.conftest import CONFIGS, invoke_cli, run_cli
 
 
@@ -182,3 +184,59 @@ def test_every_shipped_config_passes_check_and_plan_as_shipped(config):
     for command in ("check", "plan"):
         result = invoke_cli(command, "--config", str(CONFIGS / config))
         assert result.returncode == 0, (command, result.stderr)
+
+
+HEAD_DIM_MODEL = [
+    *("--set", "model.arch=llama", "--set", "model.n_head=8", "--set", "model.n_kv_head=4"),
+    *("--set", "model.d_model=32", "--set", "model.vocab_size=512"),
+]
+
+
+def test_cli_check_counts_the_parameters_of_a_model_whose_head_dim_is_not_d_model_per_head():
+    tiny = str(CONFIGS / "tiny.yaml")
+    result = invoke_cli("check", "--config", tiny, *HEAD_DIM_MODEL, "--set", "model.head_dim=6")
+    assert result.returncode == 0, result.stderr
+    cfg = load_config(
+        CONFIGS / "tiny.yaml", [a for a in HEAD_DIM_MODEL if a != "--set"] + ["model.head_dim=6"]
+    )
+    numel = sum(p.numel() for p in GPT(cfg, derive(cfg, 1), ParallelState.single()).parameters())
+    assert f"parameters: {numel:,} " in result.stdout
+    assert "(head dim 6)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["model.head_dim=7"], "positive even integer"),
+        (["model.head_dim=0"], "must be >= 1"),
+        (["model.head_dim=-2"], "must be >= 1"),
+        (["model.arch=gpt2", "model.n_kv_head=null", "model.head_dim=8"], "gpt2 uses"),
+    ],
+)
+def test_cli_a_bad_head_dim_exits_2_in_one_line_naming_the_key(sets, needle):
+    args = [a for s in sets for a in ("--set", s)]
+    result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *HEAD_DIM_MODEL, *args)
+    one_line_error(result, "model.head_dim", needle)
+
+
+def test_a_head_dim_the_triton_attention_kernels_do_not_compile_for_is_a_user_error():
+    sets = [a for a in HEAD_DIM_MODEL if a != "--set"] + ["kernels.backend=triton"]
+    assert derive(load_config(CONFIGS / "tiny.yaml", sets + ["model.head_dim=16"]), 1)
+    with pytest.raises(UserError, match="model.head_dim: 24 .*valid head dims: 16, 32, 64, 128"):
+        derive(load_config(CONFIGS / "tiny.yaml", sets + ["model.head_dim=24"]), 1)
+
+
+def test_auto_backend_runs_attention_on_torch_for_a_head_dim_the_kernels_do_not_compile(
+    monkeypatch,
+):
+    from megatronish import ops
+
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, x: "triton")  # as on a GPU
+    called = []
+    kernels = type("Kernels", (), {"attention": staticmethod(lambda *a: called.append(a))})
+    monkeypatch.setattr(ops, "_kernels", lambda: kernels)
+    q = torch.randn(1, 2, 4, 24)
+    torch.testing.assert_close(ops.attention(q, q, q), ops.reference.attention(q, q, q, True))
+    assert called == [] and ops.attention_backend("triton", q) == "triton"
+    ops.attention(*[torch.randn(1, 2, 4, 16)] * 3)
+    assert len(called) == 1  # a head dim of 16 runs on the kernel

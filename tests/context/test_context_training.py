@@ -44,6 +44,7 @@ FOUR_RANKS = {
     "llama cp4 gqa": (1, 4, 1, 1, LLAMA),
     "gpt2 tp2 cp2 sp": (2, 2, 1, 1, GPT2 + SP),
     "llama tp2 cp2": (2, 2, 1, 1, LLAMA),
+    "llama tp2 cp2 sp head_dim 12": (2, 2, 1, 1, LLAMA + SP + ["model.head_dim=12"]),
     "gpt2 cp2 pp2 full recompute": (1, 2, 1, 2, GPT2 + ["train.activation_checkpointing=full"]),
     "llama cp2 pp2": (1, 2, 1, 2, LLAMA),
     "gpt2 cp2 dp2 zero1": (1, 2, 2, 1, GPT2 + ["optim.zero=1"]),

@@ -258,3 +258,40 @@ def test_an_moe_mixtral_cannot_express_exits_2_with_one_line(extra, key, tmp_pat
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and key in lines[0] and "Traceback" not in result.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_llama_whose_head_dim_is_not_hidden_per_head_imports_and_exports_with_its_logits(
+    tmp_path,
+):
+    """Heads of 12 on hidden 32 (as Qwen3's 128 on 1024 over 16 heads): transformers' model ->
+    our import -> the same logits; our export of it -> transformers, the same logits again."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(3)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path / "theirs")
+    import_hf(str(tmp_path / "theirs"), str(tmp_path / "ours"))
+    ours = load_model(tmp_path / "ours")
+    assert ours.config.model.head_dim == 12
+    assert ours.gpt.blocks["0"].attn.qkv.weight.shape == ((4 + 2 * 2) * 12, 32)
+    x = tokens(2, 30)
+    with torch.no_grad():
+        want = theirs(x).logits
+        assert (ours(x) - want).abs().max() < 1e-4
+    args = ["export", "--checkpoint", str(tmp_path / "ours"), "--format", "hf"]
+    result = CliRunner().invoke(cli, [*args, "--output", str(tmp_path / "back")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["head_dim"] == 12
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert (back(x).logits - want).abs().max() < 1e-4

@@ -24,7 +24,10 @@ PROMPT = [104, 101, 108, 108, 111]  # "hello"
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
-    return {arch: save_single(root / arch, tiny_cfg(arch))[0] for arch in ("gpt2", "llama")}
+    paths = {arch: save_single(root / arch, tiny_cfg(arch))[0] for arch in ("gpt2", "llama")}
+    # Heads of 24 on d_model 64: the cache holds [b, n_kv, s, 24].
+    paths["llama_head_dim"] = save_single(root / "hd", tiny_cfg("llama", "model.head_dim=24"))[0]
+    return paths
 
 
 def generate(model, max_new: int, sampling: Sampling = GREEDY, seed: int = 0, eot=None):
@@ -32,7 +35,7 @@ def generate(model, max_new: int, sampling: Sampling = GREEDY, seed: int = 0, eo
     return list(generation), generation.stop_reason
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama_head_dim"])
 def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch):
     model = build_model(Checkpoint(checkpoints[arch]), ParallelState.single())
     sequence = tokens(2, 24, seed=3)
@@ -43,6 +46,7 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch)
         for pos in range(7, 24):
             pieces.append(model.forward_cached(sequence[:, pos : pos + 1], cache, pos))
     assert len(cache) == 2 and cache[0][0].shape[2] == 24
+    assert cache[0][0].shape[3] == (24 if arch == "llama_head_dim" else 16)  # the head dim
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-5)
 
 

@@ -19,6 +19,14 @@ SEQ = 12
 ARCH_SETTINGS = {
     "gpt2": ["model.arch=gpt2", "model.n_head=4", "model.d_model=24"],
     "llama": ["model.arch=llama", "model.n_head=8", "model.n_kv_head=4", "model.d_model=32"],
+    # Heads of 6 on d_model 32: the qkv projection 96 wide, the output projection 48 -> 32.
+    "llama_head_dim": [
+        "model.arch=llama",
+        "model.n_head=8",
+        "model.n_kv_head=4",
+        "model.d_model=32",
+        "model.head_dim=6",
+    ],
 }
 
 
@@ -85,7 +93,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / (b.abs().max() + 1e-12)).item()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama_head_dim"])
 @pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (4, False), (2, True)])
 def test_model_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(arch, tp, sequence_parallel):
     ref_logits, ref_loss, ref_params = reference(arch)
