@@ -11,7 +11,7 @@ from megatronish.config import Config, Derived
 def matmul_params(cfg: Config, derived: Derived) -> int:
     """Parameters that take part in a matmul per token: every block's linear weights (of an
     MoE MLP, the router and the top_k experts a token goes through) and the output layer (the
-    embedding lookup and norms are not matmuls)."""
+    embedding lookup, norms and biases (model.qkv_bias) are not matmuls and not counted)."""
     model, h = cfg.model, cfg.model.d_model
     qkv = h * (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     proj = model.n_head * derived.head_dim * h

@@ -107,6 +107,10 @@ def _check_ranges(cfg: Config) -> None:
         model.arch != "gpt2" or model.head_dim is None,
         f"model.head_dim: gpt2 uses d_model / n_head; got {model.head_dim} (set it only for llama)",
     )
+    require(
+        model.arch != "gpt2" or not model.qkv_bias,
+        "model.qkv_bias: gpt2 already has biases on every projection (set it only for llama)",
+    )
 
 
 def check_moe_values(cfg: Config) -> None:

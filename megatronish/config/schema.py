@@ -73,6 +73,9 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base (llama)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2); llama only (gpt2 has biases
+    everywhere). The bias splits over tp with the heads, as the qkv weight's rows."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts MLPs (off by default); see model.moe.*."""
 

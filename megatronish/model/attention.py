@@ -44,7 +44,7 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(
             model.d_model,
             qkv_out,
-            bias=bias,
+            bias=bias or model.qkv_bias,
             sequence_parallel=sp,
             tp_group=group,
             init_method=None,

@@ -15,6 +15,8 @@ from megatronish.checkpoint.save import save_checkpoint
 from megatronish.config import derive
 from megatronish.data_parallel import data_parallel_for
 from megatronish.distributed.layout import ParallelState
+from megatronish.errors import UserError
+from megatronish.hf.exporter import export_hf
 from megatronish.layers import mappings
 from megatronish.layers.roles import role
 from megatronish.model import GPT
@@ -156,3 +158,30 @@ def test_convert_rewrites_the_shards_at_another_tp_with_the_same_model(saved, tm
         [params_tp2[0]["blocks.0.attn.qkv.weight"], params_tp2[1]["blocks.0.attn.qkv.weight"]]
     )
     assert torch.equal(Checkpoint(back).full("blocks.0.attn.qkv.weight"), qkv)
+
+
+QWEN_ATTENTION = ("model.qkv_bias=true",)  # Qwen2's biases on q, k and v
+
+
+def _save_qwen_attention_at_tp2(rank: int, world: int, ckpt_dir: str) -> torch.Tensor:
+    ps = ParallelState.from_world(2, 1)
+    model, optimizer, derived = trained(tiny_cfg("llama", *QWEN_ATTENTION, tp=2), ps)
+    with torch.no_grad():
+        logits = mappings.gather_from_tensor_parallel_region(model(tokens()), ps.tp_group)
+    save_checkpoint(
+        ckpt_dir, 2, cfg=model.cfg, derived=derived, ps=ps, model=model, optimizer=optimizer
+    )
+    return logits[..., :VOCAB]
+
+
+def test_qwen_attention_saved_at_tp2_loads_at_tp1_with_the_same_logits(tmp_path):
+    ckpt_dir = tmp_path / "checkpoints"
+    logits_tp2 = run_on_ranks(_save_qwen_attention_at_tp2, 2, str(ckpt_dir), timeout=120)[0]
+    model = load_model(ckpt_dir)
+    biases = [p for n, p in model.named_parameters() if n.endswith("attn.qkv.bias")]
+    assert len(biases) == 2 and all(b.abs().max() > 0 for b in biases), "trained qkv biases"
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), logits_tp2, rtol=0, atol=1e-5)
+    with pytest.raises(UserError, match="model.qkv_bias"):  # not a Llama without its biases
+        export_hf(str(ckpt_dir), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()

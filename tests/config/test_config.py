@@ -219,6 +219,24 @@ def test_cli_a_bad_head_dim_exits_2_in_one_line_naming_the_key(sets, needle):
     one_line_error(result, "model.head_dim", needle)
 
 
+def test_cli_check_counts_the_parameters_of_a_model_with_qkv_biases():
+    tiny, sets = str(CONFIGS / "tiny.yaml"), ["model.head_dim=6", "model.qkv_bias=true"]
+    result = invoke_cli(
+        "check", "--config", tiny, *HEAD_DIM_MODEL, *("--set", sets[0]), *("--set", sets[1])
+    )
+    assert result.returncode == 0, result.stderr
+    cfg = load_config(CONFIGS / "tiny.yaml", [a for a in HEAD_DIM_MODEL if a != "--set"] + sets)
+    numel = sum(p.numel() for p in GPT(cfg, derive(cfg, 1), ParallelState.single()).parameters())
+    assert f"parameters: {numel:,} " in result.stdout
+
+
+@pytest.mark.parametrize("key", ["model.qkv_bias"])
+def test_cli_a_qwen_attention_option_on_gpt2_exits_2_in_one_line_naming_the_key(key):
+    sets = ("--set", "model.arch=gpt2", "--set", f"{key}=true")
+    result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *sets)
+    one_line_error(result, key, "set it only for llama")
+
+
 def test_a_head_dim_the_triton_attention_kernels_do_not_compile_for_is_a_user_error():
     sets = [a for a in HEAD_DIM_MODEL if a != "--set"] + ["kernels.backend=triton"]
     assert derive(load_config(CONFIGS / "tiny.yaml", sets + ["model.head_dim=16"]), 1)

@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+from megatronish.accounting.parameters import local_parameter_count
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers.roles import role
@@ -26,6 +27,15 @@ ARCH_SETTINGS = {
         "model.n_kv_head=4",
         "model.d_model=32",
         "model.head_dim=6",
+    ],
+    # Qwen-style attention: biases on q, k and v (their rows split over tp with the heads).
+    "llama_qkv_bias": [
+        "model.arch=llama",
+        "model.n_head=8",
+        "model.n_kv_head=4",
+        "model.d_model=32",
+        "model.head_dim=6",
+        "model.qkv_bias=true",
     ],
 }
 
@@ -96,12 +106,28 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "llama_head_dim"])
 @pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (4, False), (2, True)])
 def test_model_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(arch, tp, sequence_parallel):
+    check_tp_parity(arch, tp, sequence_parallel)
+
+
+@pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True)])
+def test_qwen_attention_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(
+    tp, sequence_parallel
+):
+    check_tp_parity("llama_qkv_bias", tp, sequence_parallel)
+
+
+def check_tp_parity(arch: str, tp: int, sequence_parallel: bool) -> None:
+    """arch's model at tp (with sequence_parallel) equals tp 1: full weights, logits, loss and
+    every parameter's full gradient."""
     ref_logits, ref_loss, ref_params = reference(arch)
     results = run_on_ranks(_parallel_worker, tp, arch, sequence_parallel, timeout=180)
     logits = torch.cat([r[0] for r in results], dim=-1)[..., :VOCAB]
     assert rel_err(logits, ref_logits[..., :VOCAB]) < 1e-5
     assert abs(results[0][1] - ref_loss) / ref_loss < 1e-5
     assert all(r[1] == results[0][1] for r in results), "every tp rank reports the same loss"
+    cfg = make_config(arch, tp, sequence_parallel)
+    local = sum(p[0].numel() for p in results[0][2].values())
+    assert local_parameter_count(cfg, derive(cfg, tp)) == local, "a tp rank's parameter count"
     for name, (ref_weight, ref_grad, _, _) in ref_params.items():
         split, partial = results[0][2][name][2:]
         weight = full([r[2][name][0] for r in results], split, name)
