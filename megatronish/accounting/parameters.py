@@ -17,7 +17,7 @@ def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     norm = 2 * h if bias else h
     qkv_out = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     attn = h * qkv_out + model.n_head * derived.head_dim * h + (qkv_out + h if bias else 0)
-    attn += qkv_out if model.qkv_bias else 0
+    attn += (qkv_out if model.qkv_bias else 0) + (2 * derived.head_dim if model.qk_norm else 0)
     mlp = (3 if model.arch == "llama" else 2) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
     per_layer = attn + mlp + 2 * norm
     embed = derived.vocab_size * h + (model.max_seq_len * h if model.arch == "gpt2" else 0)
@@ -69,6 +69,7 @@ def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
     qkv_out = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim // tp
     attn = qkv_out * h + h * (model.n_head * derived.head_dim // tp)
     attn += qkv_out + h if gpt2 else qkv_out if model.qkv_bias else 0
+    attn += 2 * derived.head_dim if model.qk_norm else 0
     f_local = derived.d_ff // tp
     mlp = (2 if gpt2 else 3) * f_local * h + (f_local + h if gpt2 else 0)
     return attn + 2 * norm + (local_moe_params(cfg, derived) if moe else mlp)
@@ -100,4 +101,6 @@ def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0
     row_biases = 2 * h if gpt2 else 0
     last = pp_rank == derived.pp - 1
     routers = stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * h
-    return derived.stage_layers[pp_rank] * (2 * norm + row_biases) + (norm if last else 0) + routers
+    qk_norms = 2 * derived.head_dim if cfg.model.qk_norm else 0
+    per_layer = 2 * norm + row_biases + qk_norms
+    return derived.stage_layers[pp_rank] * per_layer + (norm if last else 0) + routers

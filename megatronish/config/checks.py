@@ -111,6 +111,10 @@ def _check_ranges(cfg: Config) -> None:
         model.arch != "gpt2" or not model.qkv_bias,
         "model.qkv_bias: gpt2 already has biases on every projection (set it only for llama)",
     )
+    require(
+        model.arch != "gpt2" or not model.qk_norm,
+        "model.qk_norm: gpt2 has no norm of queries and keys (set it only for llama)",
+    )
 
 
 def check_moe_values(cfg: Config) -> None:

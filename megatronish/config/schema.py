@@ -76,6 +76,9 @@ class ModelConfig:
     qkv_bias: bool = False
     """Biases on the query, key and value projections only (Qwen2); llama only (gpt2 has biases
     everywhere). The bias splits over tp with the heads, as the qkv weight's rows."""
+    qk_norm: bool = False
+    """RMSNorm (eps norm_eps) of each head's query and key over head_dim before RoPE, with one
+    learned weight of head_dim for q and one for k shared by all heads (Qwen3); llama only."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts MLPs (off by default); see model.moe.*."""
 

@@ -33,11 +33,12 @@ def family_of_config_json(config: ConfigJson) -> Family:
 
 def family_of_model(cfg: Config, derived: Derived) -> Family:
     """The family export writes a model of this config as."""
-    if cfg.model.qkv_bias:
-        raise UserError(
-            "model.qkv_bias: no Hugging Face family exports biases on q, k and v alone (export a "
-            "model with model.qkv_bias=false)"
-        )
+    for key in ("qkv_bias", "qk_norm"):
+        if getattr(cfg.model, key):
+            raise UserError(
+                f"model.{key}: no Hugging Face family here exports it (only models with "
+                f"model.{key}=false export)"
+            )
     for family in FAMILIES:
         if family.exports(cfg, derived):
             return family

@@ -22,6 +22,7 @@ from megatronish.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
 )
+from megatronish.model.norm import Norm
 from megatronish.model.recompute import checkpoint
 from megatronish.ops import reference
 
@@ -49,6 +50,10 @@ class Attention(nn.Module):
             tp_group=group,
             init_method=None,
         )
+        self.q_norm = self.k_norm = None
+        if model.qk_norm:  # each rank normalizes its own heads: its gradient is summed over tp
+            norm = (self.head_dim, "rmsnorm", model.norm_eps, self.backend, tp > 1)
+            self.q_norm, self.k_norm = Norm(*norm), Norm(*norm)
         self.proj = RowParallelLinear(
             model.n_head * self.head_dim,
             model.d_model,
@@ -93,8 +98,10 @@ class Attention(nn.Module):
         # One split (its backward is one concatenation, not a zero-filled buffer per slice);
         # q is a view when each group has one query head (gpt2), a copy otherwise.
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
-        q = q.reshape(b, s, self.local_heads, self.head_dim)
-        return q.transpose(1, 2), k.squeeze(3).transpose(1, 2), v.squeeze(3).transpose(1, 2)
+        q, k = q.reshape(b, s, self.local_heads, self.head_dim), k.squeeze(3)
+        if self.q_norm is not None:  # RMSNorm of each head over d, before RoPE (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.squeeze(3).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; documents: this rank's tokens' under document masks."""

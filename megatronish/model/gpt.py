@@ -24,8 +24,9 @@ from megatronish.layers.linear import (
     mark_parallel,
 )
 from megatronish.layers.roles import set_role
-from megatronish.model.block import Block, Norm
+from megatronish.model.block import Block
 from megatronish.model.init import init_weights
+from megatronish.model.norm import Norm
 from megatronish.model.recompute import checkpoint
 from megatronish.moe import MoELayer
 from megatronish.observe.profile import annotate

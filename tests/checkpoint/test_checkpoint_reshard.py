@@ -160,7 +160,7 @@ def test_convert_rewrites_the_shards_at_another_tp_with_the_same_model(saved, tm
     assert torch.equal(Checkpoint(back).full("blocks.0.attn.qkv.weight"), qkv)
 
 
-QWEN_ATTENTION = ("model.qkv_bias=true",)  # Qwen2's biases on q, k and v
+QWEN_ATTENTION = ("model.qkv_bias=true", "model.qk_norm=true")  # q, k, v biases; q, k norms
 
 
 def _save_qwen_attention_at_tp2(rank: int, world: int, ckpt_dir: str) -> torch.Tensor:
@@ -178,8 +178,10 @@ def test_qwen_attention_saved_at_tp2_loads_at_tp1_with_the_same_logits(tmp_path)
     ckpt_dir = tmp_path / "checkpoints"
     logits_tp2 = run_on_ranks(_save_qwen_attention_at_tp2, 2, str(ckpt_dir), timeout=120)[0]
     model = load_model(ckpt_dir)
-    biases = [p for n, p in model.named_parameters() if n.endswith("attn.qkv.bias")]
-    assert len(biases) == 2 and all(b.abs().max() > 0 for b in biases), "trained qkv biases"
+    params = dict(model.named_parameters())
+    for name in ("attn.qkv.bias", "attn.q_norm.weight", "attn.k_norm.weight"):
+        trained = [p for n, p in params.items() if n.endswith(name)]
+        assert len(trained) == 2 and all((p - p.mean()).abs().max() > 0 for p in trained), name
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()), logits_tp2, rtol=0, atol=1e-5)
     with pytest.raises(UserError, match="model.qkv_bias"):  # not a Llama without its biases

@@ -219,10 +219,13 @@ def test_cli_a_bad_head_dim_exits_2_in_one_line_naming_the_key(sets, needle):
     one_line_error(result, "model.head_dim", needle)
 
 
-def test_cli_check_counts_the_parameters_of_a_model_with_qkv_biases():
-    tiny, sets = str(CONFIGS / "tiny.yaml"), ["model.head_dim=6", "model.qkv_bias=true"]
+@pytest.mark.parametrize(
+    "keys", [["model.qkv_bias"], ["model.qk_norm"], ["model.qkv_bias", "model.qk_norm"]]
+)
+def test_cli_check_counts_the_parameters_of_a_model_with_qwen_attention(keys):
+    tiny, sets = str(CONFIGS / "tiny.yaml"), ["model.head_dim=6", *(f"{k}=true" for k in keys)]
     result = invoke_cli(
-        "check", "--config", tiny, *HEAD_DIM_MODEL, *("--set", sets[0]), *("--set", sets[1])
+        "check", "--config", tiny, *HEAD_DIM_MODEL, *(a for s in sets for a in ("--set", s))
     )
     assert result.returncode == 0, result.stderr
     cfg = load_config(CONFIGS / "tiny.yaml", [a for a in HEAD_DIM_MODEL if a != "--set"] + sets)
@@ -230,7 +233,7 @@ def test_cli_check_counts_the_parameters_of_a_model_with_qkv_biases():
     assert f"parameters: {numel:,} " in result.stdout
 
 
-@pytest.mark.parametrize("key", ["model.qkv_bias"])
+@pytest.mark.parametrize("key", ["model.qkv_bias", "model.qk_norm"])
 def test_cli_a_qwen_attention_option_on_gpt2_exits_2_in_one_line_naming_the_key(key):
     sets = ("--set", "model.arch=gpt2", "--set", f"{key}=true")
     result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *sets)

@@ -28,14 +28,16 @@ ARCH_SETTINGS = {
         "model.d_model=32",
         "model.head_dim=6",
     ],
-    # Qwen-style attention: biases on q, k and v (their rows split over tp with the heads).
-    "llama_qkv_bias": [
+    # Qwen-style attention: biases on q, k and v (their rows split over tp with the heads), and
+    # the per-head norms of q and k (replicated; each rank's gradient covers its heads).
+    "llama_qwen": [
         "model.arch=llama",
         "model.n_head=8",
         "model.n_kv_head=4",
         "model.d_model=32",
         "model.head_dim=6",
         "model.qkv_bias=true",
+        "model.qk_norm=true",
     ],
 }
 
@@ -113,7 +115,7 @@ def test_model_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(arch, tp,
 def test_qwen_attention_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(
     tp, sequence_parallel
 ):
-    check_tp_parity("llama_qkv_bias", tp, sequence_parallel)
+    check_tp_parity("llama_qwen", tp, sequence_parallel)
 
 
 def check_tp_parity(arch: str, tp: int, sequence_parallel: bool) -> None:

@@ -1,6 +1,7 @@
 """Qwen attention against transformers (fp32, eager): a tiny random Qwen2ForCausalLM (biases on
-q, k and v) loaded into our llama with model.qkv_bias gives the same logits. The names are
-mapped here; importing these families from a Hugging Face directory is not covered."""
+q, k and v) loaded into our llama with model.qkv_bias, and a Qwen3ForCausalLM (per-head norms
+of q and k, head_dim apart from hidden_size / heads) into ours with model.qk_norm, give the
+same logits. The names are mapped here; importing these families is not covered."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ COMMON = dict(
 
 
 def ours_of(hf_model, *sets: str) -> GPT:
-    """Our tp-1 model with hf_model's weights (its biases on q, k and v merged as the weights)."""
+    """Our tp-1 model with hf_model's weights (its biases on q, k and v merged as the weights,
+    its per-head q and k norms renamed)."""
     cfg = load_config(
         None,
         [
@@ -52,11 +54,15 @@ def ours_of(hf_model, *sets: str) -> GPT:
     )
     model = GPT(cfg, derive(cfg, 1), ParallelState.single()).eval()
     hf = {k: v.clone() for k, v in hf_model.state_dict().items()}
-    biases = {}
+    biases = {}  # and the q and k norms
     for i in range(2):
         parts = [hf.pop(f"model.layers.{i}.self_attn.{p}_proj.bias", None) for p in "qkv"]
         if parts[0] is not None:
             biases[f"blocks.{i}.attn.qkv.bias"] = merge_qkv(*parts, N_HEAD, N_KV_HEAD, HEAD_DIM)
+        for part in "qk":
+            norm = hf.pop(f"model.layers.{i}.self_attn.{part}_norm.weight", None)
+            if norm is not None:
+                biases[f"blocks.{i}.attn.{part}_norm.weight"] = norm
     head = hf.pop("lm_head.weight")
     ours = {**from_hf(hf, dict(n_layer=2, n_head=N_HEAD, n_kv_head=N_KV_HEAD)), **biases}
     ours["lm_head.weight"] = head
@@ -69,15 +75,16 @@ def ours_of(hf_model, *sets: str) -> GPT:
     return model
 
 
-def test_qkv_bias_llama_equals_transformers_qwen2_logits():
+@pytest.mark.parametrize("family, key", [("Qwen2", "model.qkv_bias"), ("Qwen3", "model.qk_norm")])
+def test_qwen_attention_equals_transformers_logits(family, key):
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(**COMMON, head_dim=HEAD_DIM)
-    hf_model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # random biases (they init to zero), so each one shows in the logits
+    config = getattr(transformers, f"{family}Config")(**COMMON, head_dim=HEAD_DIM)
+    hf_model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():  # random biases and norm weights (they init to 0 and 1): each shows
         for name, p in hf_model.named_parameters():
-            if name.endswith("proj.bias"):
-                p.normal_(0.0, 0.5)
-    model = ours_of(hf_model, "model.qkv_bias=true")
+            if name.endswith(("proj.bias", "q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.5)
+    model = ours_of(hf_model, f"{key}=true")
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf_model(tokens).logits

@@ -1,0 +1,33 @@
+"""The norms: LayerNorm (gpt2) or RMSNorm (llama) over the hidden size, and (model.qk_norm) the
+RMSNorm of each attention head's query and key over the head dim."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatronish import ops
+from megatronish.layers.linear import mark_parallel
+from megatronish.layers.roles import set_role
+
+
+class Norm(nn.Module):
+    """LayerNorm (gpt2) or RMSNorm (llama) over h; its parameters are replicated on tp ranks."""
+
+    def __init__(self, dim: int, kind: str, eps: float, backend: str, sequence_parallel: bool):
+        super().__init__()
+        self.kind, self.eps, self.backend = kind, eps, backend
+        self.weight = nn.Parameter(torch.ones(dim))
+        mark_parallel(self.weight, None, (dim,))
+        set_role(self.weight, sequence_parallel_grad=sequence_parallel)
+        if kind == "layernorm":
+            self.bias = nn.Parameter(torch.zeros(dim))
+            mark_parallel(self.bias, None, (dim,))
+            set_role(self.bias, sequence_parallel_grad=sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layernorm":
+            return ops.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+        return ops.rms_norm(x, self.weight, self.eps, backend=self.backend)
