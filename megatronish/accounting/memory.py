@@ -47,8 +47,8 @@ from megatronish.accounting.parameters import (
     local_layer_params,
     local_moe_params,
     local_parameter_count,
-    sequence_parallel_grad_count,
     stage_moe_layers,
+    tp_summed_grad_count,
 )
 from megatronish.config import Config, Derived, derive, virtual_stages
 from megatronish.config.derive import head_dim_of
@@ -176,9 +176,7 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     experts = stage_moe_layers(derived, pp_rank) * local_moe_params(cfg, derived, experts_only=True)
     dp = derived.dp * derived.cp
     edp = max(1, dp // derived.ep)  # the ranks that hold the same experts
-    outside = 0
-    if derived.tp > 1 and cfg.parallel.sequence_parallel:
-        outside = sequence_parallel_grad_count(cfg, derived, pp_rank)
+    outside = tp_summed_grad_count(cfg, derived, pp_rank)
     last, first = pp_rank == derived.pp - 1, pp_rank == 0
     vocab = derived.padded_vocab_size // derived.tp * cfg.model.d_model
     if derived.pp > 1 and derived.tie_embeddings and (first or last):

@@ -1,7 +1,7 @@
 """Parameter counts: of the full model (total and active per token), of one MoE MLP, and of
 what one tp rank of a pipeline stage holds (the count its data-parallel gradient collectives
-carry), MoE layers per stage, and the replicated parameters whose gradients sequence
-parallelism sums over tp."""
+carry), MoE layers per stage, and the replicated parameters whose gradients are summed over tp
+(under sequence parallelism; the query and key norms at any tp)."""
 
 from __future__ import annotations
 
@@ -104,3 +104,15 @@ def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0
     qk_norms = 2 * derived.head_dim if cfg.model.qk_norm else 0
     per_layer = 2 * norm + row_biases + qk_norms
     return derived.stage_layers[pp_rank] * per_layer + (norm if last else 0) + routers
+
+
+def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
+    """Elements of the replicated parameters whose gradients the trainer sums over the tp group
+    on stage pp_rank (outside the gradient buckets): under sequence parallelism those of
+    ``sequence_parallel_grad_count``; without it the query and key norms (model.qk_norm) alone,
+    each tp rank's gradient covering its heads; none at tp 1."""
+    if derived.tp == 1:
+        return 0
+    if cfg.parallel.sequence_parallel:
+        return sequence_parallel_grad_count(cfg, derived, pp_rank)
+    return derived.stage_layers[pp_rank] * 2 * derived.head_dim if cfg.model.qk_norm else 0

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from megatronish.accounting.parameters import local_parameter_count
+from megatronish.accounting.parameters import local_parameter_count, tp_summed_grad_count
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers.roles import role
@@ -130,6 +130,8 @@ def check_tp_parity(arch: str, tp: int, sequence_parallel: bool) -> None:
     cfg = make_config(arch, tp, sequence_parallel)
     local = sum(p[0].numel() for p in results[0][2].values())
     assert local_parameter_count(cfg, derive(cfg, tp)) == local, "a tp rank's parameter count"
+    summed = sum(p[0].numel() for p in results[0][2].values() if p[3])
+    assert tp_summed_grad_count(cfg, derive(cfg, tp)) == summed, "gradients summed over tp"
     for name, (ref_weight, ref_grad, _, _) in ref_params.items():
         split, partial = results[0][2][name][2:]
         weight = full([r[2][name][0] for r in results], split, name)

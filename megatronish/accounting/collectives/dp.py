@@ -20,7 +20,7 @@ from megatronish.accounting.collectives.step import FP32_BYTES, FP64_BYTES, Coll
 from megatronish.accounting.parameters import (
     local_moe_params,
     local_parameter_count,
-    sequence_parallel_grad_count,
+    tp_summed_grad_count,
 )
 
 
@@ -64,10 +64,7 @@ def _outside_bytes(step: Step) -> int:
     """The parameters outside ZeRO's gradient buffer (summed over tp or the embedding group
     first), fp32: whole parameters, all-reduced and broadcast by their owners."""
     derived = step.derived
-    replicated = 0
-    if step.cfg.parallel.sequence_parallel:
-        replicated = sequence_parallel_grad_count(step.cfg, derived, step.pp_rank)
-    outside = replicated * FP32_BYTES
+    outside = tp_summed_grad_count(step.cfg, derived, step.pp_rank) * FP32_BYTES
     if derived.pp > 1 and derived.tie_embeddings and (step.first or step.last):
         outside += derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
     return outside

@@ -23,8 +23,9 @@ all-reduces above) and a shared expert's two; under sequence parallelism instead
 all-gathered [T, k] fp32 and their gradient reduce-scattered, the tokens' experts all-gathered
 [T, k] int64, the E int64 counts all-reduced, a shared expert's gathers and reduce-scatters.
 
-Per step: the grad-norm partial sum (one fp64) and, under sequence parallelism, the sum of the
-replicated parameters' gradients (fp32, ``sequence_parallel_grad_count``).
+Per step: the grad-norm partial sum (one fp64) and, under sequence parallelism (and with
+model.qk_norm, the query and key norms at any tp), the sum of the replicated parameters'
+gradients (fp32, ``tp_summed_grad_count``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from megatronish.accounting.collectives.step import (
     Collective,
     Step,
 )
-from megatronish.accounting.parameters import sequence_parallel_grad_count
+from megatronish.accounting.parameters import tp_summed_grad_count
 
 
 def tp_collectives(step: Step) -> list[Collective]:
@@ -48,9 +49,9 @@ def tp_collectives(step: Step) -> list[Collective]:
     ops += _vocab_parallel_loss(step) + _moe(step)
     what = "gradient norm (fp64 partial sum)"
     ops.append(Collective(what, "all_reduce", "tp", step.tp, FP64_BYTES, 1))
-    if step.cfg.parallel.sequence_parallel:
-        replicated = sequence_parallel_grad_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
-        what = "replicated-parameter gradients (sequence parallel)"
+    replicated = tp_summed_grad_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
+    if replicated:
+        what = "replicated-parameter gradients (sequence parallel, query and key norms)"
         ops.append(Collective(what, "all_reduce", "tp", step.tp, replicated, 1))
     return ops
 
