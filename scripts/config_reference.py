@@ -1,16 +1,21 @@
 """Prints the config reference of docs/config.md (a Markdown table per section) from the field
-declarations and docstrings in megatronish/config/schema.py, so the two never disagree.
+declarations and docstrings in megatronish/config/schema.py, so the two never disagree;
+`--write` puts it into docs/config.md between its markers.
 
-    python scripts/config_reference.py
+    python scripts/config_reference.py [--write]
 """
 
 from __future__ import annotations
 
 import ast
 import keyword
+import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent / "megatronish" / "config" / "schema.py"
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "megatronish" / "config" / "schema.py"
+DOCS = ROOT / "docs" / "config.md"
+START, END = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
 SECTIONS = {
     "ModelConfig": "model",
     "MoEConfig": "model.moe",
@@ -51,5 +56,15 @@ def reference() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def write_docs() -> None:
+    """Replaces what lies between docs/config.md's markers with the reference."""
+    text = DOCS.read_text()
+    start, end = text.index(START) + len(START), text.index(END)
+    DOCS.write_text(text[:start] + reference() + text[end:])
+
+
 if __name__ == "__main__":
-    print(reference(), end="")
+    if sys.argv[1:] == ["--write"]:
+        write_docs()
+    else:
+        print(reference(), end="")

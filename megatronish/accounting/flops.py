@@ -15,7 +15,7 @@ def matmul_params(cfg: Config, derived: Derived) -> int:
     model, h = cfg.model, cfg.model.d_model
     qkv = h * (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     proj = model.n_head * derived.head_dim * h
-    mlp = (3 if model.arch == "llama" else 2) * h * derived.d_ff
+    mlp = (2 if model.gpt2_block else 3) * h * derived.d_ff
     moe = len(derived.moe_layers)
     active = moe * moe_mlp_params(cfg, derived, active=True) if moe else 0
     return (

@@ -100,7 +100,7 @@ def layer_time(
     heads, kv = model.n_head // tp, derived.n_kv_head // tp
     sp = cfg.parallel.sequence_parallel and tp > 1
     N = T // tp if sp else T
-    llama = model.arch == "llama"
+    llama = not model.gpt2_block
     gemms = [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
     f_local = (derived.moe_d_ff if moe else derived.d_ff) // tp
     mlp_gemms = [(T, (2 if llama else 1) * f_local, h), (T, h, f_local)]

@@ -13,14 +13,14 @@ def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     vocab; active: those one token goes through (of each MoE MLP the router, its top_k experts
     and the shared expert)."""
     model, h = cfg.model, cfg.model.d_model
-    bias = model.arch == "gpt2"
+    bias = model.gpt2_block
     norm = 2 * h if bias else h
     qkv_out = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     attn = h * qkv_out + model.n_head * derived.head_dim * h + (qkv_out + h if bias else 0)
     attn += (qkv_out if model.qkv_bias else 0) + (2 * derived.head_dim if model.qk_norm else 0)
-    mlp = (3 if model.arch == "llama" else 2) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
+    mlp = (2 if model.gpt2_block else 3) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
     per_layer = attn + mlp + 2 * norm
-    embed = derived.vocab_size * h + (model.max_seq_len * h if model.arch == "gpt2" else 0)
+    embed = derived.vocab_size * h + (model.max_seq_len * h if model.gpt2_block else 0)
     head = 0 if derived.tie_embeddings else derived.vocab_size * h
     moe = len(derived.moe_layers)
     experts = moe * (moe_mlp_params(cfg, derived, active) - mlp) if moe else 0
@@ -31,7 +31,7 @@ def approx_tp_rank_parameters(cfg: Config, derived: Derived, total: int) -> int:
     """About the parameters one tp rank holds, from the model's total: all split over tp but
     gpt2's position embedding (the replicated norms and biases are counted split, the vocab
     unpadded; ``local_parameter_count`` is exact)."""
-    replicated = cfg.model.max_seq_len * cfg.model.d_model if cfg.model.arch == "gpt2" else 0
+    replicated = cfg.model.max_seq_len * cfg.model.d_model if cfg.model.gpt2_block else 0
     return (total - replicated) // derived.tp + replicated
 
 
@@ -50,7 +50,7 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
     (with tied embeddings and pp > 1, a copy of the token embedding)."""
     model, tp, h = cfg.model, derived.tp, cfg.model.d_model
     first, last = pp_rank == 0, pp_rank == derived.pp - 1
-    gpt2 = model.arch == "gpt2"
+    gpt2 = model.gpt2_block
     norm = 2 * h if gpt2 else h
     vocab_local = derived.padded_vocab_size // tp
     embed = vocab_local * h + (model.max_seq_len * h if gpt2 else 0) if first else 0
@@ -64,7 +64,7 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
 def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
     """Parameters of one transformer layer on one tp rank (moe: with a MoE MLP)."""
     model, tp, h = cfg.model, derived.tp, cfg.model.d_model
-    gpt2 = model.arch == "gpt2"
+    gpt2 = model.gpt2_block
     norm = 2 * h if gpt2 else h
     qkv_out = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim // tp
     attn = qkv_out * h + h * (model.n_head * derived.head_dim // tp)
@@ -96,7 +96,7 @@ def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0
     """Elements of the replicated parameters whose gradients the trainer sums over the tp group
     under sequence parallelism on stage pp_rank: every norm, (gpt2) the row-parallel biases,
     and the MoE routers (each tp rank routes its own tokens)."""
-    h, gpt2 = cfg.model.d_model, cfg.model.arch == "gpt2"
+    h, gpt2 = cfg.model.d_model, cfg.model.gpt2_block
     norm = 2 * h if gpt2 else h
     row_biases = 2 * h if gpt2 else 0
     last = pp_rank == derived.pp - 1

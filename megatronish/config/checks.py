@@ -100,20 +100,21 @@ def _check_ranges(cfg: Config) -> None:
         f"train.seq_len: {train.seq_len} is longer than model.max_seq_len={model.max_seq_len}",
     )
     require(
-        model.arch != "gpt2" or model.n_kv_head in (None, model.n_head),
+        not model.gpt2_block or model.n_kv_head in (None, model.n_head),
         f"model.n_kv_head: gpt2 uses n_kv_head = n_head = {model.n_head}; got {model.n_kv_head}",
     )
     require(
-        model.arch != "gpt2" or model.head_dim is None,
-        f"model.head_dim: gpt2 uses d_model / n_head; got {model.head_dim} (set it only for llama)",
+        not model.gpt2_block or model.head_dim is None,
+        f"model.head_dim: gpt2 uses d_model / n_head; got {model.head_dim} (only with RoPE "
+        "families)",
     )
     require(
-        model.arch != "gpt2" or not model.qkv_bias,
-        "model.qkv_bias: gpt2 already has biases on every projection (set it only for llama)",
+        not model.gpt2_block or not model.qkv_bias,
+        "model.qkv_bias: gpt2 already has biases on every projection (only with RoPE families)",
     )
     require(
-        model.arch != "gpt2" or not model.qk_norm,
-        "model.qk_norm: gpt2 has no norm of queries and keys (set it only for llama)",
+        not model.gpt2_block or not model.qk_norm,
+        "model.qk_norm: gpt2 has no norm of queries and keys (only with RoPE families)",
     )
 
 
@@ -132,9 +133,9 @@ def check_moe_values(cfg: Config) -> None:
     if moe.num_experts == 0:
         return
     require(
-        cfg.model.arch == "llama",
-        f"model.moe: experts are SwiGLU (llama); model.arch {cfg.model.arch!r} is not supported "
-        "with model.moe.num_experts > 0; set model.arch=llama",
+        not cfg.model.gpt2_block,
+        "model.moe: experts are SwiGLU; model.arch 'gpt2' has GELU MLPs; set model.arch to a "
+        "RoPE family (llama, qwen3_moe, ...) or model.moe.num_experts=0",
     )
     require(
         moe.top_k <= moe.num_experts,

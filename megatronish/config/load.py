@@ -15,6 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from megatronish.config.checks import check_values
+from megatronish.config.presets import with_preset
 from megatronish.config.schema import Config, key_of
 from megatronish.errors import UserError
 
@@ -192,11 +193,26 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise UserError(f"config file {path}: not valid YAML{where}") from None
         except UnicodeDecodeError:
             raise UserError(f"config file {path}: not a text file") from None
-    cfg = _build(Config, data, "")
+    cfg = _build(Config, _with_arch_preset(data, overrides), "")
     for assignment in overrides:
         _apply_override(cfg, assignment)
     check_values(cfg)
     return cfg
+
+
+def _with_arch_preset(data: Any, overrides: list[str] | tuple[str, ...]) -> Any:
+    """The YAML data with model.arch's preset filling the model keys it leaves unset, for the
+    arch that wins (the last --set model.arch=..., else the file's); --set keys win over it
+    as they are applied after."""
+    if not isinstance(data, dict):
+        return data
+    model = data.get("model") or {}
+    arch = model.get("arch", "gpt2") if isinstance(model, dict) else "gpt2"
+    for assignment in overrides:
+        key, _, value = assignment.partition("=")
+        if key.strip() == "model.arch":
+            arch = value.strip()
+    return {**data, "model": with_preset(model, arch)}
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -41,9 +41,13 @@ class MoEConfig:
 
 @dataclass
 class ModelConfig:
-    arch: Literal["gpt2", "llama"] = "gpt2"
-    """gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings. llama: RoPE, RMSNorm,
-    SwiGLU, grouped-query attention, no biases, untied output layer."""
+    arch: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"] = "gpt2"
+    """A family's preset. gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings.
+    Every other family has RoPE, RMSNorm, SwiGLU, grouped-query attention and an untied output
+    layer, and its preset fills the defaults of the component keys a config leaves unset (a key
+    set in the file or by --set wins): llama and mistral none; qwen2 qkv_bias, norm_eps 1e-6,
+    rope_theta 1e6; qwen3 qk_norm, norm_eps 1e-6, rope_theta 1e6; qwen3_moe those of qwen3 and
+    model.moe.aux_loss_coef 0.001, z_loss_coef 0 (a softmax_topk router)."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -81,6 +85,12 @@ class ModelConfig:
     learned weight of head_dim for q and one for k shared by all heads (Qwen3); llama only."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts MLPs (off by default); see model.moe.*."""
+
+    @property
+    def gpt2_block(self) -> bool:
+        """Whether the blocks are GPT-2's (learned positions, LayerNorm, GELU, biases) rather
+        than the RoPE, RMSNorm and SwiGLU blocks every other family composes its components on."""
+        return self.arch == "gpt2"
 
 
 @dataclass

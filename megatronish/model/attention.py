@@ -34,13 +34,13 @@ class Attention(nn.Module):
         self.head_dim = derived.head_dim
         self.local_heads, self.local_groups = model.n_head // tp, derived.n_kv_head // tp
         self.heads_per_group = model.n_head // derived.n_kv_head
-        self.is_llama, self.rope_theta = model.arch == "llama", model.rope_theta
+        self.is_llama, self.rope_theta = not model.gpt2_block, model.rope_theta
         self.dropout, self.tracker = model.dropout, tracker
         self.backend = cfg.kernels.backend
         self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
         self.cp = derived.cp
         self.ring = Ring.of(ps) if derived.cp > 1 else None
-        bias, sp, group = model.arch == "gpt2", cfg.parallel.sequence_parallel, ps.tp_group
+        bias, sp, group = model.gpt2_block, cfg.parallel.sequence_parallel, ps.tp_group
         qkv_out = (model.n_head + 2 * derived.n_kv_head) * self.head_dim
         self.qkv = ColumnParallelLinear(
             model.d_model,

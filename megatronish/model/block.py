@@ -33,7 +33,7 @@ class MLP(nn.Module):
         super().__init__()
         model, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
         d_ff = derived.d_ff if d_ff is None else d_ff
-        self.is_llama, self.backend = model.arch == "llama", cfg.kernels.backend
+        self.is_llama, self.backend = not model.gpt2_block, cfg.kernels.backend
         common = dict(sequence_parallel=sp, tp_group=group, init_method=None)
         if self.is_llama:
             self.gate = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
@@ -72,7 +72,7 @@ class Block(nn.Module):
     ):
         super().__init__()
         model, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
-        kind = "rmsnorm" if model.arch == "llama" else "layernorm"
+        kind = "layernorm" if model.gpt2_block else "rmsnorm"
         backend = cfg.kernels.backend
         self.norm1 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         self.attn = Attention(cfg, derived, ps, tracker)

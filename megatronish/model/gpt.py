@@ -66,7 +66,7 @@ class GPT(nn.Module):
             if derived.pp > 1 and derived.tie_embeddings:
                 duplicate = not self.is_first_stage
                 set_role(self.tok_emb.weight, pipeline_tied=True, pipeline_duplicate=duplicate)
-        if self.is_first_stage and model.arch == "gpt2":
+        if self.is_first_stage and model.gpt2_block:
             self.pos_emb = nn.Embedding(model.max_seq_len, model.d_model)
             mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
         self.chunks = [[str(i) for i in layers] for layers in derived.stage_chunks(ps.pp_rank)]
@@ -78,7 +78,7 @@ class GPT(nn.Module):
             }
         )
         if self.is_last_stage:
-            kind = "rmsnorm" if model.arch == "llama" else "layernorm"
+            kind = "layernorm" if model.gpt2_block else "rmsnorm"
             self.norm_f = Norm(
                 model.d_model, kind, model.norm_eps, self.backend, self.sequence_parallel
             )

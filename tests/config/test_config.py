@@ -237,7 +237,7 @@ def test_cli_check_counts_the_parameters_of_a_model_with_qwen_attention(keys):
 def test_cli_a_qwen_attention_option_on_gpt2_exits_2_in_one_line_naming_the_key(key):
     sets = ("--set", "model.arch=gpt2", "--set", f"{key}=true")
     result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *sets)
-    one_line_error(result, key, "set it only for llama")
+    one_line_error(result, key, "only with RoPE families")
 
 
 def test_a_head_dim_the_triton_attention_kernels_do_not_compile_for_is_a_user_error():

@@ -26,9 +26,7 @@ def test_the_config_reference_in_docs_matches_the_config_schema():
     text = (REPO / "docs" / "config.md").read_text()
     start = text.index(START) + len(START)
     end = text.index(END)
-    assert text[start:end] == generated, (
-        "run scripts/config_reference.py and paste its output into docs/config.md"
-    )
+    assert text[start:end] == generated, "run python scripts/config_reference.py --write"
 
 
 def test_readme_starts_with_install_main_job_and_tests():

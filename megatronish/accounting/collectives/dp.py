@@ -120,11 +120,11 @@ def zero3_gathers(step: Step, dense: int) -> list[tuple[str, str, int, int, int]
             ("ZeRO-3 parameter all-gather (kept for the step)", "all_gather", dp, dense, 1),
             ("ZeRO-3 expert all-gather (kept for the step)", "all_gather", edp, experts, 1),
         ]
-    norm = (2 if model.arch == "gpt2" else 1) * step.h * FP32_BYTES
+    norm = (2 if model.gpt2_block else 1) * step.h * FP32_BYTES
     vocab = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
     tied = vocab if derived.tie_embeddings else 0
     kept = (0 if step.sp else norm) + (0 if derived.tie_embeddings else vocab)
-    positions = model.max_seq_len * step.h * FP32_BYTES if model.arch == "gpt2" else 0
+    positions = model.max_seq_len * step.h * FP32_BYTES if model.gpt2_block else 0
     lookups = (0 if derived.tie_embeddings else vocab) + positions  # not gathered for backward
     backward = dense - kept - tied - lookups
     return [

@@ -99,7 +99,7 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     # backward. Under full recompute the rerun block forward gathers once more.
     rerun = 1 if step.cfg.train.activation_checkpointing == "full" else 0
     qkv_gathers = 2 + rerun
-    mlp_gathers = (2 if step.cfg.model.arch == "gpt2" else 1) + rerun
+    mlp_gathers = (2 if step.cfg.model.gpt2_block else 1) + rerun
     return _over_tp(
         step,
         [

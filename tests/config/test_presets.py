@@ -1,0 +1,64 @@
+"""model.arch is a preset: it fills the component keys a config leaves unset, and a family's
+model is the model of its components (never a branch of its own)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatronish.config import derive, load_config
+from megatronish.config.presets import PRESETS
+from megatronish.distributed.layout import ParallelState
+from megatronish.model import GPT
+from tests.conftest import CONFIGS
+
+TINY = CONFIGS / "tiny.yaml"
+
+
+def test_a_preset_fills_the_component_keys_the_config_leaves_unset():
+    cfg = load_config(TINY, ["model.arch=qwen3"])
+    assert cfg.model.qk_norm and not cfg.model.qkv_bias
+    assert (cfg.model.norm_eps, cfg.model.rope_theta) == (1e-6, 1e6)
+    qwen2 = load_config(TINY, ["model.arch=qwen2"]).model
+    assert qwen2.qkv_bias and not qwen2.qk_norm
+    moe = load_config(TINY, ["model.arch=qwen3_moe"]).model.moe
+    assert (moe.router, moe.aux_loss_coef, moe.z_loss_coef) == ("softmax_topk", 0.001, 0.0)
+
+
+def test_a_key_set_in_the_file_or_by_set_wins_over_the_preset(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  arch: qwen3\n  rope_theta: 5000.0\n  moe:\n    top_k: 1\n")
+    cfg = load_config(path, ["model.qk_norm=false"])
+    assert cfg.model.rope_theta == 5000.0 and not cfg.model.qk_norm
+    assert cfg.model.norm_eps == 1e-6 and cfg.model.moe.top_k == 1
+    path.write_text("model:\n  arch: qwen3_moe\n  moe:\n    z_loss_coef: 0.5\n")
+    moe = load_config(path).model.moe
+    assert (moe.z_loss_coef, moe.aux_loss_coef) == (0.5, 0.001)
+
+
+def test_the_last_arch_given_chooses_the_preset(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  arch: qwen3\n")
+    cfg = load_config(path, ["model.arch=llama"])
+    assert cfg.model.arch == "llama" and not cfg.model.qk_norm and cfg.model.norm_eps == 1e-5
+
+
+@pytest.mark.parametrize("arch", sorted(set(PRESETS) - {"gpt2", "llama"}))
+def test_a_family_is_the_llama_block_with_its_presets_components(arch):
+    sets = ["model.n_kv_head=2", "train.seq_len=16", "model.max_seq_len=16", "model.vocab_size=64"]
+    if arch.endswith("moe"):
+        sets += ["model.moe.num_experts=4", "model.moe.top_k=2"]
+    family = load_config(TINY, [*sets, f"model.arch={arch}"])
+    components = [f"model.{k}={v}" for k, v in PRESETS[arch].items() if k != "moe"]
+    components += [f"model.moe.{k}={v}" for k, v in PRESETS[arch].get("moe", {}).items()]
+    llama = load_config(TINY, [*sets, "model.arch=llama", *components])
+    models = []
+    for cfg in (family, llama):
+        torch.manual_seed(0)
+        models.append(GPT(cfg, derive(cfg, 1), ParallelState.single()))
+    theirs = models[1].state_dict()
+    assert {k: v.shape for k, v in models[0].state_dict().items()} == {
+        k: v.shape for k, v in theirs.items()
+    }
+    tokens = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(models[0](tokens), models[1](tokens), rtol=0, atol=0)
