@@ -1,0 +1,121 @@
+"""The harness of tests/hf/test_training_curve.py: a run of ours started from a Hugging Face
+directory (checkpoint.init_from_hf) on the parity harness (tests/parity.py), and the reference:
+the transformers model itself trained with torch.optim.AdamW on the same global batches, under
+our settings.
+
+The reference takes from megatronish only what the run is defined by, not how it computes it:
+the batches (our loader at dp 1 with the global batch as one micro-batch: the loader gives the
+same global batch at every dp and micro-batch size), the learning rate of each step (lr_at, the
+documented schedule: linear warmup, then cosine to train.min_lr) and which parameters decay
+(param_groups: matrices only), mapped to the transformers model's names through the family's
+own tensor mapping. The loss, its gradients, clipping (clip_grad_norm_) and AdamW are torch's
+and transformers'. No transformers import here: the ranks import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish.data import BatchLoader
+from megatronish.hf.family import HEAD
+from megatronish.hf.importer import read_hf
+from megatronish.hf.registry import family_of_model
+from megatronish.optim.optimizer import lr_at, param_groups
+from tests.parity import make_config, make_trainer, train_counted
+
+
+def run_settings(hf_dir: Path) -> list[str]:
+    """The --set settings of a run that starts from hf_dir: its model.* settings as
+    `megatronish import` reads them from config.json, and checkpoint.init_from_hf."""
+    fields, _ = read_hf(hf_dir)
+    sets = [f"checkpoint.init_from_hf={hf_dir}"]
+    for key, value in fields.items():
+        if dataclasses.is_dataclass(value):  # model.moe
+            sets += [f"model.{key}.{k}={_text(v)}" for k, v in vars(value).items() if v is not None]
+        elif value is not None:
+            sets.append(f"model.{key}={_text(value)}")
+    return sets
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def train_runs(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
+    """The losses and gradient norms of each run {name: (tp, pp, settings)} on these ranks
+    (dp 1), in turn."""
+    curves = {}
+    for name, (tp, pp, settings) in runs.items():
+        trainer = make_trainer(make_config(tp, 1, pp, settings, dataset), world, dataset)
+        losses, norms, _ = train_counted(trainer, trainer.cfg.train.steps)
+        curves[name] = {"losses": losses, "norms": norms}
+    return curves
+
+
+def decays(trainer) -> dict[str, bool]:
+    """Whether our AdamW decays each parameter of the transformers model, by its name: our
+    param_groups of the trainer's model (tp 1) through the family's mapping of our tensors to
+    theirs, each of ours a tensor of 1.0 (decays) or 0.0, so each of theirs is all of one."""
+    model, cfg, derived = trainer.model, trainer.cfg, trainer.setup.derived
+    decayed = {id(p) for p in param_groups(model, 1.0)[0]["params"]}
+    flags = {
+        name: torch.full_like(p, float(id(p) in decayed), requires_grad=False)
+        for name, p in model.named_parameters()
+    }
+    theirs = family_of_model(cfg, derived).to_hf(cfg, derived, flags)
+    if not derived.tie_embeddings:
+        theirs[HEAD] = flags[HEAD]
+    for name, flag in theirs.items():
+        assert flag.all() or not flag.any(), f"{name}: decayed in part"
+    return {name: bool(flag.all()) for name, flag in theirs.items()}
+
+
+def reference_curve(
+    model: nn.Module, decay: dict[str, bool], cfg, dataset: Path
+) -> tuple[list[float], list[float]]:
+    """The losses and gradient norms (before clipping) of training `model` (a transformers
+    causal LM, train mode) for train.steps steps with torch.optim.AdamW at cfg's betas, eps and
+    weight decay (where `decay` says), lr lr_at(step), gradients clipped by clip_grad_norm_ at
+    train.grad_clip; each step's loss the mean token cross entropy over the global batch, in
+    one forward."""
+    train, optim = cfg.train, cfg.optim
+    named = dict(model.named_parameters())
+    assert set(decay) == set(named), sorted(set(decay) ^ set(named))
+    groups = [
+        {"params": [p for n, p in named.items() if decay[n]], "weight_decay": train.weight_decay},
+        {"params": [p for n, p in named.items() if not decay[n]], "weight_decay": 0.0},
+    ]
+    betas = (optim.beta1, optim.beta2)
+    adamw = torch.optim.AdamW(groups, lr=train.lr, betas=betas, eps=optim.eps)
+    batch_size = train.global_batch_size
+    loader = BatchLoader(
+        dataset,
+        "train",
+        seq_len=train.seq_len,
+        global_batch_size=batch_size,
+        micro_batch_size=batch_size,
+        dp_rank=0,
+        dp_size=1,
+        seed=train.seed,
+    )
+    assert not loader.masks_loss  # every target counts: the loss is the plain mean
+    model.train()
+    losses, norms = [], []
+    for step in range(1, train.steps + 1):
+        batch = loader.next_step()[0]  # [global batch, s + 1]
+        logits = model(batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        adamw.zero_grad()
+        loss.backward()
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip).item())
+        for group in adamw.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        adamw.step()
+        losses.append(loss.item())
+    return losses, norms

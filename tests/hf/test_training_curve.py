@@ -1,0 +1,119 @@
+"""Training from imported weights: a run started from a tiny random transformers model
+(checkpoint.init_from_hf) follows, step by step, the loss curve and gradient norms of that model
+trained by torch.optim.AdamW under our schedule, clipping and weight-decay groups on the same
+batches (tests/hf/curve.py), at tp 1 and at tp 2 x pp 2, for every family that imports.
+
+The tolerance is the parity harness's 1e-5 relative per step: both sides do the same fp32
+arithmetic in different orders (fused or separate projections, attention, cross entropy, fused
+or foreach AdamW, the clipping norm's sums), each op rounding to ~6e-8 relative, which Adam's
+normalized update (m / sqrt(v)) passes on unamplified; a loss near 4 has an ulp of 4.8e-7, so
+1e-5 is some 80 ulps. A wrong weight-decay group, clipping norm or lr step moves the curves by
+3e-5 to 2e-2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronish.data import dataset_vocab_size
+from megatronish.distributed.layout import ParallelState
+from tests.hf.curve import decays, reference_curve, run_settings, train_runs
+from tests.parity import STEPS, assert_close, make_config, make_trainer, train_counted
+from tests.ranks import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+
+# transformers class -> its tiny model's sizes (fp32, eager attention, the dataset's vocab, the
+# parity runs' 16 positions, no dropout); a family that imports joins with its entry.
+FAMILIES = {
+    "LlamaForCausalLM": dict(
+        hidden_size=40,
+        intermediate_size=72,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        rms_norm_eps=1e-6,
+        rope_theta=5000.0,
+        tie_word_embeddings=False,
+    ),
+    "GPT2LMHeadModel": dict(
+        n_embd=40,
+        n_inner=72,
+        n_layer=3,
+        n_head=4,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(dataset, tmp_path_factory) -> dict[str, Path]:
+    """Every family's tiny random model, saved with save_pretrained."""
+    root = tmp_path_factory.mktemp("hf-curve")
+    for seed, (name, sizes) in enumerate(FAMILIES.items()):
+        torch.manual_seed(seed)
+        model_class = getattr(transformers, name)
+        config = model_class.config_class(
+            vocab_size=dataset_vocab_size(dataset), attn_implementation="eager", **sizes
+        )
+        model_class(config).save_pretrained(root / name)
+    return {name: root / name for name in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def curves(request, hf_dirs, dataset) -> dict:
+    """A family's reference curve (transformers + torch.optim.AdamW), our tp 1 run's, and the
+    parameters the reference decays."""
+    family = request.param
+    cfg = make_config(1, 1, 1, run_settings(hf_dirs[family]), dataset)
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+    losses, norms, _ = train_counted(trainer, STEPS)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dirs[family], attn_implementation="eager"
+    )
+    assert type(theirs).__name__ == family and theirs.dtype == torch.float32
+    decay = decays(trainer)
+    ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
+    return dict(
+        family=family,
+        reference={"losses": ref_losses, "norms": ref_norms},
+        tp1={"losses": losses, "norms": norms},
+        decay=decay,
+    )
+
+
+@pytest.fixture(scope="module")
+def four_ranks(hf_dirs, dataset) -> list[dict[str, dict]]:
+    """Every family's run at tp 2 x pp 2, in one 4-rank run: each rank's curves by family."""
+    runs = {family: (2, 2, run_settings(hf_dir)) for family, hf_dir in hf_dirs.items()}
+    return run_on_ranks(train_runs, 4, runs, dataset, timeout=300)
+
+
+def assert_same_curve(ours: dict, reference: dict) -> None:
+    assert_close(ours["losses"], reference["losses"])
+    assert_close(ours["norms"], reference["norms"])
+
+
+def test_a_run_from_imported_weights_follows_the_transformers_adamw_curve_at_tp1(curves):
+    reference = curves["reference"]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.5  # it learns
+    assert max(reference["norms"]) > 1.0  # gradients are clipped (train.grad_clip 1)
+    assert any(curves["decay"].values()) and not all(curves["decay"].values())
+    assert_same_curve(curves["tp1"], reference)
+
+
+@pytest.mark.slow  # a 4-rank run
+def test_a_run_from_imported_weights_follows_the_transformers_adamw_curve_at_tp2_pp2(
+    curves, four_ranks
+):
+    for rank_curves in four_ranks:
+        assert_same_curve(rank_curves[curves["family"]], curves["reference"])
