@@ -9,14 +9,17 @@ same global batch at every dp and micro-batch size), the learning rate of each s
 documented schedule: linear warmup, then cosine to train.min_lr) and which parameters decay
 (param_groups: matrices only), mapped to the transformers model's names through the family's
 own tensor mapping. The loss, its gradients, clipping (clip_grad_norm_) and AdamW are torch's
-and transformers'. No transformers import here: the ranks import this module.
+and transformers'. transformers is imported only where the reference needs it: the ranks
+import this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,15 +27,22 @@ from torch import nn
 
 from megatronish.data import BatchLoader
 from megatronish.hf.family import HEAD
+from megatronish.hf.files import CONFIG_JSON, WEIGHTS, read_tensors
 from megatronish.hf.importer import read_hf
 from megatronish.hf.registry import family_of_model
+from megatronish.moe.experts import stored_tensors
 from megatronish.optim.optimizer import lr_at, param_groups
 from tests.parity import make_config, make_trainer, train_counted
+
+if TYPE_CHECKING:
+    from megatronish.config import Config
+    from megatronish.training.trainer import Trainer
 
 
 def run_settings(hf_dir: Path) -> list[str]:
     """The --set settings of a run that starts from hf_dir: its model.* settings as
-    `megatronish import` reads them from config.json, and checkpoint.init_from_hf."""
+    `megatronish import` reads them from config.json, and checkpoint.init_from_hf; with experts,
+    no router losses, as the reference's loss (the logits' cross entropy) has none."""
     fields, _ = read_hf(hf_dir)
     sets = [f"checkpoint.init_from_hf={hf_dir}"]
     for key, value in fields.items():
@@ -40,7 +50,7 @@ def run_settings(hf_dir: Path) -> list[str]:
             sets += [f"model.{key}.{k}={_text(v)}" for k, v in vars(value).items() if v is not None]
         elif value is not None:
             sets.append(f"model.{key}={_text(value)}")
-    return sets
+    return sets + ["model.moe.aux_loss_coef=0", "model.moe.z_loss_coef=0"]
 
 
 def _text(value) -> str:
@@ -58,26 +68,44 @@ def train_runs(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, di
     return curves
 
 
-def decays(trainer) -> dict[str, bool]:
-    """Whether our AdamW decays each parameter of the transformers model, by its name: our
-    param_groups of the trainer's model (tp 1) through the family's mapping of our tensors to
-    theirs, each of ours a tensor of 1.0 (decays) or 0.0, so each of theirs is all of one."""
+def decays(trainer: Trainer, hf_dir: Path, scratch: Path) -> dict[str, bool]:
+    """Whether our AdamW decays each parameter of the transformers model of hf_dir, by its name
+    in the model (which transformers may fuse or rename on loading, as it does experts): our
+    param_groups of the trainer's model (tp 1), each of our tensors as a checkpoint names them
+    (experts one by one) made 1.0 (decays) or 0.0, mapped to the file's tensors by the family's
+    mapping, written to `scratch` with hf_dir's config.json and loaded by transformers."""
+    import transformers
+    from safetensors.torch import save_file
+
     model, cfg, derived = trainer.model, trainer.cfg, trainer.setup.derived
     decayed = {id(p) for p in param_groups(model, 1.0)[0]["params"]}
     flags = {
-        name: torch.full_like(p, float(id(p) in decayed), requires_grad=False)
-        for name, p in model.named_parameters()
+        name: torch.full_like(p if j is None else p[j], float(id(p) in decayed))
+        for name, p, j in stored_tensors(model.named_parameters())
     }
     theirs = family_of_model(cfg, derived).to_hf(cfg, derived, flags)
     if not derived.tie_embeddings:
         theirs[HEAD] = flags[HEAD]
-    for name, flag in theirs.items():
-        assert flag.all() or not flag.any(), f"{name}: decayed in part"
-    return {name: bool(flag.all()) for name, flag in theirs.items()}
+    weights = read_tensors(hf_dir)  # the tiny models' files hold no buffers
+    assert set(theirs) == set(weights), sorted(set(theirs) ^ set(weights))
+    scratch.mkdir()
+    shutil.copy(hf_dir / CONFIG_JSON, scratch / CONFIG_JSON)
+    save_file(
+        {n: torch.full_like(weights[n], _one_flag(n, t)) for n, t in theirs.items()},
+        str(scratch / WEIGHTS),
+    )
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(scratch)
+    return {name: bool(_one_flag(name, p)) for name, p in loaded.named_parameters()}
+
+
+def _one_flag(name: str, flags: torch.Tensor) -> float:
+    """The one value of a tensor of flags (all 1.0 or all 0.0)."""
+    assert flags.all() or not flags.any(), f"{name}: decayed in part"
+    return float(flags.all())
 
 
 def reference_curve(
-    model: nn.Module, decay: dict[str, bool], cfg, dataset: Path
+    model: nn.Module, decay: dict[str, bool], cfg: Config, dataset: Path
 ) -> tuple[list[float], list[float]]:
     """The losses and gradient norms (before clipping) of training `model` (a transformers
     causal LM, train mode) for train.steps steps with torch.optim.AdamW at cfg's betas, eps and

@@ -1,7 +1,8 @@
 """Training from imported weights: a run started from a tiny random transformers model
 (checkpoint.init_from_hf) follows, step by step, the loss curve and gradient norms of that model
 trained by torch.optim.AdamW under our schedule, clipping and weight-decay groups on the same
-batches (tests/hf/curve.py), at tp 1 and at tp 2 x pp 2, for every family that imports.
+batches (tests/hf/curve.py), at tp 1 and at tp 2 x pp 2, for every family that imports. A
+model with experts trains without router losses here: transformers' loss of the logits has none.
 
 The tolerance is the parity harness's 1e-5 relative per step: both sides do the same fp32
 arithmetic in different orders (fused or separate projections, attention, cross entropy, fused
@@ -26,8 +27,9 @@ from tests.ranks import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
 
-# transformers class -> its tiny model's sizes (fp32, eager attention, the dataset's vocab, the
-# parity runs' 16 positions, no dropout); a family that imports joins with its entry.
+# transformers class -> its tiny model's sizes (fp32, eager attention, the dataset's vocab of 257,
+# the parity runs' 16 positions, no dropout; 3 layers: 2 and 1 at pp 2); a family that imports
+# joins with its entry.
 FAMILIES = {
     "LlamaForCausalLM": dict(
         hidden_size=40,
@@ -52,6 +54,19 @@ FAMILIES = {
         bos_token_id=None,
         eos_token_id=None,
     ),
+    "MixtralForCausalLM": dict(
+        hidden_size=40,
+        intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        rms_norm_eps=1e-6,
+        rope_theta=5000.0,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -60,29 +75,36 @@ def hf_dirs(dataset, tmp_path_factory) -> dict[str, Path]:
     """Every family's tiny random model, saved with save_pretrained."""
     root = tmp_path_factory.mktemp("hf-curve")
     for seed, (name, sizes) in enumerate(FAMILIES.items()):
-        torch.manual_seed(seed)
         model_class = getattr(transformers, name)
         config = model_class.config_class(
             vocab_size=dataset_vocab_size(dataset), attn_implementation="eager", **sizes
         )
-        model_class(config).save_pretrained(root / name)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model_class(config).save_pretrained(root / name)
     return {name: root / name for name in FAMILIES}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def curves(request, hf_dirs, dataset) -> dict:
+def curves(request, hf_dirs, dataset, tmp_path_factory) -> dict:
     """A family's reference curve (transformers + torch.optim.AdamW), our tp 1 run's, and the
-    parameters the reference decays."""
+    parameters the reference decays; both computed on one thread, as a rank computes (the
+    tensors are too small for more to help)."""
     family = request.param
     cfg = make_config(1, 1, 1, run_settings(hf_dirs[family]), dataset)
-    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    losses, norms, _ = train_counted(trainer, STEPS)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dirs[family], attn_implementation="eager"
-    )
-    assert type(theirs).__name__ == family and theirs.dtype == torch.float32
-    decay = decays(trainer)
-    ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+        losses, norms, _ = train_counted(trainer, STEPS)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dirs[family], attn_implementation="eager"
+        )
+        assert type(theirs).__name__ == family and theirs.dtype == torch.float32
+        decay = decays(trainer, hf_dirs[family], tmp_path_factory.mktemp("decays") / family)
+        ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
+    finally:
+        torch.set_num_threads(threads)
     return dict(
         family=family,
         reference={"losses": ref_losses, "norms": ref_norms},
@@ -93,8 +115,11 @@ def curves(request, hf_dirs, dataset) -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks(hf_dirs, dataset) -> list[dict[str, dict]]:
-    """Every family's run at tp 2 x pp 2, in one 4-rank run: each rank's curves by family."""
-    runs = {family: (2, 2, run_settings(hf_dir)) for family, hf_dir in hf_dirs.items()}
+    """Every family's run at tp 2 x pp 2, in one 4-rank run: each rank's curves by family. A
+    step is two micro-batches of 4 (at tp 1 four of 2; the loss is the global batch's mean
+    either way), which halves the pipeline's per-step cost."""
+    micro = ["train.micro_batch_size=4"]
+    runs = {family: (2, 2, run_settings(d) + micro) for family, d in hf_dirs.items()}
     return run_on_ranks(train_runs, 4, runs, dataset, timeout=300)
 
 
