@@ -8,6 +8,7 @@ before a key existed records none, and loading its config gives that key its def
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,9 @@ def _text(value: Any) -> str:
     """A value as YAML and --set write it."""
     if value is None:
         return "null"
-    if dataclasses.is_dataclass(value):  # a section that may be null, as YAML's flow style
-        return yaml.safe_dump(value.to_dict(), default_flow_style=True, sort_keys=False).strip()
+    if dataclasses.is_dataclass(value):  # a section that may be null, as one YAML flow line
+        flow = dict(default_flow_style=True, sort_keys=False, width=math.inf)
+        return yaml.safe_dump(value.to_dict(), **flow).strip()
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
