@@ -13,6 +13,7 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parent.parent / "megatronish" / "config" / "schema.py"
 SECTIONS = {
     "ModelConfig": "model",
+    "RopeScalingConfig": "model.rope_scaling",
     "MoEConfig": "model.moe",
     "ParallelConfig": "parallel",
     "TrainConfig": "train",

@@ -74,9 +74,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base (llama)."""
     rope_scaling: RopeScalingConfig | None = None
-    """null: plain RoPE. A mapping {type: llama3 | yarn, factor, ...}: the context extension of
-    the family's config.json `rope_scaling` (its keys: model.rope_scaling.*), computed as
-    transformers computes it; llama only."""
+    """null: plain RoPE. Otherwise the context extension of the family's config.json
+    `rope_scaling` (`type` for its `rope_type`), computed as transformers computes it; llama
+    only. Its keys are model.rope_scaling.*, those of its type only; --set takes one key at a
+    time or a YAML mapping ("model.rope_scaling={type: yarn, factor: 4, ...}")."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections only (Qwen2); llama only (gpt2 has biases
     everywhere). The bias splits over tp with the heads, as the qkv weight's rows."""
