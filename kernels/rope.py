@@ -1,17 +1,18 @@
-"""Rotary position embedding (rotate-half pairing, as Llama in transformers) as a Triton kernel.
+"""Rotary position embedding (rotate-half pairing, as Llama in transformers) as a Triton kernel
+that reads its cos and sin from a table.
 
 Shapes: x [b, n, s, d] is viewed as [rows = b * n * s, d]; row r takes table row r % s.
-cos, sin [s, d/2] fp32 (table row i: the angles of x's i-th position, 0..s-1 or given
-positions), or [b, s, d/2] for positions [b, s] (each sequence its own, as document masks
-restart them: row r takes table row (r // (n s)) s + r % s), come from rope_table here, which
-repeats megatronish.ops.reference.rope_table's arithmetic op for op, so the angles are
-bit-identical to the torch reference (the kernels import nothing from megatronish). Dim i
-pairs with dim i + d/2:
+cos, sin [s, d/2] fp32 (table row i: x's i-th position, 0..s-1 or given positions), or
+[b, s, d/2] (each sequence its own, as document masks restart positions: row r takes table
+row (r // (n s)) s + r % s). The caller builds the table (megatronish.ops.rope.rope_table, the
+one source of the frequencies and of the attention factor the table is scaled by; the kernels
+import nothing from megatronish). Dim i pairs with dim i + d/2:
 
     out[i]       = x[i] cos - x[i + d/2] sin
     out[i + d/2] = x[i + d/2] cos + x[i] sin
 
-The backward is the same kernel rotating by the negative angle (the rotation is orthogonal).
+The backward is the same kernel with sin negated: the transpose of the rotation, times the
+same factor when the table is scaled (YaRN's attention factor).
 """
 
 from __future__ import annotations
@@ -21,29 +22,6 @@ import triton
 import triton.language as tl
 
 from ._utils import Launch, check_device
-
-
-def rope_table(
-    seq_len: int,
-    head_dim: int,
-    theta: float,
-    device: torch.device,
-    positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [s, d/2] fp32 for positions 0..s-1, or for the given int64 positions [s]
-    (or [b, s]: then [b, s, d/2]).
-
-    The same ops in the same order as megatronish.ops.reference.rope_table (change the two
-    together): inv_freq = 1 / theta^(2i / d), angles = outer(positions, inv_freq).
-    """
-    n_positions = seq_len if positions is None else int(positions.max()) + 1
-    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    angles = torch.outer(torch.arange(n_positions, device=device, dtype=torch.float32), inv_freq)
-    cos, sin = angles.cos(), angles.sin()
-    if positions is None:
-        return cos, sin
-    return cos[positions], sin[positions]
 
 
 @triton.jit
@@ -109,14 +87,20 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
 
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, theta: float, positions):
+    def forward(ctx, x, cos, sin):
         check_device(x)
         if x.dim() != 4:
             raise ValueError(f"rope: x must be [b, n, s, d], got shape {list(x.shape)}")
         head_dim = x.shape[-1]
         if head_dim % 2 != 0:
             raise ValueError(f"rope: head dim must be even, got {head_dim}")
-        cos, sin = rope_table(x.shape[-2], head_dim, theta, x.device, positions=positions)
+        b, _, s, _ = x.shape
+        shapes = ([s, head_dim // 2], [b, s, head_dim // 2])
+        if cos.dtype != torch.float32 or list(cos.shape) not in shapes or cos.shape != sin.shape:
+            raise ValueError(
+                f"rope: cos and sin must be fp32 {shapes[0]} or {shapes[1]}, got {cos.dtype} "
+                f"{list(cos.shape)} and {list(sin.shape)}"
+            )
         cos, sin = cos.contiguous(), sin.contiguous()
         ctx.save_for_backward(cos, sin)
         return _rotate(x, cos, sin, inverse=False)
@@ -127,9 +111,7 @@ class _RopeFunction(torch.autograd.Function):
         return _rotate(dout, cos, sin, inverse=True), None, None
 
 
-def rope(
-    x: torch.Tensor, theta: float = 10000.0, positions: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Rotary embedding of x [b, n, s, d] at positions 0..s-1, or at the given int64 positions
-    [s] or [b, s] (rotate-half pairing); fp32 math, output in x's dtype."""
-    return _RopeFunction.apply(x, float(theta), positions)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [b, n, s, d] by the table cos, sin (fp32 [s, d/2], or [b, s, d/2]:
+    one per sequence), rotate-half pairing; fp32 math, output in x's dtype."""
+    return _RopeFunction.apply(x, cos, sin)

@@ -18,6 +18,7 @@ DOCS = ROOT / "docs" / "config.md"
 START, END = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
 SECTIONS = {
     "ModelConfig": "model",
+    "RopeScalingConfig": "model.rope_scaling",
     "MoEConfig": "model.moe",
     "ParallelConfig": "parallel",
     "TrainConfig": "train",

@@ -8,8 +8,12 @@ before a key existed records none, and loading its config gives that key its def
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from megatronish.config import Config, derive
 from megatronish.config.schema import key_of
@@ -25,11 +29,14 @@ Difference = tuple[str, Any, Any]  # (key, the checkpoint's value, the config's 
 
 
 def _flat(section: Any, prefix: str) -> dict[str, Any]:
-    """Every key of a config section (its sub-sections' too) by its dotted name."""
+    """Every key of a config section (its sub-sections' too) by its dotted name. A section that
+    may be null (model.rope_scaling) is one value: its keys exist only when it is set."""
     out: dict[str, Any] = {}
+    types = typing.get_type_hints(type(section))
     for field in dataclasses.fields(section):
         key, value = f"{prefix}.{key_of(field.name)}", getattr(section, field.name)
-        out.update(_flat(value, key) if dataclasses.is_dataclass(value) else {key: value})
+        is_section = dataclasses.is_dataclass(types[field.name])
+        out.update(_flat(value, key) if is_section else {key: value})
     return out
 
 
@@ -65,6 +72,9 @@ def _text(value: Any) -> str:
     """A value as YAML and --set write it."""
     if value is None:
         return "null"
+    if dataclasses.is_dataclass(value):  # a section that may be null, as one YAML flow line
+        flow = dict(default_flow_style=True, sort_keys=False, width=math.inf)
+        return yaml.safe_dump(value.to_dict(), **flow).strip()
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

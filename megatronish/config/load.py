@@ -39,6 +39,16 @@ def _field_name(cls, key: str) -> str:
     return next(f.name for f in dataclasses.fields(cls) if key_of(f.name) == key)
 
 
+def _nullable_section(tp: Any) -> Any:
+    """The dataclass of a field typed `Section | None` (a section that may be null, such as
+    model.rope_scaling), else None."""
+    if get_origin(tp) in (Union, types.UnionType):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            return inner[0]
+    return None
+
+
 def _describe(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
@@ -145,8 +155,11 @@ def _build(cls, data: Any, prefix: str):
             raise UserError(f"unknown key '{dotted}'; {_nearest(str(key), sorted(types_), prefix)}")
         tp = types_[key]
         name = _field_name(cls, key)
+        section = _nullable_section(tp)
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value if value is not None else {}, dotted)
+        elif section is not None:
+            kwargs[name] = None if value is None else _build(section, value, dotted)
         else:
             kwargs[name] = _coerce(dotted, value, tp, from_string=False)
     return cls(**kwargs)
@@ -165,15 +178,38 @@ def _apply_override(cfg: Config, assignment: str) -> None:
         if part not in types_:
             where = f"'{seen}.{part}'" if seen else f"'{part}'"
             raise UserError(f"--set: unknown key {where}; {_nearest(part, sorted(types_), seen)}")
-        tp = types_[part]
+        tp, name = types_[part], _field_name(type(target), part)
+        section = _nullable_section(tp)
         if depth == len(parts) - 1:
             if dataclasses.is_dataclass(tp):
                 raise UserError(f"--set {key}: is a section; set one of its keys, e.g. {key}.x=...")
-            setattr(target, _field_name(type(target), part), _coerce(key, raw, tp, True))
+            if section:
+                setattr(target, name, _nullable_section_value(key, raw, section))
+            else:
+                setattr(target, name, _coerce(key, raw, tp, True))
         else:
-            if not dataclasses.is_dataclass(tp):
+            if not (dataclasses.is_dataclass(tp) or section):
                 raise UserError(f"--set {key}: '{'.'.join(parts[: depth + 1])}' has no sub-keys")
-            target = getattr(target, _field_name(type(target), part))
+            if section and getattr(target, name) is None:  # a null section, now set key by key
+                setattr(target, name, section())
+            target = getattr(target, name)
+
+
+def _nullable_section_value(key: str, raw: str, section: Any) -> Any:
+    """`--set KEY=null` or `--set KEY={k: v, ...}` (a YAML mapping) of a section that may be
+    null, as None or the section."""
+    if raw.strip().lower() in ("null", "none", "~"):
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    if not isinstance(value, dict):
+        raise UserError(
+            f"--set {key}: {raw!r} is not valid; expected null, a YAML mapping such as "
+            f"'{{key: value, ...}}', or one key at a time ({key}.KEY=VALUE)"
+        )
+    return _build(section, value, key)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -77,6 +77,11 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base (llama)."""
+    rope_scaling: RopeScalingConfig | None = None
+    """null: plain RoPE. Otherwise the context extension of the family's config.json
+    `rope_scaling` (`type` for its `rope_type`), computed as transformers computes it; llama
+    only. Its keys are model.rope_scaling.*, those of its type only; --set takes one key at a
+    time or a YAML mapping ("model.rope_scaling={type: yarn, factor: 4, ...}")."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections only (Qwen2); llama only (gpt2 has biases
     everywhere). The bias splits over tp with the heads, as the qkv weight's rows."""
@@ -91,6 +96,64 @@ class ModelConfig:
         """Whether the blocks are GPT-2's (learned positions, LayerNorm, GELU, biases) rather
         than the RoPE, RMSNorm and SwiGLU blocks every other family composes its components on."""
         return self.arch == "gpt2"
+
+
+# The keys of model.rope_scaling each type reads (besides `type`); a key of another type is an
+# error unless left at its default.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+
+
+@dataclass
+class RopeScalingConfig:
+    type: Literal["llama3", "yarn"] | None = None
+    """llama3 (Llama 3.1+: keys factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) or yarn (Qwen long context: factor,
+    original_max_position_embeddings and the optional beta_fast, beta_slow, attention_factor,
+    mscale, mscale_all_dim, truncate). Required."""
+    factor: float | None = None
+    """Context extension factor, >= 1. Required."""
+    original_max_position_embeddings: int | None = None
+    """The context the model was pretrained with. Required."""
+    low_freq_factor: float | None = None
+    """llama3 (required): wavelengths longer than original_max_position_embeddings /
+    low_freq_factor are slowed by factor."""
+    high_freq_factor: float | None = None
+    """llama3 (required, > low_freq_factor): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept; those between the two bounds
+    are blended linearly in original_max_position_embeddings / wavelength."""
+    beta_fast: float = 32.0
+    """yarn: dimensions that turn more than beta_fast times over the original context keep their
+    frequency (> beta_slow)."""
+    beta_slow: float = 1.0
+    """yarn: dimensions that turn fewer than beta_slow times (> 0) are slowed by factor; a
+    linear ramp between the two."""
+    attention_factor: float | None = None
+    """yarn: the multiplier of cos and sin (so of the attention logits, squared), > 0. Default:
+    0.1 ln(factor) + 1, or with mscale and mscale_all_dim both set and non-zero the ratio of
+    0.1 mscale ln(factor) + 1 to 0.1 mscale_all_dim ln(factor) + 1."""
+    mscale: float | None = None
+    """yarn: see attention_factor (>= 0)."""
+    mscale_all_dim: float | None = None
+    """yarn: see attention_factor (>= 0)."""
+    truncate: bool = True
+    """yarn: round the ramp's ends out to whole dimensions."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """`type` and the keys its type reads, as the config file and checkpoints write them."""
+        keys = ROPE_SCALING_KEYS.get(self.type or "", ())
+        return {"type": self.type} | {key: getattr(self, key) for key in keys}
 
 
 @dataclass
@@ -301,7 +364,10 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The config by its keys (a field named after a Python keyword, `async_`, as the key
         `async`)."""
-        return _keys(dataclasses.asdict(self))
+        data = _keys(dataclasses.asdict(self))
+        if self.model.rope_scaling is not None:  # only the keys of its type
+            data["model"]["rope_scaling"] = self.model.rope_scaling.to_dict()
+        return data
 
 
 def key_of(field_name: str) -> str:

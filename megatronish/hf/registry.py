@@ -33,11 +33,11 @@ def family_of_config_json(config: ConfigJson) -> Family:
 
 def family_of_model(cfg: Config, derived: Derived) -> Family:
     """The family export writes a model of this config as."""
-    for key in ("qkv_bias", "qk_norm"):
+    for key, off in (("qkv_bias", "false"), ("qk_norm", "false"), ("rope_scaling", "null")):
         if getattr(cfg.model, key):
             raise UserError(
                 f"model.{key}: no Hugging Face family here exports it (only models with "
-                f"model.{key}=false export)"
+                f"model.{key}={off} export)"
             )
     for family in FAMILIES:
         if family.exports(cfg, derived):

@@ -25,6 +25,7 @@ from megatronish.layers.linear import (
 from megatronish.model.norm import Norm
 from megatronish.model.recompute import checkpoint
 from megatronish.ops import reference
+from megatronish.ops.rope import rope_spec
 
 
 class Attention(nn.Module):
@@ -34,7 +35,7 @@ class Attention(nn.Module):
         self.head_dim = derived.head_dim
         self.local_heads, self.local_groups = model.n_head // tp, derived.n_kv_head // tp
         self.heads_per_group = model.n_head // derived.n_kv_head
-        self.is_llama, self.rope_theta = not model.gpt2_block, model.rope_theta
+        self.is_llama, self.rope = not model.gpt2_block, rope_spec(model)
         self.dropout, self.tracker = model.dropout, tracker
         self.backend = cfg.kernels.backend
         self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
@@ -75,8 +76,8 @@ class Attention(nn.Module):
         elif self.ring is not None:  # this rank's zigzag shard: its global positions
             positions = zigzag_positions(q.shape[2], self.cp, self.ring.rank, q.device)
         if self.is_llama:
-            q = ops.rope(q, self.rope_theta, backend=self.backend, positions=positions)
-            k = ops.rope(k, self.rope_theta, backend=self.backend, positions=positions)
+            q = ops.rope(q, self.rope, backend=self.backend, positions=positions)
+            k = ops.rope(k, self.rope, backend=self.backend, positions=positions)
         if self.ring is not None:
             shards = None if documents is None else documents.shards
             return ring_attention(q, k, v, self.ring, backend=self.backend, shards=shards)
@@ -123,8 +124,8 @@ class Attention(nn.Module):
         q, k, v = self.split_heads(x)
         b, s = q.shape[0], q.shape[2]
         if self.is_llama:
-            q = reference.rope(q, self.rope_theta, start_pos)
-            k = reference.rope(k, self.rope_theta, start_pos)
+            q = reference.rope(q, self.rope, start_pos)
+            k = reference.rope(k, self.rope, start_pos)
         if cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         keys, values = k, v  # [b, k/t, start_pos + s, d]

@@ -15,6 +15,7 @@ import torch
 from megatronish.config.derive import TRITON_HEAD_DIMS
 from megatronish.errors import UserError
 from megatronish.ops import reference
+from megatronish.ops.rope import PLAIN, RopeSpec, rope_table
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -106,13 +107,17 @@ def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None
     return reference.attention(q, k, v, causal, segments)
 
 
-def rope(x, theta: float = 10000.0, backend: str = "auto", positions=None):
-    """Rotary position embedding of x [b, n, s, d], rotate-half pairing, at positions 0..s-1
-    or at the given int64 positions [s] (a context-parallel shard's global positions) or
-    [b, s] (each sequence's own: positions within documents)."""
+def rope(x, theta: float | RopeSpec = PLAIN, backend: str = "auto", positions=None):
+    """Rotary position embedding of x [b, n, s, d], rotate-half pairing, at positions 0..s-1 or
+    at the given int64 positions [s] (a context-parallel shard's global positions) or [b, s]
+    (each sequence's own: positions within documents). theta: RoPE's base, or a RopeSpec (its
+    theta and context scaling: megatronish.ops.rope). Both backends rotate by rope_table's cos
+    and sin."""
+    spec = theta if isinstance(theta, RopeSpec) else RopeSpec(float(theta))
     if resolve_backend(backend, x) == "triton":
-        return _kernels().rope(x, theta, positions)
-    return reference.rope(x, theta, positions=positions)
+        cos, sin = rope_table(spec, x.shape[-2], x.shape[-1], x.device, positions=positions)
+        return _kernels().rope(x, cos, sin)
+    return reference.rope(x, spec, positions=positions)
 
 
 def swiglu(gate, up, backend: str = "auto"):

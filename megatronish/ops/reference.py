@@ -10,6 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatronish.ops.rope import PLAIN, RopeSpec, rope_table
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., h] * rsqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
@@ -56,53 +58,23 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
-def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [s, d/2] in fp32 for positions 0..s-1. megatronish_kernels.rope.rope_table
-    repeats this arithmetic op for op (bit-identical angles): change the two together."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    )
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
 def rope(
     x: torch.Tensor,
-    theta: float = 10000.0,
+    spec: RopeSpec = PLAIN,
     start_pos: int = 0,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotary embedding of x [b, n, s, d] at positions start_pos.. (or at the given int64
-    positions [s], or [b, s]: each sequence's own), rotate-half pairing (dim i with dim
-    i + d/2)."""
+    """Rotary embedding of x [b, n, s, d] as spec says (megatronish.ops.rope) at positions
+    start_pos.. (or at the given int64 positions [s], or [b, s]: each sequence's own),
+    rotate-half pairing (dim i with dim i + d/2)."""
     seq_len, head_dim = x.shape[-2], x.shape[-1]
-    cos, sin = rope_table(seq_len, head_dim, theta, x.device, start_pos, positions)
+    cos, sin = rope_table(spec, seq_len, head_dim, x.device, start_pos, positions)
     if cos.dim() == 3:  # [b, s, d/2]: one table per sequence, the same for every head
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x32 = x.float()
     x1, x2 = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype)
-
-
-def rope_table(
-    seq_len: int,
-    head_dim: int,
-    theta: float,
-    device: torch.device,
-    start_pos: int = 0,
-    positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [s, d/2] fp32 for positions start_pos..start_pos + s - 1, or for the given
-    positions [s] or [b, s] ([b, s, d/2] then; the same values at a position as in the 0..
-    table)."""
-    if positions is None:
-        cos, sin = rope_cos_sin(start_pos + seq_len, head_dim, theta, device)
-        return cos[start_pos:], sin[start_pos:]
-    cos, sin = rope_cos_sin(int(positions.max()) + 1, head_dim, theta, device)
-    return cos[positions], sin[positions]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

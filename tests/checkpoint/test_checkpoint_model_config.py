@@ -1,11 +1,11 @@
 """A checkpoint runs only as the model it was trained with: resuming, or `eval --set`, with a
 model.* key changed (also one that changes no tensor shape: model.n_head at a fixed d_model,
-model.rope_theta) is exit status 2 and one line naming the key and both values (`check`, and so
-`launch`, too), and writes nothing; the same values, or a null standing for the same value, are
-accepted, and so is another model.dropout (said in one line). Every key of the schema's model
-section takes part, one added later too, and a checkpoint saved before a key existed compares
-as its default. A resume under checkpoint.resume=auto says which step it takes when it passes
-over newer ones."""
+model.rope_theta, model.rope_scaling) is exit status 2 and one line naming the key and both
+values (`check`, and so `launch`, too), and writes nothing; the same values, or a null standing
+for the same value, are accepted, and so is another model.dropout (said in one line). Every key
+of the schema's model section takes part, one added later too, and a checkpoint saved before a
+key existed compares as its default. A resume under checkpoint.resume=auto says which step it
+takes when it passes over newer ones."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatronish.checkpoint.model_match import model_differences
-from megatronish.config import Config, load_config
+from megatronish.config import Config, config_from_dict, load_config
 from megatronish.training.resume import auto_choice
 from tests.checkpoints import VOCAB, save_single, tiny_cfg
 from tests.conftest import CONFIGS, invoke_cli
@@ -122,6 +122,29 @@ def test_eval_with_another_rope_theta_exits_2_and_with_the_same_one_evaluates(
     )
     assert same.returncode == 0, same.stderr
     assert same.stdout.startswith("step 2: val_loss ")
+
+
+def test_eval_with_another_rope_scaling_exits_2_naming_both_values(llama_step, small_dataset):
+    yarn = "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 32}"
+    data = f"data.path={small_dataset}"
+    other = invoke_cli("eval", "--checkpoint", str(llama_step), "--set", data, "--set", yarn)
+    assert other.returncode == 2
+    assert other.stderr.splitlines() == [
+        f"error: model.rope_scaling: the checkpoint in {llama_step} was trained with null, --set "
+        "asks for {type: yarn, factor: 4.0, original_max_position_embeddings: 32, beta_fast: "
+        "32.0, beta_slow: 1.0, attention_factor: null, mscale: null, mscale_all_dim: null, "
+        "truncate: true}; drop --set model.rope_scaling={type: yarn, factor: 4.0, "
+        "original_max_position_embeddings: 32, beta_fast: 32.0, beta_slow: 1.0, "
+        "attention_factor: null, mscale: null, mscale_all_dim: null, truncate: true}: eval runs "
+        "the model the checkpoint was trained with"
+    ]
+    # Saved with it (config.yaml written and read back): the same scaling passes, another not.
+    saved = config_from_dict(tiny_cfg("llama", yarn).to_dict())
+    assert model_differences(saved, VOCAB, tiny_cfg("llama", yarn), VOCAB) == []
+    factor_8 = tiny_cfg("llama", yarn, "model.rope_scaling.factor=8")
+    assert [d[0] for d in model_differences(saved, VOCAB, factor_8, VOCAB)] == [
+        "model.rope_scaling"
+    ]
 
 
 def test_a_key_missing_from_an_old_checkpoint_compares_as_its_default(llama_step, tmp_path):

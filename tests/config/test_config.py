@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
-from megatronish.config import derive, load_config, padded_vocab
+from megatronish.config import config_from_dict, derive, load_config, padded_vocab
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
 from megatronish.model import GPT
@@ -261,3 +262,58 @@ def test_auto_backend_runs_attention_on_torch_for_a_head_dim_the_kernels_do_not_
     assert called == [] and ops.attention_backend("triton", q) == "triton"
     ops.attention(*[torch.randn(1, 2, 4, 16)] * 3)
     assert len(called) == 1  # a head dim of 16 runs on the kernel
+
+
+LLAMA3 = dict(
+    type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+YARN = "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 64}"
+
+
+def test_rope_scaling_round_trips_through_a_saved_config_with_only_its_types_keys():
+    keys = [f"model.rope_scaling.{k}={v}" for k, v in LLAMA3.items()]  # one key at a time
+    llama3 = load_config(None, ["model.arch=llama", *keys])
+    yarn = load_config(None, ["model.arch=llama", YARN])  # a YAML mapping
+    assert llama3.to_dict()["model"]["rope_scaling"] == LLAMA3
+    assert yarn.to_dict()["model"]["rope_scaling"] == {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,  # transformers' defaults, written out
+        "beta_slow": 1.0,
+        "attention_factor": None,
+        "mscale": None,
+        "mscale_all_dim": None,
+        "truncate": True,
+    }
+    for cfg in (llama3, yarn):  # as a checkpoint's config.yaml is written and read
+        assert config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
+    off = load_config(None, ["model.arch=llama", YARN, "model.rope_scaling=null"])
+    assert off.model.rope_scaling is None and off.to_dict()["model"]["rope_scaling"] is None
+    tiny = str(CONFIGS / "tiny.yaml")
+    shown = invoke_cli("check", "--config", tiny, "--set", "model.arch=llama", "--set", YARN)
+    assert "  rope_scaling:\n    type: yarn\n    factor: 4.0\n" in shown.stdout, shown.stderr
+
+
+BAD_ROPE_SCALING = [  # (--set values, the key the line names, what it says)
+    (["model.rope_scaling={type: ntk, factor: 2}"], "type", "valid: llama3 | yarn"),
+    (["model.rope_scaling.factor=2"], "type", "missing"),
+    (["model.rope_scaling={type: yarn}"], "factor", "missing; type yarn needs factor"),
+    ([YARN, "model.rope_scaling.factor=0.5"], "factor", "must be >= 1"),
+    ([YARN, "model.rope_scaling.rope_type=yarn"], "rope_type", "did you mean"),
+    ([YARN, "model.rope_scaling.low_freq_factor=1"], "low_freq_factor", "not a key of type yarn"),
+    ([YARN, "model.rope_scaling.beta_fast=0.5"], "beta_fast", "must be > beta_slow=1.0"),
+    ([YARN, "model.rope_scaling=8"], "", "expected null"),
+    ([YARN, "model.arch=gpt2"], "", "only with RoPE families"),
+]
+
+
+@pytest.mark.parametrize("sets, key, needle", BAD_ROPE_SCALING)
+def test_cli_a_bad_rope_scaling_exits_2_in_one_line_naming_the_key(sets, key, needle):
+    args = [a for s in ["model.arch=llama", *sets] for a in ("--set", s)]
+    result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *args)
+    one_line_error(result, f"model.rope_scaling{'.' + key if key else ''}", needle)

@@ -1,9 +1,9 @@
 """Context parallelism in training: at cp = 2 and 4, alone and with tp (and sequence
-parallelism), pp, dp and ZeRO-1, gpt2 and llama (GQA), 20 fp32 steps give the losses and
-gradient norms of cp = 1 within 1e-5 relative (the loss is the mean over every token whatever
-cp is, so neither it nor the gradients scale with cp); each rank sends the ring bytes the
-analytic count gives; checkpoints move between cp = 2 and cp = 1 on the uninterrupted curve;
-bad cp settings are one line."""
+parallelism), pp, dp and ZeRO-1, gpt2 and llama (GQA; yarn RoPE scaling at tp 2 x cp 2), 20
+fp32 steps give the losses and gradient norms of cp = 1 within 1e-5 relative (the loss is the
+mean over every token whatever cp is, so neither it nor the gradients scale with cp); each rank
+sends the ring bytes the analytic count gives; checkpoints move between cp = 2 and cp = 1 on the
+uninterrupted curve; bad cp settings are one line."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ pytestmark = pytest.mark.slow  # multi-rank training at every cp layout
 GPT2 = ["model.arch=gpt2", "model.n_layer=2", "train.micro_batch_size=4"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "train.micro_batch_size=4"]
 
+# RoPE scaled for a context of 4 x 16 (at head dim 12: dim pair 0 kept, the others slowed, cos
+# and sin times 1.14): each cp rank rotates by its zigzag chunks' global positions.
+YARN = "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16}"
+
 # name -> (tp, cp, dp, pp, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
     "gpt2 cp2": (1, 2, 1, 1, GPT2),
@@ -44,7 +48,7 @@ FOUR_RANKS = {
     "llama cp4 gqa": (1, 4, 1, 1, LLAMA),
     "gpt2 tp2 cp2 sp": (2, 2, 1, 1, GPT2 + SP),
     "llama tp2 cp2": (2, 2, 1, 1, LLAMA),
-    "llama tp2 cp2 sp head_dim 12": (2, 2, 1, 1, LLAMA + SP + ["model.head_dim=12"]),
+    "llama tp2 cp2 sp head_dim 12 yarn": (2, 2, 1, 1, LLAMA + SP + ["model.head_dim=12", YARN]),
     "gpt2 cp2 pp2 full recompute": (1, 2, 1, 2, GPT2 + ["train.activation_checkpointing=full"]),
     "llama cp2 pp2": (1, 2, 1, 2, LLAMA),
     "gpt2 cp2 dp2 zero1": (1, 2, 2, 1, GPT2 + ["optim.zero=1"]),

@@ -1,11 +1,11 @@
 """Document masks (data.document_mask): documents and positions found from the end-of-document
 tokens before the zigzag split (a blend must share one end-of-document id); a packed sequence
-gives each document the attention, logits and gradients it gets alone (fp32, 1e-5) in the torch
-path and in the Triton kernels under the interpreter, which never read the blocks of other
-documents (and walk the block pairs scripts/bench_packed_attention.py counts); training has the
-same losses at cp 1, cp 2, cp 2 x tp 2 (sequence parallel) and pp 2 (recompute), and other
-losses than without masks. Ring attention under document masks is tested with ring attention
-(tests/context/test_context_ring.py)."""
+gives each document the attention, logits and gradients it gets alone (fp32, 1e-5; with RoPE
+scaling too) in the torch path and in the Triton kernels under the interpreter, which never
+read the blocks of other documents (and walk the block pairs scripts/bench_packed_attention.py
+counts); training has the same losses at cp 1, cp 2, cp 2 x tp 2 (sequence parallel) and pp 2
+(recompute), and other losses than without masks. Ring attention under document masks is
+tested with ring attention (tests/context/test_context_ring.py)."""
 
 from __future__ import annotations
 
@@ -154,6 +154,8 @@ def test_the_triton_kernels_never_read_the_blocks_of_other_documents(interpreter
 
 def _model(arch: str, backend: str) -> GPT:
     sets = ["model.arch=gpt2"] if arch == "gpt2" else ["model.arch=llama", "model.n_kv_head=1"]
+    if arch == "llama yarn":  # scaled RoPE at the positions within each document
+        sets += ["model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 8}"]
     sets += ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.vocab_size=61"]
     sets += ["model.max_seq_len=32", "train.seq_len=32", f"kernels.backend={backend}"]
     cfg = load_config(None, sets)
@@ -161,7 +163,8 @@ def _model(arch: str, backend: str) -> GPT:
 
 
 @pytest.mark.parametrize(
-    ("arch", "backend"), [("gpt2", "torch"), ("llama", "torch"), ("llama", "triton")]
+    ("arch", "backend"),
+    [("gpt2", "torch"), ("llama", "torch"), ("llama", "triton"), ("llama yarn", "torch")],
 )
 def test_a_packed_sequence_gives_each_document_the_logits_and_gradients_it_gets_alone(
     arch, backend, interpreter_env

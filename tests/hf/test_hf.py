@@ -1,7 +1,7 @@
 """Hugging Face export and import: transformers loads an exported checkpoint (gpt2, llama, and
 an MoE llama as Mixtral) with no custom code and computes the same logits; importing it back
 gives the same model; training can start from an HF directory's weights; an MoE that Mixtral
-cannot express is one line."""
+cannot express is one line, and so is RoPE scaling either way (no family maps it yet)."""
 
 from __future__ import annotations
 
@@ -214,6 +214,24 @@ def test_import_refuses_what_it_cannot_run(tmp_path):
         import_hf(str(hf_dir), str(tmp_path / "out"))
     with pytest.raises(UserError, match="checkpoint does not exist"):
         export_hf(str(tmp_path / "none"), str(tmp_path / "out"))
+
+
+def test_rope_scaling_neither_imports_nor_exports_before_a_family_maps_it(tmp_path):
+    from megatronish.config import derive
+    from megatronish.hf.registry import family_of_model
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    config = {"architectures": ["LlamaForCausalLM"], "rope_scaling": scaling}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="rope scaling .* is not supported; only plain RoPE"):
+        import_hf(str(hf_dir), str(tmp_path / "out"))
+    yarn = "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 32}"
+    cfg = tiny_cfg("llama", yarn)
+    with pytest.raises(UserError, match=r"model.rope_scaling: .* \(only models with model.rope_"):
+        family_of_model(cfg, derive(cfg, 1, vocab_size=VOCAB))
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):

@@ -1,5 +1,6 @@
-"""Generation: the KV-cached decoding path computes what the full forward does, greedy
-generation is the same at tp = 1 and tp = 2, sampling is seeded, and the CLI streams text."""
+"""Generation: the KV-cached decoding path computes what the full forward does (with RoPE
+scaling too), greedy generation is the same at tp = 1 and tp = 2, sampling is seeded, and the
+CLI streams text."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ PROMPT = [104, 101, 108, 108, 111]  # "hello"
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
     paths = {arch: save_single(root / arch, tiny_cfg(arch))[0] for arch in ("gpt2", "llama")}
-    # Heads of 24 on d_model 64: the cache holds [b, n_kv, s, 24].
-    paths["llama_head_dim"] = save_single(root / "hd", tiny_cfg("llama", "model.head_dim=24"))[0]
+    # Heads of 24 on d_model 64: the cache holds [b, n_kv, s, 24]; and yarn RoPE scaling, saved
+    # with the checkpoint's config (the cached path rotates by the same scaled table).
+    yarn = "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16}"
+    head_dim = tiny_cfg("llama", "model.head_dim=24", yarn)
+    paths["llama_head_dim"] = save_single(root / "hd", head_dim)[0]
     return paths
 
 

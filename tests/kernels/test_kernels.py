@@ -17,6 +17,7 @@ import torch
 
 from megatronish import ops
 from megatronish.ops import reference
+from megatronish.ops.rope import PLAIN, Llama3Scaling, RopeSpec, YarnScaling
 from tests.conftest import finish
 from tests.kernel_env import INTERPRET as _INTERPRET
 from tests.kernel_env import kernels
@@ -91,14 +92,19 @@ def attention64(q, k, v, causal):
     return scores.softmax(-1) @ v
 
 
-def rope64(x, theta):
+def rope64(x, spec, positions=None):
     s, d = x.shape[-2], x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
-    angles = torch.arange(s, dtype=torch.float64, device=x.device)[:, None] * inv_freq
+    inv_freq = spec.theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+    if spec.scaling is not None:  # the scaled frequencies: held to transformers' in tests/ops
+        inv_freq = spec.inverse_frequencies(d, x.device).double()
+    if positions is None:
+        positions = torch.arange(s, device=x.device)
+    angles = positions.double()[..., None] * inv_freq  # [s, d/2] or [b, s, d/2]
+    if angles.dim() == 3:
+        angles = angles.unsqueeze(1)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return torch.cat(
-        [x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()], -1
-    )
+    rotated = [x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()]
+    return torch.cat(rotated, -1) * spec.attention_factor()
 
 
 def gelu_tanh64(x, bias):
@@ -155,14 +161,40 @@ def test_norm_rejects_a_weight_of_the_wrong_size():
 # RoPE, SwiGLU, bias + GELU
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 13, 16), (1, 2, 7, 10)])
-def test_rope_matches_reference_and_float64(shape):
-    check_op(kernels.rope, reference.rope, rope64, [randn(*shape, seed=10), 10000.0], atol=2e-5)
+# Head dim 16 at theta 10000: llama3 keeps dim pair 0, blends pairs 1 and 2 and slows the
+# others; yarn keeps pair 0, ramps over pairs 1 to 3 and slows the others, and scales by 1.14.
+LLAMA3 = RopeSpec(10000.0, Llama3Scaling(4.0, 1.0, 4.0, 64))
+YARN = RopeSpec(10000.0, YarnScaling(4.0, 256))
+DOCUMENTS = [[*range(5), *range(8)], list(range(13))]  # positions restart at each document
 
 
-def test_rope_rejects_an_odd_head_dim():
+@pytest.mark.parametrize(
+    "shape, spec, positions",
+    [
+        ((2, 3, 13, 16), PLAIN, None),
+        ((1, 2, 7, 10), PLAIN, None),
+        ((2, 3, 13, 16), LLAMA3, [3 * i + 5 for i in range(13)]),  # a cp shard's: global
+        ((2, 3, 13, 16), YARN, DOCUMENTS),
+    ],
+    ids=["plain", "plain head dim 10", "llama3 at cp positions", "yarn within documents"],
+)
+def test_rope_matches_reference_and_float64(shape, spec, positions):
+    at = None if positions is None else torch.tensor(positions, device=DEVICE)
+    check_op(
+        lambda x: ops.rope(x, spec, backend="triton", positions=at),
+        lambda x: reference.rope(x, spec, positions=at),
+        lambda x: rope64(x, spec, at),
+        [randn(*shape, seed=10)],
+        atol=2e-5,
+    )
+
+
+def test_rope_rejects_an_odd_head_dim_and_a_table_of_another_shape():
+    table = torch.zeros(4, 3, device=DEVICE)
     with pytest.raises(ValueError, match="head dim"):
-        kernels.rope(randn(1, 1, 4, 7, seed=11))
+        kernels.rope(randn(1, 1, 4, 7, seed=11), table, table)
+    with pytest.raises(ValueError, match="cos and sin"):
+        kernels.rope(randn(1, 1, 4, 8, seed=11), table, table)
 
 
 def test_swiglu_matches_reference_and_float64():
@@ -236,7 +268,7 @@ def _grad_fn_name(tensor: torch.Tensor) -> str:
             lambda: [randn(3, 37, seed=32), randn(37, seed=33), randn(37, seed=34), 1e-5],
             "_NormFunction",
         ),
-        ("rope", lambda: [randn(1, 2, 9, 16, seed=35), 500.0], "_RopeFunction"),
+        ("rope", lambda: [randn(1, 2, 9, 16, seed=35), YARN], "_RopeFunction"),
         ("swiglu", lambda: [randn(5, 37, seed=36), randn(5, 37, seed=37)], "_SwiGLUFunction"),
         ("bias_gelu", lambda: [randn(5, 37, seed=38), randn(37, seed=39)], "_BiasGeluFunction"),
         (
@@ -353,7 +385,11 @@ def test_bf16_kernels_on_cuda_are_as_accurate_as_torch(name):
     makers = {
         "rms_norm": (kernels.rms_norm, reference.rms_norm, lambda dt: norm_inputs(dt, False)),
         "layer_norm": (kernels.layer_norm, reference.layer_norm, lambda dt: norm_inputs(dt, True)),
-        "rope": (kernels.rope, reference.rope, lambda dt: [randn(2, 4, s, 128, seed=55, dtype=dt)]),
+        "rope": (
+            lambda x: ops.rope(x, YARN, backend="triton"),
+            lambda x: reference.rope(x, YARN),
+            lambda dt: [randn(2, 4, s, 128, seed=55, dtype=dt)],
+        ),
         "swiglu": (kernels.swiglu, reference.swiglu, pair),
         "bias_gelu": (
             kernels.bias_gelu,

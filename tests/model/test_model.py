@@ -28,8 +28,9 @@ ARCH_SETTINGS = {
         "model.d_model=32",
         "model.head_dim=6",
     ],
-    # Qwen-style attention: biases on q, k and v (their rows split over tp with the heads), and
-    # the per-head norms of q and k (replicated; each rank's gradient covers its heads).
+    # Qwen-style attention: biases on q, k and v (their rows split over tp with the heads), the
+    # per-head norms of q and k (replicated; each rank's gradient covers its heads), and yarn
+    # RoPE scaling (the same table on every rank).
     "llama_qwen": [
         "model.arch=llama",
         "model.n_head=8",
@@ -38,6 +39,7 @@ ARCH_SETTINGS = {
         "model.head_dim=6",
         "model.qkv_bias=true",
         "model.qk_norm=true",
+        "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16}",
     ],
 }
 

@@ -1,12 +1,15 @@
-"""Qwen attention against transformers (fp32, eager): a tiny random Qwen2ForCausalLM (biases on
-q, k and v) loaded into our llama with model.qkv_bias, and a Qwen3ForCausalLM (per-head norms
-of q and k, head_dim apart from hidden_size / heads) into ours with model.qk_norm, give the
-same logits. The names are mapped here; importing these families is not covered."""
+"""Qwen attention and RoPE scaling against transformers (fp32, eager): a tiny random
+Qwen2ForCausalLM (biases on q, k and v) loaded into our llama with model.qkv_bias, a
+Qwen3ForCausalLM (per-head norms of q and k, head_dim apart from hidden_size / heads) into ours
+with model.qk_norm, and a LlamaForCausalLM with llama3 or yarn rope scaling into ours with
+model.rope_scaling, give the same logits. The names are mapped here; importing these families
+is not covered."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
@@ -90,3 +93,37 @@ def test_qwen_attention_equals_transformers_logits(family, key):
         expected = hf_model(tokens).logits
         got = model(tokens)[..., :VOCAB]
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-4
+
+
+# Head dim 12 at theta 10000 over 16 positions: llama3 keeps dim pair 0, blends pair 1 and slows
+# the others; yarn keeps pair 0, slows the others and scales cos and sin by 1.07.
+SCALINGS = {
+    "llama3": dict(
+        type="llama3",
+        factor=4.0,
+        low_freq_factor=0.5,
+        high_freq_factor=2.0,
+        original_max_position_embeddings=16,
+    ),
+    "yarn": dict(type="yarn", factor=2.0, original_max_position_embeddings=16),
+}
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_rope_scaling_equals_transformers_logits(kind):
+    torch.manual_seed(0)
+    scaling = SCALINGS[kind]
+    params = {"rope_type" if k == "type" else k: v for k, v in scaling.items()}
+    config = transformers.LlamaConfig(
+        **COMMON, head_dim=HEAD_DIM, rope_parameters={**params, "rope_theta": 10000.0}
+    )
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    flow = yaml.safe_dump(scaling, default_flow_style=True).strip()
+    model, plain = ours_of(hf_model, f"model.rope_scaling={flow}"), ours_of(hf_model)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        got, unscaled = model(tokens)[..., :VOCAB], plain(tokens)[..., :VOCAB]
+    scale = expected.abs().max()
+    assert ((got - expected).abs().max() / scale).item() < 1e-4
+    assert ((unscaled - expected).abs().max() / scale).item() > 1e-3  # the scaling shows
