@@ -1,7 +1,9 @@
-"""Hugging Face export and import: transformers loads an exported checkpoint (gpt2, llama, and
-an MoE llama as Mixtral) with no custom code and computes the same logits; importing it back
-gives the same model; training can start from an HF directory's weights; an MoE that Mixtral
-cannot express is one line."""
+"""Hugging Face export and import of our models: transformers loads an exported checkpoint (as
+GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM for an MoE llama, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM) with no custom code and computes
+the same logits; importing it back gives the same model; training can start from an HF
+directory's weights; a model a family cannot express is one line. (Models built by
+transformers, imported and exported back: test_hf_families.py.)"""
 
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ from megatronish import load_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import tokenizer_of_dataset
 from megatronish.cli import cli
+from megatronish.config import derive
 from megatronish.data import dataset_vocab_size, load_tokenizer
 from megatronish.errors import UserError
 from megatronish.hf.exporter import export_hf
-from megatronish.hf.importer import import_hf
+from megatronish.hf.importer import import_hf, model_settings
 from megatronish.training.setup import setup
 from megatronish.training.trainer import Trainer
 from tests.checkpoints import (
@@ -36,13 +39,26 @@ from tests.conftest import REPO, finish, run_cli, start
 transformers = pytest.importorskip("transformers")
 
 MOE = ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_ff=48")
+GQA = ("model.n_kv_head=2", "model.d_ff=96")  # as tiny_cfg gives llama
 # HF model type -> (our arch, overrides)
 CONFIGS = {
     "gpt2": ("gpt2", ()),  # tied embeddings, biases, learned positions
     "llama": ("llama", ("model.rope_theta=5000", "model.norm_eps=1e-6")),  # GQA 4/2, untied
     "mixtral": ("llama", MOE),  # every MLP 4 experts, top 2
+    "mistral": ("mistral", GQA),
+    "qwen2": ("qwen2", GQA),  # q, k and v biases
+    "qwen3": ("qwen3", (*GQA, "model.head_dim=12")),  # q and k norms, head_dim apart
+    "qwen3_moe": ("qwen3_moe", (*GQA, *MOE, "model.moe.every=2")),  # experts in block 0 only
 }
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -81,10 +97,13 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
     assert hf_model.dtype == torch.float32
     if arch != "gpt2":
         assert hf_model.config.num_key_value_heads == 2 and not hf_model.config.tie_word_embeddings
-    if arch == "mixtral":
+    if arch in ("mixtral", "qwen3_moe"):
         assert hf_model.config.num_local_experts == 4 and hf_model.config.num_experts_per_tok == 2
-        names = json.loads((hf_dir / "config.json").read_text())
-        assert names["intermediate_size"] == 48
+        key = "intermediate_size" if arch == "mixtral" else "moe_intermediate_size"
+        assert config[key] == 48
+    if arch == "qwen3_moe":  # block 1 dense: experts every 2 blocks
+        assert config["mlp_only_layers"] == [1]
+        assert type(hf_model.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"
     with torch.no_grad():
         theirs = hf_model(tokens(2, 30)).logits
         ours = load_model(step_dir)(tokens(2, 30))
@@ -129,7 +148,8 @@ def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):
     assert result.exit_code == 0, result.output
     back, original = load_model(tmp_path / "back"), load_model(step_dir)
     assert back.step == 0 and back.config.model.arch == CONFIGS[arch][0]
-    assert back.config.model.moe == original.config.model.moe
+    settings = model_settings(back.config, derive(back.config, 1))
+    assert settings == model_settings(original.config, derive(original.config, 1))
     for (name, a), b in zip(original.gpt.named_parameters(), back.gpt.parameters()):
         assert torch.equal(a, b), name
 
@@ -237,61 +257,24 @@ def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("extra", "key"),
-    [(("model.moe.every=2",), "model.moe.every"), (("model.moe.shared_expert=true",), "shared")],
+    ("args", "needles"),
+    [
+        (("llama", *MOE, "model.moe.every=2"), ("model.moe.every", "Mixtral")),
+        (("llama", *MOE, "model.moe.shared_expert=true"), ("shared_expert",)),
+        (("qwen3_moe", *GQA, *MOE, "model.moe.shared_expert=true"), ("shared_expert",)),
+        (("llama", "model.qk_norm=true"), ("model.qk_norm=true", "arch llama", "qwen3, qwen3_moe")),
+        (("qwen2", *GQA, "model.qkv_bias=false"), ("model.qkv_bias=false", "Qwen2ForCausalLM")),
+        (("qwen3", *GQA, *MOE), ("model.moe.num_experts=4", "llama, qwen3_moe")),
+    ],
 )
-def test_an_moe_mixtral_cannot_express_exits_2_with_one_line(extra, key, tmp_path):
-    save_single(tmp_path / "ckpt", tiny_cfg("llama", *MOE, *extra), step=0)
+def test_a_model_its_family_cannot_express_exits_2_with_one_line(args, needles, tmp_path):
+    save_single(tmp_path / "ckpt", tiny_cfg(*args), step=0)
     result = CliRunner().invoke(
         cli,
-        [
-            "export",
-            "--checkpoint",
-            str(tmp_path / "ckpt"),
-            "--format",
-            "hf",
-            "--output",
-            str(tmp_path / "hf"),
-        ],
+        ["export", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")],
     )
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and key in lines[0] and "Traceback" not in result.output
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert all(needle in lines[0] for needle in needles), lines[0]
     assert not (tmp_path / "hf").exists()
-
-
-def test_a_llama_whose_head_dim_is_not_hidden_per_head_imports_and_exports_with_its_logits(
-    tmp_path,
-):
-    """Heads of 12 on hidden 32 (as Qwen3's 128 on 1024 over 16 heads): transformers' model ->
-    our import -> the same logits; our export of it -> transformers, the same logits again."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(3)
-    theirs = transformers.LlamaForCausalLM(config).eval()
-    theirs.save_pretrained(tmp_path / "theirs")
-    import_hf(str(tmp_path / "theirs"), str(tmp_path / "ours"))
-    ours = load_model(tmp_path / "ours")
-    assert ours.config.model.head_dim == 12
-    assert ours.gpt.blocks["0"].attn.qkv.weight.shape == ((4 + 2 * 2) * 12, 32)
-    x = tokens(2, 30)
-    with torch.no_grad():
-        want = theirs(x).logits
-        assert (ours(x) - want).abs().max() < 1e-4
-    args = ["export", "--checkpoint", str(tmp_path / "ours"), "--format", "hf"]
-    result = CliRunner().invoke(cli, [*args, "--output", str(tmp_path / "back")])
-    assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["head_dim"] == 12
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    with torch.no_grad():
-        assert (back(x).logits - want).abs().max() < 1e-4
