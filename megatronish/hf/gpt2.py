@@ -37,9 +37,12 @@ FINAL_NORM = (("norm_f.weight", "ln_f.weight"), ("norm_f.bias", "ln_f.bias"))
 def model_fields(config: ConfigJson) -> dict[str, Any]:
     act = config.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise config.refuse(f"activation_function {act!r}; megatronish's gpt2 uses gelu_new")
-    if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
-        raise config.refuse("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn unsupported")
+        raise config.refuse(
+            f"activation_function {act!r} is not supported; supported: gelu_new, gelu_pytorch_tanh"
+        )
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if config.get(key):
+            raise config.refuse(f"{key} true is not supported; supported: false")
     if not config.get("scale_attn_weights", True):
         raise config.refuse(
             "scale_attn_weights false (unscaled attention) is not supported; supported: true"

@@ -96,14 +96,16 @@ def _shown(value: Any) -> str:
 
 def check_hf_matches(fields: dict[str, Any], cfg: Config, derived: Derived, where: Path) -> None:
     """UserError naming the first setting of the Hugging Face model (`fields`, its config.json's
-    model.* settings) that cfg's model does not share, and the --set that gives it."""
+    model.* settings) that cfg's model does not share, and the --set that gives it. Settings
+    either model's weights do not depend on are not compared (a dense d_ff beside experts in
+    every block); those that decide it are (moe.num_experts, moe.every)."""
     theirs = model_settings(*one_process(with_fields(cfg, fields)))
     ours = model_settings(cfg, derived)
     for key, value in theirs.items():
-        if key.split(".")[0] in fields and ours.get(key) != value:
+        if key.split(".")[0] in fields and key in ours and ours[key] != value:
             raise UserError(
                 f"{where / 'config.json'}: the model has {key} {_shown(value)}, this config "
-                f"{_shown(ours.get(key))}; set --set model.{key}={_shown(value)}"
+                f"{_shown(ours[key])}; set --set model.{key}={_shown(value)}"
             )
 
 
