@@ -20,7 +20,7 @@ from megatronish import load_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import tokenizer_of_dataset
 from megatronish.cli import cli
-from megatronish.config import derive
+from megatronish.config import Config, derive, load_config
 from megatronish.data import dataset_vocab_size, load_tokenizer
 from megatronish.errors import UserError
 from megatronish.hf.exporter import export_hf
@@ -34,22 +34,25 @@ from tests.checkpoints import (
     tiny_cfg,
     tokens,
 )
+from tests.conftest import CONFIGS as SHIPPED
 from tests.conftest import REPO, finish, run_cli, start
 
 transformers = pytest.importorskip("transformers")
 
 MOE = ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_ff=48")
 GQA = ("model.n_kv_head=2", "model.d_ff=96")  # as tiny_cfg gives llama
-# HF model type -> (our arch, overrides)
+# HF model type -> (our arch, overrides of tiny_cfg's model; or of a shipped tiny config's, its
+# training shortened: the tests train it)
 CONFIGS = {
     "gpt2": ("gpt2", ()),  # tied embeddings, biases, learned positions
     "llama": ("llama", ("model.rope_theta=5000", "model.norm_eps=1e-6")),  # GQA 4/2, untied
     "mixtral": ("llama", MOE),  # every MLP 4 experts, top 2
     "mistral": ("mistral", GQA),
     "qwen2": ("qwen2", GQA),  # q, k and v biases
-    "qwen3": ("qwen3", (*GQA, "model.head_dim=12")),  # q and k norms, head_dim apart
-    "qwen3_moe": ("qwen3_moe", (*GQA, *MOE, "model.moe.every=2")),  # experts in block 0 only
+    "qwen3": ("tiny-qwen3.yaml", ()),  # q and k norms, head_dim apart, tied
+    "qwen3_moe": ("tiny-qwen3-moe.yaml", ("model.moe.every=2",)),  # blocks 1 and 3 dense
 }
+SHORT = ("train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4")
 CLASSES = {
     "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
@@ -65,7 +68,7 @@ CLASSES = {
 def exported(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"hf-{arch}")
-    step_dir, _ = save_single(root / "ckpt", tiny_cfg(*_cfg_args(arch)))
+    step_dir, _ = save_single(root / "ckpt", _cfg(arch))
     result = CliRunner().invoke(
         cli,
         [
@@ -83,9 +86,13 @@ def exported(request, tmp_path_factory):
     return arch, step_dir, root / "hf"
 
 
-def _cfg_args(kind: str) -> tuple[str, ...]:
-    arch, extra = CONFIGS[kind]
-    return (arch, *extra)
+def _cfg(kind: str, *extra: str) -> Config:
+    arch, overrides = CONFIGS[kind]
+    if arch.endswith(".yaml"):
+        return load_config(
+            SHIPPED / arch, [f"model.vocab_size={VOCAB}", *SHORT, *overrides, *extra]
+        )
+    return tiny_cfg(arch, *overrides, *extra)
 
 
 def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
@@ -95,14 +102,20 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert type(hf_model).__name__ == CLASSES[arch]
     assert hf_model.dtype == torch.float32
+    cfg = _cfg(arch)
+    derived = derive(cfg, 1)
+    assert hf_model.config.tie_word_embeddings == derived.tie_embeddings
     if arch != "gpt2":
-        assert hf_model.config.num_key_value_heads == 2 and not hf_model.config.tie_word_embeddings
-    if arch in ("mixtral", "qwen3_moe"):
-        assert hf_model.config.num_local_experts == 4 and hf_model.config.num_experts_per_tok == 2
+        assert hf_model.config.num_key_value_heads == 2
+        assert hf_model.config.head_dim == derived.head_dim
+    moe = cfg.model.moe
+    if moe.num_experts:
+        assert hf_model.config.num_local_experts == moe.num_experts
+        assert hf_model.config.num_experts_per_tok == moe.top_k
         key = "intermediate_size" if arch == "mixtral" else "moe_intermediate_size"
-        assert config[key] == 48
-    if arch == "qwen3_moe":  # block 1 dense: experts every 2 blocks
-        assert config["mlp_only_layers"] == [1]
+        assert config[key] == moe.d_ff
+    if arch == "qwen3_moe":  # experts every 2 blocks
+        assert config["mlp_only_layers"] == [1, 3]
         assert type(hf_model.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"
     with torch.no_grad():
         theirs = hf_model(tokens(2, 30)).logits
@@ -147,7 +160,7 @@ def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):
     )
     assert result.exit_code == 0, result.output
     back, original = load_model(tmp_path / "back"), load_model(step_dir)
-    assert back.step == 0 and back.config.model.arch == CONFIGS[arch][0]
+    assert back.step == 0 and back.config.model.arch == _cfg(arch).model.arch
     settings = model_settings(back.config, derive(back.config, 1))
     assert settings == model_settings(original.config, derive(original.config, 1))
     for (name, a), b in zip(original.gpt.named_parameters(), back.gpt.parameters()):
@@ -207,7 +220,7 @@ def test_import_reads_weights_sharded_over_files_by_an_index(exported, tmp_path)
 def test_training_can_start_from_an_hf_directory(exported, tmp_path, small_dataset):
     arch, step_dir, hf_dir = exported
     data = small_dataset
-    cfg = tiny_cfg(*_cfg_args(arch), f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}")
+    cfg = _cfg(arch, f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}")
     cfg.run.out_dir = str(tmp_path / "run")
     trainer = Trainer(setup(cfg))
     assert trainer.resumed_from is None and trainer.step == 0
@@ -215,8 +228,8 @@ def test_training_can_start_from_an_hf_directory(exported, tmp_path, small_datas
         load_model(step_dir).gpt.named_parameters(), trainer.model.parameters()
     ):
         assert torch.equal(got, want), name
-    wrong = tiny_cfg(
-        *_cfg_args(arch),
+    wrong = _cfg(
+        arch,
         "model.n_head=2",
         "model.n_kv_head=2",
         f"data.path={data}",
