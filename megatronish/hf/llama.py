@@ -79,7 +79,7 @@ def rope_json(cfg: Config) -> dict[str, Any]:
 def sliding_window_fields(config: ConfigJson, key: str, window: Any) -> dict[str, Any]:
     """Our attention-window settings of the family's window (`window`, read from config.json's
     `key`): full attention only, a window is refused."""
-    if window not in (None, False):
+    if window is not None and window is not False:
         raise config.refuse(
             f"{key} {window!r} (sliding-window attention) is not supported; supported: "
             f"{key} null or false (full attention)"
