@@ -223,7 +223,7 @@ def test_import_reads_weights_sharded_over_files_by_an_index(exported, tmp_path)
     _assert_same_weights(load_model(step_dir), load_model(tmp_path / "back"))
 
 
-@pytest.mark.parametrize("exported", ["gpt2", "mixtral", "qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("exported", ["gpt2", "mixtral", "qwen3"], indirect=True)
 def test_training_can_start_from_an_hf_directory(exported, tmp_path, small_dataset):
     arch, step_dir, hf_dir = exported
     data = small_dataset
