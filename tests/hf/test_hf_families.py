@@ -23,6 +23,7 @@ from megatronish.cli import cli
 from megatronish.config import derive
 from megatronish.errors import UserError
 from megatronish.hf.importer import check_hf_matches, import_hf, read_hf
+from tests.checkpoints import logits_at_tp
 from tests.conftest import run_cli
 from tests.ranks import run_on_ranks
 
@@ -187,26 +188,12 @@ def test_transformers_loads_our_export_as_the_family_class_with_our_logits(name,
         assert (back(_tokens()).logits - ours).abs().max() < 1e-4
 
 
-def _logits_at_tp2(rank: int, world: int, checkpoints: list[str]) -> list[torch.Tensor]:
-    from megatronish.distributed.layout import ParallelState
-    from megatronish.inference.model import build_model
-    from megatronish.layers import mappings
-
-    ps, out = ParallelState.from_world(2, 1), []
-    for path in checkpoints:
-        model = build_model(Checkpoint(path), ps)
-        with torch.no_grad():
-            logits = mappings.gather_from_tensor_parallel_region(model(_tokens()), ps.tp_group)
-        out.append(logits[..., :VOCAB])
-    return out
-
-
 def test_every_imported_family_loaded_at_tp2_gives_the_tp1_logits(built, want):
     """One two-rank run loads every family's import at tp 2 (heads, kv heads, MLPs, experts and
     the vocab split over the ranks): its logits are tp 1's to fp32 rounding."""
     names = sorted(FAMILIES)
     paths = [str(built[name].ours) for name in names]
-    at_tp2 = run_on_ranks(_logits_at_tp2, 2, paths, timeout=180)[0]
+    at_tp2 = run_on_ranks(logits_at_tp, 2, paths, _tokens(), timeout=180)[0]
     for name, logits in zip(names, at_tp2, strict=True):
         with torch.no_grad():
             at_tp1 = load_model(built[name].ours)(_tokens())
