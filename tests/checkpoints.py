@@ -1,8 +1,9 @@
 """The checkpoint harness, shared by the checkpoint, Hugging Face, generation and fault tests:
 tiny configs (`tiny_cfg`, vocab VOCAB), a model trained a couple of steps on random tokens
-(`trained`) and its tp = 1 checkpoint (`save_single`), random `tokens`, and a small prepared
+(`trained`) and its tp = 1 checkpoint (`save_single`), random `tokens`, a small prepared
 dataset of standard-library sources (`prepare_small_dataset`; the `small_dataset` fixture of
-tests/conftest.py is one, prepared once per session)."""
+tests/conftest.py is one, prepared once per session), and a worker giving checkpoints' logits
+at tp > 1 (`logits_at_tp`)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,20 @@ def prepare_small_dataset(directory: Path, **kwargs) -> Path:
 
 def tokens(batch: int = 2, length: int = 20, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_at_tp(rank: int, world: int, checkpoints: list[str], batch: torch.Tensor) -> list:
+    """A run_on_ranks worker: each checkpoint's model loaded at tp = world (one tp group) and its
+    full logits of `batch`, over the checkpoint's real vocab."""
+    from megatronish.checkpoint.reader import Checkpoint
+    from megatronish.inference.model import build_model
+    from megatronish.layers import mappings
+
+    ps, out = ParallelState.from_world(world, 1), []
+    for path in checkpoints:
+        ckpt = Checkpoint(path)
+        model = build_model(ckpt, ps)
+        with torch.no_grad():
+            logits = mappings.gather_from_tensor_parallel_region(model(batch), ps.tp_group)
+        out.append(logits[..., : ckpt.vocab_size])
+    return out

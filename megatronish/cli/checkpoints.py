@@ -88,12 +88,17 @@ def export(checkpoint_path, fmt, output):
 
 
 @click.command("import")
-@click.option("--hf", "hf_dir", required=True, help="Hugging Face directory (gpt2 or llama).")
+@click.option(
+    "--hf",
+    "hf_dir",
+    required=True,
+    help="Hugging Face directory (GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE).",
+)
 @click.option("--output", required=True, help="Checkpoint directory to write.")
 @set_option
 @user_errors
 def import_command(hf_dir, output, overrides):
-    """A checkpoint (step 0, weights only) of a Hugging Face GPT-2 or Llama directory."""
+    """A checkpoint (step 0, weights only) of a Hugging Face model directory."""
     from megatronish.hf.importer import import_hf
 
     step_dir, has_tokenizer = import_hf(hf_dir, output, overrides)

@@ -55,10 +55,15 @@ class Family:
     """config.json `architectures` the family reads; export writes the first."""
     model_type: str
     """config.json `model_type`: how a directory is found when no architecture is known."""
+    arch: str
+    """The model.arch export writes as this family (with `components`)."""
+    components: dict[str, bool]
+    """What the family's class always has or never has, by component: qkv_bias, qk_norm and
+    experts (a mixture-of-experts MLP in some block); a component it leaves out can be either.
+    Export refuses a model whose components differ; import sets them."""
     model_fields: Callable[[ConfigJson], dict[str, Any]]
-    """config.json -> our model.* settings (arch first); a UserError for what we cannot run."""
-    exports: Callable[[Config, Derived], bool]
-    """Whether export writes a model of this config as this family."""
+    """config.json -> our model.* settings (arch first, every component explicit); a UserError
+    naming the config.json key for what we cannot run."""
     config_json: Callable[[Config, Derived], dict[str, Any]]
     """Our config -> the family's config.json keys (architectures and model_type first); a
     UserError for a model the family cannot express."""
@@ -122,3 +127,19 @@ def merge_qkv(
     ]
     rows = (n_head + 2 * n_kv_head) * head_dim
     return torch.cat(parts, dim=1).reshape(rows, *rest).contiguous()
+
+
+def unfuse_experts(hf: Tensors, fused: str, names: tuple[str, str, str], to: str) -> bool:
+    """Renames one block's experts from transformers' in-memory layout (`fused` + gate_up_proj
+    [E, 2 f, h], each expert's gate rows then its up rows, and `fused` + down_proj [E, h, f]),
+    which from_pretrained also reads, to the per-expert tensors of the Hub's checkpoints:
+    `to` + "<e>.<name>.weight" for the gate, up and down names. Whether the block had them."""
+    gate_up = hf.pop(fused + "gate_up_proj", None)
+    if gate_up is None:
+        return False
+    gate, up = gate_up.chunk(2, dim=1)
+    down = hf.pop(fused + "down_proj")
+    for e in range(gate_up.shape[0]):
+        for name, weight in zip(names, (gate[e], up[e], down[e]), strict=True):
+            hf[f"{to}{e}.{name}.weight"] = weight.contiguous()
+    return True

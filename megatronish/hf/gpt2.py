@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatronish.config import Config, Derived
+from megatronish.config import Config, Derived, MoEConfig
 from megatronish.hf.family import (
     ConfigJson,
     Family,
@@ -37,9 +37,16 @@ FINAL_NORM = (("norm_f.weight", "ln_f.weight"), ("norm_f.bias", "ln_f.bias"))
 def model_fields(config: ConfigJson) -> dict[str, Any]:
     act = config.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise config.refuse(f"activation_function {act!r}; megatronish's gpt2 uses gelu_new")
-    if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
-        raise config.refuse("scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn unsupported")
+        raise config.refuse(
+            f"activation_function {act!r} is not supported; supported: gelu_new, gelu_pytorch_tanh"
+        )
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if config.get(key):
+            raise config.refuse(f"{key} true is not supported; supported: false")
+    if not config.get("scale_attn_weights", True):
+        raise config.refuse(
+            "scale_attn_weights false (unscaled attention) is not supported; supported: true"
+        )
     return dict(
         arch="gpt2",
         n_layer=config.need("n_layer"),
@@ -51,11 +58,11 @@ def model_fields(config: ConfigJson) -> dict[str, Any]:
         max_seq_len=config.need("n_positions", 1024),
         norm_eps=config.need("layer_norm_epsilon", 1e-5),
         tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        head_dim=None,
+        qkv_bias=False,
+        qk_norm=False,
+        moe=MoEConfig(),
     )
-
-
-def exports(cfg: Config, derived: Derived) -> bool:
-    return cfg.model.arch == "gpt2"
 
 
 def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
@@ -122,8 +129,9 @@ def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
 FAMILY = Family(
     architectures=("GPT2LMHeadModel",),
     model_type="gpt2",
+    arch="gpt2",
+    components={"qkv_bias": False, "qk_norm": False, "experts": False},
     model_fields=model_fields,
-    exports=exports,
     config_json=config_json,
     to_hf=to_hf,
     from_hf=from_hf,

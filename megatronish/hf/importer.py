@@ -3,6 +3,8 @@ only), or a training run's starting weights (checkpoint.init_from_hf)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -47,34 +49,63 @@ def read_hf(hf_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], FullTensors
     return fields, FullTensors(ours, hf_dir)
 
 
-def check_hf_matches(fields: dict[str, Any], cfg: Config, derived: Derived, where: Path) -> None:
-    """UserError naming the first model setting of cfg that differs from the HF model's."""
-    ours = dict(
-        arch=cfg.model.arch,
-        n_layer=cfg.model.n_layer,
-        n_head=cfg.model.n_head,
+NOT_IN_THE_WEIGHTS = ("dropout", "moe.aux_loss_coef", "moe.z_loss_coef", "moe.capacity_factor")
+"""Model settings training may choose apart from the Hugging Face model's."""
+
+
+def with_fields(base: Config, fields: dict[str, Any]) -> Config:
+    """A copy of base whose model.* settings are `fields` (a Hugging Face model's)."""
+    cfg = copy.deepcopy(base)
+    for key, value in fields.items():
+        setattr(cfg.model, key, value)
+    return cfg
+
+
+def one_process(cfg: Config) -> tuple[Config, Derived]:
+    """cfg's model in one process (inference_config) and its derived sizes."""
+    cfg = inference_config(cfg, cfg.model.vocab_size, 1)
+    return cfg, derive(cfg, 1)
+
+
+def model_settings(cfg: Config, derived: Derived) -> dict[str, Any]:
+    """Every model.* setting, sizes as derived and model.moe.*'s as moe.<key>, but those no
+    weight of this model depends on: the training-only ones, max_seq_len where RoPE takes any
+    length, the experts' where there are none, d_ff where every MLP has experts."""
+    model = cfg.model
+    settings = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    settings.update(
         n_kv_head=derived.n_kv_head,
-        d_model=cfg.model.d_model,
+        head_dim=derived.head_dim,
         d_ff=derived.d_ff,
         vocab_size=derived.vocab_size,
-        norm_eps=cfg.model.norm_eps,
         tie_embeddings=derived.tie_embeddings,
-        rope_theta=cfg.model.rope_theta,
     )
-    theirs = dict(fields, n_kv_head=fields["n_kv_head"] or fields["n_head"])
-    theirs["d_ff"] = theirs["d_ff"] or 4 * fields["d_model"]
-    if "moe" in fields:  # experts (Mixtral) or none, and their sizes
-        moe, hf_moe = cfg.model.moe, fields["moe"]
-        ours["moe.num_experts"], theirs["moe.num_experts"] = moe.num_experts, hf_moe.num_experts
-        if hf_moe.num_experts:
-            del ours["d_ff"]  # no dense MLP
-            ours.update({"moe.top_k": moe.top_k, "moe.d_ff": derived.moe_d_ff})
-            theirs.update({"moe.top_k": hf_moe.top_k, "moe.d_ff": hf_moe.d_ff})
-    for key, value in ours.items():
-        if key in theirs and theirs[key] != value:
+    moe = dataclasses.replace(settings.pop("moe"), d_ff=derived.moe_d_ff)
+    settings.update({f"moe.{f.name}": getattr(moe, f.name) for f in dataclasses.fields(moe)})
+    dropped = set(NOT_IN_THE_WEIGHTS) | ({"max_seq_len"} if not model.gpt2_block else set())
+    if not derived.moe_layers:
+        dropped |= {key for key in settings if key.startswith("moe.")} - {"moe.num_experts"}
+    elif len(derived.moe_layers) == model.n_layer:
+        dropped.add("d_ff")
+    return {key: value for key, value in settings.items() if key not in dropped}
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
+
+
+def check_hf_matches(fields: dict[str, Any], cfg: Config, derived: Derived, where: Path) -> None:
+    """UserError naming the first setting of the Hugging Face model (`fields`, its config.json's
+    model.* settings) that cfg's model does not share, and the --set that gives it. Settings
+    either model's weights do not depend on are not compared (a dense d_ff beside experts in
+    every block); those that decide it are (moe.num_experts, moe.every)."""
+    theirs = model_settings(*one_process(with_fields(cfg, fields)))
+    ours = model_settings(cfg, derived)
+    for key, value in theirs.items():
+        if key.split(".")[0] in fields and key in ours and ours[key] != value:
             raise UserError(
-                f"{where / 'config.json'}: the model has {key} {theirs[key]!r}, this config "
-                f"{value!r}; set --set model.{key}={theirs[key]}"
+                f"{where / 'config.json'}: the model has {key} {_shown(value)}, this config "
+                f"{_shown(ours[key])}; set --set model.{key}={_shown(value)}"
             )
 
 
@@ -94,13 +125,10 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
 
     hf_path, out = Path(hf_dir).expanduser(), require_new_output_dir(output, "--output")
     fields, source = read_hf(hf_path)
-    cfg = load_config(None, overrides)
-    for key, value in fields.items():
-        setattr(cfg.model, key, value)
+    cfg = with_fields(load_config(None, overrides), fields)
     cfg.train.seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
     check_values(cfg)
-    cfg = inference_config(cfg, fields["vocab_size"], 1)
-    derived = derive(cfg, 1, vocab_size=fields["vocab_size"])
+    cfg, derived = one_process(cfg)
     model = GPT(cfg, derived, ParallelState.single())
     restore_model(source, model)
     tokenizer = read_tokenizer(hf_path, read_config_json(hf_path))

@@ -1,7 +1,8 @@
-"""Mixtral (MixtralForCausalLM): a Llama whose every MLP is a mixture of experts. Our router is
-its block_sparse_moe.gate; expert e's gate, down and up are its experts.<e>.w1, w2 and w3, the
-names of the Hub's Mixtral checkpoints. Our softmax_topk router gives the same weights as
-Mixtral's softmax, top-k, renormalize."""
+"""Mixtral (MixtralForCausalLM): a Llama whose every MLP is a mixture of experts; export writes
+a model.arch llama with experts as it. Our router is its block_sparse_moe.gate; expert e's
+gate, down and up are its experts.<e>.w1, w2 and w3, the names of the Hub's Mixtral checkpoints
+(transformers' fused in-memory layout, mlp.experts.gate_up_proj and down_proj, is read too).
+Our softmax_topk router gives the same weights as Mixtral's softmax, top-k, renormalize."""
 
 from __future__ import annotations
 
@@ -10,36 +11,53 @@ from typing import Any
 from megatronish.config import Config, Derived, MoEConfig
 from megatronish.errors import UserError
 from megatronish.hf import llama
-from megatronish.hf.family import ConfigJson, Family, Names, Tensors
+from megatronish.hf.family import ConfigJson, Family, Names, Tensors, unfuse_experts
 
 # Our expert weight -> its name in the Hub's Mixtral checkpoints (w1 gate, w2 down, w3 up).
 EXPERT = (("gate", "w1"), ("down", "w2"), ("up", "w3"))
+DEFAULTS = llama.ClassDefaults(kv_heads=8, max_positions=4096 * 32, norm_eps=1e-5, rope_theta=1e6)
+
+
+def expert_names(router: str, experts: str, names: Names, num_experts: int) -> Names:
+    """A block's router and every expert's (our name, theirs): theirs router + ".weight", and
+    experts + "<e>.<name>.weight" for each (our weight, its name) in `names`."""
+    out = [("mlp.router.weight", f"{router}.weight")]
+    for e in range(num_experts):
+        out += [
+            (f"mlp.experts.{e}.{ours}.weight", f"{experts}{e}.{theirs}.weight")
+            for ours, theirs in names
+        ]
+    return out
 
 
 def mlp_names(num_experts: int) -> Names:
     """The router's and every expert's (our name, theirs) in one block."""
-    names = [("mlp.router.weight", "block_sparse_moe.gate.weight")]
-    for e in range(num_experts):
-        for ours, theirs in EXPERT:
-            names.append(
-                (f"mlp.experts.{e}.{ours}.weight", f"block_sparse_moe.experts.{e}.{theirs}.weight")
-            )
-    return names
+    return expert_names("block_sparse_moe.gate", "block_sparse_moe.experts.", EXPERT, num_experts)
+
+
+def num_experts_of(config: ConfigJson) -> int:
+    """config.json's experts per block: num_local_experts, or num_experts (the name Mixtral's
+    and Qwen3-MoE's classes both map to it)."""
+    for key in ("num_local_experts", "num_experts"):
+        if config.get(key) is not None:
+            return config.get(key)
+    return config.need("num_experts")
 
 
 def model_fields(config: ConfigJson) -> dict[str, Any]:
+    fields = dict(
+        llama.block_fields(config, "llama", DEFAULTS, llama.PLAIN),
+        **llama.sliding_window_fields(config, "sliding_window", config.get("sliding_window")),
+    )
     moe = MoEConfig(
-        num_experts=config.need("num_local_experts"),
-        top_k=config.need("num_experts_per_tok"),
-        d_ff=config.need("intermediate_size"),
-        aux_loss_coef=float(config.get("router_aux_loss_coef", 0.01)),
+        num_experts=num_experts_of(config),
+        top_k=config.get("num_experts_per_tok", 2),
+        d_ff=fields["d_ff"],
+        aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+        z_loss_coef=0.0,  # Mixtral has none
         router="softmax_topk",
     )
-    return dict(llama.model_fields(config), moe=moe)
-
-
-def exports(cfg: Config, derived: Derived) -> bool:
-    return cfg.model.arch == "llama" and bool(derived.moe_layers)
+    return dict(fields, moe=moe)
 
 
 def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
@@ -55,32 +73,40 @@ def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
                 f"{getattr(moe, key.rpartition('.')[2])!r}; valid for export: {valid}"
             )
     return dict(
-        llama.config_json(cfg, derived),
-        architectures=["MixtralForCausalLM"],
-        model_type="mixtral",
+        llama.block_json(cfg, derived, "MixtralForCausalLM", "mixtral"),
         intermediate_size=derived.moe_d_ff,
         num_local_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
         router_aux_loss_coef=moe.aux_loss_coef,
         router_jitter_noise=0.0,
         output_router_logits=False,
-        sliding_window=None,
+        **llama.sliding_window_json(cfg, "sliding_window"),
     )
 
 
 def to_hf(cfg: Config, derived: Derived, ours: Tensors) -> Tensors:
-    return llama.tensors_to_hf(cfg, derived, ours, mlp_names(cfg.model.moe.num_experts))
+    names = mlp_names(cfg.model.moe.num_experts)
+    return llama.tensors_to_hf(cfg, derived, ours, lambda i: names)
 
 
 def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
-    return llama.tensors_from_hf(hf, fields, mlp_names(fields["moe"].num_experts))
+    for i in range(fields["n_layer"]):
+        block = f"model.layers.{i}."
+        fused = unfuse_experts(
+            hf, block + "mlp.experts.", ("w1", "w3", "w2"), block + "block_sparse_moe.experts."
+        )
+        if fused and block + "mlp.gate.weight" in hf:
+            hf[block + "block_sparse_moe.gate.weight"] = hf.pop(block + "mlp.gate.weight")
+    names = mlp_names(fields["moe"].num_experts)
+    return llama.tensors_from_hf(hf, fields, lambda i: names)
 
 
 FAMILY = Family(
     architectures=("MixtralForCausalLM",),
     model_type="mixtral",
+    arch="llama",
+    components={**llama.PLAIN, "experts": True},
     model_fields=model_fields,
-    exports=exports,
     config_json=config_json,
     to_hf=to_hf,
     from_hf=from_hf,

@@ -1,15 +1,26 @@
 """The model families export writes and import reads, and how each side finds its family: import
-by config.json's `architectures` (its `model_type` when none is known), export by our config.
-A new family is one module and one entry in FAMILIES."""
+by config.json's `architectures` (its `model_type` when none of them is known), export by
+model.arch and the components the model has. A new family is one module and one entry in
+FAMILIES."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatronish.config import Config, Derived
 from megatronish.errors import UserError
-from megatronish.hf import gpt2, llama, mixtral
+from megatronish.hf import gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from megatronish.hf.family import ConfigJson, Family
 
-FAMILIES: tuple[Family, ...] = (gpt2.FAMILY, llama.FAMILY, mixtral.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    gpt2.FAMILY,
+    llama.FAMILY,
+    mixtral.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    qwen3_moe.FAMILY,
+)
 
 
 def family_of_config_json(config: ConfigJson) -> Family:
@@ -31,15 +42,36 @@ def family_of_config_json(config: ConfigJson) -> Family:
     raise config.refuse(f"{has}; megatronish imports {known} (architectures {read})")
 
 
+def _components(cfg: Config, derived: Derived) -> dict[str, tuple[bool, str]]:
+    """The model's components: name -> (whether it has it, the setting that says so)."""
+    model = cfg.model
+    return {
+        "qkv_bias": (model.qkv_bias, f"model.qkv_bias={str(model.qkv_bias).lower()}"),
+        "qk_norm": (model.qk_norm, f"model.qk_norm={str(model.qk_norm).lower()}"),
+        "experts": (bool(derived.moe_layers), f"model.moe.num_experts={model.moe.num_experts}"),
+    }
+
+
+def _fits(family: Family, component: str, has: Any) -> bool:
+    return family.components.get(component, has) == has
+
+
 def family_of_model(cfg: Config, derived: Derived) -> Family:
-    """The family export writes a model of this config as."""
-    for key, off in (("qkv_bias", "false"), ("qk_norm", "false"), ("rope_scaling", "null")):
-        if getattr(cfg.model, key):
+    """The family export writes a model of this config as: model.arch's, the one whose class
+    has the model's components; a UserError naming the first component none of them has and
+    the archs whose class has it."""
+    arch = cfg.model.arch
+    candidates = [family for family in FAMILIES if family.arch == arch]
+    if not candidates:
+        raise UserError(f"model.arch {arch!r}: no Hugging Face family exports it")
+    for component, (has, setting) in _components(cfg, derived).items():
+        fitting = [family for family in candidates if _fits(family, component, has)]
+        if not fitting:
+            others = sorted({f.arch for f in FAMILIES if _fits(f, component, has)})
+            classes = " / ".join(family.architecture for family in candidates)
             raise UserError(
-                f"model.{key}: no Hugging Face family here exports it (only models with "
-                f"model.{key}={off} export)"
+                f"{setting}: {classes} (model.arch {arch}, export --format hf) cannot express "
+                f"it; model.arch {', '.join(others)} can"
             )
-    for family in FAMILIES:
-        if family.exports(cfg, derived):
-            return family
-    raise UserError(f"model.arch {cfg.model.arch!r}: no Hugging Face family exports it")
+        candidates = fitting
+    return candidates[0]

@@ -1,7 +1,9 @@
-"""Hugging Face export and import: transformers loads an exported checkpoint (gpt2, llama, and
-an MoE llama as Mixtral) with no custom code and computes the same logits; importing it back
-gives the same model; training can start from an HF directory's weights; an MoE that Mixtral
-cannot express is one line, and so is RoPE scaling either way (no family maps it yet)."""
+"""Hugging Face export and import of our models: transformers loads an exported checkpoint (as
+GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM for an MoE llama, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM) with no custom code and computes
+the same logits; importing it back gives the same model; training can start from an HF
+directory's weights; a model a family cannot express is one line. (Models built by
+transformers, imported and exported back: test_hf_families.py.)"""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from megatronish import load_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import tokenizer_of_dataset
 from megatronish.cli import cli
+from megatronish.config import Config, derive, load_config
 from megatronish.data import dataset_vocab_size, load_tokenizer
 from megatronish.errors import UserError
 from megatronish.hf.exporter import export_hf
-from megatronish.hf.importer import import_hf
+from megatronish.hf.importer import import_hf, model_settings
+from megatronish.hf.registry import family_of_model
 from megatronish.training.setup import setup
 from megatronish.training.trainer import Trainer
 from tests.checkpoints import (
@@ -31,25 +35,46 @@ from tests.checkpoints import (
     tiny_cfg,
     tokens,
 )
+from tests.conftest import CONFIGS as SHIPPED
 from tests.conftest import REPO, finish, run_cli, start
 
 transformers = pytest.importorskip("transformers")
 
 MOE = ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_ff=48")
-# HF model type -> (our arch, overrides)
+GQA = ("model.n_kv_head=2", "model.d_ff=96")  # as tiny_cfg gives llama
+# HF model type -> (our arch, overrides of tiny_cfg's model; or a shipped tiny config, which the
+# tests train with SHORT's fewer layers and shorter batches)
 CONFIGS = {
     "gpt2": ("gpt2", ()),  # tied embeddings, biases, learned positions
     "llama": ("llama", ("model.rope_theta=5000", "model.norm_eps=1e-6")),  # GQA 4/2, untied
     "mixtral": ("llama", MOE),  # every MLP 4 experts, top 2
+    "mistral": ("mistral", GQA),
+    "qwen2": ("qwen2", GQA),  # q, k and v biases
+    "qwen3": ("tiny-qwen3.yaml", ()),  # q and k norms, head_dim apart, tied
+    "qwen3_moe": ("tiny-qwen3-moe.yaml", ("model.moe.every=2",)),  # block 1 dense
 }
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+SHORT = (
+    "model.n_layer=2",
+    "train.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+)
+CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def exported(request, tmp_path_factory):
     arch = request.param
     root = tmp_path_factory.mktemp(f"hf-{arch}")
-    step_dir, _ = save_single(root / "ckpt", tiny_cfg(*_cfg_args(arch)))
+    step_dir, _ = save_single(root / "ckpt", _cfg(arch))
     result = CliRunner().invoke(
         cli,
         [
@@ -67,9 +92,13 @@ def exported(request, tmp_path_factory):
     return arch, step_dir, root / "hf"
 
 
-def _cfg_args(kind: str) -> tuple[str, ...]:
-    arch, extra = CONFIGS[kind]
-    return (arch, *extra)
+def _cfg(kind: str, *extra: str) -> Config:
+    arch, overrides = CONFIGS[kind]
+    if arch.endswith(".yaml"):
+        return load_config(
+            SHIPPED / arch, [f"model.vocab_size={VOCAB}", *SHORT, *overrides, *extra]
+        )
+    return tiny_cfg(arch, *overrides, *extra)
 
 
 def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
@@ -79,12 +108,21 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert type(hf_model).__name__ == CLASSES[arch]
     assert hf_model.dtype == torch.float32
+    cfg = _cfg(arch)
+    derived = derive(cfg, 1)
+    assert hf_model.config.tie_word_embeddings == derived.tie_embeddings
     if arch != "gpt2":
-        assert hf_model.config.num_key_value_heads == 2 and not hf_model.config.tie_word_embeddings
-    if arch == "mixtral":
-        assert hf_model.config.num_local_experts == 4 and hf_model.config.num_experts_per_tok == 2
-        names = json.loads((hf_dir / "config.json").read_text())
-        assert names["intermediate_size"] == 48
+        assert hf_model.config.num_key_value_heads == 2
+        assert hf_model.config.head_dim == derived.head_dim
+    moe = cfg.model.moe
+    if moe.num_experts:
+        assert hf_model.config.num_local_experts == moe.num_experts
+        assert hf_model.config.num_experts_per_tok == moe.top_k
+        key = "intermediate_size" if arch == "mixtral" else "moe_intermediate_size"
+        assert config[key] == moe.d_ff
+    if arch == "qwen3_moe":  # experts every 2 blocks
+        assert config["mlp_only_layers"] == [1]
+        assert type(hf_model.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"
     with torch.no_grad():
         theirs = hf_model(tokens(2, 30)).logits
         ours = load_model(step_dir)(tokens(2, 30))
@@ -128,8 +166,9 @@ def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):
     )
     assert result.exit_code == 0, result.output
     back, original = load_model(tmp_path / "back"), load_model(step_dir)
-    assert back.step == 0 and back.config.model.arch == CONFIGS[arch][0]
-    assert back.config.model.moe == original.config.model.moe
+    assert back.step == 0 and back.config.model.arch == _cfg(arch).model.arch
+    settings = model_settings(back.config, derive(back.config, 1))
+    assert settings == model_settings(original.config, derive(original.config, 1))
     for (name, a), b in zip(original.gpt.named_parameters(), back.gpt.parameters()):
         assert torch.equal(a, b), name
 
@@ -184,10 +223,11 @@ def test_import_reads_weights_sharded_over_files_by_an_index(exported, tmp_path)
     _assert_same_weights(load_model(step_dir), load_model(tmp_path / "back"))
 
 
+@pytest.mark.parametrize("exported", ["gpt2", "mixtral", "qwen3"], indirect=True)
 def test_training_can_start_from_an_hf_directory(exported, tmp_path, small_dataset):
     arch, step_dir, hf_dir = exported
     data = small_dataset
-    cfg = tiny_cfg(*_cfg_args(arch), f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}")
+    cfg = _cfg(arch, f"data.path={data}", f"checkpoint.init_from_hf={hf_dir}")
     cfg.run.out_dir = str(tmp_path / "run")
     trainer = Trainer(setup(cfg))
     assert trainer.resumed_from is None and trainer.step == 0
@@ -195,8 +235,8 @@ def test_training_can_start_from_an_hf_directory(exported, tmp_path, small_datas
         load_model(step_dir).gpt.named_parameters(), trainer.model.parameters()
     ):
         assert torch.equal(got, want), name
-    wrong = tiny_cfg(
-        *_cfg_args(arch),
+    wrong = _cfg(
+        arch,
         "model.n_head=2",
         "model.n_kv_head=2",
         f"data.path={data}",
@@ -214,24 +254,6 @@ def test_import_refuses_what_it_cannot_run(tmp_path):
         import_hf(str(hf_dir), str(tmp_path / "out"))
     with pytest.raises(UserError, match="checkpoint does not exist"):
         export_hf(str(tmp_path / "none"), str(tmp_path / "out"))
-
-
-def test_rope_scaling_neither_imports_nor_exports_before_a_family_maps_it(tmp_path):
-    from megatronish.config import derive
-    from megatronish.hf.registry import family_of_model
-
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
-    config = {"architectures": ["LlamaForCausalLM"], "rope_scaling": scaling}
-    (hf_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="rope scaling .* is not supported; only plain RoPE"):
-        import_hf(str(hf_dir), str(tmp_path / "out"))
-    yarn = "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 32}"
-    cfg = tiny_cfg("llama", yarn)
-    with pytest.raises(UserError, match=r"model.rope_scaling: .* \(only models with model.rope_"):
-        family_of_model(cfg, derive(cfg, 1, vocab_size=VOCAB))
-    assert not (tmp_path / "out").exists()
 
 
 def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):
@@ -254,62 +276,32 @@ def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):
     assert back.encode(text) == ours.encode(text) and back.eot_id == ours.eot_id
 
 
-@pytest.mark.parametrize(
-    ("extra", "key"),
-    [(("model.moe.every=2",), "model.moe.every"), (("model.moe.shared_expert=true",), "shared")],
-)
-def test_an_moe_mixtral_cannot_express_exits_2_with_one_line(extra, key, tmp_path):
-    save_single(tmp_path / "ckpt", tiny_cfg("llama", *MOE, *extra), step=0)
+def test_export_of_a_model_its_family_cannot_express_exits_2_with_one_line(tmp_path):
+    save_single(tmp_path / "ckpt", tiny_cfg("llama", *MOE, "model.moe.every=2"), step=0)
     result = CliRunner().invoke(
         cli,
-        [
-            "export",
-            "--checkpoint",
-            str(tmp_path / "ckpt"),
-            "--format",
-            "hf",
-            "--output",
-            str(tmp_path / "hf"),
-        ],
+        ["export", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")],
     )
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and key in lines[0] and "Traceback" not in result.output
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert "model.moe.every" in lines[0] and "Mixtral" in lines[0], lines[0]
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_llama_whose_head_dim_is_not_hidden_per_head_imports_and_exports_with_its_logits(
-    tmp_path,
-):
-    """Heads of 12 on hidden 32 (as Qwen3's 128 on 1024 over 16 heads): transformers' model ->
-    our import -> the same logits; our export of it -> transformers, the same logits again."""
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(3)
-    theirs = transformers.LlamaForCausalLM(config).eval()
-    theirs.save_pretrained(tmp_path / "theirs")
-    import_hf(str(tmp_path / "theirs"), str(tmp_path / "ours"))
-    ours = load_model(tmp_path / "ours")
-    assert ours.config.model.head_dim == 12
-    assert ours.gpt.blocks["0"].attn.qkv.weight.shape == ((4 + 2 * 2) * 12, 32)
-    x = tokens(2, 30)
-    with torch.no_grad():
-        want = theirs(x).logits
-        assert (ours(x) - want).abs().max() < 1e-4
-    args = ["export", "--checkpoint", str(tmp_path / "ours"), "--format", "hf"]
-    result = CliRunner().invoke(cli, [*args, "--output", str(tmp_path / "back")])
-    assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["head_dim"] == 12
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    with torch.no_grad():
-        assert (back(x).logits - want).abs().max() < 1e-4
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (("llama", *MOE, "model.moe.shared_expert=true"), ("model.moe.shared_expert", "Mixtral")),
+        (("qwen3_moe", *GQA, *MOE, "model.moe.shared_expert=true"), ("Qwen3MoeForCausalLM",)),
+        (("llama", "model.qk_norm=true"), ("model.qk_norm=true", "arch llama", "qwen3, qwen3_moe")),
+        (("qwen2", *GQA, "model.qkv_bias=false"), ("model.qkv_bias=false", "Qwen2ForCausalLM")),
+        (("qwen3", *GQA, *MOE), ("model.moe.num_experts=4", "llama, qwen3_moe")),
+    ],
+)
+def test_export_names_the_setting_a_family_cannot_express_and_the_archs_that_can(args, needles):
+    cfg = tiny_cfg(*args)
+    derived = derive(cfg, 1)
+    with pytest.raises(UserError) as error:  # what export_hf runs before reading a tensor
+        family_of_model(cfg, derived).config_json(cfg, derived)
+    assert all(needle in str(error.value) for needle in needles), str(error.value)

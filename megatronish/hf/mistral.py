@@ -1,0 +1,41 @@
+"""Mistral (MistralForCausalLM): the Llama block with no biases; its sliding_window (4096 when
+config.json leaves it out) is refused until megatronish has one, so Mistral 7B v0.2 / v0.3
+(sliding_window null) import and v0.1 (4096) does not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatronish.config import Config, Derived
+from megatronish.hf import llama
+from megatronish.hf.family import ConfigJson, Family
+
+DEFAULTS = llama.ClassDefaults(kv_heads=8, max_positions=4096 * 32)
+
+
+def model_fields(config: ConfigJson) -> dict[str, Any]:
+    window = config.get("sliding_window", 4096)
+    return dict(
+        llama.block_fields(config, "mistral", DEFAULTS, llama.PLAIN),
+        **llama.sliding_window_fields(config, "sliding_window", window),
+    )
+
+
+def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
+    return dict(
+        llama.block_json(cfg, derived, "MistralForCausalLM", "mistral"),
+        **llama.sliding_window_json(cfg, "sliding_window"),
+    )
+
+
+FAMILY = Family(
+    architectures=("MistralForCausalLM",),
+    model_type="mistral",
+    arch="mistral",
+    components={**llama.PLAIN, "experts": False},
+    model_fields=model_fields,
+    config_json=config_json,
+    to_hf=llama.to_hf,
+    from_hf=llama.from_hf,
+    buffers=llama.FAMILY.buffers,
+)

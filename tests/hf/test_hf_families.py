@@ -1,0 +1,336 @@
+"""Every Hugging Face family from transformers' side: a tiny random model of each class built by
+transformers (fp32, eager attention, odd sizes, every weight random, biases and norms too) and
+saved with save_pretrained, imported with our CLI, gives transformers' logits, at tp 1 and
+loaded at tp 2; exporting the import gives back save_pretrained's tensors bit for bit, which
+transformers loads as the same class. A config.json setting megatronish does not implement is
+a UserError naming the file, the key and what is supported (exit 2 in one line from the CLI),
+and training from a directory checks every setting the weights depend on."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from megatronish import load_model
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.cli import cli
+from megatronish.config import derive
+from megatronish.errors import UserError
+from megatronish.hf.importer import check_hf_matches, import_hf, read_hf
+from tests.checkpoints import logits_at_tp
+from tests.conftest import run_cli
+from tests.ranks import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 101
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=40,
+    intermediate_size=56,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+GPT2_SHAPE = dict(vocab_size=VOCAB, n_embd=40, n_layer=3, n_head=4, n_positions=64, n_inner=56)
+EXPERTS = dict(num_experts_per_tok=2)
+# Head dim 12 at theta 5e5 over 17 positions: llama3 blends dim pair 0 and slows the others;
+# yarn keeps pair 0, ramps pair 1, slows the others and scales cos and sin by 1.14.
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    factor=4.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,
+)
+QWEN_YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16)
+# the model.rope_scaling each import must set
+SCALINGS = {
+    "llama": {**LLAMA3_ROPE, "rope_type": None, "type": "llama3"},
+    "qwen3": dict(type="yarn", factor=4.0, original_max_position_embeddings=16),
+}
+# name -> (class, config keys, our model.* settings the import must set)
+FAMILIES = {
+    "gpt2": ("GPT2LMHeadModel", GPT2_SHAPE, dict(arch="gpt2", head_dim=None)),
+    "llama": (  # Llama 3.1's RoPE scaling (bands cut at a tiny context); config.json rewritten
+        "LlamaForCausalLM",  # as Llama 3.1's: rope_theta beside rope_scaling
+        dict(SHAPE, head_dim=12, rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5}),
+        dict(arch="llama", head_dim=12, rope_theta=5e5, qkv_bias=False, qk_norm=False),
+    ),
+    "mistral": (
+        "MistralForCausalLM",
+        dict(SHAPE, sliding_window=None),
+        dict(arch="mistral", head_dim=10, qkv_bias=False, qk_norm=False),
+    ),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        dict(SHAPE, tie_word_embeddings=True),
+        dict(arch="qwen2", head_dim=10, qkv_bias=True, qk_norm=False, tie_embeddings=True),
+    ),
+    "qwen3": (  # Qwen's YaRN long-context scaling
+        "Qwen3ForCausalLM",
+        dict(SHAPE, head_dim=12, tie_word_embeddings=True, rope_parameters=QWEN_YARN),
+        dict(arch="qwen3", head_dim=12, qkv_bias=False, qk_norm=True, tie_embeddings=True),
+    ),
+    "qwen3_moe": (  # experts in blocks 0 and 2 (block 1 dense): model.moe.every 2
+        "Qwen3MoeForCausalLM",
+        dict(
+            SHAPE,
+            **EXPERTS,
+            head_dim=12,
+            num_experts=3,
+            moe_intermediate_size=20,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+        dict(arch="qwen3_moe", head_dim=12, qkv_bias=False, qk_norm=True),
+    ),
+    "mixtral": (
+        "MixtralForCausalLM",
+        dict(SHAPE, **EXPERTS, num_local_experts=3),
+        dict(arch="llama", head_dim=10, qkv_bias=False, qk_norm=False),
+    ),
+}
+MOE = {"qwen3_moe": dict(num_experts=3, top_k=2, d_ff=20, every=2), "mixtral": dict(every=1)}
+
+
+@dataclass
+class Built:
+    """A family's transformers model and the directories made of it: save_pretrained's, our
+    import of it, and our export of that."""
+
+    model: torch.nn.Module
+    hf: Path
+    ours: Path
+    back: Path
+
+
+def _random_model(name: str) -> torch.nn.Module:
+    """The family's tiny model with every weight random (biases and norm weights init to 0 and
+    1, and the router to 0: each must show in the logits)."""
+    cls, keys, _ = FAMILIES[name]
+    family = cls.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
+    config_class = getattr(transformers, family + "Config")
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(config_class(**keys, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            vector = param.dim() == 1  # a bias or a norm's weight
+            param.normal_(1.0 if vector else 0.0, 0.5 if vector else 0.1)
+    return model
+
+
+def _as_llama31(hf_dir: Path) -> None:
+    """config.json with Llama 3.1's RoPE keys: rope_theta beside rope_scaling."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+
+
+def _cli(*args: str) -> None:
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exit_code == 0, result.output
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Built]:
+    root = tmp_path_factory.mktemp("hf-families")
+    out = {}
+    for name in FAMILIES:
+        model = _random_model(name)
+        paths = [root / name, root / f"{name}-ours", root / f"{name}-back"]
+        model.save_pretrained(paths[0])
+        if name == "llama":
+            _as_llama31(paths[0])
+        _cli("import", "--hf", str(paths[0]), "--output", str(paths[1]))
+        _cli("export", "--checkpoint", str(paths[1]), "--output", str(paths[2]))
+        out[name] = Built(model, *paths)
+    return out
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def want(built) -> dict[str, torch.Tensor]:
+    """transformers' logits of each family's model."""
+    with torch.no_grad():
+        return {name: b.model(_tokens()).logits for name, b in built.items()}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_our_import_of_a_transformers_model_gives_its_logits(name, built, want):
+    ours = load_model(built[name].ours)
+    model = ours.config.model
+    for key, value in FAMILIES[name][2].items():
+        assert getattr(model, key) == value, key
+    for key, value in MOE.get(name, dict(num_experts=0)).items():
+        assert getattr(model.moe, key) == value, key
+    scaling, want_scaling = model.rope_scaling, SCALINGS.get(name)
+    assert (scaling is None) == (want_scaling is None), scaling
+    for key, value in (want_scaling or {}).items():
+        assert getattr(scaling, key, None) == value, key
+    with torch.no_grad():
+        assert (ours(_tokens()) - want[name]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_export_of_the_import_gives_back_the_transformers_tensors_bit_for_bit(name, built):
+    from safetensors.torch import load_file
+
+    theirs = load_file(str(built[name].hf / "model.safetensors"))
+    back = load_file(str(built[name].back / "model.safetensors"))
+    assert sorted(back) == sorted(theirs)
+    for key, tensor in theirs.items():
+        assert torch.equal(back[key], tensor), key
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_transformers_loads_our_export_as_the_family_class_with_our_logits(name, built):
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        built[name].back, attn_implementation="eager"
+    ).eval()
+    assert type(back).__name__ == FAMILIES[name][0]
+    with torch.no_grad():
+        ours = load_model(built[name].ours)(_tokens())
+        assert (back(_tokens()).logits - ours).abs().max() < 1e-4
+
+
+def test_every_imported_family_loaded_at_tp2_gives_the_tp1_logits(built, want):
+    """One two-rank run loads every family's import at tp 2 (heads, kv heads, MLPs, experts and
+    the vocab split over the ranks): its logits are tp 1's to fp32 rounding."""
+    names = sorted(FAMILIES)
+    paths = [str(built[name].ours) for name in names]
+    at_tp2 = run_on_ranks(logits_at_tp, 2, paths, _tokens(), timeout=180)[0]
+    for name, logits in zip(names, at_tp2, strict=True):
+        with torch.no_grad():
+            at_tp1 = load_model(built[name].ours)(_tokens())
+        assert (logits - at_tp1).abs().max() < 1e-5, name
+        assert (logits - want[name]).abs().max() < 1e-4, name
+
+
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+REMOVED = None  # a key taken out of config.json (its class default applies)
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "key"),
+    [
+        ("llama", dict(rope_scaling=dict(LLAMA31_ROPE, rope_type="longrope")), "rope_type"),
+        ("llama", dict(rope_scaling=dict(LLAMA31_ROPE, beta_fast=8)), "beta_fast"),
+        ("qwen3", dict(rope_parameters=dict(YARN, rope_type="dynamic")), "rope_type"),
+        ("llama", dict(hidden_act="gelu"), "hidden_act"),
+        ("llama", dict(attention_bias=True), "attention_bias"),
+        ("llama", dict(mlp_bias=True), "mlp_bias"),
+        ("qwen3", dict(attention_bias=True), "attention_bias"),
+        ("mistral", dict(sliding_window=4096), "sliding_window"),  # Mistral 7B v0.1
+        ("mistral", dict(sliding_window=REMOVED), "sliding_window"),  # the class's 4096
+        ("mixtral", dict(sliding_window=4096), "sliding_window"),
+        ("qwen2", dict(use_sliding_window=True), "use_sliding_window"),
+        ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob"),
+        ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[]), "decoder_sparse_step"),
+        ("qwen3_moe", dict(mlp_only_layers=[0]), "mlp_only_layers"),
+        ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights"),
+        ("gpt2", dict(activation_function="relu"), "activation_function"),
+    ],
+)
+def test_a_config_json_setting_we_do_not_implement_is_refused_naming_it(
+    name, changes, key, built, tmp_path
+):
+    hf_dir = _config_only(built[name].hf, tmp_path / "hf", changes)
+    with pytest.raises(UserError) as error:
+        import_hf(str(hf_dir), str(tmp_path / "out"))
+    message = str(error.value)
+    assert message.startswith(f"{hf_dir / 'config.json'}: ") and f"{key} " in message, message
+    assert "supported: " in message and "\n" not in message
+    assert not (tmp_path / "out").exists()
+
+
+def _config_only(hf_dir: Path, to: Path, changes: dict) -> Path:
+    """A directory holding hf_dir's config.json with `changes` (None: the key removed)."""
+    config = json.loads((hf_dir / "config.json").read_text()) | changes
+    to.mkdir()
+    (to / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return to
+
+
+def test_cli_import_of_a_rope_scaling_we_do_not_implement_exits_2_in_one_line(built, tmp_path):
+    changes = dict(rope_scaling=dict(LLAMA31_ROPE, rope_type="longrope"))
+    hf_dir = _config_only(built["llama"].hf, tmp_path / "hf", changes)
+    result = run_cli("import", "--hf", str(hf_dir), "--output", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{hf_dir / 'config.json'}: rope_scaling.rope_type 'longrope'" in lines[0]
+    assert "llama3" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_import_reads_experts_in_transformers_fused_layout(name, built, tmp_path):
+    """A directory holding the model's own state dict (experts as mlp.experts.gate_up_proj and
+    down_proj, as from_pretrained reads them too) imports as the Hub's per-expert names do."""
+    from safetensors.torch import save_file
+
+    fused = _config_only(built[name].hf, tmp_path / "fused", {})
+    state = built[name].model.state_dict()
+    assert any(key.endswith("mlp.experts.gate_up_proj") for key in state)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(fused / "model.safetensors"))
+    import_hf(str(fused), str(tmp_path / "ours"))
+    got, expected = Checkpoint(tmp_path / "ours"), Checkpoint(built[name].ours)
+    assert sorted(got.specs) == sorted(expected.specs)
+    for key in expected.specs:
+        assert torch.equal(got.full(key), expected.full(key)), key
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "expected"),
+    [
+        (
+            "qwen3",
+            dict(qk_norm=False),
+            "the model has qk_norm true, this config false; set --set model.qk_norm=true",
+        ),
+        ("qwen3", dict(head_dim=16), "the model has head_dim 12, this config 16"),
+        ("qwen2", dict(qkv_bias=False), "the model has qkv_bias true"),
+        ("qwen2", dict(tie_embeddings=False), "the model has tie_embeddings true"),
+        ("qwen3_moe", dict(arch="qwen3"), "the model has arch qwen3_moe, this config qwen3"),
+        ("qwen3_moe", dict(moe_every=1), "the model has moe.every 2, this config 1"),
+        ("qwen3_moe", dict(moe_d_ff=24), "the model has moe.d_ff 20, this config 24"),
+        ("mixtral", dict(moe_top_k=1), "the model has moe.top_k 2, this config 1"),
+        ("llama", dict(rope_theta=1e4), "the model has rope_theta 500000.0, this config 10000.0"),
+    ],
+)
+def test_training_from_an_hf_directory_names_any_setting_its_weights_depend_on(
+    name, change, expected, built
+):
+    fields, _ = read_hf(built[name].hf)
+    cfg = Checkpoint(built[name].ours).config
+    check_hf_matches(fields, cfg, derive(cfg, 1), built[name].hf)  # the import's own: fits
+    for key, value in change.items():
+        setattr(
+            cfg.model.moe if key.startswith("moe_") else cfg.model, key.removeprefix("moe_"), value
+        )
+    with pytest.raises(
+        UserError, match="^" + re.escape(str(built[name].hf / "config.json"))
+    ) as error:
+        check_hf_matches(fields, cfg, derive(cfg, 1), built[name].hf)
+    assert expected in str(error.value)
