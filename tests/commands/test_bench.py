@@ -50,8 +50,6 @@ TWO_RANKS = {
         2, 1, GPT2 + ["train.precision=bf16", "parallel.sequence_parallel=true"],
     ),
     "llama tp2 fp8 tensorwise": (2, 1, LLAMA + FP8 + TENSORWISE),
-    "llama tp2 fp8 tensorwise sequence-parallel": (2, 1, LLAMA + FP8 + TENSORWISE + SP),
-    "llama tp2 fp8 rowwise": (2, 1, LLAMA + FP8 + ROWWISE),
     "llama tp2 fp8 rowwise sequence-parallel": (2, 1, LLAMA + FP8 + ROWWISE + SP),
     "gpt2 tp2 fp8 rowwise full-recompute": (
         2, 1, GPT2 + FP8 + ROWWISE + ["train.activation_checkpointing=full"],
