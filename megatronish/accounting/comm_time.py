@@ -89,7 +89,7 @@ def ring_ratio(cfg: Config, derived: Derived, peak_flops: float, link_gb_s: floa
     b, s, cp, tp = cfg.train.micro_batch_size, cfg.train.seq_len, derived.cp, derived.tp
     if cp == 1:
         return None
-    width = 2 if cfg.train.precision == "bf16" else 4
+    width = 2 if cfg.train.bf16_autocast else 4
     kv_bytes = 2 * b * (derived.n_kv_head // tp) * (s // cp) * derived.head_dim * width
     flops = 4 * b * (cfg.model.n_head // tp) * derived.head_dim * s * s / (2 * cp * cp)
     link = link_gb_s if tp * cp <= GPUS_PER_NODE else INTER_NODE_GB_S

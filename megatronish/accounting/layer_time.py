@@ -93,7 +93,7 @@ def layer_time(
 ) -> LayerTime:
     """One transformer layer (an MoE layer when `moe`) for one micro-batch on one rank."""
     model, train, tp = cfg.model, cfg.train, derived.tp
-    width = 2 if train.precision == "bf16" else 4
+    width = 2 if train.bf16_autocast else 4
     timer = _Timer(device, eff, width)
     s = train.seq_len // derived.cp
     T, h, hd = train.micro_batch_size * s, model.d_model, derived.head_dim
@@ -165,7 +165,7 @@ def _attention(
 
 def embedding_time(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> LayerTime:
     """The token (and position) embedding of one micro-batch on the first stage."""
-    width = 2 if cfg.train.precision == "bf16" else 4
+    width = 2 if cfg.train.bf16_autocast else 4
     timer = _Timer(device, eff, width)
     T, h = cfg.train.micro_batch_size * cfg.train.seq_len // derived.cp, cfg.model.d_model
     return LayerTime(
@@ -178,7 +178,7 @@ def embedding_time(cfg: Config, derived: Derived, device: Device, eff: Efficienc
 def output_time(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> LayerTime:
     """The final norm, the output layer and the cross entropy of one micro-batch on the last
     stage (full recompute does not rerun them)."""
-    width = 2 if cfg.train.precision == "bf16" else 4
+    width = 2 if cfg.train.bf16_autocast else 4
     timer = _Timer(device, eff, width)
     T, h = cfg.train.micro_batch_size * cfg.train.seq_len // derived.cp, cfg.model.d_model
     v_local = derived.padded_vocab_size // derived.tp

@@ -105,7 +105,7 @@ def activation_bytes_per_layer(
     a rank's share of the sequence, seq_len / parallel.cp."""
     s, b, h = cfg.train.seq_len // cfg.parallel.cp, cfg.train.micro_batch_size, cfg.model.d_model
     sbh = s * b * h
-    width = 1.0 if cfg.train.precision == "bf16" else 2.0  # the formula counts 16-bit values
+    width = 1.0 if cfg.train.bf16_autocast else 2.0  # the formula counts 16-bit values
     if recompute == "full":
         kept = 2 * sbh / (tp if sequence_parallel else 1)
         return kept * width
@@ -171,7 +171,7 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     module doc): "weights", "grads", "optimizer" (what it keeps between steps, the weights'
     bf16 copies aside), "gathered" (what a step adds) and "experts" (the experts' part of the
     first three)."""
-    zero, bf16 = cfg.optim.zero, cfg.train.precision == "bf16"
+    zero, bf16 = cfg.optim.zero, cfg.train.bf16_autocast
     params = local_parameter_count(cfg, derived, pp_rank)
     experts = stage_moe_layers(derived, pp_rank) * local_moe_params(cfg, derived, experts_only=True)
     dp = derived.dp * derived.cp

@@ -49,13 +49,14 @@ def check_config(cfg: Config, world_size: int | None) -> str:
     """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1). A
     model.* key that differs from the checkpoint the run would resume from is a UserError, as
     in `train`."""
-    from megatronish import ops
+    from megatronish import fp8, ops
     from megatronish.distributed.layout import default_device
     from megatronish.training.resume import check_resumed_model
 
     if world_size is not None and world_size < 1:
         raise UserError(f"--world-size {world_size}: must be >= 1")
     ops.check_backend(cfg.kernels.backend, default_device())
+    fp8_note = fp8.check_device(default_device()) if cfg.train.precision == "fp8" else None
     check_output_paths(cfg)
     if cfg.observe.tensorboard:
         from megatronish.observe.tensorboard import check_available
@@ -89,6 +90,8 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"{model_flops_per_step(cfg, derived):.3e} FLOP",
     ]
     lines += zero_lines(cfg, derived, loss_masked)
+    if fp8_note is not None:
+        lines += fp8_lines(cfg, derived, fp8_note)
     if derived.moe_layers:
         lines += moe_lines(cfg, derived, params)
     if derived.cp > 1:
@@ -119,6 +122,29 @@ def zero_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[str]:
             kinds[op.kind] = kinds.get(op.kind, 0) + op.payload * op.count
     traffic = ", ".join(f"{kind} {size / mib:.2f} MiB" for kind, size in sorted(kinds.items()))
     return [line, f"data-parallel payload per step and rank (stage 0): {traffic or 'none'}"]
+
+
+FP8_RECIPES = {
+    "tensorwise": "one scale per tensor; e4m3 inputs and weights, e5m2 output gradients",
+    "rowwise": "a power-of-two scale per row along the summed dimension; e4m3",
+    "blockwise": "1 x 128 tiles of activations and gradients, 128 x 128 weight blocks; e4m3",
+}
+
+
+def fp8_lines(cfg: Config, derived: Derived, note: str) -> list[str]:
+    """The fp8 recipe, what it covers, its amax all-reduces per step (stage 0) and the note
+    that says it is emulated."""
+    recipe = cfg.train.fp8_recipe
+    amax = [op for op in collectives_per_step(cfg, derived) if op.what.startswith("fp8 amax")]
+    calls, payload = sum(op.count for op in amax), sum(op.payload * op.count for op in amax)
+    return [
+        f"fp8: {recipe} ({FP8_RECIPES[recipe]}) on the blocks' attention and dense MLP linear "
+        "layers; embeddings, output layer and loss, norms, attention core, MoE layers in "
+        f"{cfg.train.fp8_high_precision}, weights and optimizer in fp32",
+        f"fp8 amax all-reduces per step and rank (tp {derived.tp}, stage 0): {calls} calls, "
+        f"{payload:,} bytes",
+        note,
+    ]
 
 
 def moe_lines(cfg: Config, derived: Derived, params: int) -> list[str]:

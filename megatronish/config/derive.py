@@ -14,6 +14,9 @@ VOCAB_PAD_MULTIPLE = 128
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 """The head dims the Triton attention kernels compile for."""
 
+FP8_BLOCK = 128
+"""The side of a blockwise fp8 scaling block (megatronish.fp8.granularity.BLOCK)."""
+
 
 def moe_layers(cfg: Config) -> tuple[int, ...]:
     """The indices of the blocks whose MLP is a mixture of experts (none when moe is off)."""
@@ -132,6 +135,8 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         f"{', '.join(map(str, TRITON_HEAD_DIMS))} (or kernels.backend=torch)",
     )
     d_ff = _ffn_size(model, tp)
+    if train.precision == "fp8" and train.fp8_recipe == "blockwise" and tp > 1:
+        _check_fp8_blocks(cfg, n_kv, head_dim, d_ff)
     accum = _grad_accum_steps(train, dp)
     vocab = model.vocab_size if model.vocab_size is not None else vocab_size
     require(vocab is not None, "model.vocab_size: not set and no dataset to take it from")
@@ -188,8 +193,13 @@ def _data_parallel_degree(parallel: ParallelConfig, world_size: int) -> int:
 
 
 def _check_context_parallel(cfg: Config) -> None:
-    """What parallel.cp > 1 needs of the sequence length and dropout."""
+    """What parallel.cp > 1 needs of the sequence length, dropout and precision."""
     cp, seq_len, dropout = cfg.parallel.cp, cfg.train.seq_len, cfg.model.dropout
+    require(
+        cfg.train.precision != "fp8",
+        f"train.precision: fp8 is not supported with parallel.cp={cp} yet (its scales would "
+        "be taken over each cp rank's tokens alone); use parallel.cp=1 or train.precision=bf16",
+    )
     require(
         seq_len % (2 * cp) == 0,
         f"train.seq_len: {seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp "
@@ -235,6 +245,30 @@ def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
     if not model.gpt2_block:
         require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
     return n_kv, head_dim
+
+
+def _check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int) -> None:
+    """Blockwise fp8 at tp > 1: each rank's share of a split dimension of an fp8 linear layer
+    (the qkv outputs, the attention heads, a dense MLP's d_ff) is whole 128-wide blocks, so no
+    tile or block straddles two ranks and every tp scales the same groups."""
+    model, tp = cfg.model, cfg.parallel.tp
+    sizes = [
+        (
+            "the qkv outputs (model.n_head + 2 model.n_kv_head) x head dim",
+            (model.n_head + 2 * n_kv) * head_dim,
+        ),
+        ("the attention heads model.n_head x head dim", model.n_head * head_dim),
+    ]
+    if len(moe_layers(cfg)) < model.n_layer:  # dense MLPs (MoE layers stay out of fp8)
+        sizes.append(("model.d_ff", d_ff))
+    for what, size in sizes:
+        valid = [1] + [t for t in divisors(size) if t > 1 and (size // t) % FP8_BLOCK == 0]
+        require(
+            (size // tp) % FP8_BLOCK == 0,
+            f"train.fp8_recipe: blockwise splits {what} = {size} over parallel.tp={tp} into "
+            f"{size // tp} per rank, not a multiple of {FP8_BLOCK} (a block would straddle two "
+            f"ranks); valid tp: {', '.join(map(str, valid))}, or another fp8_recipe",
+        )
 
 
 def head_dim_of(model: ModelConfig) -> int:

@@ -7,6 +7,8 @@ Shapes: b batch, s sequence, t tp group size; weights are [out, in] as in nn.Lin
                         output [b, s, out] (summed over the group), bias added once after it
 With sequence_parallel the replicated activations are [b, s / t, h] instead: the column layer
 all-gathers its input along the sequence, the row layer reduce-scatters its output.
+With fp8_recipe set (megatronish.fp8) the layer's three GEMMs take fp8 operands; the scales
+of tensors split over the group are reduced over it, so every tp degree computes the same.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish.distributed import comm
+from megatronish.fp8 import (
+    Recipe,
+    Split,
+    forward_gemm,
+    fp8_linear,
+    grad_input_gemm,
+    grad_weight_gemm,
+)
 from megatronish.layers import mappings
 from megatronish.layers.roles import role, set_role
 
@@ -59,36 +69,72 @@ def init_sharded(
 
 class _ColumnLinear(torch.autograd.Function):
     """X A^T + b whose backward all-reduces dX asynchronously while computing dA (or, with
-    sequence parallelism, all-gathers X forward and reduce-scatters dX backward)."""
+    sequence parallelism, all-gathers X forward and reduce-scatters dX backward); with an fp8
+    recipe the three GEMMs take fp8 operands."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+    def forward(ctx, x, weight, bias, group, sequence_parallel, recipe):
+        ctx.group, ctx.sequence_parallel, ctx.recipe = group, sequence_parallel, recipe
         ctx.has_bias = bias is not None
         full_x = mappings.gather_seq(x, group) if sequence_parallel else x
-        out = F.linear(full_x, weight, bias)
+        if recipe is None:
+            out = F.linear(full_x, weight, bias)
+        else:
+            x_2d = full_x.reshape(-1, full_x.shape[-1])
+            out, ctx.scales = forward_gemm(x_2d, weight, recipe, Split(group, "out"))
+            out = _add_bias(out.view(*full_x.shape[:-1], -1), bias)
         ctx.save_for_backward(x if sequence_parallel else full_x, weight)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        group = ctx.group
+        group, recipe = ctx.group, ctx.recipe
         full_x = mappings.gather_seq(x, group) if ctx.sequence_parallel else x
-        grad_in = grad_out.matmul(weight.to(grad_out.dtype))
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        if recipe is None:
+            grad_in = grad_out.matmul(weight.to(grad_out.dtype))
+        else:
+            split = Split(group, "out")
+            grad_in, scales = grad_input_gemm(grad_2d, weight, recipe, split, ctx.scales)
+            grad_in = grad_in.view(*grad_out.shape[:-1], -1)
         handle = None
         if not ctx.sequence_parallel:
             grad_in = grad_in.contiguous()
             handle = comm.all_reduce(grad_in, group, async_op=True)
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        x_2d = full_x.reshape(-1, full_x.shape[-1]).to(grad_out.dtype)
-        grad_weight = grad_2d.t().matmul(x_2d).to(weight.dtype)  # overlaps the all-reduce
+        # The weight gradient overlaps the all-reduce.
+        if recipe is None:
+            x_2d = full_x.reshape(-1, full_x.shape[-1]).to(grad_out.dtype)
+            grad_weight = grad_2d.t().matmul(x_2d).to(weight.dtype)
+        else:
+            x_2d = full_x.reshape(-1, full_x.shape[-1])
+            grad_weight = grad_weight_gemm(grad_2d, x_2d, recipe, split, scales).to(weight.dtype)
         grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
         if ctx.sequence_parallel:
             grad_in = mappings.reduce_scatter_seq(grad_in, group).contiguous()
-        return grad_in, grad_weight, grad_bias, None, None
+        return grad_in, grad_weight, grad_bias, None, None, None
+
+
+def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """out + bias in out's dtype (an fp8 GEMM's output is in its input's dtype)."""
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+def local_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Recipe | None,
+    split: Split,
+) -> torch.Tensor:
+    """x W^T + b on this rank, no collective of activations: F.linear, or with an fp8 recipe the
+    fp8 GEMMs (x in autocast's dtype; the scales reduced over split.group where the weight's
+    split dim makes them span the ranks)."""
+    if recipe is None:
+        return F.linear(x, weight, bias)
+    return _add_bias(fp8_linear(to_autocast_dtype(x), weight, recipe, split), bias)
 
 
 def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -106,19 +152,22 @@ def column_parallel_linear(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     sequence_parallel: bool = False,
+    fp8_recipe: Recipe | None = None,
 ) -> torch.Tensor:
     """x [b, s, in] (or [b, s / t, in] with sequence_parallel) times this rank's block of the
     weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group."""
     if comm.group_size(group) == 1:
-        return F.linear(x, weight, bias)
-    return _ColumnLinear.apply(to_autocast_dtype(x), weight, bias, group, sequence_parallel)
+        return local_linear(x, weight, bias, fp8_recipe, Split())
+    x = to_autocast_dtype(x)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe)
 
 
 class ColumnParallelLinear(nn.Module):
     """Linear layer whose output features are split over the tp group (rank r holds the r-th
     contiguous block). Forward needs no communication (the input is replicated); backward
     all-reduces the input gradient, overlapped with the weight-gradient matmul. With
-    skip_bias_add the bias is left for the caller to fuse into the next op."""
+    skip_bias_add the bias is left for the caller to fuse into the next op. fp8_recipe (None:
+    the autocast precision) makes its GEMMs fp8."""
 
     def __init__(
         self,
@@ -142,6 +191,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"out_features {out_features} not divisible by tp {self.tp_size}")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.fp8_recipe: Recipe | None = None
         local_out = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         mark_parallel(self.weight, 0, (out_features, in_features))
@@ -157,10 +207,18 @@ class ColumnParallelLinear(nn.Module):
         if add_bias is None:
             add_bias = not self.skip_bias_add
         bias = self.bias if add_bias else None
-        out = column_parallel_linear(x, self.weight, bias, self.tp_group, self.sequence_parallel)
+        out = column_parallel_linear(
+            x, self.weight, bias, self.tp_group, self.sequence_parallel, self.fp8_recipe
+        )
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, self.tp_group)
         return out
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, in], already in the tensor-parallel region (copied or gathered there by the
+        caller), times this rank's weight: [b, s, out / t], no bias, no collective of
+        activations."""
+        return local_linear(x, self.weight, None, self.fp8_recipe, Split(self.tp_group, "out"))
 
     def extra_repr(self) -> str:
         return (
@@ -172,7 +230,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Linear layer whose input features are split over the tp group. Forward all-reduces the
     partial outputs (reduce-scatters them along the sequence with sequence_parallel); the bias
-    is replicated and added once, after the reduction."""
+    is replicated and added once, after the reduction. fp8_recipe (None: the autocast
+    precision) makes its GEMMs fp8."""
 
     def __init__(
         self,
@@ -196,6 +255,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.fp8_recipe: Recipe | None = None
         local_in = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
         mark_parallel(self.weight, 1, (out_features, in_features))
@@ -210,18 +270,17 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        split = Split(self.tp_group, "in")
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return local_linear(x, self.weight, self.bias, self.fp8_recipe, split)
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = local_linear(x, self.weight, None, self.fp8_recipe, split)
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
             out = mappings.reduce_from_tensor_parallel_region(partial, self.tp_group)
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         return (

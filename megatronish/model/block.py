@@ -54,7 +54,7 @@ class MLP(nn.Module):
                 x = mappings.gather_from_sequence_parallel_region(x, group)  # [b, s, h]
             else:
                 x = mappings.copy_to_tensor_parallel_region(x, group)
-            gate, up = F.linear(x, self.gate.weight), F.linear(x, self.up.weight)  # [b, s, f/t]
+            gate, up = self.gate.local(x), self.up.local(x)  # [b, s, f/t]
             hidden = ops.swiglu(gate, up, backend=self.backend)
         elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
             hidden = ops.bias_gelu(self.up(x), self.up.bias, backend="triton")

@@ -1,17 +1,44 @@
 """train.precision: the autocast context a forward runs under (weights, gradients and the
-optimizer stay fp32)."""
+optimizer stay fp32), and under fp8 which linear layers take fp8 GEMMs."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
+from torch import nn
 
 from megatronish.config import Config
+from megatronish.fp8 import RECIPES
+from megatronish.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megatronish.model.block import MLP
 
 
 def autocast(cfg: Config, device: torch.device):
-    """bf16 autocast when train.precision is bf16 (weights, grads and optimizer stay fp32)."""
-    if cfg.train.precision == "bf16":
+    """bf16 autocast when train.precision is bf16 or fp8 (weights, grads and optimizer stay
+    fp32)."""
+    if cfg.train.bf16_autocast:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def fp8_layers(model: nn.Module) -> list[ColumnParallelLinear | RowParallelLinear]:
+    """The linear layers fp8 applies to: each block's attention projections and its dense MLP
+    (not the embeddings, the output layer, the MoE layers or anything outside the blocks)."""
+    layers = []
+    for block in model.blocks.values():
+        parts = [block.attn] + ([block.mlp] if isinstance(block.mlp, MLP) else [])
+        for part in parts:
+            linears = (ColumnParallelLinear, RowParallelLinear)
+            layers += [m for m in part.modules() if isinstance(m, linears)]
+    return layers
+
+
+def use_precision(model: nn.Module, cfg: Config) -> None:
+    """Sets train.fp8_recipe on fp8_layers(model) when train.precision is fp8 (nothing
+    otherwise: the other precisions are autocast alone)."""
+    if cfg.train.precision != "fp8":
+        return
+    recipe = RECIPES[cfg.train.fp8_recipe]
+    for layer in fp8_layers(model):
+        layer.fp8_recipe = recipe

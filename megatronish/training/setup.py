@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatronish import ops
+from megatronish import fp8, ops
 from megatronish.config import (
     Config,
     Derived,
@@ -88,6 +89,7 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
         )
     derived = derive(cfg, world, vocab_size=data_vocab)
     ops.check_backend(cfg.kernels.backend, default_device())
+    notes = [fp8.check_device(default_device())] if cfg.train.precision == "fp8" else []
     if cfg.observe.tensorboard:
         check_tensorboard()
     check_output_paths(cfg)
@@ -95,6 +97,8 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank: said once
         for line in changed:
             print(line, flush=True)
+        for line in notes:
+            print(line, file=sys.stderr, flush=True)
     return cfg, data, derived
 
 

@@ -26,7 +26,7 @@ from megatronish.context import micro_batches
 from megatronish.data_parallel import data_parallel_for
 from megatronish.errors import RunFailure
 from megatronish.model import GPT
-from megatronish.model.precision import autocast
+from megatronish.model.precision import autocast, use_precision
 from megatronish.moe import step_metrics
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
@@ -58,6 +58,7 @@ class Trainer:
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(setup.cfg.train.seed)
         self.model = GPT(setup.cfg, setup.derived, setup.ps)
+        use_precision(self.model, setup.cfg)  # fp8: the blocks' linear layers
         # Phase times of every step on this rank (observe.phase_times).
         self.timer = PhaseTimer(setup.cfg.observe.phase_times, setup.ps.device)
         self.observed = False  # whether a logged window has been observed yet

@@ -1,5 +1,7 @@
 """Each tensor-parallel layer equals the single-device computation with the full weights,
-forward and every gradient, on 2 and 4 gloo ranks at odd sizes."""
+forward and every gradient, on 2 and 4 gloo ranks at odd sizes; with an fp8 recipe, the
+single-device fp8 GEMMs (torchao's, tests/fp8): bit for bit where a rank sums over the whole
+dimension, to fp32 summation order where the tp ranks' partial sums add up."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatronish.distributed import comm
+from megatronish.fp8 import RECIPES, Split, fp8_linear
 from megatronish.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -149,6 +152,82 @@ def _mappings_bytes(rank, world):
     return True
 
 
+def _fp8_magnitude(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A bound on |A_fp8| |B_fp8|^T for a [M, K], b [N, K] cast to fp8 by any recipe here: a cast
+    value is within 1/8 of its magnitude (3 mantissa bits) or 2^-9 / scale (subnormals) of it,
+    and 1 / scale <= 2 amax / 448."""
+    a, b = a.detach().double(), b.detach().double()
+    slack_a, slack_b = a.abs().max() * 2.0**-16, b.abs().max() * 2.0**-16
+    return (1.125 * a.abs() + slack_a) @ (1.125 * b.abs() + slack_b).t()
+
+
+def _assert_summed_close(got, want, a, b, what: str) -> None:
+    """got (partial sums over tp added up) and want (one sum) of the fp8 product a b^T (plus a
+    bias) differ only by fp32 rounding: each sum of K products is within K u of the exact one
+    (u = 2^-24), plus a rounding of the partials' addition and of the bias's."""
+    k = a.shape[-1]
+    a, b = a.reshape(-1, k), b.reshape(-1, k)
+    magnitude = _fp8_magnitude(a, b).view(want.shape)
+    bound = 2 * (k + 1) * 2.0**-24 * magnitude + 2.0**-23 * want.detach().double().abs()
+    err = (got.double() - want.double()).abs()
+    assert (err <= bound).all(), f"{what}: error {err.max():.3e} beyond the fp32 summation bound"
+
+
+def _fp8_pair(rank, world, recipe_name, sequence_parallel):
+    """A column-parallel fp8 layer feeding a row-parallel one, against the single-device fp8
+    GEMMs with the full weights. Rank 0 holds the column weight's larger rows and the last rank
+    the row weight's larger columns (and the input the larger features), so a scale taken from
+    one shard alone would differ from the whole tensor's."""
+    recipe = RECIPES[recipe_name]
+    torch.manual_seed(5)
+    d_in, d_mid = (130, 128 * world) if recipe_name == "blockwise" else (13, 6 * world)
+    batch, seq = 2, 3 * world
+    x, g = torch.randn(batch, seq, d_in), torch.randn(batch, seq, d_in) * 1e-3
+    x[..., :4] *= 8
+    w1, b1 = torch.randn(d_mid, d_in) * 0.1, torch.randn(d_mid)
+    w1[: d_mid // world] *= 4
+    w2, b2 = torch.randn(d_in, d_mid) * 0.1, torch.randn(d_in)
+    w2[:, -(d_mid // world) :] *= 4
+    sp = dict(sequence_parallel=sequence_parallel)
+    col, row = ColumnParallelLinear(d_in, d_mid, **sp), RowParallelLinear(d_mid, d_in, **sp)
+    col.fp8_recipe = row.fp8_recipe = recipe
+    with torch.no_grad():
+        col.weight.copy_(w1.chunk(world)[rank])
+        col.bias.copy_(b1.chunk(world)[rank])
+        row.weight.copy_(w2.chunk(world, dim=1)[rank])
+        row.bias.copy_(b2)
+    tokens = (lambda t: t.chunk(world, dim=1)[rank]) if sequence_parallel else (lambda t: t)
+    x_in = tokens(x).clone().requires_grad_()
+    hidden = col(x_in)
+    hidden.retain_grad()
+    out = row(hidden)
+    out.backward(tokens(g))
+    ref = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    ref_hidden = fp8_linear(ref[0], ref[1], recipe, Split()) + ref[2]
+    ref_hidden.retain_grad()
+    ref_out = fp8_linear(ref_hidden, ref[3], recipe, Split()) + ref[4]
+    ref_out.backward(g)
+
+    def mine(t, dim=-1):
+        return t.chunk(world, dim=dim)[rank]
+
+    exact = {  # each sums over a whole dimension on every rank
+        "column output": (hidden, mine(ref_hidden)),
+        "row input gradient": (hidden.grad, mine(ref_hidden.grad)),
+        "column weight gradient": (col.weight.grad, mine(ref[1].grad, 0)),
+        "row weight gradient": (row.weight.grad, mine(ref[3].grad)),
+    }
+    for what, (got, want) in exact.items():
+        assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max():.3e}"
+    ref_w2_fp8 = ref[3].detach()
+    _assert_summed_close(out, tokens(ref_out), tokens(ref_hidden), ref_w2_fp8, "row output")
+    _assert_summed_close(
+        x_in.grad, tokens(ref[0].grad), tokens(ref_hidden.grad), ref[1].t(), "column input grad"
+    )
+    assert_close(col.bias.grad, mine(ref[2].grad), "column bias grad")
+    return True
+
+
 CHECKS = {
     "column": lambda r, w: _column(r, w, False, False),
     "column_gather_output": lambda r, w: _column(r, w, True, False),
@@ -159,6 +238,13 @@ CHECKS = {
     "embedding": _embedding,
     "cross_entropy": _cross_entropy,
     "mapping_bytes": _mappings_bytes,
+    **{
+        f"fp8_{recipe}{' sequence_parallel' * sp}": functools.partial(
+            _fp8_pair, recipe_name=recipe, sequence_parallel=sp
+        )
+        for recipe in RECIPES
+        for sp in (False, True)
+    },
 }
 
 
@@ -230,6 +316,13 @@ def test_vocab_parallel_cross_entropy_matches_full_and_ignores_minus_100(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_communication_ops_all_reduce_once_in_the_right_direction(world):
     check(world, "mapping_bytes")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_fp8_column_and_row_parallel_layers_equal_the_single_device_fp8_gemms(world, recipe):
+    check(world, f"fp8_{recipe}")
+    check(world, f"fp8_{recipe} sequence_parallel")
 
 
 def test_layers_without_process_group_are_plain_ops():

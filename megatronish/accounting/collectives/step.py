@@ -90,7 +90,7 @@ def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | Non
         b=train.micro_batch_size,
         s=train.seq_len // cp,
         h=cfg.model.d_model,
-        c=2 if train.precision == "bf16" else FP32_BYTES,
+        c=2 if train.bf16_autocast else FP32_BYTES,
         sp=cfg.parallel.sequence_parallel and derived.tp > 1,
         layers=derived.stage_layers[pp_rank],
         moe_layers=stage_moe_layers(derived, pp_rank),

@@ -1,0 +1,28 @@
+"""FP8 training of the linear layers (train.precision: fp8): the recipes (tensorwise, rowwise,
+blockwise), the casts with torchao's scale arithmetic, and the three GEMMs of a linear layer
+with fp8 operands, exact across tensor parallelism. On CPU the GEMMs are emulated (quantize,
+dequantize, fp32 matmul)."""
+
+from megatronish.fp8.device import check_device
+from megatronish.fp8.gemm import (
+    Scales,
+    Split,
+    forward_gemm,
+    fp8_linear,
+    grad_input_gemm,
+    grad_weight_gemm,
+)
+from megatronish.fp8.recipes import RECIPES, Operand, Recipe
+
+__all__ = [
+    "RECIPES",
+    "Operand",
+    "Recipe",
+    "Scales",
+    "Split",
+    "check_device",
+    "forward_gemm",
+    "fp8_linear",
+    "grad_input_gemm",
+    "grad_weight_gemm",
+]

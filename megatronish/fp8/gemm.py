@@ -1,0 +1,136 @@
+"""The three GEMMs of a linear layer with fp8 operands, emulated: each operand is cast to fp8
+by the recipe, dequantized to float32, and the product is an fp32 matmul (fp32 accumulation),
+cast to the dtype of its first operand, as torchao's Float8Linear(emulate=True) computes it.
+
+Shapes: T tokens (all leading dims of the input flattened), in and out the features of this
+rank's weight [out, in]. `split` says which dim of the weight is split over the tp group (a
+column-parallel layer's "out", a row-parallel layer's "in"): the input [T, in] is split with
+it on "in", the output gradient [T, out] on "out" (see megatronish.fp8.quantize). A tensorwise
+scale is computed once per tensor: the input's and the weight's in the forward, the output
+gradient's in the input-gradient GEMM, and reused by the later GEMMs (``Scales``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from megatronish.fp8.quantize import Cast, Quantized, quantize
+from megatronish.fp8.recipes import Recipe
+
+
+@dataclass(frozen=True)
+class Split:
+    """A linear layer's tp group and the dim of its weight split over it (None: whole)."""
+
+    group: dist.ProcessGroup | None = None
+    dim: Literal["out", "in"] | None = None
+
+
+@dataclass(frozen=True)
+class Scales:
+    """The tensorwise scales known so far (None: not tensorwise, or not computed yet)."""
+
+    input: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    grad_output: torch.Tensor | None = None
+
+
+def _tensorwise(q: Quantized) -> torch.Tensor | None:
+    return q.scale if q.operand.granularity == "tensor" else None
+
+
+def _product(a: Quantized, b: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """A [M, K] B [N, K]^T of the dequantized operands in float32 (whatever autocast says),
+    as dtype."""
+    with torch.autocast(a.payload.device.type, enabled=False):
+        return torch.mm(a.values(), b.values().t()).to(dtype)
+
+
+def forward_gemm(
+    x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, split: Split
+) -> tuple[torch.Tensor, Scales]:
+    """Y [T, out] = X [T, in] W^T, and the tensorwise scales it computed."""
+    qx, qw = quantize(
+        [
+            Cast(x, recipe.input, k_split=split.dim == "in"),
+            Cast(weight, recipe.weight, rows_split=split.dim == "out", k_split=split.dim == "in"),
+        ],
+        recipe.power_of_2_scales,
+        split.group,
+    )
+    return _product(qx, qw, x.dtype), Scales(input=_tensorwise(qx), weight=_tensorwise(qw))
+
+
+def grad_input_gemm(
+    grad_output: torch.Tensor, weight: torch.Tensor, recipe: Recipe, split: Split, scales: Scales
+) -> tuple[torch.Tensor, Scales]:
+    """dX [T, in] = dY [T, out] W (this rank's partial sum for a column-parallel layer), and the
+    scales with the output gradient's."""
+    qdy, qwt = quantize(
+        [
+            Cast(grad_output, recipe.grad_output, k_split=split.dim == "out"),
+            Cast(
+                weight.t(),
+                recipe.weight,
+                rows_split=split.dim == "in",
+                k_split=split.dim == "out",
+                scale=scales.weight,
+            ),
+        ],
+        recipe.power_of_2_scales,
+        split.group,
+    )
+    return _product(qdy, qwt, grad_output.dtype), replace(scales, grad_output=_tensorwise(qdy))
+
+
+def grad_weight_gemm(
+    grad_output: torch.Tensor, x: torch.Tensor, recipe: Recipe, split: Split, scales: Scales
+) -> torch.Tensor:
+    """dW [out, in] = dY^T [out, T] X [T, in], in the output gradient's dtype."""
+    qdyt, qxt = quantize(
+        [
+            Cast(
+                grad_output.t(),
+                recipe.grad_output,
+                rows_split=split.dim == "out",
+                scale=scales.grad_output,
+            ),
+            Cast(x.t(), recipe.input, rows_split=split.dim == "in", scale=scales.input),
+        ],
+        recipe.power_of_2_scales,
+        split.group,
+    )
+    return _product(qdyt, qxt, grad_output.dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """x W^T with the three GEMMs in fp8; saves x and the weight in their own precision."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe, split):
+        x2d = x.reshape(-1, x.shape[-1])
+        out, scales = forward_gemm(x2d, weight, recipe, split)
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.split, ctx.scales = recipe, split, scales
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        x2d = x.reshape(-1, x.shape[-1])
+        recipe, split = ctx.recipe, ctx.split
+        grad_in, scales = grad_input_gemm(dy, weight, recipe, split, ctx.scales)
+        grad_weight = grad_weight_gemm(dy, x2d, recipe, split, scales)
+        grad_in = grad_in.view(*grad_out.shape[:-1], grad_in.shape[-1])
+        return grad_in, grad_weight.to(weight.dtype), None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, split: Split) -> torch.Tensor:
+    """x [..., in] times this rank's weight [out, in]^T -> [..., out] in x's dtype, no bias and
+    no communication beyond the scales' amax all-reduces (forward and backward)."""
+    return _Fp8Linear.apply(x, weight, recipe, split)

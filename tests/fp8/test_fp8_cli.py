@@ -1,0 +1,86 @@
+"""fp8 from the command line: `check` names the recipe and says the GEMMs are emulated; a bad
+recipe, blockwise shards that would cut a 128 block, fp8 with context parallelism and a GPU
+without fp8 are one line, exit 2; a run says once that it emulates, and its checkpoint (fp32
+master weights) resumes in bf16."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatronish.errors import UserError
+from megatronish.fp8 import check_device
+from tests.conftest import CONFIGS, invoke_cli, read_metrics
+
+FP8 = ["train.precision=fp8"]
+TINY = [
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.max_seq_len=16",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.warmup_steps=10",
+    "train.log_every=1",
+    "train.eval_every=0",
+]
+
+
+def config_args(*sets: str) -> list[str]:
+    return ["--config", str(CONFIGS / "tiny.yaml"), *(a for s in sets for a in ("--set", s))]
+
+
+def test_check_prints_the_fp8_recipe_and_that_it_is_emulated():
+    result = invoke_cli("check", *config_args(*FP8, "train.fp8_recipe=blockwise"))
+    assert result.returncode == 0, result.stderr
+    assert "fp8: blockwise (1 x 128 tiles of activations and gradients" in result.stdout
+    assert "fp8 amax all-reduces per step and rank (tp 1, stage 0): 0 calls" in result.stdout
+    assert "train.precision: fp8 is emulated on cpu" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("sets", "key", "detail"),
+    [
+        (["train.fp8_recipe=rowise"], "train.fp8_recipe", "tensorwise | rowwise | blockwise"),
+        (
+            ["train.fp8_recipe=blockwise", "parallel.tp=2"],
+            "train.fp8_recipe",
+            "(model.n_head + 2 model.n_kv_head) x head dim = 384 over parallel.tp=2 into 192",
+        ),
+        (["parallel.cp=2"], "train.precision", "parallel.cp=2"),
+    ],
+    ids=["misspelled recipe", "blockwise shards cut a block", "context parallel"],
+)
+def test_bad_fp8_settings_are_one_line_exit_2(sets, key, detail):
+    result = invoke_cli("check", *config_args(*FP8, *sets))
+    assert result.returncode == 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and detail in lines[0], result.stderr
+
+
+def test_fp8_on_a_gpu_below_compute_capability_8_9_is_a_user_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(UserError, match=r"train.precision: .* NVIDIA A100-SXM4-80GB is 8.0"):
+        check_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert "emulated on cuda" in check_device(torch.device("cuda"))
+
+
+def test_fp8_run_says_once_it_emulates_and_its_checkpoint_resumes_in_bf16(tmp_path, small_dataset):
+    run = [*TINY, f"data.path={small_dataset}", f"run.out_dir={tmp_path}"]
+    first = invoke_cli(
+        "train", *config_args(*run, *FP8, "train.fp8_recipe=rowwise", "train.steps=2")
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.count("fp8 is emulated on cpu") == 1, first.stderr
+    resumed = invoke_cli("train", *config_args(*run, "train.precision=bf16", "train.steps=3"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
+    assert "fp8" not in resumed.stderr
+    train_lines, _ = read_metrics(tmp_path)
+    assert [line["step"] for line in train_lines] == [1, 2, 3]
+    assert all(math.isfinite(line["loss"]) for line in train_lines)
