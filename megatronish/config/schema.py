@@ -32,11 +32,41 @@ class MoEConfig:
     num_experts) of the routed tokens of a rank's micro-batch (first choices first, then in
     token order); the others are dropped (their expert output is 0: the token passes through
     the residual) and counted in metrics.jsonl's moe_dropped_frac."""
-    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    router: Literal["softmax_topk", "topk_softmax", "sigmoid"] = "softmax_topk"
     """softmax_topk: softmax over all experts, the top_k kept and renormalized to sum 1
-    (Mixtral); topk_softmax: the top_k logits, then a softmax over them."""
+    (Mixtral); topk_softmax: the top_k logits, then a softmax over them; sigmoid (DeepSeek-V3):
+    sigmoid scores, the experts chosen by the top_k of score + a per-expert bias (see
+    bias_update_speed), weighted by their unbiased scores normalized to sum 1, times
+    routed_scaling_factor. The balancing loss's router probabilities are then the scores
+    normalized over all experts."""
+    n_group: int = 1
+    """Expert groups of group-limited routing (sigmoid router): the num_experts experts split
+    into n_group contiguous groups, ranked per token by the sum of each group's two best biased
+    scores; a token goes only to experts of its topk_group best groups. 1: no groups."""
+    topk_group: int = 1
+    """The groups a token may be routed to (1 <= topk_group <= n_group, and topk_group x
+    num_experts / n_group >= top_k)."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the routed experts' combine weights (sigmoid router)."""
+    bias_update_speed: float = 0.0
+    """Auxiliary-loss-free balancing (sigmoid router; 0: off): after each optimizer step every
+    expert's routing bias moves by this much towards balance, bias += speed x sign(mean load -
+    its load), the loads counted over the whole global batch (every micro-batch and rank), so
+    the biases are the same at every layout. The biases are model state that checkpoints save
+    and restore, not trained parameters."""
+    seq_aux_loss_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balancing loss (0: off): per sequence of T tokens,
+    the sum over experts of f_i P_i, f_i = num_experts / (top_k T) x the tokens choosing expert
+    i, P_i the sequence's mean of the expert's score normalized over all experts; averaged over
+    the sequences, per MoE layer, averaged over the MoE layers."""
+    n_shared_experts: int = 0
+    """Always-on experts beside the routed ones: one SwiGLU MLP of n_shared_experts x the
+    expert d_ff on every token, added to the routed output (DeepSeek). 0: none."""
     shared_expert: bool = False
-    """Also run one dense SwiGLU expert of size d_ff on every token, added to the routed output."""
+    """One shared expert: the same as n_shared_experts=1 (set one or the other)."""
+    first_k_dense: int = 0
+    """The first this-many blocks have dense MLPs (model.d_ff); MoE blocks are then those at
+    index i >= first_k_dense with i a multiple of model.moe.every."""
 
 
 @dataclass
