@@ -250,8 +250,8 @@ def test_metrics_dropped_fraction_equals_a_count_outside_the_model(dataset, tmp_
 
     routed = []
 
-    def recording_route(logits, top_k, kind):
-        routing = route(logits, top_k, kind)
+    def recording_route(logits, top_k, kind, *settings):
+        routing = route(logits, top_k, kind, *settings)
         routed.append(routing.experts.tolist())
         return routing
 
