@@ -1,6 +1,6 @@
 """Prints the config reference of docs/config.md (a Markdown table per section) from the field
-declarations and docstrings in megatronish/config/schema.py, so the two never disagree;
-`--write` puts it into docs/config.md between its markers.
+declarations and docstrings in megatronish/config/ (model_schema.py, schema.py), so the two
+never disagree; `--write` puts it into docs/config.md between its markers.
 
     python scripts/config_reference.py [--write]
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "megatronish" / "config" / "schema.py"
+SOURCES = [ROOT / "megatronish" / "config" / name for name in ("model_schema.py", "schema.py")]
 DOCS = ROOT / "docs" / "config.md"
 START, END = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
 SECTIONS = {
@@ -32,9 +32,9 @@ SECTIONS = {
 
 
 def reference() -> str:
-    tree = ast.parse(SOURCE.read_text())
+    nodes = [node for source in SOURCES for node in ast.parse(source.read_text()).body]
     out = []
-    for node in tree.body:
+    for node in nodes:
         if not (isinstance(node, ast.ClassDef) and node.name in SECTIONS):
             continue
         section = SECTIONS[node.name]

@@ -49,6 +49,7 @@ class Mesh:
         """Ranks between neighbours of a group (see module doc)."""
         return {
             "tp": 1,
+            "world": 1,
             "cp": self.tp,
             "dp": self.tp,
             "ep": self.tp,

@@ -119,8 +119,9 @@ def layer_time(
             batch = 1 if i == 0 else local
             fwd += timer.gemm(*g, batch=batch)
             bwd += timer.gemm(*g, backward=True, batch=batch)
-        if model.moe.shared_expert:
-            shared = [(T, 2 * f_local, h), (T, h, f_local)]
+        if derived.shared_d_ff:
+            shared_local = derived.shared_d_ff // derived.tp
+            shared = [(T, 2 * shared_local, h), (T, h, shared_local)]
             fwd += sum(timer.gemm(*g) for g in shared)
             bwd += sum(timer.gemm(*g, backward=True) for g in shared)
         # Permute the routed rows out and back, forward; twice backward.

@@ -11,7 +11,7 @@ from megatronish.config import Config, Derived
 def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     """Parameters of the full model (all tp and ep ranks together), at the real (unpadded)
     vocab; active: those one token goes through (of each MoE MLP the router, its top_k experts
-    and the shared expert)."""
+    and the shared experts; the first_k_dense blocks are dense)."""
     model, h = cfg.model, cfg.model.d_model
     bias = model.gpt2_block
     norm = 2 * h if bias else h
@@ -37,10 +37,11 @@ def approx_tp_rank_parameters(cfg: Config, derived: Derived, total: int) -> int:
 
 def moe_mlp_params(cfg: Config, derived: Derived, active: bool = False) -> int:
     """Parameters of one MoE MLP: the router, every expert (active: the top_k a token goes
-    through) and the shared expert."""
+    through) and the shared experts (the sigmoid router's routing bias is state, not a
+    trained parameter: not counted)."""
     moe, h, f = cfg.model.moe, cfg.model.d_model, derived.moe_d_ff
     experts = moe.top_k if active else moe.num_experts
-    return moe.num_experts * h + (experts + int(moe.shared_expert)) * 3 * h * f
+    return moe.num_experts * h + experts * 3 * h * f + 3 * h * derived.shared_d_ff
 
 
 def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
@@ -83,13 +84,13 @@ def stage_moe_layers(derived: Derived, pp_rank: int) -> int:
 
 def local_moe_params(cfg: Config, derived: Derived, experts_only: bool = False) -> int:
     """Parameters of one MoE MLP on one rank: the router, its num_experts / ep experts (each
-    f / t wide) and the shared expert (experts_only: its experts alone)."""
+    f / t wide) and the shared experts (experts_only: its experts alone)."""
     moe, h = cfg.model.moe, cfg.model.d_model
     f_local = derived.moe_d_ff // derived.tp
     experts = moe.num_experts // derived.ep * 3 * h * f_local
     if experts_only:
         return experts
-    return moe.num_experts * h + experts + (3 * h * f_local if moe.shared_expert else 0)
+    return moe.num_experts * h + experts + 3 * h * derived.shared_d_ff // derived.tp
 
 
 def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:

@@ -155,6 +155,64 @@ def check_moe_values(cfg: Config) -> None:
         moe.capacity_factor is None or moe.capacity_factor > 0,
         f"model.moe.capacity_factor: {moe.capacity_factor} must be > 0, or null (dropless)",
     )
+    check_deepseek_moe(cfg)
+
+
+def check_deepseek_moe(cfg: Config) -> None:
+    """The DeepSeek MoE keys: groups, bias balancing, sequence loss, shared and dense blocks."""
+    moe, n_layer = cfg.model.moe, cfg.model.n_layer
+    for key in ("bias_update_speed", "seq_aux_loss_coef", "n_shared_experts", "first_k_dense"):
+        value = getattr(moe, key)
+        require(value >= 0, f"model.moe.{key}: {value} must be >= 0 (0 turns it off)")
+    require(
+        not (moe.shared_expert and moe.n_shared_experts > 0),
+        f"model.moe.shared_expert: true and model.moe.n_shared_experts={moe.n_shared_experts} "
+        "both ask for shared experts; set only n_shared_experts",
+    )
+    require(
+        any(i % moe.every == 0 for i in range(moe.first_k_dense, n_layer)),
+        f"model.moe.first_k_dense: {moe.first_k_dense} leaves no MoE block of model.n_layer="
+        f"{n_layer} with model.moe.every={moe.every}; valid: 0 to "
+        f"{(n_layer - 1) // moe.every * moe.every}",
+    )
+    sigmoid = moe.router == "sigmoid"
+    for key, value, default in (
+        ("n_group", moe.n_group, 1),
+        ("topk_group", moe.topk_group, 1),
+        ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
+        ("bias_update_speed", moe.bias_update_speed, 0.0),
+    ):
+        require(
+            sigmoid or value == default,
+            f"model.moe.{key}: {value} needs model.moe.router=sigmoid (router is "
+            f"{moe.router!r}); valid otherwise: {default}",
+        )
+    require(
+        moe.routed_scaling_factor > 0,
+        f"model.moe.routed_scaling_factor: {moe.routed_scaling_factor} must be > 0",
+    )
+    require(
+        moe.n_group >= 1 and moe.num_experts % moe.n_group == 0,
+        f"model.moe.n_group: {moe.n_group} does not divide model.moe.num_experts="
+        f"{moe.num_experts}; valid: {', '.join(str(d) for d in divisors(moe.num_experts))}",
+    )
+    per_group = moe.num_experts // moe.n_group
+    require(
+        moe.n_group == 1 or per_group >= 2,
+        f"model.moe.n_group: {moe.n_group} leaves one expert per group (groups are ranked by "
+        "their two best scores); valid: a divisor of num_experts at most num_experts / 2",
+    )
+    require(
+        1 <= moe.topk_group <= moe.n_group,
+        f"model.moe.topk_group: {moe.topk_group} is not valid; 1 to model.moe.n_group="
+        f"{moe.n_group}",
+    )
+    require(
+        moe.topk_group * per_group >= moe.top_k,
+        f"model.moe.top_k: {moe.top_k} is more than the {moe.topk_group * per_group} experts of "
+        f"the model.moe.topk_group={moe.topk_group} chosen groups ({per_group} each); valid: "
+        f"topk_group >= {-(-moe.top_k // per_group)} or top_k <= {moe.topk_group * per_group}",
+    )
 
 
 def check_rope_scaling(cfg: Config) -> None:

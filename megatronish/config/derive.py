@@ -23,7 +23,8 @@ def moe_layers(cfg: Config) -> tuple[int, ...]:
     moe = cfg.model.moe
     if moe.num_experts == 0:
         return ()
-    return tuple(range(0, cfg.model.n_layer, moe.every))
+    first, every = moe.first_k_dense, moe.every
+    return tuple(i for i in range(first, cfg.model.n_layer) if i % every == 0)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class Derived:
     """The blocks with a mixture-of-experts MLP."""
     moe_d_ff: int = 0
     """Inner size of one expert (0 without experts)."""
+    shared_d_ff: int = 0
+    """Inner size of the shared experts' MLP of each MoE block: n_shared_experts (or one for
+    shared_expert) x moe_d_ff; 0 without shared experts."""
 
     def chunk_range(self, chunk: int) -> range:
         """The global indices of the transformer layers of model chunk `chunk`."""
@@ -171,6 +175,7 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         ep=parallel.ep if model.moe.num_experts > 0 else 1,
         moe_layers=moe_layers(cfg),
         moe_d_ff=moe_d_ff,
+        shared_d_ff=moe_d_ff * (model.moe.n_shared_experts or int(model.moe.shared_expert)),
     )
 
 

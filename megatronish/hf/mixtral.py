@@ -66,6 +66,9 @@ def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
     for bad, key, valid in (
         (moe.every != 1, "model.moe.every", "1 (an MoE MLP in every block)"),
         (moe.shared_expert, "model.moe.shared_expert", "false"),
+        (moe.n_shared_experts > 0, "model.moe.n_shared_experts", "0"),
+        (moe.first_k_dense > 0, "model.moe.first_k_dense", "0"),
+        (moe.router == "sigmoid", "model.moe.router", "softmax_topk"),
     ):
         if bad:
             raise UserError(

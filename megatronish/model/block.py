@@ -78,7 +78,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, derived, ps, tracker)
         self.norm2 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         if index in derived.moe_layers:
-            shared = MLP(cfg, derived, ps, derived.moe_d_ff) if model.moe.shared_expert else None
+            shared = MLP(cfg, derived, ps, derived.shared_d_ff) if derived.shared_d_ff else None
             self.mlp = MoELayer(cfg, derived, ps, shared)
         else:
             self.mlp = MLP(cfg, derived, ps)

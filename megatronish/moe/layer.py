@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP of one block: router -> dispatch -> grouped expert SwiGLU ->
-combine (plus an optional shared expert), with its router losses attached to the backward.
+combine (plus the shared experts' MLP, if any), with its router losses attached to the backward.
 
 Shapes: b batch, s sequence, h d_model, T = b s tokens of this rank, E experts, k top_k.
 
@@ -13,11 +13,12 @@ weights and their experts are all-gathered over tp (reduce-scatter backward) and
 reduce-scattered, as the dense MLP does. Routing depends only on a token's hidden state, so it
 is the same at every tp, ep, cp and pp, with or without sequence parallelism.
 
-Router losses: each layer adds (aux_loss_coef x load balancing + z_loss_coef x z-loss) / (MoE
-layers) of its micro-batch to the loss, attached to the layer's output (AttachLoss: the
-forward is the identity, the backward also starts the loss's gradient), so it reaches the
-backward from any pipeline stage. Under cp a rank's share is scaled by cp, as the
-cross-entropy loss is, so the gradient mean over the dp x cp group is the micro-batches' mean.
+Router losses: each layer adds (aux_loss_coef x load balancing + z_loss_coef x z-loss +
+seq_aux_loss_coef x sequence-wise balancing) / (MoE layers) of its micro-batch to the loss,
+attached to the layer's output (AttachLoss: the forward is the identity, the backward also
+starts the loss's gradient), so it reaches the backward from any pipeline stage. Under cp a
+rank's share is scaled by cp, as the cross-entropy loss is, so the gradient mean over the
+dp x cp group is the micro-batches' mean.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from megatronish.layers.linear import mark_parallel, to_autocast_dtype
 from megatronish.layers.roles import set_role
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
-from megatronish.moe.router import balancing_loss_share, route, router_logits, z_loss_share
+from megatronish.moe.router import (
+    Grouping,
+    balancing_loss_share,
+    route,
+    router_logits,
+    sequence_loss_share,
+    z_loss_share,
+)
 from megatronish.moe.stats import LayerStats
 
 
@@ -55,12 +63,18 @@ class AttachLoss(torch.autograd.Function):
 
 
 class Router(nn.Module):
-    """The router weight [E, h], replicated over tp."""
+    """The router weight [E, h], replicated over tp; with the sigmoid router also its routing
+    bias [E] (fp32, replicated everywhere): model state that checkpoints store, moved by
+    moe.balance after each step, never by the optimizer (requires_grad False)."""
 
-    def __init__(self, num_experts: int, d_model: int):
+    def __init__(self, num_experts: int, d_model: int, biased: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         mark_parallel(self.weight, None, (num_experts, d_model))
+        self.bias = None
+        if biased:
+            self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+            mark_parallel(self.bias, None, (num_experts,))
 
 
 class MoELayer(nn.Module):
@@ -80,7 +94,11 @@ class MoELayer(nn.Module):
         # parallelism: the router losses count every tp rank's share.
         self.token_shards = self.cp * (derived.tp if self.sequence_parallel else 1)
         local = moe.num_experts // derived.ep
-        self.router = Router(moe.num_experts, cfg.model.d_model)
+        self.router = Router(moe.num_experts, cfg.model.d_model, moe.router == "sigmoid")
+        self.grouping = Grouping(moe.n_group, moe.topk_group, moe.routed_scaling_factor)
+        self.seq_coef = moe.seq_aux_loss_coef
+        # Routed assignments per expert since the last bias update (moe.balance), this rank's.
+        self.load = torch.zeros(moe.num_experts, dtype=torch.int64)
         set_role(self.router.weight, sequence_parallel_grad=self.sequence_parallel)
         self.experts = GroupedExperts(
             local,
@@ -92,14 +110,14 @@ class MoELayer(nn.Module):
         )
         self.shared = shared
         self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)
-        self.stats = LayerStats(moe.num_experts, split_over_tp=self.sequence_parallel)
+        self.stats = LayerStats(moe.num_experts, self.sequence_parallel, self.router.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] (replicated over tp; [b, s / t, h] under sequence parallelism) -> the
         same shape."""
         b, s, h = x.shape
         logits = router_logits(x.reshape(b * s, h), self.router.weight)  # [T, E] fp32
-        routing = route(logits, self.top_k, self.kind)
+        routing = route(logits, self.top_k, self.kind, self.router.bias, self.grouping)
         group = self.tp_group
         # In the matmul dtype (bf16 under autocast) before the collectives, as the dense MLP.
         tokens, weights, experts = to_autocast_dtype(x), routing.weights, routing.experts
@@ -131,33 +149,50 @@ class MoELayer(nn.Module):
             out = out + self.shared(x)
         if not (self.training and torch.is_grad_enabled()):
             return out
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts)
-        loss, balance, z = self.router_loss(routing, counts)
+        loss, balance, z, counts = self.router_loss(routing, b)
         if not _RECOMPUTING[0]:
-            self.stats.add(counts, keep, balance, z)  # keep: the whole (gathered) micro-batch
+            self.stats.add(counts, keep, balance, z)
+            self.load = (
+                self.load.to(counts.device) + counts
+            )  # keep: the whole (gathered) micro-batch
         if loss.requires_grad:
             out = AttachLoss.apply(out, loss, self.loss_scale)
         return out
 
     def router_loss(
-        self, routing, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's share of the micro-batch's router loss term (differentiable), and its
-        shares of the balancing and z-losses (unweighted, detached: for the metrics). counts
-        [E]: this rank's routed assignments per expert."""
+        self, routing, b: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's share of the micro-batch's router loss term (differentiable), its
+        shares of the balancing and z-losses (unweighted, detached: for the metrics), and its
+        routed assignments per expert [E]. b: the sequences of the micro-batch."""
+        experts = routing.experts.view(b, -1)  # [b, s k] of this rank's tokens
+        per_sequence = torch.zeros(b, self.num_experts, dtype=torch.int64, device=experts.device)
+        per_sequence.scatter_add_(1, experts, torch.ones_like(experts))
+        counts = per_sequence.sum(0)
         tokens = routing.logits.shape[0] * self.token_shards
-        if self.token_shards > 1:  # f counts the whole micro-batch's assignments
-            counts = counts.clone()
+        if self.token_shards > 1:  # f counts the whole micro-batch's (sequences') assignments
+            whole = per_sequence.clone() if self.seq_coef else counts.clone()
             if self.sequence_parallel:
-                comm.all_reduce(counts, self.tp_group)
+                comm.all_reduce(whole, self.tp_group)
             if self.cp > 1:
-                comm.all_reduce(counts, self.cp_group)
-        balance = balancing_loss_share(routing.probs, counts, tokens, self.top_k)
+                comm.all_reduce(whole, self.cp_group)
+            per_sequence = whole if self.seq_coef else per_sequence
+            all_counts = whole.sum(0) if self.seq_coef else whole
+        else:
+            all_counts = counts
+        balance = balancing_loss_share(routing.probs, all_counts, tokens, self.top_k)
         z = z_loss_share(routing.logits, tokens)
+        loss = self.aux_coef * balance + self.z_coef * z
+        if self.seq_coef:
+            probs = routing.probs.view(b, -1, self.num_experts)
+            seq_len = tokens // b
+            loss = loss + self.seq_coef * sequence_loss_share(
+                probs, per_sequence, seq_len, self.top_k
+            )
         # Under cp the loss's gradients are averaged over the cp ranks (scaled back here);
         # under sequence parallelism the router's are summed over tp (no scale).
-        loss = (self.aux_coef * balance + self.z_coef * z) * (self.cp * self.loss_weight)
-        return loss, balance.detach(), z.detach()
+        loss = loss * (self.cp * self.loss_weight)
+        return loss, balance.detach(), z.detach(), counts
 
 
 _RECOMPUTING = [False]

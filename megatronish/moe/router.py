@@ -10,8 +10,12 @@ Losses, over the T_all tokens of one micro-batch (all the cp ranks' shares of it
   T_all x k routed assignments that chose expert i, P_i the mean router probability of expert
   i; 1 at perfect balance. Only P carries a gradient.
 - z-loss (ST-MoE eq. 5): the mean over tokens of logsumexp(logits)^2.
+- sequence-wise balancing (DeepSeek-V3 eq. 17-20): per sequence of s tokens, sum_i f_i P_i,
+  f_i = E / (k s) x the sequence's assignments to expert i, P_i the sequence's mean of the
+  scores normalized over all experts; the mean over the micro-batch's sequences.
 Each rank computes its share (its tokens' probabilities and logits over T_all; the counts f
-are summed over the cp group first), so the shares of a micro-batch add up to its loss.
+are summed over the cp group, and over tp under sequence parallelism, first), so the shares
+of a micro-batch add up to its loss.
 """
 
 from __future__ import annotations
@@ -37,9 +41,29 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(dtype), weight.to(dtype))
 
 
-def route(logits: torch.Tensor, top_k: int, kind: str) -> Routing:
+@dataclass(frozen=True)
+class Grouping:
+    """The sigmoid router's settings: n_group groups of which a token may use topk_group, and
+    the combine weights' factor."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    kind: str,
+    bias: torch.Tensor | None = None,
+    grouping: Grouping = Grouping(),
+) -> Routing:
     """softmax_topk: softmax over all experts, keep the top_k, renormalize them to sum 1
-    (Mixtral). topk_softmax: the top_k logits, softmax over those."""
+    (Mixtral). topk_softmax: the top_k logits, softmax over those. sigmoid: see
+    sigmoid_route (bias [E], the routing bias)."""
+    if kind == "sigmoid":
+        assert bias is not None, "the sigmoid router needs its bias"
+        return sigmoid_route(logits, top_k, bias, grouping)
     probs = torch.softmax(logits, dim=-1)
     if kind == "softmax_topk":
         weights, experts = probs.topk(top_k, dim=-1)
@@ -48,7 +72,32 @@ def route(logits: torch.Tensor, top_k: int, kind: str) -> Routing:
         values, experts = logits.topk(top_k, dim=-1)
         weights = torch.softmax(values, dim=-1)
     else:
-        raise ValueError(f"router must be softmax_topk or topk_softmax, got {kind!r}")
+        raise ValueError(f"router must be softmax_topk, topk_softmax or sigmoid, got {kind!r}")
+    return Routing(experts, weights, probs, logits)
+
+
+def sigmoid_route(
+    logits: torch.Tensor, top_k: int, bias: torch.Tensor, grouping: Grouping
+) -> Routing:
+    """DeepSeek-V3: scores s = sigmoid(logits); the experts are the top_k of s + bias among
+    the experts of each token's topk_group best groups (a group ranked by the sum of its two
+    best biased scores); their weights the unbiased scores over their sum (+ 1e-20) times
+    grouping.scale. The bias only chooses: no gradient flows through it. probs (for the
+    balancing losses): s normalized over all experts."""
+    scores = torch.sigmoid(logits)
+    choice = scores.detach() + bias.to(scores.dtype)
+    tokens, num_experts = choice.shape
+    if grouping.n_group > 1:
+        groups = choice.view(tokens, grouping.n_group, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+        best = group_scores.topk(grouping.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        allowed = allowed[:, :, None].expand_as(groups).reshape(tokens, num_experts)
+        choice = choice.masked_fill(~allowed, float("-inf"))
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * grouping.scale
+    probs = scores / scores.sum(dim=-1, keepdim=True)
     return Routing(experts, weights, probs, logits)
 
 
@@ -60,6 +109,18 @@ def balancing_loss_share(
     num_experts = probs.shape[-1]
     fraction = counts.to(probs.dtype) / (tokens * top_k)  # f_i
     return num_experts * (fraction * probs.sum(dim=0)).sum() / tokens
+
+
+def sequence_loss_share(
+    probs: torch.Tensor, counts: torch.Tensor, seq_len: int, top_k: int
+) -> torch.Tensor:
+    """This rank's share of DeepSeek-V3's sequence-wise balancing loss, averaged over the b
+    sequences: probs [b, s, E] of its tokens (s: its share of each sequence), counts [b, E] the
+    routed assignments of each whole sequence of seq_len tokens per expert."""
+    num_experts = probs.shape[-1]
+    fraction = counts.to(probs.dtype) * (num_experts / (top_k * seq_len))  # f_i per sequence
+    share = probs.sum(dim=1) / seq_len  # this rank's part of P_i per sequence
+    return (fraction * share).sum() / probs.shape[0]
 
 
 def z_loss_share(logits: torch.Tensor, tokens: int) -> torch.Tensor:

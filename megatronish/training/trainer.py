@@ -27,7 +27,7 @@ from megatronish.data_parallel import data_parallel_for
 from megatronish.errors import RunFailure
 from megatronish.model import GPT
 from megatronish.model.precision import autocast, use_precision
-from megatronish.moe import step_metrics
+from megatronish.moe import Balancer, step_metrics
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
@@ -59,6 +59,8 @@ class Trainer:
         torch.manual_seed(setup.cfg.train.seed)
         self.model = GPT(setup.cfg, setup.derived, setup.ps)
         use_precision(self.model, setup.cfg)  # fp8: the blocks' linear layers
+        # The sigmoid router's routing biases and load spread (moe.balance).
+        self.balancer = Balancer(self.model.moe_layers(), setup.cfg, setup.derived, setup.ps)
         # Phase times of every step on this rank (observe.phase_times).
         self.timer = PhaseTimer(setup.cfg.observe.phase_times, setup.ps.device)
         self.observed = False  # whether a logged window has been observed yet
@@ -104,6 +106,7 @@ class Trainer:
                 if not verdict.skip:
                     self.data_parallel.step(lr_at(self.step + 1, self.cfg))
                 self.data_parallel.after_step()
+                self.balancer.after_step(applied=not verdict.skip)
         self.step += 1
         self.profiler.end_step(self.step)
         return StepResult(loss, grad_norm, verdict)
@@ -284,7 +287,10 @@ class Trainer:
         none without experts)."""
         stats = {index: layer.stats for index, layer in self.model.moe_layers().items()}
         moe = self.cfg.model.moe
-        return step_metrics(stats, self.setup.derived.moe_layers, moe.num_experts, self.ps)
+        biased = moe.router == "sigmoid"
+        layers = self.setup.derived.moe_layers
+        metrics = step_metrics(stats, layers, moe.num_experts, self.ps, biased)
+        return metrics | self.balancer.metrics()
 
     def observe_step(self) -> dict:
         """On a logged step: the phase times and peak memory of every rank since the last one,

@@ -37,6 +37,16 @@ MOE = [
     "model.moe.top_k=2", "model.moe.every=1", "model.moe.d_ff=48", "model.moe.z_loss_coef=0.01",
 ]  # fmt: skip
 CAPACITY = ["model.moe.capacity_factor=1.0"]
+# DeepSeek-V3's MoE: a dense first block, then MoE blocks of 8 experts in 4 groups (2 chosen),
+# a sigmoid router with routing biases moved every step, the sequence-wise balancing loss and
+# two shared experts.
+DEEPSEEK = [
+    "model.arch=llama", "model.n_kv_head=2", "model.n_layer=3", "model.moe.num_experts=8",
+    "model.moe.top_k=2", "model.moe.d_ff=16", "model.moe.router=sigmoid", "model.moe.n_group=4",
+    "model.moe.topk_group=2", "model.moe.routed_scaling_factor=1.5",
+    "model.moe.bias_update_speed=0.01", "model.moe.seq_aux_loss_coef=0.01",
+    "model.moe.aux_loss_coef=0", "model.moe.n_shared_experts=2", "model.moe.first_k_dense=1",
+]  # fmt: skip
 # name -> (tp, cp, dp, pp, ep, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
     "ep2": (1, 1, 2, 1, 2, MOE),
@@ -45,6 +55,7 @@ TWO_RANKS = {
     "ep2 shared expert topk_softmax": (
         1, 1, 2, 1, 2, MOE + ["model.moe.shared_expert=true", "model.moe.router=topk_softmax"],
     ),
+    "ep2 deepseek": (1, 1, 2, 1, 2, DEEPSEEK),
 }  # fmt: skip
 FOUR_RANKS = {
     "ep2 tp2": (2, 1, 2, 1, 2, MOE),
@@ -58,10 +69,12 @@ FOUR_RANKS = {
     ),
     "ep2 pp2 dense and moe blocks": (1, 1, 2, 2, 2, MOE + ["model.n_layer=4", "model.moe.every=2"]),
     "ep2 cp2": (1, 2, 2, 1, 2, MOE),
+    "ep2 tp2 deepseek": (2, 1, 2, 1, 2, DEEPSEEK),
     "dp4 ep2 zero1": (1, 1, 4, 1, 2, MOE + ["optim.zero=1"]),
 }
 SAVED = "ep2"  # also saves a checkpoint at step 10
 ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")
+BIAS_METRICS = ("moe_load_spread", "moe_load_spread_mean", "moe_bias_range")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +99,11 @@ def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
         "losses": losses,
         "norms": norms,
         "metrics": trainer.moe_metrics(),  # over all 20 steps
+        "biases": {
+            i: m.router.bias.tolist()
+            for i, m in trainer.model.moe_layers().items()
+            if m.router.bias is not None
+        },
         "payload": dict(counter.payload_bytes),
         "formula": formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank),
     }
@@ -132,10 +150,14 @@ def four_ranks(dataset, save_dir):
 
 
 def assert_router_metrics_match(per_rank: list[dict], name: str, ref: dict) -> None:
+    """The router metrics; with routing biases, the biases after the 20 steps and the last
+    step's load spread."""
     for rank_results in per_rank:
         got = rank_results[name]["metrics"]
-        for key in ROUTER_METRICS:
+        for key in ROUTER_METRICS + tuple(k for k in BIAS_METRICS if k in ref["metrics"]):
             assert got[key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-9), key
+        for index, bias in rank_results[name]["biases"].items():
+            assert bias == pytest.approx(ref["biases"][index], rel=0, abs=1e-6), index
 
 
 @pytest.mark.parametrize("name", list(TWO_RANKS))
@@ -228,8 +250,8 @@ def test_metrics_dropped_fraction_equals_a_count_outside_the_model(dataset, tmp_
 
     routed = []
 
-    def recording_route(logits, top_k, kind):
-        routing = route(logits, top_k, kind)
+    def recording_route(logits, top_k, kind, *settings):
+        routing = route(logits, top_k, kind, *settings)
         routed.append(routing.experts.tolist())
         return routing
 
@@ -264,6 +286,19 @@ def test_metrics_dropped_fraction_equals_a_count_outside_the_model(dataset, tmp_
         (1, ["model.moe.num_experts=0", "parallel.ep=2"], "parallel.ep"),
         (1, ["model.arch=gpt2", "model.n_kv_head=null"], "model.moe"),
         (1, ["model.moe.capacity_factor=0"], "model.moe.capacity_factor"),
+        (1, ["model.moe.router=sigmoid", "model.moe.bias_update_speed=-1"], "bias_update_speed"),
+        (1, ["model.moe.router=sigmoid", "model.moe.n_group=3"], "model.moe.n_group"),
+        (
+            1,
+            ["model.moe.router=sigmoid", "model.moe.n_group=2", "model.moe.topk_group=3"],
+            "model.moe.topk_group",
+        ),
+        (
+            1,
+            ["model.moe.router=sigmoid", "model.moe.n_group=2", "model.moe.top_k=3"],
+            "model.moe.top_k",
+        ),
+        (1, ["model.moe.n_group=2"], "model.moe.n_group"),
     ],
 )
 def test_cli_bad_moe_settings_exit_2_with_one_line(world, sets, key):
@@ -299,3 +334,27 @@ def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
     assert "all-to-all per step and rank (ep 2)" in report
     ep1, ep2 = (estimate(cfg, 2, 1, ep=ep) for ep in (1, 2))
     assert ep2.expert_gb == pytest.approx(ep1.expert_gb / 2)
+
+
+def test_a_resumed_run_restores_the_routing_biases_exactly_and_continues_on_the_same_curve(
+    dataset, tmp_path
+):
+    """A one-process DeepSeek run saved at step 2 resumes to step 4 with the biases and losses
+    of the uninterrupted run, bit for bit; load_model gets the saved biases too."""
+    from megatronish import load_model
+    from megatronish.distributed.layout import ParallelState
+
+    def biases(model) -> list[list[float]]:
+        return [layer.router.bias.tolist() for layer in model.moe_layers().values()]
+
+    save = ["train.steps=4", "checkpoint.save=true", f"checkpoint.dir={tmp_path}"]
+    cfg = make_config(1, 1, 1, 1, 1, DEEPSEEK, dataset, save)
+    whole = make_trainer(cfg, 1, dataset, ParallelState.single())
+    losses, _, _ = train_counted(whole, 4, save_every=2)
+    assert any(b != 0 for layer in biases(whole.model) for b in layer)
+    resume = [*save, f"checkpoint.resume={tmp_path}/step_000002", "checkpoint.save=false"]
+    cfg = make_config(1, 1, 1, 1, 1, DEEPSEEK, dataset, resume)
+    resumed = make_trainer(cfg, 1, dataset, ParallelState.single())
+    assert biases(resumed.model) == biases(load_model(tmp_path / "step_000002").gpt)
+    assert train_losses(resumed) == losses[2:]
+    assert biases(resumed.model) == biases(whole.model)

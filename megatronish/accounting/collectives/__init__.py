@@ -31,7 +31,12 @@ from megatronish.accounting.collectives.cp import cp_collectives
 from megatronish.accounting.collectives.dp import dp_collectives
 from megatronish.accounting.collectives.ep import ep_collectives
 from megatronish.accounting.collectives.pp import pp_collectives
-from megatronish.accounting.collectives.step import Collective, step_agreement, step_of
+from megatronish.accounting.collectives.step import (
+    Collective,
+    expert_loads,
+    step_agreement,
+    step_of,
+)
 from megatronish.accounting.collectives.tp import tp_collectives
 from megatronish.config import Config, Derived
 
@@ -49,7 +54,8 @@ def collectives_per_step(
     """Every collective one rank of pipeline stage pp_rank issues in one optimizer step, from
     the config alone, and loss_masked: whether the run's loader masks the loss (SFT data; None:
     data.eod_mask_loss). Each dimension's (see the package doc and its module), in the order
-    tp, cp, ep, pp, dp, then the step agreement; none on a group of one rank or of no call."""
+    tp, cp, ep, pp, dp, the routing biases' expert loads, then the step agreement; none on a
+    group of one rank or of no call."""
     step = step_of(cfg, derived, pp_rank, loss_masked)
     ops = [
         *tp_collectives(step),
@@ -57,6 +63,7 @@ def collectives_per_step(
         *ep_collectives(step),
         *pp_collectives(step),
         *dp_collectives(step),
+        *expert_loads(step),
         *step_agreement(step),
     ]
     return [op for op in ops if op.size > 1 and op.count > 0]

@@ -4,7 +4,8 @@ mask's count, which runs over the whole data-parallel group).
 Per micro-batch and layer the ring attention sends ("cp_ring") its k and v, c [2, b, k/t, s, d]
 with k kv heads (only those travel), cp - 1 times forward and again backward, plus cp hops of
 their fp32 gradient accumulator backward; attention recompute (selective or full) reruns the
-forward ring. Per micro-batch and MoE layer the E int64 routed counts of the balancing loss.
+forward ring. Per micro-batch and MoE layer the E int64 routed counts of the balancing loss
+(b x E, each sequence's, with the sequence-wise balancing loss).
 
 The loss divides by the tokens it counts: without a loss mask the last stage all-reduces its
 token count (one fp64) over cp per micro-batch; with one it instead all-reduces the counted
@@ -17,9 +18,9 @@ from __future__ import annotations
 from megatronish.accounting.collectives.step import (
     FP32_BYTES,
     FP64_BYTES,
-    INT64_BYTES,
     Collective,
     Step,
+    moe_count_bytes,
 )
 
 
@@ -35,7 +36,7 @@ def cp_collectives(step: Step) -> list[Collective]:
     ops = [Collective(what, "cp_ring", "cp", cp, kv * step.c, hops)]
     what = "ring attention dk and dv accumulator (backward)"
     ops.append(Collective(what, "cp_ring", "cp", cp, kv * FP32_BYTES, cp * n * accum))
-    counts, calls = step.cfg.model.moe.num_experts * INT64_BYTES, step.moe_layers * accum
+    counts, calls = moe_count_bytes(step), step.moe_layers * accum
     what = "MoE routed counts for the balancing loss"
     ops.append(Collective(what, "all_reduce", "cp", cp, counts, calls))
     if step.last and not step.masked:

@@ -18,9 +18,9 @@ STEP_FLAGS = 4  # faults.agree_on_step: loss and grad_norm non-finite, stop, wri
 @dataclass(frozen=True)
 class Collective:
     """One kind of collective a training step issues: `count` calls of `payload` bytes each on
-    the `group` ("tp", "cp", "dp", "ep", "pp" or "embedding") of `size` ranks. payload is what
-    ``comm`` counts: the tensor of an all-reduce or broadcast, the full (gathered) tensor of an
-    all-gather or reduce-scatter."""
+    the `group` ("tp", "cp", "dp", "ep", "pp", "embedding" or "world") of `size` ranks. payload
+    is what ``comm`` counts: the tensor of an all-reduce or broadcast, the full (gathered)
+    tensor of an all-gather or reduce-scatter."""
 
     what: str
     kind: str
@@ -95,6 +95,25 @@ def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | Non
         layers=derived.stage_layers[pp_rank],
         moe_layers=stage_moe_layers(derived, pp_rank),
     )
+
+
+def moe_count_bytes(step: Step) -> int:
+    """Bytes of one MoE layer's routed counts summed over cp (and tp under sequence
+    parallelism) per micro-batch: E int64, or b x E (each sequence's) with the sequence-wise
+    balancing loss."""
+    moe = step.cfg.model.moe
+    return (step.b if moe.seq_aux_loss_coef else 1) * moe.num_experts * INT64_BYTES
+
+
+def expert_loads(step: Step) -> list[Collective]:
+    """moe.balance (sigmoid router): every MoE layer's per-expert loads of the step, int64,
+    all-reduced over all ranks once per step."""
+    moe, derived = step.cfg.model.moe, step.derived
+    if not derived.moe_layers or moe.router != "sigmoid":
+        return []
+    payload = len(derived.moe_layers) * moe.num_experts * INT64_BYTES
+    what = "MoE expert loads of the global batch (routing biases)"
+    return [Collective(what, "all_reduce", "world", derived.world_size, payload, 1)]
 
 
 def step_agreement(step: Step) -> list[Collective]:

@@ -47,6 +47,7 @@ from megatronish.accounting.collectives.step import (
     INT64_BYTES,
     Collective,
     Step,
+    moe_count_bytes,
 )
 from megatronish.accounting.parameters import tp_summed_grad_count
 
@@ -174,10 +175,10 @@ def _moe(step: Step) -> list[Collective]:
         return []
     tokens = step.b * step.s * moe.top_k  # T k routed rows
     weights, act = tokens * FP32_BYTES, step.b * step.s * step.h * step.c
-    counts = moe.num_experts * INT64_BYTES
+    counts = moe_count_bytes(step)
     if not step.sp:
         rows = [("MoE combine weights gradient (backward)", "all_reduce", weights, n)]
-        if moe.shared_expert:
+        if step.derived.shared_d_ff:
             rows += [
                 ("shared expert output (forward)", "all_reduce", act, n),
                 ("shared expert input gradient (backward)", "all_reduce", act, n),
@@ -190,7 +191,7 @@ def _moe(step: Step) -> list[Collective]:
         ("MoE experts of the tokens (forward)", "all_gather", tokens * INT64_BYTES, n),
         ("MoE routed counts for the balancing loss", "all_reduce", counts, n),
     ]
-    if moe.shared_expert:
+    if step.derived.shared_d_ff:
         rows += [
             ("shared expert input and output gradient", "all_gather", act, 2 * n),
             ("shared expert output and input gradient", "reduce_scatter", act, 2 * n),

@@ -1,0 +1,183 @@
+"""The model section of the config schema: model.* (ModelConfig), its sub-sections model.moe.*
+(MoEConfig) and model.rope_scaling (RopeScalingConfig), each key a field documented where it
+is declared, as in config.schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 0
+    """Experts of each mixture-of-experts MLP; 0: every block has a dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to (1 <= top_k <= num_experts)."""
+    d_ff: int | None = None
+    """Inner size of one expert (SwiGLU), divisible by parallel.tp. Default: model.d_ff."""
+    every: int = 1
+    """An MoE MLP in every this-many-th block (blocks 0, every, 2 every, ...), dense elsewhere."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformer eq. 4: coef x num_experts x the sum
+    over experts of the fraction of routed tokens times the mean router probability; coef at
+    perfect balance), per MoE layer, averaged over the MoE layers."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE: mean over tokens of logsumexp(router logits)^2)."""
+    capacity_factor: float | None = None
+    """null: dropless. A number c: each expert takes at most ceil(c x tokens x top_k /
+    num_experts) of the routed tokens of a rank's micro-batch (first choices first, then in
+    token order); the others are dropped (their expert output is 0: the token passes through
+    the residual) and counted in metrics.jsonl's moe_dropped_frac."""
+    router: Literal["softmax_topk", "topk_softmax", "sigmoid"] = "softmax_topk"
+    """softmax_topk: softmax over all experts, the top_k kept and renormalized to sum 1
+    (Mixtral); topk_softmax: the top_k logits, then a softmax over them; sigmoid (DeepSeek-V3):
+    sigmoid scores, the experts chosen by the top_k of score + a per-expert bias (see
+    bias_update_speed), weighted by their unbiased scores normalized to sum 1, times
+    routed_scaling_factor. The balancing loss's router probabilities are then the scores
+    normalized over all experts."""
+    n_group: int = 1
+    """Expert groups of group-limited routing (sigmoid router): the num_experts experts split
+    into n_group contiguous groups, ranked per token by the sum of each group's two best biased
+    scores; a token goes only to experts of its topk_group best groups. 1: no groups."""
+    topk_group: int = 1
+    """The groups a token may be routed to (1 <= topk_group <= n_group, and topk_group x
+    num_experts / n_group >= top_k)."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the routed experts' combine weights (sigmoid router)."""
+    bias_update_speed: float = 0.0
+    """Auxiliary-loss-free balancing (sigmoid router; 0: off): after each optimizer step every
+    expert's routing bias moves by this much towards balance, bias += speed x sign(mean load -
+    its load), the loads counted over the whole global batch (every micro-batch and rank), so
+    the biases are the same at every layout. The biases are model state that checkpoints save
+    and restore, not trained parameters."""
+    seq_aux_loss_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balancing loss (0: off): per sequence of T tokens,
+    the sum over experts of f_i P_i, f_i = num_experts / (top_k T) x the tokens choosing expert
+    i, P_i the sequence's mean of the expert's score normalized over all experts; averaged over
+    the sequences, per MoE layer, averaged over the MoE layers."""
+    n_shared_experts: int = 0
+    """Always-on experts beside the routed ones: one SwiGLU MLP of n_shared_experts x the
+    expert d_ff on every token, added to the routed output (DeepSeek). 0: none."""
+    shared_expert: bool = False
+    """One shared expert: the same as n_shared_experts=1 (set one or the other)."""
+    first_k_dense: int = 0
+    """The first this-many blocks have dense MLPs (model.d_ff); MoE blocks are then those at
+    index i >= first_k_dense with i a multiple of model.moe.every."""
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"] = "gpt2"
+    """A family's preset. gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings.
+    Every other family has RoPE, RMSNorm, SwiGLU, grouped-query attention and an untied output
+    layer, and its preset fills the defaults of the component keys a config leaves unset (a key
+    set in the file or by --set wins): llama and mistral none; qwen2 qkv_bias, norm_eps 1e-6,
+    rope_theta 1e6; qwen3 qk_norm, norm_eps 1e-6, rope_theta 1e6; qwen3_moe those of qwen3 and
+    model.moe.aux_loss_coef 0.001, z_loss_coef 0 (a softmax_topk router)."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention (query) heads; divisible by parallel.tp."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention); divides n_head and is divisible by parallel.tp.
+    Default: n_head (gpt2 always uses n_head)."""
+    d_model: int = 128
+    """Hidden size; divisible by n_head unless head_dim is set."""
+    head_dim: int | None = None
+    """Size of one attention head, even (RoPE); llama only. The qkv projection is then
+    (n_head + 2 n_kv_head) * head_dim wide and the output projection n_head * head_dim to
+    d_model (Qwen3: 16 heads of 128 on d_model 1024). Default: d_model / n_head."""
+    d_ff: int | None = None
+    """MLP inner size, divisible by parallel.tp. Default: 4 * d_model for gpt2, and for llama
+    8/3 * d_model rounded up to a multiple of 256 (the same at every tp)."""
+    vocab_size: int | None = None
+    """Tokens in the vocabulary. Default: the dataset's vocabulary (from its metadata)."""
+    max_seq_len: int = 256
+    """Longest sequence the model accepts (size of gpt2's position table)."""
+    dropout: float = 0.0
+    """Dropout probability on attention probabilities and residual branches. The only model key
+    a resumed run may change (the others must equal the checkpoint's)."""
+    tie_embeddings: bool | None = None
+    """Share the token embedding with the output layer. Default: true for gpt2, false for llama."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base (llama)."""
+    rope_scaling: RopeScalingConfig | None = None
+    """null: plain RoPE. Otherwise the context extension of the family's config.json
+    `rope_scaling` (`type` for its `rope_type`), computed as transformers computes it; llama
+    only. Its keys are model.rope_scaling.*, those of its type only; --set takes one key at a
+    time or a YAML mapping ("model.rope_scaling={type: yarn, factor: 4, ...}")."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2); llama only (gpt2 has biases
+    everywhere). The bias splits over tp with the heads, as the qkv weight's rows."""
+    qk_norm: bool = False
+    """RMSNorm (eps norm_eps) of each head's query and key over head_dim before RoPE, with one
+    learned weight of head_dim for q and one for k shared by all heads (Qwen3); llama only."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts MLPs (off by default); see model.moe.*."""
+
+    @property
+    def gpt2_block(self) -> bool:
+        """Whether the blocks are GPT-2's (learned positions, LayerNorm, GELU, biases) rather
+        than the RoPE, RMSNorm and SwiGLU blocks every other family composes its components on."""
+        return self.arch == "gpt2"
+
+
+# The keys of model.rope_scaling each type reads (besides `type`); a key of another type is an
+# error unless left at its default.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+
+
+@dataclass
+class RopeScalingConfig:
+    type: Literal["llama3", "yarn"] | None = None
+    """llama3 (Llama 3.1+: keys factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) or yarn (Qwen long context: factor,
+    original_max_position_embeddings and the optional beta_fast, beta_slow, attention_factor,
+    mscale, mscale_all_dim, truncate). Required."""
+    factor: float | None = None
+    """Context extension factor, >= 1. Required."""
+    original_max_position_embeddings: int | None = None
+    """The context the model was pretrained with. Required."""
+    low_freq_factor: float | None = None
+    """llama3 (required): wavelengths longer than original_max_position_embeddings /
+    low_freq_factor are slowed by factor."""
+    high_freq_factor: float | None = None
+    """llama3 (required, > low_freq_factor): wavelengths shorter than
+    original_max_position_embeddings / high_freq_factor are kept; those between the two bounds
+    are blended linearly in original_max_position_embeddings / wavelength."""
+    beta_fast: float = 32.0
+    """yarn: dimensions that turn more than beta_fast times over the original context keep their
+    frequency (> beta_slow)."""
+    beta_slow: float = 1.0
+    """yarn: dimensions that turn fewer than beta_slow times (> 0) are slowed by factor; a
+    linear ramp between the two."""
+    attention_factor: float | None = None
+    """yarn: the multiplier of cos and sin (so of the attention logits, squared), > 0. Default:
+    0.1 ln(factor) + 1, or with mscale and mscale_all_dim both set and non-zero the ratio of
+    0.1 mscale ln(factor) + 1 to 0.1 mscale_all_dim ln(factor) + 1."""
+    mscale: float | None = None
+    """yarn: see attention_factor (>= 0)."""
+    mscale_all_dim: float | None = None
+    """yarn: see attention_factor (>= 0)."""
+    truncate: bool = True
+    """yarn: round the ramp's ends out to whole dimensions."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """`type` and the keys its type reads, as the config file and checkpoints write them."""
+        keys = ROPE_SCALING_KEYS.get(self.type or "", ())
+        return {"type": self.type} | {key: getattr(self, key) for key in keys}
