@@ -20,6 +20,7 @@ from megatronish.config import (
     check_dataset_vocab,
     check_output_paths,
     derive,
+    layout_notes,
     world_size_of,
 )
 from megatronish.errors import UserError
@@ -89,6 +90,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"{model_flops_per_step(cfg, derived):.3e} FLOP",
     ]
     lines += zero_lines(cfg, derived, loss_masked)
+    lines += layout_notes(cfg, derived) + tp_overlap_lines(cfg, derived, loss_masked)
     if derived.moe_layers:
         lines += moe_lines(cfg, derived, params)
     if derived.cp > 1:
@@ -119,6 +121,34 @@ def zero_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[str]:
             kinds[op.kind] = kinds.get(op.kind, 0) + op.payload * op.count
     traffic = ", ".join(f"{kind} {size / mib:.2f} MiB" for kind, size in sorted(kinds.items()))
     return [line, f"data-parallel payload per step and rank (stage 0): {traffic or 'none'}"]
+
+
+def tp_overlap_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[str]:
+    """With parallel.tp_comm_overlap at tp > 1: the tp collectives decomposed under the GEMMs
+    (megatronish.layers.overlap) and those left whole, by the names the collective count
+    gives them (every stage's)."""
+    t = derived.tp
+    if not cfg.parallel.tp_comm_overlap or t == 1:
+        return []
+    ops = [
+        op
+        for r in range(derived.pp)
+        for op in collectives_per_step(cfg, derived, r, loss_masked)
+        if op.group == "tp"
+    ]
+    suffix = ", ring" if cfg.parallel.sequence_parallel else f", {t} chunks"
+    split = {op.what.removesuffix(suffix) for op in ops if op.what.endswith(suffix)}
+    whole = {op.what for op in ops if not op.what.endswith(suffix)}
+    if cfg.parallel.sequence_parallel:
+        hops = f"{t - 1} ring hop{'s' if t > 2 else ''}"
+        how = f"each all-gather and reduce-scatter as {hops} of a 1/{t} sequence chunk"
+    else:
+        how = f"each all-reduce as {t} all-reduces of a 1/{t} sequence chunk"
+    return [
+        f"tp communication under the GEMMs (parallel.tp_comm_overlap), {how}: "
+        + "; ".join(sorted(split)),
+        "tp collectives left whole: " + "; ".join(sorted(whole)),
+    ]
 
 
 def moe_lines(cfg: Config, derived: Derived, params: int) -> list[str]:

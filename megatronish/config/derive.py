@@ -141,6 +141,11 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         f"train.seq_len: {train.seq_len} / parallel.cp={cp} must be divisible by "
         f"parallel.tp={tp} with sequence_parallel",
     )
+    require(
+        not (parallel.tp_comm_overlap and tp > 1 and (train.seq_len // cp) % tp != 0),
+        f"train.seq_len: {train.seq_len} / parallel.cp={cp} must be divisible by "
+        f"parallel.tp={tp} with parallel.tp_comm_overlap (the sequence is cut into tp chunks)",
+    )
     virtual = virtual_stages(cfg)
     if virtual > 1:
         _check_interleaving(train, dp, pp, virtual, accum)
@@ -167,6 +172,14 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         moe_layers=moe_layers(cfg),
         moe_d_ff=moe_d_ff,
     )
+
+
+def layout_notes(cfg: Config, derived: Derived) -> list[str]:
+    """Settings that have no effect at this layout, one line each (train says them once,
+    check prints them)."""
+    if cfg.parallel.tp_comm_overlap and derived.tp == 1:
+        return ["parallel.tp_comm_overlap: no effect at parallel.tp=1 (no tp communication)"]
+    return []
 
 
 def _data_parallel_degree(parallel: ParallelConfig, world_size: int) -> int:

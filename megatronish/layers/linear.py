@@ -7,6 +7,8 @@ Shapes: b batch, s sequence, t tp group size; weights are [out, in] as in nn.Lin
                         output [b, s, out] (summed over the group), bias added once after it
 With sequence_parallel the replicated activations are [b, s / t, h] instead: the column layer
 all-gathers its input along the sequence, the row layer reduce-scatters its output.
+comm_overlap (parallel.tp_comm_overlap) decomposes those collectives under the GEMMs:
+megatronish.layers.overlap.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish.distributed import comm
-from megatronish.layers import mappings
+from megatronish.layers import mappings, overlap
 from megatronish.layers.roles import role, set_role
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -106,11 +108,15 @@ def column_parallel_linear(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     sequence_parallel: bool = False,
+    comm_overlap: bool = False,
 ) -> torch.Tensor:
     """x [b, s, in] (or [b, s / t, in] with sequence_parallel) times this rank's block of the
-    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group."""
+    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group. comm_overlap
+    with sequence_parallel: the all-gather decomposed under the GEMM (layers.overlap)."""
     if comm.group_size(group) == 1:
         return F.linear(x, weight, bias)
+    if comm_overlap and sequence_parallel:
+        return overlap.all_gather_linear(to_autocast_dtype(x), [weight], [bias], group)[0]
     return _ColumnLinear.apply(to_autocast_dtype(x), weight, bias, group, sequence_parallel)
 
 
@@ -142,6 +148,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"out_features {out_features} not divisible by tp {self.tp_size}")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
         local_out = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         mark_parallel(self.weight, 0, (out_features, in_features))
@@ -157,7 +164,9 @@ class ColumnParallelLinear(nn.Module):
         if add_bias is None:
             add_bias = not self.skip_bias_add
         bias = self.bias if add_bias else None
-        out = column_parallel_linear(x, self.weight, bias, self.tp_group, self.sequence_parallel)
+        out = column_parallel_linear(
+            x, self.weight, bias, self.tp_group, self.sequence_parallel, self.comm_overlap
+        )
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, self.tp_group)
         return out
@@ -196,6 +205,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
         local_in = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
         mark_parallel(self.weight, 1, (out_features, in_features))
@@ -214,6 +224,9 @@ class RowParallelLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
+        if self.comm_overlap:  # the GEMM decomposed under its reduction (layers.overlap)
+            out = overlap.reduced_linear(x, self.weight, self.tp_group, self.sequence_parallel)
+            return out if self.bias is None else out + self.bias
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)

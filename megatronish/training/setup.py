@@ -16,6 +16,7 @@ from megatronish.config import (
     check_dataset_vocab,
     check_output_paths,
     derive,
+    layout_notes,
     world_size_of,
 )
 from megatronish.data import BatchLoader
@@ -93,7 +94,7 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
     check_output_paths(cfg)
     changed = check_resumed_model(cfg, derived.vocab_size)
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank: said once
-        for line in changed:
+        for line in changed + layout_notes(cfg, derived):
             print(line, flush=True)
     return cfg, data, derived
 

@@ -1,6 +1,8 @@
 """`megatronish bench`: the bytes each rank sends per step, as comm.CommCounter counts them,
-equal the analytic formula exactly (tp = 2, dp = 2, tp = 2 x dp = 2), and the command's last
-line is one JSON object with the contract's keys."""
+equal the analytic formula exactly (tp = 2, dp = 2, tp = 2 x dp = 2; with the tp collectives
+decomposed under the GEMMs too), bench reports rank 0's exposed tensor-parallel wait with the
+decomposition on and off, and the command's last line is one JSON object with the contract's
+keys."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ TINY = [
 ]
 GPT2 = ["model.arch=gpt2"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
+SP, OVERLAP = ["parallel.sequence_parallel=true"], ["parallel.tp_comm_overlap=true"]
 
 # name -> (tp, dp, overrides); global batch 4 per data-parallel rank: 2 accumulation steps.
 TWO_RANKS = {
@@ -44,6 +47,14 @@ TWO_RANKS = {
     "llama tp2 bf16": (2, 1, LLAMA + ["train.precision=bf16"]),
     "gpt2 tp2 sequence-parallel bf16": (
         2, 1, GPT2 + ["train.precision=bf16", "parallel.sequence_parallel=true"],
+    ),
+    "gpt2 tp2 sequence-parallel overlap": (2, 1, GPT2 + SP + OVERLAP),
+    "llama tp2 sequence-parallel full-recompute overlap": (
+        2, 1, LLAMA + SP + OVERLAP + ["train.activation_checkpointing=full"],
+    ),
+    "llama tp2 overlap": (2, 1, LLAMA + OVERLAP),
+    "llama tp2 sequence-parallel bf16 overlap": (
+        2, 1, LLAMA + SP + OVERLAP + ["train.precision=bf16"],
     ),
 }  # fmt: skip
 FOUR_RANKS = {
@@ -67,9 +78,10 @@ def bench_config(tp: int, dp: int, overrides: list[str], dataset: Path):
 
 
 def _count_on_ranks(rank, world, variants, dataset):
-    """For each variant: (counted, formula) bytes sent per step and payload bytes per kind."""
+    """For each variant: (counted, formula) bytes sent per step, payload bytes per kind, and
+    bench's record and summary lines."""
     from megatronish.accounting.collectives import formula_payload_by_kind
-    from megatronish.commands.bench import time_steps
+    from megatronish.commands.bench import report, summary_lines, time_steps
     from megatronish.data.sources import run_data
     from megatronish.distributed.layout import ParallelState
     from megatronish.training.setup import Setup
@@ -82,9 +94,11 @@ def _count_on_ranks(rank, world, variants, dataset):
         derived = derive(cfg, world, vocab_size=data.vocab_size)
         trainer = Trainer(Setup(cfg, derived, ParallelState.from_world(tp, dp), data))
         result = time_steps(trainer, steps=1, warmup=1)
+        record = report(cfg, derived, result, 1, 1)
         results[name] = (
             (result.bytes_sent_per_step, formula_bytes_per_step(cfg, derived)),
             (result.payload_per_step, formula_payload_by_kind(cfg, derived)),
+            (record, summary_lines(cfg, derived, record)),
         )
     return results
 
@@ -101,7 +115,7 @@ def four_rank_counts(dataset):
 
 def assert_counts_equal_formula(per_rank: list[dict], name: str) -> None:
     for rank, results in enumerate(per_rank):
-        (sent, formula), (payload, formula_payload) = results[name]
+        (sent, formula), (payload, formula_payload), _ = results[name]
         assert formula > 0
         assert payload == formula_payload, f"{name}, rank {rank}: payload bytes per kind"
         assert sent == formula, f"{name}, rank {rank}: {sent} bytes sent, formula {formula}"
@@ -120,6 +134,28 @@ def test_counted_bytes_per_step_equal_the_formula_at_tp2_dp2(four_rank_counts, n
 @pytest.mark.parametrize("name", [n for n in TWO_RANKS if "bf16" in n])
 def test_bf16_activation_collectives_are_sent_in_bf16(two_rank_counts, name):
     assert_counts_equal_formula(two_rank_counts, name)
+
+
+@pytest.mark.parametrize(
+    ("off", "on"),
+    [
+        ("gpt2 tp2 sequence-parallel", "gpt2 tp2 sequence-parallel overlap"),
+        ("llama tp2", "llama tp2 overlap"),
+    ],
+)
+def test_bench_reports_rank0s_exposed_tp_wait_with_the_decomposition_on_and_off(
+    two_rank_counts, off, on
+):
+    records = {name: two_rank_counts[0][name][2] for name in (off, on)}
+    for name, (record, lines) in records.items():
+        assert record["exposed_tp_wait_s"] > 0, name
+        assert record["tp_comm_overlap"] == (name == on)
+        under = "under the GEMMs " + ("on" if name == on else "off")
+        assert any(line.startswith("rank 0 waits") and under in line for line in lines), lines
+    ring = records[on][0]["tp_ring_bytes_per_step"]
+    assert (ring > 0) == ("sequence-parallel" in on) and records[off][0][
+        "tp_ring_bytes_per_step"
+    ] == 0
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

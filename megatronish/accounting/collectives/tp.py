@@ -26,6 +26,16 @@ all-gathered [T, k] fp32 and their gradient reduce-scattered, the tokens' expert
 Per step: the grad-norm partial sum (one fp64) and, under sequence parallelism (and with
 model.qk_norm, the query and key norms at any tp), the sum of the replicated parameters'
 gradients (fp32, ``tp_summed_grad_count``).
+
+With parallel.tp_comm_overlap (megatronish.layers.overlap) the linear layers' collectives are
+decomposed (``decomposed``): under sequence parallelism each all-gather and reduce-scatter of
+qkv, the MLP (a shared expert's too), the attention projection and the LM head becomes t - 1
+ring hops ("tp_ring") of one sequence chunk, payload / t each, the same bytes sent; without
+it the attention projection's and the MLP down's forward all-reduce (a shared expert's too)
+become t all-reduces of a chunk, payload / t each. The embedding's, the loss's, the routing's
+and the backward all-reduces stay whole. The decomposed row-parallel layer saves its tensors
+for backward only after its reduction, so full recompute reruns the MLP down's with or
+without dropout.
 """
 
 from __future__ import annotations
@@ -65,22 +75,29 @@ def _over_tp(step: Step, rows: list[tuple[str, str, int, int]]) -> list[Collecti
     ]
 
 
-def _forward_runs(step: Step) -> tuple[int, int]:
+def _forward_runs(step: Step, decomposed: bool) -> tuple[int, int]:
     """Forward runs a step makes of the attention projection's and the MLP down's collective:
-    full recompute reruns the first, and the second only with dropout after it."""
+    full recompute reruns the first, and the second only with dropout after it, or when it is
+    decomposed (module doc)."""
     full = step.cfg.train.activation_checkpointing == "full"
-    return (2 if full else 1), (2 if full and step.cfg.model.dropout > 0 else 1)
+    down_rerun = full and (step.cfg.model.dropout > 0 or decomposed)
+    return (2 if full else 1), (2 if down_rerun else 1)
 
 
 def _blocks(step: Step) -> list[Collective]:
-    """Without sequence parallelism: the layers' and the LM head's all-reduces."""
+    """Without sequence parallelism: the layers' and the LM head's all-reduces (an MoE layer's
+    output all-reduce stays whole under parallel.tp_comm_overlap)."""
     act, n, head = step.b * step.s * step.h * step.c, step.layers, 1 if step.last else 0
-    attn_runs, down_runs = _forward_runs(step)
+    moe, (attn_runs, down_runs) = step.moe_layers, _forward_runs(step, step.overlap)
+    forward = [
+        ("attention projection output (forward)", "all_reduce", act, n * attn_runs),
+        ("MLP down output (forward)", "all_reduce", act, (n - moe) * down_runs),
+    ]
     return _over_tp(
         step,
-        [
-            ("attention projection output (forward)", "all_reduce", act, n * attn_runs),
-            ("MLP down output (forward)", "all_reduce", act, n * down_runs),
+        decomposed(step, forward)
+        + [
+            ("MoE output (forward)", "all_reduce", act, moe * _forward_runs(step, False)[1]),
             ("qkv input gradient (backward)", "all_reduce", act, n),
             ("MLP first projection input gradient (backward)", "all_reduce", act, n),
             ("LM head input gradient (backward)", "all_reduce", act, head),
@@ -90,31 +107,60 @@ def _blocks(step: Step) -> list[Collective]:
 
 def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     """Under sequence parallelism: the layers', the LM head's and the embedding gradient's
-    all-gathers and reduce-scatters."""
-    act, n = step.b * step.s * step.h * step.c, step.layers
+    all-gathers and reduce-scatters (an MoE layer's, of its tokens and its output, stay whole
+    under parallel.tp_comm_overlap)."""
+    act, n, moe = step.b * step.s * step.h * step.c, step.layers, step.moe_layers
+    dense = n - moe
     embed, head = (1 if step.first else 0), (1 if step.last else 0)
     fp32 = step.b * step.s * step.h * FP32_BYTES
-    attn_runs, down_runs = _forward_runs(step)
+    attn_runs, down_runs = _forward_runs(step, step.overlap)
     # Forward all-gathers of norm outputs; qkv, gpt2's MLP up and the LM head gather again in
     # backward. Under full recompute the rerun block forward gathers once more.
     rerun = 1 if step.cfg.train.activation_checkpointing == "full" else 0
     qkv_gathers = 2 + rerun
     mlp_gathers = (2 if step.cfg.model.gpt2_block else 1) + rerun
+    moe_runs = _forward_runs(step, False)[1]
     return _over_tp(
         step,
         [
             ("embedding output gradient (backward)", "all_gather", fp32, embed),
-            ("qkv input (forward, backward)", "all_gather", act, n * qkv_gathers),
-            ("MLP input (forward, backward)", "all_gather", act, n * mlp_gathers),
-            ("LM head input (forward, backward)", "all_gather", act, 2 * head),
-            ("qkv input gradient (backward)", "reduce_scatter", act, n),
-            ("MLP first projection input gradient (backward)", "reduce_scatter", act, n),
-            ("LM head input gradient (backward)", "reduce_scatter", act, head),
-            ("attention projection output (forward)", "reduce_scatter", act, n * attn_runs),
-            ("MLP down output (forward)", "reduce_scatter", act, n * down_runs),
-            ("row-parallel output gradients (backward)", "all_gather", act, 2 * n),
-        ],
+            ("MoE tokens (forward, backward)", "all_gather", act, moe * (1 + rerun)),
+            ("MoE tokens gradient (backward)", "reduce_scatter", act, moe),
+            ("MoE output (forward)", "reduce_scatter", act, moe * moe_runs),
+            ("MoE output gradient (backward)", "all_gather", act, moe),
+        ]
+        + decomposed(
+            step,
+            [
+                ("qkv input (forward, backward)", "all_gather", act, n * qkv_gathers),
+                ("MLP input (forward, backward)", "all_gather", act, dense * mlp_gathers),
+                ("LM head input (forward, backward)", "all_gather", act, 2 * head),
+                ("qkv input gradient (backward)", "reduce_scatter", act, n),
+                ("MLP first projection input gradient (backward)", "reduce_scatter", act, dense),
+                ("LM head input gradient (backward)", "reduce_scatter", act, head),
+                ("attention projection output (forward)", "reduce_scatter", act, n * attn_runs),
+                ("MLP down output (forward)", "reduce_scatter", act, dense * down_runs),
+                ("row-parallel output gradients (backward)", "all_gather", act, n + dense),
+            ],
+        ),
     )
+
+
+def decomposed(
+    step: Step, rows: list[tuple[str, str, int, int]]
+) -> list[tuple[str, str, int, int]]:
+    """rows (what, kind, payload, calls per micro-batch) of collectives the linear layers
+    decompose, as parallel.tp_comm_overlap issues them (module doc): an all-gather or
+    reduce-scatter as t - 1 ring hops of payload / t, an all-reduce as t of payload / t."""
+    if not step.overlap:
+        return rows
+    t = step.tp
+    return [
+        (f"{what}, {t} chunks", kind, payload // t, calls * t)
+        if kind == "all_reduce"
+        else (f"{what}, ring", "tp_ring", payload // t, calls * (t - 1))
+        for what, kind, payload, calls in rows
+    ]
 
 
 def _vocab_parallel_loss(step: Step) -> list[Collective]:
@@ -141,10 +187,8 @@ def _moe(step: Step) -> list[Collective]:
     if not step.sp:
         rows = [("MoE combine weights gradient (backward)", "all_reduce", weights, n)]
         if moe.shared_expert:
-            rows += [
-                ("shared expert output (forward)", "all_reduce", act, n),
-                ("shared expert input gradient (backward)", "all_reduce", act, n),
-            ]
+            rows += decomposed(step, [("shared expert output (forward)", "all_reduce", act, n)])
+            rows += [("shared expert input gradient (backward)", "all_reduce", act, n)]
         return _over_tp(step, rows)
     # Each tp rank routes its own tokens: weights and experts are gathered.
     rows = [
@@ -154,8 +198,9 @@ def _moe(step: Step) -> list[Collective]:
         ("MoE routed counts for the balancing loss", "all_reduce", counts, n),
     ]
     if moe.shared_expert:
-        rows += [
+        shared = [
             ("shared expert input and output gradient", "all_gather", act, 2 * n),
             ("shared expert output and input gradient", "reduce_scatter", act, 2 * n),
         ]
+        rows += decomposed(step, shared)
     return _over_tp(step, rows)
