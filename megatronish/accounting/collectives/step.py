@@ -28,6 +28,9 @@ class Collective:
     size: int
     payload: int
     count: int
+    under: str = ""
+    """For a collective parallel.tp_comm_overlap decomposes: the GEMM it runs under
+    (accounting.layer_time.linear_gemms' name); "" for every other."""
 
     @property
     def sent(self) -> float:

@@ -66,12 +66,13 @@ def tp_collectives(step: Step) -> list[Collective]:
     return ops
 
 
-def _over_tp(step: Step, rows: list[tuple[str, str, int, int]]) -> list[Collective]:
-    """The Collectives of rows (what, kind, payload, calls per micro-batch) over tp: each
-    row's calls in every one of the step's micro-batches."""
+def _over_tp(step: Step, rows: list[tuple]) -> list[Collective]:
+    """The Collectives of rows (what, kind, payload, calls per micro-batch[, the GEMM a
+    decomposed one runs under]) over tp: each row's calls in every one of the step's
+    micro-batches."""
     return [
-        Collective(what, kind, "tp", step.tp, payload, per_micro * step.accum)
-        for what, kind, payload, per_micro in rows
+        Collective(what, kind, "tp", step.tp, payload, per_micro * step.accum, *under)
+        for what, kind, payload, per_micro, *under in rows
     ]
 
 
@@ -90,8 +91,8 @@ def _blocks(step: Step) -> list[Collective]:
     act, n, head = step.b * step.s * step.h * step.c, step.layers, 1 if step.last else 0
     moe, (attn_runs, down_runs) = step.moe_layers, _forward_runs(step, step.overlap)
     forward = [
-        ("attention projection output (forward)", "all_reduce", act, n * attn_runs),
-        ("MLP down output (forward)", "all_reduce", act, (n - moe) * down_runs),
+        ("attention projection output (forward)", "all_reduce", act, n * attn_runs, "proj"),
+        ("MLP down output (forward)", "all_reduce", act, (n - moe) * down_runs, "down"),
     ]
     return _over_tp(
         step,
@@ -120,46 +121,47 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     qkv_gathers = 2 + rerun
     mlp_gathers = (2 if step.cfg.model.gpt2_block else 1) + rerun
     moe_runs = _forward_runs(step, False)[1]
+    ag, rs = "all_gather", "reduce_scatter"
     return _over_tp(
         step,
         [
-            ("embedding output gradient (backward)", "all_gather", fp32, embed),
-            ("MoE tokens (forward, backward)", "all_gather", act, moe * (1 + rerun)),
-            ("MoE tokens gradient (backward)", "reduce_scatter", act, moe),
-            ("MoE output (forward)", "reduce_scatter", act, moe * moe_runs),
-            ("MoE output gradient (backward)", "all_gather", act, moe),
+            ("embedding output gradient (backward)", ag, fp32, embed),
+            ("MoE tokens (forward, backward)", ag, act, moe * (1 + rerun)),
+            ("MoE tokens gradient (backward)", rs, act, moe),
+            ("MoE output (forward)", rs, act, moe * moe_runs),
+            ("MoE output gradient (backward)", ag, act, moe),
         ]
         + decomposed(
             step,
             [
-                ("qkv input (forward, backward)", "all_gather", act, n * qkv_gathers),
-                ("MLP input (forward, backward)", "all_gather", act, dense * mlp_gathers),
-                ("LM head input (forward, backward)", "all_gather", act, 2 * head),
-                ("qkv input gradient (backward)", "reduce_scatter", act, n),
-                ("MLP first projection input gradient (backward)", "reduce_scatter", act, dense),
-                ("LM head input gradient (backward)", "reduce_scatter", act, head),
-                ("attention projection output (forward)", "reduce_scatter", act, n * attn_runs),
-                ("MLP down output (forward)", "reduce_scatter", act, dense * down_runs),
-                ("row-parallel output gradients (backward)", "all_gather", act, n + dense),
+                ("qkv input (forward, backward)", ag, act, n * qkv_gathers, "qkv"),
+                ("MLP input (forward, backward)", ag, act, dense * mlp_gathers, "up"),
+                ("LM head input (forward, backward)", ag, act, 2 * head, "head"),
+                ("qkv input gradient (backward)", rs, act, n, "qkv"),
+                ("MLP first projection input gradient (backward)", rs, act, dense, "up"),
+                ("LM head input gradient (backward)", rs, act, head, "head"),
+                ("attention projection output (forward)", rs, act, n * attn_runs, "proj"),
+                ("MLP down output (forward)", rs, act, dense * down_runs, "down"),
+                ("attention projection output gradient (backward)", ag, act, n, "proj_backward"),
+                ("MLP down output gradient (backward)", ag, act, dense, "down_backward"),
             ],
         ),
     )
 
 
-def decomposed(
-    step: Step, rows: list[tuple[str, str, int, int]]
-) -> list[tuple[str, str, int, int]]:
-    """rows (what, kind, payload, calls per micro-batch) of collectives the linear layers
-    decompose, as parallel.tp_comm_overlap issues them (module doc): an all-gather or
-    reduce-scatter as t - 1 ring hops of payload / t, an all-reduce as t of payload / t."""
+def decomposed(step: Step, rows: list[tuple]) -> list[tuple]:
+    """rows (what, kind, payload, calls per micro-batch, the GEMM it would run under) of
+    collectives the linear layers decompose, as parallel.tp_comm_overlap issues them (module
+    doc): an all-gather or reduce-scatter as t - 1 ring hops of payload / t, an all-reduce as
+    t of payload / t; without it as they are, whole."""
     if not step.overlap:
-        return rows
+        return [row[:4] for row in rows]
     t = step.tp
     return [
-        (f"{what}, {t} chunks", kind, payload // t, calls * t)
+        (f"{what}, {t} chunks", kind, payload // t, calls * t, under)
         if kind == "all_reduce"
-        else (f"{what}, ring", "tp_ring", payload // t, calls * (t - 1))
-        for what, kind, payload, calls in rows
+        else (f"{what}, ring", "tp_ring", payload // t, calls * (t - 1), under)
+        for what, kind, payload, calls, under in rows
     ]
 
 
@@ -187,7 +189,8 @@ def _moe(step: Step) -> list[Collective]:
     if not step.sp:
         rows = [("MoE combine weights gradient (backward)", "all_reduce", weights, n)]
         if moe.shared_expert:
-            rows += decomposed(step, [("shared expert output (forward)", "all_reduce", act, n)])
+            shared = [("shared expert output (forward)", "all_reduce", act, n, "shared_down")]
+            rows += decomposed(step, shared)
             rows += [("shared expert input gradient (backward)", "all_reduce", act, n)]
         return _over_tp(step, rows)
     # Each tp rank routes its own tokens: weights and experts are gathered.
@@ -198,9 +201,12 @@ def _moe(step: Step) -> list[Collective]:
         ("MoE routed counts for the balancing loss", "all_reduce", counts, n),
     ]
     if moe.shared_expert:
+        ag, rs = "all_gather", "reduce_scatter"
         shared = [
-            ("shared expert input and output gradient", "all_gather", act, 2 * n),
-            ("shared expert output and input gradient", "reduce_scatter", act, 2 * n),
+            ("shared expert input (forward)", ag, act, n, "shared_up"),
+            ("shared expert output gradient (backward)", ag, act, n, "shared_down_backward"),
+            ("shared expert output (forward)", rs, act, n, "shared_down"),
+            ("shared expert input gradient (backward)", rs, act, n, "shared_up"),
         ]
         rows += decomposed(step, shared)
     return _over_tp(step, rows)
