@@ -32,6 +32,9 @@ TINY = [
 GPT2 = ["model.arch=gpt2"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
 SP, OVERLAP = ["parallel.sequence_parallel=true"], ["parallel.tp_comm_overlap=true"]
+# A dense block and an MoE block with a shared expert (its MLP decomposed, the routing whole).
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2", "model.moe.d_ff=48"]
+MOE += ["model.moe.shared_expert=true"]
 
 # name -> (tp, dp, overrides); global batch 4 per data-parallel rank: 2 accumulation steps.
 TWO_RANKS = {
@@ -53,6 +56,7 @@ TWO_RANKS = {
         2, 1, LLAMA + SP + OVERLAP + ["train.activation_checkpointing=full"],
     ),
     "llama tp2 overlap": (2, 1, LLAMA + OVERLAP),
+    "llama moe shared expert tp2 sequence-parallel overlap": (2, 1, LLAMA + MOE + SP + OVERLAP),
     "llama tp2 sequence-parallel bf16 overlap": (
         2, 1, LLAMA + SP + OVERLAP + ["train.precision=bf16"],
     ),
