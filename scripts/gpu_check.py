@@ -37,6 +37,13 @@ On a machine with one or more CUDA GPUs it runs, in this order:
    when two GPUs are present, one micro-batch per step, 5 timed steps after 2 warm-up: tokens/s,
    MFU, step time and peak memory (next to plan's estimate). A run that fails (out of memory,
    say) or runs past its 150 s is a row that says so.
+6. tp-overlap (parallel.tp_comm_overlap): on GPU 0, a row-parallel GEMM of gpt2-1.3b's size
+   (bf16, [4, 2048, 4096] x [4096, 4096]) computed as the decomposition computes it, in t = 2
+   and 8 sequence chunks one after another, next to the whole GEMM: the time the split costs,
+   and its largest difference from the whole GEMM's output (ok within one bf16 rounding of the
+   output's largest magnitude). With two GPUs also `megatronish bench` of gpt2-124m in bf16 at
+   tp = 2 with sequence parallelism, the tp collectives decomposed and not: step time and rank
+   0's exposed tensor-parallel wait, each next to the run without.
 
 It prints one markdown table (a row per figure: section, name, what, ours, torch / reference,
 unit, status), writes every result with the GPU names, the torch, Triton and CUDA versions and
@@ -87,6 +94,7 @@ PHASE_LIMITS_S = {
     "kernels": 150.0,
     "compile": 90.0,
     "training": 300.0,
+    "tp-overlap": 150.0,
 }
 TRAIN_RUN_S = 150.0  # one `megatronish bench` run
 TRAIN_CONFIGS = ("gpt2-124m", "gpt2-1.3b")
@@ -360,59 +368,72 @@ def pytest_job(timeout: float) -> Outcome:
 # Training throughput
 
 
+def bench_record(
+    config: Path, tp: int, steps: int, warmup: int, sets: list[str], timeout: float
+) -> tuple[dict | None, str, dict[str, Any]]:
+    """`megatronish bench` of config in bf16 at tp, one micro-batch per optimizer step, with
+    `sets` as extra settings (the bench command starts tp processes through torchrun when
+    tp > 1): (its JSON record or None, the status, the detail for the JSON)."""
+    from megatronish.config import load_config
+
+    micro = load_config(config).train.micro_batch_size
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as out_dir:
+        command = [
+            sys.executable,
+            "-m",
+            "megatronish",
+            "bench",
+            "--config",
+            str(config),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+        ]
+        for item in (
+            "train.precision=bf16",
+            f"parallel.tp={tp}",
+            f"train.global_batch_size={micro}",
+            f"run.out_dir={out_dir}",
+            *sets,
+        ):
+            command += ["--set", item]
+        done = run_command(command, timeout)
+    detail: dict[str, Any] = {
+        "config": config.name,
+        "tp": tp,
+        "command": command,
+        "returncode": done.returncode,
+        "wall_s": done.wall_s,
+    }
+    record = None
+    if done.timed_out:
+        status = f"failed: timeout after {timeout:.0f} s"
+    elif done.returncode != 0:
+        status = f"failed: exit {done.returncode}: {error_line(done.stderr + done.stdout)}"
+    else:
+        try:
+            record = json.loads(done.stdout.strip().splitlines()[-1])
+            status = "ok"
+        except (IndexError, ValueError):
+            status = "failed: no JSON line at the end of its output"
+    if record is None:
+        detail["output_tail"] = (done.stdout + done.stderr)[-4000:]
+    else:
+        detail["record"] = record
+    return record, status, detail
+
+
 def bench_job(config: Path, tp: int, steps: int, warmup: int) -> Callable[[float], Outcome]:
-    """`megatronish bench` of config in bf16 at tp, one micro-batch per optimizer step (the
-    bench command starts tp processes through torchrun when tp > 1)."""
+    """`megatronish bench` of config in bf16 at tp (bench_record): throughput, MFU, step time
+    and peak memory next to plan's estimate."""
 
     def run(timeout: float) -> Outcome:
-        from megatronish.config import load_config
-
         name = f"{config.stem} tp{tp}"
-        micro = load_config(config).train.micro_batch_size
-        with tempfile.TemporaryDirectory(prefix="gpu_check-") as out_dir:
-            command = [
-                sys.executable,
-                "-m",
-                "megatronish",
-                "bench",
-                "--config",
-                str(config),
-                "--steps",
-                str(steps),
-                "--warmup",
-                str(warmup),
-            ]
-            for item in (
-                "train.precision=bf16",
-                f"parallel.tp={tp}",
-                f"train.global_batch_size={micro}",
-                f"run.out_dir={out_dir}",
-            ):
-                command += ["--set", item]
-            done = run_command(command, timeout)
-        detail: dict[str, Any] = {
-            "name": name,
-            "config": config.name,
-            "tp": tp,
-            "command": command,
-            "returncode": done.returncode,
-            "wall_s": done.wall_s,
-        }
-        record = None
-        if done.timed_out:
-            status = f"failed: timeout after {timeout:.0f} s"
-        elif done.returncode != 0:
-            status = f"failed: exit {done.returncode}: {error_line(done.stderr + done.stdout)}"
-        else:
-            try:
-                record = json.loads(done.stdout.strip().splitlines()[-1])
-                status = "ok"
-            except (IndexError, ValueError):
-                status = "failed: no JSON line at the end of its output"
+        record, status, detail = bench_record(config, tp, steps, warmup, [], timeout)
+        detail = {"name": name, **detail}
         if record is None:
-            detail["output_tail"] = (done.stdout + done.stderr)[-4000:]
             return [row("training", name, "throughput", None, None, "tokens/s", status)], detail
-        detail["record"] = record
         return [
             row("training", name, "throughput", record["tokens_per_s"], None, "tokens/s"),
             row("training", name, "MFU", 100 * record["mfu"], None, "%"),
@@ -457,6 +478,94 @@ def training_jobs(configs: list[str], gpu_count: int, steps: int, warmup: int) -
                 )
                 jobs.append(Job("training", f"{name} tp{tp}", lambda _t, r=skipped: ([r], {})))
     return jobs
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor-parallel communication under the GEMMs (parallel.tp_comm_overlap)
+
+SPLIT_GEMM = (4, 2048, 4096, 4096)  # b, s, in, out: gpt2-1.3b's MLP down at tp 2
+SPLIT_CHUNKS = (2, 8)
+OVERLAP_CONFIG = "gpt2-124m"
+
+
+def split_gemm_rows(t: int, split_ms: float, whole_ms: float, error: float, bound: float):
+    """The rows of the GEMM in t sequence chunks: its time next to the whole GEMM's, and its
+    largest difference from the whole GEMM's output next to the bound (FAIL above it)."""
+    name = f"GEMM {'x'.join(map(str, SPLIT_GEMM))} in {t} chunks"
+    status = "ok" if error <= bound else "FAIL: beyond one rounding of the output"
+    return [
+        row("tp-overlap", name, "time (ref: whole GEMM)", split_ms, whole_ms, "ms"),
+        row("tp-overlap", name, "max difference (ref: one rounding)", error, bound, "abs", status),
+    ]
+
+
+def split_gemm_job(
+    device: str, measure: Callable, shape: tuple[int, ...] = SPLIT_GEMM
+) -> Callable[[float], Outcome]:
+    """x [b, s, in] times w [out, in] (bf16 on CUDA, fp32 elsewhere) in t sequence chunks one
+    after another, as megatronish.layers.overlap computes a row-parallel GEMM (each chunk's
+    product then travels while the next computes), against the whole GEMM. The bound: one
+    rounding of the output's dtype at its largest magnitude (eps x max |whole|), since each
+    output element is one dot product either way, accumulated in fp32."""
+
+    def run(_timeout: float) -> Outcome:
+        import torch
+        import torch.nn.functional as F
+
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        b, s, k, n = shape
+        gen = torch.Generator(device).manual_seed(0)
+        x = torch.randn(b, s, k, device=device, dtype=dtype, generator=gen)
+        w = torch.randn(n, k, device=device, dtype=dtype, generator=gen) / k**0.5
+        whole = F.linear(x, w).float()
+        whole_ms = measure(lambda: F.linear(x, w))
+        bound = torch.finfo(dtype).eps * whole.abs().max().item()
+        rows, detail = [], {"shape": list(shape), "whole_ms": whole_ms, "bound": bound}
+        for t in SPLIT_CHUNKS:
+
+            def split(t: int = t) -> list:
+                return [F.linear(chunk, w) for chunk in x.chunk(t, dim=1)]
+
+            error = (torch.cat(split(), dim=1).float() - whole).abs().max().item()
+            split_ms = measure(split)
+            rows += split_gemm_rows(t, split_ms, whole_ms, error, bound)
+            detail[f"chunks_{t}"] = {"ms": split_ms, "max_difference": error}
+        return rows, detail
+
+    return run
+
+
+def overlap_bench_job(steps: int, warmup: int) -> Callable[[float], Outcome]:
+    """OVERLAP_CONFIG at tp = 2 with sequence parallelism (bench_record), the tp collectives
+    decomposed under the GEMMs and not: step time and rank 0's exposed tp wait, each next to
+    the run without."""
+
+    def run(timeout: float) -> Outcome:
+        config, name = REPO / "configs" / f"{OVERLAP_CONFIG}.yaml", f"{OVERLAP_CONFIG} tp2 sp"
+        records, details = {}, {}
+        for on in ("true", "false"):
+            sets = ["parallel.sequence_parallel=true", f"parallel.tp_comm_overlap={on}"]
+            record, status, details[on] = bench_record(config, 2, steps, warmup, sets, timeout / 2)
+            if record is None:
+                what = f"tp_comm_overlap={on}"
+                return [row("tp-overlap", name, what, None, None, "s", status)], details
+            records[on] = record
+        on, off = records["true"], records["false"]
+        step = "step time, overlap (ref: without)"
+        wait = "rank 0 exposed tp wait, overlap (ref: without)"
+        return [
+            row("tp-overlap", name, step, on["step_time_s"], off["step_time_s"], "s"),
+            row(
+                "tp-overlap",
+                name,
+                wait,
+                1e3 * on["exposed_tp_wait_s"],
+                1e3 * off["exposed_tp_wait_s"],
+                "ms",
+            ),
+        ], details
+
+    return run
 
 
 # --------------------------------------------------------------------------------------------
@@ -811,7 +920,8 @@ def environment() -> dict[str, Any]:
 
 
 def plan_jobs(quick: bool, gpu_count: int) -> list[Job]:
-    """Tests, device ceilings, kernels, compiled kernels, training, in that order."""
+    """Tests, device ceilings, kernels, compiled kernels, training, tp-overlap, in that
+    order."""
     import torch
 
     bk = load_bench_kernels()
@@ -839,7 +949,11 @@ def plan_jobs(quick: bool, gpu_count: int) -> list[Job]:
     jobs.append(Job("compile", "every kernel for this GPU's arch", compile_job))
     configs = list(TRAIN_CONFIGS[:1] if quick else TRAIN_CONFIGS)
     steps, warmup = (3, 1) if quick else (5, 2)
-    return jobs + training_jobs(configs, gpu_count, steps, warmup)
+    jobs += training_jobs(configs, gpu_count, steps, warmup)
+    jobs.append(Job("tp-overlap", "split GEMM", split_gemm_job("cuda", measure)))
+    if gpu_count >= 2:
+        jobs.append(Job("tp-overlap", "tp2 bench", overlap_bench_job(steps, warmup), TRAIN_RUN_S))
+    return jobs
 
 
 def failed(rows: list[Row]) -> bool:

@@ -2,15 +2,17 @@
 gradient overlap, phases, traces): what they train and how they compare it.
 
 - the model: SMALL (4 layers, d_model 32, 20 fp32 steps of 8 sequences of 16 tokens) and the
-  override lists GPT2, LLAMA (GQA) and SP (sequence parallelism);
+  override lists GPT2, LLAMA (GQA), SP (sequence parallelism) and OVERLAP (tensor-parallel
+  communication decomposed under the GEMMs);
 - the data: `prepare_code_dataset`, ten documents of small Python functions (the `dataset`
   fixture of tests/conftest.py is one, prepared once per session);
 - the runs: `make_config` (SMALL at a layout), `make_trainer` (a Trainer on the groups a launched
   run builds), `train_losses`, `train_counted` (losses, grad norms and the first step's
   collectives), and `reference`, the cached one-process run of a set of overrides;
 - the comparisons: `assert_close` (curves within 1e-5 relative), `assert_curves_match` (every
-  rank's curves equal the reference's) and `assert_check_fails_with_one_line` (a bad setting is
-  one line from `megatronish check`).
+  rank's curves equal the reference's), `assert_overlap_matches` (a variant with OVERLAP equals
+  the one without to 1e-6) and `assert_check_fails_with_one_line` (a bad setting is one line
+  from `megatronish check`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ SMALL = [
 GPT2 = ["model.arch=gpt2"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
 SP = ["parallel.sequence_parallel=true"]
+OVERLAP = ["parallel.tp_comm_overlap=true"]
+# How far OVERLAP may move a curve: the decomposition adds the same fp32 partial sums in another
+# order (megatronish.layers.overlap), each sum off by about one rounding, 2^-24 relative; the
+# loss and the gradient norm are means over every token and parameter of such sums, and 20
+# steps of AdamW carry the difference on at that size: 1e-6 leaves a factor of ten.
+OVERLAP_REL = 1e-6
 
 # One function of the parity dataset, of its index i and its document's index part.
 CODE_FUNCTION = "def g{i}(x):\n    return x - {i} * {part}\n\n"
@@ -153,6 +161,15 @@ def assert_curves_match(per_rank: list[dict], name: str, ref: dict) -> None:
     for rank_results in per_rank:
         assert_close(rank_results[name]["losses"], ref["losses"])
         assert_close(rank_results[name]["norms"], ref["norms"])
+
+
+def assert_overlap_matches(per_rank: list[dict], name: str) -> None:
+    """Every rank's losses and grad norms of variant `name + " overlap"` (OVERLAP) equal those
+    of `name` within OVERLAP_REL."""
+    for rank_results in per_rank:
+        for key in ("losses", "norms"):
+            want = rank_results[name][key]
+            assert_close(rank_results[f"{name} overlap"][key], want, rel=OVERLAP_REL)
 
 
 def assert_check_fails_with_one_line(args: list[str], key: str) -> None:

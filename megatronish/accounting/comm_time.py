@@ -12,8 +12,8 @@ inside it) t, pp t cp dp; the tied-embedding group (first and last stage) (pp - 
 A ring collective of n ranks takes 2 (n - 1) steps (all-reduce) or n - 1 (all-gather,
 reduce-scatter, broadcast, all-to-all), each paying the link's latency, and sends
 ``Collective.sent`` bytes a rank (2 (n-1)/n or (n-1)/n of the payload) at the bus bandwidth,
-the link's times Efficiency.nvlink_fraction or network_fraction. A point-to-point send and a
-ring-attention hop are one step.
+the link's times Efficiency.nvlink_fraction or network_fraction. A point-to-point send, a
+ring-attention hop and a hop of a decomposed tp collective are one step.
 
 Plan's memory table also shows how well each cp ring step hides (``ring_ratio``): it sends one
 block of k and v, c [2, b, k/t, s/cp, d] for k kv heads, while the rank computes one block of
@@ -72,7 +72,7 @@ def link(mesh: Mesh, group: str, size: int, device: Device, eff: Efficiency) -> 
 
 def ring_steps(kind: str, size: int) -> int:
     """Latency-bound steps of one call."""
-    if kind in ("p2p", "cp_ring"):
+    if kind in ("p2p", "cp_ring", "tp_ring"):
         return 1
     return (2 if kind == "all_reduce" else 1) * (size - 1)
 

@@ -140,6 +140,35 @@ def layer_time(
     return LayerTime(forward=fwd, backward=bwd, attention_forward=attn_fwd)
 
 
+def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> dict:
+    """Seconds of the tensor-parallel linears' GEMMs of one micro-batch on one rank, the GEMMs
+    a decomposed tp collective runs under (accounting.tp_overlap): forward, one call each, of
+    qkv, proj (attention projection), up (gpt2's up, llama's gate and up), down, head (the
+    output layer), shared_up and shared_down (an MoE layer's shared expert, when the model has
+    experts); and the backward
+    pair (input and weight gradient) of proj, down and shared_down, which the all-gather of
+    their output gradient runs under."""
+    model, train, tp = cfg.model, cfg.train, derived.tp
+    timer = _Timer(device, eff, 2 if train.precision == "bf16" else 4)
+    T, h, hd = train.micro_batch_size * train.seq_len // derived.cp, model.d_model, derived.head_dim
+    heads, kv, llama = model.n_head // tp, derived.n_kv_head // tp, not model.gpt2_block
+    f, shared = derived.d_ff // tp, derived.moe_d_ff // tp
+    shapes = {
+        "qkv": (T, (heads + 2 * kv) * hd, h),
+        "proj": (T, h, heads * hd),
+        "up": (T, (2 if llama else 1) * f, h),
+        "down": (T, h, f),
+        "head": (T, derived.padded_vocab_size // tp, h),
+    }
+    if shared:
+        shapes.update(shared_up=(T, 2 * shared, h), shared_down=(T, h, shared))
+    gemms = {name: timer.gemm(*shape) for name, shape in shapes.items()}
+    for name in ("proj", "down", "shared_down"):
+        if name in shapes:
+            gemms[f"{name}_backward"] = timer.gemm(*shapes[name], backward=True)
+    return gemms
+
+
 def _attention(
     cfg: Config, derived: Derived, timer: _Timer, device: Device, eff: Efficiency, kind: str, s: int
 ) -> tuple[float, float]:

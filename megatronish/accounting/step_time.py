@@ -9,8 +9,10 @@ stage issues (accounting.collectives, the count the tests hold the wire to), tim
 accounting.comm_time and split by what hides them:
 
 - tp (and the tp part of MoE routing): on the critical path, all exposed. Sequence
-  parallelism changes their bytes and kinds (all-gather + reduce-scatter), not their exposure;
-  megatronish does not overlap them with GEMMs, so neither does the model.
+  parallelism changes their bytes and kinds (all-gather + reduce-scatter), not their exposure.
+  With parallel.tp_comm_overlap the linears' collectives run in pieces under their GEMMs'
+  sequence chunks: exposed is only what a piece takes beyond its chunk's GEMM, and an
+  all-reduce's last chunk (accounting.tp_overlap); the rest is hidden (``tp_hidden_s``).
 - ep all-to-all (MoE dispatch and return): on the critical path, exposed.
 - cp ring (k, v and their gradients): each hop runs under the attention of one block, so only
   what exceeds the layer's attention time is exposed.
@@ -46,13 +48,19 @@ from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.comm_time import Mesh, collective_seconds
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.hardware import Device
-from megatronish.accounting.layer_time import embedding_time, layer_time, output_time
+from megatronish.accounting.layer_time import (
+    embedding_time,
+    layer_time,
+    linear_gemms,
+    output_time,
+)
 from megatronish.accounting.parameters import (
     local_moe_params,
     local_parameter_count,
     stage_moe_layers,
 )
 from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency, memory_seconds
+from megatronish.accounting.tp_overlap import split_seconds
 from megatronish.config import Config, Derived
 
 PARTS = (
@@ -70,7 +78,8 @@ PARTS = (
 @dataclass
 class StepTime:
     """One layout's predicted step. breakdown: seconds per part (PARTS), summing to
-    step_time_s."""
+    step_time_s; tp_hidden_s: the tp communication the decomposition hides under the GEMMs
+    (parallel.tp_comm_overlap), beside the exposed_tp part."""
 
     step_time_s: float
     tokens_per_step: int
@@ -79,6 +88,7 @@ class StepTime:
     hardware_flops: float
     peak_flops: float
     breakdown: dict[str, float] = field(default_factory=dict)
+    tp_hidden_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,13 +173,18 @@ def _comm(
     cfg, derived, r, mesh, device, eff, attention_s: float, forward_s: float, backward_s: float
 ):
     """Exposed seconds per part of stage r's collectives in one step (see module doc)."""
-    out = dict.fromkeys(("tp", "cp", "ep", "dp", "sends", "pp"), 0.0)
+    out = dict.fromkeys(("tp", "tp_hidden", "cp", "ep", "dp", "sends", "pp"), 0.0)
+    gemms = linear_gemms(cfg, derived, device, eff)
     grad, gather, ring = 0.0, 0.0, 0.0
     bucket = cfg.optim.bucket_mb * 1e6
     grad_payload = gather_payload = 0.0
     for op in collectives_per_step(cfg, derived, r):
         seconds = collective_seconds(op, mesh, device, eff)
-        if op.group == "tp":
+        if op.group == "tp" and op.under:
+            exposed, hidden = split_seconds(op, seconds, gemms[op.under], derived.tp)
+            out["tp"] += exposed
+            out["tp_hidden"] += hidden
+        elif op.group == "tp":
             out["tp"] += seconds
         elif op.kind == "cp_ring":
             ring += seconds
@@ -255,4 +270,5 @@ def step_time(
         hardware_flops=hardware_flops,
         peak_flops=device.peak_flops,
         breakdown=breakdown,
+        tp_hidden_s=comm["tp_hidden"],
     )

@@ -105,9 +105,11 @@ def single_layout_config(cfg: Config, tp: int) -> Config:
 
 def inference_config(cfg: Config, vocab_size: int, tp: int) -> Config:
     """A copy of a checkpoint's config for inference at tp ranks alone (single_layout_config):
-    no sequence parallelism, no activation checkpointing, the saved vocab size."""
+    no sequence parallelism or decomposed tp communication (decoding runs any length), no
+    activation checkpointing, the saved vocab size."""
     cfg = single_layout_config(cfg, tp)
     cfg.parallel.sequence_parallel = False
+    cfg.parallel.tp_comm_overlap = False
     cfg.train.activation_checkpointing = "none"
     cfg.model.vocab_size = vocab_size
     return cfg

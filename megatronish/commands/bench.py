@@ -138,6 +138,9 @@ def report(cfg: Config, derived: Derived, result: BenchResult, steps: int, warmu
         "cp_ring_bytes_per_step": result.payload_per_step.get("cp_ring", 0.0),
         "cp_ring_bytes_per_step_formula": ring_formula,
         "exposed_dp_wait_s": result.phases.get("wait_dp", 0.0),
+        "exposed_tp_wait_s": result.phases.get("wait_tp", 0.0),
+        "tp_comm_overlap": cfg.parallel.tp_comm_overlap and derived.tp > 1,
+        "tp_ring_bytes_per_step": result.payload_per_step.get("tp_ring", 0.0),
         "grad_sync_s": result.phases.get("grad_sync", 0.0),
         "overlap_grad_reduce": cfg.optim.overlap_grad_reduce,
         "comm_calls_per_step": result.calls_per_step,
@@ -166,6 +169,13 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
                 record["cp_ring_bytes_per_step"],
                 record["cp_ring_bytes_per_step_formula"],
             )
+        )
+    if derived.tp > 1:
+        under = "on" if record["tp_comm_overlap"] else "off"
+        lines.append(
+            f"rank 0 waits {record['exposed_tp_wait_s'] * 1e3:.2f} ms a step in tensor-parallel "
+            f"communication (under the GEMMs {under}; ring hops "
+            f"{_format_bytes(record['tp_ring_bytes_per_step'])})"
         )
     return [
         f"bench: {model.arch} {model.n_layer} layers, d_model {model.d_model}, {train.precision}; "

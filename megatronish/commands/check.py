@@ -20,6 +20,7 @@ from megatronish.config import (
     check_dataset_vocab,
     check_output_paths,
     derive,
+    layout_notes,
     world_size_of,
 )
 from megatronish.errors import UserError
@@ -92,6 +93,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
     lines += zero_lines(cfg, derived, loss_masked)
     if fp8_note is not None:
         lines += fp8_lines(cfg, derived, fp8_note)
+    lines += layout_notes(cfg, derived) + tp_overlap_lines(cfg, derived, loss_masked)
     if derived.moe_layers:
         lines += moe_lines(cfg, derived, params)
     if derived.cp > 1:
@@ -144,6 +146,34 @@ def fp8_lines(cfg: Config, derived: Derived, note: str) -> list[str]:
         f"fp8 amax all-reduces per step and rank (tp {derived.tp}, stage 0): {calls} calls, "
         f"{payload:,} bytes",
         note,
+    ]
+
+
+def tp_overlap_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[str]:
+    """With parallel.tp_comm_overlap at tp > 1: the tp collectives decomposed under the GEMMs
+    (megatronish.layers.overlap) and those left whole, by the names the collective count
+    gives them (every stage's)."""
+    t = derived.tp
+    if not cfg.parallel.tp_comm_overlap or t == 1:
+        return []
+    ops = [
+        op
+        for r in range(derived.pp)
+        for op in collectives_per_step(cfg, derived, r, loss_masked)
+        if op.group == "tp"
+    ]
+    suffix = ", ring" if cfg.parallel.sequence_parallel else f", {t} chunks"
+    split = {op.what.removesuffix(suffix) for op in ops if op.what.endswith(suffix)}
+    whole = {op.what for op in ops if not op.what.endswith(suffix)}
+    if cfg.parallel.sequence_parallel:
+        hops = f"{t - 1} ring hop{'s' if t > 2 else ''}"
+        how = f"each all-gather and reduce-scatter as {hops} of a 1/{t} sequence chunk"
+    else:
+        how = f"each all-reduce as {t} all-reduces of a 1/{t} sequence chunk"
+    return [
+        f"tp communication under the GEMMs (parallel.tp_comm_overlap), {how}: "
+        + "; ".join(sorted(split)),
+        "tp collectives left whole: " + "; ".join(sorted(whole)),
     ]
 
 

@@ -36,6 +36,7 @@ def _layout(row) -> dict:
         "micro_batch_size": train.micro_batch_size,
         "activation_checkpointing": train.activation_checkpointing,
         "sequence_parallel": bool(parallel.sequence_parallel and parallel.tp > 1),
+        "tp_comm_overlap": bool(parallel.tp_comm_overlap and parallel.tp > 1),
         "zero": row.cfg.optim.zero,
     }
 
@@ -57,9 +58,15 @@ def as_json(row, gpu: str, world: int, budget: float) -> str:
             "memory_gb": row.memory.total_gb,
             "fits": row.memory.total_gb <= budget,
             "breakdown": predicted.breakdown,
+            "tp_exposed_s": predicted.breakdown["exposed_tp"],
+            "tp_hidden_s": predicted.tp_hidden_s,
             "units": {
                 "memory_gb": "GiB (2^30 bytes) per rank, of the fullest pipeline stage",
                 "breakdown": "seconds per step, summing to step_time_s",
+                "tp_exposed_s": "seconds per step of tp communication on the critical path "
+                "(breakdown's exposed_tp)",
+                "tp_hidden_s": "seconds per step of tp communication hidden under the GEMMs "
+                "(parallel.tp_comm_overlap)",
                 "tflops_per_gpu": "TFLOP/s per GPU: model FLOPs (no recompute) and hardware "
                 "FLOPs (with recompute)",
             },

@@ -150,6 +150,16 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         f"train.seq_len: {train.seq_len} / parallel.cp={cp} must be divisible by "
         f"parallel.tp={tp} with sequence_parallel",
     )
+    require(
+        not (parallel.tp_comm_overlap and tp > 1 and (train.seq_len // cp) % tp != 0),
+        f"train.seq_len: {train.seq_len} / parallel.cp={cp} must be divisible by "
+        f"parallel.tp={tp} with parallel.tp_comm_overlap (the sequence is cut into tp chunks)",
+    )
+    require(
+        not (parallel.tp_comm_overlap and tp > 1 and train.precision == "fp8"),
+        "parallel.tp_comm_overlap: not with train.precision=fp8 yet (the decomposed GEMMs run in "
+        "fp32 or bf16); set parallel.tp_comm_overlap=false or train.precision=bf16",
+    )
     virtual = virtual_stages(cfg)
     if virtual > 1:
         _check_interleaving(train, dp, pp, virtual, accum)
@@ -177,6 +187,14 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         moe_d_ff=moe_d_ff,
         shared_d_ff=moe_d_ff * (model.moe.n_shared_experts or int(model.moe.shared_expert)),
     )
+
+
+def layout_notes(cfg: Config, derived: Derived) -> list[str]:
+    """Settings that have no effect at this layout, one line each (train says them once,
+    check prints them)."""
+    if cfg.parallel.tp_comm_overlap and derived.tp == 1:
+        return ["parallel.tp_comm_overlap: no effect at parallel.tp=1 (no tp communication)"]
+    return []
 
 
 def _data_parallel_degree(parallel: ParallelConfig, world_size: int) -> int:

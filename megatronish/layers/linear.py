@@ -9,6 +9,8 @@ With sequence_parallel the replicated activations are [b, s / t, h] instead: the
 all-gathers its input along the sequence, the row layer reduce-scatters its output.
 With fp8_recipe set (megatronish.fp8) the layer's three GEMMs take fp8 operands; the scales
 of tensors split over the group are reduced over it, so every tp degree computes the same.
+comm_overlap (parallel.tp_comm_overlap) decomposes those collectives under the GEMMs:
+megatronish.layers.overlap (not with fp8: the config refuses the pair).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from megatronish.fp8 import (
     grad_input_gemm,
     grad_weight_gemm,
 )
-from megatronish.layers import mappings
+from megatronish.layers import mappings, overlap
 from megatronish.layers.roles import role, set_role
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -153,12 +155,16 @@ def column_parallel_linear(
     group: dist.ProcessGroup | None,
     sequence_parallel: bool = False,
     fp8_recipe: Recipe | None = None,
+    comm_overlap: bool = False,
 ) -> torch.Tensor:
     """x [b, s, in] (or [b, s / t, in] with sequence_parallel) times this rank's block of the
-    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group."""
+    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group. comm_overlap
+    with sequence_parallel: the all-gather decomposed under the GEMM (layers.overlap)."""
     if comm.group_size(group) == 1:
         return local_linear(x, weight, bias, fp8_recipe, Split())
     x = to_autocast_dtype(x)
+    if comm_overlap and sequence_parallel:
+        return overlap.all_gather_linear(x, [weight], [bias], group)[0]
     return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe)
 
 
@@ -192,6 +198,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.fp8_recipe: Recipe | None = None
+        self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
         local_out = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         mark_parallel(self.weight, 0, (out_features, in_features))
@@ -208,7 +215,13 @@ class ColumnParallelLinear(nn.Module):
             add_bias = not self.skip_bias_add
         bias = self.bias if add_bias else None
         out = column_parallel_linear(
-            x, self.weight, bias, self.tp_group, self.sequence_parallel, self.fp8_recipe
+            x,
+            self.weight,
+            bias,
+            self.tp_group,
+            self.sequence_parallel,
+            self.fp8_recipe,
+            self.comm_overlap,
         )
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, self.tp_group)
@@ -256,6 +269,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.fp8_recipe: Recipe | None = None
+        self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
         local_in = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
         mark_parallel(self.weight, 1, (out_features, in_features))
@@ -275,6 +289,9 @@ class RowParallelLinear(nn.Module):
             return local_linear(x, self.weight, self.bias, self.fp8_recipe, split)
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
+        if self.comm_overlap:  # the GEMM decomposed under its reduction (layers.overlap)
+            out = overlap.reduced_linear(x, self.weight, self.tp_group, self.sequence_parallel)
+            return out if self.bias is None else out + self.bias
         partial = local_linear(x, self.weight, None, self.fp8_recipe, split)
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)

@@ -20,6 +20,7 @@ from megatronish.layers import mappings
 from megatronish.layers.embedding import VocabParallelEmbedding
 from megatronish.layers.linear import (
     ColumnParallelLinear,
+    RowParallelLinear,
     column_parallel_linear,
     mark_parallel,
 )
@@ -53,6 +54,7 @@ class GPT(nn.Module):
         self.cfg, self.derived, self.ps = cfg, derived, ps
         self.tracker = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)
         self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
+        self.tp_comm_overlap = cfg.parallel.tp_comm_overlap and derived.tp > 1
         self.backend = cfg.kernels.backend
         self.full_checkpoint = cfg.train.activation_checkpointing == "full"
         self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
@@ -96,6 +98,10 @@ class GPT(nn.Module):
         ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)
         self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
         self.has_padding = bool(self.vocab_padding.any())
+        if self.tp_comm_overlap:  # every tp linear decomposes its collectives (layers.overlap)
+            for module in self.modules():
+                if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                    module.comm_overlap = True
         self.to(ps.device)
         init_weights(self, cfg.train.seed, model.n_layer)
 
@@ -198,7 +204,14 @@ class GPT(nn.Module):
         """The output layer, column-parallel over the vocab: x [b, s, h] (or [b, s/t, h] with
         sequence parallelism) -> this rank's logits [b, s, V/t], padding ids at -inf."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
-        logits = column_parallel_linear(x, weight, None, self.ps.tp_group, self.sequence_parallel)
+        logits = column_parallel_linear(
+            x,
+            weight,
+            None,
+            self.ps.tp_group,
+            self.sequence_parallel,
+            comm_overlap=self.tp_comm_overlap,
+        )
         if self.has_padding:
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits

@@ -17,6 +17,7 @@ from megatronish.config import (
     check_dataset_vocab,
     check_output_paths,
     derive,
+    layout_notes,
     world_size_of,
 )
 from megatronish.data import BatchLoader
@@ -95,7 +96,7 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
     check_output_paths(cfg)
     changed = check_resumed_model(cfg, derived.vocab_size)
     if os.environ.get("RANK", "0") == "0":  # torchrun's global rank: said once
-        for line in changed:
+        for line in changed + layout_notes(cfg, derived):
             print(line, flush=True)
         for line in notes:
             print(line, file=sys.stderr, flush=True)

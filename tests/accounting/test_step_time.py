@@ -93,6 +93,53 @@ def test_the_model_times_the_bytes_of_the_analytic_collective_count():
     assert tp_seconds > sum(op.sent for op in tp_ops) / bandwidth
 
 
+def test_tp_comm_overlap_leaves_exposed_only_what_outlasts_its_gemm_chunk():
+    from megatronish.accounting.collectives import Collective
+    from megatronish.accounting.tp_overlap import split_seconds
+
+    # 4 hops of 1 ms each under GEMMs of 8 ms at t = 4 (2 ms chunks): all hidden; of 3 ms: 1 ms
+    # each exposed. 8 chunked all-reduces (two collectives at t = 4) of 1 ms under 2 ms chunks:
+    # each collective's last chunk exposed.
+    hops = Collective("x", "tp_ring", "tp", 4, 100, 4, "qkv")
+    assert split_seconds(hops, 4.0, 8.0, 4) == (0.0, 4.0)
+    assert split_seconds(hops, 12.0, 8.0, 4) == (4.0, 8.0)
+    chunks = Collective("y", "all_reduce", "tp", 4, 100, 8, "proj")
+    assert split_seconds(chunks, 8.0, 8.0, 4) == (2.0, 6.0)
+
+
+PAYS = [(8, "true", True), (4, "false", True), (8, "false", False)]
+
+
+@pytest.mark.parametrize(("tp", "sp", "pays"), PAYS)
+def test_the_model_tells_when_the_tp_overlap_pays_and_plan_json_reports_hidden_and_exposed(
+    tp, sp, pays
+):
+    """Under sequence parallelism the ring hops move the bytes in the ring steps the
+    collectives did, split into hidden and exposed; without it the t chunked all-reduces pay
+    t times an all-reduce's latency, which at tp 8 costs more than it hides."""
+    sets = [f"parallel.tp={tp}", f"parallel.dp={64 // tp}", f"parallel.sequence_parallel={sp}"]
+    predicted = {}
+    for overlap in ("false", "true"):
+        cfg, d = _gpt3(*sets, "model.n_layer=8", f"parallel.tp_comm_overlap={overlap}")
+        predicted[overlap] = step_time(cfg, d, GPUS["H100"])
+    off, on = predicted["false"], predicted["true"]
+    assert off.tp_hidden_s == 0 and on.tp_hidden_s > 0
+    assert on.breakdown["compute"] == off.breakdown["compute"]
+    assert (on.step_time_s < off.step_time_s) == pays
+    assert (on.breakdown["exposed_tp"] < off.breakdown["exposed_tp"]) == pays
+    if sp == "true":
+        total = on.breakdown["exposed_tp"] + on.tp_hidden_s
+        assert total == pytest.approx(off.breakdown["exposed_tp"])
+    gpt3 = [a for s in GPT3 + sets + ["parallel.tp_comm_overlap=true"] for a in ("--set", s)]
+    tiny = str(CONFIGS / "tiny.yaml")
+    layout = ["--gpus", "64", "--gpu", "H100", "--layout", f"tp={tp} dp={64 // tp}", "--json"]
+    result = invoke_cli("plan", "--config", tiny, *gpt3, *layout)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["layout"]["tp_comm_overlap"] is True
+    assert record["tp_hidden_s"] > 0 and record["tp_exposed_s"] == record["breakdown"]["exposed_tp"]
+
+
 def test_groups_inside_a_node_use_nvlink_and_the_others_the_network():
     mesh, h100 = Mesh(tp=8, cp=1, dp=4, pp=2), GPUS["H100"]
     assert inside_node(mesh, "tp", 8, h100) and not inside_node(mesh, "dp", 4, h100)

@@ -1,7 +1,9 @@
 """`megatronish bench`: the bytes each rank sends per step, as comm.CommCounter counts them,
 equal the analytic formula exactly (tp = 2, dp = 2, tp = 2 x dp = 2, fp8's amax all-reduces
-included), and the command's last line is one JSON object with the contract's keys. The same
-two-rank runs hold fp8 at tp 2 to tp 1: the first step's loss and gradient norm."""
+included, and with the tp collectives decomposed under the GEMMs), bench reports rank 0's
+exposed tensor-parallel wait with the decomposition on and off, and the command's last line is
+one JSON object with the contract's keys. The same two-rank runs hold fp8 at tp 2 to tp 1: the
+first step's loss and gradient norm."""
 
 from __future__ import annotations
 
@@ -30,9 +32,12 @@ TINY = [
 ]
 GPT2 = ["model.arch=gpt2"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
-SP = ["parallel.sequence_parallel=true"]
+SP, OVERLAP = ["parallel.sequence_parallel=true"], ["parallel.tp_comm_overlap=true"]
 FP8 = ["train.precision=fp8", "train.fp8_high_precision=fp32"]
 TENSORWISE, ROWWISE = ["train.fp8_recipe=tensorwise"], ["train.fp8_recipe=rowwise"]
+# A dense block and an MoE block with a shared expert (its MLP decomposed, the routing whole).
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2", "model.moe.d_ff=48"]
+MOE += ["model.moe.shared_expert=true"]
 
 # name -> (tp, dp, overrides); global batch 4 per data-parallel rank: 2 accumulation steps.
 TWO_RANKS = {
@@ -56,6 +61,15 @@ TWO_RANKS = {
     ),
     "llama tp2 fp8 tensorwise sequence-parallel bf16": (
         2, 1, LLAMA + ["train.precision=fp8"] + TENSORWISE + SP,
+    ),
+    "gpt2 tp2 sequence-parallel overlap": (2, 1, GPT2 + SP + OVERLAP),
+    "llama tp2 sequence-parallel full-recompute overlap": (
+        2, 1, LLAMA + SP + OVERLAP + ["train.activation_checkpointing=full"],
+    ),
+    "llama tp2 overlap": (2, 1, LLAMA + OVERLAP),
+    "llama moe shared expert tp2 sequence-parallel overlap": (2, 1, LLAMA + MOE + SP + OVERLAP),
+    "llama tp2 sequence-parallel bf16 overlap": (
+        2, 1, LLAMA + SP + OVERLAP + ["train.precision=bf16"],
     ),
 }  # fmt: skip
 # llama in fp8 with fp32 around it, with and without sequence parallelism: the runs whose first
@@ -83,9 +97,9 @@ def bench_config(tp: int, dp: int, overrides: list[str], dataset: Path):
 
 def _count_on_ranks(rank, world, variants, dataset):
     """For each variant: (counted, formula) bytes sent per step, payload bytes per kind, and
-    the first step's (loss, gradient norm)."""
+    the first step's (loss, gradient norm), and bench's record and summary lines."""
     from megatronish.accounting.collectives import formula_payload_by_kind
-    from megatronish.commands.bench import time_steps
+    from megatronish.commands.bench import report, summary_lines, time_steps
     from megatronish.data.sources import run_data
     from megatronish.distributed.layout import ParallelState
     from megatronish.training.setup import Setup
@@ -99,10 +113,12 @@ def _count_on_ranks(rank, world, variants, dataset):
         trainer = Trainer(Setup(cfg, derived, ParallelState.from_world(tp, dp), data))
         first = trainer.train_step()  # the warmup step
         result = time_steps(trainer, steps=1, warmup=0)
+        record = report(cfg, derived, result, 1, 1)
         results[name] = (
             (result.bytes_sent_per_step, formula_bytes_per_step(cfg, derived)),
             (result.payload_per_step, formula_payload_by_kind(cfg, derived)),
             (first.loss, first.grad_norm),
+            (record, summary_lines(cfg, derived, record)),
         )
     return results
 
@@ -163,6 +179,28 @@ def test_fp8_first_step_at_tp2_equals_tp1(two_rank_counts, dataset, name):
         loss, grad_norm = results[name][2]
         assert loss == pytest.approx(first.loss, rel=1e-5), f"rank {rank} loss"
         assert grad_norm == pytest.approx(first.grad_norm, rel=1e-5), f"rank {rank} grad norm"
+
+
+@pytest.mark.parametrize(
+    ("off", "on"),
+    [
+        ("gpt2 tp2 sequence-parallel", "gpt2 tp2 sequence-parallel overlap"),
+        ("llama tp2", "llama tp2 overlap"),
+    ],
+)
+def test_bench_reports_rank0s_exposed_tp_wait_with_the_decomposition_on_and_off(
+    two_rank_counts, off, on
+):
+    records = {name: two_rank_counts[0][name][3] for name in (off, on)}
+    for name, (record, lines) in records.items():
+        assert record["exposed_tp_wait_s"] > 0, name
+        assert record["tp_comm_overlap"] == (name == on)
+        under = "under the GEMMs " + ("on" if name == on else "off")
+        assert any(line.startswith("rank 0 waits") and under in line for line in lines), lines
+    ring = records[on][0]["tp_ring_bytes_per_step"]
+    assert (ring > 0) == ("sequence-parallel" in on) and records[off][0][
+        "tp_ring_bytes_per_step"
+    ] == 0
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

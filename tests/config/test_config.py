@@ -59,6 +59,12 @@ def test_derived_sizes_are_computed_in_one_place():
         ),
         (["train.global_batch_size=12", "train.micro_batch_size=8"], 1, "train.global_batch_size"),
         (["model.arch=llama", "model.n_kv_head=3"], 1, "model.n_kv_head: 3 does not divide"),
+        (
+            ["parallel.tp=2", "parallel.tp_comm_overlap=true", "train.seq_len=127"],
+            2,
+            "train.seq_len: 127 / parallel.cp=1 must be divisible by parallel.tp=2 with "
+            "parallel.tp_comm_overlap",
+        ),
     ],
 )
 def test_cross_checks_name_the_keys(overrides, world, message):
@@ -143,6 +149,35 @@ def test_cli_check_prints_resolved_config_and_derived_sizes():
     assert result.returncode == 0, result.stderr
     for needle in ("parameters:", "gradient accumulation steps: 2", "padded to 512", "ok"):
         assert needle in result.stdout
+
+
+def test_cli_check_says_which_tp_collectives_are_decomposed_under_the_gemms():
+    tiny, overlap = str(CONFIGS / "tiny.yaml"), "parallel.tp_comm_overlap=true"
+    sets = ["--set", "parallel.tp=2", "--set", overlap]
+    for sp, decomposed, whole in [
+        ("true", "1 ring hop of a 1/2 sequence chunk", "embedding output gradient (backward)"),
+        ("false", "2 all-reduces of a 1/2 sequence chunk", "qkv input gradient (backward)"),
+    ]:
+        result = invoke_cli(
+            "check", "--config", tiny, *sets, "--set", f"parallel.sequence_parallel={sp}"
+        )
+        assert result.returncode == 0, result.stderr
+        under, left = [x for x in result.stdout.splitlines() if x.startswith("tp co")]
+        assert decomposed in under and "attention projection output (forward)" in under
+        assert whole in left and whole not in under
+    result = invoke_cli("check", "--config", tiny, *sets, "--set", "train.seq_len=127")
+    one_line_error(result, "train.seq_len: 127", "parallel.tp=2", "parallel.tp_comm_overlap")
+
+
+def test_tp_comm_overlap_at_tp1_is_a_no_op_said_once(dataset, tmp_path):
+    note = "parallel.tp_comm_overlap: no effect at parallel.tp=1"
+    sets = ["parallel.tp_comm_overlap=true", "train.steps=1", "model.n_layer=1"]
+    sets += [f"data.path={dataset}", f"run.out_dir={tmp_path}", "checkpoint.save=false"]
+    args = ["--config", str(CONFIGS / "tiny.yaml"), *(x for s in sets for x in ("--set", s))]
+    for command in ("check", "train"):
+        result = invoke_cli(command, *args)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.count(note) == 1, command
 
 
 def test_cli_train_of_a_parallel_config_in_one_process_says_how_to_launch():

@@ -13,11 +13,13 @@ import pytest
 
 from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
+    OVERLAP,
     SP,
     STEPS,
     assert_check_fails_with_one_line,
     assert_close,
     assert_curves_match,
+    assert_overlap_matches,
     make_trainer,
     train_counted,
     train_losses,
@@ -49,6 +51,7 @@ FOUR_RANKS = {
     "gpt2 tp2 cp2 sp": (2, 2, 1, 1, GPT2 + SP),
     "llama tp2 cp2": (2, 2, 1, 1, LLAMA),
     "llama tp2 cp2 sp head_dim 12 yarn": (2, 2, 1, 1, LLAMA + SP + ["model.head_dim=12", YARN]),
+    "llama tp2 cp2 overlap": (2, 2, 1, 1, LLAMA + OVERLAP),
     "gpt2 cp2 pp2 full recompute": (1, 2, 1, 2, GPT2 + ["train.activation_checkpointing=full"]),
     "llama cp2 pp2": (1, 2, 1, 2, LLAMA),
     "gpt2 cp2 dp2 zero1": (1, 2, 2, 1, GPT2 + ["optim.zero=1"]),
@@ -141,6 +144,12 @@ def test_every_rank_sends_the_ring_bytes_the_analytic_count_gives(group, two_ran
         for name, result in rank_results.items():
             assert result["payload"]["cp_ring"] > 0, name
             assert result["payload"] == result["formula"], name
+
+
+def test_tp_comm_overlap_without_sequence_parallelism_at_tp2_cp2_equals_it_off_to_1e6(
+    four_ranks,
+):
+    assert_overlap_matches(four_ranks, "llama tp2 cp2")
 
 
 def _resume(rank, world, dataset, step_dir, cp):

@@ -24,6 +24,8 @@ from tests.moe.test_moe_training import MOE
 from tests.parity import (
     GPT2,
     LLAMA,
+    OVERLAP,
+    OVERLAP_REL,
     SP,
     assert_check_fails_with_one_line,
     make_config,
@@ -61,6 +63,13 @@ FOUR = {
     "dp2 cp2 selective recompute": (1, 2, 2, 1, 1, SELECTIVE),
     "moe dp4 ep2": (1, 1, 4, 1, 2, MOE),
     "dp4 full recompute bf16": (1, 1, 4, 1, 1, FULL_BF16),
+}
+# parallel.tp_comm_overlap on these four ranks: name -> (tp, dp, zero, overrides); each against
+# the same run without it (tp 2 x dp 2 under ZeRO-3 against FOUR's "dp2 tp2 sp" at ZeRO-3)
+TP_OVERLAP = {
+    "dp2 tp2 sp overlap": (2, 2, 3, GPT2 + SP + OVERLAP),
+    "tp4 sp": (4, 1, 0, GPT2 + SP),
+    "tp4 sp overlap": (4, 1, 0, GPT2 + SP + OVERLAP),
 }
 # dp 2, two micro-batches a step: reduce-scatters and gathers every micro-batch
 TWO = {
@@ -145,6 +154,13 @@ def _four(rank, world, dataset, ckpt_dir):
             run = _train(cfg, world, dataset, save)
             del run["trainer"]
             out[(name, zero)] = run
+    for name, (tp, dp, zero, overrides) in TP_OVERLAP.items():
+        cfg = make_config(
+            tp, dp, 1, overrides, dataset, [f"train.steps={STEPS}", f"optim.zero={zero}"]
+        )
+        run = _train(cfg, world, dataset)
+        del run["trainer"]
+        out[(name, zero)] = run
     return out
 
 
@@ -195,6 +211,15 @@ def test_zero2_and_zero3_losses_and_grad_norms_hold_zero0s_to_fp32_or_bf16_round
             assert _flat(got[1:]) == pytest.approx(_flat(want[1:]), rel=later, abs=0), zero
     for rank in four:  # one micro-batch a step: ZeRO-2 reduces as ZeRO-1 does, bit for bit
         assert rank[("dp4", 2)]["curve"] == rank[("dp4", 1)]["curve"]
+
+
+def test_tp_comm_overlap_at_tp2_dp2_zero3_and_tp4_equals_it_off_to_1e6(runs):
+    four, _ = runs
+    pairs = [(("dp2 tp2 sp overlap", 3), ("dp2 tp2 sp", 3)), (("tp4 sp overlap", 0), ("tp4 sp", 0))]
+    for rank in four:
+        for on, off in pairs:
+            want = _flat(rank[off]["curve"])
+            assert _flat(rank[on]["curve"]) == pytest.approx(want, rel=OVERLAP_REL, abs=0), on
 
 
 def test_zero_levels_at_dp2_with_accumulation_hold_1e6_and_overlap_and_prefetch_change_no_bit(

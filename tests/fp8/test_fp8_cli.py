@@ -84,3 +84,12 @@ def test_fp8_run_says_once_it_emulates_and_its_checkpoint_resumes_in_bf16(tmp_pa
     train_lines, _ = read_metrics(tmp_path)
     assert [line["step"] for line in train_lines] == [1, 2, 3]
     assert all(math.isfinite(line["loss"]) for line in train_lines)
+
+
+def test_fp8_with_the_tp_comm_overlap_is_one_line_naming_both_keys():
+    from megatronish.config import derive, load_config
+
+    sets = ["parallel.tp=2", "parallel.tp_comm_overlap=true", "train.precision=fp8"]
+    cfg = load_config(CONFIGS / "tiny.yaml", sets)
+    with pytest.raises(UserError, match="parallel.tp_comm_overlap: not with train.precision=fp8"):
+        derive(cfg, 2, vocab_size=256)

@@ -20,6 +20,7 @@ from megatronish.layers import (
     mappings,
     vocab_parallel_cross_entropy,
 )
+from megatronish.layers.linear import column_parallel_linear
 from tests.ranks import run_on_ranks
 
 RTOL = 1e-5
@@ -228,6 +229,113 @@ def _fp8_pair(rank, world, recipe_name, sequence_parallel):
     return True
 
 
+def rounding_bound(a: torch.Tensor, b: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """How far two fp32 evaluations of a @ b (a [..., k], b [k, m]) that add the products up in
+    different orders can differ, elementwise: each is within n u sum |products| of the exact
+    value (u = 2^-24, n the terms a sum has: k unless given), so they are within 2 n u
+    (|a| @ |b|) of each other."""
+    n = a.shape[-1] if n is None else n
+    return 2 * n * 2**-24 * (a.double().abs() @ b.double().abs())
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str):
+    excess = ((actual.double() - expected.double()).abs() - bound).max().item()
+    assert excess <= 0, f"{what}: beyond fp32 rounding of a reordered sum by {excess:.2e}"
+
+
+def _overlap_column(rank, world, weights):
+    """The all-gather decomposed under the GEMM (parallel.tp_comm_overlap) against the plain
+    sequence-parallel column layer: output, input and weight gradients within the rounding of
+    their reordered sums, the same bytes sent, as t - 1 ring hops per all-gather and per
+    reduce-scatter. weights 2: llama's gate and up on one gathered input (kept for backward,
+    not gathered again)."""
+    from megatronish.layers import overlap
+
+    torch.manual_seed(5)
+    batch, seq, d_in, d_out = 3, 3 * world, 7, 5 * world
+    x = torch.randn(batch, seq, d_in)
+    full_w = [torch.randn(d_out, d_in) for _ in range(weights)]
+    full_g = [torch.randn(batch, seq, d_out) for _ in range(weights)]
+    ws = [w.chunk(world)[rank] for w in full_w]
+    grads = [g.chunk(world, dim=-1)[rank] for g in full_g]
+    bias = torch.randn(d_out).chunk(world)[rank] if weights == 1 else None
+    runs = {}
+    for decomposed in (False, True):
+        x_local = x.chunk(world, dim=1)[rank].clone().requires_grad_()
+        params = [w.clone().requires_grad_() for w in ws]
+        b = None if bias is None else bias.clone().requires_grad_()
+        with comm.CommCounter() as counter:
+            if decomposed:
+                outs = overlap.all_gather_linear(
+                    x_local, params, [b] * weights, None, keep_gathered=weights > 1
+                )
+            elif weights == 1:  # the layer gathers x again in backward
+                outs = [column_parallel_linear(x_local, params[0], b, None, True)]
+            else:  # gate and up keep the gathered x
+                full = mappings.gather_from_sequence_parallel_region(x_local)
+                outs = [F.linear(full, p) for p in params]
+            torch.autograd.backward(outs, grads)
+        runs[decomposed] = (outs, x_local.grad, [p.grad for p in params], b, counter)
+    (want, want_dx, want_dw, want_b, off), (outs, dx, dw, b, on) = runs[False], runs[True]
+    ones = torch.ones(batch, seq, 1)
+    for out, expected, w in zip(outs, want, ws):  # the bias as one more product, 1 x b
+        with_bias = w if bias is None else torch.cat([w, bias[:, None]], dim=1)
+        inputs = x if bias is None else torch.cat([x, ones], dim=-1)
+        assert_within(out, expected, rounding_bound(inputs, with_bias.t()), "output")
+    # dx sums weights x d_out products: t ranks' partials of this rank's sequence chunk
+    dx_bound = sum(rounding_bound(g, w, weights * d_out) for g, w in zip(full_g, full_w))
+    assert_within(dx, want_dx, dx_bound.chunk(world, dim=1)[rank], "input grad")
+    for got, expected, g in zip(dw, want_dw, grads):
+        bound = rounding_bound(g.flatten(0, 1).t(), x.flatten(0, 1))
+        assert_within(got, expected, bound, "weight grad")
+    if bias is not None:
+        assert torch.equal(b.grad, want_b.grad)
+    hops = (3 if weights == 1 else 2) * (world - 1)  # gathers of x and a reduce-scatter
+    assert on.total_sent == pytest.approx(off.total_sent, rel=1e-12)
+    assert on.calls["tp_ring"] == hops
+    assert on.calls["all_gather"] == on.calls["reduce_scatter"] == 0
+    return True
+
+
+def _overlap_row(rank, world, sequence_parallel):
+    """The row layer with its reduction decomposed under the GEMM against the plain one: with
+    sequence parallelism a ring reduce-scatter forward and a ring all-gather backward, without
+    it t chunked all-reduces forward; within the rounding of the reordered sums, the same
+    bytes sent."""
+    torch.manual_seed(6)
+    batch, seq, d_in, d_out = 2, 3 * world, 3 * world, 11
+    full_x, full_w = torch.randn(batch, seq, d_in), torch.randn(d_out, d_in)
+    full_grad = torch.randn(batch, seq, d_out)
+    x, w = full_x.chunk(world, dim=-1)[rank], full_w.chunk(world, dim=1)[rank]
+    grad_out = full_grad.chunk(world, dim=1)[rank] if sequence_parallel else full_grad
+    runs = {}
+    for decomposed in (False, True):
+        layer = RowParallelLinear(d_in, d_out, sequence_parallel=sequence_parallel)
+        layer.comm_overlap = decomposed
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        x_in = x.clone().requires_grad_()
+        with comm.CommCounter() as counter:
+            out = layer(x_in)
+            out.backward(grad_out)
+        runs[decomposed] = (out.detach(), x_in.grad, layer.weight.grad, layer.bias.grad, counter)
+    (want, want_dx, want_dw, want_db, off), (out, dx, dw, db, on) = runs[False], runs[True]
+    bound = rounding_bound(full_x, full_w.t())  # t ranks' partials of d_in / t products
+    if sequence_parallel:
+        bound = bound.chunk(world, dim=1)[rank]
+    assert_within(out, want, bound, "output")
+    assert_within(dx, want_dx, rounding_bound(full_grad, w), "input grad")
+    dw_bound = rounding_bound(full_grad.flatten(0, 1).t(), x.flatten(0, 1))
+    assert_within(dw, want_dw, dw_bound, "weight grad")
+    assert torch.equal(db, want_db)
+    assert on.total_sent == pytest.approx(off.total_sent, rel=1e-12)
+    if sequence_parallel:
+        assert on.calls["tp_ring"] == 2 * (world - 1) and on.calls["reduce_scatter"] == 0
+    else:
+        assert on.calls["all_reduce"] == world and off.calls["all_reduce"] == 1
+    return True
+
+
 CHECKS = {
     "column": lambda r, w: _column(r, w, False, False),
     "column_gather_output": lambda r, w: _column(r, w, True, False),
@@ -245,6 +353,10 @@ CHECKS = {
         for recipe in RECIPES
         for sp in (False, True)
     },
+    "column_overlap": lambda r, w: _overlap_column(r, w, 1),
+    "gate_up_overlap": lambda r, w: _overlap_column(r, w, 2),
+    "row_overlap_sequence_parallel": lambda r, w: _overlap_row(r, w, True),
+    "row_overlap_all_reduce": lambda r, w: _overlap_row(r, w, False),
 }
 
 
@@ -338,3 +450,13 @@ def test_layers_without_process_group_are_plain_ops():
         F.cross_entropy(logits, target, reduction="none"),
         "cross entropy",
     )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_decomposed_tp_collectives_match_the_plain_layers_to_fp32_rounding_and_send_the_same_bytes(
+    world,
+):
+    for name in ("column_overlap", "gate_up_overlap"):
+        check(world, name)
+    check(world, "row_overlap_sequence_parallel")
+    check(world, "row_overlap_all_reduce")

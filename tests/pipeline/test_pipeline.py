@@ -15,11 +15,13 @@ from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
     GPT2,
     LLAMA,
+    OVERLAP,
     SP,
     STEPS,
     assert_check_fails_with_one_line,
     assert_close,
     assert_curves_match,
+    assert_overlap_matches,
     make_config,
     make_trainer,
     reference,
@@ -44,6 +46,7 @@ FOUR_RANKS = {
     "gpt2 tp2 pp2 1f1b sp": (2, 1, 2, GPT2 + SP),
     "gpt2 tp2 pp2 gpipe": (2, 1, 2, GPT2 + ["parallel.pp_schedule=gpipe"]),
     "llama tp2 pp2 1f1b sp": (2, 1, 2, LLAMA + SP),
+    "llama tp2 pp2 1f1b sp overlap": (2, 1, 2, LLAMA + SP + OVERLAP),
     "llama tp2 pp2 gpipe sp": (2, 1, 2, LLAMA + SP + ["parallel.pp_schedule=gpipe"]),
     "gpt2 dp2 pp2 zero1": (1, 2, 2, GPT2 + ["optim.zero=1"]),
     "llama pp4 uneven": (1, 1, 4, LLAMA + ["model.n_layer=5"]),
@@ -107,6 +110,10 @@ def test_pp2_losses_and_grad_norms_equal_pp1(name, two_ranks, dataset):
 def test_tp_dp_pp_layouts_losses_and_grad_norms_equal_pp1(name, four_ranks, dataset):
     ref = reference(reference_overrides(name, FOUR_RANKS), dataset)
     assert_curves_match(four_ranks, name, ref)
+
+
+def test_tp_comm_overlap_at_tp2_pp2_1f1b_equals_it_off_to_1e6(four_ranks):
+    assert_overlap_matches(four_ranks, "llama tp2 pp2 1f1b sp")
 
 
 @pytest.mark.parametrize("group", ["two", "four"])

@@ -18,10 +18,12 @@ from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
     GPT2,
     LLAMA,
+    OVERLAP,
     SP,
     STEPS,
     assert_check_fails_with_one_line,
     assert_close,
+    assert_overlap_matches,
     make_config,
     make_trainer,
     reference,
@@ -52,6 +54,7 @@ FOUR_RANKS = {
     "gpt2 pp4 v2 m8": (1, 1, 4, GPT2 + V2 + PP4 + STEADY),
     "llama pp4 v2 m4": (1, 1, 4, LLAMA + V2 + PP4),
     "gpt2 tp2 pp2 v2 sp": (2, 1, 2, GPT2 + V2 + SP),
+    "gpt2 tp2 pp2 v2 sp overlap": (2, 1, 2, GPT2 + V2 + SP + OVERLAP),
 }
 SAVED = "gpt2 pp4 v2 m8"  # also saves a checkpoint at step 10
 
@@ -135,6 +138,10 @@ def test_interleaved_losses_grad_norms_and_val_loss_equal_pp1(name, two_ranks, f
         assert_close(result["losses"], ref["losses"])
         assert_close(result["norms"], ref["norms"])
         assert abs(result["val_loss"] - val) <= 1e-5 * val
+
+
+def test_tp_comm_overlap_at_tp2_pp2_interleaved_equals_it_off_to_1e6(four_ranks):
+    assert_overlap_matches(four_ranks, "gpt2 tp2 pp2 v2 sp")
 
 
 @pytest.mark.parametrize("group", ["two", "four"])

@@ -195,3 +195,16 @@ def test_without_a_gpu_it_exits_2_with_one_line_on_stderr(side_checks):
     assert result.stderr.splitlines() == [gpu_check.NO_GPU]
     assert result.stdout == ""
     assert not Path(result.args[-1]).exists()
+
+
+def test_tp_overlap_split_gemm_gives_the_whole_gemm_within_one_rounding_and_fails_beyond():
+    calls = []
+    rows, detail = gpu_check.split_gemm_job(
+        "cpu", lambda fn: calls.append(fn()) or 1.0, (2, 16, 8, 4)
+    )(60.0)
+    assert [r["section"] for r in rows] == ["tp-overlap"] * 4
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    assert [len(c) for c in calls[1:]] == list(gpu_check.SPLIT_CHUNKS)  # t chunks each
+    assert all(detail[f"chunks_{t}"]["max_difference"] <= detail["bound"] for t in (2, 8))
+    over = gpu_check.split_gemm_rows(2, 1.0, 1.0, error=2e-3, bound=1e-3)
+    assert over[1]["status"].startswith("FAIL")

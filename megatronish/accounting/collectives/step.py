@@ -28,12 +28,16 @@ class Collective:
     size: int
     payload: int
     count: int
+    under: str = ""
+    """For a collective parallel.tp_comm_overlap decomposes: the GEMM it runs under
+    (accounting.layer_time.linear_gemms' name); "" for every other."""
 
     @property
     def sent(self) -> float:
         """Bytes this rank sends for all `count` calls: ring all-reduce 2 (n-1)/n x payload,
-        all-gather, reduce-scatter and broadcast (n-1)/n x payload."""
-        if self.kind in ("p2p", "cp_ring"):
+        all-gather, reduce-scatter and broadcast (n-1)/n x payload, a point-to-point send or
+        ring hop its payload."""
+        if self.kind in ("p2p", "cp_ring", "tp_ring"):
             return self.count * self.payload
         factor = (2 if self.kind == "all_reduce" else 1) * (self.size - 1) / self.size
         return self.count * self.payload * factor
@@ -67,6 +71,8 @@ class Step:
     """Bytes of a matmul operand: 2 under bf16 autocast, 4 in fp32."""
     sp: bool
     """Sequence parallelism in effect (on, and tp > 1)."""
+    overlap: bool
+    """parallel.tp_comm_overlap in effect (on, and tp > 1): the linears' collectives decomposed."""
     layers: int
     moe_layers: int
     """Transformer layers and MoE layers of the stage."""
@@ -92,6 +98,7 @@ def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | Non
         h=cfg.model.d_model,
         c=2 if train.bf16_autocast else FP32_BYTES,
         sp=cfg.parallel.sequence_parallel and derived.tp > 1,
+        overlap=cfg.parallel.tp_comm_overlap and derived.tp > 1,
         layers=derived.stage_layers[pp_rank],
         moe_layers=stage_moe_layers(derived, pp_rank),
     )

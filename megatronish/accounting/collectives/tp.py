@@ -37,6 +37,16 @@ forward ones.
 Per step: the grad-norm partial sum (one fp64) and, under sequence parallelism (and with
 model.qk_norm, the query and key norms at any tp), the sum of the replicated parameters'
 gradients (fp32, ``tp_summed_grad_count``).
+
+With parallel.tp_comm_overlap (megatronish.layers.overlap) the linear layers' collectives are
+decomposed (``decomposed``): under sequence parallelism each all-gather and reduce-scatter of
+qkv, the MLP (a shared expert's too), the attention projection and the LM head becomes t - 1
+ring hops ("tp_ring") of one sequence chunk, payload / t each, the same bytes sent; without
+it the attention projection's and the MLP down's forward all-reduce (a shared expert's too)
+become t all-reduces of a chunk, payload / t each. The embedding's, the loss's, the routing's
+and the backward all-reduces stay whole. The decomposed row-parallel layer saves its tensors
+for backward only after its reduction, so full recompute reruns the MLP down's with or
+without dropout.
 """
 
 from __future__ import annotations
@@ -68,31 +78,39 @@ def tp_collectives(step: Step) -> list[Collective]:
     return ops
 
 
-def _over_tp(step: Step, rows: list[tuple[str, str, int, int]]) -> list[Collective]:
-    """The Collectives of rows (what, kind, payload, calls per micro-batch) over tp: each
-    row's calls in every one of the step's micro-batches."""
+def _over_tp(step: Step, rows: list[tuple]) -> list[Collective]:
+    """The Collectives of rows (what, kind, payload, calls per micro-batch[, the GEMM a
+    decomposed one runs under]) over tp: each row's calls in every one of the step's
+    micro-batches."""
     return [
-        Collective(what, kind, "tp", step.tp, payload, per_micro * step.accum)
-        for what, kind, payload, per_micro in rows
+        Collective(what, kind, "tp", step.tp, payload, per_micro * step.accum, *under)
+        for what, kind, payload, per_micro, *under in rows
     ]
 
 
-def _forward_runs(step: Step) -> tuple[int, int]:
+def _forward_runs(step: Step, decomposed: bool) -> tuple[int, int]:
     """Forward runs a step makes of the attention projection's and the MLP down's collective:
-    full recompute reruns the first, and the second only with dropout after it."""
+    full recompute reruns the first, and the second only with dropout after it, or when it is
+    decomposed (module doc)."""
     full = step.cfg.train.activation_checkpointing == "full"
-    return (2 if full else 1), (2 if full and step.cfg.model.dropout > 0 else 1)
+    down_rerun = full and (step.cfg.model.dropout > 0 or decomposed)
+    return (2 if full else 1), (2 if down_rerun else 1)
 
 
 def _blocks(step: Step) -> list[Collective]:
-    """Without sequence parallelism: the layers' and the LM head's all-reduces."""
+    """Without sequence parallelism: the layers' and the LM head's all-reduces (an MoE layer's
+    output all-reduce stays whole under parallel.tp_comm_overlap)."""
     act, n, head = step.b * step.s * step.h * step.c, step.layers, 1 if step.last else 0
-    attn_runs, down_runs = _forward_runs(step)
+    moe, (attn_runs, down_runs) = step.moe_layers, _forward_runs(step, step.overlap)
+    forward = [
+        ("attention projection output (forward)", "all_reduce", act, n * attn_runs, "proj"),
+        ("MLP down output (forward)", "all_reduce", act, (n - moe) * down_runs, "down"),
+    ]
     return _over_tp(
         step,
-        [
-            ("attention projection output (forward)", "all_reduce", act, n * attn_runs),
-            ("MLP down output (forward)", "all_reduce", act, n * down_runs),
+        decomposed(step, forward)
+        + [
+            ("MoE output (forward)", "all_reduce", act, moe * _forward_runs(step, False)[1]),
             ("qkv input gradient (backward)", "all_reduce", act, n),
             ("MLP first projection input gradient (backward)", "all_reduce", act, n),
             ("LM head input gradient (backward)", "all_reduce", act, head),
@@ -102,30 +120,44 @@ def _blocks(step: Step) -> list[Collective]:
 
 def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     """Under sequence parallelism: the layers', the LM head's and the embedding gradient's
-    all-gathers and reduce-scatters."""
-    act, n = step.b * step.s * step.h * step.c, step.layers
+    all-gathers and reduce-scatters (an MoE layer's, of its tokens and its output, stay whole
+    under parallel.tp_comm_overlap)."""
+    act, n, moe = step.b * step.s * step.h * step.c, step.layers, step.moe_layers
+    dense = n - moe
     embed, head = (1 if step.first else 0), (1 if step.last else 0)
     fp32 = step.b * step.s * step.h * FP32_BYTES
-    attn_runs, down_runs = _forward_runs(step)
+    attn_runs, down_runs = _forward_runs(step, step.overlap)
     # Forward all-gathers of norm outputs; qkv, gpt2's MLP up and the LM head gather again in
     # backward. Under full recompute the rerun block forward gathers once more.
     rerun = 1 if step.cfg.train.activation_checkpointing == "full" else 0
     qkv_gathers = 2 + rerun
     mlp_gathers = (2 if step.cfg.model.gpt2_block else 1) + rerun
+    moe_runs = _forward_runs(step, False)[1]
+    ag, rs = "all_gather", "reduce_scatter"
     return _over_tp(
         step,
         [
-            ("embedding output gradient (backward)", "all_gather", fp32, embed),
-            ("qkv input (forward, backward)", "all_gather", act, n * qkv_gathers),
-            ("MLP input (forward, backward)", "all_gather", act, n * mlp_gathers),
-            ("LM head input (forward, backward)", "all_gather", act, 2 * head),
-            ("qkv input gradient (backward)", "reduce_scatter", act, n),
-            ("MLP first projection input gradient (backward)", "reduce_scatter", act, n),
-            ("LM head input gradient (backward)", "reduce_scatter", act, head),
-            ("attention projection output (forward)", "reduce_scatter", act, n * attn_runs),
-            ("MLP down output (forward)", "reduce_scatter", act, n * down_runs),
-            ("row-parallel output gradients (backward)", "all_gather", act, 2 * n),
-        ],
+            ("embedding output gradient (backward)", ag, fp32, embed),
+            ("MoE tokens (forward, backward)", ag, act, moe * (1 + rerun)),
+            ("MoE tokens gradient (backward)", rs, act, moe),
+            ("MoE output (forward)", rs, act, moe * moe_runs),
+            ("MoE output gradient (backward)", ag, act, moe),
+        ]
+        + decomposed(
+            step,
+            [
+                ("qkv input (forward, backward)", ag, act, n * qkv_gathers, "qkv"),
+                ("MLP input (forward, backward)", ag, act, dense * mlp_gathers, "up"),
+                ("LM head input (forward, backward)", ag, act, 2 * head, "head"),
+                ("qkv input gradient (backward)", rs, act, n, "qkv"),
+                ("MLP first projection input gradient (backward)", rs, act, dense, "up"),
+                ("LM head input gradient (backward)", rs, act, head, "head"),
+                ("attention projection output (forward)", rs, act, n * attn_runs, "proj"),
+                ("MLP down output (forward)", rs, act, dense * down_runs, "down"),
+                ("attention projection output gradient (backward)", ag, act, n, "proj_backward"),
+                ("MLP down output gradient (backward)", ag, act, dense, "down_backward"),
+            ],
+        ),
     )
 
 
@@ -135,7 +167,7 @@ def _fp8_amaxes(step: Step) -> list[Collective]:
     if train.precision != "fp8" or train.fp8_recipe == "blockwise":
         return []
     dense = step.layers - step.moe_layers
-    columns = step.layers + dense * (2 if step.cfg.model.arch == "llama" else 1)
+    columns = step.layers + dense * (1 if step.cfg.model.gpt2_block else 2)
     rows = step.layers + dense
     forward_runs = 2 if train.activation_checkpointing == "full" else 1
     if train.fp8_recipe == "tensorwise":
@@ -153,6 +185,22 @@ def _fp8_amaxes(step: Step) -> list[Collective]:
     return _over_tp(
         step, [(f"fp8 amax of {what}", "all_reduce", size, n) for what, size, n in calls]
     )
+
+
+def decomposed(step: Step, rows: list[tuple]) -> list[tuple]:
+    """rows (what, kind, payload, calls per micro-batch, the GEMM it would run under) of
+    collectives the linear layers decompose, as parallel.tp_comm_overlap issues them (module
+    doc): an all-gather or reduce-scatter as t - 1 ring hops of payload / t, an all-reduce as
+    t of payload / t; without it as they are, whole."""
+    if not step.overlap:
+        return [row[:4] for row in rows]
+    t = step.tp
+    return [
+        (f"{what}, {t} chunks", kind, payload // t, calls * t, under)
+        if kind == "all_reduce"
+        else (f"{what}, ring", "tp_ring", payload // t, calls * (t - 1), under)
+        for what, kind, payload, calls, under in rows
+    ]
 
 
 def _vocab_parallel_loss(step: Step) -> list[Collective]:
@@ -179,10 +227,9 @@ def _moe(step: Step) -> list[Collective]:
     if not step.sp:
         rows = [("MoE combine weights gradient (backward)", "all_reduce", weights, n)]
         if step.derived.shared_d_ff:
-            rows += [
-                ("shared expert output (forward)", "all_reduce", act, n),
-                ("shared expert input gradient (backward)", "all_reduce", act, n),
-            ]
+            shared = [("shared expert output (forward)", "all_reduce", act, n, "shared_down")]
+            rows += decomposed(step, shared)
+            rows += [("shared expert input gradient (backward)", "all_reduce", act, n)]
         return _over_tp(step, rows)
     # Each tp rank routes its own tokens: weights and experts are gathered.
     rows = [
@@ -192,8 +239,12 @@ def _moe(step: Step) -> list[Collective]:
         ("MoE routed counts for the balancing loss", "all_reduce", counts, n),
     ]
     if step.derived.shared_d_ff:
-        rows += [
-            ("shared expert input and output gradient", "all_gather", act, 2 * n),
-            ("shared expert output and input gradient", "reduce_scatter", act, 2 * n),
+        ag, rs = "all_gather", "reduce_scatter"
+        shared = [
+            ("shared expert input (forward)", ag, act, n, "shared_up"),
+            ("shared expert output gradient (backward)", ag, act, n, "shared_down_backward"),
+            ("shared expert output (forward)", rs, act, n, "shared_down"),
+            ("shared expert input gradient (backward)", rs, act, n, "shared_up"),
         ]
+        rows += decomposed(step, shared)
     return _over_tp(step, rows)
