@@ -33,11 +33,11 @@ def family_of_config_json(config: ConfigJson) -> Family:
 
 def family_of_model(cfg: Config, derived: Derived) -> Family:
     """The family export writes a model of this config as."""
-    for key in ("qkv_bias", "qk_norm"):
-        if getattr(cfg.model, key):
+    for key, off in (("qkv_bias", False), ("qk_norm", False), ("sliding_window", None)):
+        if getattr(cfg.model, key) != off:
             raise UserError(
                 f"model.{key}: no Hugging Face family here exports it (only models with "
-                f"model.{key}=false export)"
+                f"model.{key}={str(off).lower()} export)"
             )
     for family in FAMILIES:
         if family.exports(cfg, derived):

@@ -75,7 +75,7 @@ class Block(nn.Module):
         kind = "rmsnorm" if model.arch == "llama" else "layernorm"
         backend = cfg.kernels.backend
         self.norm1 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
-        self.attn = Attention(cfg, derived, ps, tracker)
+        self.attn = Attention(cfg, derived, ps, tracker, index)
         self.norm2 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         if index in derived.moe_layers:
             shared = MLP(cfg, derived, ps, derived.moe_d_ff) if model.moe.shared_expert else None

@@ -1,7 +1,10 @@
-"""Qwen attention against transformers (fp32, eager): a tiny random Qwen2ForCausalLM (biases on
-q, k and v) loaded into our llama with model.qkv_bias, and a Qwen3ForCausalLM (per-head norms
-of q and k, head_dim apart from hidden_size / heads) into ours with model.qk_norm, give the
-same logits. The names are mapped here; importing these families is not covered."""
+"""Qwen and Mistral attention against transformers (fp32, eager): a tiny random
+Qwen2ForCausalLM (biases on q, k and v) loaded into our llama with model.qkv_bias, and a
+Qwen3ForCausalLM (per-head norms of q and k, head_dim apart from hidden_size / heads) into ours
+with model.qk_norm, give the same logits; so do a MistralForCausalLM with a sliding window
+shorter than the sequence (model.sliding_window) and a Qwen2ForCausalLM whose first layer
+attends fully and the second through the window (model.full_attention_layers). The names are
+mapped here; importing these families is not covered."""
 
 from __future__ import annotations
 
@@ -90,3 +93,30 @@ def test_qwen_attention_equals_transformers_logits(family, key):
         expected = hf_model(tokens).logits
         got = model(tokens)[..., :VOCAB]
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "family, hf_window, sets",
+    [
+        ("Mistral", dict(sliding_window=5), []),
+        (
+            "Qwen2",
+            dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+            ["model.qkv_bias=true", "model.full_attention_layers=1"],
+        ),
+    ],
+)
+def test_sliding_window_attention_equals_transformers_logits(family, hf_window, sets):
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**COMMON, head_dim=HEAD_DIM, **hf_window)
+    hf_model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    model = ours_of(hf_model, "model.sliding_window=5", *sets)
+    unwindowed = ours_of(hf_model, *(s for s in sets if "full_attention" not in s))
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        got, without = model(tokens)[..., :VOCAB], unwindowed(tokens)[..., :VOCAB]
+    scale = expected.abs().max()
+    assert ((got - expected).abs().max() / scale).item() < 1e-4
+    # A window of 5 in 16 positions changes the logits: the comparison sees it.
+    assert ((without - expected).abs().max() / scale).item() > 1e-2
