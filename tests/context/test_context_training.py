@@ -1,9 +1,10 @@
 """Context parallelism in training: at cp = 2 and 4, alone and with tp (and sequence
-parallelism), pp, dp and ZeRO-1, gpt2 and llama (GQA), 20 fp32 steps give the losses and
-gradient norms of cp = 1 within 1e-5 relative (the loss is the mean over every token whatever
-cp is, so neither it nor the gradients scale with cp); each rank sends the ring bytes the
-analytic count gives; checkpoints move between cp = 2 and cp = 1 on the uninterrupted curve;
-bad cp settings are one line."""
+parallelism), pp, dp and ZeRO-1, gpt2 and llama (GQA, and a sliding window shorter than the
+sequence after the first block, whose ring skips the blocks outside it), 20 fp32 steps give
+the losses and gradient norms of cp = 1 within 1e-5 relative (the loss is the mean over every
+token whatever cp is, so neither it nor the gradients scale with cp); each rank sends the ring
+bytes the analytic count gives; checkpoints move between cp = 2 and cp = 1 on the
+uninterrupted curve; bad cp settings are one line."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ pytestmark = pytest.mark.slow  # multi-rank training at every cp layout
 # Two layers and two micro-batches of 4 a step: each ring step costs a wait on every cp rank.
 GPT2 = ["model.arch=gpt2", "model.n_layer=2", "train.micro_batch_size=4"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "train.micro_batch_size=4"]
+# A window of 5 of the 16 positions in block 1 (block 0 attends fully): of the 4-token chunks
+# at cp 2 the ring skips those 8 or more positions before a rank's queries, and pp 2 puts block
+# 1 on the second stage.
+WINDOW = ["model.sliding_window=5", "model.full_attention_layers=1"]
 
 # name -> (tp, cp, dp, pp, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
@@ -43,10 +48,10 @@ FOUR_RANKS = {
     "gpt2 cp4": (1, 4, 1, 1, GPT2),
     "llama cp4 gqa": (1, 4, 1, 1, LLAMA),
     "gpt2 tp2 cp2 sp": (2, 2, 1, 1, GPT2 + SP),
-    "llama tp2 cp2": (2, 2, 1, 1, LLAMA),
+    "llama tp2 cp2 sliding window": (2, 2, 1, 1, LLAMA + WINDOW),
     "llama tp2 cp2 sp head_dim 12": (2, 2, 1, 1, LLAMA + SP + ["model.head_dim=12"]),
     "gpt2 cp2 pp2 full recompute": (1, 2, 1, 2, GPT2 + ["train.activation_checkpointing=full"]),
-    "llama cp2 pp2": (1, 2, 1, 2, LLAMA),
+    "llama cp2 pp2 sliding window": (1, 2, 1, 2, LLAMA + WINDOW),
     "gpt2 cp2 dp2 zero1": (1, 2, 2, 1, GPT2 + ["optim.zero=1"]),
     "llama cp2 dp2": (1, 2, 2, 1, LLAMA),
 }
