@@ -133,17 +133,18 @@ def segment_bounds(rows: torch.Tensor, cols: torch.Tensor, block: int) -> torch.
     return torch.stack([lo, hi], dim=-1).contiguous()
 
 
-def window_args(window: int | None, offset: int, seq_len: int) -> tuple[bool, int, int]:
+def window_args(
+    window: int | None, offset: int, seq_len: int
+) -> tuple[bool, int | None, int | None]:
     """The kernels' (WINDOW, window, offset) for a sliding window (None: no window) over
     seq_len queries and keys whose positions differ by offset: WINDOW false, and window and
-    offset 0 (unused), when the window leaves out no pair (the farthest key, seq_len - 1 +
-    offset behind the last query, is within it). Raises ValueError for a window below 1."""
-    if window is None:
-        return False, 0, 0
-    if window < 1:
+    offset None (absent: the kernel compiles as without a window), when the window leaves out
+    no pair (the farthest key, seq_len - 1 + offset behind the last query, is within it).
+    Raises ValueError for a window below 1."""
+    if window is not None and window < 1:
         raise ValueError(f"attention: the sliding window must be >= 1, got {window}")
-    if window > seq_len - 1 + offset:
-        return False, 0, 0
+    if window is None or window > seq_len - 1 + offset:
+        return False, None, None
     return True, window, offset
 
 

@@ -306,4 +306,6 @@ def ring_attention(
 
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: local sequence {q.shape[2]} must be two equal chunks")
+    if window is not None and window >= q.shape[2] * ring.size:  # it leaves out no pair
+        window = None
     return _RingAttention.apply(q, k, v, ring, attention_backend(backend, q), shards, window)

@@ -218,6 +218,9 @@ def test_attention_under_a_sliding_window_matches_reference_and_float64(document
         segments = torch.zeros(2, 40, dtype=torch.int32, device=DEVICE)
         segments[0, 13:], segments[0, 30:] = 1, 2
     check_op(kernels.attention, reference.attention, attention64, [q, k, v, True, segments, 7])
+    with torch.no_grad():  # megatronish.ops hands the window to the kernel
+        dispatched = ops.attention(q, k, v, True, "triton", segments, 7)
+        assert torch.equal(dispatched, kernels.attention(q, k, v, True, segments, 7))
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # the NaN positions' own
@@ -378,7 +381,16 @@ def _check_bf16(kernel, ref, make_inputs, floor=2e-2):
 
 @pytest.mark.parametrize(
     "name",
-    ["rms_norm", "layer_norm", "rope", "swiglu", "bias_gelu", "attention", "attention_nc"],
+    [
+        "rms_norm",
+        "layer_norm",
+        "rope",
+        "swiglu",
+        "bias_gelu",
+        "attention",
+        "attention_nc",
+        "attention_window",
+    ],
 )
 @pytest.mark.cuda
 @requires_cuda
@@ -420,6 +432,11 @@ def test_bf16_kernels_on_cuda_are_as_accurate_as_torch(name):
             kernels.attention,
             reference.attention,
             lambda dt: attention_inputs(dt, False),
+        ),
+        "attention_window": (  # a window of 100 of 300: whole key blocks skipped
+            lambda q, k, v, causal: kernels.attention(q, k, v, causal, None, 100),
+            lambda q, k, v, causal: reference.attention(q, k, v, causal, None, 100),
+            lambda dt: attention_inputs(dt, True),
         ),
     }
     kernel, ref, make_inputs = makers[name]
