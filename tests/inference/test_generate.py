@@ -30,9 +30,6 @@ def checkpoints(tmp_path_factory):
     paths = {arch: save_single(root / arch, tiny_cfg(arch))[0] for arch in ("gpt2", "llama")}
     # Heads of 24 on d_model 64: the cache holds [b, n_kv, s, 24].
     paths["llama_head_dim"] = save_single(root / "hd", tiny_cfg("llama", "model.head_dim=24"))[0]
-    # A window of 5 in the blocks after the first.
-    window = ("model.sliding_window=5", "model.full_attention_layers=1")
-    paths["llama_window"] = save_single(root / "window", tiny_cfg("llama", *window))[0]
     return paths
 
 
@@ -66,9 +63,10 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch)
 def test_cached_decoding_under_a_sliding_window_gives_the_logits_of_the_full_forward(
     checkpoints, window
 ):
-    ckpt = Checkpoint(checkpoints["llama_window"])
+    ckpt = Checkpoint(checkpoints["llama"])  # its weights, the window in the second block
     cfg = ckpt.config
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_window=window))
+    sliding = dict(sliding_window=window, full_attention_layers=1)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **sliding))
     model = build_model(ckpt, ParallelState.single(), cfg)
     sequence = tokens(2, 24, seed=3)
     cached, full, _ = _cached_and_full(model, sequence)

@@ -1,7 +1,7 @@
 """Every Triton kernel compiled for sm_80 and sm_90 without a GPU (megatronish_kernels
 .compile_check): one cubin per kernel and arch at one representative bf16 configuration each,
-the attention kernels also under document masks, a sliding window and both
-(`scripts/kernel_report.py --representative`), with no register spills and shared memory
+the attention kernels also under document masks, and under document masks and a sliding
+window (`scripts/kernel_report.py --representative`), with no register spills and shared memory
 within the arch's limit per block; a deliberately oversized tile is caught with a clear
 message. The full matrix of the shipped configs is the report script's, not a test's.
 

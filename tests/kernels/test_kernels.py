@@ -252,6 +252,35 @@ def test_the_triton_kernels_never_read_the_blocks_outside_every_window(poisoned)
         )
 
 
+def test_a_ring_block_under_a_window_its_queries_past_its_keys_matches_the_float64_block():
+    # A ring block: 40 queries 40 positions after its 40 keys (offset 40), a window of 20 and
+    # documents: query i sees keys j > i + 20 of its document, the queries from 19 on none
+    # (o 0, lse -inf). megatronish.context.blocks hands the window and offset to the kernels.
+    from megatronish.context import blocks
+
+    q, k, v = (
+        randn(2, 4, 40, 16, seed=27),
+        randn(2, 2, 40, 16, seed=28),
+        randn(2, 2, 40, 16, seed=29),
+    )
+    dout = randn(2, 4, 40, 16, seed=30).detach()
+    segments = torch.zeros(2, 40, dtype=torch.int32, device=DEVICE)
+    segments[0, 25:] = 1
+    args = (False, (segments, segments), 20, 40)
+    got_out, got_lse = blocks.triton_forward(q.detach(), k.detach(), v.detach(), *args)
+    exact = [x.detach().double() for x in (q, k, v)]
+    want_out, want_lse = blocks.torch_forward(*exact, *args)
+    assert torch.equal(got_lse.isinf(), want_lse.isinf()) and want_lse.isinf().any()
+    torch.testing.assert_close(got_out.double(), want_out, atol=1e-5, rtol=1e-4)
+    seen = ~want_lse.isinf()
+    torch.testing.assert_close(got_lse.double()[seen], want_lse[seen], atol=1e-5, rtol=1e-4)
+    lse = want_lse.masked_fill(~seen, 0.0)  # a ring's final lse: finite on every row
+    got = blocks.triton_backward(q, k, v, want_out.float(), lse.float(), dout, *args)
+    want = blocks.torch_backward(*exact, want_out, lse, dout.double(), *args)
+    for name, a, b in zip(["dq", "dk", "dv"], got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_attention_accepts_non_contiguous_inputs():
     # [b, s, n, d] projections viewed as [b, n, s, d], as a model produces them.
     q = randn(1, 21, 4, 16, seed=23).transpose(1, 2)
