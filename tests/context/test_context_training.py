@@ -31,10 +31,14 @@ pytestmark = pytest.mark.slow  # multi-rank training at every cp layout
 # Two layers and two micro-batches of 4 a step: each ring step costs a wait on every cp rank.
 GPT2 = ["model.arch=gpt2", "model.n_layer=2", "train.micro_batch_size=4"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "train.micro_batch_size=4"]
-# A window of 5 of the 16 positions in block 1 (block 0 attends fully): of the 4-token chunks
-# at cp 2 the ring skips those 8 or more positions before a rank's queries, and pp 2 puts block
-# 1 on the second stage.
-WINDOW = ["model.sliding_window=5", "model.full_attention_layers=1"]
+# Heads of 12, and a window of 5 of the 16 positions in block 1 (block 0 attends fully): of
+# the 4-token chunks at cp 2 the ring skips those 8 or more positions before a rank's queries,
+# and pp 2 puts block 1 on the second stage. Both variants share one reference.
+HEAD_DIM_12_WINDOW = [
+    "model.head_dim=12",
+    "model.sliding_window=5",
+    "model.full_attention_layers=1",
+]
 
 # name -> (tp, cp, dp, pp, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
@@ -48,10 +52,10 @@ FOUR_RANKS = {
     "gpt2 cp4": (1, 4, 1, 1, GPT2),
     "llama cp4 gqa": (1, 4, 1, 1, LLAMA),
     "gpt2 tp2 cp2 sp": (2, 2, 1, 1, GPT2 + SP),
-    "llama tp2 cp2 sliding window": (2, 2, 1, 1, LLAMA + WINDOW),
-    "llama tp2 cp2 sp head_dim 12": (2, 2, 1, 1, LLAMA + SP + ["model.head_dim=12"]),
+    "llama tp2 cp2": (2, 2, 1, 1, LLAMA),
+    "llama tp2 cp2 sp head_dim 12 window": (2, 2, 1, 1, LLAMA + SP + HEAD_DIM_12_WINDOW),
     "gpt2 cp2 pp2 full recompute": (1, 2, 1, 2, GPT2 + ["train.activation_checkpointing=full"]),
-    "llama cp2 pp2 sliding window": (1, 2, 1, 2, LLAMA + WINDOW),
+    "llama cp2 pp2 head_dim 12 window": (1, 2, 1, 2, LLAMA + HEAD_DIM_12_WINDOW),
     "gpt2 cp2 dp2 zero1": (1, 2, 2, 1, GPT2 + ["optim.zero=1"]),
     "llama cp2 dp2": (1, 2, 2, 1, LLAMA),
 }

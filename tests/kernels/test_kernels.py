@@ -207,15 +207,12 @@ def test_attention_matches_reference_and_float64(n_head, n_kv_head, seq_len, hea
 def test_attention_under_a_sliding_window_matches_reference_and_float64(documents):
     # 40 positions over the interpreter's tiles (forward and dQ 32 x 16, dK/dV 16 x 32) and a
     # window of 7: query blocks skip whole key blocks and mask those the window's edge crosses;
-    # with documents (breaks at 13 and 30 in the first sequence) both masks at once.
-    q, k, v = (
-        randn(2, 4, 40, 16, seed=20),
-        randn(2, 2, 40, 16, seed=21),
-        randn(2, 2, 40, 16, seed=22),
-    )
+    # with documents (breaks at 13 and 30) both masks at once. Two query heads on one kv head.
+    q = randn(1, 2, 40, 16, seed=20)
+    k, v = randn(1, 1, 40, 16, seed=21), randn(1, 1, 40, 16, seed=22)
     segments = None
     if documents:
-        segments = torch.zeros(2, 40, dtype=torch.int32, device=DEVICE)
+        segments = torch.zeros(1, 40, dtype=torch.int32, device=DEVICE)
         segments[0, 13:], segments[0, 30:] = 1, 2
     check_op(kernels.attention, reference.attention, attention64, [q, k, v, True, segments, 7])
     with torch.no_grad():  # megatronish.ops hands the window to the kernel
@@ -258,13 +255,9 @@ def test_a_ring_block_under_a_window_its_queries_past_its_keys_matches_the_float
     # (o 0, lse -inf). megatronish.context.blocks hands the window and offset to the kernels.
     from megatronish.context import blocks
 
-    q, k, v = (
-        randn(2, 4, 40, 16, seed=27),
-        randn(2, 2, 40, 16, seed=28),
-        randn(2, 2, 40, 16, seed=29),
-    )
-    dout = randn(2, 4, 40, 16, seed=30).detach()
-    segments = torch.zeros(2, 40, dtype=torch.int32, device=DEVICE)
+    q, dout = randn(1, 2, 40, 16, seed=27), randn(1, 2, 40, 16, seed=30).detach()
+    k, v = randn(1, 1, 40, 16, seed=28), randn(1, 1, 40, 16, seed=29)
+    segments = torch.zeros(1, 40, dtype=torch.int32, device=DEVICE)
     segments[0, 25:] = 1
     args = (False, (segments, segments), 20, 40)
     got_out, got_lse = blocks.triton_forward(q.detach(), k.detach(), v.detach(), *args)
