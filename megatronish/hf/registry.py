@@ -33,11 +33,11 @@ def family_of_config_json(config: ConfigJson) -> Family:
 
 def family_of_model(cfg: Config, derived: Derived) -> Family:
     """The family export writes a model of this config as."""
-    for key, off in (("qkv_bias", False), ("qk_norm", False), ("sliding_window", None)):
-        if getattr(cfg.model, key) != off:
+    for key, off in (("qkv_bias", "false"), ("qk_norm", "false"), ("sliding_window", "null")):
+        if getattr(cfg.model, key) not in (False, None):
             raise UserError(
                 f"model.{key}: no Hugging Face family here exports it (only models with "
-                f"model.{key}={str(off).lower()} export)"
+                f"model.{key}={off} export)"
             )
     for family in FAMILIES:
         if family.exports(cfg, derived):

@@ -216,6 +216,19 @@ def test_import_refuses_what_it_cannot_run(tmp_path):
         export_hf(str(tmp_path / "none"), str(tmp_path / "out"))
 
 
+def test_a_llama_with_a_sliding_window_does_not_export_as_a_llama_without_it():
+    from megatronish.config import derive
+    from megatronish.hf.registry import family_of_model
+
+    cfg = tiny_cfg("llama", "model.sliding_window=8")
+    with pytest.raises(UserError) as error:
+        family_of_model(cfg, derive(cfg, 1))
+    assert str(error.value) == (
+        "model.sliding_window: no Hugging Face family here exports it (only models with "
+        "model.sliding_window=null export)"
+    )
+
+
 def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):
     data = prepare_small_dataset(tmp_path / "data", tokenizer="bpe", vocab_size=300)
     vocab = dataset_vocab_size(data)
