@@ -17,6 +17,12 @@ masks the keys of other documents, and a query block walks only the key blocks t
 of its documents (attention_tiles.segment_bounds), so a sequence packed with short documents
 costs a fraction of causal attention. A row may then see no key in a block, or in a whole ring
 block: the softmax runs from a finite reference, and such a row's output is 0 with lse -inf.
+
+Sliding window (WINDOW: query i sees key j only when (i + offset) - j < window,
+attention_tiles): a query block walks only the key blocks within reach of its rows' windows,
+with the window's mask on the blocks its edge crosses, so attention over a window W costs
+about s W instead of s^2 / 2 pairs. It combines with the causal and document masks, and a row
+may see no key in a block (or in a ring block) as under document masks.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from .attention_tiles import (
     check_shapes,
     query_block_keys,
     segment_bounds,
+    window_args,
 )
 
 
@@ -56,9 +63,12 @@ def _fwd_inner(
     hi,
     seq_len,
     qk_scale,
+    window,
+    offset,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
@@ -77,15 +87,17 @@ def _fwd_inner(
             valid = (cols < seq_len)[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
+            if WINDOW:
+                valid = valid & (offs_m[:, None] + offset - cols[None, :] < window)
             scores = tl.where(valid, scores, float("-inf"))
         if DOCS:
             k_seg = tl.load(KSEG + seg_base + cols, mask=cols < seq_len, other=-1)
             scores = tl.where(q_seg[:, None] == k_seg[None, :], scores, float("-inf"))
-        # Without documents key 0 is in the first block every row sees, so m_new is finite
-        # from the first step; with them a row may have seen no key yet (m_new -inf).
+        # Without documents or a window key 0 is in the first block every row sees, so m_new
+        # is finite from the first step; with them a row may have seen no key yet (m_new -inf).
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_ref = m_new
-        if DOCS:
+        if DOCS or WINDOW:
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(scores - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
@@ -109,8 +121,11 @@ def _attn_fwd_kernel(
     n_head,
     group,
     qk_scale,
+    window,
+    offset,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -133,7 +148,7 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo, free_hi, masked_lo, hi, q_seg, seg_base = query_block_keys(
+    lo, band_hi, free_hi, masked_lo, hi, q_seg, seg_base = query_block_keys(
         QSEG,
         BOUNDS,
         offs_m,
@@ -143,12 +158,43 @@ def _attn_fwd_kernel(
         bh,
         seq_len,
         n_head,
+        window,
+        offset,
         CAUSAL,
         DOCS,
+        WINDOW,
         BLOCK_M,
         BLOCK_N,
     )
     Kh, Vh = K + kv_base, V + kv_base
+    if WINDOW:  # the key blocks the window's edge crosses
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_seg,
+            Kh,
+            Vh,
+            KSEG,
+            seg_base,
+            offs_m,
+            offs_n,
+            offs_d,
+            lo,
+            band_hi,
+            seq_len,
+            qk_scale,
+            window,
+            offset,
+            True,
+            CAUSAL,
+            DOCS,
+            WINDOW,
+            HEAD_DIM,
+            BLOCK_N,
+            PREC,
+        )
     acc, l_i, m_i = _fwd_inner(
         acc,
         l_i,
@@ -162,13 +208,16 @@ def _attn_fwd_kernel(
         offs_m,
         offs_n,
         offs_d,
-        lo,
+        band_hi,
         free_hi,
         seq_len,
         qk_scale,
+        window,
+        offset,
         False,
         CAUSAL,
         DOCS,
+        WINDOW,
         HEAD_DIM,
         BLOCK_N,
         PREC,
@@ -190,14 +239,17 @@ def _attn_fwd_kernel(
         hi,
         seq_len,
         qk_scale,
+        window,
+        offset,
         True,
         CAUSAL,
         DOCS,
+        WINDOW,
         HEAD_DIM,
         BLOCK_N,
         PREC,
     )
-    if DOCS:  # a row that saw no key (m_i -inf): output 0, lse -inf
+    if DOCS or WINDOW:  # a row that saw no key (m_i -inf): output 0, lse -inf
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     tl.store(O + q_base + q_offs, out.to(O.dtype.element_ty), mask=row_mask[:, None])
@@ -213,20 +265,25 @@ def forward_launch(
     causal: bool,
     arch: int,
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    offset: int = 0,
 ) -> Launch:
     """The forward kernel's launch on contiguous q, k, v into out (any float dtype) and the
     base-2 lse, with the tiles attention_blocks picks for GPU arch `arch` (device_arch); with
-    segments (the queries' and the keys', contiguous int32 [b, s]) under document masks."""
+    segments (the queries' and the keys', contiguous int32 [b, s]) under document masks; with
+    a sliding window (None: none) over queries `offset` positions after the keys."""
     b, n_head, seq_len, head_dim = q.shape
     blocks = attention_blocks(seq_len, head_dim, q.dtype, arch)
     tile = blocks.fwd
-    scalars = (seq_len, n_head, n_head // k.shape[1], LOG2_E / math.sqrt(head_dim))
+    windowed, window, offset = window_args(window, offset, seq_len)
+    scalars = (seq_len, n_head, n_head // k.shape[1], LOG2_E / math.sqrt(head_dim), window, offset)
     docs = (None, None, None)
     if segments is not None:
         docs = (*segments, segment_bounds(segments[0], segments[1], tile.block_m))
     constexprs = dict(
         CAUSAL=causal,
         DOCS=segments is not None,
+        WINDOW=windowed,
         HEAD_DIM=head_dim,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
@@ -242,61 +299,72 @@ def forward_launch(
     )
 
 
-def _forward(q, k, v, causal: bool, segments, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    q, k, v, causal: bool, segments, out_dtype=None, window=None, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n_head, s, d] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
-    contiguous q, k, v (and segments, checked, or None)."""
+    contiguous q, k, v (and segments, checked, or None; a sliding window or None)."""
     b, n_head, seq_len, _ = q.shape
     out = torch.empty_like(q, dtype=out_dtype or q.dtype)
     lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
     if out.numel() > 0:
-        forward_launch(q, k, v, out, lse, causal, device_arch(q.device), segments).run()
+        arch = device_arch(q.device)
+        forward_launch(q, k, v, out, lse, causal, arch, segments, window, offset).run()
     return out, lse
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, segments):
+    def forward(ctx, q, k, v, causal: bool, segments, window):
         check_device(q, k, v, segments)
         check_shapes(q, k, v)
+        window_args(window, 0, q.shape[2])  # a bad window fails before any work
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         segments = check_segments(q, None if segments is None else (segments, segments))
-        out, lse = _forward(q, k, v, causal, segments)
+        out, lse = _forward(q, k, v, causal, segments, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.segments = causal, segments
+        ctx.causal, ctx.segments, ctx.window = causal, segments, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, ctx.causal, ctx.segments)
-        return dq, dk, dv, None, None
+        dq, dk, dv = attention_backward(
+            q, k, v, out, lse, dout, ctx.causal, ctx.segments, ctx.window
+        )
+        return dq, dk, dv, None, None, None
 
 
 def attention_block_forward(
-    q, k, v, causal: bool, segments=None
+    q, k, v, causal: bool, segments=None, window: int | None = None, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of ring attention, no autograd: (out fp32 (fp64 for fp64 inputs), to be merged
     with other blocks; lse [b, n_head, s] fp32 in natural log), shapes as in `attention`;
-    segments: None, or the (queries', keys') [b, s] under document masks (a row that sees no
-    key of its document here gets out 0 and lse -inf)."""
+    segments: None, or the (queries', keys') [b, s] under document masks; window: a sliding
+    window over queries `offset` positions after the keys, or None (a row that sees no key
+    here gets out 0 and lse -inf)."""
     check_device(q, k, v)
     check_shapes(q, k, v)
     out_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, lse2 = _forward(q, k, v, causal, check_segments(q, segments), out_dtype)
+    segments = check_segments(q, segments)
+    out, lse2 = _forward(q, k, v, causal, segments, out_dtype, window, offset)
     return out, lse2 * (1.0 / LOG2_E)
 
 
-def attention_block_backward(q, k, v, out, lse, dout, causal: bool, segments=None):
+def attention_block_backward(
+    q, k, v, out, lse, dout, causal: bool, segments=None, window=None, offset: int = 0
+):
     """The flash backward of one block from a given output `out` and natural-log `lse` (a ring's
     final ones, so rowsum(dout * out) is the global one): dq, dk, dv in the inputs' dtype;
-    segments as in attention_block_forward."""
+    segments, window and offset as in attention_block_forward."""
     check_device(q, k, v, out, dout)
     check_shapes(q, k, v)
     lse2 = (lse.float() * LOG2_E).contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     segments = check_segments(q, segments)
-    return attention_backward(q, k, v, out.contiguous(), lse2, dout, causal, segments)
+    out = out.contiguous()
+    return attention_backward(q, k, v, out, lse2, dout, causal, segments, window, offset)
 
 
 def attention(
@@ -305,6 +373,7 @@ def attention(
     v: torch.Tensor,
     causal: bool,
     segments: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), causal mask optional) v -> [b, n_head, s, d] in q's dtype.
 
@@ -312,6 +381,8 @@ def attention(
     (grouped-query: each kv head serves n_head / n_kv_head consecutive query heads).
     segments [b, s] int (each position's document, non-decreasing along the sequence): a
     query sees the keys of its own document only, and the key blocks of other documents are
-    skipped. Raises ValueError for a head dim that is not 16, 32, 64 or 128.
+    skipped. window W (a sliding window): the query at i sees the keys at j with i - j < W
+    only, and the key blocks out of every window are skipped. Raises ValueError for a head
+    dim that is not 16, 32, 64 or 128, and for a window below 1.
     """
-    return _AttentionFunction.apply(q, k, v, bool(causal), segments)
+    return _AttentionFunction.apply(q, k, v, bool(causal), segments, window)

@@ -16,7 +16,9 @@ With p = softmax(q k^T * scale) recomputed from lse, and delta_i = sum_d o_id do
 Both recompute p from q, k and lse; query/key blocks that need no mask run without one.
 Under document masks (DOCS) both also mask the pairs of different documents, and walk only the
 blocks that hold pairs of the same documents (attention_tiles.segment_bounds: the query range
-of each key block for dK/dV, the key range of each query block for dQ).
+of each key block for dK/dV, the key range of each query block for dQ). Under a sliding window
+(WINDOW) both mask the pairs outside it and walk only the blocks within reach of it
+(attention_tiles.query_block_keys for dQ, the dK/dV kernel's query ranges).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import triton.language as tl
 
 from ._utils import LOG2_E, Launch, device_arch, dot_precision
 from .attention_dkdv import _dkdv_kernel
-from .attention_tiles import attention_blocks, query_block_keys, segment_bounds
+from .attention_tiles import attention_blocks, query_block_keys, segment_bounds, window_args
 
 
 @triton.jit
@@ -62,9 +64,12 @@ def _dq_inner(
     hi,
     seq_len,
     qk_scale,
+    window,
+    offset,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
@@ -83,6 +88,8 @@ def _dq_inner(
             valid = (cols < seq_len)[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
+            if WINDOW:
+                valid = valid & (offs_m[:, None] + offset - cols[None, :] < window)
             p = tl.where(valid, p, 0.0)
         if DOCS:
             k_seg = tl.load(KSEG + seg_base + cols, mask=cols < seq_len, other=-1)
@@ -110,8 +117,11 @@ def _dq_kernel(
     group,
     qk_scale,
     sm_scale,
+    window,
+    offset,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -134,7 +144,7 @@ def _dq_kernel(
     lse = tl.load(LSE + bh.to(tl.int64) * seq_len + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * seq_len + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo, free_hi, masked_lo, hi, q_seg, seg_base = query_block_keys(
+    lo, band_hi, free_hi, masked_lo, hi, q_seg, seg_base = query_block_keys(
         QSEG,
         BOUNDS,
         offs_m,
@@ -144,12 +154,44 @@ def _dq_kernel(
         bh,
         seq_len,
         n_head,
+        window,
+        offset,
         CAUSAL,
         DOCS,
+        WINDOW,
         BLOCK_M,
         BLOCK_N,
     )
     Kh, Vh = K + kv_base, V + kv_base
+    if WINDOW:  # the key blocks the window's edge crosses
+        dq = _dq_inner(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            q_seg,
+            Kh,
+            Vh,
+            KSEG,
+            seg_base,
+            offs_m,
+            offs_n,
+            offs_d,
+            lo,
+            band_hi,
+            seq_len,
+            qk_scale,
+            window,
+            offset,
+            True,
+            CAUSAL,
+            DOCS,
+            WINDOW,
+            HEAD_DIM,
+            BLOCK_N,
+            PREC,
+        )
     dq = _dq_inner(
         dq,
         q,
@@ -164,13 +206,16 @@ def _dq_kernel(
         offs_m,
         offs_n,
         offs_d,
-        lo,
+        band_hi,
         free_hi,
         seq_len,
         qk_scale,
+        window,
+        offset,
         False,
         CAUSAL,
         DOCS,
+        WINDOW,
         HEAD_DIM,
         BLOCK_N,
         PREC,
@@ -193,9 +238,12 @@ def _dq_kernel(
         hi,
         seq_len,
         qk_scale,
+        window,
+        offset,
         True,
         CAUSAL,
         DOCS,
+        WINDOW,
         HEAD_DIM,
         BLOCK_N,
         PREC,
@@ -215,11 +263,14 @@ def backward_launches(
     causal: bool,
     arch: int,
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    offset: int = 0,
 ) -> list[Launch]:
     """The three launches of the backward, in order (delta, dK/dV, dQ), on contiguous q, k, v,
     out, dout and the base-2 lse, into delta [b, n_head, s] fp32 and grads = (dq, dk, dv), with
     the tiles attention_blocks picks for GPU arch `arch` (device_arch); with segments (the
-    queries' and the keys', contiguous int32 [b, s]) under document masks."""
+    queries' and the keys', contiguous int32 [b, s]) under document masks; with a sliding
+    window (None: none) over queries `offset` positions after the keys."""
     b, n_head, seq_len, head_dim = q.shape
     n_kv = k.shape[1]
     blocks = attention_blocks(seq_len, head_dim, q.dtype, arch)
@@ -233,9 +284,14 @@ def backward_launches(
         constexprs=dict(HEAD_DIM=head_dim, BLOCK=rows_per_program),
     )
     sm_scale = 1.0 / math.sqrt(head_dim)
-    scalars = (seq_len, n_head, n_head // n_kv, sm_scale * LOG2_E, sm_scale)
+    windowed, window, offset = window_args(window, offset, seq_len)
+    scalars = (seq_len, n_head, n_head // n_kv, sm_scale * LOG2_E, sm_scale, window, offset)
     common = dict(
-        CAUSAL=causal, DOCS=segments is not None, HEAD_DIM=head_dim, PREC=dot_precision(q.dtype)
+        CAUSAL=causal,
+        DOCS=segments is not None,
+        WINDOW=windowed,
+        HEAD_DIM=head_dim,
+        PREC=dot_precision(q.dtype),
     )
     dkdv, dq_tile = blocks.dkdv, blocks.dq
     dkdv_docs = dq_docs = (None, None, None)
@@ -273,17 +329,21 @@ def attention_backward(
     dout: torch.Tensor,
     causal: bool,
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq [b, n_head, s, d], dk and dv [b, n_kv, s, d] in the inputs' dtype, from the saved
     contiguous q, k, v, out, the base-2 lse [b, n_head, s] and the output gradient dout (and
-    the checked segments under document masks)."""
+    the checked segments under document masks, the sliding window and offset or None)."""
     dout = dout.contiguous()
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if q.numel() == 0:
         return grads
     delta = torch.empty_like(lse)
     arch = device_arch(q.device)
-    launches = backward_launches(q, k, v, out, lse, dout, delta, grads, causal, arch, segments)
+    launches = backward_launches(
+        q, k, v, out, lse, dout, delta, grads, causal, arch, segments, window, offset
+    )
     for launch in launches:
         launch.run()
     return grads

@@ -6,7 +6,10 @@ in registers: no atomics, no races, deterministic. For each head it walks three 
 the band across the diagonal (causal only, masked), the blocks that need no mask, and the
 masked tail; under document masks (DOCS) each range is cut to the query blocks that hold
 queries of its keys' documents (attention_tiles.segment_bounds), and pairs of different
-documents are masked. Shapes and formulas as in attention_bwd.py.
+documents are masked. Under a sliding window (WINDOW) every range ends at the last query whose
+window reaches the block's last key, the query blocks not wholly inside the windows of all its
+keys move from the mask-free range to the masked tail, and the pairs outside the window are
+masked. Shapes and formulas as in attention_bwd.py.
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ def _dkdv_inner(
     hi,
     seq_len,
     qk_scale,
+    window,
+    offset,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     PREC: tl.constexpr,
@@ -62,6 +68,8 @@ def _dkdv_inner(
             valid = row_ok[None, :] & (offs_n < seq_len)[:, None]
             if CAUSAL:
                 valid = valid & (rows[None, :] >= offs_n[:, None])
+            if WINDOW:
+                valid = valid & (rows[None, :] + offset - offs_n[:, None] < window)
             p_t = tl.where(valid, p_t, 0.0)
         if DOCS:
             q_seg = tl.load(QSEG + seg_base + rows, mask=rows < seq_len, other=-1)
@@ -91,8 +99,11 @@ def _dkdv_kernel(
     group,
     qk_scale,
     sm_scale,
+    window,
+    offset,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -138,6 +149,14 @@ def _dkdv_kernel(
         lo, diag_hi = tl.maximum(lo, doc_lo), tl.minimum(diag_hi, doc_hi)
         mid_lo, mid_hi = tl.maximum(mid_lo, doc_lo), tl.minimum(mid_hi, doc_hi)
         tail_lo, tail_hi = tl.maximum(tail_lo, doc_lo), tl.minimum(tail_hi, doc_hi)
+    if WINDOW:  # the queries whose windows reach these keys: i + offset - j < window
+        # Queries from `reach` on see none of these keys; the query blocks below `inside` see
+        # all of them.
+        reach = tl.maximum(start_n + BLOCK_N - 1 + window - offset, 0)
+        inside = (tl.maximum(start_n + window - offset, 0) // BLOCK_M) * BLOCK_M
+        diag_hi = tl.minimum(diag_hi, reach)
+        mid_hi = tl.minimum(mid_hi, tl.maximum(inside, mid_lo))
+        tail_lo, tail_hi = tl.maximum(mid_lo, mid_hi), tl.minimum(tail_hi, reach)
     for g in range(group):
         bh = (first_head + g).to(tl.int64)
         Qh, DOh = Q + bh * seq_len * HEAD_DIM, DO + bh * seq_len * HEAD_DIM
@@ -161,9 +180,12 @@ def _dkdv_kernel(
             diag_hi,
             seq_len,
             qk_scale,
+            window,
+            offset,
             True,
             CAUSAL,
             DOCS,
+            WINDOW,
             HEAD_DIM,
             BLOCK_M,
             PREC,
@@ -187,9 +209,12 @@ def _dkdv_kernel(
             mid_hi,
             seq_len,
             qk_scale,
+            window,
+            offset,
             False,
             CAUSAL,
             DOCS,
+            WINDOW,
             HEAD_DIM,
             BLOCK_M,
             PREC,
@@ -213,9 +238,12 @@ def _dkdv_kernel(
             tail_hi,
             seq_len,
             qk_scale,
+            window,
+            offset,
             True,
             CAUSAL,
             DOCS,
+            WINDOW,
             HEAD_DIM,
             BLOCK_M,
             PREC,

@@ -12,6 +12,14 @@ the local and the remote shard's). A query sees only keys of its own segment, so
 rows (queries, or keys in the dK/dV kernel) needs only the columns whose segment lies between
 its first and its last row's: segment_bounds finds that range for every block with one
 binary search per block, and the kernels skip the blocks outside it.
+
+Sliding window (WINDOW, window W and offset o, the first query's position less the first
+key's: 0 for a sequence attending to itself, a ring block's distance between its query and key
+chunks): query i sees key j only when (i + o) - j < W. A block of rows needs only the columns
+within reach of its rows' windows, found from the positions alone (no tensor): the kernels
+skip the blocks wholly outside every window, mask the blocks the window's edge crosses, and
+run the blocks wholly inside without a mask. window_args turns WINDOW off where the window
+leaves out no pair.
 """
 
 from __future__ import annotations
@@ -125,6 +133,21 @@ def segment_bounds(rows: torch.Tensor, cols: torch.Tensor, block: int) -> torch.
     return torch.stack([lo, hi], dim=-1).contiguous()
 
 
+def window_args(
+    window: int | None, offset: int, seq_len: int
+) -> tuple[bool, int | None, int | None]:
+    """The kernels' (WINDOW, window, offset) for a sliding window (None: no window) over
+    seq_len queries and keys whose positions differ by offset: WINDOW false, and window and
+    offset None (absent: the kernel compiles as without a window), when the window leaves out
+    no pair (the farthest key, seq_len - 1 + offset behind the last query, is within it).
+    Raises ValueError for a window below 1."""
+    if window is not None and window < 1:
+        raise ValueError(f"attention: the sliding window must be >= 1, got {window}")
+    if window is None or window > seq_len - 1 + offset:
+        return False, None, None
+    return True, window, offset
+
+
 def check_segments(q: torch.Tensor, segments: tuple[torch.Tensor, torch.Tensor] | None):
     """The (query, key) segments as contiguous int32 [b, s] on q's device, or None; raises
     ValueError unless each is [b, s] of q."""
@@ -150,14 +173,18 @@ def query_block_keys(
     bh,
     seq_len,
     n_head,
+    window,
+    offset,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """The key range of one query block (the forward's and dQ's walk): keys [lo, free_hi) need
-    no mask, [masked_lo, hi) the causal, tail or document mask; q_seg, the queries' segments
-    (zeros unless DOCS) and seg_base, this sequence's offset into the segment arrays."""
+    """The key range of one query block (the forward's and dQ's walk): keys [lo, band_hi) need
+    the window's mask (empty unless WINDOW), [band_hi, free_hi) no mask, [masked_lo, hi) the
+    causal, tail, document and window masks; q_seg, the queries' segments (zeros unless DOCS)
+    and seg_base, this sequence's offset into the segment arrays."""
     full_n = (seq_len // BLOCK_N) * BLOCK_N  # key blocks below full_n have no tail
     if CAUSAL:
         free_hi = tl.minimum(start_m, full_n)
@@ -176,4 +203,11 @@ def query_block_keys(
         masked_lo = tl.maximum(free_hi, lo)  # where the unmasked walk ends
         free_hi = tl.minimum(free_hi, tl.cdiv(doc_hi, BLOCK_N) * BLOCK_N)
         hi = tl.minimum(hi, doc_hi)
-    return lo, free_hi, masked_lo, hi, q_seg, seg_base
+    band_hi = lo
+    if WINDOW:  # only the key blocks within reach of this query block's windows
+        first = tl.maximum(start_m + offset - window + 1, 0)  # the first key its first row sees
+        lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
+        inside = tl.maximum(start_m + BLOCK_M + offset - window, 0)  # keys in every row's window
+        band_hi = tl.maximum(lo, tl.minimum(tl.cdiv(inside, BLOCK_N) * BLOCK_N, free_hi))
+        masked_lo = tl.maximum(masked_lo, band_hi)
+    return lo, band_hi, free_hi, masked_lo, hi, q_seg, seg_base

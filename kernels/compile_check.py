@@ -84,10 +84,12 @@ def _attention(
     causal: bool,
     ring: bool,
     documents: bool,
+    window: tuple[int, int] | None = None,
 ) -> list[Launch]:
     """Forward and backward of attention at sequence (or ring block) length seq_len; a ring
     block's forward writes fp32 (attention_block_forward); documents: under document masks
-    (data.document_mask: segments and the per-block ranges)."""
+    (data.document_mask: segments and the per-block ranges); window: (W, offset) under a
+    sliding window of W over queries offset positions after the keys, or None."""
     q = _meta(m.batch, m.n_head, seq_len, m.head_dim, dtype=dtype)
     kv = _meta(m.batch, m.n_kv_head, seq_len, m.head_dim, dtype=dtype)
     lse = _meta(m.batch, m.n_head, seq_len, dtype=torch.float32)
@@ -96,8 +98,9 @@ def _attention(
     segments = None
     if documents:
         segments = (_meta(m.batch, seq_len, dtype=torch.int32),) * 2
-    backward = backward_launches(q, kv, kv, q, lse, q, lse, grads, causal, arch, segments)
-    return [forward_launch(q, kv, kv, out, lse, causal, arch, segments), *backward]
+    sliding = window or (None, 0)
+    backward = backward_launches(q, kv, kv, q, lse, q, lse, grads, causal, arch, segments, *sliding)
+    return [forward_launch(q, kv, kv, out, lse, causal, arch, segments, *sliding), *backward]
 
 
 def _norms(m: ModelShapes, dtype: torch.dtype) -> list[Launch]:
@@ -165,17 +168,24 @@ def _experts(m: ModelShapes, dtype: torch.dtype) -> list[Launch]:
 
 
 def _attention_launches(
-    m: ModelShapes, dtype: torch.dtype, arch: int, documents: bool
+    m: ModelShapes, dtype: torch.dtype, arch: int, documents: bool, sliding: bool = False
 ) -> list[tuple[Launch, str]]:
     """Causal attention and the blocks of a cp = 2 ring (2c causal and c unmasked, c = s / 4),
-    each with where it comes from ("" or "ring", with " documents" under document masks)."""
-    tag = " documents" if documents else ""
-    whole = _attention(m, dtype, arch, m.seq_len, True, False, documents)
-    launches = [(launch, tag.strip()) for launch in whole]
+    each with where it comes from ("" or "ring", with " documents" under document masks).
+    sliding: under a sliding window of c / 2 instead (tagged " window"): causal attention, and
+    the ring's c-blocks, causal and one chunk (c positions) after its keys."""
+    tag = (" window" if sliding else "") + (" documents" if documents else "")
     block = m.seq_len // 4
+    window = max(1, block // 2)
+    whole_window = (window, 0) if sliding else None
+    whole = _attention(m, dtype, arch, m.seq_len, True, False, documents, whole_window)
+    launches = [(launch, tag.strip()) for launch in whole]
+    ring_blocks = [(2 * block, True, None), (block, False, None)]
+    if sliding:
+        ring_blocks = [(block, True, (window, 0)), (block, False, (window, block))]
     if block >= 16:
-        for length, causal in ((2 * block, True), (block, False)):
-            ring = _attention(m, dtype, arch, length, causal, True, documents)
+        for length, causal, ring_window in ring_blocks:
+            ring = _attention(m, dtype, arch, length, causal, True, documents, ring_window)
             launches += [(launch, "ring" + tag) for launch in ring]
     return launches
 
@@ -184,16 +194,21 @@ def model_launches(m: ModelShapes, dtype: str, arch: Arch) -> list[tuple[Launch,
     """Every launch one training step of model m makes in dtype ("bf16" or "fp32") on arch,
     each with where it comes from: attention and the ring blocks (_attention_launches), norms,
     RoPE, the MLP's elementwise op, cross entropy and the expert GEMMs; then attention and the
-    ring blocks again under document masks (data.document_mask)."""
+    ring blocks again under document masks (data.document_mask), and under a sliding window
+    (model.sliding_window, for llama) without and with document masks."""
     torch_dtype, cap = DTYPES[dtype], arch.capability
     others = _norms(m, torch_dtype) + _mlp(m, torch_dtype) + _cross_entropy(m, torch_dtype)
     if m.experts:
         others += _experts(m, torch_dtype)
-    return [
+    launches = [
         *_attention_launches(m, torch_dtype, cap, documents=False),
         *[(launch, "") for launch in others],
         *_attention_launches(m, torch_dtype, cap, documents=True),
     ]
+    if m.family == "llama":
+        for documents in (False, True):
+            launches += _attention_launches(m, torch_dtype, cap, documents, sliding=True)
+    return launches
 
 
 # Compilation

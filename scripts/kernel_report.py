@@ -3,21 +3,26 @@ spills and shared memory against each architecture's limit, at the shapes the sh
 use.
 
     python scripts/kernel_report.py --arch sm_80 sm_90 [--json FILE] [--jobs N] [--representative]
+                                    [--only WORD...]
 
 For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2
 and 8 where the heads divide, in bf16 and fp32, it builds the launches of one training step as
 the launchers make them (megatronish_kernels.compile_check.model_launches: attention forward and
-backward, the ring-attention blocks, both again under document masks, norms, RoPE, SwiGLU or
-bias-GELU, cross entropy, the expert GEMMs), compiles each distinct one for each arch with the
+backward, the ring-attention blocks, both again under document masks and (llama) under a
+sliding window, norms, RoPE, SwiGLU or bias-GELU, cross entropy, the expert GEMMs), compiles
+each distinct one for each arch with the
 ptxas Triton ships, and prints one table: kernel, configuration (constexprs, arguments
 specialized to 1, warps w and stages s), arch, dtype, registers, spill bytes, shared memory /
 the arch's limit per block, the estimated occupancy (warps per SM of 64, from registers and
 shared memory), the configs that launch it, and a status. A row FAILs when its shared memory is
 over the limit, or when it spills at bf16 (fp32 runs exact-fp32 dots without tensor cores:
 spills there are reported, not failed). --representative compiles one bf16 configuration per
-kernel (and per attention kernel one under document masks) only: what the tests compile. --json
-FILE writes the rows as a list of objects (kernel, config, arch, dtype, registers, spill_bytes,
-shared_bytes, shared_limit_bytes, num_warps, num_stages, occupancy_warps, models).
+kernel (and per attention kernel one under document masks and one under document masks and a
+sliding window) only: what the tests compile. --only WORD... keeps the launches whose kernel
+name and origin ("llama-1b tp2 ring window documents") hold every word (--only window: the
+attention kernels under a sliding window). --json FILE writes the rows as a list of objects
+(kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes,
+num_warps, num_stages, occupancy_warps, models).
 
 Exit status: 0 every row fits, 1 a row fails, 2 Triton cannot compile for NVIDIA targets here.
 Compiled kernels go to Triton's cache (TRITON_CACHE_DIR), so a second run takes seconds.
@@ -113,20 +118,28 @@ def _key(launch: Launch, arch_name: str) -> tuple:
     )  # fmt: skip
 
 
-def plan(arch_names: list[str], representative: bool) -> tuple[list, dict]:
+def plan(
+    arch_names: list[str], representative: bool, only: list[str] | None = None
+) -> tuple[list, dict]:
     """The distinct launches to compile, [(key, (arch name, launch))], and the users of each
-    key ("llama-1b tp2", or "llama-1b tp2 ring" for a ring-attention block)."""
+    key ("llama-1b tp2", or "llama-1b tp2 ring" for a ring-attention block); only: words each
+    kept launch's kernel name and origin hold (None: every launch)."""
     jobs, users = {}, {}
     if representative:
         runs = [(model_shapes(name, tp), "bf16") for name, tp in REPRESENTATIVE]
     else:
         runs = [(s, dtype) for s in shipped_shapes() for dtype in ("bf16", "fp32")]
     for arch_name in arch_names:
-        seen_kernels = set()  # (kernel, under document masks)
+        seen_kernels = set()  # (kernel, under document masks, under a sliding window)
         for shapes, dtype in runs:
             for launch, where in compile_check.model_launches(shapes, dtype, ARCHS[arch_name]):
-                variant = (launch.name, bool(launch.constexprs.get("DOCS")))
-                if representative and variant in seen_kernels:
+                described = f"{launch.name} {shapes.name} {where}"
+                if only and not all(word in described for word in only):
+                    continue
+                flags = launch.constexprs
+                variant = (launch.name, bool(flags.get("DOCS")), bool(flags.get("WINDOW")))
+                # Representative: a window only with document masks, whose code holds its own.
+                if representative and (variant in seen_kernels or variant[2] > variant[1]):
                     continue
                 seen_kernels.add(variant)
                 key = _key(launch, arch_name)
@@ -222,13 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--representative", action="store_true", help="one bf16 configuration per kernel"
     )
+    parser.add_argument(
+        "--only", nargs="+", metavar="WORD", help="the launches whose kernel and origin hold these"
+    )
     args = parser.parse_args(argv)
     reason = compile_check.compile_support()
     if reason is not None:
         print(f"kernel_report: cannot compile for NVIDIA targets here: {reason}", file=sys.stderr)
         return 2
     start = time.monotonic()
-    jobs, users = plan(args.arch, args.representative)
+    jobs, users = plan(args.arch, args.representative, args.only)
     compiled = compile_all(jobs, args.jobs)
     rows = merge(compiled, [users[key] for key, _ in jobs])
     print(render(rows))

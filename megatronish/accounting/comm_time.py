@@ -17,9 +17,10 @@ ring-attention hop and a hop of a decomposed tp collective are one step.
 
 Plan's memory table also shows how well each cp ring step hides (``ring_ratio``): it sends one
 block of k and v, c [2, b, k/t, s/cp, d] for k kv heads, while the rank computes one block of
-attention, 4 b (n/t) d s^2 / (2 cp^2) FLOPs, here at ASSUMED_MFU of the peak; the transfer hides
-when it is the shorter of the two. The ring stays inside a node (NVLink) while tp x cp <=
-GPUS_PER_NODE, else it crosses nodes (INTER_NODE_GB_S).
+attention, 4 b (n/t) d s^2 / (2 cp^2) FLOPs (a cp-th of its causal attention; under a sliding
+window, of the pairs the window keeps in the layers that slide), here at ASSUMED_MFU of the
+peak; the transfer hides when it is the shorter of the two. The ring stays inside a node
+(NVLink) while tp x cp <= GPUS_PER_NODE, else it crosses nodes (INTER_NODE_GB_S).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 
 from megatronish.accounting.collectives import Collective
 from megatronish.accounting.hardware import GPUS_PER_NODE, INTER_NODE_GB_S, Device
-from megatronish.accounting.roofline import Efficiency
-from megatronish.config import Config, Derived
+from megatronish.accounting.roofline import Efficiency, attention_flops
+from megatronish.config import Config, Derived, attention_window
 
 # ring_ratio's block compute: a rough rate, this fraction of the peak (the step-time model's
 # attention time is accounting.layer_time's).
@@ -92,6 +93,8 @@ def ring_ratio(cfg: Config, derived: Derived, peak_flops: float, link_gb_s: floa
         return None
     width = 2 if cfg.train.bf16_autocast else 4
     kv_bytes = 2 * b * (derived.n_kv_head // tp) * (s // cp) * derived.head_dim * width
-    flops = 4 * b * (cfg.model.n_head // tp) * derived.head_dim * s * s / (2 * cp * cp)
+    window = attention_window(cfg.model, cfg.model.n_layer - 1)  # the last layer slides, if any
+    heads = cfg.model.n_head // tp
+    flops = attention_flops(b, heads, s // cp, s, derived.head_dim, True, window) / cp
     link = link_gb_s if tp * cp <= GPUS_PER_NODE else INTER_NODE_GB_S
     return (kv_bytes / (link * 1e9)) / (flops / (peak_flops * ASSUMED_MFU))

@@ -5,7 +5,7 @@ matmul rate (training.metrics.peak_flops)."""
 from __future__ import annotations
 
 from megatronish.accounting.parameters import moe_mlp_params
-from megatronish.config import Config, Derived
+from megatronish.config import Config, Derived, attention_window
 
 
 def matmul_params(cfg: Config, derived: Derived) -> int:
@@ -23,12 +23,26 @@ def matmul_params(cfg: Config, derived: Derived) -> int:
     )
 
 
+def attention_keys(cfg: Config) -> int:
+    """The keys a query's attention scores and values count, summed over the layers: the whole
+    sequence, s, in every layer (Narayanan et al. count causal attention unhalved), and under a
+    sliding window W the keys it reaches, min(s, W), in the layers that slide."""
+    s = cfg.train.seq_len
+    windows = (attention_window(cfg.model, layer) for layer in range(cfg.model.n_layer))
+    return sum(s if window is None else min(s, window) for window in windows)
+
+
+def attention_flops_per_token(cfg: Config, derived: Derived) -> int:
+    """Forward FLOPs of the attention scores and values per token: 4 a d per key counted
+    (q k^T and p v), over attention_keys (4 l s h with no window and a d = h)."""
+    return 4 * attention_keys(cfg) * cfg.model.n_head * derived.head_dim
+
+
 def model_flops_per_step(cfg: Config, derived: Derived) -> float:
     """Training FLOPs of one optimizer step (Narayanan et al. 2021, written for any MLP):
     3 x forward, forward per token = 2 x matmul parameters + 4 l s h for attention scores and
-    values; x 4/3 with full recompute. With d_ff = 4h this is 72 B s l h^2 (1 + s/6h + V/12lh)."""
-    train, model = cfg.train, cfg.model
-    attn = 4 * model.n_layer * train.seq_len * model.n_head * derived.head_dim
-    forward = 2 * matmul_params(cfg, derived) + attn
-    passes = 4 if train.activation_checkpointing == "full" else 3
+    values (attention_flops_per_token: s min(s, W) under a sliding window W); x 4/3 with full
+    recompute. With d_ff = 4h this is 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    forward = 2 * matmul_params(cfg, derived) + attention_flops_per_token(cfg, derived)
+    passes = 4 if cfg.train.activation_checkpointing == "full" else 3
     return float(passes * forward * derived.tokens_per_step)

@@ -15,12 +15,13 @@ experts (each [rows, h] x [h, f / t] three times: gate, up, down), a shared expe
 MLP of moe_d_ff.
 
 Attention: flash-style (what megatronish runs): 4 b (a / t) (s / cp) s d FLOPs forward, half
-under the causal mask, at Efficiency.attention_fraction, 2.5 x backward. "materialized" (what
+under the causal mask (under a sliding window W the pairs it keeps: roofline.attention_flops),
+at Efficiency.attention_fraction, 2.5 x backward. "materialized" (what
 Megatron-LM ran in 2021-22, before flash attention): the scores [b, a / t, s, s] come from two
 batched GEMMs forward (four backward) at GEMM efficiency, and the fused scale-mask-softmax and
 the attention dropout stream them through memory: forward read + write (softmax) and read +
 write + a 1-byte mask (dropout); backward read mask, gradient and write (dropout), read output,
-gradient and write (softmax).
+gradient and write (softmax); a window masks its scores and saves none.
 
 Memory-bound ops forward, in elements of c bytes (N = T / t tokens under sequence parallelism,
 else T: the norms, residuals and dropouts run on a rank's share of the sequence):
@@ -89,9 +90,16 @@ class _Timer:
 
 
 def layer_time(
-    cfg: Config, derived: Derived, device: Device, eff: Efficiency, moe: bool, attention: str
+    cfg: Config,
+    derived: Derived,
+    device: Device,
+    eff: Efficiency,
+    moe: bool,
+    attention: str,
+    window: int | None = None,
 ) -> LayerTime:
-    """One transformer layer (an MoE layer when `moe`) for one micro-batch on one rank."""
+    """One transformer layer (an MoE layer when `moe`, attending through a sliding window when
+    `window` is set) for one micro-batch on one rank."""
     model, train, tp = cfg.model, cfg.train, derived.tp
     width = 2 if train.bf16_autocast else 4
     timer = _Timer(device, eff, width)
@@ -128,7 +136,7 @@ def layer_time(
         routed = T * model.moe.top_k * h
         fwd += timer.stream(4 * routed, 4)
         bwd += timer.stream(8 * routed, 8)
-    attn_fwd, attn_bwd = _attention(cfg, derived, timer, device, eff, attention, s)
+    attn_fwd, attn_bwd = _attention(cfg, derived, timer, device, eff, attention, s, window)
     mask = 1 if model.dropout > 0 else 0
     act_elems = T * f_local * (3 if llama or moe else 2)
     rope = 2 * T * (heads + kv) * hd if llama else 0
@@ -170,13 +178,20 @@ def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency)
 
 
 def _attention(
-    cfg: Config, derived: Derived, timer: _Timer, device: Device, eff: Efficiency, kind: str, s: int
+    cfg: Config,
+    derived: Derived,
+    timer: _Timer,
+    device: Device,
+    eff: Efficiency,
+    kind: str,
+    s: int,
+    window: int | None,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core of one layer."""
     model, train, tp = cfg.model, cfg.train, derived.tp
     b, heads, hd = train.micro_batch_size, model.n_head // tp, derived.head_dim
     if kind == "flash":
-        flops = attention_flops(b, heads, s, train.seq_len, hd, causal=True)
+        flops = attention_flops(b, heads, s, train.seq_len, hd, causal=True, window=window)
         return (
             flash_attention_seconds(flops, device.peak_flops, eff, backward=False),
             flash_attention_seconds(flops, device.peak_flops, eff, backward=True),

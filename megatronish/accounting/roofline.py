@@ -72,12 +72,25 @@ def gemm_seconds(
 
 
 def attention_flops(
-    batch: int, heads: int, s_q: int, s_k: int, head_dim: int, causal: bool
+    batch: int,
+    heads: int,
+    s_q: int,
+    s_k: int,
+    head_dim: int,
+    causal: bool,
+    window: int | None = None,
 ) -> float:
     """Forward FLOPs of softmax(q k^T) v for `heads` heads: 4 batch heads s_q s_k head_dim,
-    half when causal (the masked half of the scores is skipped)."""
+    half when causal (the masked half of the scores is skipped); under a causal sliding window
+    W below s_k only the pairs it keeps, sum over positions of min(i + 1, W) instead of
+    s_k (s_k + 1) / 2 (queries s_q of a sequence of s_k: a cp rank's share, on average)."""
     flops = 4.0 * batch * heads * s_q * s_k * head_dim
-    return flops / 2 if causal else flops
+    if not causal:
+        return flops
+    if window is None or window >= s_k:
+        return flops / 2
+    kept = window * (window + 1) // 2 + (s_k - window) * window  # sum of min(i + 1, W)
+    return flops / 2 * kept / (s_k * (s_k + 1) // 2)
 
 
 def flash_attention_seconds(

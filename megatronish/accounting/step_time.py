@@ -36,17 +36,22 @@ Step time = m x (stage compute + exposed tp + cp + ep per micro-batch) of the sl
 
 FLOPs: model FLOPs are accounting.flops' (3 passes, no recompute); hardware FLOPs add what
 recompute reruns: the layers' forward (full; Narayanan et al. 2021, eq. 3) or the attention
-core's forward, 4 s^2 a d per sequence and layer (selective).
+core's forward, 4 s^2 a d per sequence and layer (selective; s min(s, W) in a layer with a
+sliding window W).
+
+A stage's layers are timed by kind: dense or MoE, and the sliding window each attends through
+(model.sliding_window after the first model.full_attention_layers, by global layer index).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.comm_time import Mesh, collective_seconds
-from megatronish.accounting.flops import model_flops_per_step
+from megatronish.accounting.flops import attention_flops_per_token, model_flops_per_step
 from megatronish.accounting.hardware import Device
 from megatronish.accounting.layer_time import (
     embedding_time,
@@ -61,7 +66,7 @@ from megatronish.accounting.parameters import (
 )
 from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency, memory_seconds
 from megatronish.accounting.tp_overlap import split_seconds
-from megatronish.config import Config, Derived
+from megatronish.config import Config, Derived, attention_window
 
 PARTS = (
     "compute",
@@ -118,14 +123,7 @@ def flops_per_step(cfg: Config, derived: Derived) -> tuple[float, float]:
         cfg, train=dataclasses.replace(train, activation_checkpointing="none")
     )
     model_flops = model_flops_per_step(plain, derived)
-    attention = (
-        4
-        * model.n_layer
-        * train.seq_len
-        * model.n_head
-        * derived.head_dim
-        * derived.tokens_per_step
-    )
+    attention = attention_flops_per_token(cfg, derived) * derived.tokens_per_step
     if train.activation_checkpointing == "full":  # the layers' forward again, not the output layer
         head = 2 * model.d_model * derived.vocab_size * derived.tokens_per_step
         return model_flops, model_flops + (model_flops / 3 - head)
@@ -134,25 +132,35 @@ def flops_per_step(cfg: Config, derived: Derived) -> tuple[float, float]:
     return model_flops, model_flops
 
 
+def _stage_kinds(cfg: Config, derived: Derived, r: int) -> tuple[tuple[tuple, int], ...]:
+    """((MoE, sliding window), layers) of stage r's layers, in a fixed order."""
+    kinds = Counter(
+        (layer in derived.moe_layers, attention_window(cfg.model, layer))
+        for chunk in derived.stage_chunks(r)
+        for layer in chunk
+    )
+    return tuple(sorted(kinds.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
+
+
 def _stage(cfg: Config, derived: Derived, r: int, device: Device, eff: Efficiency, attention: str):
-    """(per-micro-batch compute, forward, backward) seconds of stage r."""
+    """(per-micro-batch compute, forward, backward, attention core forward) seconds of stage
+    r."""
     recompute = cfg.train.activation_checkpointing
-    dense = layer_time(cfg, derived, device, eff, False, attention)
-    moe_layers = stage_moe_layers(derived, r)
-    layers = derived.stage_layers[r]
-    parts = [(dense, layers - moe_layers)]
-    if moe_layers:
-        parts.append((layer_time(cfg, derived, device, eff, True, attention), moe_layers))
+    parts = [
+        (layer_time(cfg, derived, device, eff, moe, attention, window), n)
+        for (moe, window), n in _stage_kinds(cfg, derived, r)
+    ]
     compute = sum(lt.total(recompute) * n for lt, n in parts)
     forward = sum(lt.forward * n for lt, n in parts)
     backward = sum((lt.total(recompute) - lt.forward) * n for lt, n in parts)
+    attention_forward = sum(lt.attention_forward * n for lt, n in parts)
     for edge, on in ((embedding_time, r == 0), (output_time, r == derived.pp - 1)):
         if on:
             lt = edge(cfg, derived, device, eff)
             compute += lt.forward + lt.backward
             forward += lt.forward
             backward += lt.backward
-    return compute, forward, backward
+    return compute, forward, backward, attention_forward
 
 
 def _optimizer_seconds(
@@ -236,15 +244,16 @@ def step_time(
     m, pp, virtual = derived.grad_accum_steps, derived.pp, derived.pp_virtual
     mesh = Mesh(tp=derived.tp, cp=derived.cp, dp=derived.dp, pp=pp)
     recompute = cfg.train.activation_checkpointing
-    attention_one = layer_time(cfg, derived, device, eff, False, attention).attention_forward
-    attention_one *= 3.5 + (1 if recompute != "none" else 0)  # forward, backward, recompute
+    passes = 3.5 + (1 if recompute != "none" else 0)  # attention forward, backward, recompute
     stages, done = [], {}
     for r in range(pp):
         # Stages that differ neither in their layers nor in being first or last time alike.
-        key = (r == 0, r == pp - 1, derived.stage_layers[r], stage_moe_layers(derived, r))
+        key = (r == 0, r == pp - 1, _stage_kinds(cfg, derived, r))
         if key not in done:
-            compute, forward, backward = _stage(cfg, derived, r, device, eff, attention)
-            attention_s = attention_one * derived.stage_layers[r] * m
+            compute, forward, backward, attention_forward = _stage(
+                cfg, derived, r, device, eff, attention
+            )
+            attention_s = attention_forward * passes * m
             comm = _comm(cfg, derived, r, mesh, device, eff, attention_s, forward, backward)
             per_micro = compute + (comm["tp"] + comm["cp"] + comm["ep"]) / m
             done[key] = (per_micro, compute, comm, _optimizer_seconds(cfg, derived, r, device, eff))

@@ -11,6 +11,7 @@ from megatronish.config.checks import (
 )
 from megatronish.config.derive import (
     Derived,
+    attention_window,
     chunk_layers,
     derive,
     layout_notes,
@@ -47,6 +48,7 @@ __all__ = [
     "ParallelConfig",
     "RunConfig",
     "TrainConfig",
+    "attention_window",
     "check_dataset_vocab",
     "check_output_paths",
     "check_values",

@@ -118,6 +118,35 @@ def _check_ranges(cfg: Config) -> None:
         not model.gpt2_block or not model.qk_norm,
         "model.qk_norm: gpt2 has no norm of queries and keys (only with RoPE families)",
     )
+    _check_sliding_window(cfg)
+
+
+def _check_sliding_window(cfg: Config) -> None:
+    """model.sliding_window and model.full_attention_layers, the pattern of the blocks that
+    slide."""
+    model = cfg.model
+    window, full = model.sliding_window, model.full_attention_layers
+    require(
+        window is None or window >= 1,
+        f"model.sliding_window: {window} is not valid; must be a positive integer (the "
+        "positions a query sees, itself included) or null",
+    )
+    require(
+        not model.gpt2_block or window is None,
+        f"model.sliding_window: gpt2 attends to every earlier position; got {window} (set it "
+        "only for llama)",
+    )
+    require(
+        0 <= full <= model.n_layer,
+        f"model.full_attention_layers: {full} is not valid; must be 0 to model.n_layer="
+        f"{model.n_layer}",
+    )
+    require(
+        full == 0 or window is not None,
+        f"model.full_attention_layers: {full} needs model.sliding_window (the blocks after the "
+        "first full_attention_layers slide); set model.sliding_window or "
+        "model.full_attention_layers=0",
+    )
 
 
 def check_moe_values(cfg: Config) -> None:

@@ -27,6 +27,15 @@ def moe_layers(cfg: Config) -> tuple[int, ...]:
     return tuple(i for i in range(first, cfg.model.n_layer) if i % every == 0)
 
 
+def attention_window(model: ModelConfig, layer: int) -> int | None:
+    """The sliding window of block `layer` (its global index): model.sliding_window for the
+    blocks after the first model.full_attention_layers, None (every earlier position) for
+    those and without a window."""
+    if model.sliding_window is None or layer < model.full_attention_layers:
+        return None
+    return model.sliding_window
+
+
 @dataclass(frozen=True)
 class Derived:
     """Sizes that follow from the config and the world size, computed only here."""

@@ -115,6 +115,15 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm (eps norm_eps) of each head's query and key over head_dim before RoPE, with one
     learned weight of head_dim for q and one for k shared by all heads (Qwen3); llama only."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Mistral; Qwen2 and Qwen3 with use_sliding_window): a query at
+    position i sees the keys at positions j with i - j < sliding_window, that is itself and the
+    sliding_window - 1 before it (as transformers masks it), on top of the causal mask and the
+    document masks; positive, not with gpt2. null: every earlier position."""
+    full_attention_layers: int = 0
+    """With model.sliding_window: the first this-many blocks (by global block index, whatever
+    the pipeline layout) attend to every earlier position and the others through the window
+    (Qwen2 and Qwen3's max_window_layers; 0, every block slides: Mistral). 0 to model.n_layer."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts MLPs (off by default); see model.moe.*."""
 

@@ -10,11 +10,14 @@ output: dv = p^T do, ds = p (do v^T - delta), dq = ds k * scale, dk = ds^T q * s
 linear in the blocks, so a ring sums each block's dq, dk, dv.
 
 Document masks: segments None, or (the queries' [b, L], the keys' [b, L]) document indices
-(megatronish.context.documents); a query sees the keys of its own document only. A row with no
-such key in the block gets o 0 and lse -inf, which the ring's merge then ignores.
+(megatronish.context.documents); a query sees the keys of its own document only. Sliding
+window: window None, or W with offset, the block's first query's position less its first
+key's; query i sees key j only when (i + offset) - j < W. A row with no key it may see in the
+block gets o 0 and lse -inf, which the ring's merge then ignores.
 
 The torch path materializes one block's L x L scores; the Triton path runs the flash kernels
-of megatronish_kernels (no L x L matrix; it skips the key blocks of other documents).
+of megatronish_kernels (no L x L matrix; it skips the key blocks of other documents and those
+outside the window).
 """
 
 from __future__ import annotations
@@ -38,38 +41,43 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype):
     return q.to(dtype).view(b, kv, n // kv, length, d), k.to(dtype).unsqueeze(2)
 
 
-def _scores(q, k, causal: bool, dtype, segments) -> torch.Tensor:
+def _scores(q, k, causal: bool, dtype, segments, window, offset: int) -> torch.Tensor:
     qg, kg = _grouped(q, k, dtype)
     scores = qg @ kg.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))  # [b, k, n/k, L, L]
+    length = q.shape[2]
     if segments is not None:
         visible = reference.document_mask(*segments, causal).unsqueeze(1)  # [b, 1, 1, L, L]
-        return scores.masked_fill(~visible, float("-inf"))
-    if causal:
-        length = q.shape[2]
-        above = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(above, float("-inf"))
-    return scores
+    elif causal:
+        visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    else:
+        visible = None
+    if window is not None:
+        inside = reference.window_mask(length, length, window, q.device, offset)
+        visible = inside if visible is None else visible & inside
+    return scores if visible is None else scores.masked_fill(~visible, float("-inf"))
 
 
-def torch_forward(q, k, v, causal: bool, segments=None) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_forward(
+    q, k, v, causal: bool, segments=None, window=None, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [b, n, L, d], lse [b, n, L]), both in the accumulation dtype."""
     dtype = accumulation_dtype(q.dtype)
     b, n, length, d = q.shape
-    scores = _scores(q, k, causal, dtype, segments)
+    scores = _scores(q, k, causal, dtype, segments, window, offset)
     lse = torch.logsumexp(scores, dim=-1)
     finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row that sees no key: o 0
     out = torch.exp(scores - finite.unsqueeze(-1)) @ v.to(dtype).unsqueeze(2)
     return out.view(b, n, length, d), lse.view(b, n, length)
 
 
-def torch_backward(q, k, v, out, lse, dout, causal: bool, segments=None):
+def torch_backward(q, k, v, out, lse, dout, causal: bool, segments=None, window=None, offset=0):
     """(dq [b, n, L, d], dk and dv [b, k, L, d]) in the accumulation dtype, from the final
     output `out` and log-sum-exp `lse` of these queries."""
     dtype = accumulation_dtype(q.dtype)
     b, n, length, d = q.shape
     kv = k.shape[1]
     qg, kg = _grouped(q, k, dtype)
-    scores = _scores(q, k, causal, dtype, segments)
+    scores = _scores(q, k, causal, dtype, segments, window, offset)
     probs = torch.exp(scores - lse.to(dtype).view(b, kv, n // kv, length, 1))
     dog = dout.to(dtype).view(b, kv, n // kv, length, d)
     og = out.to(dtype).view(b, kv, n // kv, length, d)
@@ -82,20 +90,22 @@ def torch_backward(q, k, v, out, lse, dout, causal: bool, segments=None):
     return dq, dk, dv
 
 
-def triton_forward(q, k, v, causal: bool, segments=None) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_forward(
+    q, k, v, causal: bool, segments=None, window=None, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton flash forward: (o fp32, or fp64 for fp64 inputs; lse fp32, natural log)."""
     from megatronish.ops import _kernels
 
-    return _kernels().attention_block_forward(q, k, v, causal, segments)
+    return _kernels().attention_block_forward(q, k, v, causal, segments, window, offset)
 
 
-def triton_backward(q, k, v, out, lse, dout, causal: bool, segments=None):
+def triton_backward(q, k, v, out, lse, dout, causal: bool, segments=None, window=None, offset=0):
     """The Triton flash backward from a given output and natural-log lse: dq, dk, dv in the
     inputs' dtype."""
     from megatronish.ops import _kernels
 
     return _kernels().attention_block_backward(
-        q, k, v, out.to(q.dtype), lse, dout, causal, segments
+        q, k, v, out.to(q.dtype), lse, dout, causal, segments, window, offset
     )
 
 

@@ -15,6 +15,13 @@ Steps run as square c x c (or, at i = 0, 2c x 2c causal) blocks; partial outputs
 fp32 with their log-sum-exp: lse = logaddexp(lse_old, lse_b) and
 o = o e^(lse_old - lse) + o_b e^(lse_b - lse).
 
+Sliding window (model.sliding_window W): a query at global position i sees the keys at j with
+i - j < W. Each block knows its chunks' global positions: the window masks it by the distance
+of its first query from its first key (offset), so step 0 runs as three blocks (chunk r
+causal, chunk 2 cp - 1 - r causal, then the second chunk against the first), and a block whose
+every pair is W or more apart is not computed at all (its keys and values still travel on).
+With W below 2 c (s / cp) most blocks away from the diagonal are skipped.
+
 Document masks: every rank holds the segments of every cp rank's shard (shards [b, cp, 2c],
 megatronish.context.documents), so none travel: each block masks the pairs of different
 documents with the local queries' and the source rank's keys' segments, and the Triton blocks
@@ -36,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish.context.blocks import accumulation_dtype, block_ops
+from megatronish.context.zigzag import chunks_of
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 
@@ -47,8 +55,8 @@ _COUNTERS: list[RingCounter] = []
 @dataclass
 class RingCounter:
     """Attention work of the ring blocks run while active (``with RingCounter() as c:``):
-    query-key pairs scored (a causal block of L counts L (L + 1) / 2 per head) and forward
-    FLOPs (4 d per pair: q k^T and p v)."""
+    query-key pairs scored (a causal block of L counts L (L + 1) / 2 per head; under a sliding
+    window the pairs within it) and forward FLOPs (4 d per pair: q k^T and p v)."""
 
     pairs: int = 0
     flops: int = 0
@@ -62,9 +70,19 @@ class RingCounter:
         _COUNTERS.remove(self)
 
 
-def _count(q: torch.Tensor, causal: bool) -> None:
+def visible_pairs(length: int, causal: bool, window: int | None, offset: int) -> int:
+    """Query-key pairs one head of a length x length block scores: all, the causal triangle,
+    and under a sliding window only those (i + offset) - j < window apart (offset: the first
+    query's position less the first key's)."""
+    rows = torch.arange(length)
+    last = rows if causal else torch.full_like(rows, length - 1)  # each row's last key
+    first = torch.zeros_like(rows) if window is None else (rows + offset - window + 1).clamp(0)
+    return int((last - first + 1).clamp(min=0).sum())
+
+
+def _count(q: torch.Tensor, causal: bool, pairs_per_head: int) -> None:
     b, n, length, d = q.shape
-    pairs = b * n * (length * (length + 1) // 2 if causal else length * length)
+    pairs = b * n * pairs_per_head
     for counter in _COUNTERS:
         counter.pairs += pairs
         counter.flops += 4 * d * pairs
@@ -104,13 +122,39 @@ class Ring:
         return incoming, pending
 
 
-def _units(step: int, rank: int) -> list[tuple[str, str, bool]]:
-    """(query part, key/value part, causal) blocks of ring step `step` on cp rank `rank`."""
+def _units(step: int, rank: int, windowed: bool) -> list[tuple[str, str, bool]]:
+    """(query part, key/value part, causal) blocks of ring step `step` on cp rank `rank`; step 0
+    under a sliding window as three blocks of contiguous positions, the causal ones first
+    (every row sees a key there)."""
+    if step == 0 and windowed:
+        return [("first", "first", True), ("second", "second", True), ("second", "first", False)]
     if step == 0:
         return [("all", "all", True)]
     if step <= rank:
         return [("first", "first", False), ("second", "first", False)]
     return [("second", "first", False), ("second", "second", False)]
+
+
+def _offset(ring: Ring, step: int, q_part: str, kv_part: str, c: int) -> int:
+    """The global position of a block's first query less that of its first key: the block's
+    query chunk and the key chunk of the rank its keys came from (zigzag.chunks_of)."""
+    source = (ring.rank - step) % ring.size
+    q_chunk = chunks_of(ring.size, ring.rank)[q_part == "second"]
+    k_chunk = chunks_of(ring.size, source)[kv_part == "second"]
+    return (q_chunk - k_chunk) * c
+
+
+def _blocks(ring: Ring, step: int, c: int, window: int | None):
+    """(query part, key/value part, causal, offset, pairs per head) of the blocks ring step
+    `step` computes: those with a pair inside the window."""
+    blocks = []
+    for q_part, kv_part, causal in _units(step, ring.rank, window is not None):
+        offset = _offset(ring, step, q_part, kv_part, c)
+        length = 2 * c if q_part == "all" else c
+        pairs = visible_pairs(length, causal, window, offset)
+        if pairs:
+            blocks.append((q_part, kv_part, causal, offset, pairs))
+    return blocks
 
 
 def _part(x: torch.Tensor, part: str, c: int) -> torch.Tensor:
@@ -144,37 +188,37 @@ def _merge(out, lse, rows: slice, out_b, lse_b) -> None:
     lse[:, :, rows] = lse_new
 
 
-def ring_forward(q, k, v, ring: Ring, forward, shards=None) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(
+    q, k, v, ring: Ring, forward, shards=None, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) in the accumulation dtype for local q, k, v; `forward` is a block forward;
-    shards: every cp rank's segments [b, cp, 2c] under document masks, else None."""
+    shards: every cp rank's segments [b, cp, 2c] under document masks, else None; window: the
+    sliding window, or None."""
     c = q.shape[2] // 2
     dtype = accumulation_dtype(q.dtype)
-    out = lse = None
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)  # merged into: o 0, lse -inf
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=dtype, device=q.device)
     kv = torch.stack([k, v])  # [2, b, k, 2c, d]: one message a hop
     for step in range(ring.size):
         pending = None
         if step + 1 < ring.size:
             incoming, pending = ring.shift(kv, KV_TAG)
-        for q_part, kv_part, causal in _units(step, ring.rank):
+        for q_part, kv_part, causal, offset, pairs in _blocks(ring, step, c, window):
             q_block = _part(q, q_part, c)
-            _count(q_block, causal)
+            _count(q_block, causal, pairs)
             segments = _segments(shards, step, ring, q_part, kv_part, c)
-            out_b, lse_b = forward(
-                q_block, _part(kv[0], kv_part, c), _part(kv[1], kv_part, c), causal, segments
-            )
-            if out is None:  # step 0 covers every row
-                out, lse = out_b.to(dtype), lse_b.to(dtype)
-            else:
-                _merge(out, lse, _rows(q_part, c), out_b, lse_b.to(dtype))
+            keys, values = _part(kv[0], kv_part, c), _part(kv[1], kv_part, c)
+            out_b, lse_b = forward(q_block, keys, values, causal, segments, window, offset)
+            _merge(out, lse, _rows(q_part, c), out_b, lse_b.to(dtype))
         if pending is not None:
             pending.wait()
             kv = incoming
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None):
-    """(dq, dk, dv) in the inputs' dtypes; `backward` is a block backward; shards as in
-    ring_forward."""
+def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None, window=None):
+    """(dq, dk, dv) in the inputs' dtypes; `backward` is a block backward; shards and window as
+    in ring_forward."""
     c = q.shape[2] // 2
     dtype = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -185,7 +229,7 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None):
         if step + 1 < ring.size:
             incoming, pending = ring.shift(kv, KV_TAG)
         grads = []
-        for q_part, kv_part, causal in _units(step, ring.rank):
+        for q_part, kv_part, causal, offset, _ in _blocks(ring, step, c, window):
             rows = _rows(q_part, c)
             dq_b, dk_b, dv_b = backward(
                 _part(q, q_part, c),
@@ -196,6 +240,8 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None):
                 dout[:, :, rows],
                 causal,
                 _segments(shards, step, ring, q_part, kv_part, c),
+                window,
+                offset,
             )
             dq[:, :, rows] += dq_b
             grads.append((_rows(kv_part, c), dk_b, dv_b))
@@ -222,13 +268,13 @@ class _RingAttention(torch.autograd.Function):
     """Autocast is off inside: the blocks choose their own precision (fp32 accumulation)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, backend: str, shards):
+    def forward(ctx, q, k, v, ring: Ring, backend: str, shards, window):
         forward, backward = block_ops(backend)
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = ring_forward(q, k, v, ring, forward, shards)
+            out, lse = ring_forward(q, k, v, ring, forward, shards, window)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.block_backward, ctx.shards = ring, backward, shards
+        ctx.ring, ctx.block_backward, ctx.shards, ctx.window = ring, backward, shards, window
         return out
 
     @staticmethod
@@ -236,20 +282,30 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = ring_backward(
-                q, k, v, out, lse, dout, ctx.ring, ctx.block_backward, ctx.shards
+                q, k, v, out, lse, dout, ctx.ring, ctx.block_backward, ctx.shards, ctx.window
             )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(
-    q, k, v, ring: Ring, backend: str = "auto", shards: torch.Tensor | None = None
+    q,
+    k,
+    v,
+    ring: Ring,
+    backend: str = "auto",
+    shards: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the full sequence, computed on this cp rank's zigzag shard:
     q [b, n, 2c, d], k and v [b, k, 2c, d] -> [b, n, 2c, d] in q's dtype; the keys and values
     of the other cp ranks' shards come around the ring. Every cp rank calls it together. Under
-    document masks, shards [b, cp, 2c] holds the segments of every cp rank's shard."""
+    document masks, shards [b, cp, 2c] holds the segments of every cp rank's shard; under a
+    sliding window W (None: none) a query sees only the keys less than W positions before it,
+    itself included, by global position."""
     from megatronish.ops import attention_backend
 
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: local sequence {q.shape[2]} must be two equal chunks")
-    return _RingAttention.apply(q, k, v, ring, attention_backend(backend, q), shards)
+    if window is not None and window >= q.shape[2] * ring.size:  # it leaves out no pair
+        window = None
+    return _RingAttention.apply(q, k, v, ring, attention_backend(backend, q), shards, window)

@@ -41,6 +41,8 @@ DENSE_MLP = tuple(
 )
 QKV = tuple(f"self_attn.{part}_proj." for part in "qkv")
 PLAIN = {"qkv_bias": False, "qk_norm": False}  # Llama's attention: neither component
+# A window in every block (Mistral, Mixtral): no blocks of full attention before it.
+EVERY_BLOCK_SLIDES = {"full_attention_layers": False}
 MlpNames = Callable[[int], Names]  # a block's index -> its MLP's (our name, theirs)
 
 
@@ -101,21 +103,18 @@ def rope_json(cfg: Config) -> dict[str, Any]:
     return {"rope_theta": theta, "rope_parameters": rope}
 
 
-def sliding_window_fields(config: ConfigJson, key: str, window: Any) -> dict[str, Any]:
-    """Our attention-window settings of the family's window (`window`, read from config.json's
-    `key`): full attention only, a window is refused."""
-    if window is not None and window is not False:
+def window_fields(config: ConfigJson, key: str, window: Any, full: int = 0) -> dict[str, Any]:
+    """Our attention-window settings (model.sliding_window, model.full_attention_layers) of a
+    window `window` (config.json's `key`; None or false: full attention) in every block after
+    the first `full`; a window that is no positive integer is refused."""
+    if window is None or window is False:
+        return {"sliding_window": None, "full_attention_layers": 0}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise config.refuse(
-            f"{key} {window!r} (sliding-window attention) is not supported; supported: "
-            f"{key} null or false (full attention)"
+            f"{key} {window!r} is not supported; supported: a positive integer (the positions a "
+            "query sees, itself included) or null"
         )
-    return {}
-
-
-def sliding_window_json(cfg: Config, key: str) -> dict[str, Any]:
-    """config.json's window keys of our model (full attention), `key` the family's switch
-    (sliding_window, or use_sliding_window beside it): the inverse of sliding_window_fields."""
-    return {key: False, "sliding_window": None} if key != "sliding_window" else {key: None}
+    return {"sliding_window": window, "full_attention_layers": full}
 
 
 def block_fields(
@@ -239,7 +238,7 @@ FAMILY = Family(
     architectures=("LlamaForCausalLM",),
     model_type="llama",
     arch="llama",
-    components={**PLAIN, "experts": False},
+    components={**PLAIN, "sliding_window": False, "experts": False},
     model_fields=model_fields,
     config_json=config_json,
     to_hf=to_hf,

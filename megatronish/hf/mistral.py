@@ -1,6 +1,6 @@
-"""Mistral (MistralForCausalLM): the Llama block with no biases; its sliding_window (4096 when
-config.json leaves it out) is refused until megatronish has one, so Mistral 7B v0.2 / v0.3
-(sliding_window null) import and v0.1 (4096) does not."""
+"""Mistral (MistralForCausalLM): the Llama block with no biases, and its sliding_window (4096
+when config.json leaves it out; null in Mistral 7B v0.2 / v0.3) in every block:
+model.sliding_window with model.full_attention_layers 0."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ def model_fields(config: ConfigJson) -> dict[str, Any]:
     window = config.get("sliding_window", 4096)
     return dict(
         llama.block_fields(config, "mistral", DEFAULTS, llama.PLAIN),
-        **llama.sliding_window_fields(config, "sliding_window", window),
+        **llama.window_fields(config, "sliding_window", window),
     )
 
 
 def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
     return dict(
         llama.block_json(cfg, derived, "MistralForCausalLM", "mistral"),
-        **llama.sliding_window_json(cfg, "sliding_window"),
+        sliding_window=cfg.model.sliding_window,
     )
 
 
@@ -32,7 +32,7 @@ FAMILY = Family(
     architectures=("MistralForCausalLM",),
     model_type="mistral",
     arch="mistral",
-    components={**llama.PLAIN, "experts": False},
+    components={**llama.PLAIN, **llama.EVERY_BLOCK_SLIDES, "experts": False},
     model_fields=model_fields,
     config_json=config_json,
     to_hf=llama.to_hf,

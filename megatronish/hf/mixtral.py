@@ -47,7 +47,7 @@ def num_experts_of(config: ConfigJson) -> int:
 def model_fields(config: ConfigJson) -> dict[str, Any]:
     fields = dict(
         llama.block_fields(config, "llama", DEFAULTS, llama.PLAIN),
-        **llama.sliding_window_fields(config, "sliding_window", config.get("sliding_window")),
+        **llama.window_fields(config, "sliding_window", config.get("sliding_window")),
     )
     moe = MoEConfig(
         num_experts=num_experts_of(config),
@@ -83,7 +83,7 @@ def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
         router_aux_loss_coef=moe.aux_loss_coef,
         router_jitter_noise=0.0,
         output_router_logits=False,
-        **llama.sliding_window_json(cfg, "sliding_window"),
+        sliding_window=cfg.model.sliding_window,
     )
 
 
@@ -108,7 +108,7 @@ FAMILY = Family(
     architectures=("MixtralForCausalLM",),
     model_type="mixtral",
     arch="llama",
-    components={**llama.PLAIN, "experts": True},
+    components={**llama.PLAIN, **llama.EVERY_BLOCK_SLIDES, "experts": True},
     model_fields=model_fields,
     config_json=config_json,
     to_hf=to_hf,

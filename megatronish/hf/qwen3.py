@@ -1,6 +1,6 @@
 """Qwen3 (Qwen3ForCausalLM): the Llama block with an RMSNorm of each head's query and key
 (model.qk_norm; its self_attn.q_norm and k_norm) and a head_dim of its own (128 when config.json
-leaves it out). attention_bias (a bias on every projection) and a sliding window are refused."""
+leaves it out). attention_bias (a bias on every projection) is refused; its window is Qwen2's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from megatronish.config import Config, Derived
 from megatronish.hf import llama
 from megatronish.hf.family import ConfigJson, Family
-from megatronish.hf.qwen2 import qwen_window_fields
+from megatronish.hf.qwen2 import qwen_window_fields, qwen_window_json
 
 DEFAULTS = llama.ClassDefaults(kv_heads=32, head_dim=128, max_positions=32768)
 COMPONENTS = {"qkv_bias": False, "qk_norm": True}
@@ -32,7 +32,7 @@ def qwen3_json(cfg: Config, derived: Derived, architecture: str, model_type: str
     return dict(
         llama.block_json(cfg, derived, architecture, model_type),
         attention_bias=False,
-        **llama.sliding_window_json(cfg, "use_sliding_window"),
+        **qwen_window_json(cfg),
     )
 
 

@@ -49,6 +49,14 @@ def _components(cfg: Config, derived: Derived) -> dict[str, tuple[bool, str]]:
         "qkv_bias": (model.qkv_bias, f"model.qkv_bias={str(model.qkv_bias).lower()}"),
         "qk_norm": (model.qk_norm, f"model.qk_norm={str(model.qk_norm).lower()}"),
         "experts": (bool(derived.moe_layers), f"model.moe.num_experts={model.moe.num_experts}"),
+        "sliding_window": (
+            model.sliding_window is not None,
+            f"model.sliding_window={model.sliding_window}",
+        ),
+        "full_attention_layers": (
+            model.sliding_window is not None and model.full_attention_layers > 0,
+            f"model.full_attention_layers={model.full_attention_layers}",
+        ),
     }
 
 
@@ -67,7 +75,7 @@ def family_of_model(cfg: Config, derived: Derived) -> Family:
     for component, (has, setting) in _components(cfg, derived).items():
         fitting = [family for family in candidates if _fits(family, component, has)]
         if not fitting:
-            others = sorted({f.arch for f in FAMILIES if _fits(f, component, has)})
+            others = sorted({f.arch for f in FAMILIES if _fits(f, component, has)} - {arch})
             classes = " / ".join(family.architecture for family in candidates)
             raise UserError(
                 f"{setting}: {classes} (model.arch {arch}, export --format hf) cannot express "

@@ -1,6 +1,6 @@
 """Parallel attention: qkv column-parallel (heads split over tp), core attention (flash
-kernel, torch SDPA, or ring attention over cp), output row-parallel; and the cached
-forward of incremental decoding.
+kernel, torch SDPA, or ring attention over cp; under the block's sliding window, if any),
+output row-parallel; and the cached forward of incremental decoding.
 
 Shapes (legend in megatronish.model): b batch, s sequence (this rank's cp shard), h d_model,
 n query heads, k kv heads, d head dim, t tp size.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish import ops
-from megatronish.config import Config, Derived
+from megatronish.config import Config, Derived, attention_window
 from megatronish.context import Documents, Ring, ring_attention, zigzag_positions
 from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers.linear import (
@@ -29,7 +29,11 @@ from megatronish.ops.rope import rope_spec
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker):
+    """The attention of block `layer` (its global index, which picks its sliding window)."""
+
+    def __init__(
+        self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, layer: int
+    ):
         super().__init__()
         model, tp = cfg.model, derived.tp
         self.head_dim = derived.head_dim
@@ -41,6 +45,7 @@ class Attention(nn.Module):
         self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
         self.cp = derived.cp
         self.ring = Ring.of(ps) if derived.cp > 1 else None
+        self.window = attention_window(model, layer)  # None: every earlier position
         bias, sp, group = model.gpt2_block, cfg.parallel.sequence_parallel, ps.tp_group
         qkv_out = (model.n_head + 2 * derived.n_kv_head) * self.head_dim
         self.qkv = ColumnParallelLinear(
@@ -80,16 +85,18 @@ class Attention(nn.Module):
             k = ops.rope(k, self.rope, backend=self.backend, positions=positions)
         if self.ring is not None:
             shards = None if documents is None else documents.shards
-            return ring_attention(q, k, v, self.ring, backend=self.backend, shards=shards)
+            return ring_attention(q, k, v, self.ring, self.backend, shards, self.window)
         if self.dropout > 0 and self.training:
             group = self.heads_per_group
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            mask = None if segments is None else reference.document_mask(segments, segments, True)
+            mask = None
+            if segments is not None or self.window is not None:
+                mask = reference.attention_mask(q.shape[2], q.device, True, segments, self.window)
             with self.tracker.fork():  # heads differ per tp rank: a per-rank stream
                 return F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, dropout_p=self.dropout, is_causal=mask is None
                 )
-        return ops.attention(q, k, v, causal=True, backend=self.backend, segments=segments)
+        return ops.attention(q, k, v, True, self.backend, segments, self.window)
 
     def split_heads(self, x: torch.Tensor):
         """x [b, s, h] -> q [b, n/t, s, d], k and v [b, k/t, s, d] of this rank's heads."""
@@ -120,7 +127,8 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attention for incremental decoding: x [b, s, h] at positions start_pos.., cache the
         (k, v) [b, k/t, start_pos, d] of the earlier positions (None at 0) -> (output [b, s, h],
-        the cache extended by these positions). RoPE rotates by the absolute positions."""
+        the cache extended by these positions). RoPE rotates by the absolute positions; the
+        cache keeps every position, and the sliding window masks those out of reach."""
         q, k, v = self.split_heads(x)
         b, s = q.shape[0], q.shape[2]
         if self.is_llama:
@@ -132,8 +140,11 @@ class Attention(nn.Module):
         if self.heads_per_group > 1:
             keys = k.repeat_interleave(self.heads_per_group, dim=1)
             values = v.repeat_interleave(self.heads_per_group, dim=1)
-        positions = torch.arange(start_pos, start_pos + s, device=x.device)
-        visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+        positions = torch.arange(start_pos, start_pos + s, device=x.device)[:, None]
+        key_positions = torch.arange(keys.shape[2], device=x.device)[None, :]
+        visible = key_positions <= positions
+        if self.window is not None:
+            visible = visible & (positions - key_positions < self.window)
         y = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=1.0 / math.sqrt(self.head_dim)
         )

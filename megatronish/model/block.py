@@ -80,7 +80,7 @@ class Block(nn.Module):
         kind = "layernorm" if model.gpt2_block else "rmsnorm"
         backend = cfg.kernels.backend
         self.norm1 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
-        self.attn = Attention(cfg, derived, ps, tracker)
+        self.attn = Attention(cfg, derived, ps, tracker, index)
         self.norm2 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         if index in derived.moe_layers:
             shared = MLP(cfg, derived, ps, derived.shared_d_ff) if derived.shared_d_ff else None

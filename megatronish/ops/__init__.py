@@ -97,14 +97,15 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):
     return reference.layer_norm(x, weight, bias, eps)
 
 
-def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None):
+def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None, window=None):
     """Scaled dot-product attention. q [b, n_head, s, d], k and v [b, n_kv_head, s, d]. With
     segments [b, s] int (each position's document, non-decreasing along the sequence:
-    megatronish.context.documents) a query sees the keys of its own document only; the Triton
-    kernels skip the blocks of keys that lie wholly in other documents."""
+    megatronish.context.documents) a query sees the keys of its own document only; with a
+    sliding window W (int), the query at i sees the keys at j with i - j < W only. The Triton
+    kernels skip the blocks of keys that lie wholly in other documents or outside the window."""
     if attention_backend(backend, q) == "triton":
-        return _kernels().attention(q, k, v, causal, segments)
-    return reference.attention(q, k, v, causal, segments)
+        return _kernels().attention(q, k, v, causal, segments, window)
+    return reference.attention(q, k, v, causal, segments, window)
 
 
 def rope(x, theta: float | RopeSpec = PLAIN, backend: str = "auto", positions=None):

@@ -36,26 +36,59 @@ def document_mask(q_segments: torch.Tensor, k_segments: torch.Tensor, causal: bo
     return visible.unsqueeze(1)
 
 
+def window_mask(
+    q_len: int, k_len: int, window: int, device: torch.device, offset: int = 0
+) -> torch.Tensor:
+    """bool [s_q, s_k]: query i may see key j under a sliding window, (i + offset) - j <
+    window, where offset is the first query's position less the first key's (0 when queries
+    and keys are the same positions): the window keys ending at the query itself, as
+    transformers' sliding_window_overlay."""
+    queries = torch.arange(q_len, device=device)[:, None] + offset
+    return queries - torch.arange(k_len, device=device)[None, :] < window
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool = True,
     segments: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [b, n_head, s, d], k and v [b, n_kv_head, s, d] -> [b, n_head, s, d]; scale 1/sqrt(d).
     With segments [b, s] (each position's document, megatronish.context.documents) a query
-    sees the keys of its own document only."""
+    sees the keys of its own document only; with a window W, the query at i sees the keys at
+    j with i - j < W only (itself and the W - 1 before it when causal)."""
     n_head, n_kv_head = q.shape[1], k.shape[1]
     if n_head != n_kv_head:
         group = n_head // n_kv_head
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1])
+    if segments is None and window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    mask = attention_mask(q.shape[2], q.device, causal, segments, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def attention_mask(
+    seq_len: int,
+    device: torch.device,
+    causal: bool,
+    segments: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """bool [b or 1, 1, s, s]: which keys each query of one sequence sees under the causal
+    mask, the document masks of segments [b, s] (or None) and a sliding window (or None)."""
     if segments is not None:
-        mask = document_mask(segments, segments, causal)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        visible = document_mask(segments, segments, causal)
+    else:
+        visible = torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device)
+        if causal:
+            visible = visible.tril()
+    if window is not None:
+        visible = visible & window_mask(seq_len, seq_len, window, device)
+    return visible
 
 
 def rope(

@@ -13,6 +13,7 @@ import pytest
 
 from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.comm_time import Mesh, collective_seconds, inside_node
+from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.hardware import GPUS, device_named
 from megatronish.accounting.roofline import GPU_EFFICIENCY, attention_flops, gemm_seconds
 from megatronish.accounting.step_time import PARTS, step_time
@@ -157,6 +158,26 @@ def test_gemm_efficiency_curve_and_causal_attention():
     assert skinny > 8192 * 8192 * 2 / bw  # memory bound: reads the whole weight
     assert attention_flops(1, 8, 512, 512, 64, True) * 2 == attention_flops(
         1, 8, 512, 512, 64, False
+    )
+
+
+def test_a_sliding_window_counts_only_the_query_key_pairs_it_keeps():
+    # Roofline: the causal pairs kept, sum over positions of min(i + 1, W) of s (s + 1) / 2.
+    kept = sum(min(i + 1, 100) for i in range(512)) / (512 * 513 / 2)
+    causal = attention_flops(1, 8, 512, 512, 64, True)
+    assert attention_flops(1, 8, 512, 512, 64, True, 100) == pytest.approx(causal * kept)
+    assert attention_flops(1, 8, 512, 512, 64, True, 512) == causal
+    # Model FLOPs (MFU): each query against the min(s, W) keys it reaches, in the 6 layers of 8
+    # that slide, instead of the whole sequence (Narayanan's s, not halved for causal).
+    llama = ("model.arch=llama", "model.n_layer=8", "parallel.tp=8")
+    plain = _gpt3(*llama, world=8)
+    windowed = _gpt3(*llama, "model.sliding_window=512", "model.full_attention_layers=2", world=8)
+    cfg, d = plain
+    saved = 3 * d.tokens_per_step * 4 * cfg.model.n_head * d.head_dim * 6 * (2048 - 512)
+    assert model_flops_per_step(*plain) - model_flops_per_step(*windowed) == saved
+    # The predicted step spends less time in attention.
+    assert (
+        step_time(*windowed, GPUS["H100"]).step_time_s < step_time(*plain, GPUS["H100"]).step_time_s
     )
 
 

@@ -147,6 +147,20 @@ def test_eval_with_another_rope_scaling_exits_2_naming_both_values(llama_step, s
     ]
 
 
+def test_resume_with_a_sliding_window_the_checkpoint_was_trained_without_exits_2(
+    llama_step, small_dataset, tmp_path
+):
+    llama = ["model.arch=llama", "model.n_kv_head=2", "model.d_ff=96", "model.sliding_window=8"]
+    args = train_args(small_dataset, llama_step.parent, tmp_path / "run", *llama)
+    result = invoke_cli("check", *args[1:])
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"error: model.sliding_window: the checkpoint in {llama_step} was trained with null, the "
+        "config asks for 8; keep model.sliding_window=null, or start over with "
+        "checkpoint.resume=never or a new checkpoint.dir"
+    ]
+
+
 def test_a_key_missing_from_an_old_checkpoint_compares_as_its_default(llama_step, tmp_path):
     old = tmp_path / "config.yaml"
     lines = (llama_step / "config.yaml").read_text().splitlines(keepends=True)

@@ -160,7 +160,13 @@ def test_convert_rewrites_the_shards_at_another_tp_with_the_same_model(saved, tm
     assert torch.equal(Checkpoint(back).full("blocks.0.attn.qkv.weight"), qkv)
 
 
-QWEN_ATTENTION = ("model.qkv_bias=true", "model.qk_norm=true")  # q, k, v biases; q, k norms
+# q, k, v biases; q, k norms; a window of 5 in the second block
+QWEN_ATTENTION = (
+    "model.qkv_bias=true",
+    "model.qk_norm=true",
+    "model.sliding_window=5",
+    "model.full_attention_layers=1",
+)
 
 
 def _save_qwen_attention_at_tp2(rank: int, world: int, ckpt_dir: str) -> torch.Tensor:

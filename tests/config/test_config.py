@@ -276,6 +276,40 @@ def test_cli_a_qwen_attention_option_on_gpt2_exits_2_in_one_line_naming_the_key(
     one_line_error(result, key, "only with RoPE families")
 
 
+@pytest.mark.parametrize(
+    "sets, key, needle",
+    [
+        (["model.sliding_window=0"], "model.sliding_window", "must be a positive integer"),
+        (
+            ["model.arch=gpt2", "model.n_kv_head=null", "model.sliding_window=8"],
+            "model.sliding_window",
+            "only for llama",
+        ),
+        (
+            ["model.sliding_window=8", "model.full_attention_layers=3"],
+            "model.full_attention_layers",
+            "must be 0 to model.n_layer=2",
+        ),
+        (["model.sliding_window=8", "model.full_attention_layers=-1"], "full_attention", "0 to"),
+        (["model.full_attention_layers=1"], "model.full_attention_layers", "model.sliding_window"),
+    ],
+)
+def test_cli_a_bad_sliding_window_exits_2_in_one_line_naming_the_key(sets, key, needle):
+    args = [a for s in ["model.n_layer=2", *sets] for a in ("--set", s)]
+    result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *HEAD_DIM_MODEL, *args)
+    one_line_error(result, key, needle)
+
+
+def test_the_sliding_window_follows_the_global_block_index_after_the_full_attention_layers():
+    from megatronish.config import attention_window
+
+    sets = ["model.arch=llama", "model.n_layer=4", "model.sliding_window=6"]
+    pattern = load_config(None, [*sets, "model.full_attention_layers=1"]).model
+    assert [attention_window(pattern, i) for i in range(4)] == [None, 6, 6, 6]
+    assert [attention_window(load_config(None, sets).model, i) for i in range(4)] == [6] * 4
+    assert attention_window(load_config(None, sets[:2]).model, 3) is None
+
+
 def test_a_head_dim_the_triton_attention_kernels_do_not_compile_for_is_a_user_error():
     sets = [a for a in HEAD_DIM_MODEL if a != "--set"] + ["kernels.backend=triton"]
     assert derive(load_config(CONFIGS / "tiny.yaml", sets + ["model.head_dim=16"]), 1)

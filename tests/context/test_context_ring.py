@@ -1,8 +1,9 @@
 """Ring attention alone: on its zigzag shards it equals full causal attention, forward and
 every gradient, in float64 (torch blocks) and under Triton's interpreter (flash blocks), also
-under document masks with documents that span chunks and cp ranks; only the kv heads travel
-(grouped-query attention), the ring sends exactly the analytic bytes, and every cp rank scores
-the same number of query-key pairs."""
+under document masks with documents that span chunks and cp ranks, and under a sliding window
+(by global position; blocks wholly outside it are not computed, their keys still travel) with
+and without documents; only the kv heads travel (grouped-query attention), the ring sends
+exactly the analytic bytes, and every cp rank scores the same number of query-key pairs."""
 
 from __future__ import annotations
 
@@ -39,7 +40,17 @@ def _documents(cp: int):
     return documents_of(tokens, 0)
 
 
-def _ring_rank(rank, world, backend, dtype):
+WINDOW = 4  # chunks of 3: some blocks partly inside, the farther ones wholly outside
+# (documents, sliding window) of each variant a ring run computes
+VARIANTS = {
+    "grads": (False, None),
+    "documents": (True, None),
+    "window": (False, WINDOW),
+    "window documents": (True, WINDOW),
+}
+
+
+def _ring_rank(rank, world, backend, dtype, variants):
     from megatronish.context import Ring, RingCounter, ring_attention
     from megatronish.distributed import comm
     from megatronish.distributed.layout import ParallelState
@@ -47,26 +58,25 @@ def _ring_rank(rank, world, backend, dtype):
     ps = ParallelState.from_world(1, 1, 1, cp=world)
     q, k, v, dout = (shard_sequence(x, world, rank, 2) for x in _inputs(world, dtype))
     results = {}
-    for masked in (False, True):
+    for name in variants:
+        masked, window = VARIANTS[name]
         shards = _documents(world).shard(world, rank).shards if masked else None
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         with comm.CommCounter() as counter, RingCounter() as work:
-            out = ring_attention(*leaves, Ring.of(ps), backend=backend, shards=shards)
+            out = ring_attention(*leaves, Ring.of(ps), backend, shards, window)
             out.backward(dout)
-        grads = [out.detach()] + [x.grad for x in leaves]
-        results["documents" if masked else "grads"] = grads
-        if not masked:
-            results.update(sent=dict(counter.sent_bytes), pairs=work.pairs)
+        results[name] = [out.detach()] + [x.grad for x in leaves]
+        results[f"{name} sent"], results[f"{name} pairs"] = dict(counter.sent_bytes), work.pairs
     return results
 
 
-def _full_causal(cp: int, masked: bool = False):
+def _full_causal(cp: int, masked: bool = False, window: int | None = None):
     from megatronish.ops import reference
 
     q, k, v, dout = (x.clone() for x in _inputs(cp, torch.float64))
     q, k, v = (x.requires_grad_(True) for x in (q, k, v))
     segments = _documents(cp).segments if masked else None
-    out = reference.attention(q, k, v, causal=True, segments=segments)
+    out = reference.attention(q, k, v, causal=True, segments=segments, window=window)
     out.backward(dout)
     return [out.detach(), q.grad, k.grad, v.grad]
 
@@ -75,10 +85,15 @@ _RUNS: dict = {}
 
 
 def ring_run(cp: int, backend: str = "torch"):
+    """Every rank's results of the variants: all of them on torch blocks; under the
+    interpreter (slow) those without a window (the Triton blocks under a window are
+    tests/kernels/test_kernels.py's)."""
     key = (cp, backend)
     if key not in _RUNS:
-        dtype = torch.float64
-        _RUNS[key] = run_on_ranks(_ring_rank, cp, backend, dtype, timeout=120)
+        variants = list(VARIANTS)
+        if backend == "triton":
+            variants = ["grads", "documents"]
+        _RUNS[key] = run_on_ranks(_ring_rank, cp, backend, torch.float64, variants, timeout=120)
     return _RUNS[key]
 
 
@@ -91,6 +106,29 @@ def test_ring_attention_forward_and_every_gradient_equal_full_causal_attention_f
         torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_under_a_sliding_window_equals_full_windowed_attention_float64(
+    cp, documents
+):
+    per_rank = ring_run(cp)
+    variant = "window documents" if documents else "window"
+    want = _full_causal(cp, documents, WINDOW)
+    for index, name in enumerate(["out", "dq", "dk", "dv"]):
+        got = unshard_sequence([r[variant][index] for r in per_rank], dim=2)
+        torch.testing.assert_close(got, want[index], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_under_a_sliding_window_the_ring_scores_only_the_pairs_within_it_and_sends_as_much(cp):
+    per_rank = ring_run(cp)
+    s = 6 * cp
+    window_pairs = sum(min(i + 1, WINDOW) for i in range(s))  # query i sees min(i + 1, W) keys
+    assert sum(r["window pairs"] for r in per_rank) == B * N_HEAD * window_pairs
+    for result in per_rank:  # the blocks outside the window are skipped; every hop still runs
+        assert result["window sent"] == result["grads sent"]
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_sends_only_the_kv_heads_the_analytic_count_gives(cp):
     # Forward: cp - 1 hops of k and v; backward: cp - 1 hops of k and v and cp hops of their
@@ -98,12 +136,12 @@ def test_ring_sends_only_the_kv_heads_the_analytic_count_gives(cp):
     local = B * N_KV * (6 * cp // cp) * HEAD_DIM * 8  # one of k or v, float64
     want = 2 * local * (cp - 1) * 2 + 2 * local * cp
     for result in ring_run(cp):
-        assert result["sent"] == {"cp_ring": want}
+        assert result["grads sent"] == {"cp_ring": want}
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_every_cp_rank_scores_the_same_query_key_pairs(cp):
-    pairs = [r["pairs"] for r in ring_run(cp)]
+    pairs = [r["grads pairs"] for r in ring_run(cp)]
     assert len(set(pairs)) == 1
     # The forward blocks of all ranks together score the causal triangle of the full sequence.
     s = 6 * cp

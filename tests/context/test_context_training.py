@@ -1,5 +1,6 @@
 """Context parallelism in training: at cp = 2 and 4, alone and with tp (and sequence
-parallelism), pp, dp and ZeRO-1, gpt2 and llama (GQA; yarn RoPE scaling at tp 2 x cp 2), 20
+parallelism), pp, dp and ZeRO-1, gpt2 and llama (GQA; yarn RoPE scaling and a sliding window
+shorter than the sequence after the first block, whose ring skips the blocks outside it), 20
 fp32 steps give the losses and gradient norms of cp = 1 within 1e-5 relative (the loss is the
 mean over every token whatever cp is, so neither it nor the gradients scale with cp); each rank
 sends the ring bytes the analytic count gives; checkpoints move between cp = 2 and cp = 1 on the
@@ -32,10 +33,18 @@ pytestmark = pytest.mark.slow  # multi-rank training at every cp layout
 # Two layers and two micro-batches of 4 a step: each ring step costs a wait on every cp rank.
 GPT2 = ["model.arch=gpt2", "model.n_layer=2", "train.micro_batch_size=4"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2", "model.n_layer=2", "train.micro_batch_size=4"]
-
 # RoPE scaled for a context of 4 x 16 (at head dim 12: dim pair 0 kept, the others slowed, cos
 # and sin times 1.14): each cp rank rotates by its zigzag chunks' global positions.
 YARN = "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16}"
+# Heads of 12, YaRN, and a window of 5 of the 16 positions in block 1 (block 0 attends fully):
+# of the 4-token chunks at cp 2 the ring skips those 8 or more positions before a rank's
+# queries, and pp 2 puts block 1 on the second stage. Both variants share one reference.
+HEAD_DIM_12_WINDOW = [
+    "model.head_dim=12",
+    "model.sliding_window=5",
+    "model.full_attention_layers=1",
+    YARN,
+]
 
 # name -> (tp, cp, dp, pp, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
@@ -50,10 +59,10 @@ FOUR_RANKS = {
     "llama cp4 gqa": (1, 4, 1, 1, LLAMA),
     "gpt2 tp2 cp2 sp": (2, 2, 1, 1, GPT2 + SP),
     "llama tp2 cp2": (2, 2, 1, 1, LLAMA),
-    "llama tp2 cp2 sp head_dim 12 yarn": (2, 2, 1, 1, LLAMA + SP + ["model.head_dim=12", YARN]),
+    "llama tp2 cp2 sp head_dim 12 window yarn": (2, 2, 1, 1, LLAMA + SP + HEAD_DIM_12_WINDOW),
     "llama tp2 cp2 overlap": (2, 2, 1, 1, LLAMA + OVERLAP),
     "gpt2 cp2 pp2 full recompute": (1, 2, 1, 2, GPT2 + ["train.activation_checkpointing=full"]),
-    "llama cp2 pp2": (1, 2, 1, 2, LLAMA),
+    "llama cp2 pp2 head_dim 12 window yarn": (1, 2, 1, 2, LLAMA + HEAD_DIM_12_WINDOW),
     "gpt2 cp2 dp2 zero1": (1, 2, 2, 1, GPT2 + ["optim.zero=1"]),
     "llama cp2 dp2": (1, 2, 2, 1, LLAMA),
 }

@@ -256,6 +256,24 @@ def test_import_refuses_what_it_cannot_run(tmp_path):
         export_hf(str(tmp_path / "none"), str(tmp_path / "out"))
 
 
+def test_a_window_exports_only_as_a_family_whose_class_has_that_window():
+    from megatronish.config import derive
+    from megatronish.hf.registry import family_of_model
+
+    cfg = tiny_cfg("llama", "model.sliding_window=8")
+    with pytest.raises(UserError) as error:
+        family_of_model(cfg, derive(cfg, 1))
+    assert str(error.value) == (
+        "model.sliding_window=8: LlamaForCausalLM (model.arch llama, export --format hf) cannot "
+        "express it; model.arch mistral, qwen2, qwen3, qwen3_moe can"
+    )
+    cfg = tiny_cfg("mistral", "model.sliding_window=8", "model.full_attention_layers=1")
+    with pytest.raises(UserError, match="model.full_attention_layers=1: MistralForCausalLM .*"):
+        family_of_model(cfg, derive(cfg, 1))
+    qwen = tiny_cfg("qwen2", "model.sliding_window=8", "model.full_attention_layers=1")
+    assert family_of_model(qwen, derive(qwen, 1)).architecture == "Qwen2ForCausalLM"
+
+
 def test_a_bpe_tokenizer_travels_with_the_export_and_back(tmp_path):
     data = prepare_small_dataset(tmp_path / "data", tokenizer="bpe", vocab_size=300)
     vocab = dataset_vocab_size(data)

@@ -66,15 +66,29 @@ FAMILIES = {
         dict(SHAPE, head_dim=12, rope_parameters={**LLAMA3_ROPE, "rope_theta": 5e5}),
         dict(arch="llama", head_dim=12, rope_theta=5e5, qkv_bias=False, qk_norm=False),
     ),
-    "mistral": (
+    "mistral": (  # a window of 5 of the 17 positions in every block
         "MistralForCausalLM",
-        dict(SHAPE, sliding_window=None),
-        dict(arch="mistral", head_dim=10, qkv_bias=False, qk_norm=False),
+        dict(SHAPE, sliding_window=5),
+        dict(arch="mistral", head_dim=10, qkv_bias=False, qk_norm=False, sliding_window=5),
     ),
-    "qwen2": (
+    "qwen2": (  # block 0 attends fully, blocks 1 and 2 through a window of 5
         "Qwen2ForCausalLM",
-        dict(SHAPE, tie_word_embeddings=True),
-        dict(arch="qwen2", head_dim=10, qkv_bias=True, qk_norm=False, tie_embeddings=True),
+        dict(
+            SHAPE,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+        ),
+        dict(
+            arch="qwen2",
+            head_dim=10,
+            qkv_bias=True,
+            qk_norm=False,
+            tie_embeddings=True,
+            sliding_window=5,
+            full_attention_layers=1,
+        ),
     ),
     "qwen3": (  # Qwen's YaRN long-context scaling
         "Qwen3ForCausalLM",
@@ -241,10 +255,13 @@ REMOVED = None  # a key taken out of config.json (its class default applies)
         ("llama", dict(attention_bias=True), "attention_bias"),
         ("llama", dict(mlp_bias=True), "mlp_bias"),
         ("qwen3", dict(attention_bias=True), "attention_bias"),
-        ("mistral", dict(sliding_window=4096), "sliding_window"),  # Mistral 7B v0.1
-        ("mistral", dict(sliding_window=REMOVED), "sliding_window"),  # the class's 4096
-        ("mixtral", dict(sliding_window=4096), "sliding_window"),
-        ("qwen2", dict(use_sliding_window=True), "use_sliding_window"),
+        ("mistral", dict(sliding_window=0), "sliding_window"),
+        ("mixtral", dict(sliding_window=2.5), "sliding_window"),
+        (
+            "qwen2",
+            dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+            "layer_types",
+        ),
         ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob"),
         ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[]), "decoder_sparse_step"),
         ("qwen3_moe", dict(mlp_only_layers=[0]), "mlp_only_layers"),
@@ -270,6 +287,31 @@ def _config_only(hf_dir: Path, to: Path, changes: dict) -> Path:
     to.mkdir()
     (to / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     return to
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "window", "full"),
+    [
+        ("mistral", dict(sliding_window=REMOVED), 4096, 0),  # MistralConfig's default
+        ("mistral", dict(sliding_window=None), None, 0),  # Mistral 7B v0.2 / v0.3
+        ("qwen2", dict(use_sliding_window=False), None, 0),  # the window off: every block full
+        ("qwen2", dict(layer_types=REMOVED, max_window_layers=2), 5, 2),  # transformers 4's keys
+    ],
+)
+def test_config_json_window_keys_read_as_transformers_reads_them(
+    name, changes, window, full, built, tmp_path
+):
+    from megatronish.hf.family import ConfigJson
+    from megatronish.hf.registry import family_of_config_json
+
+    hf_dir = _config_only(built[name].hf, tmp_path / "hf", changes)
+    config = json.loads((hf_dir / "config.json").read_text())
+    if name == "mistral" and window is None:
+        config["sliding_window"] = None  # written as null, not left out
+    fields = family_of_config_json(ConfigJson(config, hf_dir)).model_fields(
+        ConfigJson(config, hf_dir)
+    )
+    assert (fields["sliding_window"], fields["full_attention_layers"]) == (window, full)
 
 
 def test_cli_import_of_a_rope_scaling_we_do_not_implement_exits_2_in_one_line(built, tmp_path):

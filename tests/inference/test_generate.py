@@ -1,8 +1,10 @@
 """Generation: the KV-cached decoding path computes what the full forward does (with RoPE
-scaling too), greedy generation is the same at tp = 1 and tp = 2, sampling is seeded, and the
-CLI streams text."""
+scaling, and under a sliding window shorter and longer than the prompt), greedy generation is
+the same at tp = 1 and tp = 2, sampling is seeded, and the CLI streams text."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -39,19 +41,46 @@ def generate(model, max_new: int, sampling: Sampling = GREEDY, seed: int = 0, eo
     return list(generation), generation.stop_reason
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama_head_dim"])
-def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch):
-    model = build_model(Checkpoint(checkpoints[arch]), ParallelState.single())
-    sequence = tokens(2, 24, seed=3)
+def _cached_and_full(model, sequence):
+    """(logits of a 7-token prompt then one token at a time through the cache, logits of the
+    full forward, the cache)."""
     with torch.no_grad():
         full = model(sequence)
         cache: list = []
         pieces = [model.forward_cached(sequence[:, :7], cache, 0)]
-        for pos in range(7, 24):
+        for pos in range(7, sequence.shape[1]):
             pieces.append(model.forward_cached(sequence[:, pos : pos + 1], cache, pos))
+    return torch.cat(pieces, dim=1), full, cache
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama_head_dim"])
+def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch):
+    model = build_model(Checkpoint(checkpoints[arch]), ParallelState.single())
+    cached, full, cache = _cached_and_full(model, tokens(2, 24, seed=3))
     assert len(cache) == 2 and cache[0][0].shape[2] == 24
     assert cache[0][0].shape[3] == (24 if arch == "llama_head_dim" else 16)  # the head dim
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=2e-5)
+    torch.testing.assert_close(cached, full, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [5, 12])  # shorter and longer than the 7-token prompt
+def test_cached_decoding_under_a_sliding_window_gives_the_logits_of_the_full_forward(
+    checkpoints, window
+):
+    ckpt = Checkpoint(checkpoints["llama"])  # its weights, the window in the second block
+    cfg = ckpt.config
+    sliding = dict(sliding_window=window, full_attention_layers=1)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **sliding))
+    model = build_model(ckpt, ParallelState.single(), cfg)
+    sequence = tokens(2, 24, seed=3)
+    cached, full, _ = _cached_and_full(model, sequence)
+    torch.testing.assert_close(cached, full, rtol=0, atol=2e-5)
+    for block in model.blocks.values():  # the same weights without the window
+        block.attn.window = None
+    with torch.no_grad():
+        unwindowed = model(sequence)
+    torch.testing.assert_close(unwindowed[:, :window], full[:, :window], rtol=0, atol=2e-5)
+    later = (unwindowed[:, window:, :VOCAB] - full[:, window:, :VOCAB]).abs().max()
+    assert later > 1e-3
 
 
 def _greedy_at_tp2(rank: int, world: int, paths: dict) -> dict:

@@ -1,7 +1,7 @@
 """Every Triton kernel compiled for sm_80 and sm_90 without a GPU (megatronish_kernels
 .compile_check): one cubin per kernel and arch at one representative bf16 configuration each,
-the attention kernels also under document masks (`scripts/kernel_report.py --representative`),
-with no register spills and shared memory
+the attention kernels also under document masks, and under document masks and a sliding
+window (`scripts/kernel_report.py --representative`), with no register spills and shared memory
 within the arch's limit per block; a deliberately oversized tile is caught with a clear
 message. The full matrix of the shipped configs is the report script's, not a test's.
 
@@ -161,8 +161,9 @@ def test_the_signature_specializes_the_arguments_as_tritons_launcher_does():
     attention_bwd = importlib.import_module("megatronish_kernels.attention_bwd")
     q = torch.empty(2, 4, 100, 32, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(2, 4, 100, device="meta")
-    consts = dict(CAUSAL=True, DOCS=False, HEAD_DIM=32, BLOCK_M=64, BLOCK_N=32, PREC="tf32")
-    args = (q, q, q, q, lse, lse, q, None, None, None, 100, 4, 1, 0.25, 0.5)
+    consts = dict(CAUSAL=True, DOCS=False, WINDOW=False, HEAD_DIM=32, BLOCK_M=64, BLOCK_N=32)
+    consts["PREC"] = "tf32"
+    args = (q, q, q, q, lse, lse, q, None, None, None, 100, 4, 1, 0.25, 0.5, None, None)
     signature, constexprs, attrs = check.specialization(
         check.Launch(attention_bwd._dq_kernel, (1,), args, consts)
     )
@@ -172,8 +173,9 @@ def test_the_signature_specializes_the_arguments_as_tritons_launcher_does():
     assert scalars == ["i32", "i32", "fp32", "fp32"]
     assert signature["group"] == "constexpr" and constexprs["group"] == 1  # 1 is specialized
     assert signature["HEAD_DIM"] == "constexpr" and constexprs["HEAD_DIM"] == 32
-    # No document masks: the segment pointers are absent, the constant None.
-    assert signature["QSEG"] == "constexpr" and constexprs["QSEG"] is None
+    # No document masks and no window: the segment pointers and the window are absent, None.
+    for name in ("QSEG", "window", "offset"):
+        assert signature[name] == "constexpr" and constexprs[name] is None
     # Pointers are 16-byte aligned; 100 and 4 are not multiples of 16.
     assert {names[i] for (i,) in attrs} == {"Q", "K", "V", "DO", "LSE", "DELTA", "DQ"}
 

@@ -44,7 +44,9 @@ def outputs_and_grads(fn, inputs, upstream):
 
 def as64(inputs):
     return [
-        t.detach().double().requires_grad_(True) if isinstance(t, torch.Tensor) else t
+        t.detach().double().requires_grad_(True)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+        else t
         for t in inputs
     ]
 
@@ -81,15 +83,18 @@ def layer_norm64(x, weight, bias, eps):
     return y + bias if bias is not None else y
 
 
-def attention64(q, k, v, causal):
+def attention64(q, k, v, causal, segments=None, window=None):
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        s = q.shape[2]
-        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return scores.softmax(-1) @ v
+    s = q.shape[2]
+    i, j = torch.arange(s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+    hidden = (j > i) if causal else torch.zeros(s, s, dtype=torch.bool, device=q.device)
+    if window is not None:  # query i sees key j only when i - j < window
+        hidden = hidden | (i - j >= window)
+    if segments is not None:
+        hidden = hidden | (segments[:, None, :, None] != segments[:, None, None, :])
+    return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
 
 
 def rope64(x, spec, positions=None):
@@ -230,6 +235,77 @@ def test_attention_matches_reference_and_float64(n_head, n_kv_head, seq_len, hea
     check_op(kernels.attention, reference.attention, attention64, [q, k, v, causal])
 
 
+@pytest.mark.parametrize("documents", [False, True])
+def test_attention_under_a_sliding_window_matches_reference_and_float64(documents):
+    # 40 positions over the interpreter's tiles (forward and dQ 32 x 16, dK/dV 16 x 32) and a
+    # window of 7: query blocks skip whole key blocks and mask those the window's edge crosses;
+    # with documents (breaks at 13 and 30) both masks at once. Two query heads on one kv head.
+    q = randn(1, 2, 40, 16, seed=20)
+    k, v = randn(1, 1, 40, 16, seed=21), randn(1, 1, 40, 16, seed=22)
+    segments = None
+    if documents:
+        segments = torch.zeros(1, 40, dtype=torch.int32, device=DEVICE)
+        segments[0, 13:], segments[0, 30:] = 1, 2
+    check_op(kernels.attention, reference.attention, attention64, [q, k, v, True, segments, 7])
+    with torch.no_grad():  # megatronish.ops hands the window to the kernel
+        dispatched = ops.attention(q, k, v, True, "triton", segments, 7)
+        assert torch.equal(dispatched, kernels.attention(q, k, v, True, segments, 7))
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # the NaN positions' own
+@pytest.mark.parametrize("poisoned", ["early", "late"])
+def test_the_triton_kernels_never_read_the_blocks_outside_every_window(poisoned):
+    # 96 positions, a window of 8; q, k, v and the output gradient are NaN at positions 0..31
+    # (early) or 64..95 (late). Early: the query blocks from 64 on (forward and dQ: 32 rows,
+    # keys from 57 on) must skip the key blocks below 48. Late: the keys below 32 (dK/dV: one
+    # block of 32, seen by the queries up to 38) must skip the query blocks from 48 on. A
+    # block that were read would bring NaN in.
+    q, k, v = (
+        randn(1, 2, 96, 16, seed=23),
+        randn(1, 1, 96, 16, seed=24),
+        randn(1, 1, 96, 16, seed=25),
+    )
+    dout = torch.randn(1, 2, 96, 16, generator=torch.Generator().manual_seed(26))
+    clean = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    nan = [x.detach().clone() for x in (q, k, v, dout)]
+    for x in nan:
+        x[:, :, slice(0, 32) if poisoned == "early" else slice(64, None)] = float("nan")
+    leaves = [x.requires_grad_(True) for x in nan[:3]]
+    got = outputs_and_grads(lambda *a: kernels.attention(*a, True, None, 8), leaves, nan[3])
+    want = outputs_and_grads(lambda *a: attention64(*a, True, None, 8), as64(clean), dout.double())
+    checked = (0, 1) if poisoned == "early" else (2, 3)  # out and dq, or dk and dv
+    rows = slice(64, None) if poisoned == "early" else slice(0, 32)
+    for index in checked:
+        torch.testing.assert_close(
+            got[index][:, :, rows].double(), want[index][:, :, rows], atol=1e-5, rtol=1e-4
+        )
+
+
+def test_a_ring_block_under_a_window_its_queries_past_its_keys_matches_the_float64_block():
+    # A ring block: 40 queries 40 positions after its 40 keys (offset 40), a window of 20 and
+    # documents: query i sees keys j > i + 20 of its document, the queries from 19 on none
+    # (o 0, lse -inf). megatronish.context.blocks hands the window and offset to the kernels.
+    from megatronish.context import blocks
+
+    q, dout = randn(1, 2, 40, 16, seed=27), randn(1, 2, 40, 16, seed=30).detach()
+    k, v = randn(1, 1, 40, 16, seed=28), randn(1, 1, 40, 16, seed=29)
+    segments = torch.zeros(1, 40, dtype=torch.int32, device=DEVICE)
+    segments[0, 25:] = 1
+    args = (False, (segments, segments), 20, 40)
+    got_out, got_lse = blocks.triton_forward(q.detach(), k.detach(), v.detach(), *args)
+    exact = [x.detach().double() for x in (q, k, v)]
+    want_out, want_lse = blocks.torch_forward(*exact, *args)
+    assert torch.equal(got_lse.isinf(), want_lse.isinf()) and want_lse.isinf().any()
+    torch.testing.assert_close(got_out.double(), want_out, atol=1e-5, rtol=1e-4)
+    seen = ~want_lse.isinf()
+    torch.testing.assert_close(got_lse.double()[seen], want_lse[seen], atol=1e-5, rtol=1e-4)
+    lse = want_lse.masked_fill(~seen, 0.0)  # a ring's final lse: finite on every row
+    got = blocks.triton_backward(q, k, v, want_out.float(), lse.float(), dout, *args)
+    want = blocks.torch_backward(*exact, want_out, lse, dout.double(), *args)
+    for name, a, b in zip(["dq", "dk", "dv"], got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_attention_accepts_non_contiguous_inputs():
     # [b, s, n, d] projections viewed as [b, n, s, d], as a model produces them.
     q = randn(1, 21, 4, 16, seed=23).transpose(1, 2)
@@ -359,7 +435,16 @@ def _check_bf16(kernel, ref, make_inputs, floor=2e-2):
 
 @pytest.mark.parametrize(
     "name",
-    ["rms_norm", "layer_norm", "rope", "swiglu", "bias_gelu", "attention", "attention_nc"],
+    [
+        "rms_norm",
+        "layer_norm",
+        "rope",
+        "swiglu",
+        "bias_gelu",
+        "attention",
+        "attention_nc",
+        "attention_window",
+    ],
 )
 @pytest.mark.cuda
 @requires_cuda
@@ -405,6 +490,11 @@ def test_bf16_kernels_on_cuda_are_as_accurate_as_torch(name):
             kernels.attention,
             reference.attention,
             lambda dt: attention_inputs(dt, False),
+        ),
+        "attention_window": (  # a window of 100 of 300: whole key blocks skipped
+            lambda q, k, v, causal: kernels.attention(q, k, v, causal, None, 100),
+            lambda q, k, v, causal: reference.attention(q, k, v, causal, None, 100),
+            lambda dt: attention_inputs(dt, True),
         ),
     }
     kernel, ref, make_inputs = makers[name]
