@@ -30,18 +30,18 @@ transformers = pytest.importorskip("transformers")
 # transformers class -> its tiny model's sizes (fp32, eager attention, the dataset's vocab of 257,
 # the parity runs' 16 positions, no dropout; 3 layers: 2 and 1 at pp 2); a family that imports
 # joins with its entry.
+LLAMA_SHAPE = dict(
+    hidden_size=40,
+    intermediate_size=72,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 FAMILIES = {
-    "LlamaForCausalLM": dict(
-        hidden_size=40,
-        intermediate_size=72,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        rms_norm_eps=1e-6,
-        rope_theta=5000.0,
-        tie_word_embeddings=False,
-    ),
+    "LlamaForCausalLM": dict(LLAMA_SHAPE, rope_theta=5000.0),
     "GPT2LMHeadModel": dict(
         n_embd=40,
         n_inner=72,
@@ -66,6 +66,30 @@ FAMILIES = {
         num_local_experts=4,
         num_experts_per_tok=2,
         tie_word_embeddings=False,
+    ),
+    # q, k and v biases and a window of 5 after the first block (tied embeddings: GPT-2's)
+    "Qwen2ForCausalLM": dict(
+        LLAMA_SHAPE,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
+    ),
+    # q and k norms, heads of 12 apart from hidden / heads, YaRN
+    "Qwen3ForCausalLM": dict(
+        LLAMA_SHAPE,
+        head_dim=12,
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=8
+        ),
+    ),
+    "MistralForCausalLM": dict(LLAMA_SHAPE, sliding_window=6),
+    "Qwen3MoeForCausalLM": dict(
+        LLAMA_SHAPE,
+        head_dim=12,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
     ),
 }
 
