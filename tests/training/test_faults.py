@@ -600,7 +600,8 @@ def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_r
             time.sleep(0.2)
         written = time.monotonic() - stalled
         assert written <= timeout_s + 10, "every rank's dump within timeout_s + 10 s"
-        run.finish()
+    # The dumps (written atomically) are what diagnose reads: the run was killed on leaving
+    # the block rather than waited for until rank 1's hang and the timeout had run out.
     dump = json.loads((debug / "rank_0.json").read_text())
     waiting = dump["in_flight"]
     assert waiting is not None and waiting["group"] == "tp[0,1]"
