@@ -143,6 +143,8 @@ def _cli_rank(rank: int, world_size: int, args: list[str]) -> subprocess.Complet
 
 
 def _run(fn: Callable, world_size: int, args: tuple, timeout: float, environ: dict, join: bool):
+    """fn(rank, world_size, *args) on world_size forked ranks with environ (see _worker); the
+    results in rank order, or the first failure."""
     queue = _context.Queue()
     port = free_port()
     procs = [
