@@ -1,8 +1,7 @@
 """The parity harness of the training tests (pipeline, interleaved pipeline, context, MoE, ZeRO,
 gradient overlap, phases, traces): what they train and how they compare it.
 
-- the model: SMALL (4 layers, d_model 32, STEPS = 10 fp32 steps of 8 sequences of 16 tokens, a
-  resumable run saving at SAVE_AT = 5) and the
+- the model: SMALL (4 layers, d_model 32, 20 fp32 steps of 8 sequences of 16 tokens) and the
   override lists GPT2, LLAMA (GQA) and SP (sequence parallelism);
 - the data: `prepare_code_dataset`, ten documents of small Python functions (the `dataset`
   fixture of tests/conftest.py is one, prepared once per session);
@@ -22,12 +21,7 @@ from megatronish.config import derive, load_config
 from megatronish.data import prepare_dataset
 from tests.conftest import invoke_cli
 
-# Ten steps hold what a layout can get wrong: step 1's loss is the forward, its grad norm every
-# gradient, the losses after it the update, and from step 3 AdamW's moments; the learning rate
-# warms up for 2 and decays over the rest. A save at step 5 holds warm optimizer state and a
-# resumed run is compared over the 5 steps after it.
-STEPS = 10
-SAVE_AT = STEPS // 2
+STEPS = 20
 SMALL = [
     "model.n_layer=4",
     "model.d_model=32",

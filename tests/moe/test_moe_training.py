@@ -1,4 +1,4 @@
-"""Mixture of experts in training: 10 fp32 dropless steps at ep = 2 (also with a shared expert
+"""Mixture of experts in training: 20 fp32 dropless steps at ep = 2 (also with a shared expert
 and the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 x ep 2 with
 ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and router metrics (balancing and
 z-losses, imbalance) of one process within 1e-5 relative; with a capacity factor the dropped
@@ -17,7 +17,6 @@ import pytest
 
 from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
-    SAVE_AT,
     STEPS,
     assert_check_fails_with_one_line,
     assert_close,
@@ -61,7 +60,7 @@ FOUR_RANKS = {
     "ep2 cp2": (1, 2, 2, 1, 2, MOE),
     "dp4 ep2 zero1": (1, 1, 4, 1, 2, MOE + ["optim.zero=1"]),
 }
-SAVED = "ep2"  # also saves checkpoints at steps SAVE_AT and STEPS
+SAVED = "ep2"  # also saves a checkpoint at step 10
 ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")
 
 
@@ -86,7 +85,7 @@ def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
     return {
         "losses": losses,
         "norms": norms,
-        "metrics": trainer.moe_metrics(),  # over all STEPS steps
+        "metrics": trainer.moe_metrics(),  # over all 20 steps
         "payload": dict(counter.payload_bytes),
         "formula": formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank),
     }
@@ -99,7 +98,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
         if name == SAVED:
             extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
         cfg = make_config(*variant, dataset, extra)
-        results[name] = _train(cfg, world, dataset, save_every=SAVE_AT if name == SAVED else 0)
+        results[name] = _train(cfg, world, dataset, save_every=10 if name == SAVED else 0)
     return results
 
 
@@ -198,24 +197,24 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve_and_loads_evaluates_
     from megatronish.distributed.layout import ParallelState
 
     ref = reference(MOE, dataset)
-    extra = [f"checkpoint.resume={save_dir}/step_{SAVE_AT:06d}", "checkpoint.save=false"]
+    extra = [f"checkpoint.resume={save_dir}/step_000010", "checkpoint.save=false"]
     cfg = make_config(1, 1, 1, 1, 1, MOE, dataset, extra)
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    assert trainer.resumed_from == SAVE_AT
-    assert_close(train_losses(trainer), ref["losses"][SAVE_AT:], steps=STEPS - SAVE_AT)
-    # The ep = 2 run's last step in one process: the logits of the ep = 1 continuation.
+    assert trainer.resumed_from == 10
+    assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
+    # The ep = 2 run's step 20 in one process: the logits of the ep = 1 continuation.
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     trainer.model.eval()
     with torch.no_grad():
         want = trainer.model(tokens)[..., : trainer.setup.derived.vocab_size]
-        got = load_model(save_dir / f"step_{STEPS:06d}")(tokens)
+        got = load_model(save_dir / "step_000020")(tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    last = str(save_dir / f"step_{STEPS:06d}")
-    assert invoke_cli("eval", "--checkpoint", last).returncode == 0
-    generated = invoke_cli("generate", "--checkpoint", last, "--prompt", "def", "--seed", "1",
+    step20 = str(save_dir / "step_000020")
+    assert invoke_cli("eval", "--checkpoint", step20).returncode == 0
+    generated = invoke_cli("generate", "--checkpoint", step20, "--prompt", "def", "--seed", "1",
                            "--max-new-tokens", "8")  # fmt: skip
     assert generated.returncode == 0, generated.stderr
-    saved = json.loads((save_dir / f"step_{SAVE_AT:06d}" / "metadata.json").read_text())
+    saved = json.loads((save_dir / "step_000010" / "metadata.json").read_text())
     assert saved["layout"]["ep"] == 2
     assert "blocks.0.mlp.experts.3.down.weight" in saved["tensors"]
     assert "model_tp00_ep01.safetensors" in saved["files"]
