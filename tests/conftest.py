@@ -40,6 +40,17 @@ def _session_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """This process computes on one thread, as the ranks (tests/ranks.py) and the CLI
+    subprocesses of the tests do: the tests' models are tiny, so a second thread gains little,
+    and beside the ranks and subprocesses that share the cores its OpenMP barriers spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> Path:
     """The parity tests' dataset (tests/parity.py): ten documents of small Python functions,

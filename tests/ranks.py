@@ -5,6 +5,11 @@ group on a free port in each, calls ``fn(rank, world_size, *args)`` and returns 
 results in rank order. A worker's exception is re-raised here with its traceback; a worker that
 does not finish within ``timeout`` seconds, or dies, fails the test instead of hanging it.
 
+``run_cli_on_ranks(args, world_size)`` runs ``megatronish ARGS`` on world_size such processes
+as torchrun starts a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set; the command joins the process group itself) and returns each rank's
+CompletedProcess: its exit status and what it wrote to stdout and stderr.
+
 The processes are forked from a server that imported torch and megatronish once per session
 (multiprocessing's "forkserver"), so each is as fresh as a spawned one (nothing a test leaves
 behind reaches the next: process groups, RNG state, shared memory, module state) without paying
@@ -18,6 +23,9 @@ import io
 import os
 import queue as queue_module
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -51,14 +59,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, timeout, environ):
+def _worker(rank, world_size, port, fn, args, queue, timeout, environ, join=True):
+    """Calls fn(rank, world_size, *args) in the caller's environment, in the gloo group of the
+    ranks when join (else fn joins it, from the environment), and sends its result."""
     os.environ.clear()
     os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-        )
+        if join:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            )
         result = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # bytes, not shared-memory tensors, so they outlive this process
         torch.save(result, buffer)
@@ -89,12 +100,56 @@ def _next_result(queue, procs, deadline: float, timeout: float):
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Results of fn(rank, world_size, *args) on each of world_size gloo ranks, in rank order."""
+    return _run(fn, world_size, args, timeout, dict(os.environ), join=True)
+
+
+def run_cli_on_ranks(
+    args: list[str], world_size: int, timeout: float = 120.0, env: dict | None = None
+) -> list[subprocess.CompletedProcess]:
+    """`megatronish ARGS` on world_size ranks as torchrun starts them, with env added to the
+    caller's environment: each rank's exit status, stdout and stderr, in rank order. A rank
+    that outlives timeout fails the call. What the fork server wrote while importing (an
+    import-time warning) is no rank's: a launched subprocess is the test of that."""
+    environ = dict(os.environ, **(env or {}))
+    environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    return _run(_cli_rank, world_size, (list(args),), timeout, environ, join=False)
+
+
+def _cli_rank(rank: int, world_size: int, args: list[str]) -> subprocess.CompletedProcess:
+    """`megatronish ARGS` in this rank, its stdout and stderr (the file descriptors, so what
+    torch and gloo write there too) captured."""
+    from megatronish.cli import cli
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            cli.main(args=args, prog_name="megatronish")
+            status = 0
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # noqa: BLE001 - as Python reports an uncaught exception
+            traceback.print_exc()
+            status = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        outputs = []
+        for file in (out, err):
+            file.seek(0)
+            outputs.append(file.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(["megatronish", *args], status, *outputs)
+
+
+def _run(fn: Callable, world_size: int, args: tuple, timeout: float, environ: dict, join: bool):
+    """fn(rank, world_size, *args) on world_size forked ranks with environ (see _worker); the
+    results in rank order, or the first failure."""
     queue = _context.Queue()
     port = free_port()
-    environ = dict(os.environ)
     procs = [
         _context.Process(
-            target=_worker, args=(r, world_size, port, fn, args, queue, timeout, environ)
+            target=_worker, args=(r, world_size, port, fn, args, queue, timeout, environ, join)
         )
         for r in range(world_size)
     ]

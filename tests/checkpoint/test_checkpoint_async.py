@@ -26,6 +26,7 @@ from megatronish.checkpoint.save import save_checkpoint
 from megatronish.distributed.layout import ParallelState
 from tests.checkpoints import BYTES, tiny_cfg, trained
 from tests.conftest import CONFIGS, invoke_cli
+from tests.ranks import run_cli_on_ranks
 from tests.training.test_faults import (
     SMALL,
     TIMEOUT,
@@ -139,28 +140,27 @@ def killed_mid_write(tmp_path_factory, small_dataset) -> dict:
     """dp = 2 with ZeRO-1 (the save gathers optimizer state) under torchrun --max-restarts 1,
     checkpoint.async, a save every 2 steps: rank 1's
     writer holds in the middle of step 4's save and rank 1 gets SIGKILL there; torchrun restarts
-    both ranks, which train to STEPS. Beside it, the same run uninterrupted and saving
-    synchronously."""
+    both ranks, which train to STEPS. Before it, the same run uninterrupted and saving
+    synchronously, on two fork-served ranks (tests/ranks.py)."""
     root = tmp_path_factory.mktemp("async")
     reference, out, marker = root / "reference", root / "run", root / "held"
     sets = (f"train.steps={STEPS}", "checkpoint.keep=0", "parallel.tp=1", "optim.zero=1")
-    plain = [*TORCHRUN, "-m", "megatronish", "train", *config_args(reference, small_dataset, *sets)]
+    for result in run_cli_on_ranks(["train", *config_args(reference, small_dataset, *sets)], 2):
+        assert result.returncode == 0, result.stderr[-3000:]
     command = faulty(
         out, small_dataset, *sets, "checkpoint.async=true", torchrun=("--max-restarts=1",)
     )
     hold = dict(FAULT_RANK="1", FAULT_HOLD_WRITE_STEP="4", FAULT_HOLD_WRITE_S="120")
     hold["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a fresh store per attempt, as launch does
     seen: dict = {}
-    with started(plain, reference) as uninterrupted:
-        with started(command, out, FAULT_HOLD_MARKER=str(marker), **hold) as run:
-            wait_for(marker, run)
-            checkpoints = out / "checkpoints"
-            seen["latest_in_flight"] = find_latest(checkpoints)
-            seen["in_flight"] = sorted(p.name for p in checkpoints.glob("step_000004*"))
-            os.kill(run.rank_pid(1), signal.SIGKILL)
-            seen["status"] = run.finish()
-            seen["stdout"], seen["stderr"] = run.stdout, run.stderr
-        assert uninterrupted.finish() == 0, uninterrupted.stderr[-3000:]
+    with started(command, out, FAULT_HOLD_MARKER=str(marker), **hold) as run:
+        wait_for(marker, run)
+        checkpoints = out / "checkpoints"
+        seen["latest_in_flight"] = find_latest(checkpoints)
+        seen["in_flight"] = sorted(p.name for p in checkpoints.glob("step_000004*"))
+        os.kill(run.rank_pid(1), signal.SIGKILL)
+        seen["status"] = run.finish()
+        seen["stdout"], seen["stderr"] = run.stdout, run.stderr
     seen["curve"], seen["reference"] = training_curve(out), training_curve(reference)
     seen["left"] = sorted(p.name for p in (out / "checkpoints").iterdir())
     seen["lines"] = metrics_lines(out)

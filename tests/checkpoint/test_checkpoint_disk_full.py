@@ -33,7 +33,7 @@ from megatronish.errors import RunFailure
 from megatronish.files import size_text, write_failures
 from megatronish.training.checkpoints import warn_if_short_of_space
 from tests.checkpoints import save_single, tiny_cfg
-from tests.conftest import REPO
+from tests.conftest import REPO, invoke_cli
 from tests.training.test_faults import (
     MEGATRONISH,
     TIMEOUT,
@@ -73,11 +73,17 @@ def run_train(out: Path, dataset: Path, *sets: str, preexec_fn=None, **env: str)
     )  # fmt: skip
 
 
+def train_here(out: Path, dataset: Path, *sets: str):
+    """`megatronish train` on the test config in this process (invoke_cli): for runs whose
+    fault needs nothing of the process."""
+    return invoke_cli("train", *config_args(out, dataset, *BASE, *sets))
+
+
 @pytest.fixture(scope="module")
 def saved_at_2(tmp_path_factory, small_dataset) -> Path:
     """The run directory of a run that trained 2 steps and saved them (tp = 1)."""
     out = tmp_path_factory.mktemp("disk-full") / "run"
-    result = run_train(out, small_dataset, "train.steps=2")
+    result = train_here(out, small_dataset, "train.steps=2")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -268,7 +274,7 @@ def test_a_save_on_a_full_filesystem_stops_the_run_in_one_line_after_a_warning_a
     out = copy_of(saved_at_2, tmp_path / "run")
     checkpoints = small_filesystem / "checkpoints"
     shutil.copytree(out / "checkpoints", checkpoints)
-    result = run_train(out, small_dataset, "train.steps=8", f"checkpoint.dir={checkpoints}")
+    result = train_here(out, small_dataset, "train.steps=8", f"checkpoint.dir={checkpoints}")
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     warning, error = messages(result.stderr)

@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from megatronish.cli import cli
-from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, run_cli, start_cli
+from tests.conftest import CONFIGS, invoke_cli, read_metrics
+from tests.ranks import run_cli_on_ranks
 
 pytestmark = pytest.mark.slow  # multi-rank training, saved and resumed
 
@@ -38,18 +39,16 @@ def cli_args(out_dir, dataset, overrides) -> list[str]:
     return ["--config", str(CONFIGS / "tiny.yaml"), *[a for o in sets for a in ("--set", o)]]
 
 
-def train(out_dir, dataset, *overrides: str, launch: bool = False):
-    """`megatronish launch` in a subprocess, or `megatronish train` in this process."""
-    args = cli_args(out_dir, dataset, overrides)
-    result = run_cli("launch", *args) if launch else invoke_cli("train", *args)
+def train(out_dir, dataset, *overrides: str):
+    """`megatronish train` in this process."""
+    result = invoke_cli("train", *cli_args(out_dir, dataset, overrides))
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
-def launch_side_by_side(dataset, runs: dict) -> None:
-    """`megatronish launch` of each {out_dir: overrides} at once, in subprocesses."""
-    started = [start_cli("launch", *cli_args(out, dataset, sets)) for out, sets in runs.items()]
-    for result in [finish(s) for s in started]:
+def train_on_two_ranks(out_dir, dataset, *overrides: str) -> None:
+    """`megatronish train` on two ranks as torchrun starts them (tests/ranks.py)."""
+    for result in run_cli_on_ranks(["train", *cli_args(out_dir, dataset, overrides)], 2):
         assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -116,27 +115,19 @@ def test_resume_restores_the_rng_so_dropout_continues_bitwise(tmp_path, small_da
 
 @pytest.fixture(scope="module")
 def tp2_runs(tmp_path_factory, small_dataset, tp1_runs):
-    """Launched, two at a time: a tp=2 run of 6 steps, and its step-3 checkpoint continued at
-    tp=2 and at tp=1 x dp=2 with ZeRO-1 (model and optimizer re-sharded); the tp=1 run's step-3
-    checkpoint continued at tp=2 ("higher"). (At tp=1 the split run stops at step 3.)"""
+    """On two ranks: a tp=2 run of 6 steps, and its step-3 checkpoint continued at tp=2 and at
+    tp=1 x dp=2 with ZeRO-1 (model and optimizer re-sharded); the tp=1 run's step-3 checkpoint
+    continued at tp=2 ("higher"). (At tp=1 the split run stops at step 3.)"""
     root = tmp_path_factory.mktemp("tp2")
     tp1_step3 = tp1_runs[0] / "checkpoints" / "step_000003"
-    launch_side_by_side(
-        small_dataset,
-        {
-            root / "whole": ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=0",
-                             "parallel.tp=2"],
-            root / "higher": ["train.steps=6", "parallel.tp=2", f"checkpoint.resume={tp1_step3}"],
-        },
-    )  # fmt: skip
+    whole = ("train.steps=6", "checkpoint.every=3", "checkpoint.keep=0", "parallel.tp=2")
+    train_on_two_ranks(root / "whole", small_dataset, *whole)
+    higher = ("train.steps=6", "parallel.tp=2", f"checkpoint.resume={tp1_step3}")
+    train_on_two_ranks(root / "higher", small_dataset, *higher)
     resume = f"checkpoint.resume={root / 'whole' / 'checkpoints' / 'step_000003'}"
-    launch_side_by_side(
-        small_dataset,
-        {
-            root / "resumed": ["train.steps=6", "parallel.tp=2", resume],
-            root / "relaid": ["train.steps=6", "parallel.dp=2", "optim.zero=1", resume],
-        },
-    )
+    train_on_two_ranks(root / "resumed", small_dataset, "train.steps=6", "parallel.tp=2", resume)
+    relaid = ("train.steps=6", "parallel.dp=2", "optim.zero=1", resume)
+    train_on_two_ranks(root / "relaid", small_dataset, *relaid)
     return root
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import REPO, invoke_cli, read_metrics, run_cli
+from tests.conftest import REPO, invoke_cli, read_metrics
 
 pytestmark = pytest.mark.slow  # the old checkpoint evaluated, resumed and exported
 
@@ -59,7 +59,7 @@ def test_eval_and_greedy_generate_of_the_old_checkpoint_give_the_old_results():
 
 
 def test_the_old_checkpoint_resumes_on_the_old_losses(tmp_path):
-    result = run_cli(
+    result = invoke_cli(
         "train", "--config", str(LEGACY / "legacy.yaml"),
         "--set", f"data.path={LEGACY / 'data'}",
         "--set", f"checkpoint.resume={CHECKPOINT}",

@@ -15,7 +15,7 @@ import pytest
 from megatronish.accounting.collectives import collectives_per_step, formula_bytes_per_step
 from megatronish.config import derive, load_config
 from megatronish.data import prepare_dataset
-from tests.conftest import invoke_cli, run_cli
+from tests.conftest import invoke_cli
 from tests.ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow  # two-rank training runs held to the byte formula
@@ -221,15 +221,13 @@ def test_formula_is_the_closed_form_without_sequence_parallelism(tp, precision):
     assert {op.kind for op in collectives_per_step(cfg, derived)} == {"all_reduce"}
 
 
-def test_bench_command_prints_one_json_object_last(tmp_path, dataset):
+def test_bench_command_prints_one_json_object_last(tmp_path, dataset, monkeypatch):
     config = tmp_path / "tiny.yaml"
     config.write_text("model: {arch: gpt2, n_layer: 2, n_head: 4, d_model: 32, max_seq_len: 16}\n")
     sets = [f"data.path={dataset}", "train.seq_len=16", "train.micro_batch_size=2"]
     args = [a for s in sets + ["train.global_batch_size=4"] for a in ("--set", s)]
-    result = run_cli(
-        "bench", "--config", str(config), *args, "--steps", "2", "--warmup", "1",
-        timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # one process (world 1): in this one, as from tmp_path
+    result = invoke_cli("bench", "--config", str(config), *args, "--steps", "2", "--warmup", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert len(lines) > 1, "a human summary comes before the JSON line"

@@ -51,6 +51,7 @@ def _fail_on_rank_1(rank, world):
 
 
 def _die_on_rank_0(rank, world):
+    dist.barrier()  # rank 1 has joined the group (rank 0 serves its store) before rank 0 dies
     if rank == 0:
         os._exit(3)
     time.sleep(60)  # no collective: only the parent can notice that rank 0 is gone

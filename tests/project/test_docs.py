@@ -4,27 +4,30 @@ written, and every relative link in them points to a file, and a heading, that e
 A runnable block is a code block (indented or fenced) with `<!-- runnable -->` on its own line
 before it, blank lines between allowed; `<!-- runnable: exit N -->` expects exit status N, and
 for N != 0 one line on stderr. Each command of a block (a trailing backslash continues a line;
-a `#` comment is dropped) runs in a subprocess: `megatronish ...` as `python -m megatronish ...`
-and `python ...` with this interpreter, this checkout first on PYTHONPATH. The blocks of one
-file run in order, in one temporary working directory that holds links to the repository's
-configs/, docs/ and scripts/: an example names `configs/tiny.yaml` as a user in the repository
-root does, and what it writes (`runs/...`, `data/...`) lands in the temporary directory, so a
-later block of the file can read what an earlier one wrote; the files run side by side. Only
-cheap one-process commands are marked (see docs/testing.md)."""
+a `#` comment is dropped) runs as written: `megatronish ...` in this process (invoke_cli: the
+command group with those arguments, its exit status, stdout and stderr, no interpreter and
+torch import of its own) and `python ...` in a subprocess with this interpreter, this checkout
+first on PYTHONPATH. The blocks of one file run in order, in one temporary working directory
+that holds links to the repository's configs/, docs/ and scripts/: an example names
+`configs/tiny.yaml` as a user in the repository root does, and what it writes (`runs/...`,
+`data/...`) lands in the temporary directory, so a later block of the file can read what an
+earlier one wrote; the files run one after the other. Only cheap one-process commands are
+marked (see docs/testing.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
+import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, finish, start
+from tests.conftest import REPO, finish, invoke_cli, start
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINKED_INTO_THE_WORKING_DIRECTORY = ("configs", "docs", "scripts")
@@ -92,13 +95,30 @@ def runnable_blocks(path: Path) -> list[Block]:
     return blocks
 
 
-def _argv(command: str) -> list[str]:
-    """The argv of a documented command, run with this interpreter."""
-    words = shlex.split(command, comments=True)
+@contextlib.contextmanager
+def _working_directory(cwd: Path):
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def _words(command: str) -> list[str]:
+    """The words of a documented command as a shell splits them, a `#` comment dropped."""
+    return shlex.split(command, comments=True)
+
+
+def _run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A documented command run in cwd: `megatronish ...` in this process, `python ...` in a
+    subprocess with this interpreter and env."""
+    words = _words(command)
     if words[0] == "megatronish":
-        return [sys.executable, "-m", "megatronish", *words[1:]]
+        with _working_directory(cwd):
+            return invoke_cli(*words[1:])
     if words[0] == "python":
-        return [sys.executable, *words[1:]]
+        return finish(start([sys.executable, *words[1:]], env, cwd=cwd), COMMAND_TIMEOUT_S)
     raise AssertionError(f"{command!r}: only megatronish and python commands can be runnable")
 
 
@@ -163,7 +183,7 @@ def _run_blocks(doc: Path, cwd: Path, env: dict[str, str]) -> str | None:
         if not block.commands:
             return f"{doc.name}:{block.line}: the marker marks no code block"
         for command in block.commands:
-            done = finish(start(_argv(command), env, cwd=cwd), COMMAND_TIMEOUT_S)
+            done = _run(command, cwd, env)
             where = f"{doc.name}:{block.line}: {command}"
             if done.returncode != block.exit_status:
                 return f"{where}: exit {done.returncode}, not {block.exit_status}\n{done.stderr}"
@@ -174,18 +194,16 @@ def _run_blocks(doc: Path, cwd: Path, env: dict[str, str]) -> str | None:
 
 @pytest.mark.slow  # every runnable example of the docs, as written
 def test_the_runnable_blocks_of_every_doc_run_as_written(tmp_path):
-    """Each file's blocks in a directory of its own, the files side by side (every command is
-    one process), so the test takes about as long as the file with the most commands."""
+    """Each file's blocks in a directory of its own, one file after the other."""
     docs = [doc for doc in DOCS if runnable_blocks(doc)]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    cwds = {doc: tmp_path / doc.stem for doc in docs}
-    for cwd in cwds.values():
-        cwd.mkdir()
-    with ThreadPoolExecutor(len(docs)) as pool:
-        failures = [f for f in pool.map(lambda d: _run_blocks(d, cwds[d], env), docs) if f]
-    assert not failures, "\n\n".join(failures)
+    failures = []
+    for doc in docs:
+        (tmp_path / doc.stem).mkdir()
+        failures.append(_run_blocks(doc, tmp_path / doc.stem, env))
+    assert not any(failures), "\n\n".join(f for f in failures if f)
 
 
 def test_every_runnable_marker_marks_a_code_block():
@@ -223,7 +241,7 @@ def test_the_block_reader_takes_fenced_and_indented_blocks_continuations_and_exi
         (14, ("megatronish check --config missing.yaml",), 2),
         (19, (), 0),
     ]
-    assert _argv(blocks[0].commands[1])[-3:] == ["plan", "--config", "a.yaml"]
+    assert _words(blocks[0].commands[1]) == ["megatronish", "plan", "--config", "a.yaml"]
 
 
 def test_the_link_check_names_a_missing_file_and_a_missing_heading(tmp_path):

@@ -33,7 +33,7 @@ from megatronish.distributed.processes import child_pids, process_alive
 from megatronish.errors import RunFailure, UserError
 from megatronish.training.setup import setup
 from megatronish.training.trainer import Trainer
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, REPO, invoke_cli
 
 pytestmark = [
     pytest.mark.slow,  # torchrun runs with ranks killed, stalled and stopped
@@ -273,37 +273,47 @@ def wait_for_text(run: Run, text: str, limit_s: float = 60.0) -> str:
     return run.stderr
 
 
-def test_a_launch_waiting_for_another_node_says_once_for_whom_where_and_until_when(
-    tmp_path, small_dataset
-):
-    out = tmp_path / "run"
-    with started(launch_one_of_two_nodes(out, small_dataset), out) as run:
-        stderr = wait_for_text(run, "launch: waiting")
-        time.sleep(1.0)  # said once, not repeated while it waits
-        lines = [line for line in run.stderr.splitlines() if line.startswith("launch: ")]
-    endpoint = run.proc.args[run.proc.args.index("--rdzv-endpoint") + 1]
-    assert len(lines) == 1, stderr
-    pattern = (
-        rf"launch: waiting for 1 more node\(s\) at {re.escape(endpoint)} \(2 nodes in all\); "
-        r"the rendezvous times out at \d\d:\d\d:\d\d \(600 s, --rdzv-timeout\)"
-    )
-    assert re.fullmatch(pattern, lines[0]), lines[0]
-
-
-def test_a_launch_whose_other_node_never_comes_exits_1_in_one_line_at_the_timeout(
-    tmp_path, small_dataset
-):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def one_of_two_nodes(tmp_path_factory, small_dataset) -> dict:
+    """A launch of two nodes (--rdzv-timeout 2) of which only this one starts, run to its end:
+    its status, stderr, endpoint and whether it had written anything."""
+    out = tmp_path_factory.mktemp("one-of-two") / "run"
     command = launch_one_of_two_nodes(out, small_dataset, "--rdzv-timeout", "2")
     with started(command, out) as run:
         wait_for_text(run, "launch: waiting")
         status = run.finish()
-        lines = run.stderr.strip().splitlines()
-    assert status == 1, run.stderr[-3000:]
-    assert "Traceback" not in run.stderr
+        stderr = run.stderr
+    endpoint = command[command.index("--rdzv-endpoint") + 1]
+    return {"status": status, "stderr": stderr, "endpoint": endpoint, "wrote": out.exists()}
+
+
+def test_a_launch_waiting_for_another_node_says_once_for_whom_where_and_until_when(
+    one_of_two_nodes,
+):
+    from megatronish.cli.training import launch as launch_command
+
+    stderr = one_of_two_nodes["stderr"]
+    waiting = [line for line in stderr.splitlines() if line.startswith("launch: ")]
+    assert len(waiting) == 1, stderr  # said once, not repeated for as long as it waited
+    pattern = (
+        rf"launch: waiting for 1 more node\(s\) at {re.escape(one_of_two_nodes['endpoint'])} "
+        r"\(2 nodes in all\); the rendezvous times out at \d\d:\d\d:\d\d \(2 s, --rdzv-timeout\)"
+    )
+    assert re.fullmatch(pattern, waiting[0]), waiting[0]
+    (timeout,) = [p for p in launch_command.params if p.name == "rdzv_timeout"]
+    assert timeout.default == 600, "a launch given no --rdzv-timeout waits 600 s"
+
+
+def test_a_launch_whose_other_node_never_comes_exits_1_in_one_line_at_the_timeout(
+    one_of_two_nodes,
+):
+    stderr = one_of_two_nodes["stderr"]
+    lines = stderr.strip().splitlines()
+    assert one_of_two_nodes["status"] == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
     assert lines[-1].startswith("error: launch: not all 2 nodes joined the rendezvous at ")
     assert "within 2 s (--rdzv-timeout)" in lines[-1]
-    assert not out.exists(), "nothing written before the ranks started"
+    assert not one_of_two_nodes["wrote"], "nothing written before the ranks started"
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,10 +332,10 @@ def killed_torchrun(tmp_path_factory, small_dataset) -> dict:
     with started([*TORCHRUN, "-m", "megatronish", "train", *forever], out) as first:
         first.wait_for_step(2)
         seen["rank0"] = first.rank_pid(0)
-        second = root / "second"
-        again = launch(second, small_dataset, f"checkpoint.dir={checkpoints}", "train.steps=10")
-        with started(again, second) as refused:
-            seen["second"] = (refused.finish(), refused.stderr)
+        # The second run is refused before it starts a process: it runs in this one.
+        again = config_args(root / "second", small_dataset, f"checkpoint.dir={checkpoints}")
+        refused = invoke_cli("launch", *again, "--set", "train.steps=10")
+        seen["second"] = (refused.returncode, refused.stderr)
         first.wait_for_step(STEPS)
         ranks = [first.rank_pid(0), first.rank_pid(1)]
 
@@ -446,10 +456,11 @@ def test_a_first_ctrl_c_stops_at_the_end_of_the_step_saves_and_the_run_resumes_f
     ], stderr[-3000:]
     assert f"stopped at step {stopped} of 100000 (SIGINT): saved step {stopped}" in stdout
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:06d}"
-    again = train_command(out, small_dataset, f"train.steps={stopped + 2}")
-    with started(again, out, "resumed") as run:
-        assert run.finish() == 0, run.stderr[-3000:]
-        assert resumed_steps(run.stdout) == [stopped]
+    # The resumed run needs no signal: it runs in this process.
+    again = config_args(out, small_dataset, "parallel.tp=1", f"train.steps={stopped + 2}")
+    resumed = invoke_cli("train", *again)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed_steps(resumed.stdout) == [stopped]
     assert [x["step"] for x in metrics_lines(out)] == list(range(1, stopped + 3))
 
 
@@ -600,7 +611,8 @@ def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_r
             time.sleep(0.2)
         written = time.monotonic() - stalled
         assert written <= timeout_s + 10, "every rank's dump within timeout_s + 10 s"
-        run.finish()
+    # The dumps (written atomically) are what diagnose reads: the run was killed on leaving
+    # the block rather than waited for until rank 1's hang and the timeout had run out.
     dump = json.loads((debug / "rank_0.json").read_text())
     waiting = dump["in_flight"]
     assert waiting is not None and waiting["group"] == "tp[0,1]"

@@ -1,5 +1,8 @@
-"""End to end: `megatronish train` gives the same loss curve at every layout. The launched runs
-are real processes; the single-process references run in this one (invoke_cli), beside them."""
+"""End to end: `megatronish train` gives the same loss curve at every layout. The tp = 2 and
+dp = 2 runs are the command on two fork-served ranks as torchrun starts them (tests/ranks.py);
+one `megatronish launch` (tp 2 x dp 2) is a real launcher and its ranks real processes, so its
+stderr holds whatever a launch prints; the single-process references run in this one
+(invoke_cli)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics, start_cli
+from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics
+from tests.ranks import run_cli_on_ranks
 
 pytestmark = pytest.mark.slow  # the CLI trains end to end
 
@@ -40,24 +44,6 @@ def _args(out, overrides: list[str]) -> list[str]:
         str(CONFIGS / "tiny.yaml"),
         *(a for o in overrides + sets for a in ("--set", o)),
     ]
-
-
-def start(tmp_path, name: str, overrides: list[str], launch: bool):
-    """Starts `megatronish train` (or `launch`) in a subprocess; returns a function that waits
-    for it and gives its metrics. Runs started one after the other run side by side."""
-    out = tmp_path / name
-    started = start_cli("launch" if launch else "train", *_args(out, overrides))
-
-    def metrics():
-        result = finish(started, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return read_metrics(out)
-
-    return metrics
-
-
-def train(tmp_path, name: str, overrides: list[str], launch: bool):
-    return start(tmp_path, name, overrides, launch)()
 
 
 # The run directory of each train_here run -> the last line it printed.
@@ -131,37 +117,35 @@ def assert_no_warnings(stderr: str) -> None:
     assert not noise, stderr[-3000:]
 
 
-EQUAL_TEST = "test_cli_losses_equal_at_tp1_tp2_and_dp2_with_no_warnings_on_stderr"
 LAYOUTS = {"tp2": ["parallel.tp=2"], "dp2": ["parallel.dp=2"]}
 EQUAL_CASES = [f"{arch} {layout}" for arch in ARCH for layout in LAYOUTS]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", EQUAL_CASES)
-def test_cli_losses_equal_at_tp1_tp2_and_dp2_with_no_warnings_on_stderr(
-    tmp_path_factory, side_checks, case, tp1_run
-):
-    arch, _ = case.split()
-    launched = side_metrics(
-        side_checks, tmp_path_factory, f"{EQUAL_TEST}[{case}]", case, quiet=True
-    )
+def test_cli_losses_equal_at_tp1_tp2_and_dp2_with_no_warnings_on_stderr(tmp_path, case, tp1_run):
+    arch, layout = case.split()
+    out = tmp_path / "run"
+    ranks = run_cli_on_ranks(["train", *_args(out, TINY + ARCH[arch] + LAYOUTS[layout])], 2)
+    for result in ranks:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert_no_warnings(result.stderr)
     tp1 = read_metrics(tp1_run(arch))
-    assert_same_curve(launched, tp1)
+    assert_same_curve(read_metrics(out), tp1)
     losses = [x["loss"] for x in tp1[0]]
     assert losses[-1] < losses[0] - 0.5, "the model learns"
 
 
+MIXED = ["parallel.tp=2", "parallel.dp=2", "optim.zero=1", "parallel.sequence_parallel=true"]
+LAUNCH_TEST = "test_cli_launch_at_tp2_dp2_with_zero1_and_sp_matches_tp1_with_no_warnings_on_stderr"
+
+
 @pytest.mark.slow
-def test_cli_tp2_dp2_with_zero1_and_sequence_parallel_matches_tp1(tmp_path, tp1_run):
-    base = TINY + ARCH["llama"]
-    tp1 = read_metrics(tp1_run("llama"))
-    mixed = base + [
-        "parallel.tp=2",
-        "parallel.dp=2",
-        "optim.zero=1",
-        "parallel.sequence_parallel=true",
-    ]
-    assert_same_curve(train(tmp_path, "tp2dp2", mixed, launch=True), tp1)
+def test_cli_launch_at_tp2_dp2_with_zero1_and_sp_matches_tp1_with_no_warnings_on_stderr(
+    tmp_path_factory, side_checks, tp1_run
+):
+    launched = side_metrics(side_checks, tmp_path_factory, LAUNCH_TEST, "tp2dp2", quiet=True)
+    assert_same_curve(launched, read_metrics(tp1_run("llama")))
 
 
 def test_train_writes_metrics_and_resolved_config_and_ends_with_a_line_that_gives_its_mfu(
@@ -194,12 +178,7 @@ TRITON_TINY = [
 
 TRITON_TEST = "test_cli_triton_kernels_interpreted_give_the_torch_losses"
 SIDE_CHECKS = {
-    **{
-        f"{EQUAL_TEST}[{case}]": _side_run(
-            case, "launch", TINY + ARCH[case.split()[0]] + LAYOUTS[case.split()[1]]
-        )
-        for case in EQUAL_CASES
-    },
+    LAUNCH_TEST: _side_run("tp2dp2", "launch", TINY + ARCH["llama"] + MIXED),
     **{
         f"{TRITON_TEST}[{arch}]": _side_run(
             f"triton {arch}",
