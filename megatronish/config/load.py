@@ -248,6 +248,8 @@ def _with_arch_preset(data: Any, overrides: list[str] | tuple[str, ...]) -> Any:
         key, _, value = assignment.partition("=")
         if key.strip() == "model.arch":
             arch = value.strip()
+    if not isinstance(arch, str):  # not an arch at all: the loader names the key
+        return data
     return {**data, "model": with_preset(model, arch)}
 
 

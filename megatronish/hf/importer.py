@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from megatronish.checkpoint.load import inference_config, restore_model
 from megatronish.checkpoint.reader import FullTensors
 from megatronish.checkpoint.save import save_checkpoint
@@ -49,7 +51,14 @@ def read_hf(hf_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], FullTensors
     return fields, FullTensors(ours, hf_dir)
 
 
-NOT_IN_THE_WEIGHTS = ("dropout", "moe.aux_loss_coef", "moe.z_loss_coef", "moe.capacity_factor")
+NOT_IN_THE_WEIGHTS = (
+    "dropout",
+    "moe.aux_loss_coef",
+    "moe.z_loss_coef",
+    "moe.seq_aux_loss_coef",
+    "moe.bias_update_speed",
+    "moe.capacity_factor",
+)
 """Model settings training may choose apart from the Hugging Face model's."""
 
 
@@ -91,7 +100,16 @@ def model_settings(cfg: Config, derived: Derived) -> dict[str, Any]:
 
 
 def _shown(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
+    """A setting as --set takes it: true/false/null, a section as a YAML flow mapping."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if dataclasses.is_dataclass(value):  # model.rope_scaling
+        return yaml.safe_dump(value.to_dict(), default_flow_style=True, sort_keys=False, width=1e9)[
+            :-1
+        ]
+    return str(value)
 
 
 def check_hf_matches(fields: dict[str, Any], cfg: Config, derived: Derived, where: Path) -> None:

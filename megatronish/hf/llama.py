@@ -96,11 +96,19 @@ def rope_fields(config: ConfigJson, default_theta: float) -> dict[str, Any]:
 def rope_json(cfg: Config) -> dict[str, Any]:
     """config.json's RoPE keys of our model: the inverse of rope_fields."""
     theta, scaling = cfg.model.rope_theta, cfg.model.rope_scaling
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if scaling is not None:
-        params = {k: v for k, v in scaling.to_dict().items() if k != "type" and v is not None}
-        rope = {"rope_type": scaling.type, "rope_theta": theta, **params}
-    return {"rope_theta": theta, "rope_parameters": rope}
+    if scaling is None:
+        return {
+            "rope_theta": theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        }
+    params = {k: v for k, v in scaling.to_dict().items() if k != "type" and v is not None}
+    rope = {"rope_type": scaling.type, **params}
+    # rope_parameters for transformers 5, rope_scaling (which it also reads) for transformers 4
+    return {
+        "rope_theta": theta,
+        "rope_parameters": {**rope, "rope_theta": theta},
+        "rope_scaling": rope,
+    }
 
 
 def window_fields(config: ConfigJson, key: str, window: Any, full: int = 0) -> dict[str, Any]:

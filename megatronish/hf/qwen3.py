@@ -15,24 +15,28 @@ DEFAULTS = llama.ClassDefaults(kv_heads=32, head_dim=128, max_positions=32768)
 COMPONENTS = {"qkv_bias": False, "qk_norm": True}
 
 
-def qwen3_fields(config: ConfigJson, arch: str, defaults: llama.ClassDefaults) -> dict:
-    """Our model.* settings of Qwen3's attention, which Qwen3-MoE shares (dense MLPs)."""
+def qwen3_fields(
+    config: ConfigJson, arch: str, defaults: llama.ClassDefaults, window=qwen_window_fields
+) -> dict:
+    """Our model.* settings of Qwen3's attention, which Qwen3-MoE shares (dense MLPs), with the
+    window `window` reads."""
     llama.refuse_biases(config, "attention_bias")
-    return dict(
-        llama.block_fields(config, arch, defaults, COMPONENTS), **qwen_window_fields(config)
-    )
+    return dict(llama.block_fields(config, arch, defaults, COMPONENTS), **window(config))
 
 
 def model_fields(config: ConfigJson) -> dict[str, Any]:
     return qwen3_fields(config, "qwen3", DEFAULTS)
 
 
-def qwen3_json(cfg: Config, derived: Derived, architecture: str, model_type: str) -> dict:
-    """The config.json keys of Qwen3's attention, which Qwen3-MoE shares."""
+def qwen3_json(
+    cfg: Config, derived: Derived, architecture: str, model_type: str, window=qwen_window_json
+) -> dict:
+    """The config.json keys of Qwen3's attention, which Qwen3-MoE shares, with the window keys
+    `window` writes."""
     return dict(
         llama.block_json(cfg, derived, architecture, model_type),
         attention_bias=False,
-        **qwen_window_json(cfg),
+        **window(cfg),
     )
 
 

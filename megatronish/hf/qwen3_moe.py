@@ -36,8 +36,23 @@ def moe_every(config: ConfigJson, n_layer: int) -> int:
     return every
 
 
+def window_fields(config: ConfigJson) -> dict[str, Any]:
+    """Qwen3-MoE's window: sliding_window in every block under use_sliding_window (its class
+    has no max_window_layers or layer_types)."""
+    on = config.get("use_sliding_window", False)
+    return llama.window_fields(
+        config, "sliding_window", config.get("sliding_window", 4096) if on else None
+    )
+
+
+def window_json(cfg: Config) -> dict[str, Any]:
+    """config.json's window keys of our model: the inverse of window_fields."""
+    window = cfg.model.sliding_window
+    return {"use_sliding_window": window is not None, "sliding_window": window}
+
+
 def model_fields(config: ConfigJson) -> dict[str, Any]:
-    fields = qwen3.qwen3_fields(config, "qwen3_moe", DEFAULTS)
+    fields = qwen3.qwen3_fields(config, "qwen3_moe", DEFAULTS, window_fields)
     if not config.get("norm_topk_prob", False):
         raise config.refuse(
             "norm_topk_prob false (the top-k router weights not renormalized) is not supported; "
@@ -56,16 +71,23 @@ def model_fields(config: ConfigJson) -> dict[str, Any]:
 
 
 def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
-    """Qwen3's keys with the experts'; a UserError for a shared expert."""
+    """Qwen3's keys with the experts'; a UserError for a shared expert or a router the class
+    does not have."""
     moe = cfg.model.moe
-    if moe.shared_expert:
+    if moe.shared_expert or moe.n_shared_experts:
+        key = "shared_expert" if moe.shared_expert else "n_shared_experts"
         raise UserError(
-            "model.moe.shared_expert: Qwen3MoeForCausalLM (export --format hf) has no shared "
-            "expert; valid for export: false"
+            f"model.moe.{key}: Qwen3MoeForCausalLM (export --format hf) has no shared "
+            "expert; valid for export: model.moe.shared_expert=false, model.moe.n_shared_experts=0"
+        )
+    if moe.router == "sigmoid":
+        raise UserError(
+            "model.moe.router: Qwen3MoeForCausalLM (export --format hf) routes by softmax top-k; "
+            "valid for export: softmax_topk or topk_softmax"
         )
     sparse = moe_layers(cfg)
     return dict(
-        qwen3.qwen3_json(cfg, derived, "Qwen3MoeForCausalLM", "qwen3_moe"),
+        qwen3.qwen3_json(cfg, derived, "Qwen3MoeForCausalLM", "qwen3_moe", window_json),
         moe_intermediate_size=derived.moe_d_ff,
         num_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
@@ -101,7 +123,7 @@ FAMILY = Family(
     architectures=("Qwen3MoeForCausalLM",),
     model_type="qwen3_moe",
     arch="qwen3_moe",
-    components={**qwen3.COMPONENTS, "experts": True},
+    components={**qwen3.COMPONENTS, **llama.EVERY_BLOCK_SLIDES, "experts": True},
     model_fields=model_fields,
     config_json=config_json,
     to_hf=to_hf,

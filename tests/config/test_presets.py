@@ -9,6 +9,7 @@ import torch
 from megatronish.config import derive, load_config
 from megatronish.config.presets import PRESETS
 from megatronish.distributed.layout import ParallelState
+from megatronish.errors import UserError
 from megatronish.model import GPT
 from tests.conftest import CONFIGS
 
@@ -34,6 +35,13 @@ def test_a_key_set_in_the_file_or_by_set_wins_over_the_preset(tmp_path):
     path.write_text("model:\n  arch: qwen3_moe\n  moe:\n    z_loss_coef: 0.5\n")
     moe = load_config(path).model.moe
     assert (moe.z_loss_coef, moe.aux_loss_coef) == (0.5, 0.001)
+
+
+def test_an_arch_that_is_no_name_is_one_user_error_naming_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  arch: [qwen2]\n")
+    with pytest.raises(UserError, match="model.arch"):
+        load_config(path)
 
 
 def test_the_last_arch_given_chooses_the_preset(tmp_path):

@@ -312,6 +312,12 @@ def test_export_of_a_model_its_family_cannot_express_exits_2_with_one_line(tmp_p
     [
         (("llama", *MOE, "model.moe.shared_expert=true"), ("model.moe.shared_expert", "Mixtral")),
         (("qwen3_moe", *GQA, *MOE, "model.moe.shared_expert=true"), ("Qwen3MoeForCausalLM",)),
+        (("qwen3_moe", *GQA, *MOE, "model.moe.n_shared_experts=1"), ("n_shared_experts",)),
+        (("qwen3_moe", *GQA, *MOE, "model.moe.router=sigmoid"), ("model.moe.router", "softmax")),
+        (
+            ("qwen3_moe", *GQA, *MOE, "model.sliding_window=4", "model.full_attention_layers=1"),
+            ("model.full_attention_layers=1", "qwen2, qwen3 can"),
+        ),
         (("llama", "model.qk_norm=true"), ("model.qk_norm=true", "arch llama", "qwen3, qwen3_moe")),
         (("qwen2", *GQA, "model.qkv_bias=false"), ("model.qkv_bias=false", "Qwen2ForCausalLM")),
         (("qwen3", *GQA, *MOE), ("model.moe.num_experts=4", "llama, qwen3_moe")),

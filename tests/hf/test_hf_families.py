@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from megatronish import load_model
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.cli import cli
-from megatronish.config import derive
+from megatronish.config import derive, load_config
 from megatronish.errors import UserError
 from megatronish.hf.importer import check_hf_matches, import_hf, read_hf
 from tests.checkpoints import logits_at_tp
@@ -296,6 +296,8 @@ def _config_only(hf_dir: Path, to: Path, changes: dict) -> Path:
         ("mistral", dict(sliding_window=None), None, 0),  # Mistral 7B v0.2 / v0.3
         ("qwen2", dict(use_sliding_window=False), None, 0),  # the window off: every block full
         ("qwen2", dict(layer_types=REMOVED, max_window_layers=2), 5, 2),  # transformers 4's keys
+        # Qwen3MoeConfig has no max_window_layers: under use_sliding_window every block slides
+        ("qwen3_moe", dict(use_sliding_window=True, sliding_window=5, max_window_layers=2), 5, 0),
     ],
 )
 def test_config_json_window_keys_read_as_transformers_reads_them(
@@ -359,6 +361,13 @@ def test_import_reads_experts_in_transformers_fused_layout(name, built, tmp_path
         ("qwen3_moe", dict(moe_d_ff=24), "the model has moe.d_ff 20, this config 24"),
         ("mixtral", dict(moe_top_k=1), "the model has moe.top_k 2, this config 1"),
         ("llama", dict(rope_theta=1e4), "the model has rope_theta 500000.0, this config 10000.0"),
+        (  # the --set it names is one --set takes
+            "llama",
+            dict(rope_scaling=None),
+            "this config null; set --set model.rope_scaling={type: llama3, factor: 4.0,",
+        ),
+        ("mistral", dict(sliding_window=None), "the model has sliding_window 5, this config null"),
+        ("qwen2", dict(full_attention_layers=2), "the model has full_attention_layers 1"),
     ],
 )
 def test_training_from_an_hf_directory_names_any_setting_its_weights_depend_on(
@@ -376,3 +385,6 @@ def test_training_from_an_hf_directory_names_any_setting_its_weights_depend_on(
     ) as error:
         check_hf_matches(fields, cfg, derive(cfg, 1), built[name].hf)
     assert expected in str(error.value)
+    hint = str(error.value).partition("set --set ")[2]
+    if hint.startswith("model.rope_scaling="):  # a section's value: one --set takes it
+        assert load_config(None, [hint, "model.arch=llama", "model.vocab_size=101"])
