@@ -36,16 +36,14 @@ hops it is back with its owner. dq accumulates locally in fp32.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megatronish.context.blocks import accumulation_dtype, block_ops
 from megatronish.context.zigzag import chunks_of
-from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
+from megatronish.distributed.ring import GroupRing
 
 KV_TAG, DKV_TAG = 11, 12
 
@@ -89,37 +87,13 @@ def _count(q: torch.Tensor, causal: bool, pairs_per_head: int) -> None:
         counter.blocks.append((length, causal))
 
 
-@dataclass(frozen=True)
-class Ring:
-    """This rank's place in its cp group: cp size, cp rank, and the global ranks of the next
-    and previous cp ranks (the ring's direction of travel)."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-    next_rank: int
-    prev_rank: int
+class Ring(GroupRing):
+    """This rank's place in its cp group's ring (ring attention; shifts counted as "cp_ring")."""
 
     @classmethod
     def of(cls, ps: ParallelState) -> Ring:
-        """This rank's ring attention ring: its cp group and cp neighbours."""
-        neighbour = functools.partial(ps.global_rank, ps.tp_rank, ps.dp_rank, ps.pp_rank)
-        return cls(
-            ps.cp_group,
-            ps.cp,
-            ps.cp_rank,
-            next_rank=neighbour((ps.cp_rank + 1) % ps.cp),
-            prev_rank=neighbour((ps.cp_rank - 1) % ps.cp),
-        )
-
-    def shift(self, tensor: torch.Tensor, tag: int):
-        """Starts sending tensor to the next rank and receiving the previous rank's into a new
-        buffer: (buffer, pending); read the buffer after pending.wait()."""
-        incoming = torch.empty_like(tensor)
-        pending = comm.ring_shift(
-            tensor, incoming, self.group, self.next_rank, self.prev_rank, tag, "cp_ring"
-        )
-        return incoming, pending
+        """This rank's ring attention ring: its cp group, in cp rank order."""
+        return cls.of_group(ps.cp_group, "cp_ring")
 
 
 def _units(step: int, rank: int, windowed: bool) -> list[tuple[str, str, bool]]:

@@ -20,47 +20,27 @@ along dim 1), t the tp group size. Chunks travel contiguous.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatronish.distributed import comm
+from megatronish.distributed.ring import GroupRing
 
 GATHER_TAG, REDUCE_TAG = 21, 22  # the two rings a column backward runs at once
 
 
-@dataclass(frozen=True)
-class TpRing:
-    """This rank's place in its tp group: the group, its size and this rank's index in it, and
-    the global ranks of the next and the previous rank (the ring's direction of travel)."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-    next_rank: int
-    prev_rank: int
+class TpRing(GroupRing):
+    """This rank's place in its tp group's ring (shifts counted as "tp_ring")."""
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None) -> TpRing:
         """The ring of group (None: the default group), which has two ranks or more."""
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        size, rank = len(ranks), comm.group_rank(group)
-        return cls(group, size, rank, ranks[(rank + 1) % size], ranks[(rank - 1) % size])
+        return cls.of_group(group, "tp_ring")
 
     def block(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s chunk of x [b, s, ...] (dim 1, a view)."""
         c = x.shape[1] // self.size
         return x[:, rank * c : (rank + 1) * c]
-
-    def shift(self, tensor: torch.Tensor, tag: int):
-        """Starts sending tensor (contiguous) to the next rank and receiving the previous rank's
-        into a new buffer: (buffer, pending); read the buffer after pending.wait()."""
-        incoming = torch.empty_like(tensor)
-        pending = comm.ring_shift(
-            tensor, incoming, self.group, self.next_rank, self.prev_rank, tag, "tp_ring"
-        )
-        return incoming, pending
 
 
 def gather_chunks(
