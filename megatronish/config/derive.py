@@ -48,6 +48,8 @@ class Derived:
     n_kv_head: int
     head_dim: int
     """The query-key head dim (under mla qk_nope_head_dim + qk_rope_head_dim)."""
+    v_head_dim: int
+    """The value head dim: head_dim, or under mla model.mla.v_head_dim."""
     d_ff: int
     vocab_size: int
     padded_vocab_size: int
@@ -183,6 +185,7 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         grad_accum_steps=accum,
         n_kv_head=n_kv,
         head_dim=head_dim,
+        v_head_dim=model.mla.v_head_dim if model.attention == "mla" else head_dim,
         d_ff=d_ff,
         vocab_size=vocab,
         padded_vocab_size=padded_vocab(vocab, tp),
