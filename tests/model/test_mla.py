@@ -1,7 +1,7 @@
 """Multi-head latent attention (model.attention mla) in one process: it equals transformers'
 DeepseekV3Attention given the same weights (interleaved RoPE, YaRN's softmax scale, with and
 without the queries' low-rank path), and its cached decode (latents only) equals the full
-forward."""
+forward; bad settings are one line."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
+from tests.conftest import CONFIGS, invoke_cli
 
 SEQ = 12
 MLA = [
@@ -101,3 +102,38 @@ def test_cached_decode_holds_the_latents_and_equals_the_full_forward():
         steps += [model.forward_cached(tokens[:, i : i + 1], cache, i) for i in range(7, SEQ)]
     assert [tuple(t.shape) for t in cache[0]] == [(2, SEQ, 16), (2, SEQ, 4)]
     torch.testing.assert_close(torch.cat(steps, dim=1)[..., :61], full[..., :61])
+
+
+TINY_V3 = str(CONFIGS / "tiny-deepseek-v3.yaml")
+
+
+@pytest.mark.parametrize(
+    "config, sets, needles",
+    [
+        (
+            CONFIGS / "tiny.yaml",
+            ["model.arch=llama", "model.mla.kv_lora_rank=16"],
+            ["model.mla.kv_lora_rank: 16 needs model.attention=mla", "'llama'"],
+        ),
+        (
+            CONFIGS / "tiny.yaml",
+            ["model.arch=llama", "model.attention=mla"],
+            ["model.mla.kv_lora_rank: missing", "model.mla.v_head_dim"],
+        ),
+        (TINY_V3, ["model.mla.qk_rope_head_dim=7"], ["model.mla.qk_rope_head_dim: 7", "even"]),
+        (TINY_V3, ["model.mla.v_head_dim=0"], ["model.mla.v_head_dim: 0", "positive integer"]),
+        (TINY_V3, ["parallel.tp=3"], ["model.n_head: 4 is not divisible by parallel.tp=3"]),
+        (TINY_V3, ["model.n_kv_head=2"], ["model.n_kv_head: 2 is not used by model.attention"]),
+        (CONFIGS / "tiny.yaml", ["model.attention=mla"], ["model.attention: mla needs the RoPE"]),
+    ],
+)
+def test_a_bad_latent_attention_setting_is_exit_2_with_one_line_naming_the_key(
+    config, sets, needles
+):
+    args = [x for s in sets for x in ("--set", s)]
+    result = invoke_cli("check", "--config", str(config), *args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
