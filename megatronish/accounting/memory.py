@@ -164,7 +164,7 @@ def estimate(
     per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
     logits_one = train.micro_batch_size * train.seq_len // cp * derived.padded_vocab_size / tp * 6
     bubble = (pp - 1) / (virtual * m)
-    comm = max(formula_bytes_per_step(layout, derived, r) for r in range(pp)) / GB
+    comm = max(formula_bytes_per_step(layout, derived, r) for r in distinct_stages(derived)) / GB
     stages = []
     for r in range(pp):
         in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
@@ -196,6 +196,16 @@ def estimate(
             )
         )
     return max(stages, key=lambda e: e.total_gb)
+
+
+def distinct_stages(derived: Derived) -> list[int]:
+    """One pipeline rank of each kind of stage: a stage's collectives follow from whether it is
+    the first and the last, and its layers and MoE layers alone (accounting.collectives)."""
+    kinds = {}
+    for r in range(derived.pp):
+        kind = (r == 0, r == derived.pp - 1, derived.stage_layers[r], stage_moe_layers(derived, r))
+        kinds.setdefault(kind, r)
+    return list(kinds.values())
 
 
 def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, float]:
