@@ -48,7 +48,8 @@ ARCH_SETTINGS = {
     ],
     # Multi-head latent attention (DeepSeek-V3): heads split over tp, the replicated
     # down-projections and their norms (each rank's gradient covering its tokens under sequence
-    # parallelism), YaRN with its softmax scale, a sliding window in the second block.
+    # parallelism), YaRN with its softmax scale, a sliding window in the second block, and its
+    # attention core recomputed in backward (selective recompute).
     "mla": [
         "model.arch=deepseek_v3",
         "model.n_head=4",
@@ -61,6 +62,7 @@ ARCH_SETTINGS = {
         "model.rope_scaling.original_max_position_embeddings=4",
         "model.sliding_window=5",
         "model.full_attention_layers=1",
+        "train.activation_checkpointing=selective",
     ],
 }
 
