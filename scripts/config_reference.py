@@ -20,6 +20,7 @@ SECTIONS = {
     "ModelConfig": "model",
     "RopeScalingConfig": "model.rope_scaling",
     "MoEConfig": "model.moe",
+    "MLAConfig": "model.mla",
     "ParallelConfig": "parallel",
     "TrainConfig": "train",
     "OptimConfig": "optim",

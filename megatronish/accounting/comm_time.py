@@ -92,7 +92,8 @@ def ring_ratio(cfg: Config, derived: Derived, peak_flops: float, link_gb_s: floa
     if cp == 1:
         return None
     width = 2 if cfg.train.bf16_autocast else 4
-    kv_bytes = 2 * b * (derived.n_kv_head // tp) * (s // cp) * derived.head_dim * width
+    kv_dims = derived.head_dim + derived.v_head_dim
+    kv_bytes = b * (derived.n_kv_head // tp) * (s // cp) * kv_dims * width
     window = attention_window(cfg.model, cfg.model.n_layer - 1)  # the last layer slides, if any
     heads = cfg.model.n_head // tp
     flops = attention_flops(b, heads, s // cp, s, derived.head_dim, True, window) / cp

@@ -4,7 +4,7 @@ matmul rate (training.metrics.peak_flops)."""
 
 from __future__ import annotations
 
-from megatronish.accounting.parameters import moe_mlp_params
+from megatronish.accounting.parameters import mla_params, moe_mlp_params
 from megatronish.config import Config, Derived, attention_window
 
 
@@ -15,6 +15,8 @@ def matmul_params(cfg: Config, derived: Derived) -> int:
     model, h = cfg.model, cfg.model.d_model
     qkv = h * (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     proj = model.n_head * derived.head_dim * h
+    if model.attention == "mla":  # its projections, the down-projections among them
+        qkv, proj = sum(mla_params(cfg)[:2]), 0
     mlp = (2 if model.gpt2_block else 3) * h * derived.d_ff
     moe = len(derived.moe_layers)
     active = moe * moe_mlp_params(cfg, derived, active=True) if moe else 0
@@ -33,9 +35,11 @@ def attention_keys(cfg: Config) -> int:
 
 
 def attention_flops_per_token(cfg: Config, derived: Derived) -> int:
-    """Forward FLOPs of the attention scores and values per token: 4 a d per key counted
-    (q k^T and p v), over attention_keys (4 l s h with no window and a d = h)."""
-    return 4 * attention_keys(cfg) * cfg.model.n_head * derived.head_dim
+    """Forward FLOPs of the attention scores and values per token: 2 a (d + d_v) per key
+    counted (q k^T over the query-key head dim d, p v over the value head dim d_v: d but for
+    multi-head latent attention), over attention_keys (4 l s h with no window and a d = h)."""
+    heads = cfg.model.n_head
+    return 2 * attention_keys(cfg) * heads * (derived.head_dim + derived.v_head_dim)
 
 
 def model_flops_per_step(cfg: Config, derived: Derived) -> float:

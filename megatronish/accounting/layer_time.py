@@ -109,7 +109,7 @@ def layer_time(
     sp = cfg.parallel.sequence_parallel and tp > 1
     N = T // tp if sp else T
     llama = not model.gpt2_block
-    gemms = [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
+    gemms = attention_gemms(cfg, derived, T, N)
     f_local = (derived.moe_d_ff if moe else derived.d_ff) // tp
     mlp_gemms = [(T, (2 if llama else 1) * f_local, h), (T, h, f_local)]
     if not moe:
@@ -148,6 +148,22 @@ def layer_time(
     return LayerTime(forward=fwd, backward=bwd, attention_forward=attn_fwd)
 
 
+def attention_gemms(cfg: Config, derived: Derived, T: int, N: int) -> list[tuple[int, int, int]]:
+    """(rows, columns, inner) of the attention projections' GEMMs of T tokens on one rank (N
+    of them this rank's under sequence parallelism): qkv and the output projection, or multi-
+    head latent attention's down-projections (on the N tokens), up-projections and output."""
+    model, tp, h = cfg.model, derived.tp, cfg.model.d_model
+    heads, kv, hd = model.n_head // tp, derived.n_kv_head // tp, derived.head_dim
+    if model.attention != "mla":
+        return [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
+    mla = model.mla
+    rank, rope, v = mla.kv_lora_rank, mla.qk_rope_head_dim, derived.v_head_dim
+    gemms = [(N, rank + rope, h), (T, heads * (mla.qk_nope_head_dim + v), rank), (T, h, heads * v)]
+    if mla.q_lora_rank is None:
+        return [(T, heads * hd, h), *gemms]
+    return [(N, mla.q_lora_rank, h), (T, heads * hd, mla.q_lora_rank), *gemms]
+
+
 def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> dict:
     """Seconds of the tensor-parallel linears' GEMMs of one micro-batch on one rank, the GEMMs
     a decomposed tp collective runs under (accounting.tp_overlap): forward, one call each, of
@@ -163,7 +179,7 @@ def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency)
     f, shared = derived.d_ff // tp, derived.moe_d_ff // tp
     shapes = {
         "qkv": (T, (heads + 2 * kv) * hd, h),
-        "proj": (T, h, heads * hd),
+        "proj": (T, h, heads * derived.v_head_dim),
         "up": (T, (2 if llama else 1) * f, h),
         "down": (T, h, f),
         "head": (T, derived.padded_vocab_size // tp, h),

@@ -17,8 +17,10 @@ dp x cp / ep ranks that hold the same experts):
     + sequence parallel    s b h (34 / t)
     full recompute         2 s b h (/ t with sequence parallel) kept per layer, plus one layer's
                            working set during its backward
-  times 2 for fp32 activations; plus the logits and the loss's softmax, b s V / t x 6 bytes
-  (bf16 logits, fp32 softmax). Llama's SwiGLU MLP and GQA move these by a few percent.
+  (multi-head latent attention: its heads' q, k, v and output over the query-key and value head
+  dims, and its latents, ``mla_activations``), times 2 for fp32 activations; plus the logits
+  and the loss's softmax, b s V / t x 6 bytes (bf16 logits, fp32 softmax). Llama's SwiGLU MLP
+  and GQA move these by a few percent.
 
 With pipeline parallelism (pp stages, m micro-batches per step) each stage holds its own
 layers' parameters (the embeddings on the first stage, the output layer on the last) and the
@@ -110,9 +112,39 @@ def activation_bytes_per_layer(
         kept = 2 * sbh / (tp if sequence_parallel else 1)
         return kept * width
     # q, k, v and the output projection's input: 8 sbh when the heads span d_model.
-    heads = 8 * cfg.model.n_head * head_dim_of(cfg.model) / h
-    per = (26 + heads) / tp if sequence_parallel else 10 + (16 + heads) / tp
-    return sbh * per * width
+    heads, replicated, latents = 8 * cfg.model.n_head * head_dim_of(cfg.model) / h, 0.0, 0.0
+    if cfg.model.attention == "mla":
+        heads, replicated, latents = mla_activations(cfg)
+    per = (26 + heads + replicated) / tp if sequence_parallel else 10 + (16 + heads) / tp
+    if not sequence_parallel:
+        per += replicated
+    return sbh * (per + latents) * width
+
+
+def mla_activations(cfg: Config) -> tuple[float, float, float]:
+    """What multi-head latent attention keeps per layer, in units of 16-bit s b h: (the heads'
+    q, k, v and attention output, split over tp; the inputs of the latents' norms, replicated,
+    on the sequence shard under sequence parallelism; the latents that enter the tp region,
+    the up-projections' inputs, whole at any tp)."""
+    model, mla = cfg.model, cfg.model.mla
+    qk, q_rank = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.q_lora_rank or 0
+    heads = 2 * model.n_head * (2 * qk + 2 * mla.v_head_dim)
+    norms = 2 * (q_rank + mla.kv_lora_rank)
+    latents = 2 * (q_rank + mla.kv_lora_rank + mla.qk_rope_head_dim)
+    h = model.d_model
+    return heads / h, norms / h, latents / h
+
+
+def decode_cache_elements(cfg: Config, derived: Derived) -> tuple[int, int]:
+    """Elements one tp rank's decode cache (generate) holds per token and layer: (what it
+    holds, the keys and values of its heads). They differ under multi-head latent attention,
+    which caches the normed latent and the shared rotary key, kv_lora_rank + qk_rope_head_dim
+    (whole on every tp rank), and rebuilds the keys and values from them."""
+    heads = derived.n_kv_head // derived.tp
+    full = heads * (derived.head_dim + derived.v_head_dim)
+    if cfg.model.attention != "mla":
+        return full, full
+    return cfg.model.mla.kv_lora_rank + cfg.model.mla.qk_rope_head_dim, full
 
 
 def estimate(
@@ -132,7 +164,7 @@ def estimate(
     per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
     logits_one = train.micro_batch_size * train.seq_len // cp * derived.padded_vocab_size / tp * 6
     bubble = (pp - 1) / (virtual * m)
-    comm = max(formula_bytes_per_step(layout, derived, r) for r in range(pp)) / GB
+    comm = max(formula_bytes_per_step(layout, derived, r) for r in distinct_stages(derived)) / GB
     stages = []
     for r in range(pp):
         in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
@@ -164,6 +196,16 @@ def estimate(
             )
         )
     return max(stages, key=lambda e: e.total_gb)
+
+
+def distinct_stages(derived: Derived) -> list[int]:
+    """One pipeline rank of each kind of stage: a stage's collectives follow from whether it is
+    the first and the last, and its layers and MoE layers alone (accounting.collectives)."""
+    kinds = {}
+    for r in range(derived.pp):
+        kind = (r == 0, r == derived.pp - 1, derived.stage_layers[r], stage_moe_layers(derived, r))
+        kinds.setdefault(kind, r)
+    return list(kinds.values())
 
 
 def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, float]:

@@ -8,6 +8,22 @@ from __future__ import annotations
 from megatronish.config import Config, Derived
 
 
+def mla_params(cfg: Config) -> tuple[int, int, int]:
+    """Multi-head latent attention's parameters of one layer (model.attention mla), as (split
+    over tp: q or q_b, kv_b and proj, whole; the replicated down-projections q_a and kv_a; the
+    replicated norms of their latents)."""
+    model, mla, h = cfg.model, cfg.model.mla, cfg.model.d_model
+    n, qk = model.n_head, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    q_in = h if mla.q_lora_rank is None else mla.q_lora_rank
+    split = q_in * n * qk + mla.kv_lora_rank * n * (mla.qk_nope_head_dim + mla.v_head_dim)
+    split += n * mla.v_head_dim * h
+    down = h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    norms = mla.kv_lora_rank
+    if mla.q_lora_rank is not None:
+        down, norms = down + h * mla.q_lora_rank, norms + mla.q_lora_rank
+    return split, down, norms
+
+
 def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     """Parameters of the full model (all tp and ep ranks together), at the real (unpadded)
     vocab; active: those one token goes through (of each MoE MLP the router, its top_k experts
@@ -18,6 +34,8 @@ def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     qkv_out = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     attn = h * qkv_out + model.n_head * derived.head_dim * h + (qkv_out + h if bias else 0)
     attn += (qkv_out if model.qkv_bias else 0) + (2 * derived.head_dim if model.qk_norm else 0)
+    if model.attention == "mla":
+        attn = sum(mla_params(cfg))
     mlp = (2 if model.gpt2_block else 3) * h * derived.d_ff + (derived.d_ff + h if bias else 0)
     per_layer = attn + mlp + 2 * norm
     embed = derived.vocab_size * h + (model.max_seq_len * h if model.gpt2_block else 0)
@@ -71,6 +89,9 @@ def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
     attn = qkv_out * h + h * (model.n_head * derived.head_dim // tp)
     attn += qkv_out + h if gpt2 else qkv_out if model.qkv_bias else 0
     attn += 2 * derived.head_dim if model.qk_norm else 0
+    if model.attention == "mla":
+        split, down, norms = mla_params(cfg)
+        attn = split // tp + down + norms
     f_local = derived.d_ff // tp
     mlp = (2 if gpt2 else 3) * f_local * h + (f_local + h if gpt2 else 0)
     return attn + 2 * norm + (local_moe_params(cfg, derived) if moe else mlp)
@@ -96,14 +117,16 @@ def local_moe_params(cfg: Config, derived: Derived, experts_only: bool = False) 
 def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Elements of the replicated parameters whose gradients the trainer sums over the tp group
     under sequence parallelism on stage pp_rank: every norm, (gpt2) the row-parallel biases,
-    and the MoE routers (each tp rank routes its own tokens)."""
+    the MoE routers (each tp rank routes its own tokens) and multi-head latent attention's
+    down-projections and their norms."""
     h, gpt2 = cfg.model.d_model, cfg.model.gpt2_block
     norm = 2 * h if gpt2 else h
     row_biases = 2 * h if gpt2 else 0
     last = pp_rank == derived.pp - 1
     routers = stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * h
     qk_norms = 2 * derived.head_dim if cfg.model.qk_norm else 0
-    per_layer = 2 * norm + row_biases + qk_norms
+    mla = sum(mla_params(cfg)[1:]) if cfg.model.attention == "mla" else 0
+    per_layer = 2 * norm + row_biases + qk_norms + mla
     return derived.stage_layers[pp_rank] * per_layer + (norm if last else 0) + routers
 
 

@@ -50,16 +50,18 @@ def generate(checkpoint_path, prompt, max_new_tokens, temperature, top_k, top_p,
         sys.stdout.flush()
 
     sampling = Sampling(temperature, top_k, top_p)
-    reason = generate_text(checkpoint_path, prompt, max_new_tokens, sampling, seed, write)
+    generation = generate_text(checkpoint_path, prompt, max_new_tokens, sampling, seed, write)
     if main_rank:
         write("\n")
         why = {
             "eot": "end of text",
             "max_new_tokens": f"--max-new-tokens {max_new_tokens}",
             "max_seq_len": "the model's max_seq_len (its context is full)",
-        }[reason]
+        }[generation.stop_reason]
         ranks = world_size_from_env()
-        click.echo(f"[stopped at {why}; tp {ranks}]", err=True)
+        layers = generation.cache_bytes_per_token()
+        cache = f"{sum(layers):,} bytes per token ({layers[0]:,} per layer x {len(layers)})"
+        click.echo(f"[stopped at {why}; tp {ranks}; decode cache per rank {cache}]", err=True)
 
 
 @click.command()

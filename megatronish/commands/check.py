@@ -6,7 +6,7 @@ import yaml
 
 from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.flops import model_flops_per_step
-from megatronish.accounting.memory import model_state_bytes
+from megatronish.accounting.memory import decode_cache_elements, model_state_bytes
 from megatronish.accounting.parameters import (
     approx_tp_rank_parameters,
     local_moe_params,
@@ -81,8 +81,8 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         f"parameters per tp rank: ~{approx_tp_rank_parameters(cfg, derived, params):,}",
         f"gradient accumulation steps: {derived.grad_accum_steps}",
         f"tokens per step (global batch): {derived.tokens_per_step:,}",
-        f"heads per tp rank: {cfg.model.n_head // derived.tp} query, "
-        f"{derived.n_kv_head // derived.tp} kv (head dim {derived.head_dim})",
+        _heads_line(cfg, derived),
+        _cache_line(cfg, derived),
         f"d_ff: {derived.d_ff} ({derived.d_ff // derived.tp} per tp rank)",
         f"vocab: {derived.vocab_size}, padded to {derived.padded_vocab_size} "
         f"({derived.padded_vocab_size // derived.tp} per tp rank)",
@@ -265,3 +265,34 @@ def chunk_lines(cfg: Config, derived: Derived) -> list[str]:
         f"model chunks by stage (global layers): {chunks}",
         f"activations held at most by stage ((micro-batch, chunk) pairs): {held}",
     ]
+
+
+def _heads_line(cfg: Config, derived: Derived) -> str:
+    """The attention heads one tp rank holds and their sizes (multi-head latent attention: the
+    query-key and value head dims and the latent every head's keys and values come from)."""
+    heads = cfg.model.n_head // derived.tp
+    if cfg.model.attention == "mla":
+        mla = cfg.model.mla
+        return (
+            f"heads per tp rank: {heads} (mla: query-key head dim {derived.head_dim} = "
+            f"{mla.qk_nope_head_dim} + rotary {mla.qk_rope_head_dim}, value head dim "
+            f"{derived.v_head_dim}; kv latent {mla.kv_lora_rank} + shared rotary key "
+            f"{mla.qk_rope_head_dim})"
+        )
+    return (
+        f"heads per tp rank: {heads} query, {derived.n_kv_head // derived.tp} kv "
+        f"(head dim {derived.head_dim})"
+    )
+
+
+def _cache_line(cfg: Config, derived: Derived) -> str:
+    """generate's decode cache per token on one tp rank, bf16 (and fp32), over the layers."""
+    held, full = decode_cache_elements(cfg, derived)
+    layers = cfg.model.n_layer
+    line = (
+        f"decode cache per token and tp rank: {2 * held * layers:,} bytes bf16 "
+        f"({4 * held * layers:,} fp32; {2 * held:,} bf16 per layer x {layers})"
+    )
+    if held != full:
+        line += f"; full keys and values would be {2 * full * layers:,} bytes bf16"
+    return line

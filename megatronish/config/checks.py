@@ -3,17 +3,13 @@ what is valid. Checks between values and the world size are in config.derive."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from megatronish.config.schema import ROPE_SCALING_KEYS, Config, RopeScalingConfig
+from megatronish.config.model_checks import check_attention, check_rope_scaling
+from megatronish.config.rules import divisors, require
+from megatronish.config.schema import Config
 from megatronish.errors import UserError
 from megatronish.paths import require_output_dir
-
-
-def require(cond: bool, message: str) -> None:
-    if not cond:
-        raise UserError(message)
 
 
 def check_values(cfg: Config) -> None:
@@ -22,6 +18,7 @@ def check_values(cfg: Config) -> None:
     _check_ranges(cfg)
     check_moe_values(cfg)
     check_rope_scaling(cfg)
+    check_attention(cfg)
     observe = cfg.observe
     require(
         observe.straggler_ratio > 1,
@@ -244,65 +241,6 @@ def check_deepseek_moe(cfg: Config) -> None:
     )
 
 
-def check_rope_scaling(cfg: Config) -> None:
-    """model.rope_scaling: llama only, a known type with the keys that type reads (those of the
-    other type left at their defaults), each in its range."""
-    scaling, key = cfg.model.rope_scaling, "model.rope_scaling"
-    if scaling is None:
-        return
-    require(
-        not cfg.model.gpt2_block,
-        f"{key}: gpt2 has learned positions, no RoPE to scale (only with RoPE families)",
-    )
-    require(
-        scaling.type is not None, f"{key}.type: missing; valid: {' | '.join(ROPE_SCALING_KEYS)}"
-    )
-    keys, defaults = ROPE_SCALING_KEYS[scaling.type], RopeScalingConfig()
-    for field in dataclasses.fields(scaling):
-        name = field.name
-        if name != "type" and name not in keys:
-            require(
-                getattr(scaling, name) == getattr(defaults, name),
-                f"{key}.{name}: not a key of type {scaling.type}; its keys: type, "
-                + ", ".join(keys),
-            )
-    needed = ["factor", "original_max_position_embeddings"]
-    needed += ["low_freq_factor", "high_freq_factor"] if scaling.type == "llama3" else []
-    for name in needed:
-        require(
-            getattr(scaling, name) is not None,
-            f"{key}.{name}: missing; type {scaling.type} needs {', '.join(needed)}",
-        )
-    require(scaling.factor >= 1, f"{key}.factor: {scaling.factor} is not valid; must be >= 1")
-    original = scaling.original_max_position_embeddings
-    require(
-        original >= 1,
-        f"{key}.original_max_position_embeddings: {original} is not valid; must be >= 1",
-    )
-    if scaling.type == "llama3":
-        low, high = scaling.low_freq_factor, scaling.high_freq_factor
-        require(low > 0, f"{key}.low_freq_factor: {low} is not valid; must be > 0")
-        require(
-            high > low,
-            f"{key}.high_freq_factor: {high} is not valid; must be > low_freq_factor={low}",
-        )
-        return
-    slow, fast = scaling.beta_slow, scaling.beta_fast
-    require(slow > 0, f"{key}.beta_slow: {slow} is not valid; must be > 0")
-    require(fast > slow, f"{key}.beta_fast: {fast} is not valid; must be > beta_slow={slow}")
-    attention = scaling.attention_factor
-    require(
-        attention is None or attention > 0,
-        f"{key}.attention_factor: {attention} is not valid; must be > 0, or null (from factor)",
-    )
-    for name in ("mscale", "mscale_all_dim"):
-        value = getattr(scaling, name)
-        require(
-            value is None or value >= 0,
-            f"{key}.{name}: {value} is not valid; must be >= 0, or null",
-        )
-
-
 def profile_steps(cfg: Config) -> tuple[int, int] | None:
     """observe.profile_steps as (first, last) step, both included; None when unset."""
     spec = cfg.observe.profile_steps
@@ -357,8 +295,3 @@ def check_output_paths(cfg: Config) -> None:
             require_output_dir(cfg.checkpoint.dir, "checkpoint.dir")
         else:
             require_output_dir(out_dir / "checkpoints", "checkpoint.dir (default)")
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of n, ascending (the valid degrees a message lists)."""
-    return [d for d in range(1, n + 1) if n % d == 0]

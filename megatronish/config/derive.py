@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatronish.config.checks import divisors, require
+from megatronish.config.rules import divisors, require
 from megatronish.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 
 VOCAB_PAD_MULTIPLE = 128
@@ -47,6 +47,9 @@ class Derived:
     grad_accum_steps: int
     n_kv_head: int
     head_dim: int
+    """The query-key head dim (under mla qk_nope_head_dim + qk_rope_head_dim)."""
+    v_head_dim: int
+    """The value head dim: head_dim, or under mla model.mla.v_head_dim."""
     d_ff: int
     vocab_size: int
     padded_vocab_size: int
@@ -182,6 +185,7 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         grad_accum_steps=accum,
         n_kv_head=n_kv,
         head_dim=head_dim,
+        v_head_dim=model.mla.v_head_dim if model.attention == "mla" else head_dim,
         d_ff=d_ff,
         vocab_size=vocab,
         padded_vocab_size=padded_vocab(vocab, tp),
@@ -245,8 +249,9 @@ def _check_context_parallel(cfg: Config) -> None:
 
 
 def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
-    """(kv heads, head dim: model.head_dim or d_model / n_head), once the heads split over tp
-    and into the kv groups."""
+    """(kv heads, head dim: model.head_dim or d_model / n_head; under mla n_head and the
+    query-key head dim qk_nope_head_dim + qk_rope_head_dim), once the heads split over tp and
+    into the kv groups."""
     n_kv = model.n_kv_head if model.n_kv_head is not None else model.n_head
     require(
         model.n_head % tp == 0,
@@ -262,6 +267,8 @@ def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
         f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; "
         f"valid tp: {', '.join(str(d) for d in divisors(n_kv))}",
     )
+    if model.attention == "mla":  # every head its own keys; the query-key head dim
+        return n_kv, model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim
     if model.head_dim is not None:
         require(
             model.head_dim % 2 == 0,
@@ -291,6 +298,16 @@ def _check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int) -> None:
         ),
         ("the attention heads model.n_head x head dim", model.n_head * head_dim),
     ]
+    if model.attention == "mla":  # its up-projections and output projection split over tp
+        mla = model.mla
+        sizes = [
+            ("the queries model.n_head x (qk_nope_head_dim + qk_rope_head_dim)", n_kv * head_dim),
+            (
+                "the keys and values model.n_head x (qk_nope_head_dim + v_head_dim)",
+                model.n_head * (mla.qk_nope_head_dim + mla.v_head_dim),
+            ),
+            ("the attention heads model.n_head x v_head_dim", model.n_head * mla.v_head_dim),
+        ]
     if len(moe_layers(cfg)) < model.n_layer:  # dense MLPs (MoE layers stay out of fp8)
         sizes.append(("model.d_ff", d_ff))
     for what, size in sizes:

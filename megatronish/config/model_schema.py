@@ -1,6 +1,6 @@
 """The model section of the config schema: model.* (ModelConfig), its sub-sections model.moe.*
-(MoEConfig) and model.rope_scaling (RopeScalingConfig), each key a field documented where it
-is declared, as in config.schema."""
+(MoEConfig), model.mla.* (MLAConfig) and model.rope_scaling (RopeScalingConfig), each key a
+field documented where it is declared, as in config.schema."""
 
 from __future__ import annotations
 
@@ -67,14 +67,38 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    q_lora_rank: int | None = None
+    """Rank of the queries' low-rank path (down-projection from d_model, RMSNorm, up-projection
+    to n_head x (qk_nope_head_dim + qk_rope_head_dim)); null: one projection from d_model."""
+    kv_lora_rank: int | None = None
+    """Size of the compressed key-value latent (after its RMSNorm, the per-token state that
+    generate caches). Required with model.attention mla."""
+    qk_nope_head_dim: int | None = None
+    """Per-head size of the query and key part without position (the keys' from the latent).
+    Required with model.attention mla."""
+    qk_rope_head_dim: int | None = None
+    """Size of the rotary part of each query head and of the one rotary key all heads share
+    (decoupled RoPE), even. Required with model.attention mla."""
+    v_head_dim: int | None = None
+    """Per-head size of the values (from the latent); the output projection is n_head x
+    v_head_dim to d_model. Required with model.attention mla."""
+
+
+@dataclass
 class ModelConfig:
-    arch: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"] = "gpt2"
+    arch: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"] = "gpt2"
     """A family's preset. gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings.
     Every other family has RoPE, RMSNorm, SwiGLU, grouped-query attention and an untied output
     layer, and its preset fills the defaults of the component keys a config leaves unset (a key
     set in the file or by --set wins): llama and mistral none; qwen2 qkv_bias, norm_eps 1e-6,
     rope_theta 1e6; qwen3 qk_norm, norm_eps 1e-6, rope_theta 1e6; qwen3_moe those of qwen3 and
-    model.moe.aux_loss_coef 0.001, z_loss_coef 0 (a softmax_topk router)."""
+    model.moe.aux_loss_coef 0.001, z_loss_coef 0 (a softmax_topk router); deepseek_v3
+    (DeepSeek-V3's config.json) attention mla with its model.mla sizes, norm_eps 1e-6, YaRN
+    rope_scaling (factor 40 over 4096 positions, mscale and mscale_all_dim 1) and the sigmoid
+    router's model.moe keys (n_group 8, topk_group 4, routed_scaling_factor 2.5,
+    seq_aux_loss_coef 0.001, n_shared_experts 1, first_k_dense 3, aux_loss_coef and
+    z_loss_coef 0; bias_update_speed 0.001, the paper's, as config.json has none)."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -126,6 +150,13 @@ class ModelConfig:
     (Qwen2 and Qwen3's max_window_layers; 0, every block slides: Mistral). 0 to model.n_layer."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts MLPs (off by default); see model.moe.*."""
+    attention: Literal["mha", "mla"] = "mha"
+    """mha: multi-head (grouped-query) attention of n_head heads of head_dim. mla: DeepSeek's
+    multi-head latent attention (llama only): n_head heads whose keys and values come from a
+    compressed latent of model.mla.kv_lora_rank plus one rotary key shared by all heads; its
+    sizes are model.mla.* (head_dim, n_kv_head, qk_norm, qkv_bias and sliding_window unused)."""
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    """Multi-head latent attention's sizes (with model.attention mla only); see model.mla.*."""
 
     @property
     def gpt2_block(self) -> bool:

@@ -19,6 +19,38 @@ PRESETS: dict[str, dict[str, Any]] = {
         "qk_norm": True,
         "moe": {"router": "softmax_topk", "aux_loss_coef": 0.001, "z_loss_coef": 0.0},
     },
+    "deepseek_v3": {  # DeepSeek-V3's config.json (bias_update_speed: its paper's)
+        "norm_eps": 1e-6,
+        "attention": "mla",
+        "mla": {
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+        },
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "moe": {
+            "router": "sigmoid",
+            "n_group": 8,
+            "topk_group": 4,
+            "routed_scaling_factor": 2.5,
+            "bias_update_speed": 0.001,
+            "seq_aux_loss_coef": 0.001,
+            "n_shared_experts": 1,
+            "first_k_dense": 3,
+            "aux_loss_coef": 0.0,
+            "z_loss_coef": 0.0,
+        },
+    },
 }
 """model.* defaults of each model.arch (nested dicts for sub-sections such as model.moe)."""
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from megatronish.config.model_schema import (  # noqa: F401 (the schema's names)
     ROPE_SCALING_KEYS,
+    MLAConfig,
     ModelConfig,
     MoEConfig,
     RopeScalingConfig,

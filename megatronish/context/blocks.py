@@ -2,8 +2,10 @@
 log-sum-exp, and the flash backward from a given (final) output and log-sum-exp.
 
 Shapes: b batch, n query heads, k kv heads (k divides n; query head i reads kv head
-i // (n / k)), L block length (queries and keys alike), d head dim. q, o, do [b, n, L, d];
-k, v [b, k, L, d]; lse [b, n, L] fp32 (fp64 for fp64 inputs), natural log. Scale 1/sqrt(d).
+i // (n / k)), L block length (queries and keys alike), d query-key head dim, e value head dim
+(e may differ from d: multi-head latent attention). q [b, n, L, d]; o, do [b, n, L, e];
+k [b, k, L, d], v [b, k, L, e]; lse [b, n, L] fp32 (fp64 for fp64 inputs), natural log. Scale
+1/sqrt(d).
 
 Backward, with p = exp(q k^T * scale - lse) and delta = rowsum(do * o) taken from the final
 output: dv = p^T do, ds = p (do v^T - delta), dq = ds k * scale, dk = ds^T q * scale. It is
@@ -60,27 +62,27 @@ def _scores(q, k, causal: bool, dtype, segments, window, offset: int) -> torch.T
 def torch_forward(
     q, k, v, causal: bool, segments=None, window=None, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [b, n, L, d], lse [b, n, L]), both in the accumulation dtype."""
+    """(o [b, n, L, e], lse [b, n, L]), both in the accumulation dtype."""
     dtype = accumulation_dtype(q.dtype)
-    b, n, length, d = q.shape
+    b, n, length = q.shape[:3]
     scores = _scores(q, k, causal, dtype, segments, window, offset)
     lse = torch.logsumexp(scores, dim=-1)
     finite = lse.masked_fill(lse == float("-inf"), 0.0)  # a row that sees no key: o 0
     out = torch.exp(scores - finite.unsqueeze(-1)) @ v.to(dtype).unsqueeze(2)
-    return out.view(b, n, length, d), lse.view(b, n, length)
+    return out.view(b, n, length, v.shape[-1]), lse.view(b, n, length)
 
 
 def torch_backward(q, k, v, out, lse, dout, causal: bool, segments=None, window=None, offset=0):
-    """(dq [b, n, L, d], dk and dv [b, k, L, d]) in the accumulation dtype, from the final
-    output `out` and log-sum-exp `lse` of these queries."""
+    """(dq [b, n, L, d], dk [b, k, L, d], dv [b, k, L, e]) in the accumulation dtype, from the
+    final output `out` and log-sum-exp `lse` of these queries."""
     dtype = accumulation_dtype(q.dtype)
     b, n, length, d = q.shape
-    kv = k.shape[1]
+    kv, e = k.shape[1], v.shape[-1]
     qg, kg = _grouped(q, k, dtype)
     scores = _scores(q, k, causal, dtype, segments, window, offset)
     probs = torch.exp(scores - lse.to(dtype).view(b, kv, n // kv, length, 1))
-    dog = dout.to(dtype).view(b, kv, n // kv, length, d)
-    og = out.to(dtype).view(b, kv, n // kv, length, d)
+    dog = dout.to(dtype).view(b, kv, n // kv, length, e)
+    og = out.to(dtype).view(b, kv, n // kv, length, e)
     dv = (probs.transpose(-1, -2) @ dog).sum(dim=2)
     dprobs = dog @ v.to(dtype).unsqueeze(2).transpose(-1, -2)
     delta = (dog * og).sum(dim=-1, keepdim=True)

@@ -1,8 +1,10 @@
 """Ring attention over the zigzag split (megatronish.context.zigzag).
 
 Shapes: b batch, n query heads (this tp rank's), k kv heads (this tp rank's), c chunk length,
-d head dim. Local q [b, n, 2c, d] and k, v [b, k, 2c, d] hold this cp rank's chunks r and
-2 cp - 1 - r. Only the kv heads travel (grouped-query attention sends k, not n, heads).
+d query-key head dim, e value head dim (e may differ from d: multi-head latent attention).
+Local q [b, n, 2c, d], k [b, k, 2c, d] and v [b, k, 2c, e] hold this cp rank's chunks r and
+2 cp - 1 - r. Only the kv heads travel (grouped-query attention sends k, not n, heads), keys
+and values as one message a hop (a flat buffer of both).
 
 Forward: the keys and values go around the cp ring, cp - 1 hops; the send of the block held
 now to the next rank and the receive of the next block from the previous one are posted
@@ -54,7 +56,7 @@ _COUNTERS: list[RingCounter] = []
 class RingCounter:
     """Attention work of the ring blocks run while active (``with RingCounter() as c:``):
     query-key pairs scored (a causal block of L counts L (L + 1) / 2 per head; under a sliding
-    window the pairs within it) and forward FLOPs (4 d per pair: q k^T and p v)."""
+    window the pairs within it) and forward FLOPs (2 (d + e) per pair: q k^T and p v)."""
 
     pairs: int = 0
     flops: int = 0
@@ -78,12 +80,12 @@ def visible_pairs(length: int, causal: bool, window: int | None, offset: int) ->
     return int((last - first + 1).clamp(min=0).sum())
 
 
-def _count(q: torch.Tensor, causal: bool, pairs_per_head: int) -> None:
+def _count(q: torch.Tensor, causal: bool, pairs_per_head: int, v_dim: int) -> None:
     b, n, length, d = q.shape
     pairs = b * n * pairs_per_head
     for counter in _COUNTERS:
         counter.pairs += pairs
-        counter.flops += 4 * d * pairs
+        counter.flops += 2 * (d + v_dim) * pairs
         counter.blocks.append((length, causal))
 
 
@@ -152,6 +154,17 @@ def _rows(part: str, c: int) -> slice:
     return {"all": slice(None), "first": slice(0, c), "second": slice(c, 2 * c)}[part]
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k and v in one flat buffer (one message a hop, whatever their head dims)."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The keys and values of a buffer packed like k and v (views of it)."""
+    split = k.numel()
+    return kv[:split].view(k.shape), kv[split:].view(v.shape)
+
+
 def _merge(out, lse, rows: slice, out_b, lse_b) -> None:
     """Merges a block's partial (out_b, lse_b) into rows of the running out, lse in place."""
     lse_old = lse[:, :, rows]
@@ -170,18 +183,18 @@ def ring_forward(
     sliding window, or None."""
     c = q.shape[2] // 2
     dtype = accumulation_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=dtype, device=q.device)  # merged into: o 0, lse -inf
+    out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=dtype)  # merged into: o 0, lse -inf
     lse = torch.full(q.shape[:3], float("-inf"), dtype=dtype, device=q.device)
-    kv = torch.stack([k, v])  # [2, b, k, 2c, d]: one message a hop
+    kv = _pack(k, v)
     for step in range(ring.size):
         pending = None
         if step + 1 < ring.size:
             incoming, pending = ring.shift(kv, KV_TAG)
         for q_part, kv_part, causal, offset, pairs in _blocks(ring, step, c, window):
             q_block = _part(q, q_part, c)
-            _count(q_block, causal, pairs)
+            _count(q_block, causal, pairs, v.shape[-1])
             segments = _segments(shards, step, ring, q_part, kv_part, c)
-            keys, values = _part(kv[0], kv_part, c), _part(kv[1], kv_part, c)
+            keys, values = (_part(x, kv_part, c) for x in _unpack(kv, k, v))
             out_b, lse_b = forward(q_block, keys, values, causal, segments, window, offset)
             _merge(out, lse, _rows(q_part, c), out_b, lse_b.to(dtype))
         if pending is not None:
@@ -196,7 +209,7 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None, wi
     c = q.shape[2] // 2
     dtype = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-    kv = torch.stack([k, v])
+    kv = _pack(k, v)
     dkv = dkv_pending = None
     for step in range(ring.size):
         pending = None
@@ -205,10 +218,11 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None, wi
         grads = []
         for q_part, kv_part, causal, offset, _ in _blocks(ring, step, c, window):
             rows = _rows(q_part, c)
+            keys, values = _unpack(kv, k, v)
             dq_b, dk_b, dv_b = backward(
                 _part(q, q_part, c),
-                _part(kv[0], kv_part, c),
-                _part(kv[1], kv_part, c),
+                _part(keys, kv_part, c),
+                _part(values, kv_part, c),
                 out[:, :, rows],
                 lse[:, :, rows],
                 dout[:, :, rows],
@@ -224,9 +238,10 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None, wi
         else:
             dkv_pending[1].wait()
             dkv = dkv_pending[0]
+        dk, dv = _unpack(dkv, k, v)
         for rows, dk_b, dv_b in grads:
-            dkv[0][:, :, rows] += dk_b
-            dkv[1][:, :, rows] += dv_b
+            dk[:, :, rows] += dk_b
+            dv[:, :, rows] += dv_b
         if ring.size > 1:  # on to the rank whose block comes next; the last hop reaches the owner
             dkv_pending = ring.shift(dkv, DKV_TAG)
         if pending is not None:
@@ -235,7 +250,8 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None, wi
     if dkv_pending is not None:
         dkv_pending[1].wait()
         dkv = dkv_pending[0]
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    dk, dv = _unpack(dkv, k, v)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -271,7 +287,8 @@ def ring_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the full sequence, computed on this cp rank's zigzag shard:
-    q [b, n, 2c, d], k and v [b, k, 2c, d] -> [b, n, 2c, d] in q's dtype; the keys and values
+    q [b, n, 2c, d], k [b, k, 2c, d] and v [b, k, 2c, e] -> [b, n, 2c, e] in q's dtype; the keys
+    and values
     of the other cp ranks' shards come around the ring. Every cp rank calls it together. Under
     document masks, shards [b, cp, 2c] holds the segments of every cp rank's shard; under a
     sliding window W (None: none) a query sees only the keys less than W positions before it,
@@ -282,4 +299,4 @@ def ring_attention(
         raise ValueError(f"ring attention: local sequence {q.shape[2]} must be two equal chunks")
     if window is not None and window >= q.shape[2] * ring.size:  # it leaves out no pair
         window = None
-    return _RingAttention.apply(q, k, v, ring, attention_backend(backend, q), shards, window)
+    return _RingAttention.apply(q, k, v, ring, attention_backend(backend, q, v), shards, window)

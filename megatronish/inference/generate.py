@@ -107,7 +107,9 @@ class StreamDecoder:
 
 class Generation:
     """Iterating yields the new token ids (the end-of-text token ends it and is not yielded);
-    afterwards stop_reason is "eot", "max_new_tokens" or "max_seq_len"."""
+    afterwards stop_reason is "eot", "max_new_tokens" or "max_seq_len", and cache holds each
+    layer's decode cache (this rank's: keys and values of its heads, or under multi-head
+    latent attention the latent and the shared rotary key) of the cached_tokens positions."""
 
     def __init__(
         self,
@@ -122,6 +124,8 @@ class Generation:
         self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
         self.sampling, self.seed, self.eot_id, self.vocab_size = sampling, seed, eot_id, vocab_size
         self.stop_reason: str | None = None
+        self.cache: list = []
+        self.cached_tokens = 0
 
     def _agree(self, token: int) -> int:
         value = torch.tensor([token], dtype=torch.int64, device=self.model.ps.device)
@@ -133,10 +137,10 @@ class Generation:
         model, ps = self.model, self.model.ps
         max_len = model.cfg.model.max_seq_len
         generator = torch.Generator().manual_seed(self.seed)
-        cache: list = []
+        cache = self.cache
         prompt = torch.tensor([self.prompt_ids], dtype=torch.int64, device=ps.device)
         logits = model.forward_cached(prompt, cache, 0)[:, -1]  # [1, V / t]
-        pos = len(self.prompt_ids)  # the position of the token sampled next
+        pos = self.cached_tokens = len(self.prompt_ids)  # the position sampled next
         for produced in range(self.max_new_tokens):
             if pos >= max_len:
                 self.stop_reason = "max_seq_len"
@@ -152,7 +156,13 @@ class Generation:
             if produced + 1 < self.max_new_tokens and pos < max_len:
                 step = torch.tensor([[token]], dtype=torch.int64, device=ps.device)
                 logits = model.forward_cached(step, cache, pos - 1)[:, -1]
+                self.cached_tokens = pos
         self.stop_reason = "max_new_tokens"
+
+    def cache_bytes_per_token(self) -> list[int]:
+        """Bytes this rank's decode cache holds per token, of each layer (after iterating)."""
+        tokens = max(self.cached_tokens, 1)
+        return [sum(t.numel() * t.element_size() for t in layer) // tokens for layer in self.cache]
 
 
 def generate_text(
@@ -162,9 +172,10 @@ def generate_text(
     sampling: Sampling,
     seed: int,
     write: Callable[[str], None],
-) -> str:
+) -> Generation:
     """Streams the prompt, then its continuation, through write() (rank 0 only) and returns the
-    stop reason. Runs at tp = WORLD_SIZE under torchrun, else in this process at tp 1."""
+    finished Generation (its stop reason and decode cache). Runs at tp = WORLD_SIZE under
+    torchrun, else in this process at tp 1."""
     sampling.check()
     if max_new_tokens < 0:
         raise UserError(f"--max-new-tokens {max_new_tokens}: must be >= 0")
@@ -206,7 +217,8 @@ def generate_text(
                 write(decoder.push(token))
         if ps.is_main:
             write(decoder.flush())
-        return generation.stop_reason or "max_new_tokens"
+        generation.stop_reason = generation.stop_reason or "max_new_tokens"
+        return generation
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()

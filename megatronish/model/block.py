@@ -22,6 +22,7 @@ from megatronish.layers.linear import (
     to_autocast_dtype,
 )
 from megatronish.model.attention import Attention
+from megatronish.model.mla import LatentAttention
 from megatronish.model.norm import Norm
 from megatronish.moe import MoELayer
 
@@ -80,7 +81,8 @@ class Block(nn.Module):
         kind = "layernorm" if model.gpt2_block else "rmsnorm"
         backend = cfg.kernels.backend
         self.norm1 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
-        self.attn = Attention(cfg, derived, ps, tracker, index)
+        attention = LatentAttention if model.attention == "mla" else Attention
+        self.attn = attention(cfg, derived, ps, tracker, index)
         self.norm2 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         if index in derived.moe_layers:
             shared = MLP(cfg, derived, ps, derived.shared_d_ff) if derived.shared_d_ff else None
@@ -105,7 +107,8 @@ class Block(nn.Module):
     def forward_cached(
         self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, start_pos: int
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """forward for incremental decoding (eval: no dropout); see Attention.forward_cached."""
+        """forward for incremental decoding (eval: no dropout); see Attention.forward_cached
+        (the cache: its keys and values) and LatentAttention.forward_cached (its latents)."""
         attn, cache = self.attn.forward_cached(self.norm1(x), cache, start_pos)
         x = x + attn
         return x + self.mlp(self.norm2(x)), cache

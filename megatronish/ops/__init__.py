@@ -56,12 +56,15 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return "triton"
 
 
-def attention_backend(backend: str, q: torch.Tensor) -> str:
-    """The backend attention runs with for q [..., d]: resolve_backend's, except that "auto"
-    takes torch for a head dim d the Triton attention kernels do not compile for (the config
-    checks refuse such a head dim with an explicit "triton")."""
+def attention_backend(backend: str, q: torch.Tensor, v: torch.Tensor | None = None) -> str:
+    """The backend attention runs with for q [..., d] (and v [..., d_v]): resolve_backend's,
+    except that "auto" takes torch for a head dim d the Triton attention kernels do not compile
+    for, or a value head dim other than d (the config checks refuse such a head dim with an
+    explicit "triton")."""
     resolved = resolve_backend(backend, q)
     if resolved == "triton" and backend == "auto" and q.shape[-1] not in TRITON_HEAD_DIMS:
+        return "torch"
+    if resolved == "triton" and backend == "auto" and v is not None and v.shape[-1] != q.shape[-1]:
         return "torch"
     return resolved
 
@@ -98,12 +101,14 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):
 
 
 def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None, window=None):
-    """Scaled dot-product attention. q [b, n_head, s, d], k and v [b, n_kv_head, s, d]. With
+    """Scaled dot-product attention. q [b, n_head, s, d], k [b, n_kv_head, s, d] and v
+    [b, n_kv_head, s, d_v] (d_v may differ from d: multi-head latent attention), scale
+    1/sqrt(d). With
     segments [b, s] int (each position's document, non-decreasing along the sequence:
     megatronish.context.documents) a query sees the keys of its own document only; with a
     sliding window W (int), the query at i sees the keys at j with i - j < W only. The Triton
     kernels skip the blocks of keys that lie wholly in other documents or outside the window."""
-    if attention_backend(backend, q) == "triton":
+    if attention_backend(backend, q, v) == "triton":
         return _kernels().attention(q, k, v, causal, segments, window)
     return reference.attention(q, k, v, causal, segments, window)
 

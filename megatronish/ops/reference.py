@@ -55,7 +55,8 @@ def attention(
     segments: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """q [b, n_head, s, d], k and v [b, n_kv_head, s, d] -> [b, n_head, s, d]; scale 1/sqrt(d).
+    """q [b, n_head, s, d], k [b, n_kv_head, s, d], v [b, n_kv_head, s, d_v] -> [b, n_head, s,
+    d_v]; scale 1/sqrt(d).
     With segments [b, s] (each position's document, megatronish.context.documents) a query
     sees the keys of its own document only; with a window W, the query at i sees the keys at
     j with i - j < W only (itself and the W - 1 before it when causal)."""

@@ -89,11 +89,13 @@ class YarnScaling:
         if self.attention_factor is not None:
             return self.attention_factor
         if self.mscale and self.mscale_all_dim:
-            return _mscale(self.factor, self.mscale) / _mscale(self.factor, self.mscale_all_dim)
-        return _mscale(self.factor, 1.0)
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_mscale(self.factor, 1.0)
 
 
-def _mscale(factor: float, mscale: float) -> float:
+def yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN's attention temperature 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 

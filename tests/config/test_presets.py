@@ -53,13 +53,22 @@ def test_the_last_arch_given_chooses_the_preset(tmp_path):
 
 @pytest.mark.parametrize("arch", sorted(set(PRESETS) - {"gpt2", "llama"}))
 def test_a_family_is_the_llama_block_with_its_presets_components(arch):
-    sets = ["model.n_kv_head=2", "train.seq_len=16", "model.max_seq_len=16", "model.vocab_size=64"]
+    sets = ["train.seq_len=16", "model.max_seq_len=16", "model.vocab_size=64"]
     if arch.endswith("moe"):
         sets += ["model.moe.num_experts=4", "model.moe.top_k=2"]
+    if arch == "deepseek_v3":  # latent attention of small sizes, 16 experts in its 8 groups
+        sizes = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4)
+        sets += [f"model.mla.{k}={v}" for k, v in sizes.items()]
+        sets += ["model.n_layer=4", "model.moe.num_experts=16", "model.moe.d_ff=32"]
+    else:
+        sets.append("model.n_kv_head=2")
     family = load_config(TINY, [*sets, f"model.arch={arch}"])
-    components = [f"model.{k}={v}" for k, v in PRESETS[arch].items() if k != "moe"]
-    components += [f"model.moe.{k}={v}" for k, v in PRESETS[arch].get("moe", {}).items()]
-    llama = load_config(TINY, [*sets, "model.arch=llama", *components])
+    components = [
+        f"model.{key}.{k}={v}" if isinstance(value, dict) else f"model.{key}={value}"
+        for key, value in PRESETS[arch].items()
+        for k, v in (value.items() if isinstance(value, dict) else [(None, None)])
+    ]
+    llama = load_config(TINY, ["model.arch=llama", *components, *sets])
     models = []
     for cfg in (family, llama):
         torch.manual_seed(0)

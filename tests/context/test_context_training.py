@@ -45,6 +45,14 @@ HEAD_DIM_12_WINDOW = [
     "model.full_attention_layers=1",
     YARN,
 ]
+# Multi-head latent attention (DeepSeek-V3): the ring carries keys of 8 + 4 and values of 6 per
+# head, and under full recompute the rerun gathers its latents again; YaRN as above.
+MLA = [
+    "model.arch=deepseek_v3", "model.n_layer=2", "train.micro_batch_size=4",
+    "model.mla.q_lora_rank=12", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
+    "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6",
+    "model.rope_scaling.original_max_position_embeddings=16",
+]  # fmt: skip
 
 # name -> (tp, cp, dp, pp, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
@@ -65,7 +73,10 @@ FOUR_RANKS = {
     "llama cp2 pp2 head_dim 12 window yarn": (1, 2, 1, 2, LLAMA + HEAD_DIM_12_WINDOW),
     "gpt2 cp2 dp2 zero1": (1, 2, 2, 1, GPT2 + ["optim.zero=1"]),
     "llama cp2 dp2": (1, 2, 2, 1, LLAMA),
-}
+    "mla tp2 cp2 sp full recompute": (
+        2, 2, 1, 1, MLA + SP + ["train.activation_checkpointing=full"],
+    ),
+}  # fmt: skip
 SAVED = "gpt2 cp2"  # also saves a checkpoint at step 10
 
 

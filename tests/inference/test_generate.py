@@ -1,6 +1,7 @@
 """Generation: the KV-cached decoding path computes what the full forward does (with RoPE
-scaling, and under a sliding window shorter and longer than the prompt), greedy generation is
-the same at tp = 1 and tp = 2, sampling is seeded, and the CLI streams text."""
+scaling, under a sliding window shorter and longer than the prompt, and with multi-head latent
+attention's latent cache), greedy generation is the same at tp = 1 and tp = 2, sampling is
+seeded, and the CLI streams text and says the decode cache's bytes per token."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ from tests.conftest import invoke_cli
 from tests.ranks import run_on_ranks
 
 GREEDY = Sampling(temperature=0.0)
+# Multi-head latent attention (with the deepseek_v3 preset's YaRN scaling): the cache holds a
+# latent of 16 and a rotary key of 8 per token, not 4 heads of keys (16 + 8) and values (12).
+MLA = [
+    "model.mla.q_lora_rank=24",
+    "model.mla.kv_lora_rank=16",
+    "model.mla.qk_nope_head_dim=16",
+    "model.mla.qk_rope_head_dim=8",
+    "model.mla.v_head_dim=12",
+]
 PROMPT = [104, 101, 108, 108, 111]  # "hello"
 
 
@@ -33,6 +43,7 @@ def checkpoints(tmp_path_factory):
     yarn = "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16}"
     head_dim = tiny_cfg("llama", "model.head_dim=24", yarn)
     paths["llama_head_dim"] = save_single(root / "hd", head_dim)[0]
+    paths["mla"] = save_single(root / "mla", tiny_cfg("deepseek_v3", *MLA))[0]
     return paths
 
 
@@ -59,6 +70,15 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch)
     cached, full, cache = _cached_and_full(model, tokens(2, 24, seed=3))
     assert len(cache) == 2 and cache[0][0].shape[2] == 24
     assert cache[0][0].shape[3] == (24 if arch == "llama_head_dim" else 16)  # the head dim
+    torch.testing.assert_close(cached, full, rtol=0, atol=2e-5)
+
+
+def test_mla_decoding_caches_the_latent_and_rotary_key_and_gives_the_full_forwards_logits(
+    checkpoints,
+):
+    model = build_model(Checkpoint(checkpoints["mla"]), ParallelState.single())
+    cached, full, cache = _cached_and_full(model, tokens(2, 24, seed=3))
+    assert [[tuple(t.shape) for t in layer] for layer in cache] == [[(2, 24, 16), (2, 24, 8)]] * 2
     torch.testing.assert_close(cached, full, rtol=0, atol=2e-5)
 
 
@@ -96,12 +116,13 @@ def test_greedy_generation_is_the_same_at_tp1_and_tp2(checkpoints):
     at_tp2 = run_on_ranks(_greedy_at_tp2, 2, checkpoints, timeout=120)
     assert at_tp2[0] == at_tp2[1] == at_tp1
     # and the cache changes nothing: the argmax of the full forward, token by token
-    model = build_model(Checkpoint(checkpoints["gpt2"]), ParallelState.single())
-    sequence = list(PROMPT)
-    with torch.no_grad():
-        for _ in range(20):
-            sequence.append(int(model(torch.tensor([sequence]))[0, -1, :VOCAB].argmax()))
-    assert sequence[len(PROMPT) :] == at_tp1["gpt2"]
+    for arch in ("gpt2", "mla"):
+        model = build_model(Checkpoint(checkpoints[arch]), ParallelState.single())
+        sequence = list(PROMPT)
+        with torch.no_grad():
+            for _ in range(20):
+                sequence.append(int(model(torch.tensor([sequence]))[0, -1, :VOCAB].argmax()))
+        assert sequence[len(PROMPT) :] == at_tp1[arch], arch
 
 
 @pytest.mark.slow  # several generate subprocesses
@@ -151,7 +172,11 @@ def test_generate_command_streams_the_continuation_of_the_prompt(checkpoints):
     produced, reason = generate(model, 12, eot=256)
     expected = "hello" + ByteTokenizer().decode(produced).replace("\ufffd", "")
     assert result.stdout.replace("\ufffd", "") == expected + "\n"
-    assert "[stopped at" in result.stderr
+    # 2 layers of fp32 keys and values of 4 heads of 16
+    assert "; decode cache per rank 1,024 bytes per token (512 per layer x 2)]" in result.stderr
+    mla = CliRunner().invoke(cli, [*args[:2], str(checkpoints["mla"]), *args[3:]])
+    # 2 layers of an fp32 latent of 16 and rotary key of 8 (keys and values: 4 x (24 + 12))
+    assert "decode cache per rank 192 bytes per token (96 per layer x 2)]" in mla.stderr
     bad = CliRunner().invoke(cli, args + ["--top-p", "0"])
     assert bad.exit_code == 2 and "--top-p 0.0: must be in (0, 1]" in bad.stderr
 

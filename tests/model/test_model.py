@@ -1,6 +1,7 @@
 """The whole model at tp = 2 and 4 equals tp = 1: the same full weights at init, the same
 logits and loss, the same gradient of every parameter (fp32, relative error < 1e-5); also with
-Qwen-style attention (q, k, v biases, q and k norms, a sliding window after the first block)."""
+Qwen-style attention (q, k, v biases, q and k norms, a sliding window after the first block)
+and multi-head latent attention."""
 
 from __future__ import annotations
 
@@ -44,6 +45,24 @@ ARCH_SETTINGS = {
         "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16}",
         "model.sliding_window=5",
         "model.full_attention_layers=1",
+    ],
+    # Multi-head latent attention (DeepSeek-V3): heads split over tp, the replicated
+    # down-projections and their norms (each rank's gradient covering its tokens under sequence
+    # parallelism), YaRN with its softmax scale, a sliding window in the second block, and its
+    # attention core recomputed in backward (selective recompute).
+    "mla": [
+        "model.arch=deepseek_v3",
+        "model.n_head=4",
+        "model.d_model=32",
+        "model.mla.q_lora_rank=24",
+        "model.mla.kv_lora_rank=16",
+        "model.mla.qk_nope_head_dim=8",
+        "model.mla.qk_rope_head_dim=4",
+        "model.mla.v_head_dim=6",
+        "model.rope_scaling.original_max_position_embeddings=4",
+        "model.sliding_window=5",
+        "model.full_attention_layers=1",
+        "train.activation_checkpointing=selective",
     ],
 }
 
@@ -117,11 +136,12 @@ def test_model_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(arch, tp,
     check_tp_parity(arch, tp, sequence_parallel)
 
 
+@pytest.mark.parametrize("arch", ["llama_qwen", "mla"])
 @pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True)])
-def test_qwen_attention_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(
-    tp, sequence_parallel
+def test_qwen_and_latent_attention_at_tp_equal_tp1_weights_logits_loss_and_every_gradient(
+    arch, tp, sequence_parallel
 ):
-    check_tp_parity("llama_qwen", tp, sequence_parallel)
+    check_tp_parity(arch, tp, sequence_parallel)
 
 
 def check_tp_parity(arch: str, tp: int, sequence_parallel: bool) -> None:

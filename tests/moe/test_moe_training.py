@@ -37,11 +37,13 @@ MOE = [
     "model.moe.top_k=2", "model.moe.every=1", "model.moe.d_ff=48", "model.moe.z_loss_coef=0.01",
 ]  # fmt: skip
 CAPACITY = ["model.moe.capacity_factor=1.0"]
-# DeepSeek-V3's MoE: a dense first block, then MoE blocks of 8 experts in 4 groups (2 chosen),
-# a sigmoid router with routing biases moved every step, the sequence-wise balancing loss and
-# two shared experts.
+# DeepSeek-V3: multi-head latent attention (the deepseek_v3 preset's YaRN), a dense first block,
+# then MoE blocks of 8 experts in 4 groups (2 chosen), a sigmoid router with routing biases
+# moved every step, the sequence-wise balancing loss and two shared experts.
 DEEPSEEK = [
-    "model.arch=llama", "model.n_kv_head=2", "model.n_layer=3", "model.moe.num_experts=8",
+    "model.arch=deepseek_v3", "model.mla.q_lora_rank=12", "model.mla.kv_lora_rank=16",
+    "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6",
+    "model.n_layer=3", "model.moe.num_experts=8",
     "model.moe.top_k=2", "model.moe.d_ff=16", "model.moe.router=sigmoid", "model.moe.n_group=4",
     "model.moe.topk_group=2", "model.moe.routed_scaling_factor=1.5",
     "model.moe.bias_update_speed=0.01", "model.moe.seq_aux_loss_coef=0.01",

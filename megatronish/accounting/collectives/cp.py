@@ -1,8 +1,9 @@
 """Context parallelism: what a rank issues over its cp group (nothing at cp = 1 but the loss
 mask's count, which runs over the whole data-parallel group).
 
-Per micro-batch and layer the ring attention sends ("cp_ring") its k and v, c [2, b, k/t, s, d]
-with k kv heads (only those travel), cp - 1 times forward and again backward, plus cp hops of
+Per micro-batch and layer the ring attention sends ("cp_ring") its k and v, c [b, k/t, s, d + e]
+with k kv heads (only those travel; n under multi-head latent attention), d the query-key and e
+the value head dim, cp - 1 times forward and again backward, plus cp hops of
 their fp32 gradient accumulator backward; attention recompute (selective or full) reruns the
 forward ring. Per micro-batch and MoE layer the E int64 routed counts of the balancing loss
 (b x E, each sequence's, with the sequence-wise balancing loss).
@@ -27,9 +28,9 @@ from megatronish.accounting.collectives.step import (
 def cp_collectives(step: Step) -> list[Collective]:
     """The ring's, the MoE balancing loss's and the loss's token counts (see module doc)."""
     cp, accum, n = step.cp, step.accum, step.layers
-    kv = (
-        2 * step.b * (step.derived.n_kv_head // step.tp) * step.s * step.derived.head_dim
-    )  # elements
+    derived = step.derived
+    heads = derived.n_kv_head // step.tp
+    kv = step.b * heads * step.s * (derived.head_dim + derived.v_head_dim)  # elements
     forward_rings = 2 if step.cfg.train.activation_checkpointing != "none" else 1
     hops = (cp - 1) * (forward_rings + 1) * n * accum
     what = "ring attention k and v (forward, backward)"

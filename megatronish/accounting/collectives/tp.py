@@ -14,6 +14,14 @@ checkpointing reruns each block's forward, up to the last op that saves a tensor
 (torch.utils.checkpoint stops there): the attention projection's collective, and the MLP
 down's only with dropout after it.
 
+Multi-head latent attention (model.attention mla) has no qkv collective: its replicated
+down-projections run on the layer input, and their outputs (the query latent, the normed kv
+latent and the rotary key, c [b, s, q_lora_rank + kv_lora_rank + qk_rope_head_dim]) enter the
+tp region together: their gradient all-reduced backward, or under sequence parallelism
+all-gathered forward (again in a full-recompute rerun, not in backward: the up-projections keep
+it) and reduce-scattered backward. Without q_lora_rank the query projection is
+column-parallel from the layer input and keeps qkv's collectives.
+
 The vocab-parallel cross entropy (last stage, per micro-batch): the fp32 row max [b, s] and
 the target logit and sum of exp [2, b, s].
 
@@ -97,11 +105,23 @@ def _forward_runs(step: Step, decomposed: bool) -> tuple[int, int]:
     return (2 if full else 1), (2 if down_rerun else 1)
 
 
+def _attention_inputs(step: Step) -> tuple[int, int]:
+    """(layers whose attention takes the layer input through a column-parallel projection: qkv,
+    or mla's queries without q_lora_rank; bytes of mla's latents entering the tp region per
+    micro-batch and layer, 0 without mla)."""
+    mla, n = step.cfg.model.mla, step.layers
+    if step.cfg.model.attention != "mla":
+        return n, 0
+    width = (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim
+    return (n if mla.q_lora_rank is None else 0), step.b * step.s * width * step.c
+
+
 def _blocks(step: Step) -> list[Collective]:
     """Without sequence parallelism: the layers' and the LM head's all-reduces (an MoE layer's
     output all-reduce stays whole under parallel.tp_comm_overlap)."""
     act, n, head = step.b * step.s * step.h * step.c, step.layers, 1 if step.last else 0
     moe, (attn_runs, down_runs) = step.moe_layers, _forward_runs(step, step.overlap)
+    qkv, latents = _attention_inputs(step)
     forward = [
         ("attention projection output (forward)", "all_reduce", act, n * attn_runs, "proj"),
         ("MLP down output (forward)", "all_reduce", act, (n - moe) * down_runs, "down"),
@@ -111,7 +131,8 @@ def _blocks(step: Step) -> list[Collective]:
         decomposed(step, forward)
         + [
             ("MoE output (forward)", "all_reduce", act, moe * _forward_runs(step, False)[1]),
-            ("qkv input gradient (backward)", "all_reduce", act, n),
+            ("qkv input gradient (backward)", "all_reduce", act, qkv),
+            ("MLA latents gradient (backward)", "all_reduce", latents, n if latents else 0),
             ("MLP first projection input gradient (backward)", "all_reduce", act, n),
             ("LM head input gradient (backward)", "all_reduce", act, head),
         ],
@@ -134,10 +155,14 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     mlp_gathers = (2 if step.cfg.model.gpt2_block else 1) + rerun
     moe_runs = _forward_runs(step, False)[1]
     ag, rs = "all_gather", "reduce_scatter"
+    qkv, latents = _attention_inputs(step)
+    mla = n if latents else 0
     return _over_tp(
         step,
         [
             ("embedding output gradient (backward)", ag, fp32, embed),
+            ("MLA latents (forward)", ag, latents, mla * (1 + rerun)),
+            ("MLA latents gradient (backward)", rs, latents, mla),
             ("MoE tokens (forward, backward)", ag, act, moe * (1 + rerun)),
             ("MoE tokens gradient (backward)", rs, act, moe),
             ("MoE output (forward)", rs, act, moe * moe_runs),
@@ -146,10 +171,10 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
         + decomposed(
             step,
             [
-                ("qkv input (forward, backward)", ag, act, n * qkv_gathers, "qkv"),
+                ("qkv input (forward, backward)", ag, act, qkv * qkv_gathers, "qkv"),
                 ("MLP input (forward, backward)", ag, act, dense * mlp_gathers, "up"),
                 ("LM head input (forward, backward)", ag, act, 2 * head, "head"),
-                ("qkv input gradient (backward)", rs, act, n, "qkv"),
+                ("qkv input gradient (backward)", rs, act, qkv, "qkv"),
                 ("MLP first projection input gradient (backward)", rs, act, dense, "up"),
                 ("LM head input gradient (backward)", rs, act, head, "head"),
                 ("attention projection output (forward)", rs, act, n * attn_runs, "proj"),

@@ -1,0 +1,121 @@
+"""Checks of the model's position and attention components on their own: model.rope_scaling
+and multi-head latent attention (model.attention, model.mla.*), each failing with a UserError
+that names the key and what is valid."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatronish.config.rules import require
+from megatronish.config.schema import ROPE_SCALING_KEYS, Config, RopeScalingConfig
+
+
+def check_rope_scaling(cfg: Config) -> None:
+    """model.rope_scaling: llama only, a known type with the keys that type reads (those of the
+    other type left at their defaults), each in its range."""
+    scaling, key = cfg.model.rope_scaling, "model.rope_scaling"
+    if scaling is None:
+        return
+    require(
+        not cfg.model.gpt2_block,
+        f"{key}: gpt2 has learned positions, no RoPE to scale (only with RoPE families)",
+    )
+    require(
+        scaling.type is not None, f"{key}.type: missing; valid: {' | '.join(ROPE_SCALING_KEYS)}"
+    )
+    keys, defaults = ROPE_SCALING_KEYS[scaling.type], RopeScalingConfig()
+    for field in dataclasses.fields(scaling):
+        name = field.name
+        if name != "type" and name not in keys:
+            require(
+                getattr(scaling, name) == getattr(defaults, name),
+                f"{key}.{name}: not a key of type {scaling.type}; its keys: type, "
+                + ", ".join(keys),
+            )
+    needed = ["factor", "original_max_position_embeddings"]
+    needed += ["low_freq_factor", "high_freq_factor"] if scaling.type == "llama3" else []
+    for name in needed:
+        require(
+            getattr(scaling, name) is not None,
+            f"{key}.{name}: missing; type {scaling.type} needs {', '.join(needed)}",
+        )
+    require(scaling.factor >= 1, f"{key}.factor: {scaling.factor} is not valid; must be >= 1")
+    original = scaling.original_max_position_embeddings
+    require(
+        original >= 1,
+        f"{key}.original_max_position_embeddings: {original} is not valid; must be >= 1",
+    )
+    if scaling.type == "llama3":
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        require(low > 0, f"{key}.low_freq_factor: {low} is not valid; must be > 0")
+        require(
+            high > low,
+            f"{key}.high_freq_factor: {high} is not valid; must be > low_freq_factor={low}",
+        )
+        return
+    slow, fast = scaling.beta_slow, scaling.beta_fast
+    require(slow > 0, f"{key}.beta_slow: {slow} is not valid; must be > 0")
+    require(fast > slow, f"{key}.beta_fast: {fast} is not valid; must be > beta_slow={slow}")
+    attention = scaling.attention_factor
+    require(
+        attention is None or attention > 0,
+        f"{key}.attention_factor: {attention} is not valid; must be > 0, or null (from factor)",
+    )
+    for name in ("mscale", "mscale_all_dim"):
+        value = getattr(scaling, name)
+        require(
+            value is None or value >= 0,
+            f"{key}.{name}: {value} is not valid; must be >= 0, or null",
+        )
+
+
+MLA_REQUIRED = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def check_attention(cfg: Config) -> None:
+    """model.attention and model.mla: the latent sizes only with mla (all but q_lora_rank
+    required then, each positive, the rotary dim even), mla only on the llama block, and none
+    of the keys of the heads that mla replaces."""
+    model = cfg.model
+    mla = model.mla
+    sizes = {f.name: getattr(mla, f.name) for f in dataclasses.fields(mla)}
+    if model.attention == "mha":
+        for name, value in sizes.items():
+            require(
+                value is None,
+                f"model.mla.{name}: {value} needs model.attention=mla (model.arch "
+                f"{model.arch!r} has attention mha); set model.attention=mla (or model.arch="
+                f"deepseek_v3) or leave model.mla.{name} unset",
+            )
+        return
+    require(
+        not model.gpt2_block,
+        "model.attention: mla needs the RoPE block; model.arch 'gpt2' has learned positions "
+        "(valid: deepseek_v3, llama, ...)",
+    )
+    for name in MLA_REQUIRED:
+        require(
+            sizes[name] is not None,
+            f"model.mla.{name}: missing; model.attention mla needs model.mla."
+            + ", model.mla.".join(MLA_REQUIRED),
+        )
+    for name, value in sizes.items():
+        require(
+            value is None or value >= 1,
+            f"model.mla.{name}: {value} is not valid; must be a positive integer"
+            + (" or null (one query projection)" if name == "q_lora_rank" else ""),
+        )
+    rope = mla.qk_rope_head_dim
+    require(rope % 2 == 0, f"model.mla.qk_rope_head_dim: {rope} is not valid; must be even (RoPE)")
+    for key, value, unused in (
+        ("n_kv_head", model.n_kv_head, model.n_kv_head in (None, model.n_head)),
+        ("head_dim", model.head_dim, model.head_dim is None),
+        ("qk_norm", model.qk_norm, not model.qk_norm),
+        ("qkv_bias", model.qkv_bias, not model.qkv_bias),
+    ):
+        require(
+            unused,
+            f"model.{key}: {value} is not used by model.attention mla (its heads are "
+            f"model.n_head queries over keys and values from the latent, sized by model.mla.*); "
+            f"leave model.{key} unset",
+        )
