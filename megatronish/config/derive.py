@@ -12,7 +12,29 @@ from megatronish.config.schema import Config, ModelConfig, ParallelConfig, Train
 VOCAB_PAD_MULTIPLE = 128
 
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
-"""The head dims the Triton attention kernels compile for."""
+"""The head dims the Triton attention kernels compile for (query-key and value dims equal)."""
+
+TRITON_QK_HEAD_DIMS = tuple(
+    sorted(d + rest for d in TRITON_HEAD_DIMS for rest in (0, *TRITON_HEAD_DIMS) if rest < d)
+)
+"""The query-key head dims the Triton attention kernels take beside a value head dim of
+TRITON_HEAD_DIMS: one of those, or one plus a smaller one, which the kernels tile as two
+parts (DeepSeek's latent attention: 192 = 128 + 64)."""
+
+
+def triton_attention_dims_ok(qk_dim: int, v_dim: int) -> bool:
+    """Whether the Triton attention kernels take query-key head dim qk_dim (queries and keys)
+    with value head dim v_dim (values and the output)."""
+    return qk_dim in TRITON_QK_HEAD_DIMS and v_dim in TRITON_HEAD_DIMS
+
+
+def triton_attention_dims_hint() -> str:
+    """The head dims triton_attention_dims_ok takes, in words for a one-line error."""
+    return (
+        f"valid query-key head dims: {', '.join(map(str, TRITON_QK_HEAD_DIMS))}; valid value "
+        f"head dims: {', '.join(map(str, TRITON_HEAD_DIMS))}"
+    )
+
 
 FP8_BLOCK = 128
 """The side of a blockwise fp8 scaling block (megatronish.fp8.granularity.BLOCK)."""
