@@ -12,7 +12,8 @@ softmax (running max m, running sum l, fp32 accumulator), so no s x s matrix exi
 blocks that need no mask (all keys valid, none past the diagonal) run first without one; the
 rest (the diagonal band when causal, the sequence tail) run with the mask. The tiles are
 chosen in attention_tiles.py; the backward kernels are in attention_bwd.py and
-attention_dkdv.py (imported here, and importing nothing from here).
+attention_dkdv.py (imported here, and importing nothing from here); one block of ring
+attention runs both through attention_ring.py.
 
 Document masks (DOCS, segments [b, s] of the queries and of the keys): every key block also
 masks the keys of other documents, and a query block walks only the key blocks that hold keys
@@ -324,7 +325,7 @@ def forward_launch(
     )
 
 
-def _forward(
+def forward_pass(
     q, k, v, causal: bool, segments, out_dtype=None, window=None, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n_head, s, dv] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
@@ -346,7 +347,7 @@ class _AttentionFunction(torch.autograd.Function):
         window_args(window, 0, q.shape[2])  # a bad window fails before any work
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         segments = check_segments(q, None if segments is None else (segments, segments))
-        out, lse = _forward(q, k, v, causal, segments, window=window)
+        out, lse = forward_pass(q, k, v, causal, segments, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.segments, ctx.window = causal, segments, window
         return out
@@ -358,38 +359,6 @@ class _AttentionFunction(torch.autograd.Function):
             q, k, v, out, lse, dout, ctx.causal, ctx.segments, ctx.window
         )
         return dq, dk, dv, None, None, None
-
-
-def attention_block_forward(
-    q, k, v, causal: bool, segments=None, window: int | None = None, offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of ring attention, no autograd: (out fp32 (fp64 for fp64 inputs), to be merged
-    with other blocks; lse [b, n_head, s] fp32 in natural log), shapes as in `attention`;
-    segments: None, or the (queries', keys') [b, s] under document masks; window: a sliding
-    window over queries `offset` positions after the keys, or None (a row that sees no key
-    here gets out 0 and lse -inf)."""
-    check_device(q, k, v)
-    check_shapes(q, k, v)
-    out_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments = check_segments(q, segments)
-    out, lse2 = _forward(q, k, v, causal, segments, out_dtype, window, offset)
-    return out, lse2 * (1.0 / LOG2_E)
-
-
-def attention_block_backward(
-    q, k, v, out, lse, dout, causal: bool, segments=None, window=None, offset: int = 0
-):
-    """The flash backward of one block from a given output `out` and natural-log `lse` (a ring's
-    final ones, so rowsum(dout * out) is the global one): dq, dk, dv in the inputs' dtype;
-    segments, window and offset as in attention_block_forward."""
-    check_device(q, k, v, out, dout)
-    check_shapes(q, k, v)
-    lse2 = (lse.float() * LOG2_E).contiguous()
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments = check_segments(q, segments)
-    out = out.contiguous()
-    return attention_backward(q, k, v, out, lse2, dout, causal, segments, window, offset)
 
 
 def attention(

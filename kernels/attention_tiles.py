@@ -90,7 +90,8 @@ def attention_blocks(
     Under the interpreter the tiles are small (16 and 32) so that tiny CPU tests cross several
     tiles and exercise every loop. On CUDA they were chosen with scripts/kernel_report.py so
     that ptxas reports no register spills for bf16 on sm_80 and sm_90 at every shipped config
-    (and at d = 128), with shared memory well under both limits; they shrink when the sequence
+    (and at d = 128, and at DeepSeek-V3's d = 192 with dv = 128), with shared memory well
+    under both limits; they shrink when the sequence
     is short (gpu_attention_blocks). fp32 runs exact-fp32 dots without tensor cores, on small
     tiles.
     """
@@ -109,23 +110,31 @@ def gpu_attention_blocks(
     def tile(block_m: int, block_n: int, num_warps: int) -> Tile:
         return Tile(min(block_m, cap), min(block_n, cap), num_warps)
 
+    width = max(head_dim, v_dim or head_dim)
     if dtype == torch.float32:
         # Exact-fp32 dots run on FMA units; sm_90 lowers a 32 x 32 forward tile with 8 warps
         # into 255 registers and spills at d = 128, 16 x 16 with 4 warps stays under 80 on both.
+        # Past d = 128 (192 / 128) the backward's 32 x 32 tiles spill 200-350 bytes on sm_90;
+        # 16-wide query (dK/dV) and key (dQ) blocks stay under 135 registers.
+        if width > 128:
+            return AttentionBlocks(tile(16, 16, 4), tile(16, 32, 8), tile(32, 16, 8), 2)
         return AttentionBlocks(tile(16, 16, 4), tile(32, 32, 8), tile(32, 32, 8), num_stages=2)
-    width = max(head_dim, v_dim or head_dim)
+    # A value head dim unlike the query-key one (DeepSeek's latent attention) takes dK/dV key
+    # blocks of 32: at 32 x 64 (d = 128) or 32 x 128 (d <= 64) its mixed accumulators spill,
+    # 192 / 128 under four query heads a kv head by 80 bytes on sm_90 (32 x 32: 231 registers).
+    mixed = v_dim is not None and v_dim != head_dim
     if width > 128:
-        # A query-key dim past 128 (DeepSeek's 192 with values of 128) holds up to 320 columns
-        # of q, k, dq, dk, v, dv per row where d = 128 holds 256. sm_90's wgmma reads the
-        # second operand from shared memory and keeps the d = 128 tiles (at 192 / 128 under
-        # document masks and a window: forward 248 registers, dK/dV 241, dQ 237, no spills);
-        # sm_80's mma.sync holds both operands in registers and spills with them, so it halves
-        # the query block of the forward and the key block of dK/dV, and dQ takes 32 x 32.
+        # A query-key dim past 128 (192 with values of 128) holds up to 320 columns of q, k,
+        # dq, dk, v, dv per row where d = 128 holds 256. sm_90's wgmma reads the second operand
+        # from shared memory and keeps the d = 128 forward and dQ tiles (at 192 / 128 under
+        # document masks and a window: 248 and 237 registers, no spills); sm_80's mma.sync
+        # holds both operands in registers and spills with them, so it halves the forward's
+        # query block and dQ takes 32 x 32.
         if arch >= 90:
-            return AttentionBlocks(tile(128, 64, 8), tile(32, 64, 8), tile(128, 32, 8), 2)
+            return AttentionBlocks(tile(128, 64, 8), tile(32, 32, 8), tile(128, 32, 8), 2)
         return AttentionBlocks(tile(64, 64, 8), tile(32, 32, 8), tile(32, 32, 8), num_stages=2)
-    # Query-key and value dims of at most 128 (equal or not) take the tiles of the power of two
-    # that holds both: a kernel holds no more columns than at equal head dims of that size.
+    # Query-key and value dims of at most 128 take the tiles of the power of two that holds
+    # both: a kernel then holds no more columns than at equal head dims of that size.
     wide = triton.next_power_of_2(width) >= 128
     # The forward at d = 128 is the one tile that cannot serve both archs: sm_80's mma.sync
     # takes both operands in registers, so a 128 x 64 score tile next to the 128 x 128 fp32
@@ -134,7 +143,7 @@ def gpu_attention_blocks(
     fwd_n = 32 if wide and arch < 90 else 64
     return AttentionBlocks(
         fwd=tile(128, fwd_n, 8),
-        dkdv=tile(32, 64 if wide else 128, 8),
+        dkdv=tile(32, 32 if mixed else 64 if wide else 128, 8),
         dq=tile(128, 32, 8),
         num_stages=2,
     )

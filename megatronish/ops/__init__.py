@@ -100,11 +100,12 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):
 
 
 def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None, window=None):
-    """Scaled dot-product attention, scale 1/sqrt(d): q [b, n_head, s, d], k [b, n_kv_head, s,
-    d] and v [b, n_kv_head, s, dv] -> [b, n_head, s, dv]. With segments [b, s] int (each
-    position's document, non-decreasing along the sequence: megatronish.context.documents) a query sees the keys of its own document only; with a
-    sliding window W (int), the query at i sees the keys at j with i - j < W only. The Triton
-    kernels skip the blocks of keys that lie wholly in other documents or outside the window."""
+    """Scaled dot-product attention, scale 1/sqrt(d): q [b, n_head, s, d], k [b, n_kv_head, s, d]
+    and v [b, n_kv_head, s, dv] -> [b, n_head, s, dv]. With segments [b, s] int (each position's
+    document, non-decreasing along the sequence: megatronish.context.documents) a query sees the
+    keys of its own document only; with a sliding window W (int), the query at i sees the keys
+    at j with i - j < W only. The Triton kernels skip the blocks of keys that lie wholly in
+    other documents or outside the window."""
     if attention_backend(backend, q, v) == "triton":
         return _kernels().attention(q, k, v, causal, segments, window)
     return reference.attention(q, k, v, causal, segments, window)
