@@ -1,8 +1,10 @@
 """Fused scaled-dot-product attention, FlashAttention-2 style: forward kernel and autograd wrapper.
 
 Shapes: b batch, n_head query heads, n_kv key/value heads (n_head % n_kv == 0; query head
-h reads kv head h // (n_head / n_kv)), s sequence (queries and keys alike), d head dim (a
-power of two, 16..128). q, o [b, n_head, s, d]; k, v [b, n_kv, s, d];
+h reads kv head h // (n_head / n_kv)), s sequence (queries and keys alike), d query-key head
+dim, dv value head dim (attention_tiles: d a power of two 16..128, or one plus a smaller
+power-of-two rest, as DeepSeek's 192 = 128 + 64; dv a power of two 16..128). q [b, n_head, s,
+d], k [b, n_kv, s, d], v [b, n_kv, s, dv], o [b, n_head, s, dv]; scale 1/sqrt(d);
 lse [b, n_head, s] fp32 in base 2: lse = log2(sum_j 2^(q.k_j * scale * log2(e))).
 
 Forward: one program per (BLOCK_M queries, batch * head). It walks the key blocks with an online
@@ -10,7 +12,8 @@ softmax (running max m, running sum l, fp32 accumulator), so no s x s matrix exi
 blocks that need no mask (all keys valid, none past the diagonal) run first without one; the
 rest (the diagonal band when causal, the sequence tail) run with the mask. The tiles are
 chosen in attention_tiles.py; the backward kernels are in attention_bwd.py and
-attention_dkdv.py (imported here, and importing nothing from here).
+attention_dkdv.py (imported here, and importing nothing from here); one block of ring
+attention runs both through attention_ring.py.
 
 Document masks (DOCS, segments [b, s] of the queries and of the keys): every key block also
 masks the keys of other documents, and a query block walks only the key blocks that hold keys
@@ -39,8 +42,10 @@ from .attention_tiles import (
     attention_blocks,
     check_segments,
     check_shapes,
+    load_rows,
     query_block_keys,
     segment_bounds,
+    split_qk_dim,
     window_args,
 )
 
@@ -51,6 +56,7 @@ def _fwd_inner(
     l_i,
     m_i,
     q,
+    q_rest,
     q_seg,
     K,
     V,
@@ -58,7 +64,6 @@ def _fwd_inner(
     seg_base,
     offs_m,
     offs_n,
-    offs_d,
     lo,
     hi,
     seq_len,
@@ -70,28 +75,31 @@ def _fwd_inner(
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    QK_REST: tl.constexpr,
+    V_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_offs = cols[:, None] * HEAD_DIM + offs_d[None, :]
+        col_ok = cols < seq_len
+        k = load_rows(K, cols, col_ok, HEAD_DIM + QK_REST, 0, HEAD_DIM, MASKED)
+        if QK_REST > 0:
+            k_rest = load_rows(K, cols, col_ok, HEAD_DIM + QK_REST, HEAD_DIM, QK_REST, MASKED)
+        v = load_rows(V, cols, col_ok, V_DIM, 0, V_DIM, MASKED)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if QK_REST > 0:
+            scores = tl.dot(q_rest, tl.trans(k_rest), scores, input_precision=PREC)
+        scores = scores * qk_scale  # [M, N], log2 units
         if MASKED:
-            k = tl.load(K + kv_offs, mask=(cols < seq_len)[:, None], other=0.0)
-            v = tl.load(V + kv_offs, mask=(cols < seq_len)[:, None], other=0.0)
-        else:
-            k = tl.load(K + kv_offs)
-            v = tl.load(V + kv_offs)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [M, N], log2 units
-        if MASKED:
-            valid = (cols < seq_len)[None, :]
+            valid = col_ok[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             if WINDOW:
                 valid = valid & (offs_m[:, None] + offset - cols[None, :] < window)
             scores = tl.where(valid, scores, float("-inf"))
         if DOCS:
-            k_seg = tl.load(KSEG + seg_base + cols, mask=cols < seq_len, other=-1)
+            k_seg = tl.load(KSEG + seg_base + cols, mask=col_ok, other=-1)
             scores = tl.where(q_seg[:, None] == k_seg[None, :], scores, float("-inf"))
         # Without documents or a window key 0 is in the first block every row sees, so m_new
         # is finite from the first step; with them a row may have seen no key yet (m_new -inf).
@@ -127,6 +135,8 @@ def _attn_fwd_kernel(
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    QK_REST: tl.constexpr,
+    V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
@@ -136,18 +146,23 @@ def _attn_fwd_kernel(
     start_m = block_m * BLOCK_M
     bh = tl.program_id(1)
     kv_bh = (bh // n_head) * (n_head // group) + (bh % n_head) // group
-    q_base = bh.to(tl.int64) * seq_len * HEAD_DIM
-    kv_base = kv_bh.to(tl.int64) * seq_len * HEAD_DIM
+    QK_DIM = HEAD_DIM + QK_REST
+    q_base = bh.to(tl.int64) * seq_len * QK_DIM
+    k_base = kv_bh.to(tl.int64) * seq_len * QK_DIM
+    v_base = kv_bh.to(tl.int64) * seq_len * V_DIM
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_mask = offs_m < seq_len
-    q_offs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q + q_base + q_offs, mask=row_mask[:, None], other=0.0)
+    q = load_rows(Q + q_base, offs_m, row_mask, QK_DIM, 0, HEAD_DIM, True)
+    q_rest = q  # the query-key dims past HEAD_DIM, where there are any (QK_REST > 0)
+    if QK_REST > 0:
+        q_rest = load_rows(
+            Q + q_base, offs_m, row_mask, HEAD_DIM + QK_REST, HEAD_DIM, QK_REST, True
+        )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_DIM], dtype=tl.float32)
     lo, band_hi, free_hi, masked_lo, hi, q_seg, seg_base = query_block_keys(
         QSEG,
         BOUNDS,
@@ -166,13 +181,14 @@ def _attn_fwd_kernel(
         BLOCK_M,
         BLOCK_N,
     )
-    Kh, Vh = K + kv_base, V + kv_base
+    Kh, Vh = K + k_base, V + v_base
     if WINDOW:  # the key blocks the window's edge crosses
         acc, l_i, m_i = _fwd_inner(
             acc,
             l_i,
             m_i,
             q,
+            q_rest,
             q_seg,
             Kh,
             Vh,
@@ -180,7 +196,6 @@ def _attn_fwd_kernel(
             seg_base,
             offs_m,
             offs_n,
-            offs_d,
             lo,
             band_hi,
             seq_len,
@@ -192,6 +207,8 @@ def _attn_fwd_kernel(
             DOCS,
             WINDOW,
             HEAD_DIM,
+            QK_REST,
+            V_DIM,
             BLOCK_N,
             PREC,
         )
@@ -200,6 +217,7 @@ def _attn_fwd_kernel(
         l_i,
         m_i,
         q,
+        q_rest,
         q_seg,
         Kh,
         Vh,
@@ -207,7 +225,6 @@ def _attn_fwd_kernel(
         seg_base,
         offs_m,
         offs_n,
-        offs_d,
         band_hi,
         free_hi,
         seq_len,
@@ -219,6 +236,8 @@ def _attn_fwd_kernel(
         DOCS,
         WINDOW,
         HEAD_DIM,
+        QK_REST,
+        V_DIM,
         BLOCK_N,
         PREC,
     )
@@ -227,6 +246,7 @@ def _attn_fwd_kernel(
         l_i,
         m_i,
         q,
+        q_rest,
         q_seg,
         Kh,
         Vh,
@@ -234,7 +254,6 @@ def _attn_fwd_kernel(
         seg_base,
         offs_m,
         offs_n,
-        offs_d,
         masked_lo,
         hi,
         seq_len,
@@ -246,13 +265,17 @@ def _attn_fwd_kernel(
         DOCS,
         WINDOW,
         HEAD_DIM,
+        QK_REST,
+        V_DIM,
         BLOCK_N,
         PREC,
     )
     if DOCS or WINDOW:  # a row that saw no key (m_i -inf): output 0, lse -inf
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
-    tl.store(O + q_base + q_offs, out.to(O.dtype.element_ty), mask=row_mask[:, None])
+    o_offs = offs_m[:, None] * V_DIM + tl.arange(0, V_DIM)[None, :]
+    o_base = bh.to(tl.int64) * seq_len * V_DIM
+    tl.store(O + o_base + o_offs, out.to(O.dtype.element_ty), mask=row_mask[:, None])
     tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i), mask=row_mask)
 
 
@@ -273,7 +296,8 @@ def forward_launch(
     segments (the queries' and the keys', contiguous int32 [b, s]) under document masks; with
     a sliding window (None: none) over queries `offset` positions after the keys."""
     b, n_head, seq_len, head_dim = q.shape
-    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch)
+    first, rest = split_qk_dim(head_dim)
+    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v.shape[-1])
     tile = blocks.fwd
     windowed, window, offset = window_args(window, offset, seq_len)
     scalars = (seq_len, n_head, n_head // k.shape[1], LOG2_E / math.sqrt(head_dim), window, offset)
@@ -284,7 +308,9 @@ def forward_launch(
         CAUSAL=causal,
         DOCS=segments is not None,
         WINDOW=windowed,
-        HEAD_DIM=head_dim,
+        HEAD_DIM=first,
+        QK_REST=rest,
+        V_DIM=v.shape[-1],
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         PREC=dot_precision(q.dtype),
@@ -299,13 +325,13 @@ def forward_launch(
     )
 
 
-def _forward(
+def forward_pass(
     q, k, v, causal: bool, segments, out_dtype=None, window=None, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, n_head, s, d] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
+    """(out [b, n_head, s, dv] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
     contiguous q, k, v (and segments, checked, or None; a sliding window or None)."""
     b, n_head, seq_len, _ = q.shape
-    out = torch.empty_like(q, dtype=out_dtype or q.dtype)
+    out = q.new_empty(b, n_head, seq_len, v.shape[-1], dtype=out_dtype or q.dtype)
     lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
     if out.numel() > 0:
         arch = device_arch(q.device)
@@ -321,7 +347,7 @@ class _AttentionFunction(torch.autograd.Function):
         window_args(window, 0, q.shape[2])  # a bad window fails before any work
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         segments = check_segments(q, None if segments is None else (segments, segments))
-        out, lse = _forward(q, k, v, causal, segments, window=window)
+        out, lse = forward_pass(q, k, v, causal, segments, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.segments, ctx.window = causal, segments, window
         return out
@@ -335,38 +361,6 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def attention_block_forward(
-    q, k, v, causal: bool, segments=None, window: int | None = None, offset: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of ring attention, no autograd: (out fp32 (fp64 for fp64 inputs), to be merged
-    with other blocks; lse [b, n_head, s] fp32 in natural log), shapes as in `attention`;
-    segments: None, or the (queries', keys') [b, s] under document masks; window: a sliding
-    window over queries `offset` positions after the keys, or None (a row that sees no key
-    here gets out 0 and lse -inf)."""
-    check_device(q, k, v)
-    check_shapes(q, k, v)
-    out_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments = check_segments(q, segments)
-    out, lse2 = _forward(q, k, v, causal, segments, out_dtype, window, offset)
-    return out, lse2 * (1.0 / LOG2_E)
-
-
-def attention_block_backward(
-    q, k, v, out, lse, dout, causal: bool, segments=None, window=None, offset: int = 0
-):
-    """The flash backward of one block from a given output `out` and natural-log `lse` (a ring's
-    final ones, so rowsum(dout * out) is the global one): dq, dk, dv in the inputs' dtype;
-    segments, window and offset as in attention_block_forward."""
-    check_device(q, k, v, out, dout)
-    check_shapes(q, k, v)
-    lse2 = (lse.float() * LOG2_E).contiguous()
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments = check_segments(q, segments)
-    out = out.contiguous()
-    return attention_backward(q, k, v, out, lse2, dout, causal, segments, window, offset)
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -375,14 +369,15 @@ def attention(
     segments: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), causal mask optional) v -> [b, n_head, s, d] in q's dtype.
+    """softmax(q k^T / sqrt(d), causal mask optional) v -> [b, n_head, s, dv] in q's dtype.
 
-    q [b, n_head, s, d], k and v [b, n_kv_head, s, d] with n_kv_head dividing n_head
-    (grouped-query: each kv head serves n_head / n_kv_head consecutive query heads).
+    q [b, n_head, s, d], k [b, n_kv_head, s, d], v [b, n_kv_head, s, dv] with n_kv_head
+    dividing n_head (grouped-query: each kv head serves n_head / n_kv_head consecutive query
+    heads).
     segments [b, s] int (each position's document, non-decreasing along the sequence): a
     query sees the keys of its own document only, and the key blocks of other documents are
     skipped. window W (a sliding window): the query at i sees the keys at j with i - j < W
-    only, and the key blocks out of every window are skipped. Raises ValueError for a head
-    dim that is not 16, 32, 64 or 128, and for a window below 1.
+    only, and the key blocks out of every window are skipped. Raises ValueError for head dims
+    the kernels cannot tile (attention_tiles.check_shapes), and for a window below 1.
     """
     return _AttentionFunction.apply(q, k, v, bool(causal), segments, window)

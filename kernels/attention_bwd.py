@@ -31,15 +31,22 @@ import triton.language as tl
 
 from ._utils import LOG2_E, Launch, device_arch, dot_precision
 from .attention_dkdv import _dkdv_kernel
-from .attention_tiles import attention_blocks, query_block_keys, segment_bounds, window_args
+from .attention_tiles import (
+    attention_blocks,
+    load_rows,
+    query_block_keys,
+    segment_bounds,
+    split_qk_dim,
+    window_args,
+)
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _delta_kernel(O, DO, DELTA, n_rows, V_DIM: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, V_DIM)
     mask = (rows < n_rows)[:, None]
-    offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    offs = rows[:, None] * V_DIM + offs_d[None, :]
     o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + rows, tl.sum(o * do, 1), mask=rows < n_rows)
@@ -48,7 +55,9 @@ def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.conste
 @triton.jit
 def _dq_inner(
     dq,
+    dq_rest,
     q,
+    q_rest,
     do,
     lse,
     delta,
@@ -59,7 +68,6 @@ def _dq_inner(
     seg_base,
     offs_m,
     offs_n,
-    offs_d,
     lo,
     hi,
     seq_len,
@@ -71,33 +79,38 @@ def _dq_inner(
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    QK_REST: tl.constexpr,
+    V_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kv_offs = cols[:, None] * HEAD_DIM + offs_d[None, :]
+        col_ok = cols < seq_len
+        k = load_rows(K, cols, col_ok, HEAD_DIM + QK_REST, 0, HEAD_DIM, MASKED)
+        if QK_REST > 0:
+            k_rest = load_rows(K, cols, col_ok, HEAD_DIM + QK_REST, HEAD_DIM, QK_REST, MASKED)
+        v = load_rows(V, cols, col_ok, V_DIM, 0, V_DIM, MASKED)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if QK_REST > 0:
+            scores = tl.dot(q_rest, tl.trans(k_rest), scores, input_precision=PREC)
+        p = tl.exp2(scores * qk_scale - lse[:, None])
         if MASKED:
-            k = tl.load(K + kv_offs, mask=(cols < seq_len)[:, None], other=0.0)
-            v = tl.load(V + kv_offs, mask=(cols < seq_len)[:, None], other=0.0)
-        else:
-            k = tl.load(K + kv_offs)
-            v = tl.load(V + kv_offs)
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
-        if MASKED:
-            valid = (cols < seq_len)[None, :]
+            valid = col_ok[None, :]
             if CAUSAL:
                 valid = valid & (cols[None, :] <= offs_m[:, None])
             if WINDOW:
                 valid = valid & (offs_m[:, None] + offset - cols[None, :] < window)
             p = tl.where(valid, p, 0.0)
         if DOCS:
-            k_seg = tl.load(KSEG + seg_base + cols, mask=cols < seq_len, other=-1)
+            k_seg = tl.load(KSEG + seg_base + cols, mask=col_ok, other=-1)
             p = tl.where(q_seg[:, None] == k_seg[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    return dq
+        if QK_REST > 0:
+            dq_rest += tl.dot(ds.to(k.dtype), k_rest, input_precision=PREC)
+    return dq, dq_rest
 
 
 @triton.jit
@@ -123,6 +136,8 @@ def _dq_kernel(
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    QK_REST: tl.constexpr,
+    V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
@@ -132,18 +147,21 @@ def _dq_kernel(
     start_m = block_m * BLOCK_M
     bh = tl.program_id(1)
     kv_bh = (bh // n_head) * (n_head // group) + (bh % n_head) // group
-    q_base = bh.to(tl.int64) * seq_len * HEAD_DIM
-    kv_base = kv_bh.to(tl.int64) * seq_len * HEAD_DIM
+    QK_DIM = HEAD_DIM + QK_REST
+    q_base = bh.to(tl.int64) * seq_len * QK_DIM
+    do_base = bh.to(tl.int64) * seq_len * V_DIM
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_len
-    q_offs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(Q + q_base + q_offs, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_base + q_offs, mask=row_ok[:, None], other=0.0)
+    q = load_rows(Q + q_base, offs_m, row_ok, QK_DIM, 0, HEAD_DIM, True)
+    do = load_rows(DO + do_base, offs_m, row_ok, V_DIM, 0, V_DIM, True)
     lse = tl.load(LSE + bh.to(tl.int64) * seq_len + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * seq_len + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    q_rest, dq_rest = q, dq  # the query-key dims past HEAD_DIM, where there are any
+    if QK_REST > 0:
+        q_rest = load_rows(Q + q_base, offs_m, row_ok, QK_DIM, HEAD_DIM, QK_REST, True)
+        dq_rest = tl.zeros([BLOCK_M, QK_REST], dtype=tl.float32)
     lo, band_hi, free_hi, masked_lo, hi, q_seg, seg_base = query_block_keys(
         QSEG,
         BOUNDS,
@@ -162,11 +180,14 @@ def _dq_kernel(
         BLOCK_M,
         BLOCK_N,
     )
-    Kh, Vh = K + kv_base, V + kv_base
+    Kh = K + kv_bh.to(tl.int64) * seq_len * QK_DIM
+    Vh = V + kv_bh.to(tl.int64) * seq_len * V_DIM
     if WINDOW:  # the key blocks the window's edge crosses
-        dq = _dq_inner(
+        dq, dq_rest = _dq_inner(
             dq,
+            dq_rest,
             q,
+            q_rest,
             do,
             lse,
             delta,
@@ -177,7 +198,6 @@ def _dq_kernel(
             seg_base,
             offs_m,
             offs_n,
-            offs_d,
             lo,
             band_hi,
             seq_len,
@@ -189,12 +209,16 @@ def _dq_kernel(
             DOCS,
             WINDOW,
             HEAD_DIM,
+            QK_REST,
+            V_DIM,
             BLOCK_N,
             PREC,
         )
-    dq = _dq_inner(
+    dq, dq_rest = _dq_inner(
         dq,
+        dq_rest,
         q,
+        q_rest,
         do,
         lse,
         delta,
@@ -205,7 +229,6 @@ def _dq_kernel(
         seg_base,
         offs_m,
         offs_n,
-        offs_d,
         band_hi,
         free_hi,
         seq_len,
@@ -217,12 +240,16 @@ def _dq_kernel(
         DOCS,
         WINDOW,
         HEAD_DIM,
+        QK_REST,
+        V_DIM,
         BLOCK_N,
         PREC,
     )
-    dq = _dq_inner(
+    dq, dq_rest = _dq_inner(
         dq,
+        dq_rest,
         q,
+        q_rest,
         do,
         lse,
         delta,
@@ -233,7 +260,6 @@ def _dq_kernel(
         seg_base,
         offs_m,
         offs_n,
-        offs_d,
         masked_lo,
         hi,
         seq_len,
@@ -245,10 +271,17 @@ def _dq_kernel(
         DOCS,
         WINDOW,
         HEAD_DIM,
+        QK_REST,
+        V_DIM,
         BLOCK_N,
         PREC,
     )
-    tl.store(DQ + q_base + q_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq_offs = offs_m[:, None] * QK_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(DQ + q_base + dq_offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    if QK_REST > 0:
+        dq_offs = offs_m[:, None] * QK_DIM + HEAD_DIM + tl.arange(0, QK_REST)[None, :]
+        dq_rest = (dq_rest * sm_scale).to(DQ.dtype.element_ty)
+        tl.store(DQ + q_base + dq_offs, dq_rest, mask=row_ok[:, None])
 
 
 def backward_launches(
@@ -272,16 +305,17 @@ def backward_launches(
     queries' and the keys', contiguous int32 [b, s]) under document masks; with a sliding
     window (None: none) over queries `offset` positions after the keys."""
     b, n_head, seq_len, head_dim = q.shape
-    n_kv = k.shape[1]
-    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch)
+    n_kv, v_dim = k.shape[1], v.shape[-1]
+    first, rest = split_qk_dim(head_dim)
+    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v_dim)
     dq, dk, dv = grads
     n_rows = b * n_head * seq_len
-    rows_per_program = 32 if head_dim >= 128 else 64
+    rows_per_program = 32 if v_dim >= 128 else 64
     delta_launch = Launch(
         _delta_kernel,
         grid=(triton.cdiv(n_rows, rows_per_program),),
         args=(out, dout, delta, n_rows),
-        constexprs=dict(HEAD_DIM=head_dim, BLOCK=rows_per_program),
+        constexprs=dict(V_DIM=v_dim, BLOCK=rows_per_program),
     )
     sm_scale = 1.0 / math.sqrt(head_dim)
     windowed, window, offset = window_args(window, offset, seq_len)
@@ -290,7 +324,9 @@ def backward_launches(
         CAUSAL=causal,
         DOCS=segments is not None,
         WINDOW=windowed,
-        HEAD_DIM=head_dim,
+        HEAD_DIM=first,
+        QK_REST=rest,
+        V_DIM=v_dim,
         PREC=dot_precision(q.dtype),
     )
     dkdv, dq_tile = blocks.dkdv, blocks.dq

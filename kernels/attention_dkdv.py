@@ -17,12 +17,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .attention_tiles import load_rows
+
 
 @triton.jit
 def _dkdv_inner(
     dk,
+    dk_rest,
     dv,
     k,
+    k_rest,
     v,
     k_seg,
     Q,
@@ -33,7 +37,6 @@ def _dkdv_inner(
     seg_base,
     offs_n,
     offs_m,
-    offs_d,
     lo,
     hi,
     seq_len,
@@ -45,25 +48,29 @@ def _dkdv_inner(
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    QK_REST: tl.constexpr,
+    V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     PREC: tl.constexpr,
 ):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        q_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        row_ok = rows < seq_len
+        q = load_rows(Q, rows, row_ok, HEAD_DIM + QK_REST, 0, HEAD_DIM, MASKED)
+        if QK_REST > 0:
+            q_rest = load_rows(Q, rows, row_ok, HEAD_DIM + QK_REST, HEAD_DIM, QK_REST, MASKED)
+        do = load_rows(DO, rows, row_ok, V_DIM, 0, V_DIM, MASKED)
         if MASKED:
-            row_ok = rows < seq_len
-            q = tl.load(Q + q_offs, mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + q_offs, mask=row_ok[:, None], other=0.0)
             lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + rows, mask=row_ok, other=0.0)
         else:
-            q = tl.load(Q + q_offs)
-            do = tl.load(DO + q_offs)
             lse = tl.load(LSE + rows)
             delta = tl.load(DELTA + rows)
         # Transposed tiles [BLOCK_N keys, BLOCK_M queries], so dk and dv need no transpose.
-        p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse[None, :])
+        scores_t = tl.dot(k, tl.trans(q), input_precision=PREC)
+        if QK_REST > 0:
+            scores_t = tl.dot(k_rest, tl.trans(q_rest), scores_t, input_precision=PREC)
+        p_t = tl.exp2(scores_t * qk_scale - lse[None, :])
         if MASKED:
             valid = row_ok[None, :] & (offs_n < seq_len)[:, None]
             if CAUSAL:
@@ -78,7 +85,9 @@ def _dkdv_inner(
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    return dk, dv
+        if QK_REST > 0:
+            dk_rest += tl.dot(ds_t.to(q.dtype), q_rest, input_precision=PREC)
+    return dk, dk_rest, dv
 
 
 @triton.jit
@@ -105,6 +114,8 @@ def _dkdv_kernel(
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    QK_REST: tl.constexpr,
+    V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
@@ -113,16 +124,20 @@ def _dkdv_kernel(
     kv_bh = tl.program_id(1)
     n_kv = n_head // group
     first_head = (kv_bh // n_kv) * n_head + (kv_bh % n_kv) * group  # its group's first q head
-    kv_base = kv_bh.to(tl.int64) * seq_len * HEAD_DIM
+    QK_DIM = HEAD_DIM + QK_REST
+    k_base = kv_bh.to(tl.int64) * seq_len * QK_DIM
+    v_base = kv_bh.to(tl.int64) * seq_len * V_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_offs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    col_ok = (offs_n < seq_len)[:, None]
-    k = tl.load(K + kv_base + kv_offs, mask=col_ok, other=0.0)
-    v = tl.load(V + kv_base + kv_offs, mask=col_ok, other=0.0)
+    col_ok = offs_n < seq_len
+    k = load_rows(K + k_base, offs_n, col_ok, QK_DIM, 0, HEAD_DIM, True)
+    v = load_rows(V + v_base, offs_n, col_ok, V_DIM, 0, V_DIM, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, V_DIM], dtype=tl.float32)
+    k_rest, dk_rest = k, dk  # the query-key dims past HEAD_DIM, where there are any
+    if QK_REST > 0:
+        k_rest = load_rows(K + k_base, offs_n, col_ok, QK_DIM, HEAD_DIM, QK_REST, True)
+        dk_rest = tl.zeros([BLOCK_N, QK_REST], dtype=tl.float32)
 
     # Query ranges: [lo, diag_hi) straddles the diagonal (causal only, masked); [mid_lo, mid_hi)
     # needs no mask (whole query blocks, whole key block, past the diagonal); [tail_lo, s) is
@@ -159,12 +174,14 @@ def _dkdv_kernel(
         tail_lo, tail_hi = tl.maximum(mid_lo, mid_hi), tl.minimum(tail_hi, reach)
     for g in range(group):
         bh = (first_head + g).to(tl.int64)
-        Qh, DOh = Q + bh * seq_len * HEAD_DIM, DO + bh * seq_len * HEAD_DIM
+        Qh, DOh = Q + bh * seq_len * QK_DIM, DO + bh * seq_len * V_DIM
         LSEh, DELTAh = LSE + bh * seq_len, DELTA + bh * seq_len
-        dk, dv = _dkdv_inner(
+        dk, dk_rest, dv = _dkdv_inner(
             dk,
+            dk_rest,
             dv,
             k,
+            k_rest,
             v,
             k_seg,
             Qh,
@@ -175,7 +192,6 @@ def _dkdv_kernel(
             seg_base,
             offs_n,
             offs_m,
-            offs_d,
             lo,
             diag_hi,
             seq_len,
@@ -187,13 +203,17 @@ def _dkdv_kernel(
             DOCS,
             WINDOW,
             HEAD_DIM,
+            QK_REST,
+            V_DIM,
             BLOCK_M,
             PREC,
         )
-        dk, dv = _dkdv_inner(
+        dk, dk_rest, dv = _dkdv_inner(
             dk,
+            dk_rest,
             dv,
             k,
+            k_rest,
             v,
             k_seg,
             Qh,
@@ -204,7 +224,6 @@ def _dkdv_kernel(
             seg_base,
             offs_n,
             offs_m,
-            offs_d,
             mid_lo,
             mid_hi,
             seq_len,
@@ -216,13 +235,17 @@ def _dkdv_kernel(
             DOCS,
             WINDOW,
             HEAD_DIM,
+            QK_REST,
+            V_DIM,
             BLOCK_M,
             PREC,
         )
-        dk, dv = _dkdv_inner(
+        dk, dk_rest, dv = _dkdv_inner(
             dk,
+            dk_rest,
             dv,
             k,
+            k_rest,
             v,
             k_seg,
             Qh,
@@ -233,7 +256,6 @@ def _dkdv_kernel(
             seg_base,
             offs_n,
             offs_m,
-            offs_d,
             tail_lo,
             tail_hi,
             seq_len,
@@ -245,8 +267,16 @@ def _dkdv_kernel(
             DOCS,
             WINDOW,
             HEAD_DIM,
+            QK_REST,
+            V_DIM,
             BLOCK_M,
             PREC,
         )
-    tl.store(DK + kv_base + kv_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok)
-    tl.store(DV + kv_base + kv_offs, dv.to(DV.dtype.element_ty), mask=col_ok)
+    mask = col_ok[:, None]
+    dk_offs = offs_n[:, None] * QK_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(DK + k_base + dk_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
+    if QK_REST > 0:
+        dk_offs = offs_n[:, None] * QK_DIM + HEAD_DIM + tl.arange(0, QK_REST)[None, :]
+        tl.store(DK + k_base + dk_offs, (dk_rest * sm_scale).to(DK.dtype.element_ty), mask=mask)
+    dv_offs = offs_n[:, None] * V_DIM + tl.arange(0, V_DIM)[None, :]
+    tl.store(DV + v_base + dv_offs, dv.to(DV.dtype.element_ty), mask=mask)

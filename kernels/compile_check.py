@@ -70,6 +70,8 @@ class ModelShapes:
     experts: int = 0  # local experts of an MoE layer (0: dense MLPs only)
     top_k: int = 0
     expert_d_ff: int = 0  # one expert's MLP width on this rank
+    v_head_dim: int = 0  # the value head dim where it differs from head_dim (0: head_dim)
+    rope_dim: int = 0  # the dims RoPE rotates where not all of head_dim (0: head_dim)
 
 
 def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -90,17 +92,20 @@ def _attention(
     block's forward writes fp32 (attention_block_forward); documents: under document masks
     (data.document_mask: segments and the per-block ranges); window: (W, offset) under a
     sliding window of W over queries offset positions after the keys, or None."""
+    v_dim = m.v_head_dim or m.head_dim
     q = _meta(m.batch, m.n_head, seq_len, m.head_dim, dtype=dtype)
-    kv = _meta(m.batch, m.n_kv_head, seq_len, m.head_dim, dtype=dtype)
+    k = _meta(m.batch, m.n_kv_head, seq_len, m.head_dim, dtype=dtype)
+    v = _meta(m.batch, m.n_kv_head, seq_len, v_dim, dtype=dtype)
+    do = _meta(m.batch, m.n_head, seq_len, v_dim, dtype=dtype)
     lse = _meta(m.batch, m.n_head, seq_len, dtype=torch.float32)
-    out = torch.empty_like(q, dtype=torch.float32 if ring else dtype)
-    grads = (torch.empty_like(q), torch.empty_like(kv), torch.empty_like(kv))
+    out = torch.empty_like(do, dtype=torch.float32 if ring else dtype)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     segments = None
     if documents:
         segments = (_meta(m.batch, seq_len, dtype=torch.int32),) * 2
     sliding = window or (None, 0)
-    backward = backward_launches(q, kv, kv, q, lse, q, lse, grads, causal, arch, segments, *sliding)
-    return [forward_launch(q, kv, kv, out, lse, causal, arch, segments, *sliding), *backward]
+    backward = backward_launches(q, k, v, do, lse, do, lse, grads, causal, arch, segments, *sliding)
+    return [forward_launch(q, k, v, out, lse, causal, arch, segments, *sliding), *backward]
 
 
 def _norms(m: ModelShapes, dtype: torch.dtype) -> list[Launch]:
@@ -128,8 +133,9 @@ def _mlp(m: ModelShapes, dtype: torch.dtype) -> list[Launch]:
             bias_gelu_launch(hidden, bias, hidden),
             bias_gelu_launch(hidden, bias, hidden, hidden),
         ]
-    x = _meta(m.batch, m.n_head, m.seq_len, m.head_dim, dtype=dtype)
-    table = _meta(m.seq_len, m.head_dim // 2, dtype=torch.float32)
+    rope_dim = m.rope_dim or m.head_dim
+    x = _meta(m.batch, m.n_head, m.seq_len, rope_dim, dtype=dtype)
+    table = _meta(m.seq_len, rope_dim // 2, dtype=torch.float32)
     return [
         rope_launch(x, x, table, table, False),
         rope_launch(x, x, table, table, True),

@@ -17,7 +17,8 @@ Tensor-parallel communication comes in from the caller: cross_entropy takes a Vo
 combine does the collectives (megatronish.ops builds it on megatronish.distributed.comm).
 """
 
-from .attention import attention, attention_block_backward, attention_block_forward
+from .attention import attention
+from .attention_ring import attention_block_backward, attention_block_forward
 from .cross_entropy import VocabSplit, cross_entropy
 from .elementwise import bias_gelu, swiglu
 from .grouped_gemm import grouped_mm

@@ -5,24 +5,25 @@ use.
     python scripts/kernel_report.py --arch sm_80 sm_90 [--json FILE] [--jobs N] [--representative]
                                     [--only WORD...]
 
-For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2
-and 8 where the heads divide, in bf16 and fp32, it builds the launches of one training step as
-the launchers make them (megatronish_kernels.compile_check.model_launches: attention forward and
-backward, the ring-attention blocks, both again under document masks and (llama) under a
-sliding window, norms, RoPE, SwiGLU or bias-GELU, cross entropy, the expert GEMMs), compiles
-each distinct one for each arch with the
-ptxas Triton ships, and prints one table: kernel, configuration (constexprs, arguments
-specialized to 1, warps w and stages s), arch, dtype, registers, spill bytes, shared memory /
-the arch's limit per block, the estimated occupancy (warps per SM of 64, from registers and
-shared memory), the configs that launch it, and a status. A row FAILs when its shared memory is
-over the limit, or when it spills at bf16 (fp32 runs exact-fp32 dots without tensor cores:
-spills there are reported, not failed). --representative compiles one bf16 configuration per
-kernel (and per attention kernel one under document masks and one under document masks and a
-sliding window) only: what the tests compile. --only WORD... keeps the launches whose kernel
-name and origin ("llama-1b tp2 ring window documents") hold every word (--only window: the
-attention kernels under a sliding window). --json FILE writes the rows as a list of objects
-(kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes,
-num_warps, num_stages, occupancy_warps, models).
+For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2 and
+8 where the heads divide, for the head dim 128 of the benchmarks, and for DeepSeek-V3's latent
+attention (query-key head dim 192, value head dim 128: MLA_V3), in bf16 and fp32, it builds the
+launches of one training step as the launchers make them
+(megatronish_kernels.compile_check.model_launches: attention forward and backward, the ring-
+attention blocks, both again under document masks and (llama) under a sliding window, norms, RoPE,
+SwiGLU or bias-GELU, cross entropy, the expert GEMMs), compiles each distinct one for each arch with
+the ptxas Triton ships, and prints one table: kernel, configuration (constexprs, arguments
+specialized to 1, warps w and stages s), arch, dtype, registers, spill bytes, shared memory / the
+arch's limit per block, the estimated occupancy (warps per SM of 64, from registers and shared
+memory), the configs that launch it, and a status. A row FAILs when its shared memory is over the
+limit, or when it spills at bf16 (fp32 runs exact-fp32 dots without tensor cores: spills there are
+reported, not failed). --representative compiles one bf16 configuration per kernel (and per
+attention kernel one under document masks, one under document masks and a sliding window, and that
+one again at MLA_V3's head dims) only: what the tests compile. --only WORD... keeps the launches
+whose kernel name and origin ("llama-1b tp2 ring window documents") hold every word (--only window:
+the attention kernels under a sliding window). --json FILE writes the rows as a list of objects
+(kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes, num_warps,
+num_stages, occupancy_warps, models).
 
 Exit status: 0 every row fits, 1 a row fails, 2 Triton cannot compile for NVIDIA targets here.
 Compiled kernels go to Triton's cache (TRITON_CACHE_DIR), so a second run takes seconds.
@@ -99,15 +100,25 @@ BENCH_D128 = ModelShapes(
 )  # fmt: skip
 
 
+# DeepSeek-V3's multi-head latent attention, one rank of tp 8 at s 4096: 16 of its 128 heads,
+# each with its own keys and values, a query-key head dim of 192 (128 + the 64 RoPE dims) and
+# values of 128; its dense MLP width and vocabulary over tp 8 (no experts).
+MLA_V3 = ModelShapes(
+    name="mla-v3 tp8", family="llama", batch=1, seq_len=4096, d_model=7168, head_dim=192,
+    n_head=16, n_kv_head=16, d_ff=2304, vocab=16160, norm_rows=4096, v_head_dim=128,
+    rope_dim=64,
+)  # fmt: skip
+
+
 def shipped_shapes() -> list[ModelShapes]:
     """Every shipped config at every tp degree it splits over (1, 2, 8 and its own), then the
-    head-dim-128 shape of the benchmarks."""
+    head-dim-128 shape of the benchmarks and DeepSeek-V3's latent attention."""
     shapes = []
     for name in CONFIGS:
         own = load_config(REPO / "configs" / f"{name}.yaml").parallel.tp
         for tp in sorted({*TP_DEGREES, own}):
             shapes.append(model_shapes(name, tp))
-    return [s for s in shapes if s is not None] + [BENCH_D128]
+    return [s for s in shapes if s is not None] + [BENCH_D128, MLA_V3]
 
 
 def _key(launch: Launch, arch_name: str) -> tuple:
@@ -127,19 +138,23 @@ def plan(
     jobs, users = {}, {}
     if representative:
         runs = [(model_shapes(name, tp), "bf16") for name, tp in REPRESENTATIVE]
+        runs.append((MLA_V3, "bf16"))
     else:
         runs = [(s, dtype) for s in shipped_shapes() for dtype in ("bf16", "fp32")]
     for arch_name in arch_names:
-        seen_kernels = set()  # (kernel, under document masks, under a sliding window)
+        seen_kernels = set()  # (kernel, document masks, sliding window, split query-key dim)
         for shapes, dtype in runs:
             for launch, where in compile_check.model_launches(shapes, dtype, ARCHS[arch_name]):
                 described = f"{launch.name} {shapes.name} {where}"
                 if only and not all(word in described for word in only):
                     continue
                 flags = launch.constexprs
-                variant = (launch.name, bool(flags.get("DOCS")), bool(flags.get("WINDOW")))
-                # Representative: a window only with document masks, whose code holds its own.
-                if representative and (variant in seen_kernels or variant[2] > variant[1]):
+                docs, window = bool(flags.get("DOCS")), bool(flags.get("WINDOW"))
+                split = bool(flags.get("QK_REST"))
+                variant = (launch.name, docs, window, split)
+                # Representative: a window only with document masks, whose code holds its own;
+                # a split query-key dim (MLA_V3's) only there.
+                if representative and (variant in seen_kernels or window > docs or split > window):
                     continue
                 seen_kernels.add(variant)
                 key = _key(launch, arch_name)

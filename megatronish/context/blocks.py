@@ -95,15 +95,17 @@ def torch_backward(q, k, v, out, lse, dout, causal: bool, segments=None, window=
 def triton_forward(
     q, k, v, causal: bool, segments=None, window=None, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton flash forward: (o fp32, or fp64 for fp64 inputs; lse fp32, natural log)."""
+    """The Triton flash forward: (o fp32, or fp64 for fp64 inputs; lse fp32, natural log), o
+    [b, n, L, dv] at v's head dim dv where it differs from q's and k's (the head dims
+    megatronish_kernels.attention takes)."""
     from megatronish.ops import _kernels
 
     return _kernels().attention_block_forward(q, k, v, causal, segments, window, offset)
 
 
 def triton_backward(q, k, v, out, lse, dout, causal: bool, segments=None, window=None, offset=0):
-    """The Triton flash backward from a given output and natural-log lse: dq, dk, dv in the
-    inputs' dtype."""
+    """The Triton flash backward from a given output (at v's head dim) and natural-log lse: dq,
+    dk, dv in the inputs' dtype and shapes."""
     from megatronish.ops import _kernels
 
     return _kernels().attention_block_backward(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatronish.config.derive import TRITON_HEAD_DIMS
+from megatronish.config.derive import triton_attention_dims_ok
 from megatronish.errors import UserError
 from megatronish.ops import reference
 from megatronish.ops.rope import PLAIN, RopeSpec, rope_table
@@ -57,15 +57,14 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 
 
 def attention_backend(backend: str, q: torch.Tensor, v: torch.Tensor | None = None) -> str:
-    """The backend attention runs with for q [..., d] (and v [..., d_v]): resolve_backend's,
-    except that "auto" takes torch for a head dim d the Triton attention kernels do not compile
-    for, or a value head dim other than d (the config checks refuse such a head dim with an
-    explicit "triton")."""
+    """The backend attention runs with for q [..., d] and v [..., dv] (None: dv = d):
+    resolve_backend's, except that "auto" takes torch for head dims (d, dv) the Triton
+    attention kernels do not take (config.derive.triton_attention_dims_ok; the config checks
+    refuse them with an explicit "triton")."""
     resolved = resolve_backend(backend, q)
-    if resolved == "triton" and backend == "auto" and q.shape[-1] not in TRITON_HEAD_DIMS:
-        return "torch"
-    if resolved == "triton" and backend == "auto" and v is not None and v.shape[-1] != q.shape[-1]:
-        return "torch"
+    v_dim = q.shape[-1] if v is None else v.shape[-1]
+    if resolved == "triton" and backend == "auto":
+        return resolved if triton_attention_dims_ok(q.shape[-1], v_dim) else "torch"
     return resolved
 
 
@@ -101,13 +100,12 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):
 
 
 def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None, window=None):
-    """Scaled dot-product attention. q [b, n_head, s, d], k [b, n_kv_head, s, d] and v
-    [b, n_kv_head, s, d_v] (d_v may differ from d: multi-head latent attention), scale
-    1/sqrt(d). With
-    segments [b, s] int (each position's document, non-decreasing along the sequence:
-    megatronish.context.documents) a query sees the keys of its own document only; with a
-    sliding window W (int), the query at i sees the keys at j with i - j < W only. The Triton
-    kernels skip the blocks of keys that lie wholly in other documents or outside the window."""
+    """Scaled dot-product attention, scale 1/sqrt(d): q [b, n_head, s, d], k [b, n_kv_head, s, d]
+    and v [b, n_kv_head, s, dv] -> [b, n_head, s, dv]. With segments [b, s] int (each position's
+    document, non-decreasing along the sequence: megatronish.context.documents) a query sees the
+    keys of its own document only; with a sliding window W (int), the query at i sees the keys
+    at j with i - j < W only. The Triton kernels skip the blocks of keys that lie wholly in
+    other documents or outside the window."""
     if attention_backend(backend, q, v) == "triton":
         return _kernels().attention(q, k, v, causal, segments, window)
     return reference.attention(q, k, v, causal, segments, window)

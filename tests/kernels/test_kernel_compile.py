@@ -1,9 +1,10 @@
 """Every Triton kernel compiled for sm_80 and sm_90 without a GPU (megatronish_kernels
 .compile_check): one cubin per kernel and arch at one representative bf16 configuration each,
 the attention kernels also under document masks, and under document masks and a sliding
-window (`scripts/kernel_report.py --representative`), with no register spills and shared memory
-within the arch's limit per block; a deliberately oversized tile is caught with a clear
-message. The full matrix of the shipped configs is the report script's, not a test's.
+window, and that again at DeepSeek-V3's head dims (`scripts/kernel_report.py --representative`),
+with no register spills and shared memory within the arch's limit per block; a deliberately
+oversized tile is caught with a clear message. The full matrix of the shipped configs is the
+report script's, not a test's.
 
 The kernels of this process are defined under Triton's interpreter, which compiles nothing:
 the compilation runs in one subprocess with TRITON_INTERPRET=0, started with the session
@@ -134,6 +135,11 @@ def test_every_kernel_compiles_for_sm80_and_sm90_with_no_spills_at_bf16(compiled
     for arch in ARCHS:
         assert {r.kernel for r in rows if r.arch == arch} == every_kernel(), arch
     assert all(r.dtype == "bf16" for r in rows)
+    # DeepSeek-V3's latent attention (kernel_report.MLA_V3): each attention kernel at query-key
+    # head dim 192 (128 + 64) with values of 128, under document masks and a sliding window.
+    v3 = {(r.kernel, r.arch) for r in rows if "HEAD_DIM=128 QK_REST=64 V_DIM=128" in r.config}
+    attention = ("_attn_fwd_kernel", "_dkdv_kernel", "_dq_kernel")
+    assert v3 == {(kernel, arch) for kernel in attention for arch in ARCHS}
     assert_fits(rows)
     assert compiled["status"] == 0, compiled["table"]
     header = compiled["table"].splitlines()[0].split()
@@ -161,8 +167,8 @@ def test_the_signature_specializes_the_arguments_as_tritons_launcher_does():
     attention_bwd = importlib.import_module("megatronish_kernels.attention_bwd")
     q = torch.empty(2, 4, 100, 32, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(2, 4, 100, device="meta")
-    consts = dict(CAUSAL=True, DOCS=False, WINDOW=False, HEAD_DIM=32, BLOCK_M=64, BLOCK_N=32)
-    consts["PREC"] = "tf32"
+    consts = dict(CAUSAL=True, DOCS=False, WINDOW=False, HEAD_DIM=32, QK_REST=0, V_DIM=32)
+    consts |= dict(BLOCK_M=64, BLOCK_N=32, PREC="tf32")
     args = (q, q, q, q, lse, lse, q, None, None, None, 100, 4, 1, 0.25, 0.5, None, None)
     signature, constexprs, attrs = check.specialization(
         check.Launch(attention_bwd._dq_kernel, (1,), args, consts)
@@ -179,7 +185,7 @@ def test_the_signature_specializes_the_arguments_as_tritons_launcher_does():
     # Pointers are 16-byte aligned; 100 and 4 are not multiples of 16.
     assert {names[i] for (i,) in attrs} == {"Q", "K", "V", "DO", "LSE", "DELTA", "DQ"}
 
-    consts = dict(HEAD_DIM=32, BLOCK=64)
+    consts = dict(V_DIM=32, BLOCK=64)
     delta = check.Launch(attention_bwd._delta_kernel, (1,), (q, q, lse, 2**31), consts)
     signature, _, attrs = check.specialization(delta)
     assert signature["n_rows"] == "i64" and (3,) in attrs  # past 2^31, a multiple of 16

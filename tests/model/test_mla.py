@@ -125,13 +125,18 @@ TINY_V3 = str(CONFIGS / "tiny-deepseek-v3.yaml")
         (TINY_V3, ["parallel.tp=3"], ["model.n_head: 4 is not divisible by parallel.tp=3"]),
         (TINY_V3, ["model.n_kv_head=2"], ["model.n_kv_head: 2 is not used by model.attention"]),
         (CONFIGS / "tiny.yaml", ["model.attention=mla"], ["model.attention: mla needs the RoPE"]),
+        (
+            TINY_V3,
+            ["kernels.backend=triton", "model.mla.v_head_dim=96"],
+            ["model.mla: query-key head dim 24", "v_head_dim 96", "valid value head dims"],
+        ),
     ],
 )
 def test_a_bad_latent_attention_setting_is_exit_2_with_one_line_naming_the_key(
     config, sets, needles
 ):
     args = [x for s in sets for x in ("--set", s)]
-    result = invoke_cli("check", "--config", str(config), *args)
+    result = invoke_cli("check", "--config", str(config), *args, env={"TRITON_INTERPRET": "1"})
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
