@@ -1,6 +1,7 @@
 """The whole model at tp = 2 and 4 equals tp = 1: the same full weights at init, the same
 logits and loss, the same gradient of every parameter (fp32, relative error < 1e-5); also with
-Qwen-style attention (q, k, v biases, q and k norms, a sliding window after the first block)."""
+Qwen-style attention (q, k, v biases, q and k norms, a sliding window after the first block)
+and multi-token prediction."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ ARCH_SETTINGS = {
     # Qwen-style attention: biases on q, k and v (their rows split over tp with the heads), the
     # per-head norms of q and k (replicated; each rank's gradient covers its heads), yarn RoPE
     # scaling (the same table on every rank) and a sliding window of 5 of the 12 positions in
-    # the second block.
+    # the second block; and two multi-token prediction modules (the loss includes theirs).
     "llama_qwen": [
         "model.arch=llama",
         "model.n_head=8",
@@ -44,6 +45,7 @@ ARCH_SETTINGS = {
         "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16}",
         "model.sliding_window=5",
         "model.full_attention_layers=1",
+        "model.mtp_depth=2",
     ],
 }
 
