@@ -70,8 +70,7 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
     layers, moe = derived.stage_layers[pp_rank], stage_moe_layers(derived, pp_rank)
     blocks = (layers - moe) * local_layer_params(cfg, derived)
     blocks += moe * local_layer_params(cfg, derived, moe=True)
-    mtp = model.mtp_depth * (local_layer_params(cfg, derived) + mtp_extra_params(cfg))
-    return blocks + embed + (norm + mtp if last else 0) + head
+    return blocks + embed + (norm if last else 0) + head + mtp_params(cfg, derived, pp_rank)
 
 
 def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
@@ -132,6 +131,12 @@ def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int
         return sequence_parallel_grad_count(cfg, derived, pp_rank)
     layers = derived.stage_layers[pp_rank] + last_stage_mtp(cfg, derived, pp_rank)
     return layers * 2 * derived.head_dim if cfg.model.qk_norm else 0
+
+
+def mtp_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
+    """Parameters of the multi-token prediction modules on one tp rank of stage pp_rank."""
+    extra = local_layer_params(cfg, derived) + mtp_extra_params(cfg)
+    return last_stage_mtp(cfg, derived, pp_rank) * extra
 
 
 def last_stage_mtp(cfg: Config, derived: Derived, pp_rank: int) -> int:

@@ -114,18 +114,19 @@ class GPT(nn.Module):
     def forward_param_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """(module, the parameters used from its call on) in the order a forward calls the
         modules: the embeddings, the blocks, the final norm (followed by the LM head, which is
-        not called as a module: its weight, or the tied embedding's), then the multi-token
-        prediction modules (with the embedding and the LM head they read). A forward pre-hook on
+        not called as a module: its weight, or the tied embedding's, and by the multi-token
+        prediction modules with the embedding they read, whose parameters it lists too: they
+        run after the output layer, from the same gathered parameters). A forward pre-hook on
         each module can make its parameters ready (ZeRO-1's all-gather overlapped with the
         forward, ZeRO-3's gathers: megatronish.data_parallel)."""
         uses = [(m, list(m.parameters())) for m in (self.tok_emb, self.pos_emb) if m is not None]
         uses += [(block, list(block.parameters())) for block in self.blocks.values()]
         if self.norm_f is not None:
-            head = list((self.lm_head if self.lm_head is not None else self.tok_emb).parameters())
-            uses.append((self.norm_f, list(self.norm_f.parameters()) + head))
-        if self.mtp is not None:
-            embedding = [] if self.lm_head is None else list(self.tok_emb.parameters())
-            uses.append((self.mtp, list(self.mtp.parameters()) + embedding + head))
+            head = self.lm_head if self.lm_head is not None else self.tok_emb
+            after = [self.norm_f, head]
+            if self.mtp is not None:
+                after += [self.mtp] + ([self.tok_emb] if self.lm_head is not None else [])
+            uses.append((self.norm_f, [p for m in after for p in m.parameters()]))
         return uses
 
     def moe_layers(self) -> dict[int, MoELayer]:
@@ -268,7 +269,8 @@ class GPT(nn.Module):
         if ahead is None:
             raise RuntimeError("multi-token prediction needs the tokens ahead (mtp.ahead_of)")
         tokens, mtp_targets = ahead[:, 0], ahead[:, 1]  # [b, D, s] each
-        # forward, not the module's call: ZeRO-3 gathers the embedding for the MTP module
+        # forward, not the module's call: its ZeRO-3 hooks are the first lookup's; the final
+        # norm's gathered this embedding again (forward_param_uses)
         embedded = self.tok_emb.forward(tokens)  # [b, D, s, h]
         recompute = self.tracker if self.full_checkpoint and self.training else None
         with annotate("mtp"):

@@ -90,8 +90,8 @@ class MTPLayer(nn.Module):
 
 
 class MTP(nn.Module):
-    """The mtp_depth modules of the last pipeline stage, called as one module (so that ZeRO-3
-    gathers their parameters, the embedding's and the output layer's at once)."""
+    """The mtp_depth modules of the last pipeline stage (ZeRO-3 gathers their parameters with
+    the final norm's: GPT.forward_param_uses)."""
 
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker):
         super().__init__()

@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
+    MTP2,
     OVERLAP,
     SP,
     STEPS,
@@ -46,12 +47,17 @@ HEAD_DIM_12_WINDOW = [
     YARN,
 ]
 
+DOCUMENTS = ["data.document_mask=true", "data.eod_mask_loss=true"]
+
 # name -> (tp, cp, dp, pp, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
     "gpt2 cp2": (1, 2, 1, 1, GPT2),
     "llama cp2 gqa": (1, 2, 1, 1, LLAMA),
-    "llama cp2 selective recompute": (
-        1, 2, 1, 1, LLAMA + ["train.activation_checkpointing=selective"],
+    # multi-token prediction: the tokens ahead of each zigzag chunk come from the next chunk,
+    # another rank's; with document masks and the end-of-document targets left out of the loss
+    "llama cp2 selective recompute mtp2 documents": (
+        1, 2, 1, 1,
+        LLAMA + MTP2 + ["train.activation_checkpointing=selective", *DOCUMENTS],
     ),
 }  # fmt: skip
 FOUR_RANKS = {
@@ -85,11 +91,13 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
             extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
         cfg = make_config(tp, cp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
+        mtp: list = []
+        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0, mtp)
         formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
         results[name] = {
             "losses": losses,
             "norms": norms,
+            "mtp_losses": mtp,
             "payload": dict(counter.payload_bytes),
             "formula": formula,
         }
@@ -110,8 +118,9 @@ def reference(overrides: list[str], dataset: Path, save_dir: Path | None = None)
             extra.append(f"checkpoint.dir={save_dir}")
         cfg = make_config(1, 1, 1, 1, list(key[0]), dataset, extra)
         trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-        losses, norms, _ = train_counted(trainer, STEPS, 10 if save_dir is not None else 0)
-        _REFERENCES[key] = {"losses": losses, "norms": norms}
+        mtp: list = []
+        losses, norms, _ = train_counted(trainer, STEPS, 10 if save_dir is not None else 0, mtp)
+        _REFERENCES[key] = {"losses": losses, "norms": norms, "mtp_losses": mtp}
     return _REFERENCES[key]
 
 

@@ -15,6 +15,8 @@ from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
     GPT2,
     LLAMA,
+    MTP,
+    MTP2,
     OVERLAP,
     SP,
     STEPS,
@@ -38,17 +40,19 @@ TWO_RANKS = {
     "gpt2 pp2 1f1b": (1, 1, 2, GPT2 + ["parallel.pp_schedule=1f1b"]),
     "gpt2 pp2 gpipe": (1, 1, 2, GPT2 + ["parallel.pp_schedule=gpipe"]),
     "llama pp2 1f1b uneven 3,1": (1, 1, 2, LLAMA + ["parallel.pp_layers=3,1"]),
-    "llama pp2 gpipe full recompute": (
-        1, 1, 2, LLAMA + ["parallel.pp_schedule=gpipe", "train.activation_checkpointing=full"],
+    "llama pp2 gpipe full recompute mtp2": (
+        1, 1, 2,
+        LLAMA + MTP2 + ["parallel.pp_schedule=gpipe", "train.activation_checkpointing=full"],
     ),
 }  # fmt: skip
 FOUR_RANKS = {
     "gpt2 tp2 pp2 1f1b sp": (2, 1, 2, GPT2 + SP),
     "gpt2 tp2 pp2 gpipe": (2, 1, 2, GPT2 + ["parallel.pp_schedule=gpipe"]),
     "llama tp2 pp2 1f1b sp": (2, 1, 2, LLAMA + SP),
+    "llama tp2 pp2 1f1b sp mtp": (2, 1, 2, LLAMA + SP + MTP),
     "llama tp2 pp2 1f1b sp overlap": (2, 1, 2, LLAMA + SP + OVERLAP),
     "llama tp2 pp2 gpipe sp": (2, 1, 2, LLAMA + SP + ["parallel.pp_schedule=gpipe"]),
-    "gpt2 dp2 pp2 zero1": (1, 2, 2, GPT2 + ["optim.zero=1"]),
+    "gpt2 dp2 pp2 zero1 mtp": (1, 2, 2, GPT2 + MTP + ["optim.zero=1"]),
     "llama pp4 uneven": (1, 1, 4, LLAMA + ["model.n_layer=5"]),
 }
 SAVED = "gpt2 tp2 pp2 1f1b sp"  # also saves checkpoints at steps 10 and 20
@@ -65,12 +69,14 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
             extra = ["checkpoint.save=true", "checkpoint.every=10", f"checkpoint.dir={save_dir}"]
         cfg = make_config(tp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
+        mtp: list = []
+        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0, mtp)
         counted = counter.total_sent
         ps = trainer.ps
         results[name] = {
             "losses": losses,
             "norms": norms,
+            "mtp_losses": mtp,
             "pp_rank": ps.pp_rank,
             "sent": counted,
             "formula": formula_bytes_per_step(cfg, trainer.setup.derived, ps.pp_rank),
