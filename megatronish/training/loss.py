@@ -25,12 +25,22 @@ from megatronish.layers.cross_entropy import IGNORE_INDEX
 def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
     """Mean over the dp x cp group of a loss computed on the last pipeline stage, on every
     rank (the other stages contribute zeros to a sum over the pipeline)."""
-    return mean_losses(value.reshape(1), ps)[0]
+    return _means(value.reshape(1), ps)[0]
 
 
-def mean_losses(values: torch.Tensor, ps: ParallelState) -> list[float]:
-    """mean_loss of each of values [n] (the main loss and the multi-token prediction loss),
-    with the collectives of one."""
+def mean_losses(
+    main: torch.Tensor, mtp: torch.Tensor | None, ps: ParallelState
+) -> tuple[float, float | None]:
+    """mean_loss of the main loss and of the multi-token prediction loss (None: none), with
+    the collectives of one."""
+    if mtp is None:
+        return mean_loss(main, ps), None
+    main_mean, mtp_mean = _means(torch.stack([main, mtp]), ps)
+    return main_mean, mtp_mean
+
+
+def _means(values: torch.Tensor, ps: ParallelState) -> list[float]:
+    """mean_loss of each of values [n], in one all-reduce over each group."""
     values = values.detach().float().clone()
     if ps.dp_cp > 1:
         comm.all_reduce(values, ps.dp_cp_group)
@@ -53,9 +63,19 @@ def counted_share(targets: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return counted_shares([targets], ps)[0]
 
 
+def loss_divisor(
+    targets: torch.Tensor, ahead: torch.Tensor | None, ps: ParallelState
+) -> torch.Tensor:
+    """counted_share of a step's targets [accum, micro, s]: a scalar; with the tokens ahead
+    (multi-token prediction, [accum, micro, 2, D, s]) [1 + D], the main targets' and each
+    depth's, in one all-reduce."""
+    if ahead is None:
+        return counted_share(targets, ps)
+    return counted_shares([targets, *ahead[:, :, 1].unbind(2)], ps)
+
+
 def counted_shares(targets: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
-    """counted_share of each of `targets` (the main targets, then each multi-token prediction
-    depth's), fp32 [n], with one all-reduce."""
+    """counted_share of each of `targets`, fp32 [n], with one all-reduce."""
     count = torch.stack([counted_targets(t) for t in targets]).to(torch.float64)
     if ps.dp_cp > 1:
         comm.all_reduce(count, ps.dp_cp_group)

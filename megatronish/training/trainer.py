@@ -35,7 +35,7 @@ from megatronish.optim.optimizer import lr_at
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
 from megatronish.training.batches import next_batch, validation_loss
-from megatronish.training.loss import counted_shares, mean_loss, mean_losses
+from megatronish.training.loss import loss_divisor, mean_losses
 from megatronish.training.metrics import MetricsWriter, peak_flops
 from megatronish.training.resume import checkpoint_dir
 from megatronish.training.setup import Setup, make_loader, setup, write_data_report
@@ -129,9 +129,7 @@ class Trainer:
             accum = inputs.shape[0]
             divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
             if self.loader.masks_loss and self.ps.is_last_stage:
-                counted = [targets] + ([] if ahead is None else list(ahead[:, :, 1].unbind(2)))
-                divisor = counted_shares(counted, self.ps) / accum
-                divisor = divisor if ahead is not None else divisor[0]
+                divisor = loss_divisor(targets, ahead, self.ps) / accum
         self.data_parallel.start_of_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
@@ -159,10 +157,8 @@ class Trainer:
         with timer.phase("grad_sync"):
             self.data_parallel.after_backward()
             grad_norm = self.data_parallel.clip_grads(self.cfg.train.grad_clip)
-            if depth > 0:
-                loss, self.mtp_loss = mean_losses(torch.stack([loss_sum, mtp_sum]) / accum, self.ps)
-            else:
-                loss, self.mtp_loss = mean_loss(loss_sum / accum, self.ps), None
+            mtp_sum = mtp_sum / accum if depth > 0 else None
+            loss, self.mtp_loss = mean_losses(loss_sum / accum, mtp_sum, self.ps)
         return loss, grad_norm
 
     def autocast(self):
