@@ -10,9 +10,9 @@ gradient overlap, phases, traces): what they train and how they compare it.
   run builds), `train_losses`, `train_counted` (losses, grad norms and the first step's
   collectives), and `reference`, the cached one-process run of a set of overrides;
 - the comparisons: `assert_close` (curves within 1e-5 relative), `assert_curves_match` (every
-  rank's curves equal the reference's, the multi-token prediction loss's too), `assert_overlap_matches` (a variant with OVERLAP equals
-  the one without to 1e-6) and `assert_check_fails_with_one_line` (a bad setting is one line
-  from `megatronish check`).
+  rank's curves equal the reference's, the multi-token prediction loss's too),
+  `assert_overlap_matches` (a variant with OVERLAP equals the one without to 1e-6) and
+  `assert_check_fails_with_one_line` (a bad setting is one line from `megatronish check`).
 """
 
 from __future__ import annotations
