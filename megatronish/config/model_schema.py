@@ -96,8 +96,9 @@ class ModelConfig:
     max_seq_len: int = 256
     """Longest sequence the model accepts (size of gpt2's position table)."""
     dropout: float = 0.0
-    """Dropout probability on attention probabilities and residual branches. The only model key
-    a resumed run may change (the others must equal the checkpoint's)."""
+    """Dropout probability on attention probabilities and residual branches. With
+    mtp_loss_coef the only model key a resumed run may change (the others must equal the
+    checkpoint's)."""
     tie_embeddings: bool | None = None
     """Share the token embedding with the output layer. Default: true for gpt2, false for llama."""
     norm_eps: float = 1e-5
@@ -132,7 +133,8 @@ class ModelConfig:
     (DeepSeek-V3: 1); below train.seq_len."""
     mtp_loss_coef: float = 0.3
     """Weight of the multi-token prediction loss (the mean over the depths of their
-    cross-entropies) added to the main loss, >= 0 (DeepSeek-V3: 0.3, then 0.1)."""
+    cross-entropies) added to the main loss, >= 0 (DeepSeek-V3: 0.3, then 0.1; a resumed run
+    may change it)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts MLPs (off by default); see model.moe.*."""
 

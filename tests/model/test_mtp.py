@@ -5,6 +5,8 @@ are one line. (Every layout's parity with one process is in the shared parity ru
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,3 +118,16 @@ def test_cli_bad_mtp_settings_exit_2_with_one_line(sets, key):
     for s in ["model.arch=llama", *sets]:
         args += ["--set", s]
     assert_check_fails_with_one_line(args, key)
+
+
+def test_a_resumed_run_may_change_the_mtp_loss_coef_but_not_the_depth(tmp_path):
+    from megatronish.checkpoint.model_match import model_differences, refuse_other_model
+    from megatronish.errors import UserError
+
+    saved = build(1).cfg
+    lowered = dataclasses.replace(saved, model=dataclasses.replace(saved.model, mtp_loss_coef=0.1))
+    deeper = dataclasses.replace(saved, model=dataclasses.replace(saved.model, mtp_depth=2))
+    kept = refuse_other_model(model_differences(saved, VOCAB, lowered, VOCAB), tmp_path, "", "")
+    assert kept == [("model.mtp_loss_coef", 0.25, 0.1)]  # DeepSeek-V3's 0.3 -> 0.1
+    with pytest.raises(UserError, match="model.mtp_depth"):
+        refuse_other_model(model_differences(saved, VOCAB, deeper, VOCAB), tmp_path, "", "")
