@@ -2,17 +2,17 @@
 gradient overlap, phases, traces): what they train and how they compare it.
 
 - the model: SMALL (4 layers, d_model 32, 20 fp32 steps of 8 sequences of 16 tokens) and the
-  override lists GPT2, LLAMA (GQA), SP (sequence parallelism) and OVERLAP (tensor-parallel
-  communication decomposed under the GEMMs);
+  override lists GPT2, LLAMA (GQA), SP (sequence parallelism), OVERLAP (tensor-parallel
+  communication decomposed under the GEMMs) and MTP, MTP2 (multi-token prediction);
 - the data: `prepare_code_dataset`, ten documents of small Python functions (the `dataset`
   fixture of tests/conftest.py is one, prepared once per session);
 - the runs: `make_config` (SMALL at a layout), `make_trainer` (a Trainer on the groups a launched
   run builds), `train_losses`, `train_counted` (losses, grad norms and the first step's
   collectives), and `reference`, the cached one-process run of a set of overrides;
 - the comparisons: `assert_close` (curves within 1e-5 relative), `assert_curves_match` (every
-  rank's curves equal the reference's), `assert_overlap_matches` (a variant with OVERLAP equals
-  the one without to 1e-6) and `assert_check_fails_with_one_line` (a bad setting is one line
-  from `megatronish check`).
+  rank's curves equal the reference's, the multi-token prediction loss's too),
+  `assert_overlap_matches` (a variant with OVERLAP equals the one without to 1e-6) and
+  `assert_check_fails_with_one_line` (a bad setting is one line from `megatronish check`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ GPT2 = ["model.arch=gpt2"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
 SP = ["parallel.sequence_parallel=true"]
 OVERLAP = ["parallel.tp_comm_overlap=true"]
+MTP = ["model.mtp_depth=1"]  # multi-token prediction, DeepSeek-V3's depth
+MTP2 = ["model.mtp_depth=2"]
 # How far OVERLAP may move a curve: the decomposition adds the same fp32 partial sums in another
 # order (megatronish.layers.overlap), each sum off by about one rounding, 2^-24 relative; the
 # loss and the gradient norm are means over every token and parameter of such sums, and 20
@@ -105,20 +107,24 @@ def train_losses(trainer) -> list[float]:
     return [trainer.train_step().loss for _ in range(trainer.cfg.train.steps - trainer.step)]
 
 
-def train_counted(trainer, steps: int, save_every: int = 0):
+def train_counted(trainer, steps: int, save_every: int = 0, mtp_losses: list | None = None):
     """(losses, grad norms, CommCounter of the first step) of training to `steps`, saving a
-    checkpoint every `save_every` steps (0: never)."""
+    checkpoint every `save_every` steps (0: never); each step's multi-token prediction loss
+    appended to mtp_losses when given."""
     from megatronish.distributed import comm
 
     losses, norms = [], []
-    with comm.CommCounter() as counter:
-        step = trainer.train_step()
-    losses.append(step.loss)
-    norms.append(step.grad_norm)
-    while trainer.step < steps:
-        step = trainer.train_step()
+
+    def record(step) -> None:
         losses.append(step.loss)
         norms.append(step.grad_norm)
+        if mtp_losses is not None:
+            mtp_losses.append(step.mtp_loss)
+
+    with comm.CommCounter() as counter:
+        record(trainer.train_step())
+    while trainer.step < steps:
+        record(trainer.train_step())
         if save_every and trainer.step % save_every == 0:
             trainer.save_checkpoint()
     return losses, norms, counter
@@ -143,8 +149,9 @@ def run_reference(overrides: list[str], dataset: Path, **sets) -> dict:
 
     cfg = make_config(1, 1, 1, overrides, dataset, [f"{k}={v}" for k, v in sets.items()])
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    losses, norms, _ = train_counted(trainer, STEPS)
-    return {"losses": losses, "norms": norms, "trainer": trainer}
+    mtp: list = []
+    losses, norms, _ = train_counted(trainer, STEPS, mtp_losses=mtp)
+    return {"losses": losses, "norms": norms, "mtp_losses": mtp, "trainer": trainer}
 
 
 def assert_close(
@@ -157,10 +164,23 @@ def assert_close(
 
 
 def assert_curves_match(per_rank: list[dict], name: str, ref: dict) -> None:
-    """Every rank's losses and grad norms of variant `name` equal the reference's."""
+    """Every rank's losses and grad norms of variant `name` equal the reference's, and so do
+    its multi-token prediction losses when the variant has them."""
     for rank_results in per_rank:
         assert_close(rank_results[name]["losses"], ref["losses"])
         assert_close(rank_results[name]["norms"], ref["norms"])
+        assert_mtp_close(rank_results[name], ref)
+
+
+def assert_mtp_close(result: dict, ref: dict) -> None:
+    """result's multi-token prediction losses (the "mtp_losses" recorded with train_counted)
+    equal ref's within 1e-5 relative, when its settings have model.mtp_depth (else both are
+    None)."""
+    mtp, want = result.get("mtp_losses"), ref.get("mtp_losses")
+    if mtp is None or want is None or want[0] is None:
+        assert mtp is None or all(m is None for m in mtp), "mtp losses without a reference"
+        return
+    assert_close(mtp, want)
 
 
 def assert_overlap_matches(per_rank: list[dict], name: str) -> None:

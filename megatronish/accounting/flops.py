@@ -10,8 +10,10 @@ from megatronish.config import Config, Derived, attention_window
 
 def matmul_params(cfg: Config, derived: Derived) -> int:
     """Parameters that take part in a matmul per token: every block's linear weights (of an
-    MoE MLP, the router and the top_k experts a token goes through) and the output layer (the
-    embedding lookup, norms and biases (model.qkv_bias) are not matmuls and not counted)."""
+    MoE MLP, the router and the top_k experts a token goes through) and the output layer, and of
+    each multi-token prediction module its eh_proj (2h -> h), its dense block and the output
+    layer again (the embedding lookup, norms and biases (model.qkv_bias) are not matmuls and
+    not counted)."""
     model, h = cfg.model, cfg.model.d_model
     qkv = h * (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     proj = model.n_head * derived.head_dim * h
@@ -20,17 +22,23 @@ def matmul_params(cfg: Config, derived: Derived) -> int:
     mlp = (2 if model.gpt2_block else 3) * h * derived.d_ff
     moe = len(derived.moe_layers)
     active = moe * moe_mlp_params(cfg, derived, active=True) if moe else 0
+    mtp = model.mtp_depth * (qkv + proj + mlp + 2 * h * h + h * derived.vocab_size)
     return (
-        model.n_layer * (qkv + proj) + (model.n_layer - moe) * mlp + active + h * derived.vocab_size
+        model.n_layer * (qkv + proj)
+        + (model.n_layer - moe) * mlp
+        + active
+        + h * derived.vocab_size
+        + mtp
     )
 
 
 def attention_keys(cfg: Config) -> int:
     """The keys a query's attention scores and values count, summed over the layers: the whole
     sequence, s, in every layer (Narayanan et al. count causal attention unhalved), and under a
-    sliding window W the keys it reaches, min(s, W), in the layers that slide."""
-    s = cfg.train.seq_len
-    windows = (attention_window(cfg.model, layer) for layer in range(cfg.model.n_layer))
+    sliding window W the keys it reaches, min(s, W), in the layers that slide; the multi-token
+    prediction blocks (indices n_layer ..) count as layers."""
+    s, layers = cfg.train.seq_len, cfg.model.n_layer + cfg.model.mtp_depth
+    windows = (attention_window(cfg.model, layer) for layer in range(layers))
     return sum(s if window is None else min(s, window) for window in windows)
 
 

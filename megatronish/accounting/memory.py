@@ -21,6 +21,7 @@ dp x cp / ep ranks that hold the same experts):
   dims, and its latents, ``mla_activations``), times 2 for fp32 activations; plus the logits
   and the loss's softmax, b s V / t x 6 bytes (bf16 logits, fp32 softmax). Llama's SwiGLU MLP
   and GQA move these by a few percent.
+  Multi-token prediction (model.mtp_depth D) adds D layers and D logits to the last stage.
 
 With pipeline parallelism (pp stages, m micro-batches per step) each stage holds its own
 layers' parameters (the embeddings on the first stage, the output layer on the last) and the
@@ -46,9 +47,11 @@ from dataclasses import dataclass
 
 from megatronish.accounting.collectives import formula_bytes_per_step
 from megatronish.accounting.parameters import (
+    last_stage_mtp,
     local_layer_params,
     local_moe_params,
     local_parameter_count,
+    mtp_params,
     stage_moe_layers,
     tp_summed_grad_count,
 )
@@ -169,10 +172,12 @@ def estimate(
     for r in range(pp):
         in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
         state = model_state_bytes(layout, derived, r)
-        act = per_layer * derived.stage_layers[r] * in_flight
+        layers = derived.stage_layers[r] + last_stage_mtp(layout, derived, r)
+        act = per_layer * layers * in_flight
         if recompute == "full":  # one layer is rebuilt at a time during backward
             act += activation_bytes_per_layer(layout, tp, sp, "none")
         logits = logits_one * (m if all_forwards_first else 1) if r == pp - 1 else 0.0
+        logits *= 1 + layout.model.mtp_depth  # each multi-token prediction module's too
         stages.append(
             Estimate(
                 tp=tp,
@@ -221,7 +226,7 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     outside = tp_summed_grad_count(cfg, derived, pp_rank)
     last, first = pp_rank == derived.pp - 1, pp_rank == 0
     vocab = derived.padded_vocab_size // derived.tp * cfg.model.d_model
-    if derived.pp > 1 and derived.tie_embeddings and (first or last):
+    if derived.pp > 1 and derived.last_stage_embedding and (first or last):
         outside += vocab
     buffered = params - experts - outside
 
@@ -240,7 +245,8 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         gathered = min(buffered + experts, (IN_FLIGHT + 1) * cfg.optim.bucket_mb * 2**18)
     if zero == 3 and dp > 1:
         layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
-        gathered += buffered + experts if derived.pp > 1 else 2 * layer + (vocab if last else 0)
+        head = vocab + mtp_params(cfg, derived, pp_rank) if last else 0  # kept to its backward
+        gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
     copies = 2 * params if bf16 else 0
     return {
         "weights": weights * 4 + copies,

@@ -42,7 +42,16 @@ def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     head = 0 if derived.tie_embeddings else derived.vocab_size * h
     moe = len(derived.moe_layers)
     experts = moe * (moe_mlp_params(cfg, derived, active) - mlp) if moe else 0
-    return model.n_layer * per_layer + experts + embed + norm + head
+    mtp = model.mtp_depth * (per_layer + mtp_extra_params(cfg))
+    return model.n_layer * per_layer + experts + embed + norm + head + mtp
+
+
+def mtp_extra_params(cfg: Config) -> int:
+    """Parameters of one multi-token prediction module besides its (dense) block, replicated on
+    the tp ranks: enorm, hnorm, its final norm and eh_proj (2h -> h)."""
+    h = cfg.model.d_model
+    norm = 2 * h if cfg.model.gpt2_block else h
+    return 3 * norm + 2 * h * h
 
 
 def approx_tp_rank_parameters(cfg: Config, derived: Derived, total: int) -> int:
@@ -65,19 +74,21 @@ def moe_mlp_params(cfg: Config, derived: Derived, active: bool = False) -> int:
 def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Parameters one tp rank of pipeline stage pp_rank holds (the padded vocab included): the
     elements its data-parallel gradient all-reduce (or ZeRO reduce-scatter and all-gather)
-    carries. The first stage holds the embeddings, the last the final norm and the output layer
-    (with tied embeddings and pp > 1, a copy of the token embedding)."""
+    carries. The first stage holds the embeddings, the last the final norm, the output layer and
+    the multi-token prediction modules (with tied embeddings or those modules and pp > 1, a copy
+    of the token embedding)."""
     model, tp, h = cfg.model, derived.tp, cfg.model.d_model
     first, last = pp_rank == 0, pp_rank == derived.pp - 1
     gpt2 = model.gpt2_block
     norm = 2 * h if gpt2 else h
     vocab_local = derived.padded_vocab_size // tp
     embed = vocab_local * h + (model.max_seq_len * h if gpt2 else 0) if first else 0
-    head = vocab_local * h if last and (not derived.tie_embeddings or not first) else 0
+    head = vocab_local * h if last and not derived.tie_embeddings else 0
+    head += vocab_local * h if last and not first and derived.last_stage_embedding else 0
     layers, moe = derived.stage_layers[pp_rank], stage_moe_layers(derived, pp_rank)
     blocks = (layers - moe) * local_layer_params(cfg, derived)
     blocks += moe * local_layer_params(cfg, derived, moe=True)
-    return blocks + embed + (norm if last else 0) + head
+    return blocks + embed + (norm if last else 0) + head + mtp_params(cfg, derived, pp_rank)
 
 
 def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
@@ -117,8 +128,9 @@ def local_moe_params(cfg: Config, derived: Derived, experts_only: bool = False) 
 def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Elements of the replicated parameters whose gradients the trainer sums over the tp group
     under sequence parallelism on stage pp_rank: every norm, (gpt2) the row-parallel biases,
-    the MoE routers (each tp rank routes its own tokens) and multi-head latent attention's
-    down-projections and their norms."""
+    the MoE routers (each tp rank routes its own tokens), multi-head latent attention's
+    down-projections and their norms, and the multi-token prediction modules' replicated
+    parameters."""
     h, gpt2 = cfg.model.d_model, cfg.model.gpt2_block
     norm = 2 * h if gpt2 else h
     row_biases = 2 * h if gpt2 else 0
@@ -127,7 +139,8 @@ def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0
     qk_norms = 2 * derived.head_dim if cfg.model.qk_norm else 0
     mla = sum(mla_params(cfg)[1:]) if cfg.model.attention == "mla" else 0
     per_layer = 2 * norm + row_biases + qk_norms + mla
-    return derived.stage_layers[pp_rank] * per_layer + (norm if last else 0) + routers
+    mtp = cfg.model.mtp_depth * (per_layer + mtp_extra_params(cfg))
+    return derived.stage_layers[pp_rank] * per_layer + (norm + mtp if last else 0) + routers
 
 
 def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
@@ -139,4 +152,16 @@ def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int
         return 0
     if cfg.parallel.sequence_parallel:
         return sequence_parallel_grad_count(cfg, derived, pp_rank)
-    return derived.stage_layers[pp_rank] * 2 * derived.head_dim if cfg.model.qk_norm else 0
+    layers = derived.stage_layers[pp_rank] + last_stage_mtp(cfg, derived, pp_rank)
+    return layers * 2 * derived.head_dim if cfg.model.qk_norm else 0
+
+
+def mtp_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
+    """Parameters of the multi-token prediction modules on one tp rank of stage pp_rank."""
+    extra = local_layer_params(cfg, derived) + mtp_extra_params(cfg)
+    return last_stage_mtp(cfg, derived, pp_rank) * extra
+
+
+def last_stage_mtp(cfg: Config, derived: Derived, pp_rank: int) -> int:
+    """The multi-token prediction blocks on stage pp_rank: model.mtp_depth on the last, else 0."""
+    return cfg.model.mtp_depth if pp_rank == derived.pp - 1 else 0

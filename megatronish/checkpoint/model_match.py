@@ -22,8 +22,10 @@ from megatronish.errors import UserError
 # Model keys a resumed run may change. model.dropout is a training setting that happens to live
 # in the model section: no tensor depends on it, eval, generate and export run the model without
 # it, and changing it between pretraining and fine-tuning is common practice (Megatron's resume
-# checks only the architecture). Every other key changes what the weights compute.
-MAY_DIFFER = frozenset({"model.dropout"})
+# checks only the architecture). So is model.mtp_loss_coef, the multi-token prediction loss's
+# weight (DeepSeek-V3 lowered it from 0.3 to 0.1 during pretraining). Every other key changes
+# what the weights compute.
+MAY_DIFFER = frozenset({"model.dropout", "model.mtp_loss_coef"})
 
 Difference = tuple[str, Any, Any]  # (key, the checkpoint's value, the config's value)
 

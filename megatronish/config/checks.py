@@ -116,6 +116,21 @@ def _check_ranges(cfg: Config) -> None:
         "model.qk_norm: gpt2 has no norm of queries and keys (only with RoPE families)",
     )
     _check_sliding_window(cfg)
+    _check_mtp(cfg)
+
+
+def _check_mtp(cfg: Config) -> None:
+    """model.mtp_depth and model.mtp_loss_coef."""
+    model, seq_len = cfg.model, cfg.train.seq_len
+    require(
+        0 <= model.mtp_depth < seq_len,
+        f"model.mtp_depth: {model.mtp_depth} is not valid; must be 0 (off) to train.seq_len - 1 "
+        f"= {seq_len - 1}",
+    )
+    require(
+        model.mtp_loss_coef >= 0,
+        f"model.mtp_loss_coef: {model.mtp_loss_coef} is not valid; must be >= 0",
+    )
 
 
 def _check_sliding_window(cfg: Config) -> None:

@@ -95,6 +95,9 @@ class Derived:
     shared_d_ff: int = 0
     """Inner size of the shared experts' MLP of each MoE block: n_shared_experts (or one for
     shared_expert) x moe_d_ff; 0 without shared experts."""
+    last_stage_embedding: bool = False
+    """The last stage looks tokens up in the token embedding too (a tied output layer, or the
+    multi-token prediction modules): at pp > 1 it holds a copy kept equal to the first stage's."""
 
     def chunk_range(self, chunk: int) -> range:
         """The global indices of the transformer layers of model chunk `chunk`."""
@@ -217,6 +220,7 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         moe_layers=moe_layers(cfg),
         moe_d_ff=moe_d_ff,
         shared_d_ff=moe_d_ff * (model.moe.n_shared_experts or int(model.moe.shared_expert)),
+        last_stage_embedding=tie or model.mtp_depth > 0,
     )
 
 

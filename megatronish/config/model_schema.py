@@ -120,8 +120,9 @@ class ModelConfig:
     max_seq_len: int = 256
     """Longest sequence the model accepts (size of gpt2's position table)."""
     dropout: float = 0.0
-    """Dropout probability on attention probabilities and residual branches. The only model key
-    a resumed run may change (the others must equal the checkpoint's)."""
+    """Dropout probability on attention probabilities and residual branches. With
+    mtp_loss_coef the only model key a resumed run may change (the others must equal the
+    checkpoint's)."""
     tie_embeddings: bool | None = None
     """Share the token embedding with the output layer. Default: true for gpt2, false for llama."""
     norm_eps: float = 1e-5
@@ -148,6 +149,16 @@ class ModelConfig:
     """With model.sliding_window: the first this-many blocks (by global block index, whatever
     the pipeline layout) attend to every earlier position and the others through the window
     (Qwen2 and Qwen3's max_window_layers; 0, every block slides: Mistral). 0 to model.n_layer."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules (DeepSeek-V3): module k (1..mtp_depth) combines the
+    previous depth's final hidden state with the embedding of the token k positions ahead,
+    runs one more transformer block (dense MLP) and the shared output layer, and predicts the
+    token k + 1 ahead. Training only: evaluation and generate use the main model. 0: off
+    (DeepSeek-V3: 1); below train.seq_len."""
+    mtp_loss_coef: float = 0.3
+    """Weight of the multi-token prediction loss (the mean over the depths of their
+    cross-entropies) added to the main loss, >= 0 (DeepSeek-V3: 0.3, then 0.1; a resumed run
+    may change it)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts MLPs (off by default); see model.moe.*."""
     attention: Literal["mha", "mla"] = "mha"

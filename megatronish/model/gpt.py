@@ -27,6 +27,7 @@ from megatronish.layers.linear import (
 from megatronish.layers.roles import set_role
 from megatronish.model.block import Block
 from megatronish.model.init import init_weights
+from megatronish.model.mtp import MTP, ahead_of
 from megatronish.model.norm import Norm
 from megatronish.model.recompute import checkpoint
 from megatronish.moe import MoELayer
@@ -44,9 +45,10 @@ class GPT(nn.Module):
     stage. With parallel.pp_virtual = v > 1 the slice is v model chunks (`chunks`: the block
     names of each, rank r holding chunks r, r + pp, ...), each run by chunk_forward; the
     embeddings belong to chunk 0, the output layer to the last chunk. Tied embeddings (gpt2)
-    put a copy of tok_emb on the last stage too: both copies are tagged pipeline_tied (their
-    gradients are summed across the two stages) and the last stage's is tagged
-    pipeline_duplicate (not saved, not counted twice in the gradient norm)."""
+    and multi-token prediction (model.mtp_depth, `mtp`: on the last stage) put a copy of
+    tok_emb on the last stage too: both copies are tagged pipeline_tied (their gradients are
+    summed across the two stages) and the last stage's is tagged pipeline_duplicate (not
+    saved, not counted twice in the gradient norm)."""
 
     def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
         super().__init__()
@@ -60,12 +62,12 @@ class GPT(nn.Module):
         self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
         V = derived.padded_vocab_size
         self.tok_emb = self.pos_emb = self.norm_f = self.lm_head = None
-        if self.is_first_stage or (self.is_last_stage and derived.tie_embeddings):
+        if self.is_first_stage or (self.is_last_stage and derived.last_stage_embedding):
             self.tok_emb = VocabParallelEmbedding(
                 V, model.d_model, tp_group=ps.tp_group, init_method=None
             )
             set_role(self.tok_emb.weight, valid_rows=derived.vocab_size)
-            if derived.pp > 1 and derived.tie_embeddings:
+            if derived.pp > 1 and derived.last_stage_embedding:
                 duplicate = not self.is_first_stage
                 set_role(self.tok_emb.weight, pipeline_tied=True, pipeline_duplicate=duplicate)
         if self.is_first_stage and model.gpt2_block:
@@ -94,6 +96,10 @@ class GPT(nn.Module):
                     init_method=None,
                 )
                 set_role(self.lm_head.weight, valid_rows=derived.vocab_size)
+        self.mtp = None
+        if self.is_last_stage and model.mtp_depth > 0:
+            self.mtp = MTP(cfg, derived, ps, self.tracker)
+        self.mtp_loss_coef = model.mtp_loss_coef
         local_v = V // derived.tp
         ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)
         self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
@@ -108,14 +114,19 @@ class GPT(nn.Module):
     def forward_param_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """(module, the parameters used from its call on) in the order a forward calls the
         modules: the embeddings, the blocks, the final norm (followed by the LM head, which is
-        not called as a module: its weight, or the tied embedding's). A forward pre-hook on
+        not called as a module: its weight, or the tied embedding's, and by the multi-token
+        prediction modules with the embedding they read, whose parameters it lists too: they
+        run after the output layer, from the same gathered parameters). A forward pre-hook on
         each module can make its parameters ready (ZeRO-1's all-gather overlapped with the
         forward, ZeRO-3's gathers: megatronish.data_parallel)."""
         uses = [(m, list(m.parameters())) for m in (self.tok_emb, self.pos_emb) if m is not None]
         uses += [(block, list(block.parameters())) for block in self.blocks.values()]
         if self.norm_f is not None:
             head = self.lm_head if self.lm_head is not None else self.tok_emb
-            uses.append((self.norm_f, list(self.norm_f.parameters()) + list(head.parameters())))
+            after = [self.norm_f, head]
+            if self.mtp is not None:
+                after += [self.mtp] + ([self.tok_emb] if self.lm_head is not None else [])
+            uses.append((self.norm_f, [p for m in after for p in m.parameters()]))
         return uses
 
     def moe_layers(self) -> dict[int, MoELayer]:
@@ -177,7 +188,8 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """This rank's model chunk `chunk` (0 .. pp_virtual - 1; global chunk pp_rank + chunk x
         pp): tokens [b, s] (global chunk 0) or the previous chunk's hidden states -> hidden
-        states for the next chunk, or this rank's logits after the last chunk."""
+        states for the next chunk; after the last chunk the final hidden states, before the
+        final norm (head_losses, or logits(norm_f(...)) takes them on)."""
         if self.is_first_stage and chunk == 0:
             with annotate("embed"):
                 x = self.embed(inputs, documents)
@@ -190,15 +202,14 @@ class GPT(nn.Module):
                     x = checkpoint(block, self.tracker, x, documents)
                 else:
                     x = block(x, documents)
-        if not (self.is_last_stage and chunk == len(self.chunks) - 1):
-            return x
-        with annotate("logits"):
-            return self.logits(self.norm_f(x))
+        return x
 
     def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """tokens [b, s] -> this rank's logits [b, s, V / t] (one stage only)."""
         if self.derived.pp > 1:
             raise RuntimeError("a model split into pipeline stages runs through stage_forward")
-        return self.stage_forward(tokens, documents)
+        with annotate("logits"):
+            return self.logits(self.norm_f(self.stage_forward(tokens, documents)))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer, column-parallel over the vocab: x [b, s, h] (or [b, s/t, h] with
@@ -236,16 +247,73 @@ class GPT(nn.Module):
             return per_token.float().sum() * self.derived.cp / count.clamp(min=1).float()[0]
         return per_token.float().sum() / count.clamp(min=1)
 
+    def head_losses(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        divisor: torch.Tensor | None = None,
+        documents: Documents | None = None,
+        ahead: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last stage's losses from its final hidden states [b, s, h]: (the main loss, the
+        mean over the depths of the multi-token prediction losses, or None without them or
+        outside training). ahead: the micro-batch's mtp.ahead_of [b, 2, D, s / cp], this cp
+        rank's shard. divisor (a loss mask): a scalar, or [1 + D] (the main loss's, then each
+        depth's) with multi-token prediction."""
+        main_divisor = divisor if divisor is None or divisor.dim() == 0 else divisor[0]
+        with annotate("logits"):
+            logits = self.logits(self.norm_f(hidden))
+        main = self.loss_of_logits(logits, targets, main_divisor)
+        if self.mtp is None or not self.training:
+            return main, None
+        if ahead is None:
+            raise RuntimeError("multi-token prediction needs the tokens ahead (mtp.ahead_of)")
+        tokens, mtp_targets = ahead[:, 0], ahead[:, 1]  # [b, D, s] each
+        # forward, not the module's call: its ZeRO-3 hooks are the first lookup's; the final
+        # norm's gathered this embedding again (forward_param_uses)
+        embedded = self.tok_emb.forward(tokens)  # [b, D, s, h]
+        recompute = self.tracker if self.full_checkpoint and self.training else None
+        with annotate("mtp"):
+            normed = self.mtp(hidden, embedded, documents, recompute)
+        losses = []
+        for k, x in enumerate(normed, start=1):
+            depth_divisor = None if divisor is None else divisor[k]
+            losses.append(self.loss_of_logits(self.logits(x), mtp_targets[:, k - 1], depth_divisor))
+        return main, torch.stack(losses).mean()
+
+    def objective(self, main: torch.Tensor, mtp: torch.Tensor | None) -> torch.Tensor:
+        """What training differentiates: the main loss, plus model.mtp_loss_coef times the
+        multi-token prediction loss when there is one."""
+        return main if mtp is None else main + self.mtp_loss_coef * mtp
+
+    def losses(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        divisor: torch.Tensor | None = None,
+        documents: Documents | None = None,
+        ahead: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """head_losses of the tokens (one stage only); documents: the tokens' under document
+        masks (megatronish.context.documents); ahead: mtp.ahead_of of the whole sequences,
+        taken from tokens and targets when None (at cp 1 only)."""
+        if ahead is None and self.mtp is not None and self.training:
+            if self.derived.cp > 1:
+                raise RuntimeError("under cp the tokens ahead come from the whole sequences")
+            ahead = ahead_of(tokens, targets, self.cfg.model.mtp_depth)
+        hidden = self.stage_forward(tokens, documents)
+        return self.head_losses(hidden, targets, divisor, documents, ahead)
+
     def loss(
         self,
         tokens: torch.Tensor,
         targets: torch.Tensor,
         divisor: torch.Tensor | None = None,
         documents: Documents | None = None,
+        ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """loss_of_logits of the tokens' logits (one stage only); documents: the tokens' under
-        document masks (megatronish.context.documents)."""
-        return self.loss_of_logits(self(tokens, documents), targets, divisor)
+        """The objective of `losses` (the main loss alone in eval mode)."""
+        return self.objective(*self.losses(tokens, targets, divisor, documents, ahead))
 
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor, cache: list, start_pos: int) -> torch.Tensor:

@@ -23,9 +23,9 @@ def _param_seed(seed: int, name: str) -> int:
 def init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
     """GPT-2-style initialization, layout-invariant: each full weight (each expert's, for
     stacked experts) is drawn from a generator seeded by (seed, its checkpoint name) and this
-    rank keeps its block. Matrices and embeddings: normal(0, 0.02); residual outputs
-    (attention proj, MLP and expert down): normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm
-    weights 1."""
+    rank keeps its block. Matrices and embeddings (and multi-token prediction's eh_proj):
+    normal(0, 0.02); residual outputs (attention proj, MLP and expert down):
+    normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm weights 1."""
     ps = model.ps
     for name, param, index in stored_tensors(model.named_parameters()):
         target = param if index is None else param[index]
@@ -35,9 +35,8 @@ def init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
         if "norm" in name:
             target.fill_(1.0)
             continue
-        std = (
-            0.02 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight")) else 0.02
-        )
+        residual = name.endswith(("proj.weight", "down.weight")) and "eh_proj" not in name
+        std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
         tags = role(param)
         rows = tags.valid_rows if tags.valid_rows is not None else tags.full_shape[0]
         gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))

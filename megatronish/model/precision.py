@@ -23,10 +23,14 @@ def autocast(cfg: Config, device: torch.device):
 
 
 def fp8_layers(model: nn.Module) -> list[ColumnParallelLinear | RowParallelLinear]:
-    """The linear layers fp8 applies to: each block's attention projections and its dense MLP
-    (not the embeddings, the output layer, the MoE layers or anything outside the blocks)."""
+    """The linear layers fp8 applies to: each block's attention projections and its dense MLP,
+    the multi-token prediction blocks' too (not the embeddings, the output layer, the MoE
+    layers or anything outside the blocks)."""
     layers = []
-    for block in model.blocks.values():
+    blocks = list(model.blocks.values())
+    if model.mtp is not None:
+        blocks += [layer.block for layer in model.mtp.layers]
+    for block in blocks:
         parts = [block.attn] + ([block.mlp] if isinstance(block.mlp, MLP) else [])
         for part in parts:
             linears = (ColumnParallelLinear, RowParallelLinear)

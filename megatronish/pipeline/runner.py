@@ -120,7 +120,7 @@ class Pipeline:
 
     def _recv_forward(self, micro: tuple) -> torch.Tensor:
         """This stage's input for micro-batch `micro` (inputs [b, s], targets [b, s],
-        documents or None): its tokens
+        documents or None, tokens ahead or None): its tokens
         on the first stage, else the previous stage's hidden states (a leaf that collects
         their gradient)."""
         if self.ps.is_first_stage:
@@ -183,8 +183,9 @@ class Pipeline:
         self, inputs: torch.Tensor, micro: tuple, scale: float, autocast, chunk: int | None = None
     ):
         """(output, what backward starts from) of this stage, or of its model chunk `chunk`
-        (0 .. v - 1) under interleaving: hidden states, or the micro-batch loss scaled by
-        `scale` at the end of the model (its unscaled value added to the loss sum)."""
+        (0 .. v - 1) under interleaving: hidden states, or the micro-batch's objective
+        (GPT.objective) scaled by `scale` at the end of the model (its unscaled main loss added
+        to the loss sum, its multi-token prediction loss to mtp_sum)."""
         start = time.perf_counter()
         saving = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
         last = self._last(chunk)
@@ -194,9 +195,14 @@ class Pipeline:
             else:
                 output = self.model.chunk_forward(chunk, inputs, micro[2])
             if last:
-                loss = self.model.loss_of_logits(output, micro[1], self.divisor)
+                main, mtp = self.model.head_losses(
+                    output, micro[1], self.divisor, micro[2], micro[3]
+                )
+                loss = self.model.objective(main, mtp)
         if last:
-            self.loss_sum += loss.detach()
+            self.loss_sum += main.detach()
+            if mtp is not None:
+                self.mtp_sum += mtp.detach()
             output = loss * scale
         self.stats.compute_s += time.perf_counter() - start
         return output
@@ -223,16 +229,19 @@ class Pipeline:
         forward_only: bool = False,
         divisor: torch.Tensor | None = None,
         documents: Documents | None = None,
+        ahead: torch.Tensor | None = None,
     ):
         """Forward (and, unless forward_only, backward) of every micro-batch of inputs and
         targets [m, micro, s] (this rank's sequence shard under cp), with their documents
-        [m, micro, ...] under document masks; each micro-batch's loss (GPT.loss_of_logits, with
-        `divisor`) is scaled by `scale` for backward. Returns the sum of the micro-batch losses
-        (zero except on the last stage)."""
+        [m, micro, ...] under document masks and the tokens ahead [m, micro, 2, D, s] under
+        multi-token prediction; each micro-batch's objective (GPT.head_losses, with `divisor`)
+        is scaled by `scale` for backward. Returns the sum of the micro-batch main losses (zero
+        except on the last stage); that of their multi-token prediction losses is mtp_sum."""
         start = time.perf_counter()
         self.divisor = divisor
-        batch = micro_batches(inputs, targets, documents)
+        batch = micro_batches(inputs, targets, documents, ahead)
         self.loss_sum = torch.zeros((), device=self.ps.device)
+        self.mtp_sum = torch.zeros((), device=self.ps.device)
         self.stats = ScheduleStats()
         if self.virtual > 1:
             with torch.no_grad() if forward_only else contextlib.nullcontext():

@@ -17,6 +17,7 @@ from megatronish.config import Config
 from megatronish.context import Documents, documents_of, micro_batches, split_batch
 from megatronish.data import BatchLoader
 from megatronish.distributed.layout import ParallelState
+from megatronish.model.mtp import ahead_of, shard_ahead
 from megatronish.model.precision import autocast
 from megatronish.training.loss import counted_share, mean_loss
 
@@ -26,18 +27,23 @@ if TYPE_CHECKING:
 
 
 def next_batch(
-    loader: BatchLoader | BlendLoader, ps: ParallelState, document_mask: bool
-) -> tuple[torch.Tensor, torch.Tensor, Documents | None]:
+    loader: BatchLoader | BlendLoader, ps: ParallelState, document_mask: bool, mtp_depth: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, Documents | None, torch.Tensor | None]:
     """The next global batch's inputs and targets for this rank, [accum, micro, s / cp] each:
     the loader's samples of this dp rank, this cp rank's zigzag shard of them (targets that do
-    not count in the loss are -100); and with document_mask (data.document_mask) their documents
-    (found in the whole sequences, then split like them)."""
+    not count in the loss are -100); with document_mask (data.document_mask) their documents
+    (found in the whole sequences, then split like them); with mtp_depth D > 0 the tokens and
+    targets ahead (model.mtp.ahead_of of the whole sequences, then split like them)
+    [accum, micro, 2, D, s / cp], else None."""
     batch, loss_mask = loader.next_masked_step()  # [accum, micro, s + 1], [..., s]
     batch = batch.to(ps.device)
-    documents = None
+    documents = ahead = None
     if document_mask:
         documents = documents_of(batch[..., :-1], loader.eod_id).shard(ps.cp, ps.cp_rank)
-    return *split_batch(batch, ps.cp, ps.cp_rank, loss_mask), documents
+    if mtp_depth > 0:
+        whole = split_batch(batch, 1, 0, loss_mask)
+        ahead = shard_ahead(ahead_of(*whole, mtp_depth), ps.cp, ps.cp_rank)
+    return *split_batch(batch, ps.cp, ps.cp_rank, loss_mask), documents, ahead
 
 
 @torch.no_grad()
@@ -58,7 +64,7 @@ def validation_loss(
     total = torch.zeros((), device=ps.device)
     seen, count = [], 0  # the targets, and the micro-batches, evaluated
     for _ in range(cfg.train.eval_steps):
-        inputs, targets, documents = next_batch(loader, ps, cfg.data.document_mask)
+        inputs, targets, documents, _ = next_batch(loader, ps, cfg.data.document_mask)
         if pipeline is not None:
             total += pipeline.run(
                 inputs,
@@ -70,9 +76,9 @@ def validation_loss(
                 documents=documents,
             )
         else:
-            for x, y, docs in micro_batches(inputs, targets, documents):
+            for x, y, docs, _ in micro_batches(inputs, targets, documents):
                 with in_precision():
-                    loss = model.loss(x, y, divisor, docs)
+                    loss = model.losses(x, y, divisor, docs)[0]  # the main loss alone
                 total += loss.float()
         seen.append(targets)
         count += inputs.shape[0]

@@ -8,7 +8,9 @@ counted target of the global batch divided by their number N, whatever the layou
 all-reduce over dp x cp per step gives N; each micro-batch's loss is then its sum over its
 counted targets divided by `counted_share` / accum = N / (dp x cp x accum). The trainer scales
 it by 1 / accum for backward and the gradient reduction averages over dp x cp, so the gradients
-are those of sum / N on one process, and so is the mean of the reported losses.
+are those of sum / N on one process, and so is the mean of the reported losses. Multi-token
+prediction (model.mtp_depth) does the same for the targets of each depth (their own N), in the
+same all-reduce, and its loss is averaged with the main loss's (mean_losses).
 """
 
 from __future__ import annotations
@@ -23,15 +25,31 @@ from megatronish.layers.cross_entropy import IGNORE_INDEX
 def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
     """Mean over the dp x cp group of a loss computed on the last pipeline stage, on every
     rank (the other stages contribute zeros to a sum over the pipeline)."""
-    value = value.detach().float().reshape(1).clone()
+    return _means(value.reshape(1), ps)[0]
+
+
+def mean_losses(
+    main: torch.Tensor, mtp: torch.Tensor | None, ps: ParallelState
+) -> tuple[float, float | None]:
+    """mean_loss of the main loss and of the multi-token prediction loss (None: none), with
+    the collectives of one."""
+    if mtp is None:
+        return mean_loss(main, ps), None
+    main_mean, mtp_mean = _means(torch.stack([main, mtp]), ps)
+    return main_mean, mtp_mean
+
+
+def _means(values: torch.Tensor, ps: ParallelState) -> list[float]:
+    """mean_loss of each of values [n], in one all-reduce over each group."""
+    values = values.detach().float().clone()
     if ps.dp_cp > 1:
-        comm.all_reduce(value, ps.dp_cp_group)
-        value /= ps.dp_cp
+        comm.all_reduce(values, ps.dp_cp_group)
+        values /= ps.dp_cp
     if ps.pp > 1:
         if not ps.is_last_stage:
-            value.zero_()
-        comm.all_reduce(value, ps.pp_group)
-    return float(value)
+            values.zero_()
+        comm.all_reduce(values, ps.pp_group)
+    return values.tolist()
 
 
 def counted_targets(targets: torch.Tensor) -> torch.Tensor:
@@ -42,7 +60,23 @@ def counted_targets(targets: torch.Tensor) -> torch.Tensor:
 def counted_share(targets: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     """N / (dp x cp), fp32 scalar: N the counted targets (counted_targets) of `targets` on every
     rank of the dp x cp group (one fp64 all-reduce when it has more than one rank), at least 1."""
-    count = counted_targets(targets).to(torch.float64).reshape(1)
+    return counted_shares([targets], ps)[0]
+
+
+def loss_divisor(
+    targets: torch.Tensor, ahead: torch.Tensor | None, ps: ParallelState
+) -> torch.Tensor:
+    """counted_share of a step's targets [accum, micro, s]: a scalar; with the tokens ahead
+    (multi-token prediction, [accum, micro, 2, D, s]) [1 + D], the main targets' and each
+    depth's, in one all-reduce."""
+    if ahead is None:
+        return counted_share(targets, ps)
+    return counted_shares([targets, *ahead[:, :, 1].unbind(2)], ps)
+
+
+def counted_shares(targets: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:
+    """counted_share of each of `targets`, fp32 [n], with one all-reduce."""
+    count = torch.stack([counted_targets(t) for t in targets]).to(torch.float64)
     if ps.dp_cp > 1:
         comm.all_reduce(count, ps.dp_cp_group)
-    return (count.clamp(min=1) / ps.dp_cp).float()[0]
+    return (count.clamp(min=1) / ps.dp_cp).float()

@@ -35,7 +35,7 @@ from megatronish.optim.optimizer import lr_at
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
 from megatronish.training.batches import next_batch, validation_loss
-from megatronish.training.loss import counted_share, mean_loss
+from megatronish.training.loss import loss_divisor, mean_losses
 from megatronish.training.metrics import MetricsWriter, peak_flops
 from megatronish.training.resume import checkpoint_dir
 from megatronish.training.setup import Setup, make_loader, setup, write_data_report
@@ -49,6 +49,9 @@ class StepResult:
     loss: float
     grad_norm: float
     verdict: faults.StepVerdict
+    mtp_loss: float | None = None
+    """The multi-token prediction loss (mean over the depths and the global batch), or None
+    without model.mtp_depth."""
 
 
 class Trainer:
@@ -86,6 +89,7 @@ class Trainer:
         # The step resumed from (checkpoint.resume), or None for a fresh start.
         self.resumed_from = checkpoints.start(setup, self.model, self.data_parallel, self.loader)
         self.step = self.resumed_from or 0
+        self.mtp_loss: float | None = None  # of the last compute_gradients (model.mtp_depth)
         self.saved_step = self.resumed_from
         # Asks to stop at a step boundary once installed (train() installs it).
         self.stop_signals = stop_signals or faults.StopSignals()
@@ -109,41 +113,52 @@ class Trainer:
                 self.balancer.after_step(applied=not verdict.skip)
         self.step += 1
         self.profiler.end_step(self.step)
-        return StepResult(loss, grad_norm, verdict)
+        return StepResult(loss, grad_norm, verdict, self.mtp_loss)
 
     def compute_gradients(self) -> tuple[float, float]:
         """Forward and backward over the next global batch, gradients reduced and clipped:
-        (loss mean over the global batch, global gradient norm before clipping)."""
-        timer = self.timer
+        (loss mean over the global batch, global gradient norm before clipping); the
+        multi-token prediction loss's mean goes to self.mtp_loss (None without it)."""
+        timer, depth = self.timer, self.cfg.model.mtp_depth
         with timer.phase("data"):
-            # [accum, micro, seq / cp] each; documents None unless data.document_mask
-            inputs, targets, documents = next_batch(
-                self.loader, self.ps, self.cfg.data.document_mask
+            # [accum, micro, seq / cp] each; documents None unless data.document_mask, ahead
+            # (the tokens and targets ahead, [accum, micro, 2, D, seq / cp]) unless mtp_depth 0
+            inputs, targets, documents, ahead = next_batch(
+                self.loader, self.ps, self.cfg.data.document_mask, depth
             )
             accum = inputs.shape[0]
             divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
             if self.loader.masks_loss and self.ps.is_last_stage:
-                divisor = counted_share(targets, self.ps) / accum
+                divisor = loss_divisor(targets, ahead, self.ps) / accum
         self.data_parallel.start_of_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
             loss_sum = self.pipeline.run(
-                inputs, targets, 1.0 / accum, self.autocast, divisor=divisor, documents=documents
+                inputs,
+                targets,
+                1.0 / accum,
+                self.autocast,
+                divisor,
+                documents=documents,
+                ahead=ahead,
             )
+            mtp_sum = self.pipeline.mtp_sum
         else:
             loss_sum = torch.zeros((), device=self.ps.device)
-            for micro_inputs, micro_targets, micro_documents in micro_batches(
-                inputs, targets, documents
-            ):
+            mtp_sum = torch.zeros((), device=self.ps.device)
+            for micro in micro_batches(inputs, targets, documents, ahead):
                 with timer.phase("forward"), self.autocast():
-                    loss = self.model.loss(micro_inputs, micro_targets, divisor, micro_documents)
+                    main, mtp = self.model.losses(micro[0], micro[1], divisor, *micro[2:])
                 with timer.phase("backward"):
-                    (loss / accum).backward()
-                loss_sum += loss.detach()
+                    (self.model.objective(main, mtp) / accum).backward()
+                loss_sum += main.detach()
+                if mtp is not None:
+                    mtp_sum += mtp.detach()
         with timer.phase("grad_sync"):
             self.data_parallel.after_backward()
             grad_norm = self.data_parallel.clip_grads(self.cfg.train.grad_clip)
-            loss = mean_loss(loss_sum / accum, self.ps)
+            mtp_sum = mtp_sum / accum if depth > 0 else None
+            loss, self.mtp_loss = mean_losses(loss_sum / accum, mtp_sum, self.ps)
         return loss, grad_norm
 
     def autocast(self):
@@ -258,6 +273,8 @@ class Trainer:
             "mfu": self.flops_per_step / step_time / (self.peak * self.ps.world_size),
             "step_time_s": step_time,
         }
+        if result.mtp_loss is not None:
+            last["mtp_loss"] = result.mtp_loss
         last.update(self.moe_metrics())
         last.update(self.observe_step())
         metrics.write(last)

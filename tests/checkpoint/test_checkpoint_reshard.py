@@ -1,5 +1,5 @@
 """A checkpoint saved at one layout loads at any other: the same logits at tp = 1, 2 and 4, and
-the same AdamW state, re-sharded and with the vocab re-padded."""
+the same AdamW state (multi-token prediction's too), re-sharded and with the vocab re-padded."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from megatronish.model import GPT
 from tests.checkpoints import BYTES, VOCAB, tiny_cfg, tokens, trained
 from tests.ranks import run_on_ranks
 
-UNTIED = ("model.tie_embeddings=false",)  # both vocab-sized tensors: embedding and output layer
+# both vocab-sized tensors, embedding and output layer; and a multi-token prediction module,
+# whose replicated eh_proj and split block are re-sharded with the rest
+UNTIED = ("model.tie_embeddings=false", "model.mtp_depth=1")
 
 
 def _local_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:

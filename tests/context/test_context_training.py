@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
+    MTP2,
     OVERLAP,
     SP,
     STEPS,
@@ -54,12 +55,17 @@ MLA = [
     "model.rope_scaling.original_max_position_embeddings=16",
 ]  # fmt: skip
 
+DOCUMENTS = ["data.document_mask=true", "data.eod_mask_loss=true"]
+
 # name -> (tp, cp, dp, pp, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
     "gpt2 cp2": (1, 2, 1, 1, GPT2),
     "llama cp2 gqa": (1, 2, 1, 1, LLAMA),
-    "llama cp2 selective recompute": (
-        1, 2, 1, 1, LLAMA + ["train.activation_checkpointing=selective"],
+    # multi-token prediction: the tokens ahead of each zigzag chunk come from the next chunk,
+    # another rank's; with document masks and the end-of-document targets left out of the loss
+    "llama cp2 selective recompute mtp2 documents": (
+        1, 2, 1, 1,
+        LLAMA + MTP2 + ["train.activation_checkpointing=selective", *DOCUMENTS],
     ),
 }  # fmt: skip
 FOUR_RANKS = {
@@ -73,8 +79,8 @@ FOUR_RANKS = {
     "llama cp2 pp2 head_dim 12 window yarn": (1, 2, 1, 2, LLAMA + HEAD_DIM_12_WINDOW),
     "gpt2 cp2 dp2 zero1": (1, 2, 2, 1, GPT2 + ["optim.zero=1"]),
     "llama cp2 dp2": (1, 2, 2, 1, LLAMA),
-    "mla tp2 cp2 sp full recompute": (
-        2, 2, 1, 1, MLA + SP + ["train.activation_checkpointing=full"],
+    "mla tp2 cp2 sp full recompute mtp1": (
+        2, 2, 1, 1, MLA + SP + ["train.activation_checkpointing=full", "model.mtp_depth=1"],
     ),
 }  # fmt: skip
 SAVED = "gpt2 cp2"  # also saves a checkpoint at step 10
@@ -96,11 +102,13 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
             extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
         cfg = make_config(tp, cp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
+        mtp: list = []
+        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0, mtp)
         formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
         results[name] = {
             "losses": losses,
             "norms": norms,
+            "mtp_losses": mtp,
             "payload": dict(counter.payload_bytes),
             "formula": formula,
         }
@@ -121,8 +129,9 @@ def reference(overrides: list[str], dataset: Path, save_dir: Path | None = None)
             extra.append(f"checkpoint.dir={save_dir}")
         cfg = make_config(1, 1, 1, 1, list(key[0]), dataset, extra)
         trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-        losses, norms, _ = train_counted(trainer, STEPS, 10 if save_dir is not None else 0)
-        _REFERENCES[key] = {"losses": losses, "norms": norms}
+        mtp: list = []
+        losses, norms, _ = train_counted(trainer, STEPS, 10 if save_dir is not None else 0, mtp)
+        _REFERENCES[key] = {"losses": losses, "norms": norms, "mtp_losses": mtp}
     return _REFERENCES[key]
 
 
@@ -250,7 +259,7 @@ def _masked_loss(rank, world):
     from megatronish.data_parallel.outside import reduce_gradients
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.training.trainer import mean_loss
+    from megatronish.training.loss import mean_loss
 
     if world == 1:
         ps = ParallelState.single()

@@ -1,7 +1,7 @@
 """The whole model at tp = 2 and 4 equals tp = 1: the same full weights at init, the same
 logits and loss, the same gradient of every parameter (fp32, relative error < 1e-5); also with
 Qwen-style attention (q, k, v biases, q and k norms, a sliding window after the first block)
-and multi-head latent attention."""
+multi-head latent attention and multi-token prediction."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ ARCH_SETTINGS = {
     # Qwen-style attention: biases on q, k and v (their rows split over tp with the heads), the
     # per-head norms of q and k (replicated; each rank's gradient covers its heads), yarn RoPE
     # scaling (the same table on every rank) and a sliding window of 5 of the 12 positions in
-    # the second block.
+    # the second block; and two multi-token prediction modules (the loss includes theirs).
     "llama_qwen": [
         "model.arch=llama",
         "model.n_head=8",
@@ -45,11 +45,13 @@ ARCH_SETTINGS = {
         "model.rope_scaling={type: yarn, factor: 4, original_max_position_embeddings: 16}",
         "model.sliding_window=5",
         "model.full_attention_layers=1",
+        "model.mtp_depth=2",
     ],
     # Multi-head latent attention (DeepSeek-V3): heads split over tp, the replicated
     # down-projections and their norms (each rank's gradient covering its tokens under sequence
     # parallelism), YaRN with its softmax scale, a sliding window in the second block, and its
-    # attention core recomputed in backward (selective recompute).
+    # attention core recomputed in backward (selective recompute); a multi-token prediction
+    # module whose block is latent attention too.
     "mla": [
         "model.arch=deepseek_v3",
         "model.n_head=4",
@@ -59,6 +61,7 @@ ARCH_SETTINGS = {
         "model.mla.qk_nope_head_dim=8",
         "model.mla.qk_rope_head_dim=4",
         "model.mla.v_head_dim=6",
+        "model.mtp_depth=1",
         "model.rope_scaling.original_max_position_embeddings=4",
         "model.sliding_window=5",
         "model.full_attention_layers=1",

@@ -15,6 +15,8 @@ from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
     GPT2,
     LLAMA,
+    MTP,
+    MTP2,
     OVERLAP,
     SP,
     STEPS,
@@ -38,20 +40,25 @@ TWO_RANKS = {
     "gpt2 pp2 1f1b": (1, 1, 2, GPT2 + ["parallel.pp_schedule=1f1b"]),
     "gpt2 pp2 gpipe": (1, 1, 2, GPT2 + ["parallel.pp_schedule=gpipe"]),
     "llama pp2 1f1b uneven 3,1": (1, 1, 2, LLAMA + ["parallel.pp_layers=3,1"]),
-    "llama pp2 gpipe full recompute": (
-        1, 1, 2, LLAMA + ["parallel.pp_schedule=gpipe", "train.activation_checkpointing=full"],
+    "llama pp2 gpipe full recompute mtp2": (
+        1, 1, 2,
+        LLAMA + MTP2 + ["parallel.pp_schedule=gpipe", "train.activation_checkpointing=full"],
     ),
 }  # fmt: skip
 FOUR_RANKS = {
     "gpt2 tp2 pp2 1f1b sp": (2, 1, 2, GPT2 + SP),
     "gpt2 tp2 pp2 gpipe": (2, 1, 2, GPT2 + ["parallel.pp_schedule=gpipe"]),
     "llama tp2 pp2 1f1b sp": (2, 1, 2, LLAMA + SP),
+    "llama tp2 pp2 1f1b sp mtp": (2, 1, 2, LLAMA + SP + MTP),
     "llama tp2 pp2 1f1b sp overlap": (2, 1, 2, LLAMA + SP + OVERLAP),
     "llama tp2 pp2 gpipe sp": (2, 1, 2, LLAMA + SP + ["parallel.pp_schedule=gpipe"]),
-    "gpt2 dp2 pp2 zero1": (1, 2, 2, GPT2 + ["optim.zero=1"]),
+    "gpt2 dp2 pp2 zero1 mtp": (1, 2, 2, GPT2 + MTP + ["optim.zero=1"]),
     "llama pp4 uneven": (1, 1, 4, LLAMA + ["model.n_layer=5"]),
 }
-SAVED = "gpt2 tp2 pp2 1f1b sp"  # also saves checkpoints at steps 10 and 20
+# variants that also save checkpoints at steps 10 and 20, into this folder of saved_dir: the
+# loaded and exported one, and the resumed one (with the multi-token prediction module, on the
+# last stage, and the embedding copy it keeps there)
+SAVED = {"gpt2 tp2 pp2 1f1b sp": "loaded", "llama tp2 pp2 1f1b sp mtp": "resumed"}
 
 
 def _train_on_ranks(rank, world, variants, dataset, save_dir):
@@ -61,16 +68,19 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
     results = {}
     for name, (tp, dp, pp, overrides) in variants.items():
         extra = []
-        if name == SAVED:
-            extra = ["checkpoint.save=true", "checkpoint.every=10", f"checkpoint.dir={save_dir}"]
+        if name in SAVED:
+            folder = save_dir / SAVED[name]
+            extra = ["checkpoint.save=true", "checkpoint.every=10", f"checkpoint.dir={folder}"]
         cfg = make_config(tp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
+        mtp: list = []
+        losses, norms, counter = train_counted(trainer, STEPS, 10 if name in SAVED else 0, mtp)
         counted = counter.total_sent
         ps = trainer.ps
         results[name] = {
             "losses": losses,
             "norms": norms,
+            "mtp_losses": mtp,
             "pp_rank": ps.pp_rank,
             "sent": counted,
             "formula": formula_bytes_per_step(cfg, trainer.setup.derived, ps.pp_rank),
@@ -163,7 +173,7 @@ def test_1f1b_holds_at_most_pp_micro_batches_of_activations_gpipe_holds_all(data
 
 def _resume_tp2(rank, world, dataset, checkpoint_dir):
     cfg = make_config(
-        2, 1, 1, GPT2 + SP, dataset,
+        2, 1, 1, LLAMA + MTP + SP, dataset,
         [f"checkpoint.resume={checkpoint_dir}/step_000010", "checkpoint.save=false"],
     )  # fmt: skip
     trainer = make_trainer(cfg, world, dataset)
@@ -176,13 +186,13 @@ def test_a_pp2_checkpoint_resumes_at_pp1_on_tp1_and_tp2_on_the_same_curve(
 ):
     from megatronish.distributed.layout import ParallelState
 
-    ref = reference(GPT2, dataset)
-    resume = f"checkpoint.resume={saved_dir}/step_000010"
-    cfg = make_config(1, 1, 1, GPT2, dataset, [resume])
+    ref = reference(LLAMA + MTP, dataset)
+    resume = f"checkpoint.resume={saved_dir}/resumed/step_000010"
+    cfg = make_config(1, 1, 1, LLAMA + MTP, dataset, [resume])
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
     assert trainer.resumed_from == 10
     assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
-    for tp2 in run_on_ranks(_resume_tp2, 2, dataset, saved_dir, timeout=180):
+    for tp2 in run_on_ranks(_resume_tp2, 2, dataset, saved_dir / "resumed", timeout=180):
         assert_close(tp2, ref["losses"][10:], steps=10)
 
 
@@ -195,24 +205,24 @@ def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
     from megatronish.checkpoint.reader import Checkpoint
     from megatronish.hf.exporter import export_hf
 
-    ckpt = Checkpoint(saved_dir / "step_000020")
+    ckpt = Checkpoint(saved_dir / "loaded" / "step_000020")
     assert ckpt.pp == 2 and ckpt.tp == 2
     # The pp = 1 run's weights at step 20, saved through the same code.
     ref = run_reference(GPT2, dataset, **{"checkpoint.dir": tmp_path / "ref"})
     ref["trainer"].save_checkpoint()
     tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        got = load_model(saved_dir / "step_000020")(tokens)
+        got = load_model(saved_dir / "loaded" / "step_000020")(tokens)
         want = load_model(tmp_path / "ref" / "step_000020")(tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    export_hf(str(saved_dir / "step_000020"), str(tmp_path / "hf_pp"))
+    export_hf(str(saved_dir / "loaded" / "step_000020"), str(tmp_path / "hf_pp"))
     export_hf(str(tmp_path / "ref" / "step_000020"), str(tmp_path / "hf_ref"))
     got_hf = load_file(str(tmp_path / "hf_pp" / "model.safetensors"))
     want_hf = load_file(str(tmp_path / "hf_ref" / "model.safetensors"))
     assert got_hf.keys() == want_hf.keys()
     for key in want_hf:
         torch.testing.assert_close(got_hf[key], want_hf[key], rtol=1e-4, atol=1e-5)
-    result = invoke_cli("eval", "--checkpoint", str(saved_dir / "step_000020"))
+    result = invoke_cli("eval", "--checkpoint", str(saved_dir / "loaded" / "step_000020"))
     assert result.returncode == 0, result.stderr
     ref_eval = invoke_cli("eval", "--checkpoint", str(tmp_path / "ref" / "step_000020"))
     assert result.stdout.splitlines()[0] == ref_eval.stdout.splitlines()[0]

@@ -18,11 +18,13 @@ from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
     GPT2,
     LLAMA,
+    MTP,
     OVERLAP,
     SP,
     STEPS,
     assert_check_fails_with_one_line,
     assert_close,
+    assert_mtp_close,
     assert_overlap_matches,
     make_config,
     make_trainer,
@@ -52,7 +54,7 @@ TWO_RANKS = {
 }  # fmt: skip
 FOUR_RANKS = {
     "gpt2 pp4 v2 m8": (1, 1, 4, GPT2 + V2 + PP4 + STEADY),
-    "llama pp4 v2 m4": (1, 1, 4, LLAMA + V2 + PP4),
+    "llama pp4 v2 m4 mtp": (1, 1, 4, LLAMA + V2 + PP4 + MTP),
     "gpt2 tp2 pp2 v2 sp": (2, 1, 2, GPT2 + V2 + SP),
     "gpt2 tp2 pp2 v2 sp overlap": (2, 1, 2, GPT2 + V2 + SP + OVERLAP),
 }
@@ -71,13 +73,15 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
         if name == SAVED:
             extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
         trainer = make_trainer(make_config(tp, dp, pp, overrides, dataset, extra), world, dataset)
-        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0)
+        mtp: list = []
+        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0, mtp)
         held = trainer.pipeline.stats.max_in_flight
         trainer.val_loader = make_loader(trainer.setup, "val")
         d = trainer.setup.derived
         results[name] = {
             "losses": losses,
             "norms": norms,
+            "mtp_losses": mtp,
             "val_loss": trainer.evaluate(),
             "sent": counter.total_sent,
             "formula": formula_bytes_per_step(trainer.cfg, d, trainer.ps.pp_rank),
@@ -137,6 +141,7 @@ def test_interleaved_losses_grad_norms_and_val_loss_equal_pp1(name, two_ranks, f
         result = rank_results[name]
         assert_close(result["losses"], ref["losses"])
         assert_close(result["norms"], ref["norms"])
+        assert_mtp_close(result, ref)
         assert abs(result["val_loss"] - val) <= 1e-5 * val
 
 

@@ -11,7 +11,9 @@ forward ring. Per micro-batch and MoE layer the E int64 routed counts of the bal
 The loss divides by the tokens it counts: without a loss mask the last stage all-reduces its
 token count (one fp64) over cp per micro-batch; with one it instead all-reduces the counted
 tokens of the global batch (one fp64) over the data-parallel group dp x cp once per step
-(training/loss.py), at cp = 1 too.
+(training/loss.py), at cp = 1 too. Each multi-token prediction module's loss does the same:
+one more count per micro-batch, or one more fp64 in the step's all-reduce. The ring counts its
+blocks as layers.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ def cp_collectives(step: Step) -> list[Collective]:
     counts, calls = moe_count_bytes(step), step.moe_layers * accum
     what = "MoE routed counts for the balancing loss"
     ops.append(Collective(what, "all_reduce", "cp", cp, counts, calls))
+    losses = 1 + step.mtp  # the main loss's and each multi-token prediction module's
     if step.last and not step.masked:
-        ops.append(Collective("loss token count", "all_reduce", "cp", cp, FP64_BYTES, accum))
+        what = "loss token count"
+        ops.append(Collective(what, "all_reduce", "cp", cp, FP64_BYTES, losses * accum))
     if step.last and step.masked:
         what = "counted tokens of the global batch (loss mask)"
-        ops.append(Collective(what, "all_reduce", "dp", step.dp, FP64_BYTES, 1))
+        ops.append(Collective(what, "all_reduce", "dp", step.dp, losses * FP64_BYTES, 1))
     return ops

@@ -16,7 +16,15 @@ as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
 
 from __future__ import annotations
 
-from megatronish.accounting.collectives.step import FP32_BYTES, FP64_BYTES, Collective, Step
+from dataclasses import replace
+
+from megatronish.accounting.collectives.step import (
+    FP32_BYTES,
+    FP64_BYTES,
+    Collective,
+    Step,
+    loss_bytes,
+)
 from megatronish.accounting.parameters import (
     local_moe_params,
     local_parameter_count,
@@ -38,7 +46,7 @@ def dp_collectives(step: Step) -> list[Collective]:
                 ("expert gradient sum (expert-data-parallel)", "all_reduce", edp, experts, 1),
             ]
         )
-    return ops + _over_dp([("loss mean", "all_reduce", dp, FP32_BYTES, 1)])
+    return ops + _over_dp([("loss mean", "all_reduce", dp, loss_bytes(step), 1)])
 
 
 def _over_dp(rows: list[tuple[str, str, int, int, int]]) -> list[Collective]:
@@ -65,7 +73,7 @@ def _outside_bytes(step: Step) -> int:
     first), fp32: whole parameters, all-reduced and broadcast by their owners."""
     derived = step.derived
     outside = tp_summed_grad_count(step.cfg, derived, step.pp_rank) * FP32_BYTES
-    if derived.pp > 1 and derived.tie_embeddings and (step.first or step.last):
+    if derived.pp > 1 and derived.last_stage_embedding and (step.first or step.last):
         outside += derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
     return outside
 
@@ -106,12 +114,25 @@ def _zero(step: Step) -> list[Collective]:
     return _over_dp(rows)
 
 
+def _mtp_bytes(step: Step) -> int:
+    """The multi-token prediction modules' parameters in ZeRO's buffer on this rank, fp32: what
+    they add to the stage's local parameters less what they add to those outside the buffer."""
+    cfg, derived, last = step.cfg, step.derived, step.pp_rank
+    if not step.mtp:
+        return 0
+    plain = replace(cfg, model=replace(cfg.model, mtp_depth=0))
+    local = local_parameter_count(cfg, derived, last) - local_parameter_count(plain, derived, last)
+    outside = tp_summed_grad_count(cfg, derived, last) - tp_summed_grad_count(plain, derived, last)
+    return (local - outside) * FP32_BYTES
+
+
 def zero3_gathers(step: Step, dense: int) -> list[tuple[str, str, int, int, int]]:
     """ZeRO-3's parameter all-gathers of one step, as rows of ``_over_dp``; `dense`: the bytes
     of the buffer's dense buckets. At pp = 1 every micro-batch gathers each bucket before its
-    module's forward, the tied embedding's again for the output layer, and each bucket again
-    before its backward but the last module's (the final norm and the output layer) and the
-    tied embedding's, which stay from their forward, and the embeddings', whose backward reads
+    module's forward, the tied embedding's (with multi-token prediction the embedding's) again
+    for the output layer, and each bucket again before its backward but the last module's (the
+    final norm, the output layer and the multi-token prediction modules) and the tied
+    embedding's, which stay from their forward, and the embeddings', whose backward reads
     no weight; at pp > 1 each bucket once a step (kept to its end)."""
     model, derived, dp, accum = step.cfg.model, step.derived, step.dp, step.accum
     experts, edp = _expert_bytes(step), _edp(step)
@@ -123,13 +144,14 @@ def zero3_gathers(step: Step, dense: int) -> list[tuple[str, str, int, int, int]
     norm = (2 if model.gpt2_block else 1) * step.h * FP32_BYTES
     vocab = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
     tied = vocab if derived.tie_embeddings else 0
-    kept = (0 if step.sp else norm) + (0 if derived.tie_embeddings else vocab)
+    kept = (0 if step.sp else norm) + (0 if derived.tie_embeddings else vocab) + _mtp_bytes(step)
     positions = model.max_seq_len * step.h * FP32_BYTES if model.gpt2_block else 0
     lookups = (0 if derived.tie_embeddings else vocab) + positions  # not gathered for backward
     backward = dense - kept - tied - lookups
+    again = vocab if derived.last_stage_embedding else 0  # the output layer's, MTP's lookups
     return [
         ("ZeRO-3 parameter all-gather (forward)", "all_gather", dp, dense, accum),
-        ("ZeRO-3 tied embedding all-gather (output layer)", "all_gather", dp, tied, accum),
+        ("ZeRO-3 embedding all-gather again (output layer, MTP)", "all_gather", dp, again, accum),
         ("ZeRO-3 parameter all-gather (backward)", "all_gather", dp, backward, accum),
         ("ZeRO-3 expert all-gather (forward, backward)", "all_gather", edp, experts, 2 * accum),
     ]

@@ -5,13 +5,20 @@ parallelism) forward (all but the last stage) and their gradient backward (all b
 counted as sent once ("p2p"); with pp_virtual = v it does so for each of its v model chunks (per
 micro-batch 2 v - 1 sends on the first and the last stage, 2 v on the others). Per step the
 first and the last stage all-reduce the tied embedding's gradient (fp32, their vocab shard) over
-their two-rank "embedding" group, and the grad-norm partial sum (fp64) and the last stage's loss
-(fp32) are all-reduced over the pipeline.
+their two-rank "embedding" group (so do the copies that multi-token prediction keeps on the last
+stage), and the grad-norm partial sum (fp64) and the last stage's loss (fp32; with multi-token
+prediction its loss too) are all-reduced over the pipeline.
 """
 
 from __future__ import annotations
 
-from megatronish.accounting.collectives.step import FP32_BYTES, FP64_BYTES, Collective, Step
+from megatronish.accounting.collectives.step import (
+    FP32_BYTES,
+    FP64_BYTES,
+    Collective,
+    Step,
+    loss_bytes,
+)
 
 
 def pp_collectives(step: Step) -> list[Collective]:
@@ -26,11 +33,11 @@ def pp_collectives(step: Step) -> list[Collective]:
     sends = (v - (1 if step.last else 0)) + (v - (1 if step.first else 0))
     what = "hidden states and their gradients (point to point)"
     ops = [Collective(what, "p2p", "pp", pp, hidden, sends * step.accum)]
-    if derived.tie_embeddings and (step.first or step.last):
+    if derived.last_stage_embedding and (step.first or step.last):
         shard = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
         what = "tied embedding gradient (first and last stage)"
         ops.append(Collective(what, "all_reduce", "embedding", 2, shard, 1))
     return ops + [
         Collective("gradient norm over the stages", "all_reduce", "pp", pp, FP64_BYTES, 1),
-        Collective("loss from the last stage", "all_reduce", "pp", pp, FP32_BYTES, 1),
+        Collective("loss from the last stage", "all_reduce", "pp", pp, loss_bytes(step), 1),
     ]

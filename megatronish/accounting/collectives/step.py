@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatronish.accounting.parameters import stage_moe_layers
+from megatronish.accounting.parameters import last_stage_mtp, stage_moe_layers
 from megatronish.config import Config, Derived
 
 FP32_BYTES = 4
@@ -75,7 +75,11 @@ class Step:
     """parallel.tp_comm_overlap in effect (on, and tp > 1): the linears' collectives decomposed."""
     layers: int
     moe_layers: int
-    """Transformer layers and MoE layers of the stage."""
+    """Transformer layers (the multi-token prediction blocks of the last stage included) and
+    MoE layers of the stage."""
+    mtp: int
+    """Multi-token prediction modules of the stage (model.mtp_depth on the last, else 0): each
+    looks tokens up, calls the output layer and the loss once more per micro-batch."""
 
 
 def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | None) -> Step:
@@ -99,9 +103,16 @@ def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | Non
         c=2 if train.bf16_autocast else FP32_BYTES,
         sp=cfg.parallel.sequence_parallel and derived.tp > 1,
         overlap=cfg.parallel.tp_comm_overlap and derived.tp > 1,
-        layers=derived.stage_layers[pp_rank],
+        layers=derived.stage_layers[pp_rank] + last_stage_mtp(cfg, derived, pp_rank),
         moe_layers=stage_moe_layers(derived, pp_rank),
+        mtp=last_stage_mtp(cfg, derived, pp_rank),
     )
+
+
+def loss_bytes(step: Step) -> int:
+    """The reported losses' all-reduce (training/loss.py mean_losses): the loss, and the
+    multi-token prediction loss with model.mtp_depth, fp32."""
+    return (2 if step.cfg.model.mtp_depth else 1) * FP32_BYTES
 
 
 def moe_count_bytes(step: Step) -> int:

@@ -25,6 +25,11 @@ column-parallel from the layer input and keeps qkv's collectives.
 The vocab-parallel cross entropy (last stage, per micro-batch): the fp32 row max [b, s] and
 the target logit and sum of exp [2, b, s].
 
+Multi-token prediction (model.mtp_depth D, last stage): its D blocks count as layers; per
+micro-batch one fp32 all-reduce of the D embeddings ahead [b, D, s, h] forward (under sequence
+parallelism also the all-gather of each one's fp32 gradient backward), and the LM head's and
+the cross entropy's collectives once more per module.
+
 Per micro-batch and MoE layer (T = b s tokens, k top_k, E experts): the combine weights' fp32
 gradient [T, k] backward (the output and the routed tokens' gradient are the MLP's two
 all-reduces above) and a shared expert's two; under sequence parallelism instead the weights
@@ -74,7 +79,13 @@ def tp_collectives(step: Step) -> list[Collective]:
     """The tp collectives of one step (see module doc)."""
     embed = 1 if step.first else 0  # the embedding's collectives, per micro-batch
     fp32 = step.b * step.s * step.h * FP32_BYTES
-    ops = _over_tp(step, [("embedding output (forward)", "all_reduce", fp32, embed)])
+    ops = _over_tp(
+        step,
+        [
+            ("embedding output (forward)", "all_reduce", fp32, embed),
+            ("multi-token prediction embeddings (forward)", "all_reduce", fp32 * step.mtp, 1),
+        ],
+    )
     ops += _sequence_parallel_blocks(step) if step.sp else _blocks(step)
     ops += _vocab_parallel_loss(step) + _moe(step) + _fp8_amaxes(step)
     what = "gradient norm (fp64 partial sum)"
@@ -119,7 +130,7 @@ def _attention_inputs(step: Step) -> tuple[int, int]:
 def _blocks(step: Step) -> list[Collective]:
     """Without sequence parallelism: the layers' and the LM head's all-reduces (an MoE layer's
     output all-reduce stays whole under parallel.tp_comm_overlap)."""
-    act, n, head = step.b * step.s * step.h * step.c, step.layers, 1 if step.last else 0
+    act, n, head = step.b * step.s * step.h * step.c, step.layers, _heads(step)
     moe, (attn_runs, down_runs) = step.moe_layers, _forward_runs(step, step.overlap)
     qkv, latents = _attention_inputs(step)
     forward = [
@@ -145,7 +156,7 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     under parallel.tp_comm_overlap)."""
     act, n, moe = step.b * step.s * step.h * step.c, step.layers, step.moe_layers
     dense = n - moe
-    embed, head = (1 if step.first else 0), (1 if step.last else 0)
+    embed, head = (1 if step.first else 0), _heads(step)
     fp32 = step.b * step.s * step.h * FP32_BYTES
     attn_runs, down_runs = _forward_runs(step, step.overlap)
     # Forward all-gathers of norm outputs; qkv, gpt2's MLP up and the LM head gather again in
@@ -163,6 +174,7 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
             ("embedding output gradient (backward)", ag, fp32, embed),
             ("MLA latents (forward)", ag, latents, mla * (1 + rerun)),
             ("MLA latents gradient (backward)", rs, latents, mla),
+            ("multi-token prediction embedding gradients (backward)", ag, fp32, step.mtp),
             ("MoE tokens (forward, backward)", ag, act, moe * (1 + rerun)),
             ("MoE tokens gradient (backward)", rs, act, moe),
             ("MoE output (forward)", rs, act, moe * moe_runs),
@@ -228,9 +240,16 @@ def decomposed(step: Step, rows: list[tuple]) -> list[tuple]:
     ]
 
 
+def _heads(step: Step) -> int:
+    """Calls of the output layer per micro-batch: the main model's and each multi-token
+    prediction module's on the last stage, none on the others."""
+    return 1 + step.mtp if step.last else 0
+
+
 def _vocab_parallel_loss(step: Step) -> list[Collective]:
-    """The last stage's cross entropy over the vocabulary's tp shards, per micro-batch."""
-    loss = 1 if step.last else 0
+    """The last stage's cross entropies over the vocabulary's tp shards (the main one and each
+    multi-token prediction module's), per micro-batch."""
+    loss = _heads(step)
     rows = step.b * step.s * FP32_BYTES
     return _over_tp(
         step,
