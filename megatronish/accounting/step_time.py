@@ -64,7 +64,12 @@ from megatronish.accounting.parameters import (
     local_parameter_count,
     stage_moe_layers,
 )
-from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency, memory_seconds
+from megatronish.accounting.roofline import (
+    GPU_EFFICIENCY,
+    Efficiency,
+    for_device,
+    memory_seconds,
+)
 from megatronish.accounting.tp_overlap import split_seconds
 from megatronish.config import Config, Derived, attention_window
 
@@ -241,6 +246,7 @@ def step_time(
     """The predicted step of cfg (its parallel section a layout whose Derived is `derived`) on
     derived.world_size devices; attention "flash" (megatronish's fused kernel) or "materialized"
     (scores in memory, as Megatron-LM ran before flash attention)."""
+    eff = for_device(eff, device)
     m, pp, virtual = derived.grad_accum_steps, derived.pp, derived.pp_virtual
     mesh = Mesh(tp=derived.tp, cp=derived.cp, dp=derived.dp, pp=pp)
     recompute = cfg.train.activation_checkpointing
