@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatronish.accounting.cluster import default_cluster
 from megatronish.accounting.hardware import GPUS
 from megatronish.accounting.step_time import StepTime, step_time
 from megatronish.config import derive, load_config
@@ -162,7 +163,7 @@ def megatron_flops(run: PublishedRun) -> float:
 def predict(run: PublishedRun) -> StepTime:
     cfg, d = config_of(run)
     attention = "materialized" if run.gpu == "A100" else "flash"
-    return step_time(cfg, d, GPUS[run.gpu], attention=attention)
+    return step_time(cfg, d, default_cluster(GPUS[run.gpu]), attention=attention)
 
 
 def compare(run: PublishedRun) -> tuple[str, float, float]:

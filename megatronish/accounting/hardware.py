@@ -47,6 +47,8 @@ class Device:
     gemm_fraction: float | None = None
     """Of the dense peak, what a large, well-quantized bf16 GEMM sustains (None: the
     Efficiency's gemm_fraction)."""
+    attention_fraction: float | None = None
+    """Of the dense peak, what its fused attention kernels reach (None: the Efficiency's)."""
     nics_per_node: int = 0
     """Network adapters a node holds, each of network_gb_s x gpus_per_node / nics_per_node
     (0: one a GPU). Set with the rest of the network by accounting.cluster."""
@@ -73,8 +75,16 @@ class Device:
 # Achievable Matmul FLOPS" table: 268 of 312 at its best shape); Hopper's tensor cores outrun
 # its power budget, so sustained GEMMs run below the 1,830 MHz the peak assumes: about 70%
 # (660-720 of 989 TFLOP/s at transformer shapes in NVIDIA's and others' published cuBLAS and
-# Transformer Engine measurements; 792 at the best shape the MAMF search finds).
-HOPPER = {"sms": 132, "tile_m": 128, "tile_n": 256, "gemm_fraction": 0.70}
+# Transformer Engine measurements; 792 at the best shape the MAMF search finds). Fused attention
+# of the FlashAttention-2 kind reaches only 35% of Hopper's peak (Shah et al. 2024,
+# "FlashAttention-3", abstract and figures), against 50% on A100 (roofline.Efficiency).
+HOPPER = {
+    "sms": 132,
+    "tile_m": 128,
+    "tile_n": 256,
+    "gemm_fraction": 0.70,
+    "attention_fraction": 0.35,
+}
 
 # Sources (datasheets, dense bf16 and fp8, no sparsity; NVLink is the total / 2 for one
 # direction):
@@ -115,7 +125,14 @@ GPUS_PER_NODE = 8
 
 DEVICE_FIELDS = [f.name for f in fields(Device)[1:7]]
 """The fields a device file must give; the rest (OPTIONAL_FIELDS) keep their defaults."""
-OPTIONAL_FIELDS = ["fp8_peak_tflops", "sms", "tile_m", "tile_n", "gemm_fraction"]
+OPTIONAL_FIELDS = [
+    "fp8_peak_tflops",
+    "sms",
+    "tile_m",
+    "tile_n",
+    "gemm_fraction",
+    "attention_fraction",
+]
 
 
 def device_named(gpu: str | None) -> Device:
@@ -155,7 +172,9 @@ def load_device(path: Path) -> Device:
     valid = [*DEVICE_FIELDS, *OPTIONAL_FIELDS]
     unknown = sorted(set(data) - set(valid) - {"name"})
     if unknown:
-        raise UserError(f"--gpu {path}: unknown field {unknown[0]}; valid: name, {', '.join(valid)}")
+        raise UserError(
+            f"--gpu {path}: unknown field {unknown[0]}; valid: name, {', '.join(valid)}"
+        )
     values = {}
     for key in (key for key in valid if key in data):
         value = data[key]
@@ -163,6 +182,7 @@ def load_device(path: Path) -> Device:
             raise UserError(f"--gpu {path}: {key}: {value!r} is not a positive number")
         integer = key in ("gpus_per_node", "sms", "tile_m", "tile_n")
         values[key] = int(value) if integer else float(value)
-    if values.get("gemm_fraction", 0) > 1:
-        raise UserError(f"--gpu {path}: gemm_fraction: {values['gemm_fraction']} is above 1")
+    for key in ("gemm_fraction", "attention_fraction"):
+        if values.get(key, 0) > 1:
+            raise UserError(f"--gpu {path}: {key}: {values[key]} is above 1")
     return Device(name=str(data.get("name", path.stem)), **values)

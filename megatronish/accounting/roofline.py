@@ -65,13 +65,17 @@ GPU_EFFICIENCY = Efficiency()
 
 
 def for_device(eff: Efficiency, device) -> Efficiency:
-    """eff with the GEMM tile, SM count and sustained fraction of `device` (a Device) where it
-    gives its SMs (a GPU; a CPU keeps its measured Efficiency)."""
+    """eff with the GEMM tile, SM count and the GEMM and attention fractions of `device` (a
+    Device) where it gives its SMs (a GPU; a CPU keeps its measured Efficiency)."""
     if not device.sms:
         return eff
-    fraction = device.gemm_fraction or eff.gemm_fraction
     return replace(
-        eff, tile=device.tile_m, tile_n=device.tile_n, sms=device.sms, gemm_fraction=fraction
+        eff,
+        tile=device.tile_m,
+        tile_n=device.tile_n,
+        sms=device.sms,
+        gemm_fraction=device.gemm_fraction or eff.gemm_fraction,
+        attention_fraction=device.attention_fraction or eff.attention_fraction,
     )
 
 
