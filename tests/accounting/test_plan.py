@@ -77,3 +77,68 @@ def test_matmul_flops_count_the_model_linear_weights_whatever_the_head_dim():
             if p.dim() == 2 and name not in ("tok_emb.weight", "lm_head.weight")
         )
         assert matmul_params(cfg, derived) == linear + 32 * 61, head_dim
+
+
+def test_a_dp_group_with_eight_ranks_a_node_shares_eight_nics_and_one_rank_gets_one():
+    from megatronish.accounting.cluster import CLUSTERS, on_cluster
+    from megatronish.accounting.comm_time import Mesh, link
+    from megatronish.accounting.hardware import GPUS
+    from megatronish.accounting.roofline import GPU_EFFICIENCY
+
+    h100 = on_cluster(GPUS["H100"], CLUSTERS["dgx-h100"])
+    eight, _ = link(Mesh(tp=1, cp=1, dp=48, pp=1), "dp", 48, h100, GPU_EFFICIENCY)
+    one, _ = link(Mesh(tp=8, cp=1, dp=48, pp=1), "dp", 48, h100, GPU_EFFICIENCY)
+    assert one == 50e9 * GPU_EFFICIENCY.network_fraction
+    assert eight == min(8 * one, 450e9 * GPU_EFFICIENCY.nvlink_fraction)
+    roce = on_cluster(GPUS["H100"], CLUSTERS["grand-teton-roce"])
+    beyond, _ = link(Mesh(tp=8, cp=1, dp=512, pp=1), "dp", 512, roce, GPU_EFFICIENCY)
+    assert beyond == one / 7  # 512 nodes: above a 256-node zone, oversubscribed 1:7
+
+
+def test_wave_quantization_slows_a_gemm_one_tile_past_a_full_wave():
+    from megatronish.accounting.hardware import GPUS
+    from megatronish.accounting.roofline import GPU_EFFICIENCY, for_device, gemm_efficiency
+
+    eff = for_device(GPU_EFFICIENCY, GPUS["H100"])  # 132 SMs, 128 x 256 tiles
+    full = gemm_efficiency(128 * 12, 256 * 11, 8192, eff)  # 132 tiles: one wave
+    over = gemm_efficiency(128 * 12 + 128, 256 * 11, 8192, eff)  # 143 tiles: two waves
+    assert full == eff.gemm_fraction
+    assert over == pytest.approx(eff.gemm_fraction * 143 / 264)
+
+
+def test_cluster_file_errors_are_one_line_exit_2(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("gpus_per_node: 8\nnvlink_gb_s: 450\nnics_per_node: 8\n")
+    tiny = str(CONFIGS / "tiny.yaml")
+    for cluster, words in ((bad, "missing nic_gb_s"), ("nope", "valid: selene, dgx-h100")):
+        r = invoke_cli("plan", "--config", tiny, "--gpus", "8", "--cluster", str(cluster))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+        assert "--cluster" in r.stderr and words in r.stderr
+
+
+def test_fp8_plan_on_a100_is_exit_2_and_fp8_gemms_are_faster_on_h100():
+    tiny = str(CONFIGS / "tiny.yaml")
+    r = invoke_cli("plan", "--config", tiny, "--gpus", "8", "--gpu", "A100", "--set",
+                   "train.precision=fp8")  # fmt: skip
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "no fp8 tensor cores" in r.stderr
+    from megatronish.accounting.hardware import GPUS
+    from megatronish.accounting.step_time import step_time
+    from megatronish.config import derive, load_config
+
+    times = {}
+    for precision in ("bf16", "fp8"):
+        cfg = load_config(
+            None,
+            [
+                "model.n_layer=4",
+                "model.d_model=4096",
+                "model.n_head=32",
+                "train.seq_len=2048",
+                "model.max_seq_len=2048",
+                f"train.precision={precision}",
+                "model.vocab_size=32000",
+            ],
+        )
+        times[precision] = step_time(cfg, derive(cfg, 1), GPUS["H100"]).breakdown["compute"]
+    assert times["fp8"] < 0.8 * times["bf16"]
