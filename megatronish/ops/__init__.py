@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatronish.config.derive import triton_attention_dims_ok
+from megatronish.config.kernel_dims import triton_attention_dims_ok
 from megatronish.errors import UserError
 from megatronish.ops import reference
 from megatronish.ops.rope import PLAIN, RopeSpec, rope_table
@@ -59,7 +59,7 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 def attention_backend(backend: str, q: torch.Tensor, v: torch.Tensor | None = None) -> str:
     """The backend attention runs with for q [..., d] and v [..., dv] (None: dv = d):
     resolve_backend's, except that "auto" takes torch for head dims (d, dv) the Triton
-    attention kernels do not take (config.derive.triton_attention_dims_ok; the config checks
+    attention kernels do not take (config.kernel_dims.triton_attention_dims_ok; the config checks
     refuse them with an explicit "triton")."""
     resolved = resolve_backend(backend, q)
     v_dim = q.shape[-1] if v is None else v.shape[-1]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatronish import ops
-from megatronish.config.derive import (
+from megatronish.config.kernel_dims import (
     TRITON_HEAD_DIMS,
     TRITON_QK_HEAD_DIMS,
     triton_attention_dims_hint,
