@@ -5,7 +5,8 @@ cast to the dtype of its first operand, as torchao's Float8Linear(emulate=True) 
 Shapes: T tokens (all leading dims of the input flattened), in and out the features of this
 rank's weight [out, in]. `split` says which dim of the weight is split over the tp group (a
 column-parallel layer's "out", a row-parallel layer's "in"): the input [T, in] is split with
-it on "in", the output gradient [T, out] on "out" (see megatronish.fp8.quantize). A tensorwise
+it on "in", the output gradient [T, out] on "out"; under context parallelism the T tokens are
+split over split.tokens (see megatronish.fp8.quantize). A tensorwise
 scale is computed once per tensor: the input's and the weight's in the forward, the output
 gradient's in the input-gradient GEMM, and reused by the later GEMMs (``Scales``).
 """
@@ -13,21 +14,11 @@ gradient's in the input-gradient GEMM, and reused by the later GEMMs (``Scales``
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
-import torch.distributed as dist
 
-from megatronish.fp8.quantize import Cast, Quantized, quantize
+from megatronish.fp8.quantize import Cast, Quantized, Split, quantize
 from megatronish.fp8.recipes import Recipe
-
-
-@dataclass(frozen=True)
-class Split:
-    """A linear layer's tp group and the dim of its weight split over it (None: whole)."""
-
-    group: dist.ProcessGroup | None = None
-    dim: Literal["out", "in"] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,11 +47,11 @@ def forward_gemm(
     """Y [T, out] = X [T, in] W^T, and the tensorwise scales it computed."""
     qx, qw = quantize(
         [
-            Cast(x, recipe.input, k_split=split.dim == "in"),
-            Cast(weight, recipe.weight, rows_split=split.dim == "out", k_split=split.dim == "in"),
+            Cast(x, recipe.input, rows=split.cp, k=split.tp("in")),
+            Cast(weight, recipe.weight, rows=split.tp("out"), k=split.tp("in")),
         ],
         recipe.power_of_2_scales,
-        split.group,
+        split,
     )
     return _product(qx, qw, x.dtype), Scales(input=_tensorwise(qx), weight=_tensorwise(qw))
 
@@ -72,17 +63,17 @@ def grad_input_gemm(
     scales with the output gradient's."""
     qdy, qwt = quantize(
         [
-            Cast(grad_output, recipe.grad_output, k_split=split.dim == "out"),
+            Cast(grad_output, recipe.grad_output, rows=split.cp, k=split.tp("out")),
             Cast(
                 weight.t(),
                 recipe.weight,
-                rows_split=split.dim == "in",
-                k_split=split.dim == "out",
+                rows=split.tp("in"),
+                k=split.tp("out"),
                 scale=scales.weight,
             ),
         ],
         recipe.power_of_2_scales,
-        split.group,
+        split,
     )
     return _product(qdy, qwt, grad_output.dtype), replace(scales, grad_output=_tensorwise(qdy))
 
@@ -96,13 +87,14 @@ def grad_weight_gemm(
             Cast(
                 grad_output.t(),
                 recipe.grad_output,
-                rows_split=split.dim == "out",
+                rows=split.tp("out"),
+                k=split.cp,
                 scale=scales.grad_output,
             ),
-            Cast(x.t(), recipe.input, rows_split=split.dim == "in", scale=scales.input),
+            Cast(x.t(), recipe.input, rows=split.tp("in"), k=split.cp, scale=scales.input),
         ],
         recipe.power_of_2_scales,
-        split.group,
+        split,
     )
     return _product(qdyt, qxt, grad_output.dtype)
 

@@ -58,7 +58,7 @@ class Trainer:
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(setup.cfg.train.seed)
         self.model = GPT(setup.cfg, setup.derived, setup.ps)
-        use_precision(self.model, setup.cfg)  # fp8: the blocks' linear layers
+        use_precision(self.model, setup.cfg, setup.ps)  # fp8: the blocks' linear layers
         # The sigmoid router's routing biases and load spread (moe.balance).
         self.balancer = Balancer(self.model.moe_layers(), setup.cfg, setup.derived, setup.ps)
         # Phase times of every step on this rank (observe.phase_times).
