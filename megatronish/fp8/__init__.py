@@ -10,6 +10,7 @@ from megatronish.fp8.gemm import (
     fp8_linear,
     grad_input_gemm,
     grad_weight_gemm,
+    weights_changed,
 )
 from megatronish.fp8.quantize import Split, TokenGroups
 from megatronish.fp8.recipes import RECIPES, Operand, Recipe
@@ -26,4 +27,5 @@ __all__ = [
     "fp8_linear",
     "grad_input_gemm",
     "grad_weight_gemm",
+    "weights_changed",
 ]

@@ -87,12 +87,13 @@ class _ColumnLinear(torch.autograd.Function):
             x_2d = full_x.reshape(-1, full_x.shape[-1])
             out, ctx.scales = forward_gemm(x_2d, weight, recipe, ctx.split)
             out = _add_bias(out.view(*full_x.shape[:-1], -1), bias)
-        ctx.save_for_backward(x if sequence_parallel else full_x, weight)
+        ctx.save_for_backward(x if sequence_parallel else full_x)
+        ctx.weight = weight  # itself (not a recompute's copy): the key of its fp8 casts
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         group, recipe = ctx.group, ctx.recipe
         full_x = mappings.gather_seq(x, group) if ctx.sequence_parallel else x
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])

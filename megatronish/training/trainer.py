@@ -19,6 +19,7 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
+from megatronish import fp8
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config
@@ -95,6 +96,7 @@ class Trainer:
         """One optimizer step attempt over the next global batch. Its update is skipped on every
         rank when the loss or gradient norm is not finite on any; the step counts either way."""
         self.profiler.begin_step(self.step + 1)
+        fp8.weights_changed()  # whatever changed them since (a restore, a load)
         with self.timer.step():
             loss, grad_norm = self.compute_gradients()
             asked = self.stop_signals.asked()
@@ -107,6 +109,7 @@ class Trainer:
                     self.data_parallel.step(lr_at(self.step + 1, self.cfg))
                 self.data_parallel.after_step()
                 self.balancer.after_step(applied=not verdict.skip)
+                fp8.weights_changed()  # the fp8 weight casts of the step are stale
         self.step += 1
         self.profiler.end_step(self.step)
         return StepResult(loss, grad_norm, verdict)

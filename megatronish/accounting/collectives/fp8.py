@@ -17,6 +17,10 @@ fp8), with T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's
   in / t).
 - blockwise: none (a shard holds whole tiles and blocks: config.derive).
 
+The weight's scales are taken once a step (megatronish.fp8.gemm caches its casts until the
+optimizer changes it): they join the first micro-batch's call of their GEMM, and its other
+runs (later micro-batches, a full recompute's rerun) reduce the activation's alone.
+
 Full recompute reruns the forward ones.
 """
 
@@ -41,43 +45,55 @@ def fp8_collectives(step: Step) -> list[Collective]:
         ("MLP down", False, h, derived.d_ff, dense),
     ]
     forward_runs = 2 if train.activation_checkpointing == "full" else 1
-    return [
-        _over(step, f"fp8 amax of {name} ({gemm})", axes, values, n * runs)
-        for name, column, out, inner, n in layers
-        for gemm, axes, values, runs in _gemms(step, column, out, inner, forward_runs)
-    ]
+    ops = []
+    for name, column, out, inner, n in layers:
+        for gemm, axes, values, weight_axes, weight_values, runs in _gemms(
+            step, column, out, inner, forward_runs
+        ):
+            calls = n * step.accum * runs  # the GEMM's runs a step
+            what = f"fp8 amax of {name} ({gemm})"
+            if weight_values:  # the first run's call takes the weight's too
+                both = f"{what}, with the weight's"
+                ops.append(_over(step, both, axes | weight_axes, values + weight_values, n))
+                calls -= n
+            if values:
+                ops.append(_over(step, what, axes, values, calls))
+    return ops
 
 
 def _gemms(step: Step, column: bool, out: int, inner: int, forward_runs: int) -> list[tuple]:
-    """(GEMM, the axes its call spans, the values it reduces, runs per micro-batch) of one
-    layer's GEMMs that reduce any value."""
+    """(GEMM, the axes and the number of values of its activation's (or output gradient's)
+    amaxes, those of the weight's, runs per micro-batch) of one layer's GEMMs that reduce any
+    value."""
     t, c = step.tp > 1, step.cp > 1
-    if step.cfg.train.fp8_recipe == "tensorwise":
+    tp, cp = ({"tp"} if t else set()), ({"cp"} if c else set())
+    if step.cfg.train.fp8_recipe == "tensorwise":  # backward reuses the weight's scale
         if column:
-            forward = ({"cp"} if c else set()) | ({"tp"} if t else set())
-            rows = [("forward", forward, int(t) + int(c), forward_runs)]
-            rows.append(("input gradient", forward, int(t or c), 1))
+            rows = [
+                ("forward", cp, int(c), tp, int(t), forward_runs),
+                ("input gradient", tp | cp, int(t or c), set(), 0, 1),
+            ]
         else:
-            forward = ({"tp"} if t else set()) | ({"cp"} if c else set())
-            rows = [("forward", forward, int(t or c) + int(t), forward_runs)]
-            rows.append(("input gradient", {"cp"} if c else set(), int(c), 1))
+            rows = [
+                ("forward", tp | cp, int(t or c), tp, int(t), forward_runs),
+                ("input gradient", cp, int(c), set(), 0, 1),
+            ]
     else:  # rowwise
         tokens = step.b * step.s
         if column:  # the GEMM whose K (the layer's out or in) is split over tp
-            rows = [("input gradient", {"tp"} if t else set(), (tokens + inner) * t, 1)]
+            rows = [("input gradient", tp, tokens * t, tp, inner * t, 1)]
         else:
-            rows = [("forward", {"tp"} if t else set(), (tokens + out) * t, forward_runs)]
+            rows = [("forward", tp, tokens * t, tp, out * t, forward_runs)]
         width = out // step.tp + inner if column else out + inner // step.tp
-        rows.append(("weight gradient", {"cp"} if c else set(), width if c else 0, 1))
-    return [row for row in rows if row[2]]
+        rows.append(("weight gradient", cp, width * c, set(), 0, 1))
+    return [row for row in rows if row[2] or row[4]]
 
 
-def _over(step: Step, what: str, axes: set[str], values: int, per_micro: int) -> Collective:
-    """The all-reduce of `values` fp32 amaxes over the group of `axes`, per_micro calls each
-    micro-batch."""
+def _over(step: Step, what: str, axes: set[str], values: int, calls: int) -> Collective:
+    """`calls` all-reduces of `values` fp32 amaxes a step over the group of `axes`."""
     group, size = {
         frozenset({"tp"}): ("tp", step.tp),
         frozenset({"cp"}): ("cp", step.cp),
         frozenset({"tp", "cp"}): ("tp_cp", step.tp * step.cp),
     }[frozenset(axes)]
-    return Collective(what, "all_reduce", group, size, values * FP32_BYTES, per_micro * step.accum)
+    return Collective(what, "all_reduce", group, size, values * FP32_BYTES, calls)
