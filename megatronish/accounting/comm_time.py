@@ -61,6 +61,7 @@ class Mesh:
             "tp": 1,
             "world": 1,
             "cp": self.tp,
+            "tp_cp": 1,
             "dp": self.tp,
             "ep": self.tp,
             "pp": self.tp * self.cp * self.dp,

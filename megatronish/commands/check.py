@@ -143,8 +143,8 @@ def fp8_lines(cfg: Config, derived: Derived, note: str) -> list[str]:
         f"fp8: {recipe} ({FP8_RECIPES[recipe]}) on the blocks' attention and dense MLP linear "
         "layers; embeddings, output layer and loss, norms, attention core, MoE layers in "
         f"{cfg.train.fp8_high_precision}, weights and optimizer in fp32",
-        f"fp8 amax all-reduces per step and rank (tp {derived.tp}, stage 0): {calls} calls, "
-        f"{payload:,} bytes",
+        f"fp8 amax all-reduces per step and rank (tp {derived.tp}, cp {derived.cp}, stage 0): "
+        f"{calls} calls, {payload:,} bytes",
         note,
     ]
 

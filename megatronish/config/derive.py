@@ -227,17 +227,22 @@ def _data_parallel_degree(parallel: ParallelConfig, world_size: int) -> int:
 
 
 def _check_context_parallel(cfg: Config) -> None:
-    """What parallel.cp > 1 needs of the sequence length, dropout and precision."""
+    """What parallel.cp > 1 needs of the sequence length and dropout, and of blockwise fp8:
+    whole 128-token tiles in each zigzag chunk."""
     cp, seq_len, dropout = cfg.parallel.cp, cfg.train.seq_len, cfg.model.dropout
-    require(
-        cfg.train.precision != "fp8",
-        f"train.precision: fp8 is not supported with parallel.cp={cp} yet (its scales would "
-        "be taken over each cp rank's tokens alone); use parallel.cp=1 or train.precision=bf16",
-    )
     require(
         seq_len % (2 * cp) == 0,
         f"train.seq_len: {seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp "
         f"rank holds two chunks of every sequence); valid: a multiple of {2 * cp}",
+    )
+    chunk = seq_len // (2 * cp)
+    require(
+        not (cfg.train.precision == "fp8" and cfg.train.fp8_recipe == "blockwise")
+        or chunk % FP8_BLOCK == 0,
+        f"train.fp8_recipe: blockwise at parallel.cp={cp} cuts train.seq_len={seq_len} into "
+        f"chunks of {chunk} tokens, not a multiple of {FP8_BLOCK} (a weight-gradient tile of "
+        f"{FP8_BLOCK} tokens would straddle two cp ranks); valid: a seq_len that is a multiple "
+        f"of {2 * cp * FP8_BLOCK}, or another fp8_recipe",
     )
     require(
         dropout == 0,

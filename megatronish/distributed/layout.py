@@ -43,8 +43,8 @@ def group_rank_lists(
 ) -> dict[str, tuple[str, list[list[int]]]]:
     """The ranks of every process group of the layout, by the ParallelState field that holds a
     rank's group, each with the kind the flight recorder names it by, in the order the groups
-    are created: tp and dp; cp and dp x cp at cp > 1; ep and expert-data-parallel at ep > 1;
-    pp and the tied embedding's at pp > 1."""
+    are created: tp and dp; cp and dp x cp at cp > 1 (and tp x cp at tp > 1 too); ep and
+    expert-data-parallel at ep > 1; pp and the tied embedding's at pp > 1."""
 
     def at(t: int, d: int, p: int, c: int) -> int:  # the rank at tp, dp, pp, cp coordinates
         return layout_rank(t, d, p, tp, dp, c, cp)
@@ -59,6 +59,11 @@ def group_rank_lists(
         lists["dp_cp_group"] = (
             "dp",
             [[at(t, d, p, c) for d in D for c in C] for p in P for t in T],
+        )
+    if cp > 1 and tp > 1:
+        lists["tp_cp_group"] = (
+            "cp",
+            [[at(t, d, p, c) for c in C for t in T] for p in P for d in D],
         )
     if ep > 1:
         outer, E = range(dp // ep), range(ep)
@@ -106,6 +111,9 @@ class ParallelState:
     # The dp x cp ranks with this rank's (tp, pp) coordinates: gradients are averaged over it
     # (the dp group itself when cp is 1).
     dp_cp_group: dist.ProcessGroup | None = None
+    # The tp x cp ranks with this rank's (dp, pp) coordinates, which split one micro-batch's
+    # activations between them (None unless tp > 1 and cp > 1): fp8 scales are reduced over it.
+    tp_cp_group: dist.ProcessGroup | None = None
     ep: int = 1
     ep_group: dist.ProcessGroup | None = None
     # The dp x cp ranks with this rank's (tp, pp, ep_rank) coordinates: expert gradients are
@@ -172,7 +180,7 @@ class ParallelState:
 
     @classmethod
     def from_world(cls, tp: int, dp: int, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelState:
-        """Builds the tp, cp, dp, dp x cp, ep, expert-data-parallel and pp groups over the
+        """Builds the tp, cp, dp, dp x cp, tp x cp, ep, expert-data-parallel and pp groups over the
         initialized default group (every rank calls this, in the same order, because new_group
         is collective)."""
         world, rank = dist.get_world_size(), dist.get_rank()

@@ -6,12 +6,13 @@ dequantize, fp32 matmul)."""
 from megatronish.fp8.device import check_device
 from megatronish.fp8.gemm import (
     Scales,
-    Split,
     forward_gemm,
     fp8_linear,
     grad_input_gemm,
     grad_weight_gemm,
+    weights_changed,
 )
+from megatronish.fp8.quantize import Split, TokenGroups
 from megatronish.fp8.recipes import RECIPES, Operand, Recipe
 
 __all__ = [
@@ -20,9 +21,11 @@ __all__ = [
     "Recipe",
     "Scales",
     "Split",
+    "TokenGroups",
     "check_device",
     "forward_gemm",
     "fp8_linear",
     "grad_input_gemm",
     "grad_weight_gemm",
+    "weights_changed",
 ]

@@ -5,29 +5,26 @@ cast to the dtype of its first operand, as torchao's Float8Linear(emulate=True) 
 Shapes: T tokens (all leading dims of the input flattened), in and out the features of this
 rank's weight [out, in]. `split` says which dim of the weight is split over the tp group (a
 column-parallel layer's "out", a row-parallel layer's "in"): the input [T, in] is split with
-it on "in", the output gradient [T, out] on "out" (see megatronish.fp8.quantize). A tensorwise
+it on "in", the output gradient [T, out] on "out"; under context parallelism the T tokens are
+split over split.tokens (see megatronish.fp8.quantize). A tensorwise
 scale is computed once per tensor: the input's and the weight's in the forward, the output
 gradient's in the input-gradient GEMM, and reused by the later GEMMs (``Scales``).
+
+The weight's casts (its scales, their amax all-reduce and its fp8 payload, for the forward and
+for the input gradient) are taken once and kept until ``weights_changed`` (the trainer calls
+it at the optimizer step) or an in-place change autograd sees: a step's micro-batches, and a
+full recompute's rerun, share them. The numerics are those of casting the weight every time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
-import torch.distributed as dist
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from megatronish.fp8.quantize import Cast, Quantized, quantize
+from megatronish.fp8.quantize import Cast, Quantized, Split, quantize
 from megatronish.fp8.recipes import Recipe
-
-
-@dataclass(frozen=True)
-class Split:
-    """A linear layer's tp group and the dim of its weight split over it (None: whole)."""
-
-    group: dist.ProcessGroup | None = None
-    dim: Literal["out", "in"] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,17 +47,42 @@ def _product(a: Quantized, b: Quantized, dtype: torch.dtype) -> torch.Tensor:
         return torch.mm(a.values(), b.values().t()).to(dtype)
 
 
+_WEIGHT_CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+"""weight -> {(use, recipe): (the weight's version, its cast)}, as long as the weight lives."""
+
+
+def weights_changed() -> None:
+    """Forgets every weight's kept casts: the weights may have changed (the optimizer updates
+    them outside autograd's version count)."""
+    _WEIGHT_CASTS.clear()
+
+
+def _with_weight(
+    casts: list[Cast], weight: torch.Tensor, cast: Cast, use: str, recipe: Recipe, split: Split
+) -> list[Quantized]:
+    """quantize(casts + [cast]), cast the weight's (or its transpose's) for `use`, taken from
+    the weight's cache when it holds this version of the weight (module doc)."""
+    cache = _WEIGHT_CASTS.setdefault(weight, {})
+    key = (use, recipe.name)
+    version, kept = cache.get(key, (None, None))
+    if version == weight._version:
+        return [*quantize(casts, recipe.power_of_2_scales, split), kept]
+    out = quantize([*casts, cast], recipe.power_of_2_scales, split)
+    cache[key] = (weight._version, out[-1])
+    return out
+
+
 def forward_gemm(
     x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, split: Split
 ) -> tuple[torch.Tensor, Scales]:
     """Y [T, out] = X [T, in] W^T, and the tensorwise scales it computed."""
-    qx, qw = quantize(
-        [
-            Cast(x, recipe.input, k_split=split.dim == "in"),
-            Cast(weight, recipe.weight, rows_split=split.dim == "out", k_split=split.dim == "in"),
-        ],
-        recipe.power_of_2_scales,
-        split.group,
+    qx, qw = _with_weight(
+        [Cast(x, recipe.input, rows=split.cp, k=split.tp("in"))],
+        weight,
+        Cast(weight, recipe.weight, rows=split.tp("out"), k=split.tp("in")),
+        "forward",
+        recipe,
+        split,
     )
     return _product(qx, qw, x.dtype), Scales(input=_tensorwise(qx), weight=_tensorwise(qw))
 
@@ -70,19 +92,15 @@ def grad_input_gemm(
 ) -> tuple[torch.Tensor, Scales]:
     """dX [T, in] = dY [T, out] W (this rank's partial sum for a column-parallel layer), and the
     scales with the output gradient's."""
-    qdy, qwt = quantize(
-        [
-            Cast(grad_output, recipe.grad_output, k_split=split.dim == "out"),
-            Cast(
-                weight.t(),
-                recipe.weight,
-                rows_split=split.dim == "in",
-                k_split=split.dim == "out",
-                scale=scales.weight,
-            ),
-        ],
-        recipe.power_of_2_scales,
-        split.group,
+    qdy, qwt = _with_weight(
+        [Cast(grad_output, recipe.grad_output, rows=split.cp, k=split.tp("out"))],
+        weight,
+        Cast(
+            weight.t(), recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scales.weight
+        ),
+        "input gradient",
+        recipe,
+        split,
     )
     return _product(qdy, qwt, grad_output.dtype), replace(scales, grad_output=_tensorwise(qdy))
 
@@ -96,13 +114,14 @@ def grad_weight_gemm(
             Cast(
                 grad_output.t(),
                 recipe.grad_output,
-                rows_split=split.dim == "out",
+                rows=split.tp("out"),
+                k=split.cp,
                 scale=scales.grad_output,
             ),
-            Cast(x.t(), recipe.input, rows_split=split.dim == "in", scale=scales.input),
+            Cast(x.t(), recipe.input, rows=split.tp("in"), k=split.cp, scale=scales.input),
         ],
         recipe.power_of_2_scales,
-        split.group,
+        split,
     )
     return _product(qdyt, qxt, grad_output.dtype)
 
@@ -114,13 +133,14 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, recipe, split):
         x2d = x.reshape(-1, x.shape[-1])
         out, scales = forward_gemm(x2d, weight, recipe, split)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        ctx.weight = weight  # itself (not a recompute's copy): the key of its kept casts
         ctx.recipe, ctx.split, ctx.scales = recipe, split, scales
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         x2d = x.reshape(-1, x.shape[-1])
         recipe, split = ctx.recipe, ctx.split

@@ -26,6 +26,7 @@ from megatronish.distributed import comm
 from megatronish.fp8 import (
     Recipe,
     Split,
+    TokenGroups,
     forward_gemm,
     fp8_linear,
     grad_input_gemm,
@@ -75,29 +76,31 @@ class _ColumnLinear(torch.autograd.Function):
     recipe the three GEMMs take fp8 operands."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, recipe):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, recipe, tokens):
         ctx.group, ctx.sequence_parallel, ctx.recipe = group, sequence_parallel, recipe
+        ctx.split = Split(group, "out", tokens)
         ctx.has_bias = bias is not None
         full_x = mappings.gather_seq(x, group) if sequence_parallel else x
         if recipe is None:
             out = F.linear(full_x, weight, bias)
         else:
             x_2d = full_x.reshape(-1, full_x.shape[-1])
-            out, ctx.scales = forward_gemm(x_2d, weight, recipe, Split(group, "out"))
+            out, ctx.scales = forward_gemm(x_2d, weight, recipe, ctx.split)
             out = _add_bias(out.view(*full_x.shape[:-1], -1), bias)
-        ctx.save_for_backward(x if sequence_parallel else full_x, weight)
+        ctx.save_for_backward(x if sequence_parallel else full_x)
+        ctx.weight = weight  # itself (not a recompute's copy): the key of its fp8 casts
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         group, recipe = ctx.group, ctx.recipe
         full_x = mappings.gather_seq(x, group) if ctx.sequence_parallel else x
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
         if recipe is None:
             grad_in = grad_out.matmul(weight.to(grad_out.dtype))
         else:
-            split = Split(group, "out")
+            split = ctx.split
             grad_in, scales = grad_input_gemm(grad_2d, weight, recipe, split, ctx.scales)
             grad_in = grad_in.view(*grad_out.shape[:-1], -1)
         handle = None
@@ -116,7 +119,7 @@ class _ColumnLinear(torch.autograd.Function):
             handle.wait()
         if ctx.sequence_parallel:
             grad_in = mappings.reduce_scatter_seq(grad_in, group).contiguous()
-        return grad_in, grad_weight, grad_bias, None, None, None
+        return grad_in, grad_weight, grad_bias, None, None, None, None
 
 
 def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -156,16 +159,19 @@ def column_parallel_linear(
     sequence_parallel: bool = False,
     fp8_recipe: Recipe | None = None,
     comm_overlap: bool = False,
+    fp8_tokens: TokenGroups | None = None,
 ) -> torch.Tensor:
     """x [b, s, in] (or [b, s / t, in] with sequence_parallel) times this rank's block of the
     weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group. comm_overlap
-    with sequence_parallel: the all-gather decomposed under the GEMM (layers.overlap)."""
+    with sequence_parallel: the all-gather decomposed under the GEMM (layers.overlap).
+    fp8_tokens: the groups the tokens are split over (fp8 scales span them; None: whole)."""
+    fp8_tokens = fp8_tokens or TokenGroups()
     if comm.group_size(group) == 1:
-        return local_linear(x, weight, bias, fp8_recipe, Split())
+        return local_linear(x, weight, bias, fp8_recipe, Split(tokens=fp8_tokens))
     x = to_autocast_dtype(x)
     if comm_overlap and sequence_parallel:
         return overlap.all_gather_linear(x, [weight], [bias], group)[0]
-    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe, fp8_tokens)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -198,6 +204,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.fp8_recipe: Recipe | None = None
+        self.fp8_tokens = TokenGroups()  # the groups its tokens are split over (under fp8)
         self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
         local_out = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
@@ -222,6 +229,7 @@ class ColumnParallelLinear(nn.Module):
             self.sequence_parallel,
             self.fp8_recipe,
             self.comm_overlap,
+            self.fp8_tokens,
         )
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, self.tp_group)
@@ -231,7 +239,8 @@ class ColumnParallelLinear(nn.Module):
         """x [b, s, in], already in the tensor-parallel region (copied or gathered there by the
         caller), times this rank's weight: [b, s, out / t], no bias, no collective of
         activations."""
-        return local_linear(x, self.weight, None, self.fp8_recipe, Split(self.tp_group, "out"))
+        split = Split(self.tp_group, "out", self.fp8_tokens)
+        return local_linear(x, self.weight, None, self.fp8_recipe, split)
 
     def extra_repr(self) -> str:
         return (
@@ -269,6 +278,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.fp8_recipe: Recipe | None = None
+        self.fp8_tokens = TokenGroups()  # the groups its tokens are split over (under fp8)
         self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
         local_in = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
@@ -284,7 +294,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        split = Split(self.tp_group, "in")
+        split = Split(self.tp_group, "in", self.fp8_tokens)
         if self.tp_size == 1:
             return local_linear(x, self.weight, self.bias, self.fp8_recipe, split)
         if not self.input_is_parallel:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from megatronish.config import Config
-from megatronish.fp8 import RECIPES
+from megatronish.distributed.layout import ParallelState
+from megatronish.fp8 import RECIPES, TokenGroups
 from megatronish.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megatronish.model.block import MLP
 
@@ -38,11 +39,13 @@ def fp8_layers(model: nn.Module) -> list[ColumnParallelLinear | RowParallelLinea
     return layers
 
 
-def use_precision(model: nn.Module, cfg: Config) -> None:
-    """Sets train.fp8_recipe on fp8_layers(model) when train.precision is fp8 (nothing
-    otherwise: the other precisions are autocast alone)."""
+def use_precision(model: nn.Module, cfg: Config, ps: ParallelState) -> None:
+    """Sets train.fp8_recipe on fp8_layers(model) when train.precision is fp8, with the groups
+    their tokens are split over at cp > 1 (nothing otherwise: the other precisions are
+    autocast alone)."""
     if cfg.train.precision != "fp8":
         return
     recipe = RECIPES[cfg.train.fp8_recipe]
+    tokens = TokenGroups(ps.cp_group, ps.tp_cp_group) if ps.cp > 1 else TokenGroups()
     for layer in fp8_layers(model):
-        layer.fp8_recipe = recipe
+        layer.fp8_recipe, layer.fp8_tokens = recipe, tokens

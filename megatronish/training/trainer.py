@@ -19,6 +19,7 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
+from megatronish import fp8
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config
@@ -61,7 +62,7 @@ class Trainer:
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(setup.cfg.train.seed)
         self.model = GPT(setup.cfg, setup.derived, setup.ps)
-        use_precision(self.model, setup.cfg)  # fp8: the blocks' linear layers
+        use_precision(self.model, setup.cfg, setup.ps)  # fp8: the blocks' linear layers
         # The sigmoid router's routing biases and load spread (moe.balance).
         self.balancer = Balancer(self.model.moe_layers(), setup.cfg, setup.derived, setup.ps)
         # Phase times of every step on this rank (observe.phase_times).
@@ -99,6 +100,7 @@ class Trainer:
         """One optimizer step attempt over the next global batch. Its update is skipped on every
         rank when the loss or gradient norm is not finite on any; the step counts either way."""
         self.profiler.begin_step(self.step + 1)
+        fp8.weights_changed()  # whatever changed them since (a restore, a load)
         with self.timer.step():
             loss, grad_norm = self.compute_gradients()
             asked = self.stop_signals.asked()
@@ -111,6 +113,7 @@ class Trainer:
                     self.data_parallel.step(lr_at(self.step + 1, self.cfg))
                 self.data_parallel.after_step()
                 self.balancer.after_step(applied=not verdict.skip)
+                fp8.weights_changed()  # the fp8 weight casts of the step are stale
         self.step += 1
         self.profiler.end_step(self.step)
         return StepResult(loss, grad_norm, verdict, self.mtp_loss)

@@ -33,6 +33,7 @@ TINY = [
 GPT2 = ["model.arch=gpt2"]
 LLAMA = ["model.arch=llama", "model.n_kv_head=2"]
 SP, OVERLAP = ["parallel.sequence_parallel=true"], ["parallel.tp_comm_overlap=true"]
+CP = ["parallel.cp=2"]
 FP8 = ["train.precision=fp8", "train.fp8_high_precision=fp32"]
 TENSORWISE, ROWWISE = ["train.fp8_recipe=tensorwise"], ["train.fp8_recipe=rowwise"]
 # A dense block and an MoE block with a shared expert (its MLP decomposed, the routing whole).
@@ -62,6 +63,8 @@ TWO_RANKS = {
     "llama tp2 fp8 tensorwise sequence-parallel bf16": (
         2, 1, LLAMA + ["train.precision=fp8"] + TENSORWISE + SP,
     ),
+    "llama cp2 fp8 tensorwise": (1, 1, LLAMA + FP8 + TENSORWISE + CP),
+    "llama cp2 fp8 rowwise": (1, 1, LLAMA + FP8 + ROWWISE + CP),
     "gpt2 tp2 sequence-parallel overlap": (2, 1, GPT2 + SP + OVERLAP),
     "llama tp2 sequence-parallel full-recompute overlap": (
         2, 1, LLAMA + SP + OVERLAP + ["train.activation_checkpointing=full"],
@@ -72,13 +75,21 @@ TWO_RANKS = {
         2, 1, LLAMA + SP + OVERLAP + ["train.precision=bf16"],
     ),
 }  # fmt: skip
-# llama in fp8 with fp32 around it, with and without sequence parallelism: the runs whose first
-# step tp 2 holds to tp 1 (bf16 around it is not that exact).
-FP8_PARITY = [n for n in TWO_RANKS if n.startswith("llama tp2 fp8") and "bf16" not in n]
 FOUR_RANKS = {
     "gpt2 tp2 dp2": (2, 2, GPT2),
     "llama tp2 dp2": (2, 2, LLAMA),
+    "llama tp2 cp2 fp8 tensorwise sequence-parallel": (2, 1, LLAMA + FP8 + TENSORWISE + CP + SP),
+    "llama tp2 cp2 fp8 rowwise": (2, 1, LLAMA + FP8 + ROWWISE + CP),
 }
+# llama in fp8 with fp32 around it at tp 2 (with and without sequence parallelism), cp 2 and
+# tp 2 x cp 2: the runs whose first step holds to one process's (bf16 around it is not that
+# exact).
+FP8_PARITY = [
+    (ranks, name)
+    for ranks, variants in (("two", TWO_RANKS), ("four", FOUR_RANKS))
+    for name in variants
+    if name.startswith("llama") and "fp8" in name and "bf16" not in name
+]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +121,8 @@ def _count_on_ranks(rank, world, variants, dataset):
         cfg = bench_config(tp, dp, overrides, dataset)
         cfg, data = run_data(cfg)
         derived = derive(cfg, world, vocab_size=data.vocab_size)
-        trainer = Trainer(Setup(cfg, derived, ParallelState.from_world(tp, dp), data))
+        ps = ParallelState.from_world(tp, dp, cp=derived.cp)
+        trainer = Trainer(Setup(cfg, derived, ps, data))
         first = trainer.train_step()  # the warmup step
         result = time_steps(trainer, steps=1, warmup=0)
         record = report(cfg, derived, result, 1, 1)
@@ -156,13 +168,16 @@ def test_bf16_activation_collectives_are_sent_in_bf16(two_rank_counts, name):
     assert_counts_equal_formula(two_rank_counts, name)
 
 
-@pytest.mark.parametrize("name", FP8_PARITY)
-def test_fp8_first_step_at_tp2_equals_tp1(two_rank_counts, dataset, name):
-    """The first step's loss and gradient norm (fp8 GEMMs, fp32 elsewhere) at tp 2, with and
-    without sequence parallelism, equal tp 1's: the scales are the whole tensors' at any tp
-    (a tensorwise scale taken from one rank's shard moves them by far more; a rowwise one, a
-    power of two, only where the shards' amaxes are in different binades, which the layer
-    tests in tests/layers/test_layers.py make sure of). Later steps are not held to
+@pytest.mark.parametrize(("ranks", "name"), FP8_PARITY)
+def test_fp8_first_step_at_tp2_and_cp2_equals_one_process(
+    two_rank_counts, four_rank_counts, dataset, ranks, name
+):
+    """The first step's loss and gradient norm (fp8 GEMMs, fp32 elsewhere) at tp 2 (with and
+    without sequence parallelism), cp 2 and tp 2 x cp 2 equal one process's: the scales are
+    the whole tensors' at any tp and cp (a tensorwise scale taken from one rank's shard or
+    tokens moves them by far more; a rowwise one, a power of two, only where the shards'
+    amaxes are in different binades, which the layer tests in tests/layers/test_layers.py
+    make sure of for tp). Later steps are not held to
     1e-5: where tp's fp32 rounding moves a value across an fp8 rounding boundary the cast
     differs by a whole fp8 step, and AdamW turns such a change of a small gradient into a
     full-size update (tp 2 and tp 1 losses measured equal through step 9 of a 20-step tiny
@@ -172,10 +187,15 @@ def test_fp8_first_step_at_tp2_equals_tp1(two_rank_counts, dataset, name):
     from megatronish.training.setup import Setup
     from megatronish.training.trainer import Trainer
 
-    cfg, data = run_data(bench_config(1, 1, TWO_RANKS[name][2], dataset))
+    variants, per_rank = {
+        "two": (TWO_RANKS, two_rank_counts),
+        "four": (FOUR_RANKS, four_rank_counts),
+    }[ranks]
+    overrides = [o for o in variants[name][2] if not o.startswith("parallel.")]
+    cfg, data = run_data(bench_config(1, 1, overrides, dataset))
     derived = derive(cfg, 1, vocab_size=data.vocab_size)
     first = Trainer(Setup(cfg, derived, ParallelState.single(), data)).train_step()
-    for rank, results in enumerate(two_rank_counts):
+    for rank, results in enumerate(per_rank):
         loss, grad_norm = results[name][2]
         assert loss == pytest.approx(first.loss, rel=1e-5), f"rank {rank} loss"
         assert grad_norm == pytest.approx(first.grad_norm, rel=1e-5), f"rank {rank} grad norm"

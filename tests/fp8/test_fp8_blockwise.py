@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatronish.fp8.quantize import Cast, quantize
+from megatronish.fp8.quantize import Cast, Split, quantize
 from megatronish.fp8.recipes import E4M3, Operand
 
 E4M3_MAX = 448.0
@@ -57,7 +57,7 @@ def test_blockwise_cast_equals_a_float64_reference_bit_for_bit(shape, granularit
     x[0, :128] = 0.0  # an all-zero tile: the smallest amax
     x[-1, -1] = -3e4
     x = x.to(dtype)
-    (ours,) = quantize([Cast(x, Operand(granularity, E4M3))], power_of_2=False, group=None)
+    (ours,) = quantize([Cast(x, Operand(granularity, E4M3))], power_of_2=False, split=Split())
     payload, scales, values = reference_cast(
         x.double().numpy(), tile_rows=1 if granularity == "tile" else 128
     )

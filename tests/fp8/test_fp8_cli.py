@@ -1,7 +1,7 @@
 """fp8 from the command line: `check` names the recipe and says the GEMMs are emulated; a bad
-recipe, blockwise shards that would cut a 128 block, fp8 with context parallelism and a GPU
-without fp8 are one line, exit 2; a run says once that it emulates, and its checkpoint (fp32
-master weights) resumes in bf16."""
+recipe, blockwise shards that would cut a 128 block (over tp, or the cp chunks of the
+weight-gradient tiles) and a GPU without fp8 are one line, exit 2; a run says once that it
+emulates, and its checkpoint (fp32 master weights) resumes in bf16."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_check_prints_the_fp8_recipe_and_that_it_is_emulated():
     result = invoke_cli("check", *config_args(*FP8, "train.fp8_recipe=blockwise"))
     assert result.returncode == 0, result.stderr
     assert "fp8: blockwise (1 x 128 tiles of activations and gradients" in result.stdout
-    assert "fp8 amax all-reduces per step and rank (tp 1, stage 0): 0 calls" in result.stdout
+    assert "fp8 amax all-reduces per step and rank (tp 1, cp 1, stage 0): 0 calls" in result.stdout
     assert "train.precision: fp8 is emulated on cpu" in result.stdout
 
 
@@ -50,9 +50,13 @@ def test_check_prints_the_fp8_recipe_and_that_it_is_emulated():
             "train.fp8_recipe",
             "(model.n_head + 2 model.n_kv_head) x head dim = 384 over parallel.tp=2 into 192",
         ),
-        (["parallel.cp=2"], "train.precision", "parallel.cp=2"),
+        (
+            ["train.fp8_recipe=blockwise", "parallel.cp=2"],
+            "train.fp8_recipe",
+            "train.seq_len=128 into chunks of 32 tokens, not a multiple of 128",
+        ),
     ],
-    ids=["misspelled recipe", "blockwise shards cut a block", "context parallel"],
+    ids=["misspelled recipe", "blockwise shards cut a block", "blockwise cp chunks cut a tile"],
 )
 def test_bad_fp8_settings_are_one_line_exit_2(sets, key, detail):
     result = invoke_cli("check", *config_args(*FP8, *sets))

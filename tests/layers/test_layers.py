@@ -1,7 +1,9 @@
 """Each tensor-parallel layer equals the single-device computation with the full weights,
 forward and every gradient, on 2 and 4 gloo ranks at odd sizes; with an fp8 recipe, the
 single-device fp8 GEMMs (torchao's, tests/fp8): bit for bit where a rank sums over the whole
-dimension, to fp32 summation order where the tp ranks' partial sums add up."""
+dimension, to fp32 summation order where the tp ranks' partial sums add up; the same with the
+tokens split over the ranks (context parallelism: the scales spanning the tokens reduced
+over them)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatronish.distributed import comm
-from megatronish.fp8 import RECIPES, Split, fp8_linear
+from megatronish.fp8 import RECIPES, Split, TokenGroups, fp8_linear
 from megatronish.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -229,6 +231,39 @@ def _fp8_pair(rank, world, recipe_name, sequence_parallel):
     return True
 
 
+def _fp8_tokens(rank, world, recipe_name):
+    """An fp8 GEMM whose tokens are split over the ranks (as over the cp ranks), against the
+    single-device one on all the tokens, bit for bit: outputs and input gradients, and each
+    rank's weight gradient (its partial sum over its tokens) equals the product of its tokens'
+    share of the whole tensors' fp8 casts. Rank 0's inputs and the last rank's output gradients
+    are 2^12 times larger, so a scale over one rank's tokens alone would differ from the whole
+    tensor's (rowwise, a power of two: where the whole's scale makes the others subnormal)."""
+    import torch.distributed as dist
+
+    from megatronish.fp8.quantize import Cast, quantize
+
+    recipe = RECIPES[recipe_name]
+    torch.manual_seed(7)
+    n = (128 if recipe_name == "blockwise" else 5) * world  # whole 128-token tiles per rank
+    x, g, w = torch.randn(n, 13), torch.randn(n, 6) * 1e-3, torch.randn(6, 13) * 0.1
+    x[: n // world] *= 2.0**12
+    g[-(n // world) :] *= 2.0**12
+    mine = slice(rank * n // world, (rank + 1) * n // world)
+    x_in, w_in = x[mine].clone().requires_grad_(), w.clone().requires_grad_()
+    out = fp8_linear(x_in, w_in, recipe, Split(tokens=TokenGroups(dist.group.WORLD)))
+    out.backward(g[mine])
+    ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = fp8_linear(ref_x, ref_w, recipe, Split())
+    ref.backward(g)
+    assert torch.equal(out, ref[mine]), f"output: max diff {(out - ref[mine]).abs().max():.3e}"
+    assert torch.equal(x_in.grad, ref_x.grad[mine]), "input gradient"
+    casts = [Cast(g.t(), recipe.grad_output), Cast(x.t(), recipe.input)]
+    dy_t, x_t = (q.values() for q in quantize(casts, recipe.power_of_2_scales, Split()))
+    want = torch.mm(dy_t[:, mine], x_t[:, mine].t())
+    assert torch.equal(w_in.grad, want), f"weight gradient: diff {(w_in.grad - want).abs().max()}"
+    return True
+
+
 def rounding_bound(a: torch.Tensor, b: torch.Tensor, n: int | None = None) -> torch.Tensor:
     """How far two fp32 evaluations of a @ b (a [..., k], b [k, m]) that add the products up in
     different orders can differ, elementwise: each is within n u sum |products| of the exact
@@ -353,6 +388,10 @@ CHECKS = {
         for recipe in RECIPES
         for sp in (False, True)
     },
+    **{
+        f"fp8_{recipe} tokens split": functools.partial(_fp8_tokens, recipe_name=recipe)
+        for recipe in RECIPES
+    },
     "column_overlap": lambda r, w: _overlap_column(r, w, 1),
     "gate_up_overlap": lambda r, w: _overlap_column(r, w, 2),
     "row_overlap_sequence_parallel": lambda r, w: _overlap_row(r, w, True),
@@ -435,6 +474,12 @@ def test_communication_ops_all_reduce_once_in_the_right_direction(world):
 def test_fp8_column_and_row_parallel_layers_equal_the_single_device_fp8_gemms(world, recipe):
     check(world, f"fp8_{recipe}")
     check(world, f"fp8_{recipe} sequence_parallel")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_fp8_gemms_with_the_tokens_split_over_ranks_equal_the_single_device_ones(world, recipe):
+    check(world, f"fp8_{recipe} tokens split")
 
 
 def test_layers_without_process_group_are_plain_ops():

@@ -2,8 +2,9 @@
 (``collectives_per_step``), and the bytes they send: what ``comm.CommCounter`` counts on the
 wire and the tests hold it to. One module a dimension says what it issues and when: tp (tensor
 parallelism, sequence parallelism, the vocab-parallel loss, MoE routing), cp (the ring, the
-loss's token counts), ep (MoE all-to-all), pp (point-to-point sends, the tied embedding), dp
-(data parallelism at each ZeRO level); step holds what they share and the step agreement.
+loss's token counts), fp8 (the scales' amax all-reduces over tp, cp or tp x cp), ep (MoE
+all-to-all), pp (point-to-point sends, the tied embedding), dp (data parallelism at each ZeRO
+level); step holds what they share and the step agreement.
 
 Legend: b micro-batch, s sequence (a rank's share seq_len / cp), h hidden, L layers of the
 stage, A accumulation steps, t tp size, P local parameters (``local_parameter_count``). With
@@ -30,6 +31,7 @@ from __future__ import annotations
 from megatronish.accounting.collectives.cp import cp_collectives
 from megatronish.accounting.collectives.dp import dp_collectives
 from megatronish.accounting.collectives.ep import ep_collectives
+from megatronish.accounting.collectives.fp8 import fp8_collectives
 from megatronish.accounting.collectives.pp import pp_collectives
 from megatronish.accounting.collectives.step import (
     Collective,
@@ -54,12 +56,13 @@ def collectives_per_step(
     """Every collective one rank of pipeline stage pp_rank issues in one optimizer step, from
     the config alone, and loss_masked: whether the run's loader masks the loss (SFT data; None:
     data.eod_mask_loss). Each dimension's (see the package doc and its module), in the order
-    tp, cp, ep, pp, dp, the routing biases' expert loads, then the step agreement; none on a
+    tp, cp, fp8, ep, pp, dp, the routing biases' expert loads, then the step agreement; none on a
     group of one rank or of no call."""
     step = step_of(cfg, derived, pp_rank, loss_masked)
     ops = [
         *tp_collectives(step),
         *cp_collectives(step),
+        *fp8_collectives(step),
         *ep_collectives(step),
         *pp_collectives(step),
         *dp_collectives(step),

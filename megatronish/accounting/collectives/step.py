@@ -18,9 +18,9 @@ STEP_FLAGS = 4  # faults.agree_on_step: loss and grad_norm non-finite, stop, wri
 @dataclass(frozen=True)
 class Collective:
     """One kind of collective a training step issues: `count` calls of `payload` bytes each on
-    the `group` ("tp", "cp", "dp", "ep", "pp", "embedding" or "world") of `size` ranks. payload
-    is what ``comm`` counts: the tensor of an all-reduce or broadcast, the full (gathered)
-    tensor of an all-gather or reduce-scatter."""
+    the `group` ("tp", "cp", "tp_cp", "dp", "ep", "pp", "embedding" or "world") of `size`
+    ranks. payload is what ``comm`` counts: the tensor of an all-reduce or broadcast, the full
+    (gathered) tensor of an all-gather or reduce-scatter."""
 
     what: str
     kind: str

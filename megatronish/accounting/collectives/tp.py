@@ -36,17 +36,6 @@ all-reduces above) and a shared expert's two; under sequence parallelism instead
 all-gathered [T, k] fp32 and their gradient reduce-scattered, the tokens' experts all-gathered
 [T, k] int64, the E int64 counts all-reduced, a shared expert's gathers and reduce-scatters.
 
-Under fp8 (train.precision), per micro-batch, the amax all-reduces (MAX, fp32) of the scales
-whose groups span the tp ranks, one call per GEMM that has any: a column-parallel layer (qkv,
-the MLP's up, llama's gate) in its input-gradient GEMM, a row-parallel one (attention
-projection, MLP down) in its forward, in every block's attention and dense MLP (MoE layers stay
-out of fp8). tensorwise: the weight's scale (1 value) forward and the output gradient's (1)
-backward per column-parallel layer, the input's and the weight's (2) per row-parallel one;
-rowwise: per column-parallel layer the output gradient's rows and the weight's input columns
-(T + h values, T = b s tokens), per row-parallel layer the input's rows and the weight's rows
-(T + h); blockwise: none (a shard holds whole tiles and blocks). Full recompute reruns the
-forward ones.
-
 Per step: the grad-norm partial sum (one fp64) and, under sequence parallelism (and with
 model.qk_norm, the query and key norms at any tp), the sum of the replicated parameters'
 gradients (fp32, ``tp_summed_grad_count``).
@@ -87,7 +76,7 @@ def tp_collectives(step: Step) -> list[Collective]:
         ],
     )
     ops += _sequence_parallel_blocks(step) if step.sp else _blocks(step)
-    ops += _vocab_parallel_loss(step) + _moe(step) + _fp8_amaxes(step)
+    ops += _vocab_parallel_loss(step) + _moe(step)
     what = "gradient norm (fp64 partial sum)"
     ops.append(Collective(what, "all_reduce", "tp", step.tp, FP64_BYTES, 1))
     replicated = tp_summed_grad_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
@@ -195,32 +184,6 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
                 ("MLP down output gradient (backward)", ag, act, dense, "down_backward"),
             ],
         ),
-    )
-
-
-def _fp8_amaxes(step: Step) -> list[Collective]:
-    """The fp8 scales' amax all-reduces of the stage's blocks, per micro-batch (module doc)."""
-    train = step.cfg.train
-    if train.precision != "fp8" or train.fp8_recipe == "blockwise":
-        return []
-    dense = step.layers - step.moe_layers
-    columns = step.layers + dense * (1 if step.cfg.model.gpt2_block else 2)
-    rows = step.layers + dense
-    forward_runs = 2 if train.activation_checkpointing == "full" else 1
-    if train.fp8_recipe == "tensorwise":
-        calls = [
-            ("column-parallel weights (forward)", FP32_BYTES, columns * forward_runs),
-            ("column-parallel output gradients (backward)", FP32_BYTES, columns),
-            ("row-parallel inputs and weights (forward)", 2 * FP32_BYTES, rows * forward_runs),
-        ]
-    else:  # rowwise
-        width = (step.b * step.s + step.h) * FP32_BYTES
-        calls = [
-            ("column-parallel output-gradient rows, weight columns (backward)", width, columns),
-            ("row-parallel input and weight rows (forward)", width, rows * forward_runs),
-        ]
-    return _over_tp(
-        step, [(f"fp8 amax of {what}", "all_reduce", size, n) for what, size, n in calls]
     )
 
 

@@ -1,0 +1,99 @@
+"""FP8 (train.precision): the amax all-reduces (MAX, fp32) of the scales whose groups of elements
+span ranks, one call per GEMM that has any (megatronish.fp8.quantize), over the ranks that
+split them: tp (a sharded weight, rows split along K), cp (tokens split over the context
+ranks) or tp x cp where a GEMM's operands need both (an operand replicated over the other
+reduces to its own amax there).
+
+Per micro-batch, in every block's attention (qkv column-parallel, projection row-parallel)
+and dense MLP (up, llama's gate, column-parallel; down row-parallel; MoE layers stay out of
+fp8), with T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's full sizes:
+
+- tensorwise: forward, a column layer's weight (tp) and input (cp), a row layer's input (tp,
+  cp) and weight (tp): one value each; backward, the output gradient's (a column layer's: tp,
+  cp; a row layer's: cp). The weight-gradient GEMM reuses the scales.
+- rowwise: over tp a column layer's output-gradient rows and weight columns (T + in) in the
+  input-gradient GEMM and a row layer's input and weight rows (T + out) in the forward; over
+  cp the weight-gradient GEMM's per-feature scales over the tokens (out / t + in, or out +
+  in / t).
+- blockwise: none (a shard holds whole tiles and blocks: config.derive).
+
+The weight's scales are taken once a step (megatronish.fp8.gemm caches its casts until the
+optimizer changes it): they join the first micro-batch's call of their GEMM, and its other
+runs (later micro-batches, a full recompute's rerun) reduce the activation's alone.
+
+Full recompute reruns the forward ones.
+"""
+
+from __future__ import annotations
+
+from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Step
+
+
+def fp8_collectives(step: Step) -> list[Collective]:
+    """The fp8 scales' amax all-reduces of the stage's blocks in one step (module doc)."""
+    train, model = step.cfg.train, step.cfg.model
+    if train.precision != "fp8" or train.fp8_recipe == "blockwise":
+        return []
+    derived, h = step.derived, step.h
+    dense = step.layers - step.moe_layers
+    qkv = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
+    up = ("MLP up", dense) if model.gpt2_block else ("MLP up and gate", 2 * dense)
+    layers = [  # name, column-parallel, out, in, layers
+        ("qkv", True, qkv, h, step.layers),
+        ("attention projection", False, h, model.n_head * derived.head_dim, step.layers),
+        (up[0], True, derived.d_ff, h, up[1]),
+        ("MLP down", False, h, derived.d_ff, dense),
+    ]
+    forward_runs = 2 if train.activation_checkpointing == "full" else 1
+    ops = []
+    for name, column, out, inner, n in layers:
+        for gemm, axes, values, weight_axes, weight_values, runs in _gemms(
+            step, column, out, inner, forward_runs
+        ):
+            calls = n * step.accum * runs  # the GEMM's runs a step
+            what = f"fp8 amax of {name} ({gemm})"
+            if weight_values:  # the first run's call takes the weight's too
+                both = f"{what}, with the weight's"
+                ops.append(_over(step, both, axes | weight_axes, values + weight_values, n))
+                calls -= n
+            if values:
+                ops.append(_over(step, what, axes, values, calls))
+    return ops
+
+
+def _gemms(step: Step, column: bool, out: int, inner: int, forward_runs: int) -> list[tuple]:
+    """(GEMM, the axes and the number of values of its activation's (or output gradient's)
+    amaxes, those of the weight's, runs per micro-batch) of one layer's GEMMs that reduce any
+    value."""
+    t, c = step.tp > 1, step.cp > 1
+    tp, cp = ({"tp"} if t else set()), ({"cp"} if c else set())
+    if step.cfg.train.fp8_recipe == "tensorwise":  # backward reuses the weight's scale
+        if column:
+            rows = [
+                ("forward", cp, int(c), tp, int(t), forward_runs),
+                ("input gradient", tp | cp, int(t or c), set(), 0, 1),
+            ]
+        else:
+            rows = [
+                ("forward", tp | cp, int(t or c), tp, int(t), forward_runs),
+                ("input gradient", cp, int(c), set(), 0, 1),
+            ]
+    else:  # rowwise
+        tokens = step.b * step.s
+        if column:  # the GEMM whose K (the layer's out or in) is split over tp
+            rows = [("input gradient", tp, tokens * t, tp, inner * t, 1)]
+        else:
+            rows = [("forward", tp, tokens * t, tp, out * t, forward_runs)]
+        width = out // step.tp + inner if column else out + inner // step.tp
+        rows.append(("weight gradient", cp, width * c, set(), 0, 1))
+    return [row for row in rows if row[2] or row[4]]
+
+
+def _over(step: Step, what: str, axes: set[str], values: int, calls: int) -> Collective:
+    """`calls` all-reduces of `values` fp32 amaxes a step over the group of `axes`."""
+    group, size = {
+        frozenset({"tp"}): ("tp", step.tp),
+        frozenset({"cp"}): ("cp", step.cp),
+        frozenset({"tp", "cp"}): ("tp_cp", step.tp * step.cp),
+    }[frozenset(axes)]
+    return Collective(what, "all_reduce", group, size, values * FP32_BYTES, calls)
