@@ -11,6 +11,7 @@ from megatronish.fp8.gemm import (
     grad_input_gemm,
     grad_weight_gemm,
     weights_changed,
+    weights_fixed,
 )
 from megatronish.fp8.quantize import Split, TokenGroups
 from megatronish.fp8.recipes import RECIPES, Operand, Recipe
@@ -28,4 +29,5 @@ __all__ = [
     "grad_input_gemm",
     "grad_weight_gemm",
     "weights_changed",
+    "weights_fixed",
 ]

@@ -11,13 +11,14 @@ scale is computed once per tensor: the input's and the weight's in the forward, 
 gradient's in the input-gradient GEMM, and reused by the later GEMMs (``Scales``).
 
 The weight's casts (its scales, their amax all-reduce and its fp8 payload, for the forward and
-for the input gradient) are taken once and kept until ``weights_changed`` (the trainer calls
-it at the optimizer step) or an in-place change autograd sees: a step's micro-batches, and a
+for the input gradient) are taken once and kept until ``weights_changed`` (the trainer's step runs
+inside ``weights_fixed``) or an in-place change autograd sees: a step's micro-batches, and a
 full recompute's rerun, share them. The numerics are those of casting the weight every time.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,6 +56,18 @@ def weights_changed() -> None:
     """Forgets every weight's kept casts: the weights may have changed (the optimizer updates
     them outside autograd's version count)."""
     _WEIGHT_CASTS.clear()
+
+
+@contextmanager
+def weights_fixed():
+    """The weights stay as they are inside (one training step's micro-batches): the casts kept
+    before are forgotten on entry (a restore, a load may have changed them) and on exit (the
+    optimizer's update)."""
+    weights_changed()
+    try:
+        yield
+    finally:
+        weights_changed()
 
 
 def _with_weight(

@@ -100,8 +100,7 @@ class Trainer:
         """One optimizer step attempt over the next global batch. Its update is skipped on every
         rank when the loss or gradient norm is not finite on any; the step counts either way."""
         self.profiler.begin_step(self.step + 1)
-        fp8.weights_changed()  # whatever changed them since (a restore, a load)
-        with self.timer.step():
+        with self.timer.step(), fp8.weights_fixed():  # fp8 weight casts kept for the step
             loss, grad_norm = self.compute_gradients()
             asked = self.stop_signals.asked()
             with self.timer.phase("grad_sync"):
@@ -113,7 +112,6 @@ class Trainer:
                     self.data_parallel.step(lr_at(self.step + 1, self.cfg))
                 self.data_parallel.after_step()
                 self.balancer.after_step(applied=not verdict.skip)
-                fp8.weights_changed()  # the fp8 weight casts of the step are stale
         self.step += 1
         self.profiler.end_step(self.step)
         return StepResult(loss, grad_norm, verdict, self.mtp_loss)
