@@ -1,8 +1,7 @@
 """The step-time model against published large runs: prints docs/planning.md's table (published,
 predicted, error per row) from tests/published_runs.py, which holds the rows and their sources
 (Narayanan et al. 2021, Table 1: hardware TFLOP/s per GPU by the paper's eq. (3); Korthikanti
-et al. 2022, Tables 3 and 5: iteration time and MFU; Megatron-LM's README r0.8.0 on H100: the
-weak-scaling table's model TFLOP/s per GPU and the strong-scaling ends' MFU and step time).
+et al. 2022, Tables 3 and 5: iteration time and MFU).
 
     python scripts/plan_validation.py
 """
@@ -15,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.published_runs import RUNS, compare, predict, published_step_s  # noqa: E402
+from tests.published_runs import RUNS, compare, predict  # noqa: E402
 
 
 def main() -> None:
@@ -29,15 +28,11 @@ def main() -> None:
         layout = f"{run.tp}, {run.pp}, {run.virtual}, {run.gpus // (run.tp * run.pp)}"
         print(f"| {run.source} | {run.name} | {layout} | {what} | {published:.1f} | "
               f"{predicted:.1f} | {100 * error:+.1f}% |")  # fmt: skip
-        want = published_step_s(run)
-        if want is not None:
-            step = predict(run).step_time_s
+        if run.iteration_s is not None:
+            step, want = predict(run).step_time_s, run.iteration_s
             print(f"| {run.source} | {run.name} | {layout} | iteration s | {want:.2f} "
                   f"| {step:.2f} | {100 * (step - want) / want:+.1f}% |")  # fmt: skip
-    a100 = [e for run, e in zip(RUNS, errors, strict=True) if run.gpu == "A100"]
     print()
-    print(f"A100 rows: largest error {100 * max(a100):.1f}%, median "
-          f"{100 * statistics.median(a100):.1f}%.")  # fmt: skip
     print(f"Largest error {100 * max(errors):.1f}%, median {100 * statistics.median(errors):.1f}% "
           f"(TFLOP/s and MFU rows, {len(errors)} runs).")  # fmt: skip
 

@@ -19,28 +19,12 @@ iteration time in seconds and MFU (model FLOPs, no recompute). Local DDP (dp = 1
 
 Megatron-LM of both papers computed attention with the scores in memory (fused
 scale-mask-softmax and dropout, before flash attention): the model times it "materialized".
-
-Megatron-LM's README, "Performance Benchmarking" (Megatron-Core r0.8.0; its images
-model_table.png, weak_scaling.png and strong_scaling.png): GPT models (GELU MLP of 4 h,
-untied embeddings: 12 l h^2 + 2 V h parameters give the sizes it names) on DGX H100 (8 GPUs a
-node on NVLink 4 / NVSwitch, 8 x 400 Gb/s NDR InfiniBand a node), vocabulary 131,072, sequence
-4,096, bf16, flash attention, "fine-grained overlapping with DP (--overlap-grad-reduce,
---overlap-param-gather), TP (--tp-comm-overlap), and PP". Weak scaling: all 9 rows of the
-table, dp 48 each, model TFLOP/s per GPU. Strong scaling: the 177B model (tp 8, pp 6) at a
-fixed batch of 1,152 from 96 to 4,608 GPUs, MFU 47% falling to 42% (the two ends). Model
-FLOPs are Megatron-LM's num_floating_point_operations of that release, 72 B s l h^2
-(1 + s / (6 h) + V / (12 l h)) for a 4 h GELU MLP (the attention scores counted whole, not
-halved for the causal mask). The README prints no micro-batch, recompute or interleaving: we
-assume micro-batch 1, no recompute, no interleaving (v = 1), sequence parallelism at tp > 1
-and the distributed optimizer (ZeRO-1) with its parameter all-gather under the forward;
-dropout 0.1 (Megatron-LM's default).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatronish.accounting.cluster import default_cluster
 from megatronish.accounting.hardware import GPUS
 from megatronish.accounting.step_time import StepTime, step_time
 from megatronish.config import derive, load_config
@@ -63,20 +47,13 @@ class PublishedRun:
     sequence_parallel: bool
     overlap_dp: bool
     tflops_per_gpu: float | None = None
-    """Published TFLOP/s per GPU: hardware (Narayanan, eq. 3) or model (Megatron-LM README)."""
+    """Published hardware TFLOP/s per GPU (Narayanan, eq. 3)."""
     iteration_s: float | None = None
     mfu: float | None = None
-    gpu: str = "A100"
-    seq: int = 2048
-    vocab: int = 51200
-    tp_overlap: bool = False
-    """parallel.tp_comm_overlap (Megatron-LM's --tp-comm-overlap)."""
 
 
 NARAYANAN = "Narayanan et al. 2021, Table 1"
 KORTHIKANTI = "Korthikanti et al. 2022, Tables 3 and 5"
-WEAK = "Megatron-LM README r0.8.0, weak scaling"
-STRONG = "Megatron-LM README r0.8.0, strong scaling"
 
 
 def _sc21(name, heads, hidden, layers, tp, pp, gpus, batch, micro, virtual, ddp, tflops):
@@ -89,12 +66,6 @@ def _sp(name, heads, hidden, layers, pp, virtual, iteration_s, mfu):
     return PublishedRun(name, KORTHIKANTI, heads, hidden, layers, 8, pp, gpus,
                         {1: 4}.get(pp, gpus), {1: 4}.get(pp, 1), virtual, "selective", True,
                         False, iteration_s=iteration_s, mfu=mfu)  # fmt: skip
-
-
-def _h100(name, heads, hidden, layers, tp, pp, gpus, batch, source=WEAK, tflops=None, mfu=None):
-    return PublishedRun(name, source, heads, hidden, layers, tp, pp, gpus, batch, 1, 1, "none",
-                        tp > 1, True, tflops_per_gpu=tflops, mfu=mfu, gpu="H100", seq=4096,
-                        vocab=131072, tp_overlap=tp > 1)  # fmt: skip
 
 
 RUNS = [
@@ -112,17 +83,6 @@ RUNS = [
     _sp("175B", 96, 12288, 96, 8, 3, 13.75, 0.514),
     _sp("530B", 128, 20480, 105, 35, 3, 37.83, 0.560),
     _sp("1T", 160, 25600, 128, 64, 1, 71.49, 0.563),
-    _h100("1.7B", 16, 2048, 24, 1, 1, 48, 192, tflops=408.8),
-    _h100("7.1B", 32, 4096, 30, 2, 1, 96, 192, tflops=465.9),
-    _h100("16B", 48, 6144, 32, 4, 1, 192, 192, tflops=489.1),
-    _h100("32B", 56, 7168, 48, 8, 1, 384, 192, tflops=459.6),
-    _h100("70B", 64, 8192, 84, 8, 2, 768, 384, tflops=419.7),
-    _h100("119B", 80, 10240, 92, 8, 4, 1536, 768, tflops=420.5),
-    _h100("177B", 96, 12288, 96, 8, 6, 2304, 1152, tflops=432.8),
-    _h100("314B", 128, 16384, 96, 8, 8, 3072, 1536, tflops=474.4),
-    _h100("462B", 144, 18432, 112, 8, 16, 6144, 3072, tflops=459.9),
-    _h100("177B @ 96", 96, 12288, 96, 8, 6, 96, 1152, source=STRONG, mfu=0.47),
-    _h100("177B @ 4608", 96, 12288, 96, 8, 6, 4608, 1152, source=STRONG, mfu=0.42),
 ]
 
 
@@ -130,17 +90,13 @@ def config_of(run: PublishedRun):
     """The megatronish config and derived layout of a published run."""
     sets = [
         "model.arch=gpt2", f"model.n_layer={run.layers}", f"model.n_head={run.heads}",
-        f"model.d_model={run.hidden}", f"model.vocab_size={run.vocab}",
-        f"model.max_seq_len={run.seq}", "model.dropout=0.1", f"train.seq_len={run.seq}",
-        f"model.tie_embeddings={str(run.source in (NARAYANAN, KORTHIKANTI)).lower()}",
-        f"train.micro_batch_size={run.micro_batch}",
+        f"model.d_model={run.hidden}", "model.vocab_size=51200", "model.max_seq_len=2048",
+        "model.dropout=0.1", "train.seq_len=2048", f"train.micro_batch_size={run.micro_batch}",
         f"train.global_batch_size={run.batch}", "train.precision=bf16",
         f"train.activation_checkpointing={run.recompute}", f"parallel.tp={run.tp}",
         f"parallel.pp={run.pp}", f"parallel.pp_virtual={run.virtual}",
         f"parallel.dp={run.gpus // (run.tp * run.pp)}",
-        f"parallel.sequence_parallel={str(run.sequence_parallel).lower()}",
-        f"parallel.tp_comm_overlap={str(run.tp_overlap).lower()}",
-        f"optim.zero={int(run.gpu == 'H100')}",
+        f"parallel.sequence_parallel={str(run.sequence_parallel).lower()}", "optim.zero=0",
         f"optim.overlap_grad_reduce={str(run.overlap_dp).lower()}",
     ]  # fmt: skip
     cfg = load_config(None, sets)
@@ -153,39 +109,16 @@ def narayanan_flops(run: PublishedRun) -> float:
     return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
 
 
-def megatron_flops(run: PublishedRun) -> float:
-    """Megatron-LM r0.8.0's model FLOPs per iteration (num_floating_point_operations, a 4 h
-    GELU MLP, no grouped-query attention): 72 B s l h^2 (1 + s / (6 h) + V / (12 l h))."""
-    B, s, l, h, V = run.batch, run.seq, run.layers, run.hidden, run.vocab  # noqa: E741
-    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
-
-
 def predict(run: PublishedRun) -> StepTime:
     cfg, d = config_of(run)
-    attention = "materialized" if run.gpu == "A100" else "flash"
-    return step_time(cfg, d, default_cluster(GPUS[run.gpu]), attention=attention)
+    return step_time(cfg, d, GPUS["A100"], attention="materialized")
 
 
 def compare(run: PublishedRun) -> tuple[str, float, float]:
     """(what is compared, published, predicted) for a run: TFLOP/s per GPU by eq. (3)
-    (Narayanan) or by Megatron-LM's model FLOPs (weak scaling), or MFU in % (Korthikanti, with
-    the model's FLOPs; strong scaling, with Megatron-LM's against the dense bf16 peak)."""
+    (Narayanan) or MFU in % (Korthikanti)."""
     predicted = predict(run)
-    if run.source == NARAYANAN:
+    if run.tflops_per_gpu is not None:
         tflops = narayanan_flops(run) / predicted.step_time_s / run.gpus / 1e12
         return "hardware TFLOP/s per GPU", run.tflops_per_gpu, tflops
-    if run.source == WEAK:
-        tflops = megatron_flops(run) / predicted.step_time_s / run.gpus / 1e12
-        return "model TFLOP/s per GPU", run.tflops_per_gpu, tflops
-    if run.source == STRONG:
-        flops = megatron_flops(run) / predicted.step_time_s / run.gpus
-        return "MFU %", 100 * run.mfu, 100 * flops / GPUS[run.gpu].peak_flops
     return "MFU %", 100 * run.mfu, 100 * predicted.mfu
-
-
-def published_step_s(run: PublishedRun) -> float | None:
-    """The published step time: Korthikanti's iteration time, or a strong-scaling end's from
-    its MFU (Megatron-LM's FLOPs over MFU x peak x GPUs)."""
-    if run.source == STRONG:
-        return megatron_flops(run) / (run.mfu * GPUS[run.gpu].peak_flops * run.gpus)
-    return run.iteration_s

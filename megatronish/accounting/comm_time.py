@@ -4,23 +4,15 @@ placement gives it.
 
 Placement: ranks are numbered tp innermost, then cp, then dp (ep inside it), then pp, and a
 node holds `gpus_per_node` consecutive ranks. A group whose members lie `stride` ranks apart
-fits in one node when stride x size <= gpus_per_node, and then uses NVLink; otherwise it
-crosses nodes with r = max(1, gpus_per_node / stride) of its ranks in each node. NCCL runs a
-channel a NIC, and every group of a node runs at once, so a crossing group gets r / gpus_per_
-node of the node's network (r x network_gb_s: a dp group with one rank a node gets that GPU's
-NIC, one with eight ranks a node all eight), at most its NVLink bandwidth (its ring's other
-hops), divided by the oversubscription when it spans more nodes than a pod (or, on a network
-that is not rail-optimized, whenever it crosses nodes). Strides: tp 1, cp t, the data-parallel
-group (dp x cp ranks, and ep inside it) t, pp t cp dp; the tied-embedding group (first and
-last stage) (pp - 1) t cp dp.
+fits in one node when stride x size <= gpus_per_node, and then uses NVLink; otherwise its ring
+crosses nodes and runs at the network bandwidth per GPU (every GPU has its own NIC, so NCCL's
+rings run one per NIC). Strides: tp 1, cp t, the data-parallel group (dp x cp ranks, and ep
+inside it) t, pp t cp dp; the tied-embedding group (first and last stage) (pp - 1) t cp dp.
 
-NCCL's algorithms (its tuning model): a ring collective of n ranks takes 2 (n - 1) steps
-(all-reduce) or n - 1 (all-gather, reduce-scatter, broadcast, all-to-all), each paying the
-link's latency, and sends ``Collective.sent`` bytes a rank (bus-bandwidth factor 2 (n-1)/n or
-(n-1)/n of the payload) at the bus bandwidth, the link's times Efficiency.nvlink_fraction or
-network_fraction; an all-reduce across nodes may instead run as a tree, 2 log2(nodes) steps
-of latency and the payload twice (reduce up, broadcast down), and NCCL picks the faster;
-with SHARP the switches reduce, and a rank sends the payload once. A point-to-point send, a
+A ring collective of n ranks takes 2 (n - 1) steps (all-reduce) or n - 1 (all-gather,
+reduce-scatter, broadcast, all-to-all), each paying the link's latency, and sends
+``Collective.sent`` bytes a rank (2 (n-1)/n or (n-1)/n of the payload) at the bus bandwidth,
+the link's times Efficiency.nvlink_fraction or network_fraction. A point-to-point send, a
 ring-attention hop and a hop of a decomposed tp collective are one step.
 
 Plan's memory table also shows how well each cp ring step hides (``ring_ratio``): it sends one
@@ -34,7 +26,6 @@ peak; the transfer hides when it is the shorter of the two. The ring stays insid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil, log2
 
 from megatronish.accounting.collectives import Collective
 from megatronish.accounting.hardware import GPUS_PER_NODE, INTER_NODE_GB_S, Device
@@ -74,24 +65,11 @@ def inside_node(mesh: Mesh, group: str, size: int, device: Device) -> bool:
     return mesh.stride(group) * size <= device.gpus_per_node
 
 
-def ranks_per_node(mesh: Mesh, group: str, size: int, device: Device) -> int:
-    """Of a group of `size` ranks, how many lie in each node it spans."""
-    return max(1, min(size, device.gpus_per_node // mesh.stride(group)))
-
-
 def link(mesh: Mesh, group: str, size: int, device: Device, eff: Efficiency) -> tuple[float, float]:
-    """(bus bandwidth bytes/s, latency s per ring step) of a group of `size` ranks (module
-    doc: the placement decides the link and how many GPUs share a node's NICs)."""
-    nvlink = device.nvlink_gb_s * 1e9 * eff.nvlink_fraction
+    """(bus bandwidth bytes/s, latency s per ring step) of a group of `size` ranks."""
     if inside_node(mesh, group, size, device):
-        return nvlink, eff.nvlink_latency_s
-    r = ranks_per_node(mesh, group, size, device)
-    network = r * device.network_gb_s * 1e9 * eff.network_fraction
-    nodes = size // r
-    if not device.rail_optimized or (device.pod_nodes and nodes > device.pod_nodes):
-        network /= device.oversubscription
-    bandwidth = min(network, nvlink) if r > 1 else network
-    return bandwidth, eff.network_latency_s
+        return device.nvlink_gb_s * 1e9 * eff.nvlink_fraction, eff.nvlink_latency_s
+    return device.network_gb_s * 1e9 * eff.network_fraction, eff.network_latency_s
 
 
 def ring_steps(kind: str, size: int) -> int:
@@ -102,18 +80,9 @@ def ring_steps(kind: str, size: int) -> int:
 
 
 def collective_seconds(op: Collective, mesh: Mesh, device: Device, eff: Efficiency) -> float:
-    """Seconds all `op.count` calls of one kind of collective take on this rank's links:
-    NCCL's faster algorithm (module doc)."""
+    """Seconds all `op.count` calls of one kind of collective take on this rank's links."""
     bandwidth, latency = link(mesh, op.group, op.size, device, eff)
-    ring = op.count * ring_steps(op.kind, op.size) * latency + op.sent / bandwidth
-    if op.kind != "all_reduce" or inside_node(mesh, op.group, op.size, device):
-        return ring
-    payload = op.count * op.payload
-    if device.sharp:
-        return min(ring, op.count * 2 * latency + payload / bandwidth)
-    nodes = op.size // ranks_per_node(mesh, op.group, op.size, device)
-    tree = op.count * 2 * max(1, ceil(log2(nodes))) * latency + 2 * payload / bandwidth
-    return min(ring, tree)
+    return op.count * ring_steps(op.kind, op.size) * latency + op.sent / bandwidth
 
 
 def ring_ratio(cfg: Config, derived: Derived, peak_flops: float, link_gb_s: float) -> float | None:

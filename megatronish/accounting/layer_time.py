@@ -23,12 +23,6 @@ the attention dropout stream them through memory: forward read + write (softmax)
 write + a 1-byte mask (dropout); backward read mask, gradient and write (dropout), read output,
 gradient and write (softmax); a window masks its scores and saves none.
 
-fp8 (train.precision fp8, on a device with an fp8 peak): the transformer blocks' dense linears
-(attention projections, dense MLPs; not the experts, the attention core or the output layer)
-run at the dense fp8 peak with 1-byte operands, and their quantize casts stream as memory-bound
-work: forward the input [m, k] (read c, write 1 byte an element) and the weight [k, n] (read 4,
-write 1), backward the output gradient [m, n] (read c, write 1).
-
 Memory-bound ops forward, in elements of c bytes (N = T / t tokens under sequence parallelism,
 else T: the norms, residuals and dropouts run on a rank's share of the sequence):
 two norms 2 N h each; after attention and after the MLP bias + dropout + residual, read 2 N h
@@ -91,15 +85,6 @@ class _Timer:
             total += batch * (one - self.eff.kernel_overhead_s) + self.eff.kernel_overhead_s
         return total
 
-    def gemm8(self, m: int, n: int, k: int, fp8_peak: float, backward: bool = False) -> float:
-        """One fp8 GEMM forward (or its two gradient GEMMs) and its quantize casts."""
-        shapes = [(m, k, n), (k, n, m)] if backward else [(m, n, k)]
-        total = sum(
-            gemm_seconds(mm, nn, kk, fp8_peak, self.bw, 1, self.eff) for mm, nn, kk in shapes
-        )
-        cast = m * n * (self.width + 1) if backward else m * k * (self.width + 1) + k * n * 5
-        return total + memory_seconds(cast, self.bw, self.eff, 1 if backward else 2)
-
     def stream(self, elements: float, kernels: int, extra_bytes: float = 0.0) -> float:
         return memory_seconds(elements * self.width + extra_bytes, self.bw, self.eff, kernels)
 
@@ -129,13 +114,8 @@ def layer_time(
     mlp_gemms = [(T, (2 if llama else 1) * f_local, h), (T, h, f_local)]
     if not moe:
         gemms += mlp_gemms
-    if train.precision == "fp8" and device.fp8_peak_tflops:
-        fp8_peak = device.fp8_peak_tflops * 1e12
-        fwd = sum(timer.gemm8(*g, fp8_peak) for g in gemms)
-        bwd = sum(timer.gemm8(*g, fp8_peak, backward=True) for g in gemms)
-    else:
-        fwd = sum(timer.gemm(*g) for g in gemms)
-        bwd = sum(timer.gemm(*g, backward=True) for g in gemms)
+    fwd = sum(timer.gemm(*g) for g in gemms)
+    bwd = sum(timer.gemm(*g, backward=True) for g in gemms)
     if moe:
         experts = model.moe.num_experts
         local = experts // derived.ep

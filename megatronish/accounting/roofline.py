@@ -4,14 +4,10 @@ efficiency constants the step-time model (accounting.step_time) shares across ev
     time = max(FLOPs / (peak x efficiency), bytes / (memory bandwidth x MEMORY_FRACTION))
            + KERNEL_OVERHEAD_S
 
-GEMM efficiency, from the shape on the device's generation (``for_device`` takes its tile,
-SM count and sustained fraction from the Device): gemm_fraction of the dense peak for a large
-GEMM, times tile quantization, the share of the output tiles (tile_m x tile_n) that hold real
-rows and columns (m n / (ceil(m/tile_m) tile_m ceil(n/tile_n) tile_n)), times wave
-quantization, the share of the SMs busy over the waves the tiles take (tiles / (ceil(tiles /
-sms) sms)); a GEMM with fewer tiles than SMs splits its inner dimension over the idle SMs
-(split-K, at most k / 256 ways). A small GEMM is slowed by its fixed KERNEL_OVERHEAD_S and,
-when its arithmetic intensity is low, by the memory bound (``gemm_bound`` says which).
+GEMM efficiency, one curve for size and tile quantization: GEMM_FRACTION of the dense peak
+for a large GEMM, times the share of the output tiles (TILE x TILE) that hold real rows and
+columns (m n / (ceil(m/TILE) TILE ceil(n/TILE) TILE)); a small GEMM is slowed by its fixed
+KERNEL_OVERHEAD_S and, when its arithmetic intensity is low, by the memory bound.
 
 Where the constants come from (one set for every GPU and every validation row; none is fitted
 to a row):
@@ -33,7 +29,7 @@ to a row):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from math import ceil
 
 
@@ -43,9 +39,6 @@ class Efficiency:
 
     gemm_fraction: float = 0.80
     tile: int = 128
-    tile_n: int = 128
-    sms: int = 0
-    """Streaming multiprocessors for wave quantization (0: none)."""
     attention_fraction: float = 0.50
     memory_fraction: float = 0.80
     kernel_overhead_s: float = 4e-6
@@ -64,42 +57,6 @@ class Efficiency:
 GPU_EFFICIENCY = Efficiency()
 
 
-def for_device(eff: Efficiency, device) -> Efficiency:
-    """eff with the GEMM tile, SM count and the GEMM and attention fractions of `device` (a
-    Device) where it gives its SMs (a GPU; a CPU keeps its measured Efficiency)."""
-    if not device.sms:
-        return eff
-    return replace(
-        eff,
-        tile=device.tile_m,
-        tile_n=device.tile_n,
-        sms=device.sms,
-        gemm_fraction=device.gemm_fraction or eff.gemm_fraction,
-        attention_fraction=device.attention_fraction or eff.attention_fraction,
-    )
-
-
-def gemm_efficiency(m: int, n: int, k: int, eff: Efficiency) -> float:
-    """Of the dense peak, what an [m, k] x [k, n] GEMM reaches compute-bound (module doc)."""
-    tiles_m, tiles_n = ceil(m / eff.tile), ceil(n / eff.tile_n)
-    quantization = m * n / (tiles_m * eff.tile * tiles_n * eff.tile_n)
-    tiles, waves = tiles_m * tiles_n, 1.0
-    if eff.sms:
-        split = max(1, min(eff.sms // tiles, k // 256))
-        tiles *= split
-        waves = tiles / (ceil(tiles / eff.sms) * eff.sms)
-    return eff.gemm_fraction * quantization * waves
-
-
-def gemm_bound(
-    m: int, n: int, k: int, peak_flops: float, bandwidth: float, width: int, eff: Efficiency
-) -> tuple[float, float]:
-    """(compute-bound, memory-bound) seconds of one GEMM; the larger one bounds it."""
-    compute = 2.0 * m * n * k / (peak_flops * gemm_efficiency(m, n, k, eff))
-    memory = (m * k + k * n + m * n) * width / (bandwidth * eff.memory_fraction)
-    return compute, memory
-
-
 def gemm_seconds(
     m: int, n: int, k: int, peak_flops: float, bandwidth: float, width: int, eff: Efficiency
 ) -> float:
@@ -107,7 +64,11 @@ def gemm_seconds(
     writes the output once)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    return max(gemm_bound(m, n, k, peak_flops, bandwidth, width, eff)) + eff.kernel_overhead_s
+    tile = eff.tile
+    quantization = m * n / (ceil(m / tile) * tile * ceil(n / tile) * tile)
+    compute = 2.0 * m * n * k / (peak_flops * eff.gemm_fraction * quantization)
+    memory = (m * k + k * n + m * n) * width / (bandwidth * eff.memory_fraction)
+    return max(compute, memory) + eff.kernel_overhead_s
 
 
 def attention_flops(

@@ -22,8 +22,7 @@ accounting.comm_time and split by what hides them:
   reduce-scatter after every micro-batch: under the m backwards, at least the last bucket of
   each. The ZeRO-1 and 2 parameter all-gather likewise runs under the next step's first
   forward; ZeRO-3's gathers (with optim.zero3_prefetch) under the m forwards and backwards
-  (at pp > 1 once, under the first forward), at least the first bucket of each pass. With
-  optim.grad_reduce_dtype bf16 the gradient reductions send half the fp32 bytes. The
+  (at pp > 1 once, under the first forward), at least the first bucket of each pass. The
   other dp and embedding collectives (loss, norms, tied embedding, flags) are exposed.
 - pp: the point-to-point sends of activations and gradients are exposed (blocking in the
   schedule); the pipeline bubble is (pp - 1) / (v m) of the m micro-batches' time of the
@@ -65,12 +64,7 @@ from megatronish.accounting.parameters import (
     local_parameter_count,
     stage_moe_layers,
 )
-from megatronish.accounting.roofline import (
-    GPU_EFFICIENCY,
-    Efficiency,
-    for_device,
-    memory_seconds,
-)
+from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency, memory_seconds
 from megatronish.accounting.tp_overlap import split_seconds
 from megatronish.config import Config, Derived, attention_window
 
@@ -192,10 +186,7 @@ def _comm(
     grad, gather, ring = 0.0, 0.0, 0.0
     bucket = cfg.optim.bucket_mb * 1e6
     grad_payload = gather_payload = 0.0
-    half = getattr(cfg.optim, "grad_reduce_dtype", "fp32") == "bf16"
     for op in collectives_per_step(cfg, derived, r):
-        if half and op.group in ("dp", "ep") and "gradient" in op.what and op.payload > 64:
-            op = dataclasses.replace(op, payload=op.payload // 2)
         seconds = collective_seconds(op, mesh, device, eff)
         if op.group == "tp" and op.under:
             exposed, hidden = split_seconds(op, seconds, gemms[op.under], derived.tp)
@@ -250,7 +241,6 @@ def step_time(
     """The predicted step of cfg (its parallel section a layout whose Derived is `derived`) on
     derived.world_size devices; attention "flash" (megatronish's fused kernel) or "materialized"
     (scores in memory, as Megatron-LM ran before flash attention)."""
-    eff = for_device(eff, device)
     m, pp, virtual = derived.grad_accum_steps, derived.pp, derived.pp_virtual
     mesh = Mesh(tp=derived.tp, cp=derived.cp, dp=derived.dp, pp=pp)
     recompute = cfg.train.activation_checkpointing

@@ -24,7 +24,6 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from megatronish.accounting.cluster import cluster_named, default_cluster, on_cluster
 from megatronish.accounting.comm_time import ring_ratio
 from megatronish.accounting.hardware import Device, device_named
 from megatronish.accounting.memory import Estimate, estimate, layout_config
@@ -79,16 +78,9 @@ def expert_degrees(cfg: Config, dp: int) -> list[int]:
 
 
 def target(
-    gpu: str | None,
-    memory_gb: float | None,
-    device: str,
-    calibration: str | None,
-    world: int,
-    cluster: str | None = None,
+    gpu: str | None, memory_gb: float | None, device: str, calibration: str | None, world: int
 ) -> Target:
-    """The device plan plans for: a GPU by name or YAML file on a cluster (a preset name or a
-    YAML file; by default the GPU's usual one, accounting.cluster), or (device cpu) this
-    host."""
+    """The device plan plans for: a GPU by name or YAML file, or (device cpu) this host."""
     if memory_gb is not None and memory_gb <= 0:
         raise UserError(f"--gpu-memory {memory_gb}: must be > 0 (GiB)")
     if device == "cpu":
@@ -109,10 +101,6 @@ def target(
             f"{first.nvlink_gb_s:.2f} GB/s)",
         )
     gpu_device = device_named(gpu)
-    if cluster is None:
-        gpu_device = default_cluster(gpu_device)
-    else:
-        gpu_device = on_cluster(gpu_device, cluster_named(cluster))
     memory = memory_gb or gpu_device.memory_gb
     return Target(
         gpu_device.name,
@@ -122,8 +110,7 @@ def target(
         f"plan for {world} x {gpu_device.name} ({memory:.0f} GiB each, dense bf16 peak "
         f"{gpu_device.peak_tflops:.0f} TFLOP/s, HBM {gpu_device.hbm_tb_s:.2f} TB/s, NVLink "
         f"{gpu_device.nvlink_gb_s:.0f} GB/s and network {gpu_device.network_gb_s:.0f} GB/s per "
-        f"GPU and direction, {gpu_device.gpus_per_node} GPUs a node; MFU against the dense bf16 "
-        "peak, fp8 GEMMs timed at the fp8 peak)",
+        f"GPU and direction, {gpu_device.gpus_per_node} GPUs a node)",
     )
 
 
@@ -296,7 +283,6 @@ def plan(
     device: str = "gpu",
     calibration: str | None = None,
     show: int = plan_report.SHOWN,
-    cluster: str | None = None,
 ) -> str:
     """The report `megatronish plan` prints (one JSON object with as_json); `show`: the fastest
     fitting layouts it lists (0: all)."""
@@ -306,19 +292,14 @@ def plan(
     world = gpus if gpus is not None else world_size_of(cfg)
     if world < 1:
         raise UserError(f"--gpus {gpus}: must be >= 1")
-    if device == "gpu" and cfg.train.precision == "fp8" and not device_named(gpu).fp8_peak_tflops:
-        raise UserError(
-            f"train.precision=fp8: --gpu {gpu} has no fp8 tensor cores; use bf16 or an fp8 GPU "
-            "(H100, H200, H800, GH200, B200, L40S, L4)"
-        )
     if layout is not None:
-        tgt = target(gpu, memory_gb, device, calibration, world, cluster)
+        tgt = target(gpu, memory_gb, device, calibration, world)
         row = fixed_layout(cfg, world, layout, tgt)
         budget = tgt.memory_gib * HEADROOM
         if as_json:
             return plan_report.as_json(row, tgt.name, world, budget)
         return plan_report.one_layout(row, tgt.title, budget)
-    tgt = target(gpu, memory_gb, device, calibration, world, cluster)
+    tgt = target(gpu, memory_gb, device, calibration, world)
     if not candidate_layouts(cfg, world):
         raise UserError(
             f"no tensor-parallel degree in 1, 2, 4, 8 fits {world} GPUs with model.n_head="
