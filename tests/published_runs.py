@@ -38,11 +38,13 @@ interleave large pipelines; 23 layers a stage, the 119B's, only v = 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from megatronish.accounting.cluster import CLUSTERS
 from megatronish.accounting.hardware import GPUS
 from megatronish.accounting.step_time import StepTime, step_time
 from megatronish.config import derive, load_config
+from megatronish.config.schema import OptimConfig
 
 V_MAX = 4  # the most model chunks a stage the H100 rows assume (see module doc)
 
@@ -69,6 +71,7 @@ class PublishedRun:
     iteration_s: float | None = None
     mfu: float | None = None
     gpu: str = "A100"
+    cluster: str = "dgx-a100-selene"
     seq: int = 2048
     vocab: int = 51200
     attention: str = "materialized"
@@ -112,7 +115,7 @@ def _h100(name, source, heads, hidden, layers, tp, pp, gpus, batch, tflops=None,
     return PublishedRun(
         name, source, heads, hidden, layers, tp, pp, gpus, batch, 1, _interleave(layers, pp),
         "none", tp > 1, True, tflops_per_gpu=tflops, mfu=mfu, gpu="H100", seq=4096,
-        vocab=131072, attention="flash", tp_overlap=True, zero=1,
+        vocab=131072, attention="flash", tp_overlap=True, zero=1, cluster="dgx-h100",
     )  # fmt: skip
 
 
@@ -169,7 +172,12 @@ def config_of(run: PublishedRun):
         f"optim.zero={run.zero}",
         f"optim.overlap_grad_reduce={str(run.overlap_dp).lower()}",
     ]
+    schema_has_it = "grad_reduce_dtype" in {f.name for f in fields(OptimConfig)}
+    if run.gpu == "H100" and schema_has_it:
+        sets.append("optim.grad_reduce_dtype=bf16")  # Megatron-LM reduces bf16 gradients
     cfg = load_config(None, sets)
+    if run.gpu == "H100" and not schema_has_it:  # the value the model reads, until the key is in
+        cfg.optim.grad_reduce_dtype = "bf16"
     return cfg, derive(cfg, run.gpus)
 
 
@@ -181,7 +189,7 @@ def narayanan_flops(run: PublishedRun) -> float:
 
 def predict(run: PublishedRun) -> StepTime:
     cfg, d = config_of(run)
-    return step_time(cfg, d, GPUS[run.gpu], attention=run.attention)
+    return step_time(cfg, d, GPUS[run.gpu], attention=run.attention, cluster=CLUSTERS[run.cluster])
 
 
 def published_step_s(run: PublishedRun) -> float:
