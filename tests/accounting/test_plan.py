@@ -122,7 +122,7 @@ def test_cli_bad_cluster_file_and_fp8_on_a100_exit_2_with_one_line(tmp_path):
 
 def test_plan_explains_its_pick_and_names_the_change_that_helps_most():
     cfg = load_config(CONFIGS / "gpt2-1.3b.yaml", ["train.precision=bf16"])
-    report = plan(cfg, gpus=64, gpu="H100", memory_gb=None, cluster="dgx-h100")
+    report = plan(cfg, gpus=8, gpu="H100", memory_gb=None, cluster="dgx-h100", show=1)
     assert "in dgx-h100 (8 GPUs a node on NVSwitch" in report
     assert "recommended" in report and "runner-up" in report and "pipeline_bubble" in report
     assert "GEMMs: " in report and "of the dense bf16 peak" in report
