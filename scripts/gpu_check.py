@@ -37,7 +37,12 @@ On a machine with one or more CUDA GPUs it runs, in this order:
    when two GPUs are present, one micro-batch per step, 5 timed steps after 2 warm-up: tokens/s,
    MFU, step time and peak memory (next to plan's estimate). A run that fails (out of memory,
    say) or runs past its 150 s is a row that says so.
-6. tp-overlap (parallel.tp_comm_overlap): on GPU 0, a row-parallel GEMM of gpt2-1.3b's size
+6. calibration: GPU 0's bf16 GEMM time at every linear's shape of the shipped configs
+   (accounting.device_file), and the 8192^3 GEMM in fp8 (torch._scaled_mm, e4m3, where the GPU
+   has fp8), turned into the device file `megatronish plan --gpu FILE` reads (--device-file,
+   default gpu_check_device.yaml): the datasheet's figures with the measured large-GEMM
+   fraction and fp8 peak; one row per figure, next to the datasheet's.
+7. tp-overlap (parallel.tp_comm_overlap): on GPU 0, a row-parallel GEMM of gpt2-1.3b's size
    (bf16, [4, 2048, 4096] x [4096, 4096]) computed as the decomposition computes it, in t = 2
    and 8 sequence chunks one after another, next to the whole GEMM: the time the split costs,
    and its largest difference from the whole GEMM's output (ok within one bf16 rounding of the
@@ -94,8 +99,10 @@ PHASE_LIMITS_S = {
     "kernels": 150.0,
     "compile": 90.0,
     "training": 300.0,
+    "calibration": 60.0,
     "tp-overlap": 150.0,
 }
+DEVICE_FILE = Path("gpu_check_device.yaml")  # the calibrated device file (--device-file)
 TRAIN_RUN_S = 150.0  # one `megatronish bench` run
 TRAIN_CONFIGS = ("gpt2-124m", "gpt2-1.3b")
 TORCH_COUNTERPART = {"attention": "torch SDPA"}  # every other kernel: "torch eager"
@@ -805,6 +812,68 @@ def device_job(bk: ModuleType, measure: Callable) -> Callable[[float], Outcome]:
     return run
 
 
+def calibration_rows(base: Any, device: Any, shapes: int, path: Path) -> list[Row]:
+    """The calibration's rows: the measured GEMM fraction and fp8 peak next to the datasheet
+    device's, and where the device file went."""
+    fraction = f"GEMM fraction ({shapes} shapes)"
+    fp8, base_fp8 = device.fp8_tflops or None, base.fp8_tflops or None
+    return [
+        row("calibration", device.name, fraction, device.gemm_fraction, base.gemm_fraction, ""),
+        row("calibration", device.name, "fp8 dense peak (model)", fp8, base_fp8, "TFLOP/s"),
+        row("calibration", device.name, f"device file: {path}", None, None, ""),
+    ]
+
+
+def calibration_job(
+    time_gemm: Callable[[int, int, int, bool], float | None], path: Path
+) -> Callable[[float], Outcome]:
+    """The calibration phase: time_gemm(m, n, k, fp8) gives the seconds of one GEMM (None: the
+    GPU has no fp8); the datasheet device of GPU 0 calibrated by them is written to `path`."""
+
+    def run(_timeout: float) -> Outcome:
+        import torch
+
+        from megatronish.accounting.device_file import (
+            LARGE,
+            calibrated_device,
+            shipped_gemm_shapes,
+            write_device_file,
+        )
+        from megatronish.accounting.hardware import GPUS
+
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "H100"
+        base = next((gpu for key, gpu in GPUS.items() if key in name.upper()), GPUS["H100"])
+        shapes = shipped_gemm_shapes(sorted((REPO / "configs").glob("*.yaml")))
+        measured = {shape: time_gemm(*shape, False) for shape in shapes}
+        device = calibrated_device(base, measured, time_gemm(*LARGE, True))
+        write_device_file(device, path)
+        rows = calibration_rows(base, device, len(shapes), path)
+        return rows, {"device_file": str(path), "gemm_fraction": device.gemm_fraction}
+
+    return run
+
+
+def cuda_gemm_timer(measure: Callable) -> Callable[[int, int, int, bool], float | None]:
+    """Seconds of one [m, k] x [k, n] GEMM on GPU 0 in bf16, or in fp8 (e4m3 operands, bf16
+    output, unit scales) by torch._scaled_mm; None for fp8 where the GPU has none."""
+    import torch
+
+    def time_gemm(m: int, n: int, k: int, fp8: bool) -> float | None:
+        if fp8 and torch.cuda.get_device_capability(0) < (8, 9):
+            return None
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        if not fp8:
+            return measure(lambda: a @ b.t()) / 1e3
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        return (
+            measure(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16)) / 1e3
+        )
+
+    return time_gemm
+
+
 # --------------------------------------------------------------------------------------------
 # Compiled kernels: what the driver reports next to kernel_report's figures
 
@@ -919,9 +988,9 @@ def environment() -> dict[str, Any]:
     return {"gpus": gpus, "versions": versions}
 
 
-def plan_jobs(quick: bool, gpu_count: int) -> list[Job]:
-    """Tests, device ceilings, kernels, compiled kernels, training, tp-overlap, in that
-    order."""
+def plan_jobs(quick: bool, gpu_count: int, device_file: Path = DEVICE_FILE) -> list[Job]:
+    """Tests, device ceilings, kernels, compiled kernels, training, calibration, tp-overlap, in
+    that order."""
     import torch
 
     bk = load_bench_kernels()
@@ -950,6 +1019,8 @@ def plan_jobs(quick: bool, gpu_count: int) -> list[Job]:
     configs = list(TRAIN_CONFIGS[:1] if quick else TRAIN_CONFIGS)
     steps, warmup = (3, 1) if quick else (5, 2)
     jobs += training_jobs(configs, gpu_count, steps, warmup)
+    timer = cuda_gemm_timer(measure)
+    jobs.append(Job("calibration", "device file", calibration_job(timer, device_file)))
     jobs.append(Job("tp-overlap", "split GEMM", split_gemm_job("cuda", measure)))
     if gpu_count >= 2:
         jobs.append(Job("tp-overlap", "tp2 bench", overlap_bench_job(steps, warmup), TRAIN_RUN_S))
@@ -968,6 +1039,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="gpu_check.json", help="where the results go")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, gpt2-124m only")
     parser.add_argument("--from-json", metavar="PATH", help="print a recorded table, run nothing")
+    parser.add_argument(
+        "--device-file", default=str(DEVICE_FILE), help="where the calibrated device file goes"
+    )
     args = parser.parse_args(argv)
     if args.from_json:
         try:
@@ -985,7 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results: dict[str, Any] = {"started": started, "quick": args.quick, "budget_s": BUDGET_S}
     results.update(environment())
-    jobs = plan_jobs(args.quick, len(results["gpus"]))
+    jobs = plan_jobs(args.quick, len(results["gpus"]), Path(args.device_file))
     rows, details = run_jobs(jobs, clock, progress=lambda line: print(line, file=sys.stderr))
     results.update(rows=rows, details=details, wall_s=clock.elapsed())
     print(render(results))

@@ -16,7 +16,7 @@ MLP of moe_d_ff.
 
 Attention: flash-style (what megatronish runs): 4 b (a / t) (s / cp) s d FLOPs forward, half
 under the causal mask (under a sliding window W the pairs it keeps: roofline.attention_flops),
-at Efficiency.attention_fraction, 2.5 x backward. "materialized" (what
+at the device's attention shares of the peak, 2.5 x the FLOPs backward. "materialized" (what
 Megatron-LM ran in 2021-22, before flash attention): the scores [b, a / t, s, s] come from two
 batched GEMMs forward (four backward) at GEMM efficiency, and the fused scale-mask-softmax and
 the attention dropout stream them through memory: forward read + write (softmax) and read +
@@ -45,7 +45,7 @@ from megatronish.accounting.roofline import (
     Efficiency,
     attention_flops,
     flash_attention_seconds,
-    gemm_seconds,
+    gemm_time,
     memory_seconds,
 )
 from megatronish.config import Config, Derived
@@ -66,27 +66,40 @@ class LayerTime:
 
 
 class _Timer:
-    """Roofline times on one device at one activation width."""
+    """Roofline times on one device at one activation width; fp8: the GEMMs of ``gemm`` in
+    fp8 (``fp8_gemm``)."""
 
-    def __init__(self, device: Device, eff: Efficiency, width: int):
-        self.peak, self.bw, self.eff, self.width = (
-            device.peak_flops,
-            device.hbm_tb_s * 1e12,
-            eff,
-            width,
-        )
+    def __init__(self, device: Device, eff: Efficiency, width: int, fp8: bool = False):
+        self.device, self.bw, self.eff, self.width = device, device.hbm_tb_s * 1e12, eff, width
+        self.fp8 = fp8
 
-    def gemm(self, m: int, n: int, k: int, backward: bool = False, batch: int = 1) -> float:
-        """One GEMM forward, or its two gradient GEMMs; `batch` of them in one kernel."""
+    def gemm(
+        self, m: int, n: int, k: int, backward: bool = False, batch: int = 1, fp8: bool = False
+    ) -> float:
+        """One GEMM forward, or its two gradient GEMMs; `batch` of them in one kernel; fp8 (with
+        the timer's fp8): at the fp8 peak, plus the casts of its operands (``cast_bytes``)."""
         shapes = [(m, k, n), (k, n, m)] if backward else [(m, n, k)]
+        fp8 = fp8 and self.fp8
         total = 0.0
         for mm, nn, kk in shapes:
-            one = gemm_seconds(mm, nn, kk, self.peak, self.bw, self.width, self.eff)
-            total += batch * (one - self.eff.kernel_overhead_s) + self.eff.kernel_overhead_s
+            total += gemm_time(mm, nn, kk, self.device, self.width, self.eff, fp8, batch)[0]
+        if fp8:
+            nbytes = batch * cast_bytes(m, n, k, self.width, backward)
+            total += memory_seconds(nbytes, self.bw, self.eff, 2)
         return total
 
     def stream(self, elements: float, kernels: int, extra_bytes: float = 0.0) -> float:
         return memory_seconds(elements * self.width + extra_bytes, self.bw, self.eff, kernels)
+
+
+def cast_bytes(m: int, n: int, k: int, width: int, backward: bool) -> float:
+    """Bytes the fp8 casts of one [m, k] x [k, n] GEMM move, each computing its amax as it goes:
+    forward the input (read `width`, write 1) and the fp32 weight (read 4, write 1); backward
+    the output gradient (read `width`, write it and its transpose, 1 each) and the transposed
+    copies of the fp8 input and weight the gradient GEMMs read (read 1, write 1 each)."""
+    if backward:
+        return m * n * (width + 2) + 2 * m * k + 2 * k * n
+    return m * k * (width + 1) + 5 * k * n
 
 
 def layer_time(
@@ -102,7 +115,7 @@ def layer_time(
     `window` is set) for one micro-batch on one rank."""
     model, train, tp = cfg.model, cfg.train, derived.tp
     width = 2 if train.bf16_autocast else 4
-    timer = _Timer(device, eff, width)
+    timer = _Timer(device, eff, width, fp8=train.precision == "fp8" and not moe)
     s = train.seq_len // derived.cp
     T, h, hd = train.micro_batch_size * s, model.d_model, derived.head_dim
     heads, kv = model.n_head // tp, derived.n_kv_head // tp
@@ -114,8 +127,8 @@ def layer_time(
     mlp_gemms = [(T, (2 if llama else 1) * f_local, h), (T, h, f_local)]
     if not moe:
         gemms += mlp_gemms
-    fwd = sum(timer.gemm(*g) for g in gemms)
-    bwd = sum(timer.gemm(*g, backward=True) for g in gemms)
+    fwd = sum(timer.gemm(*g, fp8=True) for g in gemms)
+    bwd = sum(timer.gemm(*g, backward=True, fp8=True) for g in gemms)
     if moe:
         experts = model.moe.num_experts
         local = experts // derived.ep
@@ -172,8 +185,21 @@ def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency)
     experts); and the backward
     pair (input and weight gradient) of proj, down and shared_down, which the all-gather of
     their output gradient runs under."""
+    train = cfg.train
+    timer = _Timer(device, eff, 2 if train.bf16_autocast else 4, train.precision == "fp8")
+    shapes = linear_shapes(cfg, derived)
+    dense = {"qkv", "proj", "up", "down"}  # fp8 under train.precision fp8
+    gemms = {name: timer.gemm(*shape, fp8=name in dense) for name, shape in shapes.items()}
+    for name in ("proj", "down", "shared_down"):
+        if name in shapes:
+            gemms[f"{name}_backward"] = timer.gemm(*shapes[name], True, fp8=name in dense)
+    return gemms
+
+
+def linear_shapes(cfg: Config, derived: Derived) -> dict[str, tuple[int, int, int]]:
+    """(m, n, k) of the forward GEMM of each tensor-parallel linear of one micro-batch on one
+    rank, named as ``linear_gemms`` names them."""
     model, train, tp = cfg.model, cfg.train, derived.tp
-    timer = _Timer(device, eff, 2 if train.precision == "bf16" else 4)
     T, h, hd = train.micro_batch_size * train.seq_len // derived.cp, model.d_model, derived.head_dim
     heads, kv, llama = model.n_head // tp, derived.n_kv_head // tp, not model.gpt2_block
     f, shared = derived.d_ff // tp, derived.moe_d_ff // tp
@@ -186,11 +212,29 @@ def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency)
     }
     if shared:
         shapes.update(shared_up=(T, 2 * shared, h), shared_down=(T, h, shared))
-    gemms = {name: timer.gemm(*shape) for name, shape in shapes.items()}
-    for name in ("proj", "down", "shared_down"):
-        if name in shapes:
-            gemms[f"{name}_backward"] = timer.gemm(*shapes[name], backward=True)
-    return gemms
+    return shapes
+
+
+def gemm_table(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> list[dict]:
+    """The forward and gradient GEMMs of each linear of one micro-batch on one rank (pass
+    forward, input_grad or weight_grad; their m, n, k), with the share of the peak each
+    reaches and whether it is memory-bound: what plan reports of a layer's GEMMs."""
+    width, fp8 = 2 if cfg.train.bf16_autocast else 4, cfg.train.precision == "fp8"
+    rows = []
+    for name, (m, n, k) in linear_shapes(cfg, derived).items():
+        low = fp8 and name in ("qkv", "proj", "up", "down")
+        for kind, (mm, nn, kk) in (
+            ("forward", (m, n, k)),
+            ("input_grad", (m, k, n)),
+            ("weight_grad", (k, n, m)),
+        ):
+            seconds, bound = gemm_time(mm, nn, kk, device, width, eff, low)
+            peak = device.fp8_tflops * 1e12 if low else device.peak_flops
+            share = 2.0 * mm * nn * kk / seconds / peak
+            rows.append(
+                dict(gemm=name, pass_=kind, m=mm, n=nn, k=kk, share=share, memory_bound=bound)
+            )
+    return rows
 
 
 def _attention(
@@ -209,8 +253,8 @@ def _attention(
     if kind == "flash":
         flops = attention_flops(b, heads, s, train.seq_len, hd, causal=True, window=window)
         return (
-            flash_attention_seconds(flops, device.peak_flops, eff, backward=False),
-            flash_attention_seconds(flops, device.peak_flops, eff, backward=True),
+            flash_attention_seconds(flops, device, eff, backward=False),
+            flash_attention_seconds(flops, device, eff, backward=True),
         )
     if kind != "materialized":
         raise ValueError(f"attention {kind!r}: expected flash or materialized")

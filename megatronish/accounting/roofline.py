@@ -4,22 +4,31 @@ efficiency constants the step-time model (accounting.step_time) shares across ev
     time = max(FLOPs / (peak x efficiency), bytes / (memory bandwidth x MEMORY_FRACTION))
            + KERNEL_OVERHEAD_S
 
-GEMM efficiency, one curve for size and tile quantization: GEMM_FRACTION of the dense peak
-for a large GEMM, times the share of the output tiles (TILE x TILE) that hold real rows and
-columns (m n / (ceil(m/TILE) TILE ceil(n/TILE) TILE)); a small GEMM is slowed by its fixed
-KERNEL_OVERHEAD_S and, when its arithmetic intensity is low, by the memory bound.
+GEMM efficiency depends on the shape, per GPU generation (``gemm_efficiency``): the device's
+gemm_fraction of the dense peak for a large GEMM (accounting.hardware gives each GPU's and its
+source), times the share of the work its output tiles do in whole waves: a GEMM's output is cut
+into tiles (the device's tile shape: 128 x 128 on Ampere, 128 x 256 from Hopper on, either way
+round, cuBLAS picking the one that wastes least), and the tiles run in waves of one per
+streaming multiprocessor, so m n / (ceil(tiles / SMs) SMs tile_m tile_n) is what the tile and
+wave quantization leave (NVIDIA, "Matrix Multiplication Background User's Guide": tile and
+wave quantization); a dimension smaller than the tile gets a tile just covering it (a power
+of two, 16 at least), and a GEMM of fewer tiles than SMs is split along k to fill them. A
+small GEMM is further slowed by its fixed KERNEL_OVERHEAD_S and, when its
+arithmetic intensity is low (a few rows through a large weight), by the memory bound: it is
+then memory-bound (``gemm_time`` says so). Efficiency can override the fraction and the tile
+(a CPU: its measured fraction, no tiles).
 
-Where the constants come from (one set for every GPU and every validation row; none is fitted
-to a row):
-- GEMM_FRACTION 0.80: cuBLAS reaches about 80% of the dense fp16/bf16 peak on the large GEMMs
-  of transformer layers (NVIDIA, "Matrix Multiplication Background User's Guide" and
-  "GPU Performance Background", A100 fp16 GEMM throughput figures; on H100 large bf16 GEMMs
-  run at 700-800 of 989 TFLOP/s in NVIDIA's and others' published measurements).
-- TILE 128: cuBLAS's and CUTLASS's usual output tile for large bf16 GEMMs (128 x 128 or
-  128 x 256 thread-block tiles; NVIDIA's guide on tile quantization).
-- ATTENTION_FRACTION 0.50: fused (flash-style) attention reaches 50-70% of the A100 peak
-  forward and 35-50% backward (Dao, "FlashAttention-2", 2023, figures 5-6); its backward does
-  2.5 x the forward's FLOPs (five matmuls to two), and causal masking halves both.
+An fp8 GEMM (train.precision fp8) runs at the device's dense fp8 peak with the same fraction
+and tiles, reading 1-byte operands and writing a 2-byte output.
+
+Where the other constants come from (one set for every GPU and every validation row; none is
+fitted to a row):
+- attention: fused (flash-style) attention at the device's attention_forward and
+  attention_backward shares of the peak (accounting.hardware: 50% on Ampere, where
+  FlashAttention-2 reaches 50-70% forward and 35-50% backward, Dao 2023, figures 5-6; on Hopper
+  megatronish's Triton kernel, the Triton tutorial's design, 45% forward and 20% backward);
+  its backward does 2.5 x the forward's FLOPs (five matmuls to two), and causal masking halves
+  both.
 - MEMORY_FRACTION 0.80: elementwise kernels, norms and the optimizer stream at 80-90% of the
   HBM bandwidth (the STREAM-like figures NVIDIA publishes for A100/H100; Apex/Megatron fused
   layer norm and Adam reach similar).
@@ -32,14 +41,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
+from megatronish.accounting.hardware import Device
+
 
 @dataclass(frozen=True)
 class Efficiency:
     """The achievable fractions and fixed costs the time model applies to a Device's figures."""
 
-    gemm_fraction: float = 0.80
-    tile: int = 128
-    attention_fraction: float = 0.50
+    gemm_fraction: float | None = None
+    """Of the dense peak, a large GEMM's share (None: the Device's gemm_fraction)."""
+    tile: int | None = None
+    """The output tile's side (None: the Device's tile shape; 1: no tile or wave
+    quantization, as on a CPU)."""
+    attention_fraction: float | None = None
+    """Of the dense peak, fused attention's share, forward and backward alike (None: the
+    Device's attention_forward and attention_backward)."""
     memory_fraction: float = 0.80
     kernel_overhead_s: float = 4e-6
     nvlink_fraction: float = 0.80
@@ -57,18 +73,49 @@ class Efficiency:
 GPU_EFFICIENCY = Efficiency()
 
 
-def gemm_seconds(
-    m: int, n: int, k: int, peak_flops: float, bandwidth: float, width: int, eff: Efficiency
-) -> float:
-    """Seconds of one [m, k] x [k, n] matmul of `width`-byte elements (reads both inputs,
-    writes the output once)."""
+def gemm_efficiency(m: int, n: int, device: Device, eff: Efficiency, batch: int = 1) -> float:
+    """Of the dense peak, what an [m, *] x [*, n] GEMM (`batch` of them in one kernel, whose
+    tiles share the waves) reaches on `device`: the large-GEMM fraction times the share of
+    whole waves of whole tiles its output fills (module doc)."""
+    fraction = device.gemm_fraction if eff.gemm_fraction is None else eff.gemm_fraction
+    if eff.tile == 1:
+        return fraction
+    tm, tn = device.tile_shape if eff.tile is None else (eff.tile, eff.tile)
+    filled = 0.0
+    for rows, cols in {(tm, tn), (tn, tm)}:
+        rows, cols = min(rows, _cover(m)), min(cols, _cover(n))
+        tiles = batch * ceil(m / rows) * ceil(n / cols)
+        slots = ceil(tiles / device.sms) * device.sms if tiles > device.sms else tiles
+        filled = max(filled, batch * m * n / (slots * rows * cols))
+    return fraction * filled
+
+
+def _cover(size: int) -> int:
+    """The smallest tile side (a power of two, 16 at least) that covers `size` rows."""
+    return max(16, 1 << (size - 1).bit_length())
+
+
+def gemm_time(
+    m: int,
+    n: int,
+    k: int,
+    device: Device,
+    width: int,
+    eff: Efficiency,
+    fp8: bool = False,
+    batch: int = 1,
+) -> tuple[float, bool]:
+    """(seconds, memory-bound) of `batch` [m, k] x [k, n] matmuls of `width`-byte elements in
+    one kernel (reads both inputs, writes the output once; under fp8 1-byte inputs at the fp8
+    peak, a `width` output)."""
     if m <= 0 or n <= 0 or k <= 0:
-        return 0.0
-    tile = eff.tile
-    quantization = m * n / (ceil(m / tile) * tile * ceil(n / tile) * tile)
-    compute = 2.0 * m * n * k / (peak_flops * eff.gemm_fraction * quantization)
-    memory = (m * k + k * n + m * n) * width / (bandwidth * eff.memory_fraction)
-    return max(compute, memory) + eff.kernel_overhead_s
+        return 0.0, False
+    peak = device.fp8_tflops * 1e12 if fp8 else device.peak_flops
+    compute = 2.0 * batch * m * n * k / (peak * gemm_efficiency(m, n, device, eff, batch))
+    operand = 1 if fp8 else width
+    nbytes = batch * ((m * k + k * n) * operand + m * n * width)
+    memory = nbytes / (device.hbm_tb_s * 1e12 * eff.memory_fraction)
+    return max(compute, memory) + eff.kernel_overhead_s, memory > compute
 
 
 def attention_flops(
@@ -94,12 +141,15 @@ def attention_flops(
 
 
 def flash_attention_seconds(
-    flops_forward: float, peak_flops: float, eff: Efficiency, backward: bool
+    flops_forward: float, device: Device, eff: Efficiency, backward: bool
 ) -> float:
     """Seconds of a fused attention kernel doing flops_forward of forward work; backward does
     2.5 x as much (it recomputes the scores: five matmuls to the forward's two)."""
     flops = flops_forward * (2.5 if backward else 1.0)
-    return flops / (peak_flops * eff.attention_fraction) + eff.kernel_overhead_s
+    fraction = eff.attention_fraction
+    if fraction is None:
+        fraction = device.attention_backward if backward else device.attention_forward
+    return flops / (device.peak_flops * fraction) + eff.kernel_overhead_s
 
 
 def memory_seconds(nbytes: float, bandwidth: float, eff: Efficiency, kernels: int = 1) -> float:

@@ -49,7 +49,9 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+from megatronish.accounting.cluster import Cluster, default_cluster
 from megatronish.accounting.collectives import collectives_per_step
+from megatronish.accounting.collectives.step import FP32_BYTES
 from megatronish.accounting.comm_time import Mesh, collective_seconds
 from megatronish.accounting.flops import attention_flops_per_token, model_flops_per_step
 from megatronish.accounting.hardware import Device
@@ -178,16 +180,17 @@ def _optimizer_seconds(
 
 
 def _comm(
-    cfg, derived, r, mesh, device, eff, attention_s: float, forward_s: float, backward_s: float
+    cfg, derived, r, mesh, device, cluster, eff, attention_s, forward_s: float, backward_s: float
 ):
     """Exposed seconds per part of stage r's collectives in one step (see module doc)."""
     out = dict.fromkeys(("tp", "tp_hidden", "cp", "ep", "dp", "sends", "pp"), 0.0)
     gemms = linear_gemms(cfg, derived, device, eff)
     grad, gather, ring = 0.0, 0.0, 0.0
+    grad_width = 2 if getattr(cfg.optim, "grad_reduce_dtype", "fp32") == "bf16" else FP32_BYTES
     bucket = cfg.optim.bucket_mb * 1e6
     grad_payload = gather_payload = 0.0
     for op in collectives_per_step(cfg, derived, r):
-        seconds = collective_seconds(op, mesh, device, eff)
+        seconds = collective_seconds(op, mesh, cluster, eff)
         if op.group == "tp" and op.under:
             exposed, hidden = split_seconds(op, seconds, gemms[op.under], derived.tp)
             out["tp"] += exposed
@@ -209,7 +212,7 @@ def _comm(
             gather_payload += op.payload * op.count
         elif op.group in ("dp", "ep") and "gradient" in op.what and op.payload > 64:
             grad += seconds
-            grad_payload += op.payload
+            grad_payload += op.payload * FP32_BYTES / grad_width
         else:
             out["dp"] += seconds
     out["cp"] += max(0.0, ring - attention_s)
@@ -237,10 +240,13 @@ def step_time(
     device: Device,
     eff: Efficiency = GPU_EFFICIENCY,
     attention: str = "flash",
+    cluster: Cluster | None = None,
 ) -> StepTime:
     """The predicted step of cfg (its parallel section a layout whose Derived is `derived`) on
-    derived.world_size devices; attention "flash" (megatronish's fused kernel) or "materialized"
-    (scores in memory, as Megatron-LM ran before flash attention)."""
+    derived.world_size devices in `cluster` (None: the device's default, accounting.cluster);
+    attention "flash" (megatronish's fused kernel) or "materialized" (scores in memory, as
+    Megatron-LM ran before flash attention)."""
+    cluster = cluster or default_cluster(device)
     m, pp, virtual = derived.grad_accum_steps, derived.pp, derived.pp_virtual
     mesh = Mesh(tp=derived.tp, cp=derived.cp, dp=derived.dp, pp=pp)
     recompute = cfg.train.activation_checkpointing
@@ -254,7 +260,9 @@ def step_time(
                 cfg, derived, r, device, eff, attention
             )
             attention_s = attention_forward * passes * m
-            comm = _comm(cfg, derived, r, mesh, device, eff, attention_s, forward, backward)
+            comm = _comm(
+                cfg, derived, r, mesh, device, cluster, eff, attention_s, forward, backward
+            )
             per_micro = compute + (comm["tp"] + comm["cp"] + comm["ep"]) / m
             done[key] = (per_micro, compute, comm, _optimizer_seconds(cfg, derived, r, device, eff))
         stages.append(done[key])

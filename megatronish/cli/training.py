@@ -92,6 +92,12 @@ def bench(config_path, overrides, steps, warmup):
     help="GPU model: H100 (default), H200, A100, B200, ...; or a YAML file describing one.",
 )
 @click.option(
+    "--cluster",
+    default=None,
+    help="The nodes and network: dgx-a100-selene, dgx-h100, dgx-b200, grand-teton-h100-roce, "
+    "pcie-l40s; or a YAML file describing one (default: the GPU's own nodes).",
+)
+@click.option(
     "--gpu-memory", type=float, default=None, help="Memory per GPU in GiB (default: the GPU's)."
 )
 @click.option(
@@ -120,11 +126,25 @@ def bench(config_path, overrides, steps, warmup):
     help="Fastest fitting layouts to list (0: every one that fits).",
 )
 @user_errors
-def plan(config_path, overrides, gpus, gpu, gpu_memory, layout, as_json, device, calibration, show):
+def plan(
+    config_path,
+    overrides,
+    gpus,
+    gpu,
+    cluster,
+    gpu_memory,
+    layout,
+    as_json,
+    device,
+    calibration,
+    show,
+):
     """Per-rank memory, predicted step time and the fastest layout that fits, without starting
     anything."""
     from megatronish.commands.plan import plan as make_plan
 
     cfg = load_config(config_path, overrides)
-    text = make_plan(cfg, gpus, gpu, gpu_memory, layout, as_json, device, calibration, show)
+    text = make_plan(
+        cfg, gpus, gpu, gpu_memory, layout, as_json, device, calibration, show, cluster
+    )
     click.echo(text)

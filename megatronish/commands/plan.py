@@ -24,6 +24,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from megatronish.accounting.cluster import Cluster, cluster_named
 from megatronish.accounting.comm_time import ring_ratio
 from megatronish.accounting.hardware import Device, device_named
 from megatronish.accounting.memory import Estimate, estimate, layout_config
@@ -31,6 +32,7 @@ from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency
 from megatronish.accounting.step_time import StepTime, step_time
 from megatronish.commands import plan_report
 from megatronish.commands.check import data_vocab_size
+from megatronish.commands.plan_explain import explanation
 from megatronish.config import Config, derive, world_size_of
 from megatronish.errors import UserError
 
@@ -63,6 +65,8 @@ class Target:
     peak_flops: float
     devices: object  # (tp, cp, dp) -> (Device, Efficiency)
     title: str
+    cluster: Cluster | None = None
+    """The cluster the GPUs sit in (None: the device's own node, accounting.cluster)."""
 
     def device(self, tp: int, cp: int, dp: int) -> tuple[Device, Efficiency]:
         return self.devices(tp, cp, dp)
@@ -78,9 +82,15 @@ def expert_degrees(cfg: Config, dp: int) -> list[int]:
 
 
 def target(
-    gpu: str | None, memory_gb: float | None, device: str, calibration: str | None, world: int
+    gpu: str | None,
+    memory_gb: float | None,
+    device: str,
+    calibration: str | None,
+    world: int,
+    cluster: str | None = None,
 ) -> Target:
-    """The device plan plans for: a GPU by name or YAML file, or (device cpu) this host."""
+    """The device plan plans for: a GPU by name or YAML file in a cluster by name or YAML file
+    (None: the GPU's own nodes), or (device cpu) this host."""
     if memory_gb is not None and memory_gb <= 0:
         raise UserError(f"--gpu-memory {memory_gb}: must be > 0 (GiB)")
     if device == "cpu":
@@ -101,16 +111,28 @@ def target(
             f"{first.nvlink_gb_s:.2f} GB/s)",
         )
     gpu_device = device_named(gpu)
+    nodes = cluster_named(cluster, gpu_device)
     memory = memory_gb or gpu_device.memory_gb
+    fp8 = f", fp8 {gpu_device.fp8_tflops:.0f}" if gpu_device.fp8_tflops else ""
     return Target(
         gpu_device.name,
         memory,
         gpu_device.peak_flops,
         lambda tp, cp, dp: (gpu_device, GPU_EFFICIENCY),
         f"plan for {world} x {gpu_device.name} ({memory:.0f} GiB each, dense bf16 peak "
-        f"{gpu_device.peak_tflops:.0f} TFLOP/s, HBM {gpu_device.hbm_tb_s:.2f} TB/s, NVLink "
-        f"{gpu_device.nvlink_gb_s:.0f} GB/s and network {gpu_device.network_gb_s:.0f} GB/s per "
-        f"GPU and direction, {gpu_device.gpus_per_node} GPUs a node)",
+        f"{gpu_device.peak_tflops:.0f} TFLOP/s{fp8}, HBM {gpu_device.hbm_tb_s:.2f} TB/s) in "
+        f"{nodes.name} ({nodes.gpus_per_node} GPUs a node on "
+        f"{'NVSwitch' if nodes.nvswitch else 'a shared link'} at {nodes.intra_node_gb_s:.0f} "
+        f"GB/s per GPU and direction, {nodes.nics_per_node} x {nodes.nic_gb_s:.1f} GB/s NICs a "
+        f"node{', rail-optimized' if nodes.rail_optimized else ''}"
+        f"{', SHARP' if nodes.sharp else ''}"
+        + (
+            f", 1:{nodes.oversubscription:g} above {nodes.pod_gpus} GPUs"
+            if nodes.oversubscription > 1
+            else ""
+        )
+        + ")",
+        nodes,
     )
 
 
@@ -160,7 +182,8 @@ def _row(cfg: Config, world: int, layout: tuple, tgt: Target, budget: float, **c
     device, eff = tgt.device(tp, cp, world // (tp * cp * pp))
     memory = estimate(cfg, world, tp, pp, cp, ep, **changes)
     layout_cfg, derived = layout_config(cfg, world, tp, pp, cp, ep, **changes)
-    time = step_time(layout_cfg, derived, device, eff) if memory.total_gb <= budget else None
+    fits = memory.total_gb <= budget
+    time = step_time(layout_cfg, derived, device, eff, cluster=tgt.cluster) if fits else None
     ring = ring_ratio(layout_cfg, derived, tgt.peak_flops, device.nvlink_gb_s)
     return Row(layout_cfg, memory, time, ring)
 
@@ -270,7 +293,20 @@ def fixed_layout(cfg: Config, world: int, text: str, tgt: Target) -> Row:
         activation_checkpointing=cfg.train.activation_checkpointing,
     )
     ring = ring_ratio(layout_cfg, derived, tgt.peak_flops, device.nvlink_gb_s)
-    return Row(layout_cfg, memory, step_time(layout_cfg, derived, device, eff), ring)
+    return Row(
+        layout_cfg, memory, step_time(layout_cfg, derived, device, eff, cluster=tgt.cluster), ring
+    )
+
+
+def _check_fp8(cfg: Config, tgt: Target, device: str) -> None:
+    """train.precision fp8 needs a GPU with fp8 tensor cores (a UserError otherwise)."""
+    if device == "gpu" and cfg.train.precision == "fp8":
+        gpu, _ = tgt.device(1, 1, 1)
+        if not gpu.fp8_tflops:
+            raise UserError(
+                f"train.precision=fp8: the {gpu.name} has no fp8 tensor cores (no dense fp8 "
+                "peak); use train.precision=bf16 or an fp8 GPU (H100, H200, B200, ...)"
+            )
 
 
 def plan(
@@ -283,23 +319,24 @@ def plan(
     device: str = "gpu",
     calibration: str | None = None,
     show: int = plan_report.SHOWN,
+    cluster: str | None = None,
 ) -> str:
     """The report `megatronish plan` prints (one JSON object with as_json); `show`: the fastest
-    fitting layouts it lists (0: all)."""
+    fitting layouts it lists (0: all); `cluster`: --cluster."""
     if cfg.model.vocab_size is None:  # the data's vocabulary, as training takes it
         model = dataclasses.replace(cfg.model, vocab_size=data_vocab_size(cfg))
         cfg = dataclasses.replace(cfg, model=model)
     world = gpus if gpus is not None else world_size_of(cfg)
     if world < 1:
         raise UserError(f"--gpus {gpus}: must be >= 1")
+    tgt = target(gpu, memory_gb, device, calibration, world, cluster)
+    _check_fp8(cfg, tgt, device)
     if layout is not None:
-        tgt = target(gpu, memory_gb, device, calibration, world)
         row = fixed_layout(cfg, world, layout, tgt)
         budget = tgt.memory_gib * HEADROOM
         if as_json:
             return plan_report.as_json(row, tgt.name, world, budget)
-        return plan_report.one_layout(row, tgt.title, budget)
-    tgt = target(gpu, memory_gb, device, calibration, world)
+        return plan_report.one_layout(row, tgt.title, budget, explanation([row], world, tgt))
     if not candidate_layouts(cfg, world):
         raise UserError(
             f"no tensor-parallel degree in 1, 2, 4, 8 fits {world} GPUs with model.n_head="
@@ -313,4 +350,5 @@ def plan(
         return plan_report.as_json(fits[0], tgt.name, world, budget)
     if show < 0:
         raise UserError(f"--show {show}: must be >= 0 (0: every layout that fits)")
-    return plan_report.report(cfg, table, fits, tgt.title, budget, show or len(fits))
+    explain = explanation(fits, world, tgt) if fits else []
+    return plan_report.report(cfg, table, fits, tgt.title, budget, show or len(fits), explain)

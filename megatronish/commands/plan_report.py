@@ -69,6 +69,7 @@ def as_json(row, gpu: str, world: int, budget: float) -> str:
                 "(parallel.tp_comm_overlap)",
                 "tflops_per_gpu": "TFLOP/s per GPU: model FLOPs (no recompute) and hardware "
                 "FLOPs (with recompute)",
+                "mfu": "of the dense bf16 peak, as published tables quote it (under fp8 too)",
             },
         }
     )
@@ -86,6 +87,7 @@ TIME_HEADER = (
     f"{'step s':>9} {'tokens/s':>10} {'model':>7} {'hw':>7} {'MFU%':>5} {'HFU%':>5} "
     + " ".join(f"{SHORT[p]:>8}" for p in PARTS)
 )
+MFU_NOTE = "MFU and HFU are of the dense bf16 peak, as published tables quote them (under fp8 too)"
 TIME_LEGEND = (
     "step s: predicted seconds per step; tokens/s: of the whole run; model / hw: TFLOP/s per GPU "
     "counting model FLOPs (MFU) / hardware FLOPs with recompute (HFU); then ms per step: "
@@ -94,8 +96,9 @@ TIME_LEGEND = (
 )
 
 
-def one_layout(row, title: str, budget: float) -> str:
-    """One layout as text: memory per rank and the predicted step."""
+def one_layout(row, title: str, budget: float, explain: list[str]) -> str:
+    """One layout as text: memory per rank, the predicted step and `explain`
+    (commands.plan_explain)."""
     memory, lay = row.memory, _layout(row)
     fits = "fits" if memory.total_gb <= budget else f"does NOT fit {budget:.1f} GiB"
     return "\n".join(
@@ -115,14 +118,23 @@ def one_layout(row, title: str, budget: float) -> str:
             TIME_HEADER,
             _time_cells(row.time),
             TIME_LEGEND,
+            MFU_NOTE,
+            *explain[2:],
         ]
     )
 
 
 def report(
-    cfg: Config, table: list, fits: list, title: str, budget: float, show: int = SHOWN
+    cfg: Config,
+    table: list,
+    fits: list,
+    title: str,
+    budget: float,
+    show: int = SHOWN,
+    explain: list[str] | None = None,
 ) -> str:
-    """The search's report (see module doc)."""
+    """The search's report (see module doc), with `explain` (commands.plan_explain) before the
+    recommendation."""
     moe = cfg.model.moe.num_experts > 0
     zero = max(1, cfg.optim.zero)  # plan's ZeRO level (search)
     lines = [title, "", *_table_lines(cfg, table, budget, moe, zero)]
@@ -133,7 +145,7 @@ def report(
             "smaller train.micro_batch_size or a GPU with more memory"
         )
         return "\n".join(lines)
-    lines.append(_recommendation(fits[0], moe))
+    lines += [*(explain or []), _recommendation(fits[0], moe)]
     return "\n".join(lines)
 
 
@@ -192,7 +204,7 @@ def _fastest_lines(fits: list, budget: float, show: int, zero: int) -> list[str]
             f"{lay['ep']:>3} {lay['micro_batch_size']:>3} {lay['activation_checkpointing']:>9} "
             f"{row.memory.total_gb:>6.2f} " + _time_cells(row.time)
         )
-    return [*lines, TIME_LEGEND, ""]
+    return [*lines, TIME_LEGEND, MFU_NOTE, ""]
 
 
 def _recommendation(best, moe: bool) -> str:

@@ -77,3 +77,62 @@ def test_matmul_flops_count_the_model_linear_weights_whatever_the_head_dim():
             if p.dim() == 2 and name not in ("tok_emb.weight", "lm_head.weight")
         )
         assert matmul_params(cfg, derived) == linear + 32 * 61, head_dim
+
+
+CLUSTER_FILE = (
+    "gpus_per_node: 8\nintra_node_gb_s: 450\nnvswitch: true\nnics_per_node: 8\nnic_gb_s: 50\n"
+    "rail_optimized: true\nsharp: false\npod_gpus: 0\noversubscription: 1\n"
+)
+
+
+def test_a_cluster_file_reads_like_its_preset_and_a_bad_value_is_one_line(tmp_path):
+    from megatronish.accounting.cluster import CLUSTERS, cluster_named
+    from megatronish.accounting.hardware import GPUS
+    from megatronish.errors import UserError
+
+    path = tmp_path / "dgx-h100.yaml"
+    path.write_text(CLUSTER_FILE)
+    assert cluster_named(str(path), GPUS["H100"]) == CLUSTERS["dgx-h100"]
+    for bad, words in (
+        ("nvswitch: yes please", "nvswitch: 'yes please' must be true or false"),
+        ("oversubscription: 0.5", "oversubscription: 0.5 must be a number >= 1"),
+        ("nics: 8", "unknown field nics"),
+    ):
+        key = bad.split(":")[0]
+        lines = [ln for ln in CLUSTER_FILE.splitlines() if not ln.startswith(key + ":")]
+        path.write_text("\n".join([*lines, bad]) + "\n")
+        with pytest.raises(UserError, match=words):
+            cluster_named(str(path), GPUS["H100"])
+    with pytest.raises(UserError, match="unknown cluster; valid: dgx-a100-selene"):
+        cluster_named("dgx-z9", GPUS["H100"])
+
+
+def test_cli_bad_cluster_file_and_fp8_on_a100_exit_2_with_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CLUSTER_FILE.replace("sharp: false", "sharp: maybe"))
+    base = ["plan", "--config", str(CONFIGS / "gpt2-124m.yaml"), "--gpus", "8"]
+    for args, words in (
+        (["--cluster", str(path)], "sharp: 'maybe' must be true or false"),
+        (["--gpu", "A100", "--set", "train.precision=fp8"], "A100 has no fp8 tensor cores"),
+    ):
+        result = invoke_cli(*base, *args)
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_plan_explains_its_pick_and_names_the_change_that_helps_most():
+    cfg = load_config(CONFIGS / "gpt2-1.3b.yaml", ["train.precision=bf16"])
+    report = plan(cfg, gpus=8, gpu="H100", memory_gb=None, cluster="dgx-h100", show=1)
+    assert "in dgx-h100 (8 GPUs a node on NVSwitch" in report
+    assert "recommended" in report and "runner-up" in report and "pipeline_bubble" in report
+    assert "GEMMs: " in report and "of the dense bf16 peak" in report
+    # fp8 GEMMs shorten this compute-bound step; the line gives the --set that does it.
+    assert "the change that would help most: fp8 GEMMs: -" in report
+    assert "(--set train.precision=fp8)" in report
+    # Under fp8 the trainer refuses the tp overlap: it is no candidate.
+    off = load_config(CONFIGS / "gpt2-1.3b.yaml", ["train.precision=fp8"])
+    one = plan(off, gpus=8, gpu="H100", memory_gb=None, layout="tp=8 dp=1")
+    line = next(ln for ln in one.splitlines() if ln.startswith("the change that would help most"))
+    assert "tp overlap" not in line
+    # At tp 8 the 1.3B's attention projection reads k = 2048 / 8 = 256: memory-bound in fp8.
+    assert "memory-bound: proj forward" in one

@@ -11,15 +11,24 @@ import statistics
 
 import pytest
 
-from megatronish.accounting.collectives import collectives_per_step
+from megatronish.accounting.cluster import CLUSTERS, default_cluster
+from megatronish.accounting.collectives import Collective, collectives_per_step
 from megatronish.accounting.comm_time import Mesh, collective_seconds, inside_node
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.hardware import GPUS, device_named
-from megatronish.accounting.roofline import GPU_EFFICIENCY, attention_flops, gemm_seconds
+from megatronish.accounting.roofline import GPU_EFFICIENCY, attention_flops, gemm_time
 from megatronish.accounting.step_time import PARTS, step_time
 from megatronish.config import derive, load_config
 from tests.conftest import CONFIGS, invoke_cli
-from tests.published_runs import KORTHIKANTI, RUNS, compare, predict
+from tests.published_runs import (
+    KORTHIKANTI,
+    NARAYANAN,
+    RUNS,
+    STRONG,
+    compare,
+    predict,
+    published_step_s,
+)
 
 GPT3 = [
     "model.arch=gpt2", "model.n_layer=96", "model.d_model=12288", "model.n_head=96",
@@ -28,18 +37,31 @@ GPT3 = [
 ]  # fmt: skip
 
 
-def errors() -> dict[str, float]:
+def errors(sources: tuple[str, ...]) -> dict[str, float]:
     return {
-        f"{r.source}: {r.name}": (pred - pub) / pub for r in RUNS for _, pub, pred in [compare(r)]
+        f"{r.source}: {r.name}": (pred - pub) / pub
+        for r in RUNS
+        if r.source in sources
+        for _, pub, pred in [compare(r)]
     }
 
 
-def test_every_published_run_within_15_percent_and_the_median_under_7():
-    errs = errors()
-    assert len(errs) == 14
+def test_every_published_run_within_20_percent_the_a100_ones_15_and_the_median_under_10():
+    errs = errors(tuple({r.source for r in RUNS}))
+    assert len(errs) == 25
     worst = max(errs, key=lambda k: abs(errs[k]))
-    assert abs(errs[worst]) < 0.15, f"{worst}: {errs[worst]:+.1%}"
-    assert statistics.median(abs(e) for e in errs.values()) < 0.07
+    assert abs(errs[worst]) < 0.20, f"{worst}: {errs[worst]:+.1%}"
+    assert statistics.median(abs(e) for e in errs.values()) < 0.10
+    a100 = errors((NARAYANAN, KORTHIKANTI))
+    worst = max(a100, key=lambda k: abs(a100[k]))
+    assert abs(a100[worst]) < 0.15, f"{worst}: {a100[worst]:+.1%}"
+
+
+def test_strong_scaling_loses_mfu_from_96_to_4608_gpus_and_both_steps_within_20_percent():
+    small, large = (r for r in RUNS if r.source == STRONG)
+    assert predict(large).mfu < predict(small).mfu
+    for run in (small, large):
+        assert predict(run).step_time_s == pytest.approx(published_step_s(run), rel=0.20)
 
 
 def test_korthikanti_iteration_times_within_15_percent():
@@ -87,7 +109,8 @@ def test_the_model_times_the_bytes_of_the_analytic_collective_count():
     cfg, d = _gpt3("parallel.tp=8", "parallel.pp=8", "parallel.dp=1")
     mesh, h100 = Mesh(tp=8, cp=1, dp=1, pp=8), GPUS["H100"]
     tp_ops = [op for op in collectives_per_step(cfg, d, 7) if op.group == "tp"]
-    tp_seconds = sum(collective_seconds(op, mesh, h100, GPU_EFFICIENCY) for op in tp_ops)
+    nodes = default_cluster(h100)
+    tp_seconds = sum(collective_seconds(op, mesh, nodes, GPU_EFFICIENCY) for op in tp_ops)
     p = step_time(cfg, d, h100)
     assert p.breakdown["exposed_tp"] == pytest.approx(tp_seconds)  # the last stage is slowest
     bandwidth = h100.nvlink_gb_s * 1e9 * GPU_EFFICIENCY.nvlink_fraction
@@ -142,20 +165,62 @@ def test_the_model_tells_when_the_tp_overlap_pays_and_plan_json_reports_hidden_a
 
 
 def test_groups_inside_a_node_use_nvlink_and_the_others_the_network():
-    mesh, h100 = Mesh(tp=8, cp=1, dp=4, pp=2), GPUS["H100"]
+    mesh, h100 = Mesh(tp=8, cp=1, dp=4, pp=2), CLUSTERS["dgx-h100"]
     assert inside_node(mesh, "tp", 8, h100) and not inside_node(mesh, "dp", 4, h100)
     small = Mesh(tp=2, cp=1, dp=4, pp=1)
     assert inside_node(small, "dp", 4, h100) and not inside_node(small, "dp", 8, h100)
 
 
-def test_gemm_efficiency_curve_and_causal_attention():
-    peak, bw = GPUS["A100"].peak_flops, GPUS["A100"].hbm_tb_s * 1e12
-    big = gemm_seconds(8192, 8192, 8192, peak, bw, 2, GPU_EFFICIENCY)
-    assert 2 * 8192**3 / big == pytest.approx(0.8 * peak, rel=0.01)
-    ragged = gemm_seconds(8192, 8192 + 1, 8192, peak, bw, 2, GPU_EFFICIENCY)
+def _reduce_scatter_s(tp: int, cluster: str, dp: int = 48) -> float:
+    op = Collective("g", "reduce_scatter", "dp", dp, 8 * 2**30, 1)
+    return collective_seconds(op, Mesh(tp=tp, cp=1, dp=dp, pp=1), CLUSTERS[cluster], GPU_EFFICIENCY)
+
+
+def test_a_dp_group_gets_the_nics_of_its_ranks_in_a_node_and_pays_oversubscription_above_a_pod():
+    # 8 ranks a node share the node's 8 NICs (bus bandwidth 8 x 50 GB/s, capped by NVLink's
+    # 360); one rank a node gets its GPU's NIC: 50 x 0.9 = 45 GB/s.
+    one, eight = _reduce_scatter_s(8, "dgx-h100"), _reduce_scatter_s(1, "dgx-h100")
+    sent = 8 * 2**30 * 47 / 48
+    assert one == pytest.approx(47 * 10e-6 + sent / 45e9)
+    assert eight == pytest.approx(47 * 10e-6 + sent / 360e9)
+    # 48 x 8 = 384 GPUs inside a 2,048-GPU zone: non-blocking; 384 x 8 above it: 1:7.
+    assert _reduce_scatter_s(8, "grand-teton-h100-roce") == pytest.approx(one)
+    far = _reduce_scatter_s(8, "grand-teton-h100-roce", dp=384)
+    assert far == pytest.approx(383 * 10e-6 + 8 * 2**30 * 383 / 384 / (45e9 / 7))
+
+
+def test_small_all_reduces_across_nodes_take_the_tree_and_sharp_sends_each_byte_once():
+    mesh, eff = Mesh(tp=8, cp=1, dp=64, pp=1), GPU_EFFICIENCY
+    small = Collective("flags", "all_reduce", "dp", 64, 16, 1)
+    ring = 2 * 63 * eff.network_latency_s
+    tree = 2 * 6 * eff.network_latency_s + 2 * 16 / 45e9  # log2 64 nodes, one rank a node
+    assert collective_seconds(small, mesh, CLUSTERS["dgx-h100"], eff) == pytest.approx(tree)
+    assert tree < ring
+    big = Collective("grads", "all_reduce", "dp", 64, 2**30, 1)
+    sharp = dataclasses.replace(CLUSTERS["dgx-h100"], sharp=True)
+    plain = collective_seconds(big, mesh, CLUSTERS["dgx-h100"], eff)
+    assert collective_seconds(big, mesh, sharp, eff) == pytest.approx(
+        2 * eff.network_latency_s + 2**30 / 45e9
+    )
+    assert plain > 1.9 * (2**30 / 45e9)
+
+
+def test_gemm_efficiency_follows_tiles_and_waves_and_causal_attention():
+    a100 = GPUS["A100"]
+    bw = a100.hbm_tb_s * 1e12
+    # 8192 x 8192: 64 x 64 tiles of 128 x 128 in 37.9 waves of 108 SMs -> 38 waves.
+    big, bound = gemm_time(8192, 8192, 8192, a100, 2, GPU_EFFICIENCY)
+    filled = 4096 / (38 * 108)
+    assert 2 * 8192**3 / big == pytest.approx(0.8 * filled * a100.peak_flops, rel=0.01)
+    assert not bound
+    ragged, _ = gemm_time(8192, 8192 + 1, 8192, a100, 2, GPU_EFFICIENCY)
     assert ragged > big * 1.01  # one more column costs a column of tiles
-    skinny = gemm_seconds(8, 8192, 8192, peak, bw, 2, GPU_EFFICIENCY)
-    assert skinny > 8192 * 8192 * 2 / bw  # memory bound: reads the whole weight
+    skinny, bound = gemm_time(8, 8192, 8192, a100, 2, GPU_EFFICIENCY)
+    assert bound and skinny > 8192 * 8192 * 2 / bw  # memory bound: reads the whole weight
+    h100 = GPUS["H100"]
+    fp8, _ = gemm_time(8192, 8192, 8192, h100, 2, GPU_EFFICIENCY, fp8=True)
+    bf16, _ = gemm_time(8192, 8192, 8192, h100, 2, GPU_EFFICIENCY)
+    assert bf16 / fp8 == pytest.approx(2.0, rel=0.01)  # 1979 against 989 TFLOP/s
     assert attention_flops(1, 8, 512, 512, 64, True) * 2 == attention_flops(
         1, 8, 512, 512, 64, False
     )

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, finish
+import pytest
+
+from tests.conftest import REPO, finish, invoke_cli
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 SAMPLE = REPO / "tests" / "fixtures" / "gpu_check_sample.json"
@@ -208,3 +210,28 @@ def test_tp_overlap_split_gemm_gives_the_whole_gemm_within_one_rounding_and_fail
     assert all(detail[f"chunks_{t}"]["max_difference"] <= detail["bound"] for t in (2, 8))
     over = gpu_check.split_gemm_rows(2, 1.0, 1.0, error=2e-3, bound=1e-3)
     assert over[1]["status"].startswith("FAIL")
+
+
+def test_calibration_writes_the_device_file_plan_reads_from_a_fake_measurement(tmp_path):
+    from megatronish.accounting.hardware import GPUS, load_device
+    from megatronish.accounting.roofline import Efficiency, gemm_efficiency
+
+    h100, whole = GPUS["H100"], Efficiency(gemm_fraction=1.0)
+
+    def time_gemm(m, n, k, fp8):  # a GPU at 60% of the roofline, fp8 at 1500 TFLOP/s
+        if fp8:
+            return 2.0 * m * n * k / 1500e12
+        return 2.0 * m * n * k / (0.6 * h100.peak_flops * gemm_efficiency(m, n, h100, whole))
+
+    path = tmp_path / "mine.yaml"
+    rows, detail = gpu_check.calibration_job(time_gemm, path)(60.0)
+    device = load_device(path)
+    assert device.gemm_fraction == pytest.approx(0.6) and detail["gemm_fraction"] == 0.6
+    assert device.peak_tflops == h100.peak_tflops and device.sms == h100.sms
+    large = gemm_efficiency(8192, 8192, device, Efficiency())  # the model's fp8 8192^3 rate
+    assert device.fp8_tflops * large == pytest.approx(1500, rel=1e-3)
+    assert [r["section"] for r in rows] == ["calibration"] * 3
+    config = str(REPO / "configs" / "gpt2-124m.yaml")
+    args = ["--gpus", "8", "--gpu", str(path), "--layout", "dp=8", "--json"]
+    result = invoke_cli("plan", "--config", config, *args)
+    assert result.returncode == 0, result.stderr

@@ -11,7 +11,9 @@ bytes each, less the parameters outside the buffer (the sequence-parallel replic
 the pipeline's tied embedding copies, which are all-reduced and broadcast by their owners),
 and the shards' grad-norm partial sums (two fp64; one more over the experts' group); the
 buckets are padded to a multiple of dp, which adds nothing when dp divides every bucket's size,
-as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
+as it does for these models at dp 2 and 4. Then the loss mean (one fp32). With
+optim.grad_reduce_dtype bf16 the gradient reductions (not the parameter gathers) move 2 bytes
+a gradient instead of 4 (``grad_width``).
 """
 
 from __future__ import annotations
@@ -32,14 +34,21 @@ from megatronish.accounting.parameters import (
 )
 
 
+def grad_width(step: Step) -> int:
+    """Bytes a gradient element takes in the data-parallel reduction: optim.grad_reduce_dtype
+    (fp32 where the config has no such key)."""
+    return 2 if getattr(step.cfg.optim, "grad_reduce_dtype", "fp32") == "bf16" else FP32_BYTES
+
+
 def dp_collectives(step: Step) -> list[Collective]:
     """The gradient reductions and parameter gathers of optim.zero, and the loss mean."""
     dp = step.dp
     if step.cfg.optim.zero >= 1 and dp > 1:
         ops = _zero(step)
     else:
-        experts, edp = _expert_bytes(step), _edp(step)
+        experts, edp, width = _expert_bytes(step), _edp(step), grad_width(step)
         dense = local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts
+        dense, experts = dense * width // FP32_BYTES, experts * width // FP32_BYTES
         ops = _over_dp(
             [
                 ("data-parallel gradient average", "all_reduce", dp, dense, 1),
@@ -87,17 +96,25 @@ def _zero(step: Step) -> list[Collective]:
     dense = (
         local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts - outside
     )
-    rows = []
+    rows, width = [], grad_width(step)
     if outside:
         broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
+        average = outside * width // FP32_BYTES
         rows += [
-            ("gradients outside the buffer: average", "all_reduce", dp, outside, 1),
+            ("gradients outside the buffer: average", "all_reduce", dp, average, 1),
             (broadcast, "broadcast", dp, outside, 1),
         ]
     passes = step.accum if zero >= 2 else 1  # reductions per step
+    grads, expert_grads = dense * width // FP32_BYTES, experts * width // FP32_BYTES
     rows += [
-        (f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", dp, dense, passes),
-        (f"ZeRO-{zero} expert gradient reduce-scatter", "reduce_scatter", edp, experts, passes),
+        (f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", dp, grads, passes),
+        (
+            f"ZeRO-{zero} expert gradient reduce-scatter",
+            "reduce_scatter",
+            edp,
+            expert_grads,
+            passes,
+        ),
     ]
     if zero < 3:
         rows += [
