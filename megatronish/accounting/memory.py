@@ -7,8 +7,10 @@ dp x cp / ep ranks that hold the same experts):
   (bf16 only); optim.zero = 1 divides the AdamW state by D, 2 the gradients too, 3 the weights
   too (``model_state_bytes``; ZeRO-2 and 3 keep the parameters outside the gradient buffer,
   the sequence-parallel replicated ones and the pipeline's tied embedding copy, whole). What
-  ZeRO-2 and 3 hold only during a step ("gathered"): the bucket-sized gradients of up to
-  IN_FLIGHT + 1 buckets whose reduce-scatter has not finished; ZeRO-3 at pp = 1 two layers'
+  a step holds only while it runs ("gathered"): at ZeRO-2 and 3 the bucket-sized gradients of
+  up to IN_FLIGHT + 1 buckets whose reduce-scatter has not finished (with
+  optim.grad_reduce_dtype bf16 their bf16 copies and the fp32 bucket being filled; ZeRO-0 and 1
+  then hold up to IN_FLIGHT + 1 bf16 copies too); ZeRO-3 at pp = 1 two layers'
   parameters (the one that runs, the one prefetched) and the output layer's (kept from its
   forward to its backward), at pp > 1 the stage's whole parameters (kept for the step);
   activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
@@ -83,8 +85,8 @@ class Estimate:
     expert_gb: float = 0.0
     """Of weights + grads + optimizer state, the experts' (MoE)."""
     gathered_gb: float = 0.0
-    """ZeRO-2 and 3: what a step holds beyond the shards (gradient buckets in flight, ZeRO-3's
-    gathered parameters)."""
+    """What a step holds beyond the kept state: gradient buckets in flight (ZeRO-2 and 3, and
+    any level's bf16 copies with optim.grad_reduce_dtype bf16), ZeRO-3's gathered parameters."""
 
     @property
     def total_gb(self) -> float:
@@ -193,9 +195,7 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     weights, expert_weights = kept(3)
     grads, expert_grads = kept(2)
     state, expert_state = kept(1, whole_outside=False)
-    gathered = 0.0
-    if zero >= 2 and dp > 1:
-        gathered = min(buffered + experts, (IN_FLIGHT + 1) * cfg.optim.bucket_mb * 2**18)
+    gathered = _reduction_bytes(cfg, buffered + experts) / 4 if dp > 1 else 0.0
     if zero == 3 and dp > 1:
         layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
         gathered += buffered + experts if derived.pp > 1 else 2 * layer + (vocab if last else 0)
@@ -209,6 +209,19 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         + expert_state * 8
         + (2 * experts if bf16 else 0),
     }
+
+
+def _reduction_bytes(cfg: Config, buffered: float) -> float:
+    """The bytes a step's gradient reductions hold beyond the kept gradients, for `buffered`
+    elements in buckets: ZeRO-2 and 3 up to IN_FLIGHT + 1 bucket-sized tensors in flight (fp32;
+    with optim.grad_reduce_dtype bf16 their bf16 copies and the fp32 bucket being filled);
+    ZeRO-0 and 1 reduce the kept buffer in place, or in bf16 up to IN_FLIGHT + 1 bf16 copies."""
+    bucket = cfg.optim.bucket_mb * 2**18  # elements
+    bf16 = cfg.optim.grad_reduce_dtype == "bf16"
+    if cfg.optim.zero >= 2:
+        copies = min(buffered, (IN_FLIGHT + 1) * bucket)
+        return copies * 2 + min(buffered, bucket) * 4 if bf16 else copies * 4
+    return min(buffered, (IN_FLIGHT + 1) * bucket) * 2 if bf16 else 0.0
 
 
 def layout_config(

@@ -12,11 +12,22 @@ the pipeline's tied embedding copies, which are all-reduced and broadcast by the
 and the shards' grad-norm partial sums (two fp64; one more over the experts' group); the
 buckets are padded to a multiple of dp, which adds nothing when dp divides every bucket's size,
 as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
+
+With optim.grad_reduce_dtype bf16 every gradient reduction over the data-parallel and expert
+groups (the all-reduces at ZeRO-0, the reduce-scatters, the all-reduce of the gradients outside
+the buffer) sends 2 bytes an element instead of 4; the parameter gathers and broadcasts, the
+norms and the loss mean are unchanged.
 """
 
 from __future__ import annotations
 
-from megatronish.accounting.collectives.step import FP32_BYTES, FP64_BYTES, Collective, Step
+from megatronish.accounting.collectives.step import (
+    FP32_BYTES,
+    FP64_BYTES,
+    GRAD_REDUCE_BYTES,
+    Collective,
+    Step,
+)
 from megatronish.accounting.parameters import (
     local_moe_params,
     local_parameter_count,
@@ -34,8 +45,14 @@ def dp_collectives(step: Step) -> list[Collective]:
         dense = local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts
         ops = _over_dp(
             [
-                ("data-parallel gradient average", "all_reduce", dp, dense, 1),
-                ("expert gradient sum (expert-data-parallel)", "all_reduce", edp, experts, 1),
+                ("data-parallel gradient average", "all_reduce", dp, _wire(step, dense), 1),
+                (
+                    "expert gradient sum (expert-data-parallel)",
+                    "all_reduce",
+                    edp,
+                    _wire(step, experts),
+                    1,
+                ),
             ]
         )
     return ops + _over_dp([("loss mean", "all_reduce", dp, FP32_BYTES, 1)])
@@ -48,6 +65,12 @@ def _over_dp(rows: list[tuple[str, str, int, int, int]]) -> list[Collective]:
         Collective(what, kind, "dp", size, payload, count)
         for what, kind, size, payload, count in rows
     ]
+
+
+def _wire(step: Step, fp32_bytes: int) -> int:
+    """The bytes a gradient reduction of fp32_bytes of fp32 gradients sends
+    (optim.grad_reduce_dtype)."""
+    return fp32_bytes // FP32_BYTES * GRAD_REDUCE_BYTES[step.cfg.optim.grad_reduce_dtype]
 
 
 def _edp(step: Step) -> int:
@@ -83,13 +106,19 @@ def _zero(step: Step) -> list[Collective]:
     if outside:
         broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
         rows += [
-            ("gradients outside the buffer: average", "all_reduce", dp, outside, 1),
+            ("gradients outside the buffer: average", "all_reduce", dp, _wire(step, outside), 1),
             (broadcast, "broadcast", dp, outside, 1),
         ]
     passes = step.accum if zero >= 2 else 1  # reductions per step
     rows += [
-        (f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", dp, dense, passes),
-        (f"ZeRO-{zero} expert gradient reduce-scatter", "reduce_scatter", edp, experts, passes),
+        (f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", dp, _wire(step, dense), passes),
+        (
+            f"ZeRO-{zero} expert gradient reduce-scatter",
+            "reduce_scatter",
+            edp,
+            _wire(step, experts),
+            passes,
+        ),
     ]
     if zero < 3:
         rows += [
