@@ -1,7 +1,8 @@
 """ZeRO-2 (gradients sharded too) and ZeRO-3 (parameters too) against ZeRO-0 at the same layout: at
 dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 (1F1B, GPipe, and interleaved with tied
 embeddings), dp 2 x cp 2 with selective recompute, a MoE at dp 4 x ep 2 (expert buckets over the
-expert-data-parallel group) and dp 4 with full recompute in bf16, and at dp 2 with gradient
+expert-data-parallel group; DeepSeek-V3's MoE at tp 2 with sequence parallelism x dp 2 x ep 2) and
+dp 4 with full recompute in bf16, and at dp 2 with gradient
 accumulation, the losses and gradient norms hold 1e-6 of ZeRO-0 (in bf16 the steps after the
 first hold bf16's rounding, BF16_REL; ZeRO-2 is bitwise ZeRO-1 where a step has one
 micro-batch), every rank sends the payload the analytic count gives (ZeRO-3's gathers
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.moe.test_moe_training import MOE
+from tests.moe.test_moe_training import DEEPSEEK, MOE
 from tests.parity import (
     GPT2,
     LLAMA,
@@ -67,6 +68,7 @@ FOUR = {
     "dp2 pp2 interleaved tied": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_virtual=2"]),
     "dp2 cp2 selective recompute": (1, 2, 2, 1, 1, SELECTIVE),
     "moe dp4 ep2": (1, 1, 4, 1, 2, MOE),
+    "deepseek moe dp2 ep2 tp2 sp": (2, 1, 2, 1, 2, DEEPSEEK + SP),
     "dp4 full recompute bf16": (1, 1, 4, 1, 1, FULL_BF16),
 }
 # parallel.tp_comm_overlap on these four ranks: name -> (tp, dp, zero, overrides); each against
