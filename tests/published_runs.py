@@ -38,13 +38,12 @@ interleave large pipelines; 23 layers a stage, the 119B's, only v = 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from megatronish.accounting.cluster import CLUSTERS
 from megatronish.accounting.hardware import GPUS
 from megatronish.accounting.step_time import StepTime, step_time
 from megatronish.config import derive, load_config
-from megatronish.config.schema import OptimConfig
 
 V_MAX = 4  # the most model chunks a stage the H100 rows assume (see module doc)
 
@@ -172,12 +171,9 @@ def config_of(run: PublishedRun):
         f"optim.zero={run.zero}",
         f"optim.overlap_grad_reduce={str(run.overlap_dp).lower()}",
     ]
-    schema_has_it = "grad_reduce_dtype" in {f.name for f in fields(OptimConfig)}
-    if run.gpu == "H100" and schema_has_it:
+    if run.gpu == "H100":
         sets.append("optim.grad_reduce_dtype=bf16")  # Megatron-LM reduces bf16 gradients
     cfg = load_config(None, sets)
-    if run.gpu == "H100" and not schema_has_it:  # the value the model reads, until the key is in
-        cfg.optim.grad_reduce_dtype = "bf16"
     return cfg, derive(cfg, run.gpus)
 
 

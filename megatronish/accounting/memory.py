@@ -4,11 +4,17 @@ formulas without starting anything.
 Memory per rank (bytes), P the parameters one tp rank holds, D = dp x cp (expert weights: the
 dp x cp / ep ranks that hold the same experts):
   weights 4P, gradients 4P, AdamW state 8P, the bf16 copies autocast makes of the weights 2P
-  (bf16 only); optim.zero = 1 divides the AdamW state by D, 2 the gradients too, 3 the weights
+  (bf16; with train.precision fp8 and bf16 around it, 2 bytes for each weight outside the fp8
+  layers only: fp8 quantizes the fp32 weights of the blocks' attention projections and dense
+  MLPs, model.precision.fp8_layers, and saves them as they are); the DeepSeek router's routing
+  bias, experts x fp32 per MoE layer, a buffer without gradient or AdamW state
+  ("buffers"); optim.zero = 1 divides the AdamW state by D, 2 the gradients too, 3 the weights
   too (``model_state_bytes``; ZeRO-2 and 3 keep the parameters outside the gradient buffer,
   the sequence-parallel replicated ones and the pipeline's tied embedding copy, whole). What
-  ZeRO-2 and 3 hold only during a step ("gathered"): the bucket-sized gradients of up to
-  IN_FLIGHT + 1 buckets whose reduce-scatter has not finished; ZeRO-3 at pp = 1 two layers'
+  a step holds only while it runs ("gathered"): at ZeRO-2 and 3 the bucket-sized gradients of
+  up to IN_FLIGHT + 1 buckets whose reduce-scatter has not finished (with
+  optim.grad_reduce_dtype bf16 their bf16 copies and the fp32 bucket being filled; ZeRO-0 and 1
+  then hold up to IN_FLIGHT + 1 bf16 copies too); ZeRO-3 at pp = 1 two layers'
   parameters (the one that runs, the one prefetched) and the output layer's (kept from its
   forward to its backward), at pp > 1 the stage's whole parameters (kept for the step);
   activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
@@ -22,6 +28,10 @@ dp x cp / ep ranks that hold the same experts):
   and the loss's softmax, b s V / t x 6 bytes (bf16 logits, fp32 softmax). Llama's SwiGLU MLP
   and GQA move these by a few percent.
   Multi-token prediction (model.mtp_depth D) adds D layers and D logits to the last stage.
+  With train.precision fp8 the activations are those of its fp8_high_precision (16-bit for
+  bf16): every recipe (tensorwise, rowwise, blockwise) saves an fp8 GEMM's input for backward
+  as it arrives, in that precision, and quantizes it again there (megatronish.fp8.gemm), so an
+  fp8 layer keeps what a bf16 one keeps, less autocast's weight copies.
 
 With pipeline parallelism (pp stages, m micro-batches per step) each stage holds its own
 layers' parameters (the embeddings on the first stage, the output layer on the last) and the
@@ -87,9 +97,11 @@ class Estimate:
     """Expert-parallel degree (MoE): experts per rank num_experts / ep."""
     expert_gb: float = 0.0
     """Of weights + grads + optimizer state, the experts' (MoE)."""
+    buffers_gb: float = 0.0
+    """Model state without gradient or optimizer state: the sigmoid router's routing biases."""
     gathered_gb: float = 0.0
-    """ZeRO-2 and 3: what a step holds beyond the shards (gradient buckets in flight, ZeRO-3's
-    gathered parameters)."""
+    """What a step holds beyond the kept state: gradient buckets in flight (ZeRO-2 and 3, and
+    any level's bf16 copies with optim.grad_reduce_dtype bf16), ZeRO-3's gathered parameters."""
 
     @property
     def total_gb(self) -> float:
@@ -97,6 +109,7 @@ class Estimate:
             self.weights_gb
             + self.grads_gb
             + self.optimizer_gb
+            + self.buffers_gb
             + self.gathered_gb
             + self.activations_gb
             + self.logits_gb
@@ -197,6 +210,7 @@ def estimate(
                 pp_virtual=virtual,
                 ep=derived.ep,
                 expert_gb=state["experts"] / GB,
+                buffers_gb=state["buffers"] / GB,
                 gathered_gb=state["gathered"] / GB,
             )
         )
@@ -216,8 +230,8 @@ def distinct_stages(derived: Derived) -> list[int]:
 def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, float]:
     """Bytes one rank of stage pp_rank holds of the model's state at cfg's optim.zero (see the
     module doc): "weights", "grads", "optimizer" (what it keeps between steps, the weights'
-    bf16 copies aside), "gathered" (what a step adds) and "experts" (the experts' part of the
-    first three)."""
+    bf16 copies aside), "buffers" (the routing biases), "gathered" (what a step adds) and
+    "experts" (the experts' part of the first three)."""
     zero, bf16 = cfg.optim.zero, cfg.train.bf16_autocast
     params = local_parameter_count(cfg, derived, pp_rank)
     experts = stage_moe_layers(derived, pp_rank) * local_moe_params(cfg, derived, experts_only=True)
@@ -240,23 +254,51 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     weights, expert_weights = kept(3)
     grads, expert_grads = kept(2)
     state, expert_state = kept(1, whole_outside=False)
-    gathered = 0.0
-    if zero >= 2 and dp > 1:
-        gathered = min(buffered + experts, (IN_FLIGHT + 1) * cfg.optim.bucket_mb * 2**18)
+    gathered = _reduction_bytes(cfg, buffered + experts) / 4 if dp > 1 else 0.0
     if zero == 3 and dp > 1:
         layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
         head = vocab + mtp_params(cfg, derived, pp_rank) if last else 0  # kept to its backward
         gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
-    copies = 2 * params if bf16 else 0
+    copies = 2 * (params - fp8_layer_params(cfg, derived, pp_rank)) if bf16 else 0
+    biased = cfg.model.moe.router == "sigmoid"
     return {
         "weights": weights * 4 + copies,
         "grads": grads * 4,
         "optimizer": state * 8,
+        "buffers": stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * 4 * biased,
         "gathered": gathered * 4,
         "experts": (expert_weights + expert_grads) * 4
         + expert_state * 8
         + (2 * experts if bf16 else 0),
     }
+
+
+def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
+    """Parameters of stage pp_rank's fp8 layers on one rank (0 unless train.precision is fp8):
+    each block's attention projections and, in a dense block, its MLP
+    (model.precision.fp8_layers), weights and biases."""
+    if cfg.train.precision != "fp8":
+        return 0
+    model, h = cfg.model, cfg.model.d_model
+    norms = 2 * (2 * h if model.gpt2_block else h)
+    norms += 2 * derived.head_dim if model.qk_norm else 0
+    moe = stage_moe_layers(derived, pp_rank)
+    dense = local_layer_params(cfg, derived) - norms
+    attention = local_layer_params(cfg, derived, moe=True) - norms - local_moe_params(cfg, derived)
+    return (derived.stage_layers[pp_rank] - moe) * dense + moe * attention
+
+
+def _reduction_bytes(cfg: Config, buffered: float) -> float:
+    """The bytes a step's gradient reductions hold beyond the kept gradients, for `buffered`
+    elements in buckets: ZeRO-2 and 3 up to IN_FLIGHT + 1 bucket-sized tensors in flight (fp32;
+    with optim.grad_reduce_dtype bf16 their bf16 copies and the fp32 bucket being filled);
+    ZeRO-0 and 1 reduce the kept buffer in place, or in bf16 up to IN_FLIGHT + 1 bf16 copies."""
+    bucket = cfg.optim.bucket_mb * 2**18  # elements
+    bf16 = cfg.optim.grad_reduce_dtype == "bf16"
+    if cfg.optim.zero >= 2:
+        copies = min(buffered, (IN_FLIGHT + 1) * bucket)
+        return copies * 2 + min(buffered, bucket) * 4 if bf16 else copies * 4
+    return min(buffered, (IN_FLIGHT + 1) * bucket) * 2 if bf16 else 0.0
 
 
 def layout_config(

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from megatronish.accounting.cluster import Cluster, default_cluster
 from megatronish.accounting.collectives import collectives_per_step
-from megatronish.accounting.collectives.step import FP32_BYTES
+from megatronish.accounting.collectives.step import FP32_BYTES, GRAD_REDUCE_BYTES
 from megatronish.accounting.comm_time import Mesh, collective_seconds
 from megatronish.accounting.flops import attention_flops_per_token, model_flops_per_step
 from megatronish.accounting.hardware import Device
@@ -186,7 +186,7 @@ def _comm(
     out = dict.fromkeys(("tp", "tp_hidden", "cp", "ep", "dp", "sends", "pp"), 0.0)
     gemms = linear_gemms(cfg, derived, device, eff)
     grad, gather, ring = 0.0, 0.0, 0.0
-    grad_width = 2 if getattr(cfg.optim, "grad_reduce_dtype", "fp32") == "bf16" else FP32_BYTES
+    grad_width = GRAD_REDUCE_BYTES[cfg.optim.grad_reduce_dtype]
     bucket = cfg.optim.bucket_mb * 1e6
     grad_payload = gather_payload = 0.0
     for op in collectives_per_step(cfg, derived, r):

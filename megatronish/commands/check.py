@@ -114,6 +114,8 @@ def zero_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[str]:
         f"{st['weights'] / mib:.2f} MiB, gradients {st['grads'] / mib:.2f} MiB, AdamW "
         f"{st['optimizer'] / mib:.2f} MiB"
     )
+    if st["buffers"]:
+        line += f", routing biases {st['buffers'] / mib:.4f} MiB"
     if st["gathered"]:
         line += (
             f"; a step adds up to {st['gathered'] / mib:.2f} MiB (buckets gathered or in flight)"

@@ -149,6 +149,18 @@ class OptimConfig:
     waited for by the next forward where it first needs them (false: all of them after
     backward and after the step; with ZeRO-2 and 3 each reduce-scatter and gather
     synchronous where it is issued)."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The dtype the data-parallel gradient reduction travels in (the all-reduce at ZeRO-0,
+    the reduce-scatters at ZeRO-1 to 3, over the dp x cp group and the experts' group). bf16,
+    as Megatron's --grad-reduce-in-bf16: each bucket's fp32 gradients are divided by dp x cp,
+    rounded to bf16, reduced in bf16 and the result written back into the fp32 gradients, so
+    half the bytes cross the network and each reduced gradient carries one more bf16
+    rounding (2^-8 relative of its ranks' magnitudes). Micro-batches still accumulate in fp32
+    (Megatron accumulates in bf16 too); ZeRO-2 and 3 reduce every micro-batch, so there the
+    sum over micro-batches adds bf16-rounded parts. Allowed with any train.precision (with
+    fp32 training it trades the gradients' last bits for half the traffic). The tensor-parallel
+    sum of sequence-parallel replicated parameters, the tied embedding's sum over the
+    pipeline's ends, the loss and the gradient norm stay fp32."""
     zero3_prefetch: bool = True
     """With optim.zero = 3 and the overlap: start the all-gather of the next module's
     parameters when a module's own are ready (its forward, or its backward), so the gather

@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 
+import torch
 from torch import nn
 
 from megatronish.config import Config
-from megatronish.data_parallel.buckets import BucketLayout
+from megatronish.data_parallel.buckets import REDUCE_DTYPES, Bucket, BucketLayout, on_the_wire
 from megatronish.data_parallel.outside import reduce_gradients
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers.roles import role
@@ -49,6 +50,7 @@ class DataParallel(ABC):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.bucket_bytes = int(optim.bucket_mb * 2**20)
         self.overlap = optim.overlap_grad_reduce
+        self.reduce_dtype = REDUCE_DTYPES[optim.grad_reduce_dtype]
         uses = model.forward_param_uses()
         members = self.params if buckets else []
         parts = self._parts(uses)
@@ -77,7 +79,7 @@ class DataParallel(ABC):
         started yet started, then each waited for), then those outside the buckets."""
         self.active = False
         self._finish_buckets()
-        reduce_gradients(self.outside, self.ps, self.bucket_bytes)
+        reduce_gradients(self.outside, self.ps, self.bucket_bytes, self.reduce_dtype)
 
     def clip_grads(self, max_norm: float) -> float:
         """The global gradient norm (optim.clip; the last stage's copy of tied embeddings left
@@ -166,6 +168,24 @@ class DataParallel(ABC):
     @abstractmethod
     def _take_grad(self, param: nn.Parameter) -> None:
         """A bucketed parameter's micro-batch gradient (in param.grad) taken into its bucket."""
+
+    def _sent(self, bucket: Bucket, grads: torch.Tensor) -> torch.Tensor:
+        """What bucket's reduction of its fp32 gradients `grads` (bucket-sized) sends:
+        buckets.on_the_wire in optim.grad_reduce_dtype (grads itself in fp32 or over a group
+        of one rank, where nothing is sent)."""
+        if bucket.size == 1:
+            return grads
+        return on_the_wire(grads, 1.0 / self.ps.dp_cp, self.reduce_dtype)
+
+    def _divided_before(self, bucket: Bucket) -> bool:
+        """Whether bucket's gradients are divided by dp x cp before their reduction (in
+        _sent: a bf16 reduction) rather than after it."""
+        return bucket.size > 1 and self.reduce_dtype != torch.float32
+
+    @staticmethod
+    def _kept(bucket: Bucket, reduced: torch.Tensor) -> torch.Tensor:
+        """The part of the bucket-sized `reduced` this rank keeps (ZeRO-0: all of it)."""
+        return reduced
 
     @abstractmethod
     def _finish_buckets(self) -> None:

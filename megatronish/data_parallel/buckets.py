@@ -15,6 +15,18 @@ from torch import nn
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers.roles import role
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # optim.grad_reduce_dtype
+
+
+def on_the_wire(grads: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What a data-parallel reduction of the fp32 `grads` sends in `dtype`: grads itself in
+    fp32 (the sum is divided by dp x cp after it), otherwise a new tensor, grads times scale
+    (1 / dp x cp) rounded to dtype: divided before the reduction, as Megatron applies its
+    gradient scaling factor to the buffer before the collective."""
+    if dtype == grads.dtype:
+        return grads
+    return (grads * scale).to(dtype)
+
 
 def bucketed(param: nn.Parameter) -> bool:
     """Whether param's gradient goes through the buckets: not one summed over another group
@@ -48,12 +60,13 @@ class Bucket:
 
     What the levels keep in it: `view`, the bucket's gradients (ZeRO-0 and 1: a view of the
     whole buffer; ZeRO-2 and 3: those of the micro-batches since its last reduce-scatter, None
-    between them); `work`, its reduction in flight; `grad_shard`, what this rank keeps of the
-    reduced gradients (ZeRO-0 all of them, ZeRO its shard) and `pieces`, the parameters' parts
-    in the shard (ZeRO); `params_view` and `gather`, its parameters in the flat parameter
-    buffer and their all-gather in flight (ZeRO-1 and 2). ZeRO-3's param_shards.ParamShards
-    adds its own (the gathered parameters `full`, this rank's `param_shard`, their state of
-    use)."""
+    between them); `work`, its reduction in flight, and `sent`, what that reduction carries
+    (ZeRO-0 and 1: `view`, or its bf16 copy with optim.grad_reduce_dtype bf16); `grad_shard`,
+    what this rank keeps of the reduced gradients (ZeRO-0 all of them, ZeRO its shard) and
+    `pieces`, the parameters' parts in the shard (ZeRO); `params_view` and `gather`, its
+    parameters in the flat parameter buffer and their all-gather in flight (ZeRO-1 and 2).
+    ZeRO-3's param_shards.ParamShards adds its own (the gathered parameters `full`, this rank's
+    `param_shard`, their state of use)."""
 
     def __init__(
         self, start: int, stop: int, params: list[nn.Parameter], group, size: int, rank: int
@@ -62,6 +75,7 @@ class Bucket:
         self.group, self.size, self.rank = group, size, rank
         self.view: torch.Tensor | None = None
         self.work = None
+        self.sent: torch.Tensor | None = None
         self.pending = 0  # parameters still to produce their last micro-batch's gradient
         self.arrived = 0  # ZeRO-2 and 3: gradients the bucket received this step
         self.grad_shard: torch.Tensor | None = None

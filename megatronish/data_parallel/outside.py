@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from megatronish.config.schema import OptimConfig
+from megatronish.data_parallel.buckets import on_the_wire
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers.roles import role
@@ -23,13 +24,18 @@ DEFAULT_BUCKET_BYTES = int(OptimConfig.bucket_mb * 2**20)
 
 
 def reduce_gradients(
-    params: list[nn.Parameter], ps: ParallelState, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    params: list[nn.Parameter],
+    ps: ParallelState,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Sums the gradients of sequence-parallel replicated parameters over the tp group and
     those of the two copies of tied embeddings over the first and last pipeline stage, then
     averages every gradient over the dp x cp group (the data-parallel group when cp is 1) in
     flat buckets of about bucket_bytes (optim.bucket_mb); expert gradients are summed over
-    their expert-data-parallel group and divided by dp x cp."""
+    their expert-data-parallel group and divided by dp x cp. The dp x cp and expert averages
+    travel in dtype (optim.grad_reduce_dtype: buckets.on_the_wire); the tp and embedding sums
+    in fp32."""
     if ps.embedding_group is not None:
         for p in params:
             if role(p).pipeline_tied and p.grad is not None:
@@ -38,16 +44,25 @@ def reduce_gradients(
         tagged = [p for p in params if role(p).sequence_parallel_grad and p.grad is not None]
         _bucketed_all_reduce([p.grad for p in tagged], ps.tp_group, 1.0, bucket_bytes)
     if ps.dp_cp > 1:
+        scale = 1.0 / ps.dp_cp
         grads = [p.grad for p in params if p.grad is not None and not role(p).is_expert]
-        _bucketed_all_reduce(grads, ps.dp_cp_group, 1.0 / ps.dp_cp, bucket_bytes)
+        _bucketed_all_reduce(grads, ps.dp_cp_group, scale, bucket_bytes, dtype)
         experts = [p.grad for p in params if p.grad is not None and role(p).is_expert]
         if ps.edp > 1:
-            _bucketed_all_reduce(experts, ps.edp_group, 1.0 / ps.dp_cp, bucket_bytes)
+            _bucketed_all_reduce(experts, ps.edp_group, scale, bucket_bytes, dtype)
         elif experts:
             torch._foreach_mul_(experts, 1.0 / ps.dp_cp)
 
 
-def _bucketed_all_reduce(grads: list[torch.Tensor], group, scale: float, bucket_bytes: int) -> None:
+def _bucketed_all_reduce(
+    grads: list[torch.Tensor],
+    group,
+    scale: float,
+    bucket_bytes: int,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """grads <- their sum over group times scale, in flat buckets of about bucket_bytes of
+    grads sent in dtype (on_the_wire: scaled before the sum when that is not their own)."""
     bucket: list[torch.Tensor] = []
     size = 0
     handles = []
@@ -55,13 +70,13 @@ def _bucketed_all_reduce(grads: list[torch.Tensor], group, scale: float, bucket_
         bucket.append(grad)
         size += grad.numel() * grad.element_size()
         if size >= bucket_bytes:
-            handles.append(_launch(bucket, group))
+            handles.append(_launch(bucket, group, scale, dtype))
             bucket, size = [], 0
     if bucket:
-        handles.append(_launch(bucket, group))
+        handles.append(_launch(bucket, group, scale, dtype))
     for work, flat, members in handles:
         work.wait()
-        if scale != 1.0:
+        if scale != 1.0 and flat.dtype == members[0].dtype:
             flat.mul_(scale)
         offset = 0
         for grad in members:
@@ -69,8 +84,8 @@ def _bucketed_all_reduce(grads: list[torch.Tensor], group, scale: float, bucket_
             offset += grad.numel()
 
 
-def _launch(bucket: list[torch.Tensor], group):
-    flat = torch.cat([g.reshape(-1) for g in bucket])
+def _launch(bucket: list[torch.Tensor], group, scale: float, dtype: torch.dtype):
+    flat = on_the_wire(torch.cat([g.reshape(-1) for g in bucket]), scale, dtype)
     return comm.all_reduce(flat, group, async_op=True), flat, bucket
 
 

@@ -89,7 +89,11 @@ class Zero1(Zero0):
     # ---- gradients
 
     def _reduce(self, bucket: Bucket):
-        return comm.reduce_scatter_in_place(bucket.view, bucket.group, async_op=True)
+        return comm.reduce_scatter_in_place(bucket.sent, bucket.group, async_op=True)
+
+    @staticmethod
+    def _kept(bucket: Bucket, reduced: torch.Tensor) -> torch.Tensor:
+        return reduced.view(bucket.size, -1)[bucket.rank]
 
     def _finish_buckets(self) -> None:
         self._wait_params()  # a parameter no forward used

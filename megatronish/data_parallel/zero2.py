@@ -54,29 +54,30 @@ class Zero2(Zero1):
     def _reduce_scatter(self, bucket: Bucket) -> None:
         """Starts the reduce-scatter of bucket's gradients (synchronous without the overlap),
         whose shard _add_shard adds to the kept one."""
-        grads, bucket.view = bucket.view, None
+        grads, bucket.view = self._sent(bucket, bucket.view), None
         work = comm.reduce_scatter_in_place(grads, bucket.group, async_op=self.overlap)
         self.in_flight.append((bucket, grads, work))
         while len(self.in_flight) > (IN_FLIGHT if self.overlap else 0):
             self._add_shard(*self.in_flight.popleft())
 
-    @staticmethod
-    def _add_shard(bucket: Bucket, grads: torch.Tensor, work) -> None:
+    def _add_shard(self, bucket: Bucket, grads: torch.Tensor, work) -> None:
         if work is not None:
             work.wait()
-        bucket.grad_shard.add_(grads.view(bucket.size, -1)[bucket.rank])
+        bucket.grad_shard.add_(self._kept(bucket, grads))
 
     def _finish_buckets(self) -> None:
         """The last reduce-scatters (of buckets some parameter of which gave no gradient)
-        started, every shard added and divided by dp x cp."""
+        started, every shard added and divided by dp x cp (unless a bf16 reduction divided its
+        parts before)."""
         self._wait_params()  # a parameter no forward used
         for bucket in self.buckets:
             if bucket.view is not None:
                 self._reduce_scatter(bucket)
         while self.in_flight:
             self._add_shard(*self.in_flight.popleft())
-        if self.ps.dp_cp > 1:
-            torch._foreach_mul_([b.grad_shard for b in self.buckets], 1.0 / self.ps.dp_cp)
+        after = [b.grad_shard for b in self.buckets if not self._divided_before(b)]
+        if self.ps.dp_cp > 1 and after:
+            torch._foreach_mul_(after, 1.0 / self.ps.dp_cp)
 
     def _clear_grads(self) -> None:
         self.grad_shards.zero_()

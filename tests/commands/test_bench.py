@@ -1,6 +1,7 @@
 """`megatronish bench`: the bytes each rank sends per step, as comm.CommCounter counts them,
 equal the analytic formula exactly (tp = 2, dp = 2, tp = 2 x dp = 2, fp8's amax all-reduces
-included, and with the tp collectives decomposed under the GEMMs), bench reports rank 0's
+included, with the tp collectives decomposed under the GEMMs, and with the gradients reduced in
+bf16), bench reports rank 0's
 exposed tensor-parallel wait with the decomposition on and off, and the command's last line is
 one JSON object with the contract's keys. The same two-rank runs hold fp8 at tp 2 to tp 1: the
 first step's loss and gradient norm."""
@@ -39,6 +40,7 @@ TENSORWISE, ROWWISE = ["train.fp8_recipe=tensorwise"], ["train.fp8_recipe=rowwis
 # A dense block and an MoE block with a shared expert (its MLP decomposed, the routing whole).
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2", "model.moe.d_ff=48"]
 MOE += ["model.moe.shared_expert=true"]
+REDUCED_IN_BF16 = ["optim.grad_reduce_dtype=bf16"]
 
 # name -> (tp, dp, overrides); global batch 4 per data-parallel rank: 2 accumulation steps.
 TWO_RANKS = {
@@ -74,13 +76,19 @@ TWO_RANKS = {
     "llama tp2 sequence-parallel bf16 overlap": (
         2, 1, LLAMA + SP + OVERLAP + ["train.precision=bf16"],
     ),
+    "gpt2 dp2 gradients reduced in bf16": (1, 2, GPT2 + REDUCED_IN_BF16),
 }  # fmt: skip
 FOUR_RANKS = {
     "gpt2 tp2 dp2": (2, 2, GPT2),
     "llama tp2 dp2": (2, 2, LLAMA),
     "llama tp2 cp2 fp8 tensorwise sequence-parallel": (2, 1, LLAMA + FP8 + TENSORWISE + CP + SP),
     "llama tp2 cp2 fp8 rowwise": (2, 1, LLAMA + FP8 + ROWWISE + CP),
-}
+    # the replicated norms' gradients outside ZeRO's buffer: summed over tp in fp32, averaged
+    # over dp in bf16, broadcast in fp32
+    "llama tp2 dp2 sequence-parallel zero1 gradients reduced in bf16": (
+        2, 2, LLAMA + SP + ["optim.zero=1"] + REDUCED_IN_BF16,
+    ),
+}  # fmt: skip
 # llama in fp8 with fp32 around it at tp 2 (with and without sequence parallelism), cp 2 and
 # tp 2 x cp 2: the runs whose first step holds to one process's (bf16 around it is not that
 # exact).
@@ -158,12 +166,21 @@ def test_counted_bytes_per_step_equal_the_formula_on_two_ranks(two_rank_counts, 
     assert_counts_equal_formula(two_rank_counts, name)
 
 
+@pytest.mark.parametrize("name", [n for n in TWO_RANKS if "reduced in bf16" in n])
+def test_gradients_reduced_in_bf16_send_the_formulas_bytes(two_rank_counts, name):
+    assert_counts_equal_formula(two_rank_counts, name)
+    fp32 = two_rank_counts[0]["gpt2 dp2"][1][0]["all_reduce"]
+    assert two_rank_counts[0][name][1][0]["all_reduce"] < 0.51 * fp32  # the gradients halve
+
+
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_counted_bytes_per_step_equal_the_formula_at_tp2_dp2(four_rank_counts, name):
     assert_counts_equal_formula(four_rank_counts, name)
 
 
-@pytest.mark.parametrize("name", [n for n in TWO_RANKS if "bf16" in n])
+@pytest.mark.parametrize(
+    "name", [n for n in TWO_RANKS if "bf16" in n and "reduced in bf16" not in n]
+)
 def test_bf16_activation_collectives_are_sent_in_bf16(two_rank_counts, name):
     assert_counts_equal_formula(two_rank_counts, name)
 

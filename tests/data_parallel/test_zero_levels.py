@@ -1,17 +1,22 @@
 """ZeRO-2 (gradients sharded too) and ZeRO-3 (parameters too) against ZeRO-0 at the same layout: at
 dp 4, dp 2 x tp 2 with sequence parallelism, dp 2 x pp 2 (1F1B, GPipe, and interleaved with tied
 embeddings), dp 2 x cp 2 with selective recompute, a MoE at dp 4 x ep 2 (expert buckets over the
-expert-data-parallel group) and dp 4 with full recompute in bf16 (these two and dp 2 x pp 2 with
-multi-token prediction), and at dp 2 with gradient
+expert-data-parallel group; DeepSeek-V3's MoE at tp 2 with sequence parallelism x dp 2 x ep 2) and
+dp 4 with full recompute in bf16 (these two and dp 2 x pp 2 with multi-token prediction), and at
+dp 2 with gradient
 accumulation, the losses and gradient norms hold 1e-6 of ZeRO-0 (in bf16 the steps after the
 first hold bf16's rounding, BF16_REL; ZeRO-2 is bitwise ZeRO-1 where a step has one
 micro-batch), every rank sends the payload the analytic count gives (ZeRO-3's gathers
 included), the model state each rank holds between steps, counted from the tensors'
 storages, is plan's estimate within 5% at every level (at ZeRO-3 16 P / dp), the overlap and the
 prefetch change no bit, the validation loss is ZeRO-0's, and a ZeRO-2 or 3 checkpoint (ZeRO-3's
-saved in the background) resumes at another dp and level on the curve. `check` and plan's
-estimate shard weights, gradients and AdamW state by level, and count ZeRO-3's gathers;
-optim.zero outside 0..3 is one line.
+saved in the background) resumes at another dp and level on the curve. With the gradients
+reduced in bf16 (optim.grad_reduce_dtype) at dp 2, each reduced gradient is the fp32 one to two
+bf16 roundings, the grad norm and losses follow from that, ZeRO-0 to 3 give the same curve at
+one micro-batch a step (to fp32 summation order), and half the gradient bytes are sent.
+`check` and plan's estimate shard weights, gradients and AdamW state by level, and count
+ZeRO-3's gathers; optim.zero outside 0..3 and optim.grad_reduce_dtype outside fp32 and bf16 are
+one line each.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from tests.conftest import CONFIGS
-from tests.moe.test_moe_training import MOE
+from tests.moe.test_moe_training import DEEPSEEK, MOE
 from tests.parity import (
     GPT2,
     LLAMA,
@@ -64,6 +70,7 @@ FOUR = {
     "dp2 pp2 interleaved tied": (1, 1, 2, 2, 1, GPT2 + ["parallel.pp_virtual=2"]),
     "dp2 cp2 selective recompute": (1, 2, 2, 1, 1, SELECTIVE),
     "moe dp4 ep2": (1, 1, 4, 1, 2, MOE),
+    "deepseek moe dp2 ep2 tp2 sp": (2, 1, 2, 1, 2, DEEPSEEK + SP),
     "dp4 full recompute bf16 mtp": (1, 1, 4, 1, 1, FULL_BF16 + MTP),
 }
 # parallel.tp_comm_overlap on these four ranks: name -> (tp, dp, zero, overrides); each against
@@ -82,6 +89,38 @@ TWO = {
     "zero3 overlap off": ["optim.zero=3", "optim.overlap_grad_reduce=false"],
     "zero3 prefetch off": ["optim.zero=3", "optim.zero3_prefetch=false"],
 }
+
+# dp 2 with the gradients reduced in bf16: one micro-batch a step (ZeRO-0, overlap off, has its
+# first reduction captured; ZeRO-1 to 3 with the overlap), and ZeRO-3 with two (reduced each)
+BF16 = ["optim.grad_reduce_dtype=bf16"]
+ONE_MICRO_BATCH = ["train.micro_batch_size=4"]
+BF16_TWO = {
+    "zero0 bf16": ["optim.zero=0", "optim.overlap_grad_reduce=false", *BF16, *ONE_MICRO_BATCH],
+    "zero1 bf16": ["optim.zero=1", *BF16, *ONE_MICRO_BATCH],
+    "zero2 bf16": ["optim.zero=2", *BF16, *ONE_MICRO_BATCH],
+    "zero3 bf16": ["optim.zero=3", *BF16, *ONE_MICRO_BATCH],
+    "zero3 bf16 accumulated": ["optim.zero=3", *BF16],
+}
+# bf16's unit roundoff 2^-8, once for each rank's gradient divided by dp (cast to bf16) and once
+# for their sum: the reduced gradient is the fp32 one to 2 x 2^-8 (+ 2^-16) of the mean of the
+# ranks' magnitudes (relative to the reduced value itself it is unbounded where they cancel).
+BF16_REDUCE_REL = 2**-7 * (1 + 2**-8)
+
+
+def _capture_first_reduction(trainer) -> dict:
+    """Wraps ZeRO-0's _finish_buckets (with the overlap off nothing is sent before it): the
+    dict returned gets the first step's local gradients ("local") and reduced ones
+    ("reduced")."""
+    dp = trainer.data_parallel
+    finish, seen = dp._finish_buckets, {}
+
+    def wrapped():
+        seen.setdefault("local", dp.grad_buffer.clone())
+        finish()
+        seen.setdefault("reduced", dp.grad_buffer.clone())
+
+    dp._finish_buckets = wrapped
+    return seen
 
 
 def _held_bytes(trainer) -> int:
@@ -105,12 +144,16 @@ def _held_bytes(trainer) -> int:
     return sum(storages.values())
 
 
-def _train(cfg, world, dataset, save: bool = False) -> dict:
+def _train(cfg, world, dataset, save: bool = False, capture: bool = False) -> dict:
+    """The run's curve, first-step payload and formula, held bytes and estimate; with capture
+    (ZeRO-0, overlap off) its first reduction: "reduced", and of the same local gradients the
+    fp32 average "fp32" and the mean of the ranks' magnitudes "magnitude"."""
     from megatronish.accounting.collectives import formula_payload_by_kind
     from megatronish.accounting.memory import model_state_bytes
     from megatronish.distributed import comm
 
     trainer = make_trainer(cfg, world, dataset)
+    seen = _capture_first_reduction(trainer) if capture else {}
     curve = []
     for _ in range(STEPS):
         with comm.CommCounter() as counter:
@@ -122,6 +165,12 @@ def _train(cfg, world, dataset, save: bool = False) -> dict:
             trainer.save_checkpoint()
     trainer.saver.finish()  # checkpoint.async: the save on disk
     trainer.saver.close()
+    if seen:
+        fp32, magnitude = seen["local"].clone(), seen["local"].abs()
+        for tensor in (fp32, magnitude):
+            comm.all_reduce(tensor, trainer.ps.dp_cp_group)
+            tensor /= trainer.ps.dp_cp
+        seen = {"reduced": seen["reduced"], "fp32": fp32, "magnitude": magnitude}
     estimate = model_state_bytes(cfg, trainer.setup.derived, trainer.ps.pp_rank)
     return {
         "curve": curve,
@@ -137,6 +186,7 @@ def _train(cfg, world, dataset, save: bool = False) -> dict:
         "estimate": estimate["weights"] + estimate["grads"] + estimate["optimizer"],
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "trainer": trainer,
+        "reduction": seen,
     }
 
 
@@ -174,6 +224,11 @@ def _two(rank, world, dataset, ckpt_dir):
         run = _train(cfg, world, dataset)
         if name in ("zero0", "zero3"):
             run["val_loss"] = run["trainer"].evaluate()
+        del run["trainer"]
+        out[name] = run
+    for name, sets in BF16_TWO.items():
+        cfg = make_config(1, 2, 1, GPT2, dataset, [f"train.steps={STEPS}", *sets])
+        run = _train(cfg, world, dataset, capture=name == "zero0 bf16")
         del run["trainer"]
         out[name] = run
     # dp 4 checkpoints resumed at dp 2, at the other level
@@ -238,6 +293,50 @@ def test_zero_levels_at_dp2_with_accumulation_hold_1e6_and_overlap_and_prefetch_
         assert rank["zero3"]["val_loss"] == pytest.approx(rank["zero0"]["val_loss"], rel=FP32_REL)
 
 
+def test_bf16_gradient_reduction_is_the_fp32_one_to_two_bf16_roundings_at_dp2(runs):
+    """Each reduced gradient is a bf16 value within BF16_REDUCE_REL of the ranks' mean
+    magnitude of the fp32 average (most differ from it: the reduction did round); the first
+    grad norm, that of the reduced gradients, is the fp32 run's within the norm of that bound;
+    the losses after it move from the fp32 run's by at most 2^-7 of how far the loss has moved
+    (AdamW's update is a ratio of moments of a gradient rounded to 2^-7)."""
+    _, two = runs
+    fp32 = two[0]["zero0"]["curve"]
+    for rank in two:
+        seen = rank["zero0 bf16"]["reduction"]
+        reduced, want, magnitude = seen["reduced"], seen["fp32"], seen["magnitude"]
+        assert torch.equal(reduced.bfloat16().float(), reduced)  # bf16 values
+        assert ((reduced - want).abs() <= BF16_REDUCE_REL * magnitude).all()
+        assert (reduced != want).float().mean() > 0.5
+        got = rank["zero0 bf16"]["curve"]
+        norm_bound = BF16_REDUCE_REL * magnitude.norm().item()
+        assert abs(got[0][1] - fp32[0][1]) <= norm_bound
+        assert got[0][0] == fp32[0][0]  # the same weights
+        for step in range(1, STEPS):
+            moved = abs(fp32[step][0] - fp32[0][0])
+            assert abs(got[step][0] - fp32[step][0]) <= 2**-7 * moved, step
+        # two micro-batches, each reduce-scattered in bf16: the same bounds
+        accumulated = rank["zero3 bf16 accumulated"]["curve"]
+        for step in range(1, STEPS):
+            moved = abs(fp32[step][0] - fp32[0][0])
+            assert abs(accumulated[step][0] - fp32[step][0]) <= 2**-7 * moved, step
+
+
+def test_bf16_reduction_gives_the_same_curve_at_zero0_to_3_and_halves_gradient_bytes(runs):
+    """One micro-batch a step: ZeRO-0's all-reduce and ZeRO-1 to 3's reduce-scatters round the
+    same sums (shared memory adds in rank order), so only the norm's fp32 summation order
+    differs; the reduce-scatters send half the fp32 run's bytes (every payload is the analytic
+    count's: test_every_rank_sends_the_payload_the_analytic_count_gives...)."""
+    _, two = runs
+    for rank in two:
+        want = _flat(rank["zero0 bf16"]["curve"])
+        for zero in (1, 2, 3):
+            got = _flat(rank[f"zero{zero} bf16"]["curve"])
+            assert got == pytest.approx(want, rel=FP32_REL, abs=0), zero
+        assert rank["zero1 bf16"]["curve"] == rank["zero2 bf16"]["curve"]
+        scatter = rank["zero3"]["payload"]["reduce_scatter"]
+        assert rank["zero3 bf16 accumulated"]["payload"]["reduce_scatter"] * 2 == scatter
+
+
 def test_every_rank_sends_the_payload_the_analytic_count_gives_zero3_gathers_included(runs):
     four, two = runs
     for rank in four:
@@ -246,7 +345,7 @@ def test_every_rank_sends_the_payload_the_analytic_count_gives_zero3_gathers_inc
             if key[1] == 3:
                 assert run["payload"]["all_gather"] > 0
     for rank in two:
-        for name in TWO:
+        for name in [*TWO, *BF16_TWO]:
             assert rank[name]["payload"] == rank[name]["formula"], name
 
 
@@ -314,4 +413,11 @@ def test_check_and_plan_shard_weights_gradients_and_state_by_level_with_zero3_ga
 def test_zero_outside_0_to_3_is_one_line():
     assert_check_fails_with_one_line(
         ["--config", str(CONFIGS / "tiny.yaml"), "--set", "optim.zero=4"], "optim.zero"
+    )
+
+
+def test_grad_reduce_dtype_other_than_fp32_or_bf16_is_one_line():
+    assert_check_fails_with_one_line(
+        ["--config", str(CONFIGS / "tiny.yaml"), "--set", "optim.grad_reduce_dtype=fp16"],
+        "optim.grad_reduce_dtype",
     )

@@ -11,9 +11,12 @@ bytes each, less the parameters outside the buffer (the sequence-parallel replic
 the pipeline's tied embedding copies, which are all-reduced and broadcast by their owners),
 and the shards' grad-norm partial sums (two fp64; one more over the experts' group); the
 buckets are padded to a multiple of dp, which adds nothing when dp divides every bucket's size,
-as it does for these models at dp 2 and 4. Then the loss mean (one fp32). With
-optim.grad_reduce_dtype bf16 the gradient reductions (not the parameter gathers) move 2 bytes
-a gradient instead of 4 (``grad_width``).
+as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
+
+With optim.grad_reduce_dtype bf16 every gradient reduction over the data-parallel and expert
+groups (the all-reduces at ZeRO-0, the reduce-scatters, the all-reduce of the gradients outside
+the buffer) sends 2 bytes an element instead of 4; the parameter gathers and broadcasts, the
+norms and the loss mean are unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import replace
 from megatronish.accounting.collectives.step import (
     FP32_BYTES,
     FP64_BYTES,
+    GRAD_REDUCE_BYTES,
     Collective,
     Step,
     loss_bytes,
@@ -34,25 +38,24 @@ from megatronish.accounting.parameters import (
 )
 
 
-def grad_width(step: Step) -> int:
-    """Bytes a gradient element takes in the data-parallel reduction: optim.grad_reduce_dtype
-    (fp32 where the config has no such key)."""
-    return 2 if getattr(step.cfg.optim, "grad_reduce_dtype", "fp32") == "bf16" else FP32_BYTES
-
-
 def dp_collectives(step: Step) -> list[Collective]:
     """The gradient reductions and parameter gathers of optim.zero, and the loss mean."""
     dp = step.dp
     if step.cfg.optim.zero >= 1 and dp > 1:
         ops = _zero(step)
     else:
-        experts, edp, width = _expert_bytes(step), _edp(step), grad_width(step)
+        experts, edp = _expert_bytes(step), _edp(step)
         dense = local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts
-        dense, experts = dense * width // FP32_BYTES, experts * width // FP32_BYTES
         ops = _over_dp(
             [
-                ("data-parallel gradient average", "all_reduce", dp, dense, 1),
-                ("expert gradient sum (expert-data-parallel)", "all_reduce", edp, experts, 1),
+                ("data-parallel gradient average", "all_reduce", dp, _wire(step, dense), 1),
+                (
+                    "expert gradient sum (expert-data-parallel)",
+                    "all_reduce",
+                    edp,
+                    _wire(step, experts),
+                    1,
+                ),
             ]
         )
     return ops + _over_dp([("loss mean", "all_reduce", dp, loss_bytes(step), 1)])
@@ -65,6 +68,12 @@ def _over_dp(rows: list[tuple[str, str, int, int, int]]) -> list[Collective]:
         Collective(what, kind, "dp", size, payload, count)
         for what, kind, size, payload, count in rows
     ]
+
+
+def _wire(step: Step, fp32_bytes: int) -> int:
+    """The bytes a gradient reduction of fp32_bytes of fp32 gradients sends
+    (optim.grad_reduce_dtype)."""
+    return fp32_bytes // FP32_BYTES * GRAD_REDUCE_BYTES[step.cfg.optim.grad_reduce_dtype]
 
 
 def _edp(step: Step) -> int:
@@ -96,23 +105,21 @@ def _zero(step: Step) -> list[Collective]:
     dense = (
         local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts - outside
     )
-    rows, width = [], grad_width(step)
+    rows = []
     if outside:
         broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
-        average = outside * width // FP32_BYTES
         rows += [
-            ("gradients outside the buffer: average", "all_reduce", dp, average, 1),
+            ("gradients outside the buffer: average", "all_reduce", dp, _wire(step, outside), 1),
             (broadcast, "broadcast", dp, outside, 1),
         ]
     passes = step.accum if zero >= 2 else 1  # reductions per step
-    grads, expert_grads = dense * width // FP32_BYTES, experts * width // FP32_BYTES
     rows += [
-        (f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", dp, grads, passes),
+        (f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", dp, _wire(step, dense), passes),
         (
             f"ZeRO-{zero} expert gradient reduce-scatter",
             "reduce_scatter",
             edp,
-            expert_grads,
+            _wire(step, experts),
             passes,
         ),
     ]

@@ -4,8 +4,9 @@ gradients' data-parallel sums are dp's).
 Per micro-batch and MoE layer (dropless; T = b s tokens, k top_k, E experts, h hidden): one
 all-to-all of the E int64 per-expert counts, and four of c [T k, h] (dispatch and return,
 forward and backward: the T k routed rows go out twice, and the rows the rank received from the
-others twice, which are T k per rank on average: exact summed over the ep group). Per step the
-expert gradient norm's partial sum (one fp64).
+others twice, which are T k per rank on average: exact summed over the ep group). Full
+recompute reruns the layer's forward in backward: its counts and its dispatch and return once
+more. Per step the expert gradient norm's partial sum (one fp64).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ def ep_collectives(step: Step) -> list[Collective]:
     counts = moe.num_experts * INT64_BYTES
     dispatch = "MoE token dispatch and return (forward, backward)"
     norm = "expert gradient norm over the ep group"
+    forwards = 2 if step.cfg.train.activation_checkpointing == "full" else 1
     return [
-        Collective("MoE per-expert counts (forward)", "all_to_all", "ep", ep, counts, calls),
-        Collective(dispatch, "all_to_all", "ep", ep, rows, 4 * calls),
+        Collective(
+            "MoE per-expert counts (forward)", "all_to_all", "ep", ep, counts, forwards * calls
+        ),
+        Collective(dispatch, "all_to_all", "ep", ep, rows, (2 * forwards + 2) * calls),
         Collective(norm, "all_reduce", "ep", ep, FP64_BYTES, 1),
     ]

@@ -12,6 +12,7 @@ from megatronish.config import Config, Derived
 FP32_BYTES = 4
 FP64_BYTES = 8
 INT64_BYTES = 8
+GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2}  # optim.grad_reduce_dtype: bytes an element sent
 STEP_FLAGS = 4  # faults.agree_on_step: loss and grad_norm non-finite, stop, writer busy
 
 

@@ -1,0 +1,116 @@
+"""The memory estimate against what the model holds and saves: the DeepSeek router's routing
+biases are a buffer (experts x fp32 per MoE layer, no gradient, no AdamW state), and under fp8
+the plan's activations and autocast weight copies are what the code saves: every recipe keeps
+an fp8 GEMM's input in its high precision, as bf16 keeps it, and the fp8 layers' weights get no
+bf16 copy."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from megatronish.accounting.memory import (
+    activation_bytes_per_layer,
+    estimate,
+    fp8_layer_params,
+    model_state_bytes,
+)
+from megatronish.accounting.parameters import local_parameter_count
+from megatronish.config import derive, load_config
+from megatronish.distributed.layout import ParallelState
+from megatronish.model import GPT
+from megatronish.model.precision import autocast, fp8_layers, use_precision
+from tests.conftest import CONFIGS
+
+DEEPSEEK_MOE = [
+    "model.moe.num_experts=8", "model.moe.router=sigmoid",
+    "model.moe.n_group=4", "model.moe.topk_group=2", "model.moe.bias_update_speed=0.01",
+    "model.moe.n_shared_experts=2", "model.moe.first_k_dense=1", "model.n_layer=3",
+]  # fmt: skip
+S, B, H = 8, 2, 128  # 16 tokens: no activation has a weight's shape
+
+
+def _config(path: str, sets: list[str]):
+    return load_config(CONFIGS / path, ["model.vocab_size=256", *sets])
+
+
+def _model(cfg):
+    derived = derive(cfg, 1)
+    ps = ParallelState.single()
+    model = GPT(cfg, derived, ps)
+    use_precision(model, cfg, ps)
+    return model, derived
+
+
+def test_routing_biases_are_a_buffer_apart_from_the_trained_parameters():
+    cfg = _config("tiny-moe.yaml", DEEPSEEK_MOE)
+    model, derived = _model(cfg)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    biases = [p for p in model.parameters() if not p.requires_grad]
+    assert len(biases) == len(derived.moe_layers) == 2  # the first block is dense
+    state = model_state_bytes(cfg, derived, 0)
+    assert state["buffers"] == sum(p.numel() * p.element_size() for p in biases) == 2 * 8 * 4
+    assert local_parameter_count(cfg, derived) == trained
+    assert state["weights"] == 4 * trained  # fp32, no bias in them
+    plain = _config("tiny-moe.yaml", DEEPSEEK_MOE[:1])  # softmax router
+    assert model_state_bytes(plain, derive(plain, 1), 0)["buffers"] == 0
+    plan = estimate(cfg, 1, 1)
+    assert plan.buffers_gb * 2**30 == 64
+    without = dataclasses.replace(plan, buffers_gb=0.0)
+    assert (plan.total_gb - without.total_gb) * 2**30 == pytest.approx(64)
+
+
+@pytest.mark.parametrize("extra", [[], DEEPSEEK_MOE])
+def test_fp8_layers_get_no_bf16_weight_copies_in_the_estimate(extra):
+    cfg = _config("tiny-moe.yaml", ["train.precision=fp8", *extra])
+    model, derived = _model(cfg)
+    in_fp8 = sum(p.numel() for layer in fp8_layers(model) for p in layer.parameters())
+    assert in_fp8 == fp8_layer_params(cfg, derived, 0) > 0
+    trained = local_parameter_count(cfg, derived)
+    assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * trained + 2 * (trained - in_fp8)
+
+
+@functools.cache
+def _saved_per_layer(sets: tuple[str, ...]) -> int:
+    """Bytes the autograd graph saves for one more llama block (2 blocks less 1), parameters
+    left out (what a block saves grows with the tokens; its parameters are held anyway)."""
+    saved = []
+    for layers in (1, 2):
+        sizes = [f"model.d_model={H}", f"model.max_seq_len={S}", f"train.seq_len={S}"]
+        cfg = _config("tiny.yaml", [*sizes, f"model.n_layer={layers}", *sets])
+        model, _ = _model(cfg)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(tensor, seen=seen):
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        tokens = torch.randint(0, 200, (B, S), generator=torch.Generator().manual_seed(0))
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+        with hooks, autocast(cfg, torch.device("cpu")):
+            model.loss(tokens, tokens)
+        saved.append(sum(n for ptr, n in seen.items() if ptr not in params))
+    return saved[1] - saved[0]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_saves_the_activations_bf16_saves_and_the_plan_says_so(recipe):
+    """A bf16 block saves its activations and autocast's bf16 copies of its linear weights
+    (2 bytes each); an fp8 block the same activations, no copy."""
+    llama = ["model.arch=llama", "model.n_head=4", "model.n_kv_head=2"]
+    fp8 = [*llama, "train.precision=fp8", f"train.fp8_recipe={recipe}"]
+    cfg = _config("tiny.yaml", [*fp8, f"model.d_model={H}", "model.n_layer=1"])
+    per_layer_linears = fp8_layer_params(cfg, derive(cfg, 1), 0)
+    assert _saved_per_layer(tuple(fp8)) == _saved_per_layer((*llama, "train.precision=bf16")) - (
+        2 * per_layer_linears
+    )
+    bf16 = _config("tiny.yaml", [*llama, "train.precision=bf16"])
+    same = _config("tiny.yaml", fp8)
+    assert activation_bytes_per_layer(same, 1, False, "none") == activation_bytes_per_layer(
+        bf16, 1, False, "none"
+    )
