@@ -248,7 +248,7 @@ def _masked_loss(rank, world):
     from megatronish.data_parallel.outside import reduce_gradients
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
-    from megatronish.training.trainer import mean_loss
+    from megatronish.training.loss import mean_loss
 
     if world == 1:
         ps = ParallelState.single()
