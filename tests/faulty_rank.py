@@ -47,12 +47,17 @@ def faulty_compute_gradients(self: Trainer) -> tuple[float, float]:
         return compute_gradients(self)
     if step == RAISE_STEP:
         raise RuntimeError(f"injected failure on rank {RANK} at step {step}")
-    model_loss = self.model.loss
-    self.model.loss = lambda *args: model_loss(*args) * float("nan")
+    model_losses = self.model.losses
+
+    def nan_losses(*args):
+        main, mtp = model_losses(*args)
+        return main * float("nan"), mtp
+
+    self.model.losses = nan_losses
     try:
         return compute_gradients(self)
     finally:
-        del self.model.loss  # the class's method again
+        del self.model.losses  # the class's method again
 
 
 def held_write_file(path: Path, tensors) -> str:

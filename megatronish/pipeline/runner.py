@@ -226,6 +226,7 @@ class Pipeline:
         targets: torch.Tensor,
         scale: float,
         autocast,
+        *,
         forward_only: bool = False,
         divisor: torch.Tensor | None = None,
         documents: Documents | None = None,

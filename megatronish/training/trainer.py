@@ -139,7 +139,7 @@ class Trainer:
                 targets,
                 1.0 / accum,
                 self.autocast,
-                divisor,
+                divisor=divisor,
                 documents=documents,
                 ahead=ahead,
             )
