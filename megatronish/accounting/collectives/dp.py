@@ -121,8 +121,10 @@ def _mtp_bytes(step: Step) -> int:
     if not step.mtp:
         return 0
     plain = replace(cfg, model=replace(cfg.model, mtp_depth=0))
-    local = local_parameter_count(cfg, derived, last) - local_parameter_count(plain, derived, last)
-    outside = tp_summed_grad_count(cfg, derived, last) - tp_summed_grad_count(plain, derived, last)
+    main = tuple(i for i in derived.moe_layers if i < cfg.model.n_layer)  # no MTP MoE blocks
+    bare = replace(derived, moe_layers=main)
+    local = local_parameter_count(cfg, derived, last) - local_parameter_count(plain, bare, last)
+    outside = tp_summed_grad_count(cfg, derived, last) - tp_summed_grad_count(plain, bare, last)
     return (local - outside) * FP32_BYTES
 
 
