@@ -1,7 +1,7 @@
 """Mixture of experts in training: 20 fp32 dropless steps at ep = 2 (also with a shared expert
 and the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 x ep 2 with
-ZeRO-1, and dp = 2 at ep = 1 (DeepSeek-V3's MoE at ep 2 and, with a MoE multi-token prediction
-block, at tp 2 x ep 2) give the losses, gradient norms and router metrics (balancing and
+ZeRO-1, and dp = 2 at ep = 1 (DeepSeek-V3's MoE, with a MoE multi-token prediction block, at
+ep 2 and tp 2 x ep 2) give the losses, gradient norms and router metrics (balancing and
 z-losses, imbalance) of one process within 1e-5 relative; with a capacity factor the dropped
 fraction does not change with ep, nor with tp under sequence parallelism, and the one
 metrics.jsonl reports equals a count made outside the model on the same router output; an
@@ -40,8 +40,8 @@ MOE = [
 CAPACITY = ["model.moe.capacity_factor=1.0"]
 # DeepSeek-V3: multi-head latent attention (the deepseek_v3 preset's YaRN), a dense first block,
 # then MoE blocks of 8 experts in 4 groups (2 chosen), a sigmoid router with routing biases
-# moved every step, the sequence-wise balancing loss and two shared experts; at tp 2 x ep 2 also
-# a multi-token prediction module, whose block is a MoE block (its router's bias balanced too).
+# moved every step, the sequence-wise balancing loss and two shared experts, and a multi-token
+# prediction module whose block is a MoE block (block 3: its router's bias balanced too).
 DEEPSEEK = [
     "model.arch=deepseek_v3", "model.mla.q_lora_rank=12", "model.mla.kv_lora_rank=16",
     "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6",
@@ -50,6 +50,7 @@ DEEPSEEK = [
     "model.moe.topk_group=2", "model.moe.routed_scaling_factor=1.5",
     "model.moe.bias_update_speed=0.01", "model.moe.seq_aux_loss_coef=0.01",
     "model.moe.aux_loss_coef=0", "model.moe.n_shared_experts=2", "model.moe.first_k_dense=1",
+    "model.mtp_depth=1",
 ]  # fmt: skip
 # name -> (tp, cp, dp, pp, ep, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
@@ -73,7 +74,7 @@ FOUR_RANKS = {
     ),
     "ep2 pp2 dense and moe blocks": (1, 1, 2, 2, 2, MOE + ["model.n_layer=4", "model.moe.every=2"]),
     "ep2 cp2": (1, 2, 2, 1, 2, MOE),
-    "ep2 tp2 deepseek mtp": (2, 1, 2, 1, 2, DEEPSEEK + ["model.mtp_depth=1"]),
+    "ep2 tp2 deepseek": (2, 1, 2, 1, 2, DEEPSEEK),
     "dp4 ep2 zero1": (1, 1, 4, 1, 2, MOE + ["optim.zero=1"]),
 }
 SAVED = "ep2"  # also saves a checkpoint at step 10
@@ -185,7 +186,7 @@ def test_moe_with_tp_pp_cp_zero_losses_norms_and_router_metrics_equal_one_proces
     ref = reference(FOUR_RANKS[name][-1], dataset)
     assert_curves_match(four_ranks, name, ref)
     assert_router_metrics_match(four_ranks, name, ref)
-    if "mtp" in name:  # the multi-token prediction block (index n_layer = 3) routes and balances
+    if "deepseek" in name:  # the multi-token prediction block (index n_layer = 3) balances too
         assert ref["biases"][3] != [0.0] * 8
 
 
@@ -337,7 +338,7 @@ def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
     )
     # DeepSeek-V3's multi-token prediction block is a MoE block too (its router's bias is
     # state, not counted).
-    deep = load_config(None, [*DEEPSEEK, "model.mtp_depth=1", "model.vocab_size=256"])
+    deep = load_config(None, [*DEEPSEEK, "model.vocab_size=256"])
     d_deep = derive(deep, 1)
     model = GPT(deep, d_deep, ParallelState.single())
     assert sorted(model.moe_layers()) == list(d_deep.moe_layers) == [1, 2, 3]
