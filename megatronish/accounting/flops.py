@@ -11,9 +11,9 @@ from megatronish.config import Config, Derived, attention_window
 def matmul_params(cfg: Config, derived: Derived) -> int:
     """Parameters that take part in a matmul per token: every block's linear weights (of an
     MoE MLP, the router and the top_k experts a token goes through) and the output layer, and of
-    each multi-token prediction module its eh_proj (2h -> h), its dense block and the output
-    layer again (the embedding lookup, norms and biases (model.qkv_bias) are not matmuls and
-    not counted)."""
+    each multi-token prediction module its eh_proj (2h -> h), its block (dense or MoE as
+    config.derive.moe_layers says) and the output layer again (the embedding lookup, norms and
+    biases (model.qkv_bias) are not matmuls and not counted)."""
     model, h = cfg.model, cfg.model.d_model
     qkv = h * (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     proj = model.n_head * derived.head_dim * h
@@ -22,14 +22,9 @@ def matmul_params(cfg: Config, derived: Derived) -> int:
     mlp = (2 if model.gpt2_block else 3) * h * derived.d_ff
     moe = len(derived.moe_layers)
     active = moe * moe_mlp_params(cfg, derived, active=True) if moe else 0
-    mtp = model.mtp_depth * (qkv + proj + mlp + 2 * h * h + h * derived.vocab_size)
-    return (
-        model.n_layer * (qkv + proj)
-        + (model.n_layer - moe) * mlp
-        + active
-        + h * derived.vocab_size
-        + mtp
-    )
+    blocks = model.n_layer + model.mtp_depth  # MoE among both: config.derive.moe_layers
+    mtp = model.mtp_depth * (2 * h * h + h * derived.vocab_size)
+    return blocks * (qkv + proj) + (blocks - moe) * mlp + active + h * derived.vocab_size + mtp
 
 
 def attention_keys(cfg: Config) -> int:

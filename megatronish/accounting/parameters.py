@@ -41,13 +41,13 @@ def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     embed = derived.vocab_size * h + (model.max_seq_len * h if model.gpt2_block else 0)
     head = 0 if derived.tie_embeddings else derived.vocab_size * h
     moe = len(derived.moe_layers)
-    experts = moe * (moe_mlp_params(cfg, derived, active) - mlp) if moe else 0
+    experts = moe * (moe_mlp_params(cfg, derived, active) - mlp) if moe else 0  # MTP's too
     mtp = model.mtp_depth * (per_layer + mtp_extra_params(cfg))
     return model.n_layer * per_layer + experts + embed + norm + head + mtp
 
 
 def mtp_extra_params(cfg: Config) -> int:
-    """Parameters of one multi-token prediction module besides its (dense) block, replicated on
+    """Parameters of one multi-token prediction module besides its block, replicated on
     the tp ranks: enorm, hnorm, its final norm and eh_proj (2h -> h)."""
     h = cfg.model.d_model
     norm = 2 * h if cfg.model.gpt2_block else h
@@ -85,10 +85,18 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
     embed = vocab_local * h + (model.max_seq_len * h if gpt2 else 0) if first else 0
     head = vocab_local * h if last and not derived.tie_embeddings else 0
     head += vocab_local * h if last and not first and derived.last_stage_embedding else 0
-    layers, moe = derived.stage_layers[pp_rank], stage_moe_layers(derived, pp_rank)
-    blocks = (layers - moe) * local_layer_params(cfg, derived)
-    blocks += moe * local_layer_params(cfg, derived, moe=True)
+    mtp_moe = mtp_moe_layers(derived, pp_rank)
+    blocks = blocks_params(
+        cfg, derived, derived.stage_layers[pp_rank], stage_moe_layers(derived, pp_rank) - mtp_moe
+    )
     return blocks + embed + (norm if last else 0) + head + mtp_params(cfg, derived, pp_rank)
+
+
+def blocks_params(cfg: Config, derived: Derived, layers: int, moe: int) -> int:
+    """Parameters of `layers` transformer layers on one tp rank, `moe` of them with a MoE
+    MLP."""
+    dense = (layers - moe) * local_layer_params(cfg, derived)
+    return dense + moe * local_layer_params(cfg, derived, moe=True)
 
 
 def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
@@ -109,9 +117,18 @@ def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
 
 
 def stage_moe_layers(derived: Derived, pp_rank: int) -> int:
-    """MoE layers on pipeline stage pp_rank."""
+    """MoE layers on pipeline stage pp_rank, the multi-token prediction blocks' on the last
+    among them (mtp_moe_layers)."""
     layers = {i for span in derived.stage_chunks(pp_rank) for i in span}
-    return len(layers.intersection(derived.moe_layers))
+    return len(layers.intersection(derived.moe_layers)) + mtp_moe_layers(derived, pp_rank)
+
+
+def mtp_moe_layers(derived: Derived, pp_rank: int) -> int:
+    """The multi-token prediction blocks with a MoE MLP on stage pp_rank (on the last: the
+    MoE block indices from n_layer on; else 0)."""
+    if pp_rank != derived.pp - 1:
+        return 0
+    return sum(1 for i in derived.moe_layers if i >= sum(derived.chunk_layers))
 
 
 def local_moe_params(cfg: Config, derived: Derived, experts_only: bool = False) -> int:
@@ -157,9 +174,11 @@ def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int
 
 
 def mtp_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
-    """Parameters of the multi-token prediction modules on one tp rank of stage pp_rank."""
-    extra = local_layer_params(cfg, derived) + mtp_extra_params(cfg)
-    return last_stage_mtp(cfg, derived, pp_rank) * extra
+    """Parameters of the multi-token prediction modules on one tp rank of stage pp_rank (their
+    blocks dense or MoE as config.derive.moe_layers says)."""
+    depth = last_stage_mtp(cfg, derived, pp_rank)
+    blocks = blocks_params(cfg, derived, depth, mtp_moe_layers(derived, pp_rank))
+    return blocks + depth * mtp_extra_params(cfg)
 
 
 def last_stage_mtp(cfg: Config, derived: Derived, pp_rank: int) -> int:

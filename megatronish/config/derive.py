@@ -17,12 +17,12 @@ FP8_BLOCK = 128
 
 
 def moe_layers(cfg: Config) -> tuple[int, ...]:
-    """The indices of the blocks whose MLP is a mixture of experts (none when moe is off)."""
-    moe = cfg.model.moe
+    """The MoE blocks: i >= moe.first_k_dense, multiples of moe.every (none without experts),
+    of the blocks and the multi-token prediction blocks n_layer .. n_layer + mtp_depth - 1."""
+    moe, blocks = cfg.model.moe, cfg.model.n_layer + cfg.model.mtp_depth
     if moe.num_experts == 0:
         return ()
-    first, every = moe.first_k_dense, moe.every
-    return tuple(i for i in range(first, cfg.model.n_layer) if i % every == 0)
+    return tuple(i for i in range(moe.first_k_dense, blocks) if i % moe.every == 0)
 
 
 def attention_window(model: ModelConfig, layer: int) -> int | None:
@@ -65,7 +65,7 @@ class Derived:
     ep: int = 1
     """Expert-parallel degree (inside dp); each ep rank holds num_experts / ep experts."""
     moe_layers: tuple[int, ...] = ()
-    """The blocks with a mixture-of-experts MLP."""
+    """The blocks with a mixture-of-experts MLP, multi-token prediction's too (moe_layers)."""
     moe_d_ff: int = 0
     """Inner size of one expert (0 without experts)."""
     shared_d_ff: int = 0
@@ -311,7 +311,7 @@ def _check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int) -> None:
             ),
             ("the attention heads model.n_head x v_head_dim", model.n_head * mla.v_head_dim),
         ]
-    if len(moe_layers(cfg)) < model.n_layer:  # dense MLPs (MoE layers stay out of fp8)
+    if len(moe_layers(cfg)) < model.n_layer + model.mtp_depth:  # dense MLPs (MoE: no fp8)
         sizes.append(("model.d_ff", d_ff))
     for what, size in sizes:
         valid = [1] + [t for t in divisors(size) if t > 1 and (size // t) % FP8_BLOCK == 0]

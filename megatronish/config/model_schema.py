@@ -152,9 +152,10 @@ class ModelConfig:
     mtp_depth: int = 0
     """Multi-token prediction modules (DeepSeek-V3): module k (1..mtp_depth) combines the
     previous depth's final hidden state with the embedding of the token k positions ahead,
-    runs one more transformer block (dense MLP) and the shared output layer, and predicts the
-    token k + 1 ahead. Training only: evaluation and generate use the main model. 0: off
-    (DeepSeek-V3: 1); below train.seq_len."""
+    runs one more transformer block (block n_layer + k - 1: a mixture of experts where
+    model.moe's first_k_dense and every make that index one, as in DeepSeek-V3, else dense) and
+    the shared output layer, and predicts the token k + 1 ahead. Training only: evaluation and
+    generate use the main model. 0: off (DeepSeek-V3: 1); below train.seq_len."""
     mtp_loss_coef: float = 0.3
     """Weight of the multi-token prediction loss (the mean over the depths of their
     cross-entropies) added to the main loss, >= 0 (DeepSeek-V3: 0.3, then 0.1; a resumed run

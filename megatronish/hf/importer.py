@@ -94,7 +94,7 @@ def model_settings(cfg: Config, derived: Derived) -> dict[str, Any]:
     dropped = set(NOT_IN_THE_WEIGHTS) | ({"max_seq_len"} if not model.gpt2_block else set())
     if not derived.moe_layers:
         dropped |= {key for key in settings if key.startswith("moe.")} - {"moe.num_experts"}
-    elif len(derived.moe_layers) == model.n_layer:
+    elif len(derived.moe_layers) == model.n_layer + model.mtp_depth:
         dropped.add("d_ff")
     return {key: value for key, value in settings.items() if key not in dropped}
 

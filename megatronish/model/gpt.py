@@ -130,12 +130,13 @@ class GPT(nn.Module):
         return uses
 
     def moe_layers(self) -> dict[int, MoELayer]:
-        """This rank's mixture-of-experts MLPs by block index."""
-        return {
-            int(name): block.mlp
-            for name, block in self.blocks.items()
-            if isinstance(block.mlp, MoELayer)
-        }
+        """This rank's mixture-of-experts MLPs by block index (a multi-token prediction
+        module k's block: n_layer + k - 1)."""
+        blocks = {int(name): block for name, block in self.blocks.items()}
+        if self.mtp is not None:
+            n_layer = self.cfg.model.n_layer
+            blocks.update((n_layer + k, layer.block) for k, layer in enumerate(self.mtp.layers))
+        return {i: block.mlp for i, block in blocks.items() if isinstance(block.mlp, MoELayer)}
 
     def set_moe_loss_scale(self, scale: float) -> None:
         """The factor the micro-batches' losses are scaled by before backward (1 / the

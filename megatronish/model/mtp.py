@@ -4,9 +4,10 @@ Module k (1..D, D = mtp_depth) at position i combines the previous depth's final
 h^{k-1}_i (h^0: the main model's, before its final norm) with the embedding of the token k
 positions ahead, t_{i+k}: eh_proj([enorm(emb(t_{i+k})); hnorm(h^{k-1}_i)]) (2h -> h, the order
 of the published checkpoints), then one transformer block (the model's own Block, at index
-n_layer + k - 1), then its own final norm and the main model's output layer. Its target is
-t_{i+k+1}, the main targets shifted by k: positions without one (the last k of a sequence) and
-positions whose shifted main target does not count (a loss mask, data.eod_mask_loss) are -100.
+n_layer + k - 1: dense or MoE as config.derive.moe_layers says), then its own final norm and
+the main model's output layer. Its target is t_{i+k+1}, the main targets shifted by k:
+positions without one (the last k of a sequence) and positions whose shifted main target does
+not count (a loss mask, data.eod_mask_loss) are -100.
 The loss the model trains on is the main loss plus mtp_loss_coef times the mean over the depths
 of their cross-entropies; the main loss alone is what `loss` and every evaluation report.
 

@@ -53,10 +53,28 @@ LLAMA3_ROPE = dict(
     original_max_position_embeddings=16,
 )
 QWEN_YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16)
+# DeepSeek-V3's YaRN: mscale_all_dim scales the softmax too.
+DEEPSEEK_YARN = dict(
+    rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
+    mscale=1.0, mscale_all_dim=0.8, beta_fast=32.0, beta_slow=1.0,
+)  # fmt: skip
+# Latent attention (a query low-rank path or not), a dense block 0, then 8 experts in 4 groups
+# (2 chosen) by sigmoid scores with a random correction bias, and two shared experts.
+DEEPSEEK = dict(
+    SHAPE, num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
+    qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=20, n_shared_experts=2, first_k_dense_replace=1, n_group=4,
+    topk_group=2, routed_scaling_factor=1.5, rope_parameters=DEEPSEEK_YARN,
+)  # fmt: skip
+DEEPSEEK_OURS = dict(arch="deepseek_v3", attention="mla", mtp_depth=0, n_kv_head=None)
 # the model.rope_scaling each import must set
 SCALINGS = {
     "llama": {**LLAMA3_ROPE, "rope_type": None, "type": "llama3"},
     "qwen3": dict(type="yarn", factor=4.0, original_max_position_embeddings=16),
+    **dict.fromkeys(
+        ("deepseek_v3", "deepseek_v3_q"),
+        dict(type="yarn", factor=4.0, original_max_position_embeddings=16, mscale_all_dim=0.8),
+    ),
 }
 # name -> (class, config keys, our model.* settings the import must set)
 FAMILIES = {
@@ -113,8 +131,19 @@ FAMILIES = {
         dict(SHAPE, **EXPERTS, num_local_experts=3),
         dict(arch="llama", head_dim=10, qkv_bias=False, qk_norm=False),
     ),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", DEEPSEEK, DEEPSEEK_OURS),
+    "deepseek_v3_q": ("DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=None), DEEPSEEK_OURS),
 }
-MOE = {"qwen3_moe": dict(num_experts=3, top_k=2, d_ff=20, every=2), "mixtral": dict(every=1)}
+DEEPSEEK_MOE = dict(
+    num_experts=8, top_k=2, d_ff=20, router="sigmoid", n_group=4, topk_group=2,
+    routed_scaling_factor=1.5, n_shared_experts=2, first_k_dense=1,
+)  # fmt: skip
+MOE = {
+    "qwen3_moe": dict(num_experts=3, top_k=2, d_ff=20, every=2),
+    "mixtral": dict(every=1),
+    "deepseek_v3": DEEPSEEK_MOE,
+    "deepseek_v3_q": DEEPSEEK_MOE,
+}
 
 
 @dataclass
@@ -130,7 +159,7 @@ class Built:
 
 def _random_model(name: str) -> torch.nn.Module:
     """The family's tiny model with every weight random (biases and norm weights init to 0 and
-    1, and the router to 0: each must show in the logits)."""
+    1, and the router to 0: each must show in the logits), DeepSeek's routing bias too."""
     cls, keys, _ = FAMILIES[name]
     family = cls.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
     config_class = getattr(transformers, family + "Config")
@@ -140,6 +169,9 @@ def _random_model(name: str) -> torch.nn.Module:
         for param in model.parameters():
             vector = param.dim() == 1  # a bias or a norm's weight
             param.normal_(1.0 if vector else 0.0, 0.5 if vector else 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model
 
 
@@ -265,6 +297,9 @@ REMOVED = None  # a key taken out of config.json (its class default applies)
         ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob"),
         ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[]), "decoder_sparse_step"),
         ("qwen3_moe", dict(mlp_only_layers=[0]), "mlp_only_layers"),
+        ("deepseek_v3", dict(topk_method="greedy"), "topk_method"),
+        ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func"),
+        ("deepseek_v3_q", dict(rope_interleave=False), "rope_interleave"),
         ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights"),
         ("gpt2", dict(activation_function="relu"), "activation_function"),
     ],
@@ -388,3 +423,70 @@ def test_training_from_an_hf_directory_names_any_setting_its_weights_depend_on(
     hint = str(error.value).partition("set --set ")[2]
     if hint.startswith("model.rope_scaling="):  # a section's value: one --set takes it
         assert load_config(None, [hint, "model.arch=llama", "model.vocab_size=101"])
+
+
+def _with_mtp_layer(hf_dir: Path, to: Path, head_copy=None) -> dict[str, torch.Tensor]:
+    """hf_dir's DeepSeek-V3 with one multi-token prediction layer, model.layers.3, as the
+    published checkpoints store it: enorm, hnorm, eh_proj, a MoE decoder layer (block 2's
+    weights, perturbed), shared_head.norm and copies of embed_tokens and lm_head (head_copy:
+    another head instead). Returns its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(3)
+    mtp = "model.layers.3."
+    for key in [k for k in tensors if k.startswith("model.layers.2.")]:
+        t = tensors[key]
+        tensors[mtp + key.removeprefix("model.layers.2.")] = t + 0.1 * torch.randn(
+            t.shape, generator=gen
+        )
+    h = SHAPE["hidden_size"]
+    for name, shape in (("enorm", (h,)), ("hnorm", (h,)), ("shared_head.norm", (h,))):
+        tensors[f"{mtp}{name}.weight"] = 1 + 0.5 * torch.randn(shape, generator=gen)
+    tensors[mtp + "eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=gen)
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    head = tensors["lm_head.weight"] if head_copy is None else head_copy
+    tensors[mtp + "shared_head.head.weight"] = head.clone()
+    _config_only(hf_dir, to, dict(num_nextn_predict_layers=1))
+    save_file(tensors, str(to / "model.safetensors"))
+    return tensors
+
+
+def test_deepseek_multi_token_prediction_layers_travel_as_the_published_checkpoints_store_them(
+    built, tmp_path
+):
+    """A DeepSeek-V3 directory with model.layers.<num_hidden_layers>.* imports with
+    model.mtp_depth 1 and those weights in its module (a MoE block); its export writes them
+    back bit for bit, which transformers loads (ignoring them) with our logits; a shared head
+    copy that differs from the model's is refused."""
+    from safetensors.torch import load_file
+
+    tensors = _with_mtp_layer(built["deepseek_v3"].hf, tmp_path / "hf")
+    _cli("import", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ours"))
+    ours = Checkpoint(tmp_path / "ours")
+    assert ours.config.model.mtp_depth == 1
+    assert torch.equal(
+        ours.full("mtp.layers.0.eh_proj.weight"), tensors["model.layers.3.eh_proj.weight"]
+    )
+    assert torch.equal(
+        ours.full("mtp.layers.0.block.mlp.router.bias"),
+        tensors["model.layers.3.mlp.gate.e_score_correction_bias"],
+    )
+    _cli("export", "--checkpoint", str(tmp_path / "ours"), "--output", str(tmp_path / "back"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(tensors)
+    for key, tensor in tensors.items():
+        assert torch.equal(back[key], tensor), key
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        assert (
+            model(_tokens()).logits - load_model(tmp_path / "ours")(_tokens())
+        ).abs().max() < 1e-4
+    _with_mtp_layer(built["deepseek_v3"].hf, tmp_path / "bad", tensors["lm_head.weight"] * 2)
+    with pytest.raises(UserError, match="model.layers.3.shared_head.head.weight differs"):
+        import_hf(str(tmp_path / "bad"), str(tmp_path / "bad-out"))
+    assert not (tmp_path / "bad-out").exists()

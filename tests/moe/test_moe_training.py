@@ -3,9 +3,10 @@ and the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 
 ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and router metrics (balancing and
 z-losses, imbalance) of one process within 1e-5 relative; so does DeepSeek-V3's MoE (sigmoid
 router in groups, routing biases moved every step, sequence-wise loss, shared experts, a dense
-first block) at dp 2 x ep 2 with full recompute, tp 2 x dp 2 x ep 2 with sequence
-parallelism, and pp 2 x cp 2 with ZeRO-1 over the cp group, its routing biases within 1e-6
-(ZeRO-2 and 3: tests/data_parallel/test_zero_levels.py); with a capacity factor the dropped
+first block, a MoE multi-token prediction block) at dp 2 x ep 2 with full recompute, tp 2 x
+dp 2 x ep 2 with sequence parallelism, and pp 2 x cp 2 with ZeRO-1 over the cp group, its
+routing biases within 1e-6 (ZeRO-2 and 3: tests/data_parallel/test_zero_levels.py); with a
+capacity factor the dropped
 fraction does not change with ep, nor with tp under sequence parallelism, and the one
 metrics.jsonl reports equals a count made outside the model on the same router output; an
 ep = 2 checkpoint resumes at ep = 1 on the same curve and loads, evaluates and generates in one
@@ -43,7 +44,8 @@ MOE = [
 CAPACITY = ["model.moe.capacity_factor=1.0"]
 # DeepSeek-V3: multi-head latent attention (the deepseek_v3 preset's YaRN), a dense first block,
 # then MoE blocks of 8 experts in 4 groups (2 chosen), a sigmoid router with routing biases
-# moved every step, the sequence-wise balancing loss and two shared experts.
+# moved every step, the sequence-wise balancing loss and two shared experts, and a multi-token
+# prediction module whose block is a MoE block (block 3: its router's bias balanced too).
 DEEPSEEK = [
     "model.arch=deepseek_v3", "model.mla.q_lora_rank=12", "model.mla.kv_lora_rank=16",
     "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6",
@@ -52,6 +54,7 @@ DEEPSEEK = [
     "model.moe.topk_group=2", "model.moe.routed_scaling_factor=1.5",
     "model.moe.bias_update_speed=0.01", "model.moe.seq_aux_loss_coef=0.01",
     "model.moe.aux_loss_coef=0", "model.moe.n_shared_experts=2", "model.moe.first_k_dense=1",
+    "model.mtp_depth=1",
 ]  # fmt: skip
 SP, FULL = ["parallel.sequence_parallel=true"], ["train.activation_checkpointing=full"]
 # name -> (tp, cp, dp, pp, ep, overrides); the reference of each is its overrides at one rank.
@@ -191,6 +194,8 @@ def test_moe_with_tp_pp_cp_zero_losses_norms_and_router_metrics_equal_one_proces
     ref = reference(FOUR_RANKS[name][-1], dataset)
     assert_curves_match(four_ranks, name, ref)
     assert_router_metrics_match(four_ranks, name, ref)
+    if "deepseek" in name:  # the multi-token prediction block (index n_layer = 3) balances too
+        assert ref["biases"][3] != [0.0] * 8
 
 
 def test_every_rank_sends_the_payload_the_analytic_count_gives_all_to_all_included(
@@ -339,6 +344,14 @@ def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
     assert model_flops_per_step(cfg, d) - model_flops_per_step(top1, derive(top1, 2)) == (
         6 * layers * 3 * h * f * tokens
     )
+    # DeepSeek-V3's multi-token prediction block is a MoE block too (its router's bias is
+    # state, not counted).
+    deep = load_config(None, [*DEEPSEEK, "model.vocab_size=256"])
+    d_deep = derive(deep, 1)
+    model = GPT(deep, d_deep, ParallelState.single())
+    assert sorted(model.moe_layers()) == list(d_deep.moe_layers) == [1, 2, 3]
+    biases = sum(layer.router.bias.numel() for layer in model.moe_layers().values())
+    assert parameter_count(deep, d_deep) == sum(p.numel() for p in model.parameters()) - biases
     report = check_config(load_config(CONFIGS / "tiny-moe.yaml", [*sets, "parallel.ep=2"]), None)
     assert "experts per ep rank: 4 (ep 2)" in report
     assert "all-to-all per step and rank (ep 2)" in report

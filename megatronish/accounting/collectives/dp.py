@@ -139,15 +139,19 @@ def _zero(step: Step) -> list[Collective]:
 
 
 def _mtp_bytes(step: Step) -> int:
-    """The multi-token prediction modules' parameters in ZeRO's buffer on this rank, fp32: what
-    they add to the stage's local parameters less what they add to those outside the buffer."""
+    """The multi-token prediction modules' parameters in ZeRO's dense buffer on this rank, fp32:
+    what they add to the stage's local parameters less what they add to those outside the buffer
+    and their MoE blocks' experts (in the expert buffer)."""
     cfg, derived, last = step.cfg, step.derived, step.pp_rank
     if not step.mtp:
         return 0
     plain = replace(cfg, model=replace(cfg.model, mtp_depth=0))
-    local = local_parameter_count(cfg, derived, last) - local_parameter_count(plain, derived, last)
-    outside = tp_summed_grad_count(cfg, derived, last) - tp_summed_grad_count(plain, derived, last)
-    return (local - outside) * FP32_BYTES
+    main = tuple(i for i in derived.moe_layers if i < cfg.model.n_layer)  # no MTP MoE blocks
+    bare = replace(derived, moe_layers=main)
+    local = local_parameter_count(cfg, derived, last) - local_parameter_count(plain, bare, last)
+    outside = tp_summed_grad_count(cfg, derived, last) - tp_summed_grad_count(plain, bare, last)
+    experts = (len(derived.moe_layers) - len(main)) * local_moe_params(cfg, derived, True)
+    return (local - outside - experts) * FP32_BYTES
 
 
 def zero3_gathers(step: Step, dense: int) -> list[tuple[str, str, int, int, int]]:
