@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from megatronish.fp8 import kernels
 from megatronish.fp8.quantize import Cast, Quantized, quantize
 from megatronish.fp8.recipes import Recipe
 
@@ -43,9 +44,11 @@ def _tensorwise(q: Quantized) -> torch.Tensor | None:
     return q.scale if q.operand.granularity == "tensor" else None
 
 
-def _product(a: Quantized, b: Quantized, dtype: torch.dtype) -> torch.Tensor:
+def _product(a: Quantized, b: Quantized, dtype: torch.dtype, backend: str) -> torch.Tensor:
     """A [M, K] B [N, K]^T of the dequantized operands in float32 (whatever autocast says),
-    as dtype."""
+    as dtype: on the fp8 kernels where `backend` runs them (megatronish.fp8.kernels)."""
+    if kernels.fused(backend, a.payload):
+        return kernels.product(a.payload, a.scale, b.payload, b.scale, b.operand, dtype)
     with torch.autocast(a.payload.device.type, enabled=False):
         return torch.mm(a.values(), b.values().t()).to(dtype)
 
@@ -61,8 +64,11 @@ def forward_gemm(
         ],
         recipe.power_of_2_scales,
         split.group,
+        recipe.backend,
     )
-    return _product(qx, qw, x.dtype), Scales(input=_tensorwise(qx), weight=_tensorwise(qw))
+    return _product(qx, qw, x.dtype, recipe.backend), Scales(
+        input=_tensorwise(qx), weight=_tensorwise(qw)
+    )
 
 
 def grad_input_gemm(
@@ -83,8 +89,11 @@ def grad_input_gemm(
         ],
         recipe.power_of_2_scales,
         split.group,
+        recipe.backend,
     )
-    return _product(qdy, qwt, grad_output.dtype), replace(scales, grad_output=_tensorwise(qdy))
+    return _product(qdy, qwt, grad_output.dtype, recipe.backend), replace(
+        scales, grad_output=_tensorwise(qdy)
+    )
 
 
 def grad_weight_gemm(
@@ -103,8 +112,9 @@ def grad_weight_gemm(
         ],
         recipe.power_of_2_scales,
         split.group,
+        recipe.backend,
     )
-    return _product(qdyt, qxt, grad_output.dtype)
+    return _product(qdyt, qxt, grad_output.dtype, recipe.backend)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatronish.distributed import comm
 from megatronish.fp8 import granularity as groups
+from megatronish.fp8 import kernels
 from megatronish.fp8.recipes import Operand
 from megatronish.fp8.scaling import amax_to_scale, cast_to_fp8, dequantize
 
@@ -54,17 +55,22 @@ class Cast:
 
 
 def quantize(
-    casts: list[Cast], power_of_2: bool, group: dist.ProcessGroup | None
+    casts: list[Cast], power_of_2: bool, group: dist.ProcessGroup | None, backend: str = "auto"
 ) -> list[Quantized]:
     """Each cast's operand in fp8. The amaxes of the casts whose scaling groups span the tp
     ranks go through one MAX all-reduce over `group` (none when no cast needs it, or the
-    group has one rank)."""
+    group has one rank). Where `backend` (kernels.backend) runs the fp8 kernels
+    (megatronish.fp8.kernels) the casts are fused, with the same results."""
+    fused = kernels.fused(backend, casts[0].x)
+    ranks = comm.group_size(group)
     amaxes = [
-        None if cast.scale is not None else groups.amax(cast.x, cast.operand.granularity)
+        None
+        if cast.scale is not None or (fused and not (cast.spans_ranks and ranks > 1))
+        else (kernels.amax if fused else groups.amax)(cast.x, cast.operand.granularity)
         for cast in casts
     ]
     reduced = [i for i, cast in enumerate(casts) if cast.scale is None and cast.spans_ranks]
-    if reduced and comm.group_size(group) > 1:
+    if reduced and ranks > 1:
         flat = torch.cat([amaxes[i].to(torch.float32).reshape(-1) for i in reduced])
         comm.all_reduce(flat, group, op=dist.ReduceOp.MAX)
         for i, part in zip(reduced, flat.split([amaxes[i].numel() for i in reduced])):
@@ -72,6 +78,10 @@ def quantize(
     out = []
     for cast, amax in zip(casts, amaxes):
         operand = cast.operand
+        if fused:
+            payload, scale = kernels.cast(cast.x, operand, power_of_2, amax, cast.scale)
+            out.append(Quantized(payload, scale, operand))
+            continue
         if cast.scale is not None:
             scale = cast.scale
         else:

@@ -4,6 +4,7 @@ optimizer stay fp32), and under fp8 which linear layers take fp8 GEMMs."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -39,6 +40,6 @@ def use_precision(model: nn.Module, cfg: Config) -> None:
     otherwise: the other precisions are autocast alone)."""
     if cfg.train.precision != "fp8":
         return
-    recipe = RECIPES[cfg.train.fp8_recipe]
+    recipe = replace(RECIPES[cfg.train.fp8_recipe], backend=cfg.kernels.backend)
     for layer in fp8_layers(model):
         layer.fp8_recipe = recipe
