@@ -35,7 +35,8 @@ GROUP = 128
 FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
 TILE_ROWS = 32  # rows of a tile-cast program (each row one 1 x 128 tile)
-AMAX_TILE = (32, 256)
+AMAX_TILE = (32, 256)  # the tensorwise amax pass's tile
+TENSOR_TILE = (32, 128)  # the tensorwise cast's (its rounding needs registers)
 
 
 def row_tile() -> tuple[int, int]:
@@ -243,12 +244,12 @@ def cast_launch(
         grid = (triton.cdiv(rows, block_r),)
         consts.update(BLOCK_R=block_r, BLOCK_K=block_k)
         return Launch(_row_cast_kernel, grid, args, consts, num_warps=4)
-    block_r = {"tensor": AMAX_TILE[0], "tile": TILE_ROWS, "block": GROUP}[granularity]
-    block_k = AMAX_TILE[1] if granularity == "tensor" else GROUP
+    block_r = {"tensor": TENSOR_TILE[0], "tile": TILE_ROWS, "block": GROUP}[granularity]
+    block_k = TENSOR_TILE[1] if granularity == "tensor" else GROUP
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     consts.update(GRANULARITY=granularity, BLOCK_R=block_r, BLOCK_K=block_k)
     scale_cols = triton.cdiv(k, GROUP)
-    warps = 8 if granularity == "block" else 4
+    warps = 16 if granularity == "block" else 4
     return Launch(_tile_cast_kernel, grid, (*args, scale_cols), consts, num_warps=warps)
 
 

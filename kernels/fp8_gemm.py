@@ -2,10 +2,13 @@
 per 128-wide K block, accumulated in fp32, written in the high-precision dtype (bf16 or fp32).
 
 A payload stands for payload / scale (megatronish.fp8.scaling). Each K block of 128 is one
-fp8 dot (exact products, fp32 sums), divided by the product of its two scales and added to
-the fp32 accumulator. The scales of A are per row and K block, sa [M, ceil(K / 128)]; those of
-B per row of B and K block, sb [N, ceil(K / 128)], or per 128 x 128 block (B_BLOCK), sb
-[ceil(N / 128), ceil(K / 128)]. Row and tensor scales are the same with a zero stride along K
+fp8 dot (exact products, fp32 sums), multiplied by the product of its two scales' reciprocals
+and added to the fp32 accumulator (a few fp32 roundings more than the emulation's division of
+each operand: the same sum to fp32 rounding).
+
+The scales of A are per row and K block, sa [M, ceil(K / 128)]; those of B per row of B and K
+block, sb [N, ceil(K / 128)], or per 128 x 128 block (B_BLOCK), sb [ceil(N / 128),
+ceil(K / 128)]. Row and tensor scales are the same with a zero stride along K
 (and along the rows). The three GEMMs of a linear layer under the blockwise recipe:
 
     forward      Y  = X W^T      A = X tiles [T, in]        B = W blocks [out, in]
@@ -22,18 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Launch, check_device, device_arch, interpreting
+from ._utils import Launch, check_device, interpreting
 
 BLOCK_K = 128  # one scale per K step: the width of the scaling groups
 
 
-def gemm_tiles(arch: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128 x 128 tiles in 8 warps; 4 stages of
-    64 KiB (32 KiB of each operand) on sm_90, 2 on sm_89 (99 KiB of shared memory per block);
-    64 x 64 under the interpreter."""
+def gemm_tiles() -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 64 x 128 tiles in 8 warps and 4 stages of
+    24 KiB on sm_89 and sm_90 (128 x 128 tiles hold two fp32 tiles, the accumulator and a K
+    block's product, in 8 warps: 255 registers and spills, kernel_report.py); 64 x 64 under
+    the interpreter."""
     if interpreting():
         return 64, 64, 4, 1
-    return 128, 128, 8, 4 if arch >= 90 else 2
+    return 64, 128, 8, 4
 
 
 @triton.jit
@@ -82,10 +86,10 @@ def _fp8_gemm_kernel(
             mask=k_ok[:, None] & col_ok[None, :],
             other=0.0,
         )
-        sa = tl.load(SA + rows64 * ssam + kb * ssak, mask=row_ok, other=1.0)
-        sb = tl.load(SB + b_rows * ssbn + kb * ssbk, mask=col_ok, other=1.0)
+        inv_a = 1.0 / tl.load(SA + rows64 * ssam + kb * ssak, mask=row_ok, other=1.0)
+        inv_b = 1.0 / tl.load(SB + b_rows * ssbn + kb * ssbk, mask=col_ok, other=1.0)
         part = tl.dot(a, b, out_dtype=tl.float32)
-        acc += part / (sa[:, None] * sb[None, :])
+        acc += part * (inv_a[:, None] * inv_b[None, :])
     out = C + rows64[:, None] * scm + cols64[None, :] * scn
     tl.store(out, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -107,12 +111,11 @@ def fp8_gemm_launch(
     sb: torch.Tensor,
     out: torch.Tensor,
     b_block: bool,
-    arch: int,
 ) -> Launch:
     """The launch of out [M, N] = (a / sa) [M, K] (b / sb) [N, K]^T (see the module)."""
     m, k = a.shape
     n = b.shape[0]
-    block_m, block_n, warps, stages = gemm_tiles(arch)
+    block_m, block_n, warps, stages = gemm_tiles()
     args = (
         a,
         b,
@@ -156,5 +159,5 @@ def fp8_gemm(
     if a.shape[1] == 0:
         return out.zero_()
     sa, sb = sa.to(torch.float32), sb.to(torch.float32)
-    fp8_gemm_launch(a, b, sa, sb, out, b_block, device_arch(a.device)).run()
+    fp8_gemm_launch(a, b, sa, sb, out, b_block).run()
     return out

@@ -132,7 +132,7 @@ GEMMS = {
 @pytest.mark.parametrize("gemm", list(GEMMS))
 def test_scaled_gemm_equals_float64_within_fp32_rounding(gemm):
     """out = sum over K blocks of an fp8 dot (exact products, fp32 sums of 128) divided by the
-    two scales' product: at most about K + 3 fp32 roundings of sum |a b| (2^-24 each), and in
+    two scales' reciprocals: at most about K + 5 fp32 roundings of sum |a b| (2^-24 each), and in
     bf16 the output's rounding on top: one bf16 ulp, 2^-7 of |out| (the interpreter truncates
     float32 to bf16; a GPU rounds to nearest, half that)."""
     gen = torch.Generator().manual_seed(3)
@@ -147,7 +147,7 @@ def test_scaled_gemm_equals_float64_within_fp32_rounding(gemm):
     k = a.shape[1]
     for out_dtype, relative in ((torch.float32, 0.0), (torch.bfloat16, 2.0**-7)):
         got = kernels.fp8_gemm(qa, qb, sa, sb, out_dtype, b_block=gb == "block").cpu().double()
-        bound = (k + 3) * 2.0**-24 * magnitude + relative * want.abs()
+        bound = (k + 5) * 2.0**-24 * magnitude + relative * want.abs()
         assert got.shape == want.shape
         assert ((got - want).abs() <= bound).all(), ((got - want).abs() / magnitude).max()
 
@@ -170,7 +170,7 @@ def test_an_fp8_linear_on_the_kernels_equals_it_on_torch(recipe, monkeypatch):
         out = fp8_linear(*inputs, fp8, Split())
         out.backward(dy)
         results.append([out, inputs[0].grad, inputs[1].grad])
-    # The same fp8 operands summed in another order: (K + 3) fp32 roundings of sum |a b| (the
+    # The same fp8 operands summed in another order: (K + 5) fp32 roundings of sum |a b| (the
     # fp8 operands within 2^-3 of the inputs' magnitudes: e5m2 keeps 2 mantissa bits).
     grow = (1 + 2.0**-3) ** 2
     magnitudes = [
@@ -179,7 +179,7 @@ def test_an_fp8_linear_on_the_kernels_equals_it_on_torch(recipe, monkeypatch):
         (dy.abs().t() @ x.abs(), 40),
     ]
     for got, want, (magnitude, k) in zip(results[1], results[0], magnitudes):
-        assert ((got - want).abs() <= (k + 3) * 2.0**-24 * grow * magnitude).all()
+        assert ((got - want).abs() <= (k + 5) * 2.0**-24 * grow * magnitude).all()
 
     monkeypatch.setattr(quantize_module.comm, "group_size", lambda group: 2)
     monkeypatch.setattr(quantize_module.comm, "all_reduce", lambda tensor, group, op: None)
