@@ -3,6 +3,9 @@ fp8_gemm) where the recipe's kernels.backend resolves to "triton" for the operan
 tensors under auto or triton; CPU tensors under triton with TRITON_INTERPRET=1); elsewhere
 megatronish.fp8.quantize and gemm emulate.
 
+Not through megatronish.ops (whose layers import megatronish.fp8): `fused` reads
+kernels.backend as ops.resolve_backend does.
+
 The numerics are the emulation's: the casts give the same payloads and scales bit for bit, the
 GEMMs the same products up to fp32 summation order. Tensorwise and rowwise GEMMs go to
 torch._scaled_mm (cuBLAS and CUTLASS fp8 GEMMs, which take the reciprocal scales) where it
@@ -12,22 +15,32 @@ blockwise GEMMs, and the others where _scaled_mm does not take them, to fp8_gemm
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
 from megatronish.fp8 import granularity as groups
 from megatronish.fp8.recipes import Granularity, Operand
-from megatronish.ops import resolve_backend
+
+
+@functools.cache
+def _functions() -> Any:
+    """megatronish_kernels.functions, or None without Triton."""
+    try:
+        from megatronish_kernels import functions
+    except ImportError:
+        return None
+    return functions
 
 
 def fused(backend: str, x: torch.Tensor) -> bool:
-    """Whether the fp8 casts and GEMMs of x run on the kernels under `backend`."""
-    return resolve_backend(backend, x) == "triton"
-
-
-def _functions():
-    from megatronish_kernels import functions  # resolve_backend found it importable
-
-    return functions
+    """Whether the fp8 casts and GEMMs of x run on the kernels under `backend`, as
+    megatronish.ops resolves it (which checks an explicit "triton" where a run starts):
+    "triton" always, "auto" for CUDA tensors when Triton is installed, "torch" never."""
+    if backend == "auto":
+        return x.is_cuda and _functions() is not None
+    return backend == "triton"
 
 
 def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
