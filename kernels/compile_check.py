@@ -30,6 +30,7 @@ import torch
 from ._utils import Launch, persistent_programs
 from .attention import forward_launch
 from .attention_bwd import backward_launches
+from .compile_fp8 import fp8_launches
 from .cross_entropy import ce_backward_launch, ce_forward_launch
 from .elementwise import bias_gelu_launch, swiglu_launch
 from .gpu_resources import Arch, cubin_resources, occupancy_warps
@@ -39,6 +40,7 @@ from .rope import rope_launch
 
 ARCHS = {
     "sm_80": Arch("sm_80", 80, 163 * 1024, 164 * 1024),  # A100
+    "sm_89": Arch("sm_89", 89, 99 * 1024, 100 * 1024, max_warps=48),  # L4, L40S (fp8 from here)
     "sm_90": Arch("sm_90", 90, 227 * 1024, 228 * 1024),  # H100, H200
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -47,6 +49,8 @@ TYPE_NAMES = {
     torch.float16: "fp16",
     torch.float32: "fp32",
     torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
     torch.int32: "i32",
     torch.int64: "i64",
 }
@@ -201,7 +205,8 @@ def model_launches(m: ModelShapes, dtype: str, arch: Arch) -> list[tuple[Launch,
     each with where it comes from: attention and the ring blocks (_attention_launches), norms,
     RoPE, the MLP's elementwise op, cross entropy and the expert GEMMs; then attention and the
     ring blocks again under document masks (data.document_mask), and under a sliding window
-    (model.sliding_window, for llama) without and with document masks."""
+    (model.sliding_window, for llama) without and with document masks; last, on sm_89 and
+    newer, the fp8 casts and GEMMs of the fp8 linear layers (compile_fp8, tagged "fp8")."""
     torch_dtype, cap = DTYPES[dtype], arch.capability
     others = _norms(m, torch_dtype) + _mlp(m, torch_dtype) + _cross_entropy(m, torch_dtype)
     if m.experts:
@@ -214,7 +219,7 @@ def model_launches(m: ModelShapes, dtype: str, arch: Arch) -> list[tuple[Launch,
     if m.family == "llama":
         for documents in (False, True):
             launches += _attention_launches(m, torch_dtype, cap, documents, sliding=True)
-    return launches
+    return launches + [(launch, "fp8") for launch in fp8_launches(m, torch_dtype, cap)]
 
 
 # Compilation

@@ -13,19 +13,22 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# Registers per SM, the most warps and blocks an SM holds: the same on sm_80 and sm_90.
+# Registers per SM, the most warps and blocks an SM holds: the same on sm_80 and sm_90 (an
+# sm_89 SM holds 48 warps: Arch.max_warps).
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
 RESERVED_SHARED = 1024  # shared memory the CUDA runtime keeps per block (sm_80 and later)
 
 
 @dataclass(frozen=True)
 class Arch:
-    """A GPU target: its compute capability and shared memory per block and per SM (bytes)."""
+    """A GPU target: its compute capability, shared memory per block and per SM (bytes), and
+    the most warps an SM holds."""
 
     name: str
     capability: int
     shared_limit: int
     shared_per_sm: int
+    max_warps: int = MAX_WARPS_PER_SM
 
 
 def cuobjdump() -> str:
@@ -54,13 +57,13 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
 
 
 def occupancy_warps(registers: int, shared_bytes: int, num_warps: int, arch: Arch) -> int:
-    """Warps an SM of arch holds at once (of 64): the CUDA occupancy calculator's estimate
-    from the registers (allocated per warp in units of 256) and the shared memory of a block
-    (plus the 1 KB the runtime keeps per block)."""
+    """Warps an SM of arch holds at once (of arch.max_warps): the CUDA occupancy calculator's
+    estimate from the registers (allocated per warp in units of 256) and the shared memory of a
+    block (plus the 1 KB the runtime keeps per block)."""
     regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
     blocks = min(
         REGISTERS_PER_SM // regs_per_warp // num_warps,
-        MAX_WARPS_PER_SM // num_warps,
+        arch.max_warps // num_warps,
         MAX_BLOCKS_PER_SM,
     )
     if shared_bytes:

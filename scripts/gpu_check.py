@@ -49,6 +49,11 @@ On a machine with one or more CUDA GPUs it runs, in this order:
    output's largest magnitude). With two GPUs also `megatronish bench` of gpt2-124m in bf16 at
    tp = 2 with sequence parallelism, the tp collectives decomposed and not: step time and rank
    0's exposed tensor-parallel wait, each next to the run without.
+7. fp8 (scripts/gpu_fp8.py; on sm_89 and newer): a llama3-8b-sized GEMM through our fused
+   casts and blockwise fp8 GEMM, and through torch._scaled_mm tensorwise and rowwise, next to
+   bf16 (TFLOP/s, largest error against fp32 within the fp8 bound, the casts bit for bit with
+   the CPU path); then configs/tiny.yaml trained 20 steps in bf16 and in fp8 by each recipe
+   (--quick: blockwise), every fp8 loss within 2% of bf16's at the same step.
 
 It prints one markdown table (a row per figure: section, name, what, ours, torch / reference,
 unit, status), writes every result with the GPU names, the torch, Triton and CUDA versions and
@@ -101,6 +106,7 @@ PHASE_LIMITS_S = {
     "training": 300.0,
     "calibration": 60.0,
     "tp-overlap": 150.0,
+    "fp8": 240.0,
 }
 DEVICE_FILE = Path("gpu_check_device.yaml")  # the calibrated device file (--device-file)
 TRAIN_RUN_S = 150.0  # one `megatronish bench` run
@@ -989,8 +995,8 @@ def environment() -> dict[str, Any]:
 
 
 def plan_jobs(quick: bool, gpu_count: int, device_file: Path = DEVICE_FILE) -> list[Job]:
-    """Tests, device ceilings, kernels, compiled kernels, training, calibration, tp-overlap, in
-    that order."""
+    """Tests, device ceilings, kernels, compiled kernels, training, calibration, tp-overlap, fp8,
+    in that order."""
     import torch
 
     bk = load_bench_kernels()
@@ -1024,7 +1030,23 @@ def plan_jobs(quick: bool, gpu_count: int, device_file: Path = DEVICE_FILE) -> l
     jobs.append(Job("tp-overlap", "split GEMM", split_gemm_job("cuda", measure)))
     if gpu_count >= 2:
         jobs.append(Job("tp-overlap", "tp2 bench", overlap_bench_job(steps, warmup), TRAIN_RUN_S))
-    return jobs
+    return jobs + fp8_jobs(quick, measure)
+
+
+def fp8_jobs(quick: bool, measure: Callable) -> list[Job]:
+    """The fp8 phase (scripts/gpu_fp8.py): the GEMMs, then the training runs (--quick: bf16
+    and blockwise only); a skipped row on a GPU without fp8 (compute capability below 8.9)."""
+    import torch
+
+    fp8 = load_script("gpu_fp8")
+    if torch.cuda.get_device_capability() < (8, 9):
+        skipped = row("fp8", "fp8", "-", None, None, "", "skipped: no fp8 below sm_89")
+        return [Job("fp8", "fp8", lambda _t: ([skipped], {}))]
+    recipes = ("blockwise",) if quick else fp8.RECIPES
+    return [
+        Job("fp8", "GEMMs", fp8.fp8_gemm_job("cuda", measure)),
+        Job("fp8", "training", fp8.fp8_training_job(run_command, recipes)),
+    ]
 
 
 def failed(rows: list[Row]) -> bool:

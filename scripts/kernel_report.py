@@ -2,28 +2,30 @@
 spills and shared memory against each architecture's limit, at the shapes the shipped configs
 use.
 
-    python scripts/kernel_report.py --arch sm_80 sm_90 [--json FILE] [--jobs N] [--representative]
-                                    [--only WORD...]
+    python scripts/kernel_report.py --arch sm_80 sm_89 sm_90 [--json FILE] [--jobs N]
+                                    [--representative] [--only WORD...]
 
-For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2 and
-8 where the heads divide, for the head dim 128 of the benchmarks, and for DeepSeek-V3's latent
-attention (query-key head dim 192, value head dim 128: MLA_V3), in bf16 and fp32, it builds the
-launches of one training step as the launchers make them
+For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2
+and 8 where the heads divide, for the head dim 128 of the benchmarks, and for DeepSeek-V3's
+latent attention (query-key head dim 192, value head dim 128: MLA_V3), in bf16 and fp32, it
+builds the launches of one training step as the launchers make them
 (megatronish_kernels.compile_check.model_launches: attention forward and backward, the ring-
-attention blocks, both again under document masks and (llama) under a sliding window, norms, RoPE,
-SwiGLU or bias-GELU, cross entropy, the expert GEMMs), compiles each distinct one for each arch with
-the ptxas Triton ships, and prints one table: kernel, configuration (constexprs, arguments
-specialized to 1, warps w and stages s), arch, dtype, registers, spill bytes, shared memory / the
-arch's limit per block, the estimated occupancy (warps per SM of 64, from registers and shared
-memory), the configs that launch it, and a status. A row FAILs when its shared memory is over the
-limit, or when it spills at bf16 (fp32 runs exact-fp32 dots without tensor cores: spills there are
-reported, not failed). --representative compiles one bf16 configuration per kernel (and per
-attention kernel one under document masks, one under document masks and a sliding window, and that
-one again at MLA_V3's head dims) only: what the tests compile. --only WORD... keeps the launches
-whose kernel name and origin ("llama-1b tp2 ring window documents") hold every word (--only window:
-the attention kernels under a sliding window). --json FILE writes the rows as a list of objects
-(kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes, num_warps,
-num_stages, occupancy_warps, models).
+attention blocks, both again under document masks and (llama) under a sliding window, norms,
+RoPE, SwiGLU or bias-GELU, cross entropy, the expert GEMMs, and for sm_89 and sm_90 the fp8
+casts and GEMMs, which sm_80 lacks; those also at the shapes of llama3-8b, mistral-7b and
+qwen3-30b-a3b), compiles each distinct one for each arch with the ptxas Triton ships, and prints
+one table: kernel, configuration (constexprs, arguments specialized to 1, warps w and stages s),
+arch, dtype, registers, spill bytes, shared memory / the arch's limit per block, the estimated
+occupancy (warps per SM of 64, 48 on sm_89, from registers and shared memory), the configs that
+launch it, and a status. A row FAILs when its shared memory is over the limit, or when it spills
+at bf16 or fp8 (fp32 runs exact-fp32 dots without tensor cores: spills there are reported, not
+failed). --representative compiles one bf16 configuration per kernel (and per attention kernel
+one under document masks, one under document masks and a sliding window, and that one again at
+MLA_V3's head dims) only: what the tests compile. --only WORD... keeps the launches whose kernel
+name and origin ("llama-1b tp2 ring window documents") hold every word (--only window: the
+attention kernels under a sliding window). --json FILE writes the rows as a list of objects
+(kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes,
+num_warps, num_stages, occupancy_warps, models).
 
 Exit status: 0 every row fits, 1 a row fails, 2 Triton cannot compile for NVIDIA targets here.
 Compiled kernels go to Triton's cache (TRITON_CACHE_DIR), so a second run takes seconds.
@@ -51,6 +53,8 @@ from megatronish.errors import UserError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("gpt2-124m", "gpt2-350m", "gpt2-1.3b", "llama-1b", "tiny-moe")
+# Configs whose fp8 launches (the casts and GEMMs of their linear layers) are compiled too.
+FP8_CONFIGS = ("llama3-8b", "mistral-7b", "qwen3-30b-a3b")
 TP_DEGREES = (1, 2, 8)  # and each config's own parallel.tp
 # The dataset's vocabulary, for a config that leaves model.vocab_size to it: tiny-moe trains on
 # the built-in corpus (byte tokenizer, 257 ids), llama-1b's comment prepares 32000 BPE ids.
@@ -63,7 +67,9 @@ REPRESENTATIVE = (("llama-1b", 2), ("gpt2-124m", 1), ("tiny-moe", 1))
 def model_shapes(name: str, tp: int) -> ModelShapes | None:
     """One tp rank's shapes of configs/NAME.yaml at tensor-parallel degree tp, or None when
     the config does not split over tp (heads, kv heads or widths do not divide)."""
-    cfg = load_config(REPO / "configs" / f"{name}.yaml", [f"parallel.tp={tp}"])
+    # One data-parallel rank (the shapes do not depend on dp; ep then takes 1).
+    sets = [f"parallel.tp={tp}", "parallel.dp=1", "parallel.ep=1"]
+    cfg = load_config(REPO / "configs" / f"{name}.yaml", sets)
     m, t = cfg.model, cfg.train
     if m.n_head % tp or (m.n_kv_head or m.n_head) % tp:
         return None
@@ -110,15 +116,26 @@ MLA_V3 = ModelShapes(
 )  # fmt: skip
 
 
-def shipped_shapes() -> list[ModelShapes]:
-    """Every shipped config at every tp degree it splits over (1, 2, 8 and its own), then the
-    head-dim-128 shape of the benchmarks and DeepSeek-V3's latent attention."""
+def shipped_shapes(names: tuple[str, ...] = CONFIGS) -> list[ModelShapes]:
+    """Every shipped config of `names` at every tp degree it splits over (1, 2, 8 and its own),
+    then (for CONFIGS) the head-dim-128 shape of the benchmarks and DeepSeek-V3's latent
+    attention."""
     shapes = []
-    for name in CONFIGS:
+    for name in names:
         own = load_config(REPO / "configs" / f"{name}.yaml").parallel.tp
         for tp in sorted({*TP_DEGREES, own}):
             shapes.append(model_shapes(name, tp))
-    return [s for s in shapes if s is not None] + [BENCH_D128, MLA_V3]
+    extra = [BENCH_D128, MLA_V3] if names == CONFIGS else []
+    return [s for s in shapes if s is not None] + extra
+
+
+def _launches(shapes: ModelShapes, dtype: str, arch_name: str, fp8_only: bool) -> list:
+    """model_launches, or only the fp8 ones (compile_check.fp8_launches, tagged fp8)."""
+    arch = ARCHS[arch_name]
+    if not fp8_only:
+        return compile_check.model_launches(shapes, dtype, arch)
+    launches = compile_check.fp8_launches(shapes, compile_check.DTYPES[dtype], arch.capability)
+    return [(launch, "fp8") for launch in launches]
 
 
 def _key(launch: Launch, arch_name: str) -> tuple:
@@ -137,14 +154,15 @@ def plan(
     kept launch's kernel name and origin hold (None: every launch)."""
     jobs, users = {}, {}
     if representative:
-        runs = [(model_shapes(name, tp), "bf16") for name, tp in REPRESENTATIVE]
-        runs.append((MLA_V3, "bf16"))
+        runs = [(model_shapes(name, tp), "bf16", False) for name, tp in REPRESENTATIVE]
+        runs.append((MLA_V3, "bf16", False))
     else:
-        runs = [(s, dtype) for s in shipped_shapes() for dtype in ("bf16", "fp32")]
+        runs = [(s, dtype, False) for s in shipped_shapes() for dtype in ("bf16", "fp32")]
+        runs += [(s, d, True) for s in shipped_shapes(FP8_CONFIGS) for d in ("bf16", "fp32")]
     for arch_name in arch_names:
         seen_kernels = set()  # (kernel, document masks, sliding window, split query-key dim)
-        for shapes, dtype in runs:
-            for launch, where in compile_check.model_launches(shapes, dtype, ARCHS[arch_name]):
+        for shapes, dtype, fp8_only in runs:
+            for launch, where in _launches(shapes, dtype, arch_name, fp8_only):
                 described = f"{launch.name} {shapes.name} {where}"
                 if only and not all(word in described for word in only):
                     continue
@@ -216,8 +234,8 @@ def _short_models(names: tuple[str, ...]) -> str:
 
 
 def status(row: Compiled) -> str:
-    """ok, or FAIL with the problems compile_check finds (spills allowed in fp32)."""
-    found = compile_check.problems(row, spills_allowed=row.dtype != "bf16")
+    """ok, or FAIL with the problems compile_check finds (spills allowed in fp32 only)."""
+    found = compile_check.problems(row, spills_allowed=row.dtype == "fp32")
     if found:
         return "FAIL: " + "; ".join(p.split(": ", 1)[1] for p in found)
     return "ok" if not row.spill_bytes else "ok (fp32 spills)"

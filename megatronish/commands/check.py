@@ -57,7 +57,11 @@ def check_config(cfg: Config, world_size: int | None) -> str:
     if world_size is not None and world_size < 1:
         raise UserError(f"--world-size {world_size}: must be >= 1")
     ops.check_backend(cfg.kernels.backend, default_device())
-    fp8_note = fp8.check_device(default_device()) if cfg.train.precision == "fp8" else None
+    fp8_note = (
+        fp8.check_device(default_device(), cfg.kernels.backend)
+        if cfg.train.precision == "fp8"
+        else None
+    )
     check_output_paths(cfg)
     if cfg.observe.tensorboard:
         from megatronish.observe.tensorboard import check_available

@@ -1,6 +1,8 @@
 """The three GEMMs of a linear layer with fp8 operands, emulated: each operand is cast to fp8
 by the recipe, dequantized to float32, and the product is an fp32 matmul (fp32 accumulation),
 cast to the dtype of its first operand, as torchao's Float8Linear(emulate=True) computes it.
+Where the recipe's backend runs the fp8 kernels the casts and products run there instead
+(megatronish.fp8.kernels), with the same numerics.
 
 Shapes: T tokens (all leading dims of the input flattened), in and out the features of this
 rank's weight [out, in]. `split` says which dim of the weight is split over the tp group (a
@@ -24,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from megatronish.fp8 import kernels
 from megatronish.fp8.quantize import Cast, Quantized, Split, quantize
 from megatronish.fp8.recipes import Recipe
 
@@ -41,15 +44,17 @@ def _tensorwise(q: Quantized) -> torch.Tensor | None:
     return q.scale if q.operand.granularity == "tensor" else None
 
 
-def _product(a: Quantized, b: Quantized, dtype: torch.dtype) -> torch.Tensor:
+def _product(a: Quantized, b: Quantized, dtype: torch.dtype, backend: str) -> torch.Tensor:
     """A [M, K] B [N, K]^T of the dequantized operands in float32 (whatever autocast says),
-    as dtype."""
+    as dtype: on the fp8 kernels where `backend` runs them (megatronish.fp8.kernels)."""
+    if kernels.fused(backend, a.payload):
+        return kernels.product(a.payload, a.scale, b.payload, b.scale, b.operand, dtype)
     with torch.autocast(a.payload.device.type, enabled=False):
         return torch.mm(a.values(), b.values().t()).to(dtype)
 
 
 _WEIGHT_CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-"""weight -> {(use, recipe): (the weight's version, its cast)}, as long as the weight lives."""
+"""weight -> {(use, recipe, backend): (the weight's version, its cast)}, while the weight lives."""
 
 
 def weights_changed() -> None:
@@ -76,11 +81,11 @@ def _with_weight(
     """quantize(casts + [cast]), cast the weight's (or its transpose's) for `use`, taken from
     the weight's cache when it holds this version of the weight (module doc)."""
     cache = _WEIGHT_CASTS.setdefault(weight, {})
-    key = (use, recipe.name)
+    key = (use, recipe.name, recipe.backend)
     version, kept = cache.get(key, (None, None))
     if version == weight._version:
-        return [*quantize(casts, recipe.power_of_2_scales, split), kept]
-    out = quantize([*casts, cast], recipe.power_of_2_scales, split)
+        return [*quantize(casts, recipe.power_of_2_scales, split, recipe.backend), kept]
+    out = quantize([*casts, cast], recipe.power_of_2_scales, split, recipe.backend)
     cache[key] = (weight._version, out[-1])
     return out
 
@@ -97,7 +102,9 @@ def forward_gemm(
         recipe,
         split,
     )
-    return _product(qx, qw, x.dtype), Scales(input=_tensorwise(qx), weight=_tensorwise(qw))
+    return _product(qx, qw, x.dtype, recipe.backend), Scales(
+        input=_tensorwise(qx), weight=_tensorwise(qw)
+    )
 
 
 def grad_input_gemm(
@@ -115,7 +122,9 @@ def grad_input_gemm(
         recipe,
         split,
     )
-    return _product(qdy, qwt, grad_output.dtype), replace(scales, grad_output=_tensorwise(qdy))
+    return _product(qdy, qwt, grad_output.dtype, recipe.backend), replace(
+        scales, grad_output=_tensorwise(qdy)
+    )
 
 
 def grad_weight_gemm(
@@ -135,8 +144,9 @@ def grad_weight_gemm(
         ],
         recipe.power_of_2_scales,
         split,
+        recipe.backend,
     )
-    return _product(qdyt, qxt, grad_output.dtype)
+    return _product(qdyt, qxt, grad_output.dtype, recipe.backend)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatronish.distributed import comm
 from megatronish.fp8 import granularity as groups
+from megatronish.fp8 import kernels
 from megatronish.fp8.recipes import Operand
 from megatronish.fp8.scaling import amax_to_scale, cast_to_fp8, dequantize
 
@@ -103,15 +104,22 @@ class Cast:
         return self.k if granularity == "row" else WHOLE
 
 
-def quantize(casts: list[Cast], power_of_2: bool, split: Split) -> list[Quantized]:
+def quantize(
+    casts: list[Cast], power_of_2: bool, split: Split, backend: str = "auto"
+) -> list[Quantized]:
     """Each cast's operand in fp8. The amaxes of the casts whose scaling groups span ranks go
     through one MAX all-reduce over the group of all the axes they span (none when no cast
-    needs it, or that group has one rank)."""
-    amaxes = [
-        None if cast.scale is not None else groups.amax(cast.x, cast.operand.granularity)
-        for cast in casts
-    ]
+    needs it, or that group has one rank). Where `backend` (kernels.backend) runs the fp8
+    kernels (megatronish.fp8.kernels) the casts are fused, with the same results: from the
+    reduced amaxes where there was a reduction, else each from its own operand's."""
+    fused = kernels.fused(backend, casts[0].x)
     spans = [split.of_many(cast.spans) for cast in casts]
+    amaxes = [
+        None
+        if cast.scale is not None or (fused and not axes)
+        else (kernels.amax if fused else groups.amax)(cast.x, cast.operand.granularity)
+        for cast, axes in zip(casts, spans)
+    ]
     reduced = [i for i, axes in enumerate(spans) if axes]
     if reduced:
         group = split.group_over(frozenset().union(*spans))
@@ -122,6 +130,10 @@ def quantize(casts: list[Cast], power_of_2: bool, split: Split) -> list[Quantize
     out = []
     for cast, amax in zip(casts, amaxes):
         operand = cast.operand
+        if fused:
+            payload, scale = kernels.cast(cast.x, operand, power_of_2, amax, cast.scale)
+            out.append(Quantized(payload, scale, operand))
+            continue
         if cast.scale is not None:
             scale = cast.scale
         else:

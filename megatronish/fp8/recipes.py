@@ -45,13 +45,15 @@ class Operand:
 @dataclass(frozen=True)
 class Recipe:
     """The casts of a linear layer's input, weight and output gradient, the same in every GEMM
-    that reads them, and whether scales are rounded down to powers of two."""
+    that reads them, and whether scales are rounded down to powers of two. backend: the
+    kernels.backend the casts and GEMMs run with (megatronish.fp8.kernels)."""
 
     name: str
     input: Operand
     weight: Operand
     grad_output: Operand
     power_of_2_scales: bool
+    backend: str = "auto"
 
 
 RECIPES = {

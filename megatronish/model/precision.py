@@ -4,6 +4,7 @@ optimizer stay fp32), and under fp8 which linear layers take fp8 GEMMs."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -40,12 +41,12 @@ def fp8_layers(model: nn.Module) -> list[ColumnParallelLinear | RowParallelLinea
 
 
 def use_precision(model: nn.Module, cfg: Config, ps: ParallelState) -> None:
-    """Sets train.fp8_recipe on fp8_layers(model) when train.precision is fp8, with the groups
-    their tokens are split over at cp > 1 (nothing otherwise: the other precisions are
-    autocast alone)."""
+    """Sets train.fp8_recipe (with kernels.backend) on fp8_layers(model) when train.precision
+    is fp8, with the groups their tokens are split over at cp > 1 (nothing otherwise: the other
+    precisions are autocast alone)."""
     if cfg.train.precision != "fp8":
         return
-    recipe = RECIPES[cfg.train.fp8_recipe]
+    recipe = replace(RECIPES[cfg.train.fp8_recipe], backend=cfg.kernels.backend)
     tokens = TokenGroups(ps.cp_group, ps.tp_cp_group) if ps.cp > 1 else TokenGroups()
     for layer in fp8_layers(model):
         layer.fp8_recipe, layer.fp8_tokens = recipe, tokens

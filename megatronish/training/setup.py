@@ -90,7 +90,11 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
         )
     derived = derive(cfg, world, vocab_size=data_vocab)
     ops.check_backend(cfg.kernels.backend, default_device())
-    notes = [fp8.check_device(default_device())] if cfg.train.precision == "fp8" else []
+    notes = (
+        [fp8.check_device(default_device(), cfg.kernels.backend)]
+        if cfg.train.precision == "fp8"
+        else []
+    )
     if cfg.observe.tensorboard:
         check_tensorboard()
     check_output_paths(cfg)

@@ -71,7 +71,8 @@ def test_fp8_on_a_gpu_below_compute_capability_8_9_is_a_user_error(monkeypatch):
     with pytest.raises(UserError, match=r"train.precision: .* NVIDIA A100-SXM4-80GB is 8.0"):
         check_device(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-    assert "emulated on cuda" in check_device(torch.device("cuda"))
+    assert "runs on the fp8 kernels" in check_device(torch.device("cuda"))
+    assert "emulated on cuda" in check_device(torch.device("cuda"), "torch")
 
 
 def test_fp8_run_says_once_it_emulates_and_its_checkpoint_resumes_in_bf16(tmp_path, small_dataset):

@@ -37,11 +37,11 @@ def _losses(dataset, monkeypatch, recipe: str, keep: bool) -> tuple[list[float],
 
     made, quantize, weight = [0], gemm.quantize, RECIPES[recipe].weight
 
-    def counted(casts, power_of_2, split):
+    def counted(casts, power_of_2, split, backend):
         if not keep:
             gemm.weights_changed()
         made[0] += sum(cast.operand is weight for cast in casts)
-        return quantize(casts, power_of_2, split)
+        return quantize(casts, power_of_2, split, backend)
 
     monkeypatch.setattr(gemm, "quantize", counted)
     sets = [*TINY, f"train.fp8_recipe={recipe}", f"data.path={dataset}"]

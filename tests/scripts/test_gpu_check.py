@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import kernel_env  # noqa: F401 (the kernels as the kernel tests define them)
 from tests.conftest import REPO, finish, invoke_cli
 
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -235,3 +236,28 @@ def test_calibration_writes_the_device_file_plan_reads_from_a_fake_measurement(t
     args = ["--gpus", "8", "--gpu", str(path), "--layout", "dp=8", "--json"]
     result = invoke_cli("plan", "--config", config, *args)
     assert result.returncode == 0, result.stderr
+
+
+def test_fp8_gemm_job_on_the_interpreter_is_within_the_fp8_bound_and_casts_bit_for_bit(
+    interpreter_env,
+):
+    """The fp8 phase's GEMM rows at a tiny shape on the CPU (the kernels interpreted; no
+    torch._scaled_mm there): ours blockwise, tensorwise and rowwise against fp32."""
+    fp8 = gpu_check.load_script("gpu_fp8")
+    measure = lambda fn: fn() is not None and 1.0  # noqa: E731 (runs each GEMM once)
+    rows, detail = fp8.fp8_gemm_job("cpu", measure, (40, 200, 136))(60.0)
+    names = {r["name"] for r in rows}
+    assert names == {f"GEMM 40x136x200 {r} (ours)" for r in fp8.RECIPES}
+    assert {r["section"] for r in rows} == {"fp8"} and all(r["status"] == "ok" for r in rows)
+    assert detail["bf16"]["error"] < detail["blockwise (ours)"]["error"]  # fp8 is coarser
+    bound = dict(tflops=1.0, error=0.5, bound=0.1, cast_equal=False)
+    over = fp8.gemm_rows("g", bound, detail["bf16"])
+    assert over[1]["status"].startswith("FAIL") and over[2]["status"].startswith("FAIL")
+
+
+def test_fp8_loss_rows_fail_a_gap_over_two_percent_or_a_missing_step():
+    fp8 = gpu_check.load_script("gpu_fp8")
+    good = fp8.loss_rows("r", [5.0, 4.0], [5.0, 4.05])
+    assert [r["status"] for r in good] == ["ok", "ok"] and good[0]["ours"] == 4.0
+    assert fp8.loss_rows("r", [5.0, 4.0], [5.0, 4.2])[1]["status"].startswith("FAIL: over 2%")
+    assert fp8.loss_rows("r", [5.0], [5.0, 4.2])[0]["status"].startswith("FAIL: 1 logged")
