@@ -152,6 +152,9 @@ def ring_ratio(cfg: Config, derived: Derived, peak_flops: float, link_gb_s: floa
     kv_bytes = b * (derived.n_kv_head // tp) * (s // cp) * kv_dims * width
     window = attention_window(cfg.model, cfg.model.n_layer - 1)  # the last layer slides, if any
     heads = cfg.model.n_head // tp
-    flops = attention_flops(b, heads, s // cp, s, derived.head_dim, True, window) / cp
+    flops = (
+        attention_flops(b, heads, s // cp, s, derived.head_dim, True, window, derived.v_head_dim)
+        / cp
+    )
     link = link_gb_s if tp * cp <= GPUS_PER_NODE else INTER_NODE_GB_S
     return (kv_bytes / (link * 1e9)) / (flops / (peak_flops * ASSUMED_MFU))

@@ -14,7 +14,8 @@ MoE MLP instead its router [T, h] x [h, E] and the T top_k routed rows through i
 experts (each [rows, h] x [h, f / t] three times: gate, up, down), a shared expert as a dense
 MLP of moe_d_ff.
 
-Attention: flash-style (what megatronish runs): 4 b (a / t) (s / cp) s d FLOPs forward, half
+Attention: flash-style (what megatronish runs): 2 b (a / t) (s / cp) s (d + d_v) FLOPs forward
+(d_v the value head dim: d but for multi-head latent attention), half
 under the causal mask (under a sliding window W the pairs it keeps: roofline.attention_flops),
 at the device's attention shares of the peak, 2.5 x the FLOPs backward. "materialized" (what
 Megatron-LM ran in 2021-22, before flash attention): the scores [b, a / t, s, s] come from two
@@ -31,7 +32,10 @@ T f / t (gelu) or read 2 and write 1 (swiglu); llama's rotary embedding on q and
 write T (a + k) d / t; the heads' layout copies, read + write of q, k, v into [b, a / t, s, d]
 and of the attention output back, 2 T (2 a + 2 k) d / t. Backward moves twice the forward's
 bytes. Output layer: the final norm; the cross entropy reads the logits and writes their fp32
-softmax statistics and the logits' gradient, about (2 c + 8) T V / t bytes. Embedding: a lookup
+softmax statistics and the logits' gradient, about (2 c + 8) T V / t bytes. A multi-token
+prediction module (model.mtp_depth, on the last stage): its eh_proj [N, 2h] x [2h, h] (replicated
+over tp) and three norms 2 N h each (enorm, hnorm, its own), beside a layer and the output
+layer timed as above. Embedding: a lookup
 forward (read fp32 4 T h, write c T h) and a scatter-add of its gradient backward (read and
 write 4 T h).
 """
@@ -251,7 +255,7 @@ def _attention(
     model, train, tp = cfg.model, cfg.train, derived.tp
     b, heads, hd = train.micro_batch_size, model.n_head // tp, derived.head_dim
     if kind == "flash":
-        flops = attention_flops(b, heads, s, train.seq_len, hd, causal=True, window=window)
+        flops = attention_flops(b, heads, s, train.seq_len, hd, True, window, derived.v_head_dim)
         return (
             flash_attention_seconds(flops, device, eff, backward=False),
             flash_attention_seconds(flops, device, eff, backward=True),
@@ -293,5 +297,23 @@ def output_time(cfg: Config, derived: Derived, device: Device, eff: Efficiency) 
     return LayerTime(
         forward=timer.gemm(T, v_local, h) + norm + loss / 2,
         backward=timer.gemm(T, v_local, h, backward=True) + 2 * norm + loss / 2,
+        attention_forward=0.0,
+    )
+
+
+def mtp_projection_time(
+    cfg: Config, derived: Derived, device: Device, eff: Efficiency
+) -> LayerTime:
+    """A multi-token prediction module's own work of one micro-batch on the last stage: its
+    three norms and eh_proj (2h -> h, on the rank's sequence share under sequence parallelism);
+    full recompute does not rerun them (only the module's block)."""
+    width = 2 if cfg.train.bf16_autocast else 4
+    timer = _Timer(device, eff, width)
+    T, h = cfg.train.micro_batch_size * cfg.train.seq_len // derived.cp, cfg.model.d_model
+    N = T // derived.tp if cfg.parallel.sequence_parallel and derived.tp > 1 else T
+    norms = timer.stream(3 * 2 * N * h, 3)
+    return LayerTime(
+        forward=timer.gemm(N, h, 2 * h) + norms,
+        backward=timer.gemm(N, h, 2 * h, backward=True) + 2 * norms,
         attention_forward=0.0,
     )

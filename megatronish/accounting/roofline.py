@@ -126,12 +126,16 @@ def attention_flops(
     head_dim: int,
     causal: bool,
     window: int | None = None,
+    v_head_dim: int | None = None,
 ) -> float:
-    """Forward FLOPs of softmax(q k^T) v for `heads` heads: 4 batch heads s_q s_k head_dim,
-    half when causal (the masked half of the scores is skipped); under a causal sliding window
-    W below s_k only the pairs it keeps, sum over positions of min(i + 1, W) instead of
-    s_k (s_k + 1) / 2 (queries s_q of a sequence of s_k: a cp rank's share, on average)."""
-    flops = 4.0 * batch * heads * s_q * s_k * head_dim
+    """Forward FLOPs of softmax(q k^T) v for `heads` heads: 2 batch heads s_q s_k (head_dim +
+    v_head_dim) (q k^T over the query-key head dim, p v over the value head dim; v_head_dim
+    None: head_dim, 4 batch heads s_q s_k head_dim), half when causal (the masked half of the
+    scores is skipped); under a causal sliding window W below s_k only the pairs it keeps, sum
+    over positions of min(i + 1, W) instead of s_k (s_k + 1) / 2 (queries s_q of a sequence of
+    s_k: a cp rank's share, on average)."""
+    dims = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+    flops = 2.0 * batch * heads * s_q * s_k * dims
     if not causal:
         return flops
     if window is None or window >= s_k:

@@ -4,7 +4,9 @@ functions of the config, its derived layout, a Device and the Efficiency constan
 
 Per pipeline stage r and micro-batch: the compute of its layers (accounting.layer_time: forward,
 backward, and the forward again under full recompute or the attention core under selective),
-the embedding on the first stage and the output layer on the last; plus the collectives that
+the embedding on the first stage and the output layer on the last, with on the last its
+multi-token prediction modules (model.mtp_depth: each a layer, its eh_proj and norms and the
+output layer again); plus the collectives that
 stage issues (accounting.collectives, the count the tests hold the wire to), timed by
 accounting.comm_time and split by what hides them:
 
@@ -35,8 +37,9 @@ Step time = m x (stage compute + exposed tp + cp + ep per micro-batch) of the sl
 + bubble + sends + exposed dp + optimizer.
 
 FLOPs: model FLOPs are accounting.flops' (3 passes, no recompute); hardware FLOPs add what
-recompute reruns: the layers' forward (full; Narayanan et al. 2021, eq. 3) or the attention
-core's forward, 4 s^2 a d per sequence and layer (selective; s min(s, W) in a layer with a
+recompute reruns: the layers' forward (full; Narayanan et al. 2021, eq. 3: the multi-token
+prediction blocks too, not the output layer nor the modules' eh_proj) or the attention
+core's forward, 2 s^2 a (d + d_v) per sequence and layer (selective; s min(s, W) in a layer with a
 sliding window W).
 
 A stage's layers are timed by kind: dense or MoE, and the sliding window each attends through
@@ -59,6 +62,7 @@ from megatronish.accounting.layer_time import (
     embedding_time,
     layer_time,
     linear_gemms,
+    mtp_projection_time,
     output_time,
 )
 from megatronish.accounting.parameters import (
@@ -126,9 +130,12 @@ def flops_per_step(cfg: Config, derived: Derived) -> tuple[float, float]:
     )
     model_flops = model_flops_per_step(plain, derived)
     attention = attention_flops_per_token(cfg, derived) * derived.tokens_per_step
-    if train.activation_checkpointing == "full":  # the layers' forward again, not the output layer
-        head = 2 * model.d_model * derived.vocab_size * derived.tokens_per_step
-        return model_flops, model_flops + (model_flops / 3 - head)
+    if train.activation_checkpointing == "full":
+        # The layers' forward again (the multi-token prediction blocks among them), not the
+        # output layer, nor the modules' eh_proj and their output layer.
+        h, depth = model.d_model, model.mtp_depth
+        head = (1 + depth) * 2 * h * derived.vocab_size + depth * 2 * 2 * h * h
+        return model_flops, model_flops + (model_flops / 3 - head * derived.tokens_per_step)
     if train.activation_checkpointing == "selective":
         return model_flops, model_flops + attention
     return model_flops, model_flops
@@ -144,24 +151,39 @@ def _stage_kinds(cfg: Config, derived: Derived, r: int) -> tuple[tuple[tuple, in
     return tuple(sorted(kinds.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
 
 
+def _mtp_kinds(cfg: Config, derived: Derived) -> tuple[tuple[tuple, int], ...]:
+    """((MoE, sliding window), blocks) of the multi-token prediction modules' blocks (global
+    indices n_layer .. n_layer + mtp_depth - 1), in a fixed order."""
+    n_layer = cfg.model.n_layer
+    kinds = Counter(
+        (layer in derived.moe_layers, attention_window(cfg.model, layer))
+        for layer in range(n_layer, n_layer + cfg.model.mtp_depth)
+    )
+    return tuple(sorted(kinds.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
+
+
 def _stage(cfg: Config, derived: Derived, r: int, device: Device, eff: Efficiency, attention: str):
     """(per-micro-batch compute, forward, backward, attention core forward) seconds of stage
-    r."""
-    recompute = cfg.train.activation_checkpointing
+    r; the last stage's include its multi-token prediction modules: each a layer (rerun by
+    full recompute), its eh_proj and norms, and the output layer again (not rerun)."""
+    recompute, last = cfg.train.activation_checkpointing, r == derived.pp - 1
+    kinds = _stage_kinds(cfg, derived, r) + (_mtp_kinds(cfg, derived) if last else ())
     parts = [
         (layer_time(cfg, derived, device, eff, moe, attention, window), n)
-        for (moe, window), n in _stage_kinds(cfg, derived, r)
+        for (moe, window), n in kinds
     ]
     compute = sum(lt.total(recompute) * n for lt, n in parts)
     forward = sum(lt.forward * n for lt, n in parts)
     backward = sum((lt.total(recompute) - lt.forward) * n for lt, n in parts)
     attention_forward = sum(lt.attention_forward * n for lt, n in parts)
-    for edge, on in ((embedding_time, r == 0), (output_time, r == derived.pp - 1)):
-        if on:
+    depth = cfg.model.mtp_depth if last else 0
+    edges = ((embedding_time, int(r == 0)), (output_time, int(last) * (1 + depth)))
+    for edge, n in (*edges, (mtp_projection_time, depth)):
+        if n:
             lt = edge(cfg, derived, device, eff)
-            compute += lt.forward + lt.backward
-            forward += lt.forward
-            backward += lt.backward
+            compute += (lt.forward + lt.backward) * n
+            forward += lt.forward * n
+            backward += lt.backward * n
     return compute, forward, backward, attention_forward
 
 

@@ -262,8 +262,9 @@ class GPT(nn.Module):
         rank's shard. divisor (a loss mask): a scalar, or [1 + D] (the main loss's, then each
         depth's) with multi-token prediction."""
         main_divisor = divisor if divisor is None or divisor.dim() == 0 else divisor[0]
+        normed = self.norm_f(hidden)
         with annotate("logits"):
-            logits = self.logits(self.norm_f(hidden))
+            logits = self.logits(normed)
         main = self.loss_of_logits(logits, targets, main_divisor)
         if self.mtp is None or not self.training:
             return main, None
@@ -275,9 +276,9 @@ class GPT(nn.Module):
         embedded = self.tok_emb.forward(tokens)  # [b, D, s, h]
         recompute = self.tracker if self.full_checkpoint and self.training else None
         with annotate("mtp"):
-            normed = self.mtp(hidden, embedded, documents, recompute)
+            depths = self.mtp(normed, embedded, documents, recompute)
         losses = []
-        for k, x in enumerate(normed, start=1):
+        for k, x in enumerate(depths, start=1):
             depth_divisor = None if divisor is None else divisor[k]
             losses.append(self.loss_of_logits(self.logits(x), mtp_targets[:, k - 1], depth_divisor))
         return main, torch.stack(losses).mean()

@@ -1,13 +1,15 @@
 """Multi-token prediction (model.mtp_depth; DeepSeek-V3, section 2.2).
 
-Module k (1..D, D = mtp_depth) at position i combines the previous depth's final hidden state
-h^{k-1}_i (h^0: the main model's, before its final norm) with the embedding of the token k
-positions ahead, t_{i+k}: eh_proj([enorm(emb(t_{i+k})); hnorm(h^{k-1}_i)]) (2h -> h, the order
-of the published checkpoints), then one transformer block (the model's own Block, at index
-n_layer + k - 1: dense or MoE as config.derive.moe_layers says), then its own final norm and
-the main model's output layer. Its target is t_{i+k+1}, the main targets shifted by k:
-positions without one (the last k of a sequence) and positions whose shifted main target does
-not count (a loss mask, data.eod_mask_loss) are -100.
+Module k (1..D, D = mtp_depth) at position i combines the previous depth's output h^{k-1}_i
+with the embedding of the token k positions ahead, t_{i+k}:
+eh_proj([enorm(emb(t_{i+k})); hnorm(h^{k-1}_i)]) (2h -> h, the order of the published
+checkpoints), then one transformer block (the model's own Block, at index n_layer + k - 1:
+dense or MoE as config.derive.moe_layers says) and its own final norm: h^k. h^0 is the main
+model's output after its final norm (what its output layer takes), and h^k is both the input of
+the main model's output layer for depth k and depth k + 1's h^k, as transformers' MtpModel and
+the published checkpoints' inference engines chain them. Its target is t_{i+k+1}, the main
+targets shifted by k: positions without one (the last k of a sequence) and positions whose
+shifted main target does not count (a loss mask, data.eod_mask_loss) are -100.
 The loss the model trains on is the main loss plus mtp_loss_coef times the mean over the depths
 of their cross-entropies; the main loss alone is what `loss` and every evaluation report.
 
@@ -82,12 +84,15 @@ class MTPLayer(nn.Module):
         documents: Documents | None,
         tracker: RNGTracker | None,
     ) -> torch.Tensor:
-        """h^{k-1} [b, s, h] and the embeddings ahead [b, s, h] -> h^k [b, s, h] (before the
-        norm); tracker: recompute the block in backward (full activation checkpointing)."""
+        """h^{k-1} [b, s, h] and the embeddings ahead [b, s, h] -> h^k [b, s, h] (after the
+        module's norm); tracker: recompute the block in backward (full activation
+        checkpointing)."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         if tracker is not None:
-            return checkpoint(self.block, tracker, x, documents)
-        return self.block(x, documents)
+            x = checkpoint(self.block, tracker, x, documents)
+        else:
+            x = self.block(x, documents)
+        return self.norm(x)
 
 
 class MTP(nn.Module):
@@ -109,14 +114,14 @@ class MTP(nn.Module):
         documents: Documents | None,
         tracker: RNGTracker | None,
     ) -> tuple[torch.Tensor, ...]:
-        """The main model's final hidden states [b, s, h] and the embeddings ahead
-        [b, D, s, h] (whole sequences on every tp rank) -> each depth's normed hidden states
-        [b, s, h], for the output layer."""
+        """The main model's output after its final norm [b, s, h] and the embeddings ahead
+        [b, D, s, h] (whole sequences on every tp rank) -> each depth's h^k [b, s, h] (normed),
+        for the output layer."""
         out = []
         for k, layer in enumerate(self.layers):
             ahead = embedded[:, k]
             if self.sequence_parallel:
                 ahead = mappings.scatter_to_sequence_parallel_region(ahead, self.tp_group)
             hidden = layer(hidden, ahead, documents, tracker)
-            out.append(layer.norm(hidden))
+            out.append(hidden)
         return tuple(out)

@@ -362,3 +362,36 @@ def test_fixed_layout_uses_the_configs_micro_batch_and_recompute():
     row = fixed_layout(cfg, 1024, "tp=8 pp=8 v=2 dp=16", target("H100", None, "gpu", None, 1024))
     assert row.cfg.train.micro_batch_size == 2 and row.memory.activation_checkpointing == "full"
     assert dataclasses.asdict(row.cfg.parallel)["pp_virtual"] == 2
+
+
+def test_plan_compute_grows_with_mtp_depth_as_its_model_flops_do():
+    """Each multi-token prediction module adds to the last stage a layer, eh_proj and the
+    output layer again: the compute grows by the same time per depth, at about the FLOP rate
+    of the rest of the model at tp 1 (both are mostly the same GEMMs; within 25%; eh_proj is
+    replicated over tp ranks)."""
+    compute, flops = [], []
+    for depth in (0, 1, 2):
+        cfg, d = _gpt3("model.n_layer=8", "parallel.dp=1", f"model.mtp_depth={depth}", world=1)
+        p = step_time(cfg, d, GPUS["H100"])
+        compute.append(p.breakdown["compute"])
+        flops.append(p.model_flops)
+    assert compute[0] < compute[1] < compute[2]
+    assert compute[2] - compute[1] == pytest.approx(compute[1] - compute[0], rel=1e-9)
+    rate, added_rate = flops[0] / compute[0], (flops[1] - flops[0]) / (compute[1] - compute[0])
+    assert 0.8 < added_rate / rate < 1.25
+
+
+def test_latent_attention_times_its_value_head_dim_apart_from_the_query_key_one():
+    """q k^T runs over the query-key head dim (192 in DeepSeek-V3), p v over the value head
+    dim: the attention core's time is proportional to their sum, 2 (d + d_v) per pair."""
+    from megatronish.accounting.layer_time import layer_time
+
+    times = {}
+    for v in (64, 128):
+        cfg = load_config(CONFIGS / "deepseek-v3.yaml", [f"model.mla.v_head_dim={v}"])
+        d = derive(cfg, 256)
+        times[v] = layer_time(cfg, d, GPUS["H100"], GPU_EFFICIENCY, False, "flash")
+    overhead = GPU_EFFICIENCY.kernel_overhead_s  # one kernel, whatever its FLOPs
+    ratio = (times[128].attention_forward - overhead) / (times[64].attention_forward - overhead)
+    assert ratio == pytest.approx((192 + 128) / (192 + 64), rel=1e-9)
+    assert attention_flops(1, 2, 8, 8, 192, False, None, 128) == 2 * 2 * 64 * (192 + 128)

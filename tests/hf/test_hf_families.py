@@ -23,6 +23,7 @@ from megatronish.cli import cli
 from megatronish.config import derive, load_config
 from megatronish.errors import UserError
 from megatronish.hf.importer import check_hf_matches, import_hf, read_hf
+from megatronish.model.mtp import ahead_of
 from tests.checkpoints import logits_at_tp
 from tests.conftest import run_cli
 from tests.ranks import run_on_ranks
@@ -490,3 +491,63 @@ def test_deepseek_multi_token_prediction_layers_travel_as_the_published_checkpoi
     with pytest.raises(UserError, match="model.layers.3.shared_head.head.weight differs"):
         import_hf(str(tmp_path / "bad"), str(tmp_path / "bad-out"))
     assert not (tmp_path / "bad-out").exists()
+
+
+def _with_transformers_mtp(main, depth: int, to: Path):
+    """transformers' own multi-token prediction (MtpModel) of depth `depth` on the DeepSeek-V3
+    model `main`, every weight of its modules random, saved with main's weights in to/ as the
+    published checkpoints store the modules (model.layers.<num_hidden_layers + k>.*)."""
+    from safetensors.torch import save_file
+    from transformers.modeling_layers import MtpModel
+
+    main.config.num_mtp_layers = depth
+    mtp = MtpModel(main, depth).eval()
+    torch.manual_seed(4)
+    tensors = {k: v.contiguous() for k, v in main.state_dict().items()}
+    with torch.no_grad():
+        for k, layer in enumerate(mtp.layers):
+            for param in layer.parameters():
+                vector = param.dim() == 1
+                param.normal_(1.0 if vector else 0.0, 0.5 if vector else 0.1)
+            layer.mtp_block.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+            prefix = f"model.layers.{SHAPE['num_hidden_layers'] + k}."
+            for name, value in layer.state_dict().items():
+                name = name.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+                tensors[prefix + name] = value.clone()
+            tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+            tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    main.save_pretrained(to)
+    save_file(tensors, str(to / "model.safetensors"))
+    return mtp
+
+
+def test_deepseek_multi_token_prediction_gives_transformers_mtp_logits_and_loss(tmp_path):
+    """transformers' MtpModel (depth 2) feeds module 1 the main model's last hidden state after
+    its final norm and module k + 1 module k's normed output, with the tokens k ahead at the
+    main model's positions: our import of its weights gives each depth's logits and the mean
+    of the depths' cross-entropies on the targets k + 1 ahead (fp32: to 1e-5)."""
+    main = _random_model("deepseek_v3")
+    mtp = _with_transformers_mtp(main, 2, tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    gpt = load_model(tmp_path / "ours").gpt
+    assert gpt.cfg.model.mtp_depth == 2
+    sequence = torch.randint(0, VOCAB, (2, 18), generator=torch.Generator().manual_seed(5))
+    tokens, targets, s = sequence[:, :-1], sequence[:, 1:], 17
+    positions = torch.arange(s).expand(2, s)
+    with torch.no_grad():
+        outputs = main.model(tokens, output_hidden_states=True)
+        assert torch.equal(outputs.hidden_states[-1], outputs.last_hidden_state)
+        hidden, theirs, losses = outputs.hidden_states[-1], [], []
+        for k in range(1, 3):
+            ahead = torch.cat([tokens[:, k:], torch.zeros_like(tokens[:, :k])], dim=1)
+            hidden = mtp.forward_layer(k - 1, hidden, positions, None, input_ids=ahead)
+            theirs.append(mtp._project_to_logits(hidden))
+            want = torch.cat([targets[:, k:], torch.full_like(targets[:, :k], -100)], dim=1)
+            losses.append(torch.nn.functional.cross_entropy(theirs[-1].transpose(1, 2), want))
+        gpt.train()
+        ours = gpt.losses(tokens, targets)
+        embedded = gpt.tok_emb(ahead_of(tokens, targets, 2)[:, 0])
+        normed = gpt.mtp(gpt.norm_f(gpt.stage_forward(tokens)), embedded, None, None)
+    for depth, (x, want_logits) in enumerate(zip(normed, theirs, strict=True)):
+        assert (gpt.logits(x)[..., :VOCAB] - want_logits).abs().max() < 1e-5, depth
+    assert abs(ours[1] - torch.stack(losses).mean()) < 1e-5

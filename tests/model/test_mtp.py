@@ -55,11 +55,12 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tenso
 
 
 def reference_mtp_loss(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3 section 2.2 in plain torch: h^k = block_k(eh_proj([rms(emb(t_{i+k}));
-    rms(h^{k-1}_i)])), the loss of depth k the mean cross-entropy of the output layer on
-    rms_k(h^k_i) against t_{i+k+1} over the positions that have one; the mean over k."""
+    """DeepSeek-V3 section 2.2 in plain torch, chained as transformers' MtpModel chains it:
+    h^0 the main model's output after its final norm, h^k = rms_k(block_k(eh_proj(
+    [rms(emb(t_{i+k})); rms(h^{k-1}_i)]))), the loss of depth k the mean cross-entropy of the
+    output layer on h^k_i against t_{i+k+1} over the positions that have one; the mean over k."""
     s = tokens.shape[1]
-    hidden = model.stage_forward(tokens)  # h^0: the main model's, before its final norm
+    hidden = rms(model.stage_forward(tokens), model.norm_f.weight)  # h^0
     losses = []
     for k, layer in enumerate(model.mtp.layers, start=1):
         ahead = tokens[:, k:]  # t_{i+k} for the positions i < s - k that have a target
@@ -68,8 +69,8 @@ def reference_mtp_loss(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) 
             [rms(emb, layer.enorm.weight), rms(hidden[:, : s - k], layer.hnorm.weight)], -1
         )
         x = joined @ layer.eh_proj.weight.T
-        hidden = layer.block(x)
-        logits = rms(hidden, layer.norm.weight) @ model.lm_head.weight[:VOCAB].T
+        hidden = rms(layer.block(x), layer.norm.weight)
+        logits = hidden @ model.lm_head.weight[:VOCAB].T
         losses.append(F.cross_entropy(logits.flatten(0, 1), targets[:, k:].flatten()))
     return torch.stack(losses).mean()
 
