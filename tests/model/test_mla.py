@@ -120,6 +120,11 @@ TINY_V3 = str(CONFIGS / "tiny-deepseek-v3.yaml")
             ["model.arch=llama", "model.attention=mla"],
             ["model.mla.kv_lora_rank: missing", "model.mla.v_head_dim"],
         ),
+        (
+            TINY_V3,
+            ["model.attention=mha"],
+            ["model.mla.q_lora_rank: 48 needs model.attention=mla", "model.attention is mha"],
+        ),
         (TINY_V3, ["model.mla.qk_rope_head_dim=7"], ["model.mla.qk_rope_head_dim: 7", "even"]),
         (TINY_V3, ["model.mla.v_head_dim=0"], ["model.mla.v_head_dim: 0", "positive integer"]),
         (TINY_V3, ["parallel.tp=3"], ["model.n_head: 4 is not divisible by parallel.tp=3"]),
@@ -142,3 +147,17 @@ def test_a_bad_latent_attention_setting_is_exit_2_with_one_line_naming_the_key(
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def test_deepseek_v3_with_mha_takes_no_latent_sizes_from_the_preset_and_trains(tmp_path):
+    sets = ["model.arch=deepseek_v3", "model.attention=mha", "model.n_layer=1", "model.d_model=32"]
+    sets += ["model.max_seq_len=16", "train.seq_len=16", "train.micro_batch_size=2"]
+    sets += ["train.global_batch_size=2", "train.steps=1", "train.eval_every=0"]
+    sets += [f"run.out_dir={tmp_path / 'run'}", "checkpoint.save=false"]
+    cfg = load_config(CONFIGS / "tiny.yaml", sets)
+    assert cfg.model.attention == "mha" and cfg.model.mla.kv_lora_rank is None
+    args = ["--config", str(CONFIGS / "tiny.yaml"), *(a for s in sets for a in ("--set", s))]
+    assert invoke_cli("check", *args).returncode == 0
+    result = invoke_cli("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("step 1: loss ")
