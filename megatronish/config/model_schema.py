@@ -167,7 +167,8 @@ class ModelConfig:
     """mha: multi-head (grouped-query) attention of n_head heads of head_dim. mla: DeepSeek's
     multi-head latent attention (llama only): n_head heads whose keys and values come from a
     compressed latent of model.mla.kv_lora_rank plus one rotary key shared by all heads; its
-    sizes are model.mla.* (head_dim, n_kv_head, qk_norm, qkv_bias and sliding_window unused)."""
+    sizes are model.mla.* (head_dim, n_kv_head, qk_norm and qkv_bias unused; model.sliding_window
+    masks its heads as it masks mha's)."""
     mla: MLAConfig = field(default_factory=MLAConfig)
     """Multi-head latent attention's sizes (with model.attention mla only); see model.mla.*."""
 

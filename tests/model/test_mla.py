@@ -104,6 +104,21 @@ def test_cached_decode_holds_the_latents_and_equals_the_full_forward():
     torch.testing.assert_close(torch.cat(steps, dim=1)[..., :61], full[..., :61])
 
 
+def test_latent_attention_sees_only_the_keys_inside_its_sliding_window():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, SEQ, 32, generator=gen)
+    moved = x.clone()
+    moved[:, 0] += torch.randn(2, 32, generator=gen)
+    for window, unchanged in ((None, False), (3, True)):
+        sets = ["model.mla.q_lora_rank=12", f"model.sliding_window={window or 'null'}"]
+        attn = mla_model(*sets).blocks["0"].attn.eval()
+        with torch.no_grad():
+            # Positions 3.. reach back fewer than 3 keys, position 0 not among them: a masked
+            # key's weight is exp(-inf) = 0 exactly, so their outputs are bit for bit the same.
+            same = torch.equal(attn(x)[:, 3:], attn(moved)[:, 3:])
+        assert same == unchanged, window
+
+
 TINY_V3 = str(CONFIGS / "tiny-deepseek-v3.yaml")
 
 
