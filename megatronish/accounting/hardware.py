@@ -125,6 +125,7 @@ OPTIONAL_FIELDS = [
     "attention_backward",
 ]
 DEVICE_FIELDS = [f.name for f in fields(Device) if f.name not in ("name", *OPTIONAL_FIELDS)]
+DEVICE_COUNTS = ("gpus_per_node", "sms", "tile", "tile_n")
 
 
 def device_named(gpu: str | None) -> Device:
@@ -144,8 +145,9 @@ def device_named(gpu: str | None) -> Device:
 def load_device(path: Path) -> Device:
     """A Device from a YAML mapping with every required field of ``Device`` (name and
     OPTIONAL_FIELDS optional: the file's stem, no fp8, and Ampere's SMs, tile and GEMM
-    fraction). A missing file, a missing or unknown field, or a value that is not a positive
-    number (fp8_tflops may be 0; the shares of the peak at most 1) is a UserError that names it."""
+    fraction). A missing file, a missing or unknown field, a count (DEVICE_COUNTS) that is not a
+    whole number >= 1, or another value that is not a positive number (fp8_tflops may be 0; the
+    shares of the peak at most 1) is a UserError that names it."""
     import yaml
 
     if not path.is_file():
@@ -171,11 +173,16 @@ def load_device(path: Path) -> Device:
     values = {}
     for key in (k for k in valid if k in data):
         value, least = data[key], 0 if key == "fp8_tflops" else 1e-12
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
+        number = not isinstance(value, bool) and isinstance(value, int | float)
+        if key in DEVICE_COUNTS:
+            if not number or value != int(value) or value < 1:
+                raise UserError(f"--gpu {path}: {key}: {value!r} is not an integer >= 1")
+            values[key] = int(value)
+            continue
+        if not number or value < least:
             what = "a number >= 0" if key == "fp8_tflops" else "a positive number"
             raise UserError(f"--gpu {path}: {key}: {value!r} is not {what}")
         if key in ("gemm_fraction", "attention_forward", "attention_backward") and value > 1:
             raise UserError(f"--gpu {path}: {key}: {value!r} is above 1 (a share of the peak)")
-        integer = key in ("gpus_per_node", "sms", "tile", "tile_n")
-        values[key] = int(value) if integer else float(value)
+        values[key] = float(value)
     return Device(name=str(data.get("name", path.stem)), **values)

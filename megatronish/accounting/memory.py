@@ -16,7 +16,8 @@ dp x cp / ep ranks that hold the same experts):
   optim.grad_reduce_dtype bf16 their bf16 copies and the fp32 bucket being filled; ZeRO-0 and 1
   then hold up to IN_FLIGHT + 1 bf16 copies too); ZeRO-3 at pp = 1 two layers'
   parameters (the one that runs, the one prefetched) and the output layer's (kept from its
-  forward to its backward), at pp > 1 the stage's whole parameters (kept for the step);
+  forward to its backward, with multi-token prediction with its modules' and, untied, the token
+  embedding's they read), at pp > 1 the stage's whole parameters (kept for the step);
   activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
   b micro-batch, h hidden, t tp), with a fused attention kernel (no s x s scores kept):
     tensor parallel        s b h (10 + 24 / t)
@@ -257,7 +258,10 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     gathered = _reduction_bytes(cfg, buffered + experts) / 4 if dp > 1 else 0.0
     if zero == 3 and dp > 1:
         layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
-        head = vocab + mtp_params(cfg, derived, pp_rank) if last else 0  # kept to its backward
+        # kept from forward to backward: the output layer, the MTP modules and (untied) the
+        # token embedding they look up in (data_parallel.param_shards: the last module's)
+        lookups = vocab if cfg.model.mtp_depth and not derived.tie_embeddings else 0
+        head = vocab + mtp_params(cfg, derived, pp_rank) + lookups if last else 0
         gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
     copies = 2 * (params - fp8_layer_params(cfg, derived, pp_rank)) if bf16 else 0
     biased = cfg.model.moe.router == "sigmoid"

@@ -184,15 +184,18 @@ def tp_overlap_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[s
 
 
 def moe_lines(cfg: Config, derived: Derived, params: int) -> list[str]:
-    """Total and active parameters, the experts each ep rank holds, the all-to-all traffic."""
+    """Total and active parameters, the experts each ep rank holds, the all-to-all traffic (of
+    a rank of the stage with the most MoE layers, the first of them: under pp the first stages
+    may have none)."""
     moe = cfg.model.moe
     active = parameter_count(cfg, derived, active=True)
     layers = ", ".join(str(i) for i in derived.moe_layers)
-    local = max(stage_moe_layers(derived, r) for r in range(derived.pp)) * local_moe_params(
-        cfg, derived, True
-    )
-    a2a = [op for op in collectives_per_step(cfg, derived) if op.kind == "all_to_all"]
+    per_stage = [stage_moe_layers(derived, r) for r in range(derived.pp)]
+    stage = per_stage.index(max(per_stage))
+    local = per_stage[stage] * local_moe_params(cfg, derived, True)
+    a2a = [op for op in collectives_per_step(cfg, derived, stage) if op.kind == "all_to_all"]
     sent = sum(op.sent for op in a2a)
+    where = f", stage {stage}: {per_stage[stage]} MoE layers" if derived.pp > 1 else ""
     route = "dropless" if moe.capacity_factor is None else f"capacity factor {moe.capacity_factor}"
     return [
         f"mixture of experts: {moe.num_experts} experts (top {moe.top_k}, d_ff {derived.moe_d_ff}, "
@@ -201,7 +204,7 @@ def moe_lines(cfg: Config, derived: Derived, params: int) -> list[str]:
         f"experts per ep rank: {moe.num_experts // derived.ep} (ep {derived.ep}); expert "
         f"parameters per rank: ~{local:,} ({local * 16 / 2**20:.1f} MiB of fp32 weights, grads "
         "and AdamW)",
-        f"all-to-all per step and rank (ep {derived.ep}): "
+        f"all-to-all per step and rank (ep {derived.ep}{where}): "
         + (
             f"{sum(op.payload * op.count for op in a2a) / 2**20:.2f} MiB payload, "
             f"{sent / 2**20:.2f} MiB sent"

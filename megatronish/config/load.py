@@ -238,19 +238,23 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
 def _with_arch_preset(data: Any, overrides: list[str] | tuple[str, ...]) -> Any:
     """The YAML data with model.arch's preset filling the model keys it leaves unset, for the
-    arch that wins (the last --set model.arch=..., else the file's); --set keys win over it
-    as they are applied after."""
+    arch that wins (the last --set model.arch=..., else the file's), and the attention that
+    wins (the last --set model.attention=..., if any) deciding whether its model.mla sizes
+    apply; --set keys win over it as they are applied after."""
     if not isinstance(data, dict):
         return data
     model = data.get("model") or {}
     arch = model.get("arch", "gpt2") if isinstance(model, dict) else "gpt2"
+    attention = None
     for assignment in overrides:
         key, _, value = assignment.partition("=")
         if key.strip() == "model.arch":
             arch = value.strip()
+        elif key.strip() == "model.attention":
+            attention = value.strip()
     if not isinstance(arch, str):  # not an arch at all: the loader names the key
         return data
-    return {**data, "model": with_preset(model, arch)}
+    return {**data, "model": with_preset(model, arch, attention)}
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -80,12 +80,13 @@ def check_attention(cfg: Config) -> None:
     mla = model.mla
     sizes = {f.name: getattr(mla, f.name) for f in dataclasses.fields(mla)}
     if model.attention == "mha":
+        other = "" if model.arch == "deepseek_v3" else " (or model.arch=deepseek_v3)"
         for name, value in sizes.items():
             require(
                 value is None,
-                f"model.mla.{name}: {value} needs model.attention=mla (model.arch "
-                f"{model.arch!r} has attention mha); set model.attention=mla (or model.arch="
-                f"deepseek_v3) or leave model.mla.{name} unset",
+                f"model.mla.{name}: {value} needs model.attention=mla (model.attention is mha, "
+                f"model.arch {model.arch!r}); set model.attention=mla{other} or leave "
+                f"model.mla.{name} unset",
             )
         return
     require(

@@ -94,11 +94,12 @@ class ModelConfig:
     set in the file or by --set wins): llama and mistral none; qwen2 qkv_bias, norm_eps 1e-6,
     rope_theta 1e6; qwen3 qk_norm, norm_eps 1e-6, rope_theta 1e6; qwen3_moe those of qwen3 and
     model.moe.aux_loss_coef 0.001, z_loss_coef 0 (a softmax_topk router); deepseek_v3
-    (DeepSeek-V3's config.json) attention mla with its model.mla sizes, norm_eps 1e-6, YaRN
-    rope_scaling (factor 40 over 4096 positions, mscale and mscale_all_dim 1) and the sigmoid
-    router's model.moe keys (n_group 8, topk_group 4, routed_scaling_factor 2.5,
-    seq_aux_loss_coef 0.001, n_shared_experts 1, first_k_dense 3, aux_loss_coef and
-    z_loss_coef 0; bias_update_speed 0.001, the paper's, as config.json has none)."""
+    (DeepSeek-V3's config.json) attention mla with its model.mla sizes (not filled where
+    model.attention is set to mha), norm_eps 1e-6, YaRN rope_scaling (factor 40 over 4096
+    positions, mscale and mscale_all_dim 1) and the sigmoid router's model.moe keys (n_group 8,
+    topk_group 4, routed_scaling_factor 2.5, seq_aux_loss_coef 0.001, n_shared_experts 1,
+    first_k_dense 3, aux_loss_coef and z_loss_coef 0; bias_update_speed 0.001, the paper's, as
+    config.json has none)."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -166,7 +167,8 @@ class ModelConfig:
     """mha: multi-head (grouped-query) attention of n_head heads of head_dim. mla: DeepSeek's
     multi-head latent attention (llama only): n_head heads whose keys and values come from a
     compressed latent of model.mla.kv_lora_rank plus one rotary key shared by all heads; its
-    sizes are model.mla.* (head_dim, n_kv_head, qk_norm, qkv_bias and sliding_window unused)."""
+    sizes are model.mla.* (head_dim, n_kv_head, qk_norm and qkv_bias unused; model.sliding_window
+    masks its heads as it masks mha's)."""
     mla: MLAConfig = field(default_factory=MLAConfig)
     """Multi-head latent attention's sizes (with model.attention mla only); see model.mla.*."""
 

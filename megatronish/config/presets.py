@@ -55,12 +55,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 """model.* defaults of each model.arch (nested dicts for sub-sections such as model.moe)."""
 
 
-def with_preset(model: Any, arch: str) -> Any:
+def with_preset(model: Any, arch: str, attention: str | None = None) -> Any:
     """The model section `model` (a YAML mapping, or anything else, returned as it is for the
-    loader to refuse) with the preset of `arch` filling the keys it does not set."""
+    loader to refuse) with the preset of `arch` filling the keys it does not set. The preset's
+    model.mla sizes only where the attention resolves to mla (`attention`, the --set value if
+    any, else the section's, else the preset's): deepseek_v3 with attention mha has no latent
+    sizes to fill."""
     if not isinstance(model, dict):
         return model
-    return _fill(dict(model), PRESETS.get(arch, {}))
+    preset = PRESETS.get(arch, {})
+    if (attention or model.get("attention") or preset.get("attention", "mha")) != "mla":
+        preset = {key: value for key, value in preset.items() if key != "mla"}
+    return _fill(dict(model), preset)
 
 
 def _fill(section: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

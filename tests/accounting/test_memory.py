@@ -2,7 +2,7 @@
 biases are a buffer (experts x fp32 per MoE layer, no gradient, no AdamW state), and under fp8
 the plan's activations and autocast weight copies are what the code saves: every recipe keeps
 an fp8 GEMM's input in its high precision, as bf16 keeps it, and the fp8 layers' weights get no
-bf16 copy."""
+bf16 copy; ZeRO-3 at pp 1 gathers what the code keeps from forward to backward."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from megatronish.accounting.memory import (
     fp8_layer_params,
     model_state_bytes,
 )
-from megatronish.accounting.parameters import local_parameter_count
+from megatronish.accounting.parameters import local_layer_params, local_parameter_count
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
@@ -114,3 +114,20 @@ def test_fp8_saves_the_activations_bf16_saves_and_the_plan_says_so(recipe):
     assert activation_bytes_per_layer(same, 1, False, "none") == activation_bytes_per_layer(
         bf16, 1, False, "none"
     )
+
+
+@pytest.mark.parametrize("tie", ["true", "false"])
+def test_zero3_gathers_at_pp1_what_the_last_module_keeps_from_forward_to_backward(tie):
+    """ZeRO-3 at pp 1 keeps the last module's buckets (data_parallel.param_shards): the
+    parameters GPT.forward_param_uses lists for the final norm, that is the output layer, the
+    multi-token prediction modules and, untied, the token embedding they read. The estimate's
+    gathered bytes beyond ZeRO-2's are two layers (running, prefetched) and those."""
+    sets = ["model.arch=llama", "model.mtp_depth=1", f"model.tie_embeddings={tie}"]
+    one = _config("tiny.yaml", sets)
+    norm_f, kept = GPT(one, derive(one, 1), ParallelState.single()).forward_param_uses()[-1]
+    head = sum(p.numel() for p in kept) - sum(p.numel() for p in norm_f.parameters())
+    gathered = {}
+    for zero in (2, 3):
+        cfg = _config("tiny.yaml", [*sets, "parallel.dp=2", f"optim.zero={zero}"])
+        gathered[zero] = model_state_bytes(cfg, derive(cfg, 2), 0)["gathered"]
+    assert gathered[3] - gathered[2] == 4 * (2 * local_layer_params(one, derive(one, 1)) + head)

@@ -305,6 +305,22 @@ def test_cli_device_file_with_a_missing_field_exits_2(tmp_path):
     assert invoke_cli(*args, "--gpu", str(device), "--gpus", "4").returncode == 0
 
 
+def test_cli_device_file_count_that_is_not_a_whole_number_exits_2_naming_it(tmp_path):
+    from megatronish.accounting.hardware import load_device
+    from megatronish.errors import UserError
+
+    device = tmp_path / "mygpu.yaml"
+    fields = "peak_tflops: 500\nmemory_gb: 96\nhbm_tb_s: 4\nnvlink_gb_s: 450\nnetwork_gb_s: 50\n"
+    for bad in ("sms: 1.5", "tile: 0", "tile_n: true"):
+        device.write_text(fields + "gpus_per_node: 4\n" + bad + "\n")
+        with pytest.raises(UserError, match=f"{bad.split(':')[0]}: .* is not an integer >= 1"):
+            load_device(device)
+    device.write_text(fields + "gpus_per_node: 0.5\n")
+    args = ["plan", "--config", str(CONFIGS / "tiny.yaml"), "--set", "model.vocab_size=257"]
+    result = invoke_cli(*args, "--gpu", str(device), "--gpus", "4")
+    _one_line_error(result, "gpus_per_node: 0.5 is not an integer >= 1")
+
+
 CALIBRATION = {
     "cores": 2,
     "threads": {

@@ -104,6 +104,21 @@ def test_cached_decode_holds_the_latents_and_equals_the_full_forward():
     torch.testing.assert_close(torch.cat(steps, dim=1)[..., :61], full[..., :61])
 
 
+def test_latent_attention_sees_only_the_keys_inside_its_sliding_window():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, SEQ, 32, generator=gen)
+    moved = x.clone()
+    moved[:, 0] += torch.randn(2, 32, generator=gen)
+    for window, unchanged in ((None, False), (3, True)):
+        sets = ["model.mla.q_lora_rank=12", f"model.sliding_window={window or 'null'}"]
+        attn = mla_model(*sets).blocks["0"].attn.eval()
+        with torch.no_grad():
+            # Positions 3.. reach back fewer than 3 keys, position 0 not among them: a masked
+            # key's weight is exp(-inf) = 0 exactly, so their outputs are bit for bit the same.
+            same = torch.equal(attn(x)[:, 3:], attn(moved)[:, 3:])
+        assert same == unchanged, window
+
+
 TINY_V3 = str(CONFIGS / "tiny-deepseek-v3.yaml")
 
 
@@ -119,6 +134,11 @@ TINY_V3 = str(CONFIGS / "tiny-deepseek-v3.yaml")
             CONFIGS / "tiny.yaml",
             ["model.arch=llama", "model.attention=mla"],
             ["model.mla.kv_lora_rank: missing", "model.mla.v_head_dim"],
+        ),
+        (
+            TINY_V3,
+            ["model.attention=mha"],
+            ["model.mla.q_lora_rank: 48 needs model.attention=mla", "model.attention is mha"],
         ),
         (TINY_V3, ["model.mla.qk_rope_head_dim=7"], ["model.mla.qk_rope_head_dim: 7", "even"]),
         (TINY_V3, ["model.mla.v_head_dim=0"], ["model.mla.v_head_dim: 0", "positive integer"]),
@@ -142,3 +162,17 @@ def test_a_bad_latent_attention_setting_is_exit_2_with_one_line_naming_the_key(
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def test_deepseek_v3_with_mha_takes_no_latent_sizes_from_the_preset_and_trains(tmp_path):
+    sets = ["model.arch=deepseek_v3", "model.attention=mha", "model.n_layer=1", "model.d_model=32"]
+    sets += ["model.max_seq_len=16", "train.seq_len=16", "train.micro_batch_size=2"]
+    sets += ["train.global_batch_size=2", "train.steps=1", "train.eval_every=0"]
+    sets += [f"run.out_dir={tmp_path / 'run'}", "checkpoint.save=false"]
+    cfg = load_config(CONFIGS / "tiny.yaml", sets)
+    assert cfg.model.attention == "mha" and cfg.model.mla.kv_lora_rank is None
+    args = ["--config", str(CONFIGS / "tiny.yaml"), *(a for s in sets for a in ("--set", s))]
+    assert invoke_cli("check", *args).returncode == 0
+    result = invoke_cli("train", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("step 1: loss ")

@@ -359,6 +359,21 @@ def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
     assert ep2.expert_gb == pytest.approx(ep1.expert_gb / 2)
 
 
+def test_check_reports_the_all_to_all_of_a_stage_with_moe_layers_and_names_it():
+    """At pp 2 with the first two of four blocks dense, stage 0 has no MoE layer: check reports
+    stage 1's all-to-all."""
+    from megatronish.accounting.collectives import collectives_per_step
+    from megatronish.commands.check import check_config
+    from megatronish.config import derive, load_config
+
+    sets = ["model.vocab_size=257", "model.moe.first_k_dense=2", "parallel.pp=2"]
+    cfg = load_config(CONFIGS / "tiny-deepseek-v3.yaml", [*sets, "parallel.dp=2", "parallel.ep=2"])
+    a2a = [op for op in collectives_per_step(cfg, derive(cfg, 4), 1) if op.kind == "all_to_all"]
+    payload = sum(op.payload * op.count for op in a2a) / 2**20
+    line = f"all-to-all per step and rank (ep 2, stage 1: 2 MoE layers): {payload:.2f} MiB payload"
+    assert payload > 0 and line in check_config(cfg, None)
+
+
 def test_a_resumed_run_restores_the_routing_biases_exactly_and_continues_on_the_same_curve(
     dataset, tmp_path
 ):
