@@ -19,9 +19,9 @@ arch, dtype, registers, spill bytes, shared memory / the arch's limit per block,
 occupancy (warps per SM of 64, 48 on sm_89, from registers and shared memory), the configs that
 launch it, and a status. A row FAILs when its shared memory is over the limit, or when it spills
 at bf16 or fp8 (fp32 runs exact-fp32 dots without tensor cores: spills there are reported, not
-failed). --representative compiles one bf16 configuration per kernel (and per attention kernel
-one under document masks, one under document masks and a sliding window, and that one again at
-MLA_V3's head dims) only: what the tests compile. --only WORD... keeps the launches whose kernel
+failed). --representative compiles one bf16 configuration per kernel (and per attention kernel one
+more, under document masks and a sliding window at MLA_V3's head dims) only: what the tests
+compile. --only WORD... keeps the launches whose kernel
 name and origin ("llama-1b tp2 ring window documents") hold every word (--only window: the
 attention kernels under a sliding window). --json FILE writes the rows as a list of objects
 (kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes,
@@ -170,9 +170,10 @@ def plan(
                 docs, window = bool(flags.get("DOCS")), bool(flags.get("WINDOW"))
                 split = bool(flags.get("QK_REST"))
                 variant = (launch.name, docs, window, split)
-                # Representative: a window only with document masks, whose code holds its own;
-                # a split query-key dim (MLA_V3's) only there.
-                if representative and (variant in seen_kernels or window > docs or split > window):
+                # Representative: each attention kernel plain, and once with everything on
+                # (document masks, a sliding window, MLA_V3's split query-key dim), whose code
+                # holds each feature's.
+                if representative and (variant in seen_kernels or not docs == window == split):
                     continue
                 seen_kernels.add(variant)
                 key = _key(launch, arch_name)
