@@ -1,7 +1,7 @@
 """The parity harness of the training tests (pipeline, interleaved pipeline, context, MoE, ZeRO,
 gradient overlap, phases, traces): what they train and how they compare it.
 
-- the model: SMALL (4 layers, d_model 32, 20 fp32 steps of 8 sequences of 16 tokens) and the
+- the model: SMALL (4 layers, d_model 32, STEPS = 10 fp32 steps of 8 sequences of 16 tokens) and the
   override lists GPT2, LLAMA (GQA), SP (sequence parallelism), OVERLAP (tensor-parallel
   communication decomposed under the GEMMs) and MTP, MTP2 (multi-token prediction);
 - the data: `prepare_code_dataset`, ten documents of small Python functions (the `dataset`
@@ -23,7 +23,8 @@ from megatronish.config import derive, load_config
 from megatronish.data import prepare_dataset
 from tests.conftest import invoke_cli
 
-STEPS = 20
+STEPS = 10
+SAVE_AT = 5  # the resumable runs save here and resume on the curve's second half
 SMALL = [
     "model.n_layer=4",
     "model.d_model=32",

@@ -16,6 +16,7 @@ from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
     MTP2,
     OVERLAP,
+    SAVE_AT,
     SP,
     STEPS,
     assert_check_fails_with_one_line,
@@ -83,7 +84,7 @@ FOUR_RANKS = {
         2, 2, 1, 1, MLA + SP + ["train.activation_checkpointing=full", "model.mtp_depth=1"],
     ),
 }  # fmt: skip
-SAVED = "gpt2 cp2"  # also saves a checkpoint at step 10
+SAVED = "gpt2 cp2"  # also saves a checkpoint at step SAVE_AT
 
 
 def make_config(tp, cp, dp, pp, overrides, dataset, extra=()):
@@ -103,7 +104,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
         cfg = make_config(tp, cp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
         mtp: list = []
-        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0, mtp)
+        losses, norms, counter = train_counted(trainer, STEPS, SAVE_AT if name == SAVED else 0, mtp)
         formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
         results[name] = {
             "losses": losses,
@@ -130,7 +131,9 @@ def reference(overrides: list[str], dataset: Path, save_dir: Path | None = None)
         cfg = make_config(1, 1, 1, 1, list(key[0]), dataset, extra)
         trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
         mtp: list = []
-        losses, norms, _ = train_counted(trainer, STEPS, 10 if save_dir is not None else 0, mtp)
+        losses, norms, _ = train_counted(
+            trainer, STEPS, SAVE_AT if save_dir is not None else 0, mtp
+        )
         _REFERENCES[key] = {"losses": losses, "norms": norms, "mtp_losses": mtp}
     return _REFERENCES[key]
 
@@ -186,7 +189,7 @@ def _resume(rank, world, dataset, step_dir, cp):
         1, cp, 1, 1, GPT2, dataset, [f"checkpoint.resume={step_dir}", "checkpoint.save=false"]
     )
     trainer = make_trainer(cfg, world, dataset)
-    assert trainer.resumed_from == 10
+    assert trainer.resumed_from == SAVE_AT
     return train_losses(trainer)
 
 
@@ -195,18 +198,18 @@ def test_a_cp2_checkpoint_resumes_at_cp1_and_a_cp1_checkpoint_at_cp2_on_the_same
 ):
     from megatronish.distributed.layout import ParallelState
 
-    _REFERENCES.pop((tuple(GPT2), dataset), None)  # rerun, saving step 10 at cp = 1
+    _REFERENCES.pop((tuple(GPT2), dataset), None)  # rerun, saving step SAVE_AT at cp = 1
     ref = reference(GPT2, dataset, saved_dirs["cp1"])
     cp1 = make_config(
         1, 1, 1, 1, GPT2, dataset,
-        [f"checkpoint.resume={saved_dirs['cp2']}/step_000010", "checkpoint.save=false"],
+        [f"checkpoint.resume={saved_dirs['cp2']}/step_{SAVE_AT:06d}", "checkpoint.save=false"],
     )  # fmt: skip
     trainer = make_trainer(cp1, 1, dataset, ParallelState.single())
-    assert trainer.resumed_from == 10
-    assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
-    step_dir = saved_dirs["cp1"] / "step_000010"
+    assert trainer.resumed_from == SAVE_AT
+    assert_close(train_losses(trainer), ref["losses"][SAVE_AT:], steps=STEPS - SAVE_AT)
+    step_dir = saved_dirs["cp1"] / f"step_{SAVE_AT:06d}"
     for losses in run_on_ranks(_resume, 2, dataset, step_dir, 2, timeout=120):
-        assert_close(losses, ref["losses"][10:], steps=10)
+        assert_close(losses, ref["losses"][SAVE_AT:], steps=STEPS - SAVE_AT)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,8 @@ from megatronish.moe.experts import stored_tensors
 from megatronish.optim.optimizer import lr_at, param_groups
 from tests.parity import make_config, make_trainer, train_counted
 
+CURVE_STEPS = 20  # the curve against transformers' AdamW: longer than the parity runs'
+
 if TYPE_CHECKING:
     from megatronish.config import Config
     from megatronish.training.trainer import Trainer
@@ -44,7 +46,7 @@ def run_settings(hf_dir: Path) -> list[str]:
     `megatronish import` reads them from config.json, and checkpoint.init_from_hf; with experts,
     no router losses, as the reference's loss (the logits' cross entropy) has none."""
     fields, _ = read_hf(hf_dir)
-    sets = [f"checkpoint.init_from_hf={hf_dir}"]
+    sets = [f"checkpoint.init_from_hf={hf_dir}", f"train.steps={CURVE_STEPS}"]
     for key, value in fields.items():
         if dataclasses.is_dataclass(value):  # model.moe
             sets += [f"model.{key}.{k}={_text(v)}" for k, v in vars(value).items() if v is not None]

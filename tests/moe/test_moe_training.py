@@ -22,6 +22,7 @@ import pytest
 
 from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
+    SAVE_AT,
     STEPS,
     assert_check_fails_with_one_line,
     assert_close,
@@ -83,7 +84,7 @@ FOUR_RANKS = {
     "pp2 cp2 deepseek zero1": (1, 2, 1, 2, 1, DEEPSEEK + ["optim.zero=1"]),
     "dp4 ep2 zero1": (1, 1, 4, 1, 2, MOE + ["optim.zero=1"]),
 }  # fmt: skip
-SAVED = "ep2"  # also saves a checkpoint at step 10
+SAVED = "ep2"  # also saves a checkpoint at step SAVE_AT
 ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")
 BIAS_METRICS = ("moe_load_spread", "moe_load_spread_mean", "moe_bias_range")
 
@@ -109,7 +110,7 @@ def _train(cfg, world, dataset, ps=None, save_every=0) -> dict:
     return {
         "losses": losses,
         "norms": norms,
-        "metrics": trainer.moe_metrics(),  # over all 20 steps
+        "metrics": trainer.moe_metrics(),  # over all STEPS steps
         "biases": {
             i: m.router.bias.tolist()
             for i, m in trainer.model.moe_layers().items()
@@ -127,7 +128,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
         if name == SAVED:
             extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
         cfg = make_config(*variant, dataset, extra)
-        results[name] = _train(cfg, world, dataset, save_every=10 if name == SAVED else 0)
+        results[name] = _train(cfg, world, dataset, save_every=SAVE_AT if name == SAVED else 0)
     return results
 
 
@@ -163,7 +164,7 @@ def four_ranks(dataset, save_dir):
 
 
 def assert_router_metrics_match(per_rank: list[dict], name: str, ref: dict) -> None:
-    """The router metrics; with routing biases, the biases after the 20 steps and the last
+    """The router metrics; with routing biases, the biases after the STEPS steps and the last
     step's load spread."""
     for rank_results in per_rank:
         got = rank_results[name]["metrics"]
@@ -234,24 +235,24 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve_and_loads_evaluates_
     from megatronish.distributed.layout import ParallelState
 
     ref = reference(MOE, dataset)
-    extra = [f"checkpoint.resume={save_dir}/step_000010", "checkpoint.save=false"]
+    extra = [f"checkpoint.resume={save_dir}/step_{SAVE_AT:06d}", "checkpoint.save=false"]
     cfg = make_config(1, 1, 1, 1, 1, MOE, dataset, extra)
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    assert trainer.resumed_from == 10
-    assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
+    assert trainer.resumed_from == SAVE_AT
+    assert_close(train_losses(trainer), ref["losses"][SAVE_AT:], steps=STEPS - SAVE_AT)
     # The ep = 2 run's step 20 in one process: the logits of the ep = 1 continuation.
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     trainer.model.eval()
     with torch.no_grad():
         want = trainer.model(tokens)[..., : trainer.setup.derived.vocab_size]
-        got = load_model(save_dir / "step_000020")(tokens)
+        got = load_model(save_dir / f"step_{STEPS:06d}")(tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    step20 = str(save_dir / "step_000020")
-    assert invoke_cli("eval", "--checkpoint", step20).returncode == 0
-    generated = invoke_cli("generate", "--checkpoint", step20, "--prompt", "def", "--seed", "1",
+    last = str(save_dir / f"step_{STEPS:06d}")
+    assert invoke_cli("eval", "--checkpoint", last).returncode == 0
+    generated = invoke_cli("generate", "--checkpoint", last, "--prompt", "def", "--seed", "1",
                            "--max-new-tokens", "8")  # fmt: skip
     assert generated.returncode == 0, generated.stderr
-    saved = json.loads((save_dir / "step_000010" / "metadata.json").read_text())
+    saved = json.loads((save_dir / f"step_{SAVE_AT:06d}" / "metadata.json").read_text())
     assert saved["layout"]["ep"] == 2
     assert "blocks.0.mlp.experts.3.down.weight" in saved["tensors"]
     assert "model_tp00_ep01.safetensors" in saved["files"]

@@ -18,6 +18,7 @@ from tests.parity import (
     MTP,
     MTP2,
     OVERLAP,
+    SAVE_AT,
     SP,
     STEPS,
     assert_check_fails_with_one_line,
@@ -74,7 +75,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
         cfg = make_config(tp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
         mtp: list = []
-        losses, norms, counter = train_counted(trainer, STEPS, 10 if name in SAVED else 0, mtp)
+        losses, norms, counter = train_counted(trainer, STEPS, SAVE_AT if name in SAVED else 0, mtp)
         counted = counter.total_sent
         ps = trainer.ps
         results[name] = {
@@ -174,10 +175,10 @@ def test_1f1b_holds_at_most_pp_micro_batches_of_activations_gpipe_holds_all(data
 def _resume_tp2(rank, world, dataset, checkpoint_dir):
     cfg = make_config(
         2, 1, 1, LLAMA + MTP + SP, dataset,
-        [f"checkpoint.resume={checkpoint_dir}/step_000010", "checkpoint.save=false"],
+        [f"checkpoint.resume={checkpoint_dir}/step_{SAVE_AT:06d}", "checkpoint.save=false"],
     )  # fmt: skip
     trainer = make_trainer(cfg, world, dataset)
-    assert trainer.resumed_from == 10
+    assert trainer.resumed_from == SAVE_AT
     return train_losses(trainer)
 
 
@@ -187,13 +188,13 @@ def test_a_pp2_checkpoint_resumes_at_pp1_on_tp1_and_tp2_on_the_same_curve(
     from megatronish.distributed.layout import ParallelState
 
     ref = reference(LLAMA + MTP, dataset)
-    resume = f"checkpoint.resume={saved_dir}/resumed/step_000010"
+    resume = f"checkpoint.resume={saved_dir}/resumed/step_{SAVE_AT:06d}"
     cfg = make_config(1, 1, 1, LLAMA + MTP, dataset, [resume])
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    assert trainer.resumed_from == 10
-    assert_close(train_losses(trainer), ref["losses"][10:], steps=10)
+    assert trainer.resumed_from == SAVE_AT
+    assert_close(train_losses(trainer), ref["losses"][SAVE_AT:], steps=STEPS - SAVE_AT)
     for tp2 in run_on_ranks(_resume_tp2, 2, dataset, saved_dir / "resumed", timeout=180):
-        assert_close(tp2, ref["losses"][10:], steps=10)
+        assert_close(tp2, ref["losses"][SAVE_AT:], steps=STEPS - SAVE_AT)
 
 
 def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
@@ -205,26 +206,26 @@ def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
     from megatronish.checkpoint.reader import Checkpoint
     from megatronish.hf.exporter import export_hf
 
-    ckpt = Checkpoint(saved_dir / "loaded" / "step_000020")
+    ckpt = Checkpoint(saved_dir / "loaded" / f"step_{STEPS:06d}")
     assert ckpt.pp == 2 and ckpt.tp == 2
     # The pp = 1 run's weights at step 20, saved through the same code.
     ref = run_reference(GPT2, dataset, **{"checkpoint.dir": tmp_path / "ref"})
     ref["trainer"].save_checkpoint()
     tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        got = load_model(saved_dir / "loaded" / "step_000020")(tokens)
-        want = load_model(tmp_path / "ref" / "step_000020")(tokens)
+        got = load_model(saved_dir / "loaded" / f"step_{STEPS:06d}")(tokens)
+        want = load_model(tmp_path / "ref" / f"step_{STEPS:06d}")(tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    export_hf(str(saved_dir / "loaded" / "step_000020"), str(tmp_path / "hf_pp"))
-    export_hf(str(tmp_path / "ref" / "step_000020"), str(tmp_path / "hf_ref"))
+    export_hf(str(saved_dir / "loaded" / f"step_{STEPS:06d}"), str(tmp_path / "hf_pp"))
+    export_hf(str(tmp_path / "ref" / f"step_{STEPS:06d}"), str(tmp_path / "hf_ref"))
     got_hf = load_file(str(tmp_path / "hf_pp" / "model.safetensors"))
     want_hf = load_file(str(tmp_path / "hf_ref" / "model.safetensors"))
     assert got_hf.keys() == want_hf.keys()
     for key in want_hf:
         torch.testing.assert_close(got_hf[key], want_hf[key], rtol=1e-4, atol=1e-5)
-    result = invoke_cli("eval", "--checkpoint", str(saved_dir / "loaded" / "step_000020"))
+    result = invoke_cli("eval", "--checkpoint", str(saved_dir / "loaded" / f"step_{STEPS:06d}"))
     assert result.returncode == 0, result.stderr
-    ref_eval = invoke_cli("eval", "--checkpoint", str(tmp_path / "ref" / "step_000020"))
+    ref_eval = invoke_cli("eval", "--checkpoint", str(tmp_path / "ref" / f"step_{STEPS:06d}"))
     assert result.stdout.splitlines()[0] == ref_eval.stdout.splitlines()[0]
 
 

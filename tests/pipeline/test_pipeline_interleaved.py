@@ -1,5 +1,5 @@
 """Interleaved 1F1B (parallel.pp_virtual): at pp = 2 and 4 with 2 model chunks a rank the losses
-and grad norms are those of pp = 1 (fp32, 20 steps, 1e-5 relative; gpt2 with tied embeddings
+and grad norms are those of pp = 1 (fp32, 10 steps, 1e-5 relative; gpt2 with tied embeddings
 and llama, even, uneven and explicit chunk splits, 1F1B and GPipe), and so is the validation
 loss; each rank sends the bytes the analytic count gives and holds Megatron's count of
 (micro-batch, chunk) activations; a pp = 4 checkpoint resumes at pp = 1 on the uninterrupted
@@ -20,6 +20,7 @@ from tests.parity import (
     LLAMA,
     MTP,
     OVERLAP,
+    SAVE_AT,
     SP,
     STEPS,
     assert_check_fails_with_one_line,
@@ -58,7 +59,7 @@ FOUR_RANKS = {
     "gpt2 tp2 pp2 v2 sp": (2, 1, 2, GPT2 + V2 + SP),
     "gpt2 tp2 pp2 v2 sp overlap": (2, 1, 2, GPT2 + V2 + SP + OVERLAP),
 }
-SAVED = "gpt2 pp4 v2 m8"  # also saves a checkpoint at step 10
+SAVED = "gpt2 pp4 v2 m8"  # also saves a checkpoint at step SAVE_AT
 
 
 def _train_on_ranks(rank, world, variants, dataset, save_dir):
@@ -74,7 +75,7 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
             extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
         trainer = make_trainer(make_config(tp, dp, pp, overrides, dataset, extra), world, dataset)
         mtp: list = []
-        losses, norms, counter = train_counted(trainer, STEPS, 10 if name == SAVED else 0, mtp)
+        losses, norms, counter = train_counted(trainer, STEPS, SAVE_AT if name == SAVED else 0, mtp)
         held = trainer.pipeline.stats.max_in_flight
         trainer.val_loader = make_loader(trainer.setup, "val")
         d = trainer.setup.derived
@@ -169,10 +170,12 @@ def test_a_pp4_v2_checkpoint_resumes_at_pp1_on_the_same_curve(four_ranks, datase
 
     overrides = _model_settings(FOUR_RANKS[SAVED][3])
     ref = reference(overrides, dataset)
-    cfg = make_config(1, 1, 1, overrides, dataset, [f"checkpoint.resume={saved_dir}/step_000010"])
+    cfg = make_config(
+        1, 1, 1, overrides, dataset, [f"checkpoint.resume={saved_dir}/step_{SAVE_AT:06d}"]
+    )
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    assert trainer.resumed_from == 10
-    assert_close(train_losses(trainer), ref["losses"][10:], steps=STEPS - 10)
+    assert trainer.resumed_from == SAVE_AT
+    assert_close(train_losses(trainer), ref["losses"][SAVE_AT:], steps=STEPS - SAVE_AT)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
