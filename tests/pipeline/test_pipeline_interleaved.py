@@ -1,6 +1,7 @@
 """Interleaved 1F1B (parallel.pp_virtual): at pp = 2 and 4 with 2 model chunks a rank the losses
 and grad norms are those of pp = 1 (fp32, 10 steps, 1e-5 relative; gpt2 with tied embeddings
-and llama, even, uneven and explicit chunk splits, 1F1B and GPipe), and so is the validation
+and llama, even, uneven and explicit chunk splits, 1F1B and GPipe; DeepSeek-V3's latent
+attention, MoE and MTP), and so is the validation
 loss; each rank sends the bytes the analytic count gives and holds Megatron's count of
 (micro-batch, chunk) activations; a pp = 4 checkpoint resumes at pp = 1 on the uninterrupted
 curve; every pair of ranks posts matching point-to-point operations in the same order; check
@@ -15,6 +16,7 @@ import pytest
 
 from megatronish.pipeline.schedule import interleaved_ticks, rank_order, warmup_forwards
 from tests.conftest import CONFIGS, invoke_cli
+from tests.moe.test_moe_training import DEEPSEEK
 from tests.parity import (
     GPT2,
     LLAMA,
@@ -56,6 +58,8 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "gpt2 pp4 v2 m8": (1, 1, 4, GPT2 + V2 + PP4 + STEADY),
     "llama pp4 v2 m4 mtp": (1, 1, 4, LLAMA + V2 + PP4 + MTP),
+    # DeepSeek-V3 (latent attention, its MoE with routing biases, a MoE MTP block) in chunks
+    "deepseek dp2 pp2 v2": (1, 2, 2, DEEPSEEK + V2 + ["model.n_layer=4"]),
     "gpt2 tp2 pp2 v2 sp": (2, 1, 2, GPT2 + V2 + SP),
     "gpt2 tp2 pp2 v2 sp overlap": (2, 1, 2, GPT2 + V2 + SP + OVERLAP),
 }
