@@ -28,6 +28,50 @@ from megatronish.ops import reference
 from megatronish.ops.rope import rope_spec
 
 
+def rope_positions(
+    documents: Documents | None, ring: Ring | None, cp: int, s: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the positions RoPE rotates these s tokens by, their documents' segments): the positions
+    within each document under document masks, a cp rank's zigzag shard's global positions,
+    or None (0..s-1) for both."""
+    if documents is not None:
+        return documents.positions, documents.segments
+    if ring is not None:
+        return zigzag_positions(s, cp, ring.rank, device), None
+    return None, None
+
+
+def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tensor:
+    """The attention core after RoPE of an attention module (its ring, backend, window, dropout
+    and RNG tracker): q [b, n/t, s, d], k [b, k/t, s, d], v [b, k/t, s, d_v] -> [b, n/t, s,
+    d_v]; ring attention over cp, SDPA with dropout on a per-rank stream, or ops.attention."""
+    if module.ring is not None:
+        shards = None if documents is None else documents.shards
+        return ring_attention(q, k, v, module.ring, module.backend, shards, module.window)
+    if module.dropout > 0 and module.training:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        mask = None
+        if segments is not None or module.window is not None:
+            mask = reference.attention_mask(q.shape[2], q.device, True, segments, module.window)
+        with module.tracker.fork():  # heads differ per tp rank: a per-rank stream
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=module.dropout, is_causal=mask is None
+            )
+    return ops.attention(q, k, v, True, module.backend, segments, module.window)
+
+
+def decode_mask(start_pos: int, s: int, keys: int, window: int | None, device) -> torch.Tensor:
+    """[s, keys] bool: which of the cached and new keys (positions 0..keys-1) the queries at
+    start_pos.. see in incremental decoding (causal, within the sliding window if any)."""
+    positions = torch.arange(start_pos, start_pos + s, device=device)[:, None]
+    key_positions = torch.arange(keys, device=device)[None, :]
+    visible = key_positions <= positions
+    if window is not None:
+        visible = visible & (positions - key_positions < window)
+    return visible
+
+
 class Attention(nn.Module):
     """The attention of block `layer` (its global index, which picks its sliding window)."""
 
@@ -75,28 +119,11 @@ class Attention(nn.Module):
         """q [b, n/t, s, d], k and v [b, k/t, s, d] -> [b, n/t, s, d]; under document masks
         (documents of these s tokens) attention stays within each document and RoPE rotates
         by the positions within it."""
-        positions = segments = None
-        if documents is not None:
-            positions, segments = documents.positions, documents.segments
-        elif self.ring is not None:  # this rank's zigzag shard: its global positions
-            positions = zigzag_positions(q.shape[2], self.cp, self.ring.rank, q.device)
+        positions, segments = rope_positions(documents, self.ring, self.cp, q.shape[2], q.device)
         if self.is_llama:
             q = ops.rope(q, self.rope, backend=self.backend, positions=positions)
             k = ops.rope(k, self.rope, backend=self.backend, positions=positions)
-        if self.ring is not None:
-            shards = None if documents is None else documents.shards
-            return ring_attention(q, k, v, self.ring, self.backend, shards, self.window)
-        if self.dropout > 0 and self.training:
-            group = self.heads_per_group
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            mask = None
-            if segments is not None or self.window is not None:
-                mask = reference.attention_mask(q.shape[2], q.device, True, segments, self.window)
-            with self.tracker.fork():  # heads differ per tp rank: a per-rank stream
-                return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=self.dropout, is_causal=mask is None
-                )
-        return ops.attention(q, k, v, True, self.backend, segments, self.window)
+        return attend(self, q, k, v, documents, segments)
 
     def split_heads(self, x: torch.Tensor):
         """x [b, s, h] -> q [b, n/t, s, d], k and v [b, k/t, s, d] of this rank's heads."""
@@ -140,11 +167,7 @@ class Attention(nn.Module):
         if self.heads_per_group > 1:
             keys = k.repeat_interleave(self.heads_per_group, dim=1)
             values = v.repeat_interleave(self.heads_per_group, dim=1)
-        positions = torch.arange(start_pos, start_pos + s, device=x.device)[:, None]
-        key_positions = torch.arange(keys.shape[2], device=x.device)[None, :]
-        visible = key_positions <= positions
-        if self.window is not None:
-            visible = visible & (positions - key_positions < self.window)
+        visible = decode_mask(start_pos, s, keys.shape[2], self.window, x.device)
         y = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=1.0 / math.sqrt(self.head_dim)
         )

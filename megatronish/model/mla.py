@@ -36,7 +36,7 @@ from torch import nn
 
 from megatronish import ops
 from megatronish.config import Config, Derived, attention_window
-from megatronish.context import Documents, Ring, ring_attention, zigzag_positions
+from megatronish.context import Documents, Ring
 from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers import mappings
 from megatronish.layers.linear import (
@@ -46,6 +46,7 @@ from megatronish.layers.linear import (
     to_autocast_dtype,
 )
 from megatronish.layers.roles import set_role
+from megatronish.model.attention import attend, decode_mask, rope_positions
 from megatronish.model.norm import Norm
 from megatronish.model.recompute import checkpoint
 from megatronish.ops import reference
@@ -178,27 +179,12 @@ class LatentAttention(nn.Module):
     def core(self, q, latent, k_rope, documents: Documents | None) -> torch.Tensor:
         """q [b, s, n/t, e + p], latent [b, s, r], k_rope [b, s, p] (full sequence of this cp
         shard) -> [b, n/t, s, v]."""
-        positions = segments = None
-        if documents is not None:
-            positions, segments = documents.positions, documents.segments
-        elif self.ring is not None:  # this rank's zigzag shard: its global positions
-            positions = zigzag_positions(q.shape[1], self.cp, self.ring.rank, q.device)
+        positions, segments = rope_positions(documents, self.ring, self.cp, q.shape[1], q.device)
         k_rope = ops.rope(k_rope.unsqueeze(1), self.rope, self.backend, positions).squeeze(1)
         q_nope, q_rope, k, v = self.heads(q, latent, k_rope)
         q_rope = ops.rope(q_rope, self.rope, backend=self.backend, positions=positions)
         q = self._query(q_nope, q_rope)
-        if self.ring is not None:
-            shards = None if documents is None else documents.shards
-            return ring_attention(q, k, v, self.ring, self.backend, shards, self.window)
-        if self.dropout > 0 and self.training:
-            mask = None
-            if segments is not None or self.window is not None:
-                mask = reference.attention_mask(q.shape[2], q.device, True, segments, self.window)
-            with self.tracker.fork():  # heads differ per tp rank: a per-rank stream
-                return F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, dropout_p=self.dropout, is_causal=mask is None
-                )
-        return ops.attention(q, k, v, True, self.backend, segments, self.window)
+        return attend(self, q, k, v, documents, segments)
 
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """x [b, s(/t), h] -> [b, s(/t), h]; documents: this rank's tokens' under document
@@ -226,11 +212,7 @@ class LatentAttention(nn.Module):
             k_rope = torch.cat([cache[1], k_rope], dim=1)
         q_nope, q_rope, k, v = self.heads(q, latent, k_rope)
         q = self._query(q_nope, reference.rope(q_rope, self.rope, start_pos))
-        positions = torch.arange(start_pos, start_pos + s, device=x.device)[:, None]
-        key_positions = torch.arange(k.shape[2], device=x.device)[None, :]
-        visible = key_positions <= positions
-        if self.window is not None:
-            visible = visible & (positions - key_positions < self.window)
+        visible = decode_mask(start_pos, s, k.shape[2], self.window, x.device)
         scale = 1.0 / math.sqrt(q.shape[-1])
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.v_dim)
