@@ -46,11 +46,11 @@ CAPACITY = ["model.moe.capacity_factor=1.0"]
 # DeepSeek-V3: multi-head latent attention (the deepseek_v3 preset's YaRN), a dense first block,
 # then MoE blocks of 8 experts in 4 groups (2 chosen), a sigmoid router with routing biases
 # moved every step, the sequence-wise balancing loss and two shared experts, and a multi-token
-# prediction module whose block is a MoE block (block 3: its router's bias balanced too).
+# prediction module whose block is a MoE block (block 2: its router's bias balanced too).
 DEEPSEEK = [
     "model.arch=deepseek_v3", "model.mla.q_lora_rank=12", "model.mla.kv_lora_rank=16",
     "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6",
-    "model.n_layer=3", "model.moe.num_experts=8",
+    "model.n_layer=2", "model.moe.num_experts=8",
     "model.moe.top_k=2", "model.moe.d_ff=16", "model.moe.router=sigmoid", "model.moe.n_group=4",
     "model.moe.topk_group=2", "model.moe.routed_scaling_factor=1.5",
     "model.moe.bias_update_speed=0.01", "model.moe.seq_aux_loss_coef=0.01",
@@ -195,8 +195,8 @@ def test_moe_with_tp_pp_cp_zero_losses_norms_and_router_metrics_equal_one_proces
     ref = reference(FOUR_RANKS[name][-1], dataset)
     assert_curves_match(four_ranks, name, ref)
     assert_router_metrics_match(four_ranks, name, ref)
-    if "deepseek" in name:  # the multi-token prediction block (index n_layer = 3) balances too
-        assert ref["biases"][3] != [0.0] * 8
+    if "deepseek" in name:  # the multi-token prediction block (index n_layer = 2) balances too
+        assert ref["biases"][2] != [0.0] * 8
 
 
 def test_every_rank_sends_the_payload_the_analytic_count_gives_all_to_all_included(
@@ -350,7 +350,7 @@ def test_check_and_plan_count_total_active_and_per_rank_expert_parameters():
     deep = load_config(None, [*DEEPSEEK, "model.vocab_size=256"])
     d_deep = derive(deep, 1)
     model = GPT(deep, d_deep, ParallelState.single())
-    assert sorted(model.moe_layers()) == list(d_deep.moe_layers) == [1, 2, 3]
+    assert sorted(model.moe_layers()) == list(d_deep.moe_layers) == [1, 2]
     biases = sum(layer.router.bias.numel() for layer in model.moe_layers().values())
     assert parameter_count(deep, d_deep) == sum(p.numel() for p in model.parameters()) - biases
     report = check_config(load_config(CONFIGS / "tiny-moe.yaml", [*sets, "parallel.ep=2"]), None)
