@@ -6,10 +6,24 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import click
 
 from megatronish.errors import ReportedError
+
+RANK0_GRACE_S = 10.0
+"""How long a rank other than 0 waits, under torchrun, before exiting with an error rank 0 prints:
+torchrun stops every rank as soon as one exits with an error, so a rank that left first could
+stop rank 0 before it printed the line. Rank 0's exit ends the wait (torchrun stops the rest)."""
+
+
+def _leave_rank0_time_to_print() -> None:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent
+        try:
+            time.sleep(RANK0_GRACE_S)
+        except KeyboardInterrupt:  # a Ctrl-C stops the wait, not with a traceback
+            pass
 
 
 def user_errors(fn):
@@ -25,6 +39,8 @@ def user_errors(fn):
         except ReportedError as exc:
             if not exc.rank0_prints or rank0:
                 click.echo(f"{exc.label}: {exc}", err=True)
+            else:
+                _leave_rank0_time_to_print()
             sys.exit(exc.exit_status)
         except KeyboardInterrupt:  # e.g. train before the run turns Ctrl-C into a stop request
             if rank0:
