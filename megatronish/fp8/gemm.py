@@ -44,7 +44,7 @@ def _tensorwise(q: Quantized) -> torch.Tensor | None:
     return q.scale if q.operand.granularity == "tensor" else None
 
 
-def _product(a: Quantized, b: Quantized, dtype: torch.dtype, backend: str) -> torch.Tensor:
+def product(a: Quantized, b: Quantized, dtype: torch.dtype, backend: str) -> torch.Tensor:
     """A [M, K] B [N, K]^T of the dequantized operands in float32 (whatever autocast says),
     as dtype: on the fp8 kernels where `backend` runs them (megatronish.fp8.kernels)."""
     if kernels.fused(backend, a.payload):
@@ -75,19 +75,34 @@ def weights_fixed():
         weights_changed()
 
 
-def _with_weight(
-    casts: list[Cast], weight: torch.Tensor, cast: Cast, use: str, recipe: Recipe, split: Split
-) -> list[Quantized]:
-    """quantize(casts + [cast]), cast the weight's (or its transpose's) for `use`, taken from
-    the weight's cache when it holds this version of the weight (module doc)."""
+def kept_casts(
+    casts: list[Cast],
+    weight: torch.Tensor,
+    weight_casts: list[Cast],
+    use: str,
+    recipe: Recipe,
+    split: Split,
+) -> tuple[list[Quantized], list[Quantized]]:
+    """(quantize(casts), the weight's casts for `use`): one quantize call (one amax all-reduce)
+    for both, the weight's taken from its cache when it holds this version of the weight (module
+    doc). weight_casts: the weight's (or its transpose's, or each expert's of a stacked weight)."""
     cache = _WEIGHT_CASTS.setdefault(weight, {})
     key = (use, recipe.name, recipe.backend)
     version, kept = cache.get(key, (None, None))
     if version == weight._version:
-        return [*quantize(casts, recipe.power_of_2_scales, split, recipe.backend), kept]
-    out = quantize([*casts, cast], recipe.power_of_2_scales, split, recipe.backend)
-    cache[key] = (weight._version, out[-1])
-    return out
+        return quantize(casts, recipe.power_of_2_scales, split, recipe.backend), kept
+    out = quantize([*casts, *weight_casts], recipe.power_of_2_scales, split, recipe.backend)
+    made = out[len(casts) :]
+    cache[key] = (weight._version, made)
+    return out[: len(casts)], made
+
+
+def _with_weight(
+    casts: list[Cast], weight: torch.Tensor, cast: Cast, use: str, recipe: Recipe, split: Split
+) -> list[Quantized]:
+    """quantize(casts + [cast]), cast the weight's (or its transpose's) for `use` (kept_casts)."""
+    out, (kept,) = kept_casts(casts, weight, [cast], use, recipe, split)
+    return [*out, kept]
 
 
 def forward_gemm(
@@ -102,7 +117,7 @@ def forward_gemm(
         recipe,
         split,
     )
-    return _product(qx, qw, x.dtype, recipe.backend), Scales(
+    return product(qx, qw, x.dtype, recipe.backend), Scales(
         input=_tensorwise(qx), weight=_tensorwise(qw)
     )
 
@@ -122,7 +137,7 @@ def grad_input_gemm(
         recipe,
         split,
     )
-    return _product(qdy, qwt, grad_output.dtype, recipe.backend), replace(
+    return product(qdy, qwt, grad_output.dtype, recipe.backend), replace(
         scales, grad_output=_tensorwise(qdy)
     )
 
@@ -146,7 +161,7 @@ def grad_weight_gemm(
         split,
         recipe.backend,
     )
-    return _product(qdyt, qxt, grad_output.dtype, recipe.backend)
+    return product(qdyt, qxt, grad_output.dtype, recipe.backend)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -20,7 +20,10 @@ def _blocks(n: int) -> int:
 
 
 def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
-    """max |x| over each scaling group of x [rows, K], in x's dtype, in the layout above."""
+    """max |x| over each scaling group of x [rows, K], in x's dtype, in the layout above (zeros
+    for an empty x: an expert's run of no rows, megatronish.fp8.grouped)."""
+    if x.numel() == 0:
+        return x.new_zeros(layout(x.shape, granularity))
     magnitude = x.abs()
     if granularity == "tensor":
         return torch.max(magnitude)
@@ -36,6 +39,17 @@ def amax(x: torch.Tensor, granularity: Granularity) -> torch.Tensor:
         padded = F.pad(magnitude, (0, kb * BLOCK - k, 0, rb * BLOCK - rows))
         return padded.view(rb, BLOCK, kb, BLOCK).amax(dim=(1, 3))
     raise ValueError(f"unknown granularity {granularity!r}")
+
+
+def layout(shape: torch.Size, granularity: Granularity) -> tuple[int, ...]:
+    """The shape of the scales of an operand of `shape` [rows, K] at granularity."""
+    rows, k = shape
+    return {
+        "tensor": (),
+        "row": (rows, 1),
+        "tile": (rows, _blocks(k)),
+        "block": (_blocks(rows), _blocks(k)),
+    }[granularity]
 
 
 def expand(scale: torch.Tensor, granularity: Granularity, shape: torch.Size) -> torch.Tensor:

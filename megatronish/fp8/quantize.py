@@ -112,13 +112,14 @@ def quantize(
     needs it, or that group has one rank). Where `backend` (kernels.backend) runs the fp8
     kernels (megatronish.fp8.kernels) the casts are fused, with the same results: from the
     reduced amaxes where there was a reduction, else each from its own operand's."""
-    fused = kernels.fused(backend, casts[0].x)
+    # An empty operand (an expert's run of no rows) is cast by the emulation: zero amaxes.
+    fused = [kernels.fused(backend, cast.x) and cast.x.numel() > 0 for cast in casts]
     spans = [split.of_many(cast.spans) for cast in casts]
     amaxes = [
         None
-        if cast.scale is not None or (fused and not axes)
-        else (kernels.amax if fused else groups.amax)(cast.x, cast.operand.granularity)
-        for cast, axes in zip(casts, spans)
+        if cast.scale is not None or (on_kernels and not axes)
+        else (kernels.amax if on_kernels else groups.amax)(cast.x, cast.operand.granularity)
+        for cast, axes, on_kernels in zip(casts, spans, fused)
     ]
     reduced = [i for i, axes in enumerate(spans) if axes]
     if reduced:
@@ -128,9 +129,9 @@ def quantize(
         for i, part in zip(reduced, flat.split([amaxes[i].numel() for i in reduced])):
             amaxes[i] = part.view(amaxes[i].shape)
     out = []
-    for cast, amax in zip(casts, amaxes):
+    for cast, amax, on_kernels in zip(casts, amaxes, fused):
         operand = cast.operand
-        if fused:
+        if on_kernels:
             payload, scale = kernels.cast(cast.x, operand, power_of_2, amax, cast.scale)
             out.append(Quantized(payload, scale, operand))
             continue

@@ -9,6 +9,8 @@ ones); R: the rows it receives.
 
 Rows received arrive grouped by source rank, then by expert; they are reordered to
 expert-major (one contiguous run of rows per local expert, for the grouped GEMM) and back.
+Within an expert's run the rows stay by source rank, each source's in its own order: the
+per-(expert, source) counts give fp8's groups of rows (megatronish.fp8.grouped).
 Empty experts and ranks that receive nothing are ordinary zero-size splits.
 """
 
@@ -53,6 +55,7 @@ class DispatchPlan:
     send_splits: list[int]  # rows to each ep rank
     recv_splits: list[int]  # rows from each ep rank
     local_counts: torch.Tensor  # [E_l] rows each local expert receives, over all sources
+    source_counts: torch.Tensor  # [E_l, S] of those, the rows from each source (ep) rank
     to_expert_major: torch.Tensor | None  # [R] received rows -> expert-major order (ep > 1)
     to_source_major: torch.Tensor | None  # [R] its inverse
 
@@ -84,7 +87,7 @@ def make_plan(
     local = num_experts // ep
     if ep == 1:
         total = [slots.numel()]
-        return DispatchPlan(token_of, slots, total, total, counts, None, None)
+        return DispatchPlan(token_of, slots, total, total, counts, counts[:, None], None, None)
     received = torch.empty_like(counts)
     comm.all_to_all(received, counts, [local] * ep, [local] * ep, ep_group)
     received = received.view(ep, local)  # [source rank, local expert]
@@ -104,6 +107,7 @@ def make_plan(
         send_splits,
         recv_splits,
         received.sum(0),
+        received.t(),
         to_expert_major,
         to_source_major,
     )

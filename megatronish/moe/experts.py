@@ -7,6 +7,10 @@ d_ff, t tp. gate and up [E_l, f/t, h] (column-parallel), down [E_l, h, f/t] (row
 each expert's slice is exactly the nn.Linear weight of a dense SwiGLU MLP's block, so the
 output [R, h] is a partial sum over the tp ranks (the caller all-reduces it).
 
+Under train.precision fp8 (use_fp8) the three grouped GEMMs take fp8 operands, scaled per
+(expert, source) run of rows (megatronish.fp8.grouped): the caller passes the dispatch's
+per-source counts.
+
 Each weight's role (mark_experts) holds its per-expert full shape and tp split dim (those of
 one expert's 2-D weight) and its global expert ids: checkpoints store every expert by global
 id (blocks.<i>.mlp.experts.<e>.gate.weight, ...), the same at every tp and ep.
@@ -18,6 +22,7 @@ import torch
 from torch import nn
 
 from megatronish import ops
+from megatronish.fp8 import Recipe, Split, TokenGroups, fp8_experts
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
 from megatronish.layers.roles import is_expert, role, set_role
 
@@ -42,17 +47,38 @@ class GroupedExperts(nn.Module):
         mark_experts(self.gate, 0, (d_ff, d_model), first)
         mark_experts(self.up, 0, (d_ff, d_model), first)
         mark_experts(self.down, 1, (d_model, d_ff), first)
+        self.fp8_recipe: Recipe | None = None
+        self.fp8_splits = (Split(), Split())  # gate and up's, down's (use_fp8)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def use_fp8(self, recipe: Recipe, tp_group, tokens: TokenGroups) -> None:
+        """Runs the GEMMs in fp8 by `recipe`; tp_group splits gate and up's outputs and down's
+        inputs, `tokens` the groups a micro-batch's tokens are split over."""
+        self.fp8_recipe = recipe
+        self.fp8_splits = (Split(tp_group, "out", tokens), Split(tp_group, "in", tokens))
+
+    def forward(
+        self, x: torch.Tensor, offsets: torch.Tensor, sources: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [R, h] expert-major, offsets [E_l] each expert's cumulative end row -> [R, h]
-        (this tp rank's partial sum)."""
+        (this tp rank's partial sum). sources [E_l, S]: the rows of each expert from each
+        source rank (needed under fp8)."""
         x = to_autocast_dtype(x)
+        if self.fp8_recipe is not None:
+            return self._fp8(x, sources.tolist())
         gate, up, down = (to_autocast_dtype(w) for w in (self.gate, self.up, self.down))
         backend = self.backend
         g = ops.grouped_mm(x, gate.transpose(1, 2), offsets, backend=backend)  # [R, f/t]
         u = ops.grouped_mm(x, up.transpose(1, 2), offsets, backend=backend)
         hidden = ops.swiglu(g, u, backend=backend)
         return ops.grouped_mm(hidden, down.transpose(1, 2), offsets, backend=backend)
+
+    def _fp8(self, x: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """The forward's GEMMs in fp8 on the fp32 weights (their casts kept for the step)."""
+        recipe, (column, row) = self.fp8_recipe, self.fp8_splits
+        g = fp8_experts(x, self.gate, counts, recipe, column)  # [R, f/t]
+        u = fp8_experts(x, self.up, counts, recipe, column)
+        hidden = ops.swiglu(g, u, backend=self.backend)
+        return fp8_experts(hidden, self.down, counts, recipe, row)
 
 
 def stored_tensors(named_parameters) -> list[tuple[str, nn.Parameter, int | None]]:

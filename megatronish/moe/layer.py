@@ -139,7 +139,7 @@ class MoELayer(nn.Module):
             keep = capacity_keep(experts, self.num_experts, capacity)
         plan = make_plan(experts, keep, self.num_experts, self.ep, self.ep_group)
         rows = dispatch(tokens.reshape(total, h), plan, self.ep_group)
-        y = self.experts(rows, plan.local_offsets)  # [R, h], partial over tp
+        y = self.experts(rows, plan.local_offsets, plan.source_counts)  # [R, h], partial over tp
         out = combine(y, plan, weights, total, self.ep_group).view(b, -1, h)
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(out, group)
