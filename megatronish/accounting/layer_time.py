@@ -119,7 +119,7 @@ def layer_time(
     `window` is set) for one micro-batch on one rank."""
     model, train, tp = cfg.model, cfg.train, derived.tp
     width = 2 if train.bf16_autocast else 4
-    timer = _Timer(device, eff, width, fp8=train.precision == "fp8" and not moe)
+    timer = _Timer(device, eff, width, fp8=train.precision == "fp8")
     s = train.seq_len // derived.cp
     T, h, hd = train.micro_batch_size * s, model.d_model, derived.head_dim
     heads, kv = model.n_head // tp, derived.n_kv_head // tp
@@ -142,13 +142,14 @@ def layer_time(
         expert_gemms = [(T, experts, h)] + [(rows, f_local, h)] * 2 + [(rows, h, f_local)]
         for i, g in enumerate(expert_gemms):
             batch = 1 if i == 0 else local
-            fwd += timer.gemm(*g, batch=batch)
-            bwd += timer.gemm(*g, backward=True, batch=batch)
+            low = i > 0  # the experts in fp8 (under fp8), the router in high precision
+            fwd += timer.gemm(*g, batch=batch, fp8=low)
+            bwd += timer.gemm(*g, backward=True, batch=batch, fp8=low)
         if derived.shared_d_ff:
             shared_local = derived.shared_d_ff // derived.tp
             shared = [(T, 2 * shared_local, h), (T, h, shared_local)]
-            fwd += sum(timer.gemm(*g) for g in shared)
-            bwd += sum(timer.gemm(*g, backward=True) for g in shared)
+            fwd += sum(timer.gemm(*g, fp8=True) for g in shared)
+            bwd += sum(timer.gemm(*g, backward=True, fp8=True) for g in shared)
         # Permute the routed rows out and back, forward; twice backward.
         routed = T * model.moe.top_k * h
         fwd += timer.stream(4 * routed, 4)
@@ -181,6 +182,11 @@ def attention_gemms(cfg: Config, derived: Derived, T: int, N: int) -> list[tuple
     return [(N, mla.q_lora_rank, h), (T, heads * hd, mla.q_lora_rank), *gemms]
 
 
+FP8_LINEARS = {"qkv", "proj", "up", "down", "shared_up", "shared_down"}
+"""The linears of ``linear_shapes`` whose GEMMs are fp8 under train.precision fp8 (not the output
+layer, "head")."""
+
+
 def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> dict:
     """Seconds of the tensor-parallel linears' GEMMs of one micro-batch on one rank, the GEMMs
     a decomposed tp collective runs under (accounting.tp_overlap): forward, one call each, of
@@ -192,11 +198,10 @@ def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency)
     train = cfg.train
     timer = _Timer(device, eff, 2 if train.bf16_autocast else 4, train.precision == "fp8")
     shapes = linear_shapes(cfg, derived)
-    dense = {"qkv", "proj", "up", "down"}  # fp8 under train.precision fp8
-    gemms = {name: timer.gemm(*shape, fp8=name in dense) for name, shape in shapes.items()}
+    gemms = {name: timer.gemm(*shape, fp8=name in FP8_LINEARS) for name, shape in shapes.items()}
     for name in ("proj", "down", "shared_down"):
         if name in shapes:
-            gemms[f"{name}_backward"] = timer.gemm(*shapes[name], True, fp8=name in dense)
+            gemms[f"{name}_backward"] = timer.gemm(*shapes[name], True, fp8=name in FP8_LINEARS)
     return gemms
 
 
@@ -226,7 +231,7 @@ def gemm_table(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -
     width, fp8 = 2 if cfg.train.bf16_autocast else 4, cfg.train.precision == "fp8"
     rows = []
     for name, (m, n, k) in linear_shapes(cfg, derived).items():
-        low = fp8 and name in ("qkv", "proj", "up", "down")
+        low = fp8 and name in FP8_LINEARS
         for kind, (mm, nn, kk) in (
             ("forward", (m, n, k)),
             ("input_grad", (m, k, n)),

@@ -5,8 +5,9 @@ Memory per rank (bytes), P the parameters one tp rank holds, D = dp x cp (expert
 dp x cp / ep ranks that hold the same experts):
   weights 4P, gradients 4P, AdamW state 8P, the bf16 copies autocast makes of the weights 2P
   (bf16; with train.precision fp8 and bf16 around it, 2 bytes for each weight outside the fp8
-  layers only: fp8 quantizes the fp32 weights of the blocks' attention projections and dense
-  MLPs, model.precision.fp8_layers, and saves them as they are); the DeepSeek router's routing
+  layers only: fp8 quantizes the fp32 weights of the blocks' attention projections, dense
+  MLPs, shared and routed experts, model.precision.fp8_layers and fp8_moe_layers, and saves
+  them as they are); the DeepSeek router's routing
   bias, experts x fp32 per MoE layer, a buffer without gradient or AdamW state
   ("buffers"); optim.zero = 1 divides the AdamW state by D, 2 the gradients too, 3 the weights
   too (``model_state_bytes``; ZeRO-2 and 3 keep the parameters outside the gradient buffer,
@@ -273,14 +274,15 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         "gathered": gathered * 4,
         "experts": (expert_weights + expert_grads) * 4
         + expert_state * 8
-        + (2 * experts if bf16 else 0),
+        + (2 * experts if bf16 and cfg.train.precision != "fp8" else 0),
     }
 
 
 def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
     """Parameters of stage pp_rank's fp8 layers on one rank (0 unless train.precision is fp8):
-    each block's attention projections and, in a dense block, its MLP
-    (model.precision.fp8_layers), weights and biases."""
+    each block's attention projections and its dense MLP, or its MoE layer's shared and routed
+    experts (model.precision.fp8_layers and fp8_moe_layers: all but the norms and the router),
+    weights and biases."""
     if cfg.train.precision != "fp8":
         return 0
     model, h = cfg.model, cfg.model.d_model
@@ -288,8 +290,10 @@ def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
     norms += 2 * derived.head_dim if model.qk_norm else 0
     moe = stage_moe_layers(derived, pp_rank)
     dense = local_layer_params(cfg, derived) - norms
-    attention = local_layer_params(cfg, derived, moe=True) - norms - local_moe_params(cfg, derived)
-    return (derived.stage_layers[pp_rank] - moe) * dense + moe * attention
+    router = cfg.model.moe.num_experts * h
+    return (derived.stage_layers[pp_rank] - moe) * dense + moe * (
+        local_layer_params(cfg, derived, moe=True) - norms - router
+    )
 
 
 def _reduction_bytes(cfg: Config, buffered: float) -> float:

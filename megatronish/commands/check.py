@@ -146,9 +146,9 @@ def fp8_lines(cfg: Config, derived: Derived, note: str) -> list[str]:
     amax = [op for op in collectives_per_step(cfg, derived) if op.what.startswith("fp8 amax")]
     calls, payload = sum(op.count for op in amax), sum(op.payload * op.count for op in amax)
     return [
-        f"fp8: {recipe} ({FP8_RECIPES[recipe]}) on the blocks' attention and dense MLP linear "
-        "layers; embeddings, output layer and loss, norms, attention core, MoE layers in "
-        f"{cfg.train.fp8_high_precision}, weights and optimizer in fp32",
+        f"fp8: {recipe} ({FP8_RECIPES[recipe]}) on the blocks' attention, dense MLP and MoE "
+        "expert (routed and shared) GEMMs; embeddings, output layer and loss, norms, routers, "
+        f"attention core in {cfg.train.fp8_high_precision}, weights and optimizer in fp32",
         f"fp8 amax all-reduces per step and rank (tp {derived.tp}, cp {derived.cp}, stage 0): "
         f"{calls} calls, {payload:,} bytes",
         note,

@@ -148,8 +148,6 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
     n_kv, head_dim = _head_sizes(model, tp)
     check_triton_head_dims(cfg, head_dim)
     d_ff = _ffn_size(model, tp)
-    if train.precision == "fp8" and train.fp8_recipe == "blockwise" and tp > 1:
-        _check_fp8_blocks(cfg, n_kv, head_dim, d_ff)
     accum = _grad_accum_steps(train, dp)
     vocab = model.vocab_size if model.vocab_size is not None else vocab_size
     require(vocab is not None, "model.vocab_size: not set and no dataset to take it from")
@@ -173,6 +171,8 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
     if virtual > 1:
         _check_interleaving(train, dp, pp, virtual, accum)
     moe_d_ff = _expert_ffn_size(model, parallel, dp, d_ff) if model.moe.num_experts > 0 else 0
+    if train.precision == "fp8" and train.fp8_recipe == "blockwise" and tp > 1:
+        _check_fp8_blocks(cfg, n_kv, head_dim, d_ff, moe_d_ff)
     chunks = chunk_layers(cfg)
     return Derived(
         world_size=world_size,
@@ -228,7 +228,7 @@ def _data_parallel_degree(parallel: ParallelConfig, world_size: int) -> int:
 
 def _check_context_parallel(cfg: Config) -> None:
     """What parallel.cp > 1 needs of the sequence length and dropout, and of blockwise fp8:
-    whole 128-token tiles in each zigzag chunk."""
+    whole 128-token tiles in each zigzag chunk, and no experts."""
     cp, seq_len, dropout = cfg.parallel.cp, cfg.train.seq_len, cfg.model.dropout
     require(
         seq_len % (2 * cp) == 0,
@@ -243,6 +243,14 @@ def _check_context_parallel(cfg: Config) -> None:
         f"chunks of {chunk} tokens, not a multiple of {FP8_BLOCK} (a weight-gradient tile of "
         f"{FP8_BLOCK} tokens would straddle two cp ranks); valid: a seq_len that is a multiple "
         f"of {2 * cp * FP8_BLOCK}, or another fp8_recipe",
+    )
+    require(
+        not (cfg.train.precision == "fp8" and cfg.train.fp8_recipe == "blockwise")
+        or cfg.model.moe.num_experts == 0,
+        f"train.fp8_recipe: blockwise with model.moe.num_experts={cfg.model.moe.num_experts} at "
+        f"parallel.cp={cp}: an expert's weight-gradient tiles of {FP8_BLOCK} tokens would "
+        "straddle the cp ranks' shares of a micro-batch (an expert's rows are not whole chunks); "
+        "valid: parallel.cp=1, or fp8_recipe tensorwise or rowwise",
     )
     require(
         dropout == 0,
@@ -289,10 +297,11 @@ def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
     return n_kv, head_dim
 
 
-def _check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int) -> None:
+def _check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int, moe_d_ff: int) -> None:
     """Blockwise fp8 at tp > 1: each rank's share of a split dimension of an fp8 linear layer
-    (the qkv outputs, the attention heads, a dense MLP's d_ff) is whole 128-wide blocks, so no
-    tile or block straddles two ranks and every tp scales the same groups."""
+    (the qkv outputs, the attention heads, a dense MLP's d_ff, an expert's and so the shared
+    experts' d_ff) is whole 128-wide blocks, so no tile or block straddles two ranks and every
+    tp scales the same groups."""
     model, tp = cfg.model, cfg.parallel.tp
     sizes = [
         (
@@ -311,8 +320,10 @@ def _check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int) -> None:
             ),
             ("the attention heads model.n_head x v_head_dim", model.n_head * mla.v_head_dim),
         ]
-    if len(moe_layers(cfg)) < model.n_layer + model.mtp_depth:  # dense MLPs (MoE: no fp8)
+    if len(moe_layers(cfg)) < model.n_layer + model.mtp_depth:  # dense MLPs
         sizes.append(("model.d_ff", d_ff))
+    if moe_d_ff:  # the experts (the shared experts' d_ff is a multiple of theirs)
+        sizes.append(("model.moe.d_ff", moe_d_ff))
     for what, size in sizes:
         valid = [1] + [t for t in divisors(size) if t > 1 and (size // t) % FP8_BLOCK == 0]
         require(

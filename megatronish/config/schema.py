@@ -93,17 +93,18 @@ class TrainConfig:
     run stops with exit status 1."""
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     """fp32; bf16 autocast with fp32 weights, gradients and optimizer state; or fp8: the
-    transformer blocks' linear GEMMs (attention qkv and output, the dense MLPs) in fp8 by
-    train.fp8_recipe (emulated on CPU), everything else in train.fp8_high_precision."""
+    transformer blocks' linear GEMMs (attention qkv and output, the dense MLPs, the MoE
+    layers' routed and shared experts) in fp8 by train.fp8_recipe (emulated on CPU), everything
+    else in train.fp8_high_precision."""
     fp8_recipe: Literal["tensorwise", "rowwise", "blockwise"] = "tensorwise"
     """With train.precision fp8, how the GEMM operands are scaled: tensorwise (one scale per
     tensor; e4m3 inputs and weights, e5m2 output gradients), rowwise (a scale per row along the
     summed dimension, powers of two, e4m3), blockwise (DeepSeek-V3: 1 x 128 tiles of
     activations and gradients, 128 x 128 weight blocks, e4m3; at tp > 1 each rank's share of a
-    split dimension must be a multiple of 128)."""
+    split dimension must be a multiple of 128; not with experts at parallel.cp > 1)."""
     fp8_high_precision: Literal["bf16", "fp32"] = "bf16"
     """With train.precision fp8, the precision of what fp8 leaves out (embeddings, the output
-    layer and loss, norms, the attention core, MoE layers, the fp8 GEMMs' outputs): bf16
+    layer and loss, norms, the attention core, MoE routers, the fp8 GEMMs' outputs): bf16
     autocast, as Megatron and DeepSeek train, or fp32 (no autocast, as torchao's Float8Linear
     computes in an fp32 model; a step at any tp degree computes what tp 1 does to fp32
     rounding). Weights, gradients and the optimizer are fp32 either way."""

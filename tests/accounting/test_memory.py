@@ -22,7 +22,7 @@ from megatronish.accounting.parameters import local_layer_params, local_paramete
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.model.precision import autocast, fp8_layers, use_precision
+from megatronish.model.precision import autocast, fp8_layers, fp8_moe_layers, use_precision
 from tests.conftest import CONFIGS
 
 DEEPSEEK_MOE = [
@@ -68,6 +68,7 @@ def test_fp8_layers_get_no_bf16_weight_copies_in_the_estimate(extra):
     cfg = _config("tiny-moe.yaml", ["train.precision=fp8", *extra])
     model, derived = _model(cfg)
     in_fp8 = sum(p.numel() for layer in fp8_layers(model) for p in layer.parameters())
+    in_fp8 += sum(p.numel() for moe in fp8_moe_layers(model) for p in moe.experts.parameters())
     assert in_fp8 == fp8_layer_params(cfg, derived, 0) > 0
     trained = local_parameter_count(cfg, derived)
     assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * trained + 2 * (trained - in_fp8)

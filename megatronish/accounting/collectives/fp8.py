@@ -4,9 +4,9 @@ split them: tp (a sharded weight, rows split along K), cp (tokens split over the
 ranks) or tp x cp where a GEMM's operands need both (an operand replicated over the other
 reduces to its own amax there).
 
-Per micro-batch, in every block's attention (qkv column-parallel, projection row-parallel)
-and dense MLP (up, llama's gate, column-parallel; down row-parallel; MoE layers stay out of
-fp8), with T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's full sizes:
+Per micro-batch, in every block's attention (qkv column-parallel, projection row-parallel),
+dense MLP or MoE layer's shared experts (up and gate column-parallel; down row-parallel), with
+T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's full sizes:
 
 - tensorwise: forward, a column layer's weight (tp) and input (cp), a row layer's input (tp,
   cp) and weight (tp): one value each; backward, the output gradient's (a column layer's: tp,
@@ -17,6 +17,14 @@ fp8), with T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's
   in / t).
 - blockwise: none (a shard holds whole tiles and blocks: config.derive).
 
+An MoE layer's routed experts (gate and up column-split, down row-split over tp; E_l = E / ep
+on a rank, rows from S = ep source ranks: megatronish.fp8.grouped) make the same calls with
+a value per (expert, source) run where a linear layer has one per tensor, and per expert weight:
+tensorwise E_l S for an input or output gradient, E_l for a weight; rowwise the rows the rank
+received where a linear layer has its T tokens (T k on average, the number counted here: dropless
+the ranks' counts sum to the formula's, as the all-to-all's do) and E_l times the weight's rows,
+and E_l S times the per-feature scales of the weight-gradient GEMM.
+
 The weight's scales are taken once a step (megatronish.fp8.gemm caches its casts until the
 optimizer changes it): they join the first micro-batch's call of their GEMM, and its other
 runs (later micro-batches, a full recompute's rerun) reduce the activation's alone.
@@ -25,6 +33,8 @@ Full recompute reruns the forward ones.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Step
 
@@ -36,19 +46,30 @@ def fp8_collectives(step: Step) -> list[Collective]:
         return []
     derived, h = step.derived, step.h
     dense = step.layers - step.moe_layers
+    shared = step.moe_layers if derived.shared_d_ff else 0
     qkv = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     up = ("MLP up", dense) if model.gpt2_block else ("MLP up and gate", 2 * dense)
-    layers = [  # name, column-parallel, out, in, layers
-        ("qkv", True, qkv, h, step.layers),
-        ("attention projection", False, h, model.n_head * derived.head_dim, step.layers),
-        (up[0], True, derived.d_ff, h, up[1]),
-        ("MLP down", False, h, derived.d_ff, dense),
+    tokens = step.b * step.s
+    linear = Group(1, 1, tokens)
+    experts = model.moe.num_experts // derived.ep
+    routed = Group(experts * derived.ep, experts, tokens * model.moe.top_k)
+    layers = [  # name, column-parallel, out, in, layers, their runs of rows
+        ("qkv", True, qkv, h, step.layers, linear),
+        ("attention projection", False, h, model.n_head * derived.head_dim, step.layers, linear),
+        (up[0], True, derived.d_ff, h, up[1], linear),
+        ("MLP down", False, h, derived.d_ff, dense, linear),
+        ("shared experts up and gate", True, derived.shared_d_ff, h, 2 * shared, linear),
+        ("shared experts down", False, h, derived.shared_d_ff, shared, linear),
+        ("experts up and gate", True, derived.moe_d_ff, h, 2 * step.moe_layers, routed),
+        ("experts down", False, h, derived.moe_d_ff, step.moe_layers, routed),
     ]
     forward_runs = 2 if train.activation_checkpointing == "full" else 1
     ops = []
-    for name, column, out, inner, n in layers:
+    for name, column, out, inner, n, group in layers:
+        if not n:
+            continue
         for gemm, axes, values, weight_axes, weight_values, runs in _gemms(
-            step, column, out, inner, forward_runs
+            step, column, out, inner, forward_runs, group
         ):
             calls = n * step.accum * runs  # the GEMM's runs a step
             what = f"fp8 amax of {name} ({gemm})"
@@ -61,31 +82,44 @@ def fp8_collectives(step: Step) -> list[Collective]:
     return ops
 
 
-def _gemms(step: Step, column: bool, out: int, inner: int, forward_runs: int) -> list[tuple]:
+@dataclass(frozen=True)
+class Group:
+    """How a GEMM's rows are scaled: `runs` groups of rows (a linear layer: 1 tensor; experts:
+    one per (expert, source)), `weights` weights (experts: one per local expert) and `rows`
+    rows (a linear layer's tokens; the experts': the routed rows, on average)."""
+
+    runs: int
+    weights: int
+    rows: int
+
+
+def _gemms(
+    step: Step, column: bool, out: int, inner: int, forward_runs: int, group: Group
+) -> list[tuple]:
     """(GEMM, the axes and the number of values of its activation's (or output gradient's)
     amaxes, those of the weight's, runs per micro-batch) of one layer's GEMMs that reduce any
     value."""
     t, c = step.tp > 1, step.cp > 1
     tp, cp = ({"tp"} if t else set()), ({"cp"} if c else set())
+    runs, weights = group.runs, group.weights
     if step.cfg.train.fp8_recipe == "tensorwise":  # backward reuses the weight's scale
         if column:
             rows = [
-                ("forward", cp, int(c), tp, int(t), forward_runs),
-                ("input gradient", tp | cp, int(t or c), set(), 0, 1),
+                ("forward", cp, runs * c, tp, weights * t, forward_runs),
+                ("input gradient", tp | cp, runs * (t or c), set(), 0, 1),
             ]
         else:
             rows = [
-                ("forward", tp | cp, int(t or c), tp, int(t), forward_runs),
-                ("input gradient", cp, int(c), set(), 0, 1),
+                ("forward", tp | cp, runs * (t or c), tp, weights * t, forward_runs),
+                ("input gradient", cp, runs * c, set(), 0, 1),
             ]
     else:  # rowwise
-        tokens = step.b * step.s
         if column:  # the GEMM whose K (the layer's out or in) is split over tp
-            rows = [("input gradient", tp, tokens * t, tp, inner * t, 1)]
+            rows = [("input gradient", tp, group.rows * t, tp, weights * inner * t, 1)]
         else:
-            rows = [("forward", tp, tokens * t, tp, out * t, forward_runs)]
+            rows = [("forward", tp, group.rows * t, tp, weights * out * t, forward_runs)]
         width = out // step.tp + inner if column else out + inner // step.tp
-        rows.append(("weight gradient", cp, width * c, set(), 0, 1))
+        rows.append(("weight gradient", cp, runs * width * c, set(), 0, 1))
     return [row for row in rows if row[2] or row[4]]
 
 
