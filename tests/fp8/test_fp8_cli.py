@@ -1,7 +1,8 @@
 """fp8 from the command line: `check` names the recipe and says the GEMMs are emulated; a bad
 recipe, blockwise shards that would cut a 128 block (over tp, or the cp chunks of the
-weight-gradient tiles) and a GPU without fp8 are one line, exit 2; a run says once that it
-emulates, and its checkpoint (fp32 master weights) resumes in bf16."""
+weight-gradient tiles, blockwise experts at cp 2) and a GPU without fp8 are one line, exit 2; a
+tiny-moe run (attention, routed and shared experts in fp8) says once that it emulates, and its
+checkpoint (fp32 master weights) resumes in bf16."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ TINY = [
 ]
 
 
-def config_args(*sets: str) -> list[str]:
-    return ["--config", str(CONFIGS / "tiny.yaml"), *(a for s in sets for a in ("--set", s))]
+def config_args(*sets: str, config: str = "tiny.yaml") -> list[str]:
+    return ["--config", str(CONFIGS / config), *(a for s in sets for a in ("--set", s))]
 
 
 def test_check_prints_the_fp8_recipe_and_that_it_is_emulated():
@@ -55,8 +56,19 @@ def test_check_prints_the_fp8_recipe_and_that_it_is_emulated():
             "train.fp8_recipe",
             "train.seq_len=128 into chunks of 32 tokens, not a multiple of 128",
         ),
+        (
+            ["train.fp8_recipe=blockwise", "parallel.cp=2", "train.seq_len=512"]
+            + ["model.max_seq_len=512", "model.arch=llama", "model.moe.num_experts=4"],
+            "train.fp8_recipe",
+            "blockwise with model.moe.num_experts=4 at parallel.cp=2",
+        ),
     ],
-    ids=["misspelled recipe", "blockwise shards cut a block", "blockwise cp chunks cut a tile"],
+    ids=[
+        "misspelled recipe",
+        "blockwise shards cut a block",
+        "blockwise cp chunks cut a tile",
+        "blockwise experts at cp 2",
+    ],
 )
 def test_bad_fp8_settings_are_one_line_exit_2(sets, key, detail):
     result = invoke_cli("check", *config_args(*FP8, *sets))
@@ -75,20 +87,24 @@ def test_fp8_on_a_gpu_below_compute_capability_8_9_is_a_user_error(monkeypatch):
     assert "emulated on cuda" in check_device(torch.device("cuda"), "torch")
 
 
-def test_fp8_run_says_once_it_emulates_and_its_checkpoint_resumes_in_bf16(tmp_path, small_dataset):
-    run = [*TINY, f"data.path={small_dataset}", f"run.out_dir={tmp_path}"]
-    first = invoke_cli(
-        "train", *config_args(*run, *FP8, "train.fp8_recipe=rowwise", "train.steps=2")
-    )
+def test_fp8_moe_run_says_once_it_emulates_and_its_checkpoint_resumes_in_bf16(
+    tmp_path, small_dataset
+):
+    run = [*TINY, "model.moe.d_ff=48", "model.moe.shared_expert=true"]
+    run += [f"data.path={small_dataset}", f"run.out_dir={tmp_path}"]
+    fp8 = [*run, *FP8, "train.fp8_recipe=rowwise", "train.steps=2"]
+    first = invoke_cli("train", *config_args(*fp8, config="tiny-moe.yaml"))
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stderr.count("fp8 is emulated on cpu") == 1, first.stderr
-    resumed = invoke_cli("train", *config_args(*run, "train.precision=bf16", "train.steps=3"))
+    bf16 = [*run, "train.precision=bf16", "train.steps=3"]
+    resumed = invoke_cli("train", *config_args(*bf16, config="tiny-moe.yaml"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
     assert "fp8" not in resumed.stderr
     train_lines, _ = read_metrics(tmp_path)
     assert [line["step"] for line in train_lines] == [1, 2, 3]
     assert all(math.isfinite(line["loss"]) for line in train_lines)
+    assert all(line["moe_aux_loss"] > 0 for line in train_lines)
 
 
 def test_fp8_with_the_tp_comm_overlap_is_one_line_naming_both_keys():
