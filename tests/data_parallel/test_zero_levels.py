@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.conftest import CONFIGS
-from tests.moe.test_moe_training import DEEPSEEK, MOE
+from tests.moe.layouts import DEEPSEEK, MOE
 from tests.parity import (
     GPT2,
     LLAMA,

@@ -16,7 +16,7 @@ import pytest
 
 from megatronish.pipeline.schedule import interleaved_ticks, rank_order, warmup_forwards
 from tests.conftest import CONFIGS, invoke_cli
-from tests.moe.test_moe_training import DEEPSEEK
+from tests.moe.layouts import DEEPSEEK
 from tests.parity import (
     GPT2,
     LLAMA,
