@@ -173,7 +173,7 @@ FP8_VARIANTS = [
 
 
 @pytest.mark.parametrize(("ranks", "name"), FP8_VARIANTS)
-def test_fp8_experts_first_steps_at_ep2_and_tp2_dp2_ep2_equal_one_process(
+def test_fp8_experts_first_steps_at_ep2_tp2_dp2_ep2_and_cp2_ep2_equal_one_process(
     two_ranks, four_ranks, dataset, ranks, name
 ):
     per_rank = two_ranks if ranks == "two" else four_ranks
