@@ -27,7 +27,7 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from megatronish.fp8 import kernels
-from megatronish.fp8.quantize import Cast, Quantized, Split, quantize
+from megatronish.fp8.quantize import Axes, Cast, Quantized, Split, quantize
 from megatronish.fp8.recipes import Recipe
 
 
@@ -40,11 +40,12 @@ class Scales:
     grad_output: torch.Tensor | None = None
 
 
-def _tensorwise(q: Quantized) -> torch.Tensor | None:
+def tensorwise(q: Quantized) -> torch.Tensor | None:
+    """q's scale where it is one scale for the whole tensor, else None."""
     return q.scale if q.operand.granularity == "tensor" else None
 
 
-def _product(a: Quantized, b: Quantized, dtype: torch.dtype, backend: str) -> torch.Tensor:
+def product(a: Quantized, b: Quantized, dtype: torch.dtype, backend: str) -> torch.Tensor:
     """A [M, K] B [N, K]^T of the dequantized operands in float32 (whatever autocast says),
     as dtype: on the fp8 kernels where `backend` runs them (megatronish.fp8.kernels)."""
     if kernels.fused(backend, a.payload):
@@ -75,35 +76,97 @@ def weights_fixed():
         weights_changed()
 
 
-def _with_weight(
-    casts: list[Cast], weight: torch.Tensor, cast: Cast, use: str, recipe: Recipe, split: Split
-) -> list[Quantized]:
-    """quantize(casts + [cast]), cast the weight's (or its transpose's) for `use`, taken from
-    the weight's cache when it holds this version of the weight (module doc)."""
-    cache = _WEIGHT_CASTS.setdefault(weight, {})
+def _with_weights(
+    casts: list[Cast],
+    weights: list[tuple[torch.Tensor, Cast]],
+    use: str,
+    recipe: Recipe,
+    split: Split,
+) -> tuple[list[Quantized], list[Quantized]]:
+    """(quantize(casts), each weight's cast for `use`): one quantize call (one amax all-reduce)
+    for the casts and the weights' casts that are not in their weight's cache (the module doc:
+    a cast is kept while the weight holds the version it was taken of)."""
     key = (use, recipe.name, recipe.backend)
-    version, kept = cache.get(key, (None, None))
-    if version == weight._version:
-        return [*quantize(casts, recipe.power_of_2_scales, split, recipe.backend), kept]
-    out = quantize([*casts, cast], recipe.power_of_2_scales, split, recipe.backend)
-    cache[key] = (weight._version, out[-1])
-    return out
+    kept = []
+    for weight, _ in weights:
+        version, cast = _WEIGHT_CASTS.setdefault(weight, {}).get(key, (None, None))
+        kept.append(cast if version == weight._version else None)
+    missing = [i for i, cast in enumerate(kept) if cast is None]
+    out = quantize(
+        [*casts, *(weights[i][1] for i in missing)],
+        recipe.power_of_2_scales,
+        split,
+        recipe.backend,
+    )
+    for i, cast in zip(missing, out[len(casts) :]):
+        weight = weights[i][0]
+        _WEIGHT_CASTS[weight][key] = (weight._version, cast)
+        kept[i] = cast
+    return out[: len(casts)], kept
+
+
+def forward_casts(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    recipe: Recipe,
+    split: Split,
+    tokens: Axes | None = None,
+) -> tuple[Quantized, list[Quantized]]:
+    """The forward GEMM's operands in fp8: X [T, in] and each weight [out, in] (the weights
+    share X: llama's gate and up). tokens: the axes X's rows are split over (default split.cp;
+    a sequence chunk of a gathered input adds tp: its tensorwise scale is the gathered
+    tensor's, all-reduced with the weights' amaxes)."""
+    rows = split.cp if tokens is None else tokens
+    (qx,), qws = _with_weights(
+        [Cast(x, recipe.input, rows=rows, k=split.tp("in"))],
+        [(w, Cast(w, recipe.weight, rows=split.tp("out"), k=split.tp("in"))) for w in weights],
+        "forward",
+        recipe,
+        split,
+    )
+    return qx, qws
+
+
+def grad_input_casts(
+    grad_output: torch.Tensor,
+    weight: torch.Tensor,
+    recipe: Recipe,
+    split: Split,
+    scales: Scales,
+    tokens: Axes | None = None,
+) -> tuple[Quantized, Quantized, Scales]:
+    """The input-gradient GEMM's operands in fp8, dY [T, out] and W^T [in, out], and the scales
+    with the output gradient's. tokens: as in forward_casts (a sequence chunk of a gathered
+    output gradient: its tensorwise scale is the gathered tensor's)."""
+    rows = split.cp if tokens is None else tokens
+    (qdy,), (qwt,) = _with_weights(
+        [Cast(grad_output, recipe.grad_output, rows=rows, k=split.tp("out"))],
+        [
+            (
+                weight,
+                Cast(
+                    weight.t(),
+                    recipe.weight,
+                    rows=split.tp("in"),
+                    k=split.tp("out"),
+                    scale=scales.weight,
+                ),
+            )
+        ],
+        "input gradient",
+        recipe,
+        split,
+    )
+    return qdy, qwt, replace(scales, grad_output=tensorwise(qdy))
 
 
 def forward_gemm(
     x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, split: Split
 ) -> tuple[torch.Tensor, Scales]:
     """Y [T, out] = X [T, in] W^T, and the tensorwise scales it computed."""
-    qx, qw = _with_weight(
-        [Cast(x, recipe.input, rows=split.cp, k=split.tp("in"))],
-        weight,
-        Cast(weight, recipe.weight, rows=split.tp("out"), k=split.tp("in")),
-        "forward",
-        recipe,
-        split,
-    )
-    return _product(qx, qw, x.dtype, recipe.backend), Scales(
-        input=_tensorwise(qx), weight=_tensorwise(qw)
+    qx, (qw,) = forward_casts(x, [weight], recipe, split)
+    return product(qx, qw, x.dtype, recipe.backend), Scales(
+        input=tensorwise(qx), weight=tensorwise(qw)
     )
 
 
@@ -112,41 +175,38 @@ def grad_input_gemm(
 ) -> tuple[torch.Tensor, Scales]:
     """dX [T, in] = dY [T, out] W (this rank's partial sum for a column-parallel layer), and the
     scales with the output gradient's."""
-    qdy, qwt = _with_weight(
-        [Cast(grad_output, recipe.grad_output, rows=split.cp, k=split.tp("out"))],
-        weight,
-        Cast(
-            weight.t(), recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scales.weight
-        ),
-        "input gradient",
-        recipe,
-        split,
-    )
-    return _product(qdy, qwt, grad_output.dtype, recipe.backend), replace(
-        scales, grad_output=_tensorwise(qdy)
-    )
+    qdy, qwt, scales = grad_input_casts(grad_output, weight, recipe, split, scales)
+    return product(qdy, qwt, grad_output.dtype, recipe.backend), scales
 
 
 def grad_weight_gemm(
-    grad_output: torch.Tensor, x: torch.Tensor, recipe: Recipe, split: Split, scales: Scales
+    grad_output: torch.Tensor,
+    x: torch.Tensor | None,
+    recipe: Recipe,
+    split: Split,
+    scales: Scales,
+    x_t: Quantized | None = None,
 ) -> torch.Tensor:
-    """dW [out, in] = dY^T [out, T] X [T, in], in the output gradient's dtype."""
+    """dW [out, in] = dY^T [out, T] X [T, in], in the output gradient's dtype. x_t: X^T [in, T]
+    already cast (tensorwise: the forward cast's payload transposed, the same numbers as
+    casting X^T with the forward's scale); x is then not read."""
+    dy_t = Cast(
+        grad_output.t(),
+        recipe.grad_output,
+        rows=split.tp("out"),
+        k=split.cp,
+        scale=scales.grad_output,
+    )
+    if x_t is not None:
+        (qdyt,) = quantize([dy_t], recipe.power_of_2_scales, split, recipe.backend)
+        return product(qdyt, x_t, grad_output.dtype, recipe.backend)
     qdyt, qxt = quantize(
-        [
-            Cast(
-                grad_output.t(),
-                recipe.grad_output,
-                rows=split.tp("out"),
-                k=split.cp,
-                scale=scales.grad_output,
-            ),
-            Cast(x.t(), recipe.input, rows=split.tp("in"), k=split.cp, scale=scales.input),
-        ],
+        [dy_t, Cast(x.t(), recipe.input, rows=split.tp("in"), k=split.cp, scale=scales.input)],
         recipe.power_of_2_scales,
         split,
         recipe.backend,
     )
-    return _product(qdyt, qxt, grad_output.dtype, recipe.backend)
+    return product(qdyt, qxt, grad_output.dtype, recipe.backend)
 
 
 class _Fp8Linear(torch.autograd.Function):
