@@ -37,6 +37,9 @@ SP, OVERLAP = ["parallel.sequence_parallel=true"], ["parallel.tp_comm_overlap=tr
 CP = ["parallel.cp=2"]
 FP8 = ["train.precision=fp8", "train.fp8_high_precision=fp32"]
 TENSORWISE, ROWWISE = ["train.fp8_recipe=tensorwise"], ["train.fp8_recipe=rowwise"]
+# blockwise at tp 2: every split dimension whole 128-blocks per rank (head dim 128)
+BLOCKWISE = ["train.fp8_recipe=blockwise", "model.d_model=256", "model.n_head=2"]
+BLOCKWISE += ["model.d_ff=512"]
 # A dense block and an MoE block with a shared expert (its MLP decomposed, the routing whole).
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2", "model.moe.d_ff=48"]
 MOE += ["model.moe.shared_expert=true"]
@@ -77,6 +80,15 @@ TWO_RANKS = {
         2, 1, LLAMA + SP + OVERLAP + ["train.precision=bf16"],
     ),
     "gpt2 dp2 gradients reduced in bf16": (1, 2, GPT2 + REDUCED_IN_BF16),
+    # fp8 with the tp collectives decomposed: the input's fp8 cast on the forward ring
+    "llama tp2 fp8 tensorwise sequence-parallel overlap": (
+        2, 1, LLAMA + FP8 + TENSORWISE + SP + OVERLAP,
+    ),
+    "gpt2 tp2 fp8 rowwise sequence-parallel overlap": (2, 1, GPT2 + FP8 + ROWWISE + SP + OVERLAP),
+    "llama tp2 fp8 rowwise overlap": (2, 1, LLAMA + FP8 + ROWWISE + OVERLAP),
+    "llama tp2 fp8 blockwise sequence-parallel overlap": (
+        2, 1, LLAMA + FP8 + BLOCKWISE + SP + OVERLAP,
+    ),
 }  # fmt: skip
 FOUR_RANKS = {
     "gpt2 tp2 dp2": (2, 2, GPT2),

@@ -22,6 +22,12 @@ optimizer changes it): they join the first micro-batch's call of their GEMM, and
 runs (later micro-batches, a full recompute's rerun) reduce the activation's alone.
 
 Full recompute reruns the forward ones.
+
+Under parallel.tp_comm_overlap with sequence parallelism (megatronish.layers.overlap_fp8) the
+scales are the same, but a gathered tensor's tensorwise amax is reduced from its sequence chunks
+before the ring: a column layer's forward (its input: tp, cp; llama's gate and up in one call
+with both weights) and a row layer's input gradient (its output gradient: tp, cp) reduce one
+value every run.
 """
 
 from __future__ import annotations
@@ -37,56 +43,79 @@ def fp8_collectives(step: Step) -> list[Collective]:
     derived, h = step.derived, step.h
     dense = step.layers - step.moe_layers
     qkv = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
-    up = ("MLP up", dense) if model.gpt2_block else ("MLP up and gate", 2 * dense)
-    layers = [  # name, column-parallel, out, in, layers
-        ("qkv", True, qkv, h, step.layers),
-        ("attention projection", False, h, model.n_head * derived.head_dim, step.layers),
-        (up[0], True, derived.d_ff, h, up[1]),
-        ("MLP down", False, h, derived.d_ff, dense),
+    if model.gpt2_block:
+        up = ("MLP up", dense, 1)
+    elif step.sp and step.overlap:  # gate and up: one decomposed GEMM of the gathered input
+        up = ("MLP up and gate", dense, 2)
+    else:
+        up = ("MLP up and gate", 2 * dense, 1)
+    layers = [  # name, column-parallel, out, in, calls of its GEMMs, weights a call takes
+        ("qkv", True, qkv, h, step.layers, 1),
+        ("attention projection", False, h, model.n_head * derived.head_dim, step.layers, 1),
+        (up[0], True, derived.d_ff, h, up[1], up[2]),
+        ("MLP down", False, h, derived.d_ff, dense, 1),
     ]
     forward_runs = 2 if train.activation_checkpointing == "full" else 1
     ops = []
-    for name, column, out, inner, n in layers:
-        for gemm, axes, values, weight_axes, weight_values, runs in _gemms(
-            step, column, out, inner, forward_runs
+    for name, column, out, inner, n, weights in layers:
+        for gemm, axes, values, weight_axes, weight_values, runs, firsts in _gemms(
+            step, column, out, inner, forward_runs, weights
         ):
-            calls = n * step.accum * runs  # the GEMM's runs a step
+            calls = n * step.accum * runs  # the GEMM's calls a step
             what = f"fp8 amax of {name} ({gemm})"
-            if weight_values:  # the first run's call takes the weight's too
+            if weight_values:  # the first run's calls take the weights' too
                 both = f"{what}, with the weight's"
-                ops.append(_over(step, both, axes | weight_axes, values + weight_values, n))
-                calls -= n
+                ops.append(
+                    _over(step, both, axes | weight_axes, values + weight_values, n * firsts)
+                )
+                calls -= n * firsts
             if values:
                 ops.append(_over(step, what, axes, values, calls))
     return ops
 
 
-def _gemms(step: Step, column: bool, out: int, inner: int, forward_runs: int) -> list[tuple]:
+def _gemms(
+    step: Step, column: bool, out: int, inner: int, forward_runs: int, weights: int
+) -> list[tuple]:
     """(GEMM, the axes and the number of values of its activation's (or output gradient's)
-    amaxes, those of the weight's, runs per micro-batch) of one layer's GEMMs that reduce any
-    value."""
+    amaxes, those of the weights', calls per micro-batch, of which the first run's, which take
+    the weights' too) of one layer's GEMMs that reduce any value. weights: the weights one
+    decomposed forward GEMM of the gathered input takes at once (gate and up; the input
+    gradient is one GEMM a weight). Under parallel.tp_comm_overlap with sequence parallelism
+    the decomposed GEMMs' tensorwise scale of a gathered tensor (a column layer's input, a row
+    layer's output gradient) is reduced from its chunks over tp (megatronish.layers.overlap_fp8)."""
     t, c = step.tp > 1, step.cp > 1
     tp, cp = ({"tp"} if t else set()), ({"cp"} if c else set())
+    chunked = step.sp and step.overlap
     if step.cfg.train.fp8_recipe == "tensorwise":  # backward reuses the weight's scale
+        gathered = (tp | cp, 1) if chunked else (cp, int(c))
         if column:
             rows = [
-                ("forward", cp, int(c), tp, int(t), forward_runs),
-                ("input gradient", tp | cp, int(t or c), set(), 0, 1),
+                ("forward", *gathered, tp, weights * int(t), forward_runs, 1),
+                ("input gradient", tp | cp, int(t or c), set(), 0, weights, 0),
             ]
         else:
             rows = [
-                ("forward", tp | cp, int(t or c), tp, int(t), forward_runs),
-                ("input gradient", cp, int(c), set(), 0, 1),
+                ("forward", tp | cp, int(t or c), tp, int(t), forward_runs, 1),
+                ("input gradient", *gathered, set(), 0, 1, 0),
             ]
     else:  # rowwise
         tokens = step.b * step.s
         if column:  # the GEMM whose K (the layer's out or in) is split over tp
-            rows = [("input gradient", tp, tokens * t, tp, inner * t, 1)]
+            rows = [("input gradient", tp, tokens * t, tp, inner * t, weights, weights)]
         else:
-            rows = [("forward", tp, tokens * t, tp, out * t, forward_runs)]
+            rows = [("forward", tp, tokens * t, tp, out * t, forward_runs, 1)]
         width = out // step.tp + inner if column else out + inner // step.tp
-        rows.append(("weight gradient", cp, width * c, set(), 0, 1))
+        rows.append(("weight gradient", cp, width * c, set(), 0, weights, 0))
     return [row for row in rows if row[2] or row[4]]
+
+
+def cast_bytes(recipe: str, rows: int, k: int) -> int:
+    """Bytes of an fp8 cast of a [rows, K] operand that the decomposed all-gather sends
+    (megatronish.layers.overlap_fp8): a byte a value and each row's float32 scales (rowwise
+    one, blockwise a 1 x 128 tile's each; tensorwise none: every rank holds the scale)."""
+    scales = {"tensorwise": 0, "rowwise": 1, "blockwise": -(-k // 128)}[recipe]
+    return rows * (k + FP32_BYTES * scales)
 
 
 def _over(step: Step, what: str, axes: set[str], values: int, calls: int) -> Collective:
