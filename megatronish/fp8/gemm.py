@@ -87,9 +87,9 @@ def _with_weights(
     for the casts and the weights' casts that are not in their weight's cache (the module doc:
     a cast is kept while the weight holds the version it was taken of)."""
     key = (use, recipe.name, recipe.backend)
-    kept = []
-    for weight, _ in weights:
-        version, cast = _WEIGHT_CASTS.setdefault(weight, {}).get(key, (None, None))
+    kept, caches = [], [_WEIGHT_CASTS.setdefault(weight, {}) for weight, _ in weights]
+    for (weight, _), cache in zip(weights, caches):
+        version, cast = cache.get(key, (None, None))
         kept.append(cast if version == weight._version else None)
     missing = [i for i, cast in enumerate(kept) if cast is None]
     out = quantize(
@@ -99,8 +99,7 @@ def _with_weights(
         recipe.backend,
     )
     for i, cast in zip(missing, out[len(casts) :]):
-        weight = weights[i][0]
-        _WEIGHT_CASTS[weight][key] = (weight._version, cast)
+        caches[i][key] = (weights[i][0]._version, cast)
         kept[i] = cast
     return out[: len(casts)], kept
 
