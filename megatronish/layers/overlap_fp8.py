@@ -29,7 +29,9 @@ What travels:
   the gathered input: tensorwise, its fp8 payload (the forward's, transposed: the same numbers
   as casting X^T with the same scale), kept when keep_gathered, else gathered again in fp8;
   rowwise and blockwise, the input in its own precision (their per-feature scales over the
-  tokens need it), gathered again (keep_gathered has nothing of it to keep).
+  tokens need it), gathered again. Rowwise and blockwise with keep_gathered send x itself
+  forward instead, each rank casting each chunk as it arrives, and keep it gathered: one
+  gather in its own precision rather than an fp8 one and the same again backward.
 - linear_reduce_scatter sends partial outputs (sums, not casts) forward and gathers the output
   gradient in its own precision backward (the weight gradient's casts need it).
 - linear_all_reduce reduces output chunks; its backward moves nothing.
@@ -115,24 +117,32 @@ class _AllGatherLinear(torch.autograd.Function):
         split = Split(group, "out", tokens)
         qx, qws = forward_casts(_rows(x), list(weights), recipe, split, split.cp | TP)
         outs = [[None] * ring.size for _ in weights]  # [weight][source]: [b, c, out / t]
-        payloads = [None] * ring.size
-        for source, packed in gather_chunks(ring, pack(qx, batch)):
-            chunk = qx if source == ring.rank else unpack(packed, qx)
+        tensor = recipe.input.granularity == "tensor"
+        send_cast = tensor or not keep_gathered  # else x itself, kept gathered for dW
+        kept = [None] * ring.size  # what backward keeps of each chunk
+        for source, arrived in gather_chunks(ring, pack(qx, batch) if send_cast else x):
+            if source == ring.rank:
+                chunk = qx
+            elif send_cast:
+                chunk = unpack(arrived, qx)
+            else:  # per-token scales: the chunk's cast is the whole tensor's
+                cast = Cast(_rows(arrived), recipe.input)
+                (chunk,) = quantize([cast], recipe.power_of_2_scales, split, recipe.backend)
             for pieces, qw, bias in zip(outs, qws, biases):
                 out = _seq(product(chunk, qw, x.dtype, recipe.backend), batch)
                 pieces[source] = _add_bias(out, bias)
-            payloads[source] = _seq(chunk.payload.view(torch.uint8), batch)
+            kept[source] = _seq(chunk.payload.view(torch.uint8), batch) if tensor else arrived
         ctx.ring, ctx.recipe, ctx.split, ctx.count = ring, recipe, split, count
         ctx.weights = weights  # themselves (not a recompute's copies): the keys of their casts
         ctx.scales = [Scales(input=tensorwise(qx), weight=tensorwise(qw)) for qw in qws]
         ctx.has_bias = [bias is not None for bias in biases]
-        ctx.kept = recipe.input.granularity == "tensor" and keep_gathered
-        if recipe.input.granularity != "tensor":
-            ctx.save_for_backward(x)  # gathered again in its own precision for dW
-        elif ctx.kept:
-            ctx.save_for_backward(torch.cat(payloads, dim=1))  # [b, s, in] fp8 bytes
+        ctx.kept = keep_gathered
+        if keep_gathered:  # the gathered fp8 payload (tensorwise) or x [b, s, in]
+            ctx.save_for_backward(torch.cat(kept, dim=1))
+        elif tensor:
+            ctx.save_for_backward(kept[ring.rank])  # [b, c, in] fp8 bytes, gathered again
         else:
-            ctx.save_for_backward(payloads[ring.rank])  # [b, c, in] fp8 bytes, gathered again
+            ctx.save_for_backward(x)  # gathered again in its own precision for dW
         return tuple(torch.cat(pieces, dim=1) for pieces in outs)
 
     @staticmethod

@@ -376,11 +376,11 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
     fp8 layers without the decomposition, each layer on the same inputs: outputs and input
     gradients within the fp32 rounding of their reordered sums (a scale other than the plain
     layer's moves an fp8 value by up to 1/16, far beyond it), weight gradients bit for bit (the
-    same casts of the same numbers, one GEMM). With sequence parallelism a column layer (bias,
-    its input gathered again in backward) and llama's gate and up (the gathered input kept)
-    send their input's fp8 cast on the ring: the counted tp_ring bytes are those casts' forward
-    and, backward, the tensorwise payload or the input in its own precision, plus the
-    reduce-scatter of dx and the row layer's rings in their own precision."""
+    same casts of the same numbers, one GEMM). With sequence parallelism the counted tp_ring
+    bytes: a column layer (bias, its input gathered again in backward) sends its input's fp8
+    cast forward and the tensorwise payload or the input itself backward; llama's gate and up
+    (the gathered input kept) the fp8 cast (tensorwise) or the input itself forward only; the
+    reduce-scatters of dx and the row layer's rings in their own precision."""
     from megatronish.layers import overlap
     from megatronish.layers.linear import local_linear
 
@@ -453,14 +453,16 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
     fp8_chunk = chunk * (d_in + scales)  # a chunk's fp8 cast: payload and float32 scales
     hp = x.element_size()
     again = chunk * d_in * (1 if recipe_name == "tensorwise" else hp)  # gathered for dW
-    backward_gathers = 1 if recipe_name == "tensorwise" else 2  # gate and up keep fp8 only
+    # gate and up keep what they gathered: the fp8 cast (tensorwise), else x itself
+    gate_up = fp8_chunk if recipe_name == "tensorwise" else chunk * d_in * hp
     ring = (world - 1) * (
-        2 * fp8_chunk  # column, gate and up forward
-        + backward_gathers * again
+        fp8_chunk  # column forward
+        + again  # column backward
+        + gate_up
         + 2 * chunk * d_in * hp  # the column layers' dx reduce-scatters
         + 2 * chunk * d_in * hp  # the row layer's output forward, its gradient backward
     )
-    assert on.calls["tp_ring"] == 8 * (world - 1) - (2 - backward_gathers) * (world - 1)
+    assert on.calls["tp_ring"] == 7 * (world - 1)
     assert on.payload_bytes["tp_ring"] == ring
     assert on.calls["all_gather"] == on.calls["reduce_scatter"] == 0
     return True

@@ -51,8 +51,9 @@ for backward only after its reduction, so full recompute reruns the MLP down's w
 without dropout. Under train.precision fp8 (megatronish.layers.overlap_fp8) the forward
 all-gathers of qkv's and the MLP's input carry its fp8 cast (a byte a value and each token's
 float32 scales: ``fp8.cast_bytes``); backward gathers again the tensorwise cast's payload (a
-byte a value; gate and up keep it) or, rowwise and blockwise, the input in its own precision
-(gate and up too: they kept no gathered input of it).
+byte a value) or, rowwise and blockwise, the input in its own precision. Llama's gate and up
+keep what they gathered: the fp8 cast (tensorwise), or, rowwise and blockwise, the input
+itself, gathered forward in its own precision.
 """
 
 from __future__ import annotations
@@ -204,12 +205,13 @@ def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[tuple]:
     cast = cast_bytes(recipe, step.b * step.s, step.h)
     tensorwise = recipe == "tensorwise"
     again = step.b * step.s * step.h if tensorwise else act
-    mlp_again = 1 if gpt2 or not tensorwise else 0
+    mlp_cast = gpt2 or tensorwise  # gate and up: the input itself, kept, rowwise and blockwise
     return [
         ("qkv input, fp8 cast (forward)", ag, cast, qkv * (1 + rerun), "qkv"),
-        ("MLP input, fp8 cast (forward)", ag, cast, dense * (1 + rerun), "up"),
+        ("MLP input, fp8 cast (forward)", ag, cast, dense * (1 + rerun) * mlp_cast, "up"),
+        ("MLP input (forward)", ag, act, dense * (1 + rerun) * (not mlp_cast), "up"),
         ("qkv input again (backward)", ag, again, qkv, "qkv"),
-        ("MLP input again (backward)", ag, again, dense * mlp_again, "up"),
+        ("MLP input again (backward)", ag, again, dense * gpt2, "up"),
     ]
 
 
