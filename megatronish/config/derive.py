@@ -162,11 +162,6 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         f"train.seq_len: {train.seq_len} / parallel.cp={cp} must be divisible by "
         f"parallel.tp={tp} with parallel.tp_comm_overlap (the sequence is cut into tp chunks)",
     )
-    require(
-        not (parallel.tp_comm_overlap and tp > 1 and train.precision == "fp8"),
-        "parallel.tp_comm_overlap: not with train.precision=fp8 yet (the decomposed GEMMs run in "
-        "fp32 or bf16); set parallel.tp_comm_overlap=false or train.precision=bf16",
-    )
     virtual = virtual_stages(cfg)
     if virtual > 1:
         _check_interleaving(train, dp, pp, virtual, accum)

@@ -27,7 +27,7 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from megatronish.fp8 import kernels
-from megatronish.fp8.quantize import Cast, Quantized, Split, quantize
+from megatronish.fp8.quantize import Axes, Cast, Quantized, Split, quantize
 from megatronish.fp8.recipes import Recipe
 
 
@@ -40,7 +40,8 @@ class Scales:
     grad_output: torch.Tensor | None = None
 
 
-def _tensorwise(q: Quantized) -> torch.Tensor | None:
+def tensorwise(q: Quantized) -> torch.Tensor | None:
+    """q's scale where it is one scale for the whole tensor, else None."""
     return q.scale if q.operand.granularity == "tensor" else None
 
 
@@ -77,48 +78,90 @@ def weights_fixed():
 
 def kept_casts(
     casts: list[Cast],
-    weight: torch.Tensor,
-    weight_casts: list[Cast],
+    weights: list[tuple[torch.Tensor, list[Cast]]],
     use: str,
     recipe: Recipe,
     split: Split,
-) -> tuple[list[Quantized], list[Quantized]]:
-    """(quantize(casts), the weight's casts for `use`): one quantize call (one amax all-reduce)
-    for both, the weight's taken from its cache when it holds this version of the weight (module
-    doc). weight_casts: the weight's (or its transpose's, or each expert's of a stacked weight)."""
-    cache = _WEIGHT_CASTS.setdefault(weight, {})
+) -> tuple[list[Quantized], list[list[Quantized]]]:
+    """(quantize(casts), each weight's casts for `use`): one quantize call (one amax all-reduce)
+    for the casts and the weights' casts that are not in their weight's cache (the module doc:
+    casts are kept while the weight holds the version they were taken of). A weight's casts: its
+    own (or its transpose's), or each expert's of a stacked expert weight."""
     key = (use, recipe.name, recipe.backend)
-    version, kept = cache.get(key, (None, None))
-    if version == weight._version:
-        return quantize(casts, recipe.power_of_2_scales, split, recipe.backend), kept
-    out = quantize([*casts, *weight_casts], recipe.power_of_2_scales, split, recipe.backend)
-    made = out[len(casts) :]
-    cache[key] = (weight._version, made)
-    return out[: len(casts)], made
+    kept, caches = [], [_WEIGHT_CASTS.setdefault(weight, {}) for weight, _ in weights]
+    for (weight, _), cache in zip(weights, caches):
+        version, made = cache.get(key, (None, None))
+        kept.append(made if version == weight._version else None)
+    missing = [i for i, made in enumerate(kept) if made is None]
+    out = quantize(
+        [*casts, *(cast for i in missing for cast in weights[i][1])],
+        recipe.power_of_2_scales,
+        split,
+        recipe.backend,
+    )
+    start = len(casts)
+    for i in missing:
+        made = out[start : start + len(weights[i][1])]
+        start += len(made)
+        caches[i][key] = (weights[i][0]._version, made)
+        kept[i] = made
+    return out[: len(casts)], kept
 
 
-def _with_weight(
-    casts: list[Cast], weight: torch.Tensor, cast: Cast, use: str, recipe: Recipe, split: Split
-) -> list[Quantized]:
-    """quantize(casts + [cast]), cast the weight's (or its transpose's) for `use` (kept_casts)."""
-    out, (kept,) = kept_casts(casts, weight, [cast], use, recipe, split)
-    return [*out, kept]
+def forward_casts(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    recipe: Recipe,
+    split: Split,
+    tokens: Axes | None = None,
+) -> tuple[Quantized, list[Quantized]]:
+    """The forward GEMM's operands in fp8: X [T, in] and each weight [out, in] (the weights
+    share X: llama's gate and up). tokens: the axes X's rows are split over (default split.cp;
+    a sequence chunk of a gathered input adds tp: its tensorwise scale is the gathered
+    tensor's, all-reduced with the weights' amaxes)."""
+    rows = split.cp if tokens is None else tokens
+    (qx,), qws = kept_casts(
+        [Cast(x, recipe.input, rows=rows, k=split.tp("in"))],
+        [(w, [Cast(w, recipe.weight, rows=split.tp("out"), k=split.tp("in"))]) for w in weights],
+        "forward",
+        recipe,
+        split,
+    )
+    return qx, [qw for (qw,) in qws]
+
+
+def grad_input_casts(
+    grad_output: torch.Tensor,
+    weight: torch.Tensor,
+    recipe: Recipe,
+    split: Split,
+    scales: Scales,
+    tokens: Axes | None = None,
+) -> tuple[Quantized, Quantized, Scales]:
+    """The input-gradient GEMM's operands in fp8, dY [T, out] and W^T [in, out], and the scales
+    with the output gradient's. tokens: as in forward_casts (a sequence chunk of a gathered
+    output gradient: its tensorwise scale is the gathered tensor's)."""
+    rows = split.cp if tokens is None else tokens
+    weight_cast = Cast(
+        weight.t(), recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scales.weight
+    )
+    (qdy,), ((qwt,),) = kept_casts(
+        [Cast(grad_output, recipe.grad_output, rows=rows, k=split.tp("out"))],
+        [(weight, [weight_cast])],
+        "input gradient",
+        recipe,
+        split,
+    )
+    return qdy, qwt, replace(scales, grad_output=tensorwise(qdy))
 
 
 def forward_gemm(
     x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, split: Split
 ) -> tuple[torch.Tensor, Scales]:
     """Y [T, out] = X [T, in] W^T, and the tensorwise scales it computed."""
-    qx, qw = _with_weight(
-        [Cast(x, recipe.input, rows=split.cp, k=split.tp("in"))],
-        weight,
-        Cast(weight, recipe.weight, rows=split.tp("out"), k=split.tp("in")),
-        "forward",
-        recipe,
-        split,
-    )
+    qx, (qw,) = forward_casts(x, [weight], recipe, split)
     return product(qx, qw, x.dtype, recipe.backend), Scales(
-        input=_tensorwise(qx), weight=_tensorwise(qw)
+        input=tensorwise(qx), weight=tensorwise(qw)
     )
 
 
@@ -127,36 +170,33 @@ def grad_input_gemm(
 ) -> tuple[torch.Tensor, Scales]:
     """dX [T, in] = dY [T, out] W (this rank's partial sum for a column-parallel layer), and the
     scales with the output gradient's."""
-    qdy, qwt = _with_weight(
-        [Cast(grad_output, recipe.grad_output, rows=split.cp, k=split.tp("out"))],
-        weight,
-        Cast(
-            weight.t(), recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scales.weight
-        ),
-        "input gradient",
-        recipe,
-        split,
-    )
-    return product(qdy, qwt, grad_output.dtype, recipe.backend), replace(
-        scales, grad_output=_tensorwise(qdy)
-    )
+    qdy, qwt, scales = grad_input_casts(grad_output, weight, recipe, split, scales)
+    return product(qdy, qwt, grad_output.dtype, recipe.backend), scales
 
 
 def grad_weight_gemm(
-    grad_output: torch.Tensor, x: torch.Tensor, recipe: Recipe, split: Split, scales: Scales
+    grad_output: torch.Tensor,
+    x: torch.Tensor | None,
+    recipe: Recipe,
+    split: Split,
+    scales: Scales,
+    x_t: Quantized | None = None,
 ) -> torch.Tensor:
-    """dW [out, in] = dY^T [out, T] X [T, in], in the output gradient's dtype."""
+    """dW [out, in] = dY^T [out, T] X [T, in], in the output gradient's dtype. x_t: X^T [in, T]
+    already cast (tensorwise: the forward cast's payload transposed, the same numbers as
+    casting X^T with the forward's scale); x is then not read."""
+    dy_t = Cast(
+        grad_output.t(),
+        recipe.grad_output,
+        rows=split.tp("out"),
+        k=split.cp,
+        scale=scales.grad_output,
+    )
+    if x_t is not None:
+        (qdyt,) = quantize([dy_t], recipe.power_of_2_scales, split, recipe.backend)
+        return product(qdyt, x_t, grad_output.dtype, recipe.backend)
     qdyt, qxt = quantize(
-        [
-            Cast(
-                grad_output.t(),
-                recipe.grad_output,
-                rows=split.tp("out"),
-                k=split.cp,
-                scale=scales.grad_output,
-            ),
-            Cast(x.t(), recipe.input, rows=split.tp("in"), k=split.cp, scale=scales.input),
-        ],
+        [dy_t, Cast(x.t(), recipe.input, rows=split.tp("in"), k=split.cp, scale=scales.input)],
         recipe.power_of_2_scales,
         split,
         recipe.backend,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronish.fp8.gemm import kept_casts, product
+from megatronish.fp8.gemm import kept_casts, product, tensorwise
 from megatronish.fp8.quantize import Cast, Quantized, Split, quantize
 from megatronish.fp8.recipes import Recipe
 
@@ -55,18 +55,13 @@ class ExpertScales:
 
 def _runs(x: torch.Tensor, counts: Counts) -> list[list[torch.Tensor]]:
     """x [R, d] cut into its runs, [E_l][S] tensors [rows of the run, d]."""
-    sources = len(counts[0])
-    flat = list(x.split([n for per_expert in counts for n in per_expert]))
-    return [flat[e * sources : (e + 1) * sources] for e in range(len(counts))]
+    return _nest(list(x.split([n for per_expert in counts for n in per_expert])), counts)
 
 
 def _nest(flat: list, counts: Counts) -> list[list]:
+    """flat, one entry per run in expert-major order, as [E_l][S]."""
     sources = len(counts[0])
     return [flat[e * sources : (e + 1) * sources] for e in range(len(counts))]
-
-
-def _tensorwise(q: Quantized) -> torch.Tensor | None:
-    return q.scale if q.operand.granularity == "tensor" else None
 
 
 def _rows_product(a: Quantized, b: Quantized, dtype: torch.dtype, backend: str) -> torch.Tensor:
@@ -90,14 +85,14 @@ def experts_forward(
     weights = [
         Cast(w, recipe.weight, rows=split.tp("out"), k=split.tp("in")) for w in weight.unbind(0)
     ]
-    qx, qw = kept_casts(casts, weight, weights, "forward", recipe, split)
+    qx, (qw,) = kept_casts(casts, [(weight, weights)], "forward", recipe, split)
     qx = _nest(qx, counts)
     out = [
         _rows_product(q, qw[e], x.dtype, recipe.backend) for e, runs in enumerate(qx) for q in runs
     ]
     scales = ExpertScales(
-        input=[[_tensorwise(q) for q in runs] for runs in qx],
-        weight=[_tensorwise(q) for q in qw],
+        input=[[tensorwise(q) for q in runs] for runs in qx],
+        weight=[tensorwise(q) for q in qw],
     )
     return torch.cat(out), scales
 
@@ -121,11 +116,11 @@ def experts_grad_input(
         Cast(w.t(), recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scale)
         for w, scale in zip(weight.unbind(0), scales.weight)
     ]
-    qdy, qwt = kept_casts(casts, weight, weights, "input gradient", recipe, split)
+    qdy, (qwt,) = kept_casts(casts, [(weight, weights)], "input gradient", recipe, split)
     qdy = _nest(qdy, counts)
     dtype, backend = grad_output.dtype, recipe.backend
     out = [_rows_product(q, qwt[e], dtype, backend) for e, runs in enumerate(qdy) for q in runs]
-    grad_scales = [[_tensorwise(q) for q in runs] for runs in qdy]
+    grad_scales = [[tensorwise(q) for q in runs] for runs in qdy]
     return torch.cat(out), ExpertScales(scales.input, scales.weight, grad_scales)
 
 

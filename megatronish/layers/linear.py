@@ -10,7 +10,7 @@ all-gathers its input along the sequence, the row layer reduce-scatters its outp
 With fp8_recipe set (megatronish.fp8) the layer's three GEMMs take fp8 operands; the scales
 of tensors split over the group are reduced over it, so every tp degree computes the same.
 comm_overlap (parallel.tp_comm_overlap) decomposes those collectives under the GEMMs:
-megatronish.layers.overlap (not with fp8: the config refuses the pair).
+megatronish.layers.overlap (with fp8: megatronish.layers.overlap_fp8).
 """
 
 from __future__ import annotations
@@ -170,7 +170,9 @@ def column_parallel_linear(
         return local_linear(x, weight, bias, fp8_recipe, Split(tokens=fp8_tokens))
     x = to_autocast_dtype(x)
     if comm_overlap and sequence_parallel:
-        return overlap.all_gather_linear(x, [weight], [bias], group)[0]
+        return overlap.all_gather_linear(
+            x, [weight], [bias], group, recipe=fp8_recipe, tokens=fp8_tokens
+        )[0]
     return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe, fp8_tokens)
 
 
@@ -300,7 +302,14 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
         if self.comm_overlap:  # the GEMM decomposed under its reduction (layers.overlap)
-            out = overlap.reduced_linear(x, self.weight, self.tp_group, self.sequence_parallel)
+            out = overlap.reduced_linear(
+                x,
+                self.weight,
+                self.tp_group,
+                self.sequence_parallel,
+                self.fp8_recipe,
+                self.fp8_tokens,
+            )
             return out if self.bias is None else out + self.bias
         partial = local_linear(x, self.weight, None, self.fp8_recipe, split)
         if self.sequence_parallel:

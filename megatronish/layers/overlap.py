@@ -32,6 +32,9 @@ are the same dot products as the whole GEMM's. The chunked all-reduce's sums are
 collective's at t = 2 and with shared memory (rank order); gloo's ring at t > 2 may order them
 otherwise.
 
+With an fp8 recipe the GEMMs are fp8 with the scales of the layer without the decomposition
+(megatronish.layers.overlap_fp8): the column layer's ring carries the fp8 cast of each chunk.
+
 Every transfer goes through megatronish.distributed.comm: a ring hop counts as "tp_ring" (the
 chunk's bytes), a chunk's all-reduce as an all_reduce of the chunk.
 """
@@ -45,6 +48,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatronish.distributed import comm
+from megatronish.fp8 import Recipe, TokenGroups
+from megatronish.layers import overlap_fp8
 from megatronish.layers.tp_ring import RingReduceScatter, TpRing, gather_chunks
 
 Group = dist.ProcessGroup | None
@@ -165,11 +170,19 @@ def all_gather_linear(
     biases: Sequence[torch.Tensor | None],
     group: Group,
     keep_gathered: bool = False,
+    recipe: Recipe | None = None,
+    tokens: TokenGroups | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """x [b, c, in] (this rank's sequence chunk) -> F.linear(x gathered over the group's
     sequence, weight, bias) [b, s, out / t] for each weight, the gather decomposed under the
     GEMMs. Backward reduce-scatters dx. keep_gathered: save the gathered x for the weight
-    gradients (else gather it again in backward, as the plain layer does)."""
+    gradients (else gather it again in backward, as the plain layer does). recipe: fp8 GEMMs
+    (megatronish.layers.overlap_fp8), tokens the groups the tokens are split over."""
+    if recipe is not None:
+        tokens = tokens or TokenGroups()
+        return overlap_fp8.all_gather_linear(
+            x, weights, biases, group, keep_gathered, recipe, tokens
+        )
     return _AllGatherLinear.apply(x, group, keep_gathered, len(weights), *weights, *biases)
 
 
@@ -186,10 +199,24 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: Group) -> to
 
 
 def reduced_linear(
-    x: torch.Tensor, weight: torch.Tensor, group: Group, sequence_parallel: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: Group,
+    sequence_parallel: bool,
+    recipe: Recipe | None = None,
+    tokens: TokenGroups | None = None,
 ) -> torch.Tensor:
     """A row-parallel layer's GEMM and its reduction, decomposed: linear_reduce_scatter with
-    sequence parallelism, else linear_all_reduce."""
+    sequence parallelism, else linear_all_reduce; with fp8 GEMMs where recipe is given
+    (megatronish.layers.overlap_fp8; tokens: the groups the tokens are split over)."""
+    if recipe is not None:
+        tokens = tokens or TokenGroups()
+        fp8 = (
+            overlap_fp8.linear_reduce_scatter
+            if sequence_parallel
+            else overlap_fp8.linear_all_reduce
+        )
+        return fp8(x, weight, group, recipe, tokens)
     if sequence_parallel:
         return linear_reduce_scatter(x, weight, group)
     return linear_all_reduce(x, weight, group)

@@ -53,7 +53,13 @@ class MLP(nn.Module):
             x = to_autocast_dtype(x)
             if self.gate.sequence_parallel and self.gate.comm_overlap:  # the gather under them
                 gate, up = overlap.all_gather_linear(
-                    x, weights, [None, None], group, keep_gathered=True
+                    x,
+                    weights,
+                    [None, None],
+                    group,
+                    keep_gathered=True,
+                    recipe=self.gate.fp8_recipe,
+                    tokens=self.gate.fp8_tokens,
                 )
             else:
                 if self.gate.sequence_parallel:

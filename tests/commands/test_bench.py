@@ -4,7 +4,8 @@ included, with the tp collectives decomposed under the GEMMs, and with the gradi
 bf16), bench reports rank 0's
 exposed tensor-parallel wait with the decomposition on and off, and the command's last line is
 one JSON object with the contract's keys. The same two-rank runs hold fp8 at tp 2 to tp 1: the
-first step's loss and gradient norm."""
+first step's loss and gradient norm, and fp8 with the tp collectives decomposed to fp8 without
+(every recipe, with and without sequence parallelism), its fp8 ring bytes to the formula."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from megatronish.accounting.collectives import collectives_per_step, formula_byt
 from megatronish.config import derive, load_config
 from megatronish.data import prepare_dataset
 from tests.conftest import invoke_cli
+from tests.parity import OVERLAP_REL
 from tests.ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow  # two-rank training runs held to the byte formula
@@ -37,6 +39,9 @@ SP, OVERLAP = ["parallel.sequence_parallel=true"], ["parallel.tp_comm_overlap=tr
 CP = ["parallel.cp=2"]
 FP8 = ["train.precision=fp8", "train.fp8_high_precision=fp32"]
 TENSORWISE, ROWWISE = ["train.fp8_recipe=tensorwise"], ["train.fp8_recipe=rowwise"]
+# blockwise at tp 2: every split dimension whole 128-blocks per rank (head dim 128)
+BLOCKWISE = ["train.fp8_recipe=blockwise", "model.d_model=256", "model.n_head=2"]
+BLOCKWISE += ["model.d_ff=512"]
 # A dense block and an MoE block with a shared expert (its MLP decomposed, the routing whole).
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2", "model.moe.d_ff=48"]
 MOE += ["model.moe.shared_expert=true"]
@@ -77,6 +82,23 @@ TWO_RANKS = {
         2, 1, LLAMA + SP + OVERLAP + ["train.precision=bf16"],
     ),
     "gpt2 dp2 gradients reduced in bf16": (1, 2, GPT2 + REDUCED_IN_BF16),
+    # fp8 with the tp collectives decomposed (the input's fp8 cast on the forward ring), each
+    # against the same run without the decomposition (FP8_OVERLAP)
+    "llama tp2 fp8 tensorwise overlap": (2, 1, LLAMA + FP8 + TENSORWISE + OVERLAP),
+    "llama tp2 fp8 tensorwise sequence-parallel": (2, 1, LLAMA + FP8 + TENSORWISE + SP),
+    "llama tp2 fp8 tensorwise sequence-parallel overlap": (
+        2, 1, LLAMA + FP8 + TENSORWISE + SP + OVERLAP,
+    ),
+    "llama tp2 fp8 rowwise": (2, 1, LLAMA + FP8 + ROWWISE),
+    "llama tp2 fp8 rowwise overlap": (2, 1, LLAMA + FP8 + ROWWISE + OVERLAP),
+    "llama tp2 fp8 rowwise sequence-parallel overlap": (2, 1, LLAMA + FP8 + ROWWISE + SP + OVERLAP),
+    "llama tp2 fp8 blockwise": (2, 1, LLAMA + FP8 + BLOCKWISE),
+    "llama tp2 fp8 blockwise overlap": (2, 1, LLAMA + FP8 + BLOCKWISE + OVERLAP),
+    "llama tp2 fp8 blockwise sequence-parallel": (2, 1, LLAMA + FP8 + BLOCKWISE + SP),
+    "llama tp2 fp8 blockwise sequence-parallel overlap": (
+        2, 1, LLAMA + FP8 + BLOCKWISE + SP + OVERLAP,
+    ),
+    "gpt2 tp2 fp8 rowwise sequence-parallel overlap": (2, 1, GPT2 + FP8 + ROWWISE + SP + OVERLAP),
 }  # fmt: skip
 FOUR_RANKS = {
     "gpt2 tp2 dp2": (2, 2, GPT2),
@@ -96,8 +118,10 @@ FP8_PARITY = [
     (ranks, name)
     for ranks, variants in (("two", TWO_RANKS), ("four", FOUR_RANKS))
     for name in variants
-    if name.startswith("llama") and "fp8" in name and "bf16" not in name
+    if name.startswith("llama") and "fp8" in name and "bf16" not in name and "overlap" not in name
 ]
+# the fp8 runs with the tp collectives decomposed, each named as the run without it + " overlap"
+FP8_OVERLAP = [name for name in TWO_RANKS if "fp8" in name and f"{name} overlap" in TWO_RANKS]
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +240,17 @@ def test_fp8_first_step_at_tp2_and_cp2_equals_one_process(
         loss, grad_norm = results[name][2]
         assert loss == pytest.approx(first.loss, rel=1e-5), f"rank {rank} loss"
         assert grad_norm == pytest.approx(first.grad_norm, rel=1e-5), f"rank {rank} grad norm"
+
+
+@pytest.mark.parametrize("name", FP8_OVERLAP)
+def test_fp8_first_step_with_the_tp_collectives_decomposed_equals_it_without(two_rank_counts, name):
+    """fp8 at tp 2 with parallel.tp_comm_overlap (tensorwise, rowwise, blockwise; with and
+    without sequence parallelism): the first step's loss and gradient norm equal the same run's
+    without it to OVERLAP_REL, the decomposition's fp32 reordering: the decomposed GEMMs cast
+    with the scales of the plain fp8 layers (a scale of one chunk alone moves them by far more)."""
+    for rank, results in enumerate(two_rank_counts):
+        want, got = results[name][2], results[f"{name} overlap"][2]
+        assert got == pytest.approx(want, rel=OVERLAP_REL, abs=0), f"rank {rank}"
 
 
 @pytest.mark.parametrize(

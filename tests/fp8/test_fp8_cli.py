@@ -107,10 +107,18 @@ def test_fp8_moe_run_says_once_it_emulates_and_its_checkpoint_resumes_in_bf16(
     assert all(line["moe_aux_loss"] > 0 for line in train_lines)
 
 
-def test_fp8_with_the_tp_comm_overlap_is_one_line_naming_both_keys():
+def test_fp8_with_the_tp_comm_overlap_is_a_valid_config_for_every_recipe():
+    """fp8 and parallel.tp_comm_overlap go together (megatronish.layers.overlap_fp8); the
+    overlap's own limit (the sequence cut into tp chunks) stays one line."""
     from megatronish.config import derive, load_config
 
+    for recipe in ("tensorwise", "rowwise", "blockwise"):
+        sets = ["parallel.tp=2", "parallel.tp_comm_overlap=true", "train.precision=fp8"]
+        sets += [f"train.fp8_recipe={recipe}", "model.d_model=256", "model.n_head=2"]
+        sets += ["model.d_ff=512", "parallel.sequence_parallel=true"]
+        derived = derive(load_config(CONFIGS / "tiny.yaml", sets), 2, vocab_size=256)
+        assert derived.tp == 2
     sets = ["parallel.tp=2", "parallel.tp_comm_overlap=true", "train.precision=fp8"]
-    cfg = load_config(CONFIGS / "tiny.yaml", sets)
-    with pytest.raises(UserError, match="parallel.tp_comm_overlap: not with train.precision=fp8"):
+    cfg = load_config(CONFIGS / "tiny.yaml", [*sets, "train.seq_len=127"])
+    with pytest.raises(UserError, match="parallel.tp_comm_overlap"):
         derive(cfg, 2, vocab_size=256)

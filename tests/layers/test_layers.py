@@ -371,6 +371,103 @@ def _overlap_row(rank, world, sequence_parallel):
     return True
 
 
+def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
+    """The decomposed fp8 GEMMs (parallel.tp_comm_overlap with train.precision fp8) against the
+    fp8 layers without the decomposition, each layer on the same inputs: outputs and input
+    gradients within the fp32 rounding of their reordered sums (a scale other than the plain
+    layer's moves an fp8 value by up to 1/16, far beyond it), weight gradients bit for bit (the
+    same casts of the same numbers, one GEMM). With sequence parallelism the counted tp_ring
+    bytes: a column layer (bias, its input gathered again in backward) sends its input's fp8
+    cast forward and the tensorwise payload or the input itself backward; llama's gate and up
+    (the gathered input kept) the fp8 cast (tensorwise) or the input itself forward only; the
+    reduce-scatters of dx and the row layer's rings in their own precision."""
+    from megatronish.layers import overlap
+    from megatronish.layers.linear import local_linear
+
+    recipe = RECIPES[recipe_name]
+    torch.manual_seed(11)
+    d_in, d_mid = (130, 128 * world) if recipe_name == "blockwise" else (13, 6 * world)
+    batch, seq = 2, 2 * world
+    x = torch.randn(batch, seq, d_in)
+    x[..., :3] *= 8
+    full_w = [torch.randn(d_mid, d_in) * 0.1 for _ in range(3)]  # column, gate, up
+    full_w[0][: d_mid // world] *= 4  # a scale of rank 0's shard alone would differ
+    bias = torch.randn(d_mid)
+    full_g = [torch.randn(batch, seq, d_mid) * 1e-3 for _ in range(3)]
+    full_g[1][:, : seq // world] *= 16  # rank 0's sequence chunk holds the larger gradients
+    ws = [w.chunk(world)[rank] for w in full_w]
+    grads = [g.chunk(world, dim=-1)[rank] for g in full_g]
+    row_x = torch.randn(batch, seq, d_mid)
+    row_x[:, -(seq // world) :] *= 8  # the last rank's chunk is the larger
+    row_w = torch.randn(d_in, d_mid) * 0.1
+    row_g = torch.randn(batch, seq, d_in) * 1e-3
+    row_g[:, : seq // world] *= 16
+    tokens = (lambda t: t.chunk(world, dim=1)[rank]) if sequence_parallel else (lambda t: t)
+    runs = {}
+    for decomposed in (False, True):
+        x_in = tokens(x).clone().requires_grad_()
+        params = [w.clone().requires_grad_() for w in ws]
+        b = bias.chunk(world)[rank].clone().requires_grad_()
+        row = RowParallelLinear(d_mid, d_in, bias=False, sequence_parallel=sequence_parallel)
+        row.fp8_recipe, row.comm_overlap = recipe, decomposed
+        with torch.no_grad():
+            row.weight.copy_(row_w.chunk(world, dim=1)[rank])
+        hidden = row_x.chunk(world, dim=-1)[rank].clone().requires_grad_()
+        with comm.CommCounter() as counter:
+            col = column_parallel_linear(
+                x_in, params[0], b, None, sequence_parallel, recipe, comm_overlap=decomposed
+            )
+            if decomposed and sequence_parallel:
+                gate_up = overlap.all_gather_linear(
+                    x_in, params[1:], [None, None], None, keep_gathered=True, recipe=recipe
+                )
+            else:
+                full = (
+                    mappings.gather_from_sequence_parallel_region(x_in)
+                    if sequence_parallel
+                    else mappings.copy_to_tensor_parallel_region(x_in)
+                )
+                gate_up = [
+                    local_linear(full, p, None, recipe, Split(None, "out")) for p in params[1:]
+                ]
+            out = row(hidden)
+            torch.autograd.backward([col, *gate_up, out], [*grads, tokens(row_g)])
+        runs[decomposed] = ([col, *gate_up, out], x_in.grad, hidden.grad, params, b, row, counter)
+    plain, mine = runs[False], runs[True]
+    for got, want, w in zip(mine[0][:3], plain[0][:3], ws):
+        _assert_summed_close(got, want, x, w, "column output")
+    _assert_summed_close(mine[0][3], plain[0][3], tokens(row_x), row_w, "row output")
+    dx_a, dx_b = torch.cat(full_g, dim=-1), torch.cat(full_w, dim=0).t()
+    _assert_summed_close(mine[1], plain[1], tokens(dx_a), dx_b, "column input gradient")
+    _assert_summed_close(mine[2], plain[2], row_g, row_w.chunk(world, dim=1)[rank].t(), "row dx")
+    for i, (got, want) in enumerate(zip(mine[3], plain[3])):
+        diff = (got.grad - want.grad).abs().max()
+        assert torch.equal(got.grad, want.grad), f"column weight gradient {i}: {diff:.3e}"
+    assert torch.equal(mine[4].grad, plain[4].grad), "column bias gradient"
+    assert torch.equal(mine[5].weight.grad, plain[5].weight.grad), "row weight gradient"
+    on, chunk = mine[6], batch * seq // world
+    if not sequence_parallel:
+        assert on.calls["tp_ring"] == 0 and on.calls["all_reduce"] > plain[6].calls["all_reduce"]
+        return True
+    scales = {"tensorwise": 0, "rowwise": 4, "blockwise": 4 * -(-d_in // 128)}[recipe_name]
+    fp8_chunk = chunk * (d_in + scales)  # a chunk's fp8 cast: payload and float32 scales
+    hp = x.element_size()
+    again = chunk * d_in * (1 if recipe_name == "tensorwise" else hp)  # gathered for dW
+    # gate and up keep what they gathered: the fp8 cast (tensorwise), else x itself
+    gate_up = fp8_chunk if recipe_name == "tensorwise" else chunk * d_in * hp
+    ring = (world - 1) * (
+        fp8_chunk  # column forward
+        + again  # column backward
+        + gate_up
+        + 2 * chunk * d_in * hp  # the column layers' dx reduce-scatters
+        + 2 * chunk * d_in * hp  # the row layer's output forward, its gradient backward
+    )
+    assert on.calls["tp_ring"] == 7 * (world - 1)
+    assert on.payload_bytes["tp_ring"] == ring
+    assert on.calls["all_gather"] == on.calls["reduce_scatter"] == 0
+    return True
+
+
 CHECKS = {
     "column": lambda r, w: _column(r, w, False, False),
     "column_gather_output": lambda r, w: _column(r, w, True, False),
@@ -396,6 +493,13 @@ CHECKS = {
     "gate_up_overlap": lambda r, w: _overlap_column(r, w, 2),
     "row_overlap_sequence_parallel": lambda r, w: _overlap_row(r, w, True),
     "row_overlap_all_reduce": lambda r, w: _overlap_row(r, w, False),
+    **{
+        f"overlap_fp8_{recipe}{' sequence_parallel' * sp}": functools.partial(
+            _overlap_fp8, recipe_name=recipe, sequence_parallel=sp
+        )
+        for recipe in RECIPES
+        for sp in (False, True)
+    },
 }
 
 
@@ -505,3 +609,10 @@ def test_decomposed_tp_collectives_match_the_plain_layers_to_fp32_rounding_and_s
         check(world, name)
     check(world, "row_overlap_sequence_parallel")
     check(world, "row_overlap_all_reduce")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_decomposed_fp8_gemms_equal_the_plain_fp8_layers_to_fp32_rounding(world, recipe):
+    check(world, f"overlap_fp8_{recipe}")
+    check(world, f"overlap_fp8_{recipe} sequence_parallel")

@@ -30,6 +30,12 @@ optimizer changes it): they join the first micro-batch's call of their GEMM, and
 runs (later micro-batches, a full recompute's rerun) reduce the activation's alone.
 
 Full recompute reruns the forward ones.
+
+Under parallel.tp_comm_overlap with sequence parallelism (megatronish.layers.overlap_fp8) the
+scales are the same, but a gathered tensor's tensorwise amax is reduced from its sequence chunks
+before the ring: a column layer's forward (its input: tp, cp; llama's gate and up in one call
+with both weights) and a row layer's input gradient (its output gradient: tp, cp) reduce one
+value every run. The routed experts do not run on the ring.
 """
 
 from __future__ import annotations
@@ -48,35 +54,43 @@ def fp8_collectives(step: Step) -> list[Collective]:
     dense = step.layers - step.moe_layers
     shared = step.moe_layers if derived.shared_d_ff else 0
     qkv = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
-    up = ("MLP up", dense) if model.gpt2_block else ("MLP up and gate", 2 * dense)
+    ring = step.sp and step.overlap  # gate and up: one decomposed GEMM of the gathered input
+    if model.gpt2_block:
+        up, shared_up = ("MLP up", dense, 1), (shared, 1)
+    elif ring:
+        up, shared_up = ("MLP up and gate", dense, 2), (shared, 2)
+    else:
+        up, shared_up = ("MLP up and gate", 2 * dense, 1), (2 * shared, 1)
     tokens = step.b * step.s
-    linear = Group(1, 1, tokens)
+    linear = Group(1, 1, tokens, ring)
     experts = model.moe.num_experts // derived.ep
-    routed = Group(experts * derived.ep, experts, tokens * model.moe.top_k)
-    layers = [  # name, column-parallel, out, in, layers, their runs of rows
-        ("qkv", True, qkv, h, step.layers, linear),
-        ("attention projection", False, h, model.n_head * derived.head_dim, step.layers, linear),
-        (up[0], True, derived.d_ff, h, up[1], linear),
-        ("MLP down", False, h, derived.d_ff, dense, linear),
-        ("shared experts up and gate", True, derived.shared_d_ff, h, 2 * shared, linear),
-        ("shared experts down", False, h, derived.shared_d_ff, shared, linear),
-        ("experts up and gate", True, derived.moe_d_ff, h, 2 * step.moe_layers, routed),
-        ("experts down", False, h, derived.moe_d_ff, step.moe_layers, routed),
+    routed = Group(experts * derived.ep, experts, tokens * model.moe.top_k, False)
+    layers = [  # name, column-parallel, out, in, calls, weights a call takes, runs of rows
+        ("qkv", True, qkv, h, step.layers, 1, linear),
+        ("attention projection", False, h, model.n_head * derived.head_dim, step.layers, 1, linear),
+        (up[0], True, derived.d_ff, h, *up[1:], linear),
+        ("MLP down", False, h, derived.d_ff, dense, 1, linear),
+        ("shared experts up and gate", True, derived.shared_d_ff, h, *shared_up, linear),
+        ("shared experts down", False, h, derived.shared_d_ff, shared, 1, linear),
+        ("experts up and gate", True, derived.moe_d_ff, h, 2 * step.moe_layers, 1, routed),
+        ("experts down", False, h, derived.moe_d_ff, step.moe_layers, 1, routed),
     ]
     forward_runs = 2 if train.activation_checkpointing == "full" else 1
     ops = []
-    for name, column, out, inner, n, group in layers:
+    for name, column, out, inner, n, weights, group in layers:
         if not n:
             continue
-        for gemm, axes, values, weight_axes, weight_values, runs in _gemms(
-            step, column, out, inner, forward_runs, group
+        for gemm, axes, values, weight_axes, weight_values, runs, firsts in _gemms(
+            step, column, out, inner, forward_runs, weights, group
         ):
-            calls = n * step.accum * runs  # the GEMM's runs a step
+            calls = n * step.accum * runs  # the GEMM's calls a step
             what = f"fp8 amax of {name} ({gemm})"
-            if weight_values:  # the first run's call takes the weight's too
+            if weight_values:  # the first run's calls take the weights' too
                 both = f"{what}, with the weight's"
-                ops.append(_over(step, both, axes | weight_axes, values + weight_values, n))
-                calls -= n
+                ops.append(
+                    _over(step, both, axes | weight_axes, values + weight_values, n * firsts)
+                )
+                calls -= n * firsts
             if values:
                 ops.append(_over(step, what, axes, values, calls))
     return ops
@@ -85,41 +99,50 @@ def fp8_collectives(step: Step) -> list[Collective]:
 @dataclass(frozen=True)
 class Group:
     """How a GEMM's rows are scaled: `runs` groups of rows (a linear layer: 1 tensor; experts:
-    one per (expert, source)), `weights` weights (experts: one per local expert) and `rows`
-    rows (a linear layer's tokens; the experts': the routed rows, on average)."""
+    one per (expert, source)), `weights` weights (experts: one per local expert), `rows` rows
+    (a linear layer's tokens; the experts': the routed rows, on average), and whether its GEMMs
+    run decomposed on the tp ring (parallel.tp_comm_overlap with sequence parallelism)."""
 
     runs: int
     weights: int
     rows: int
+    ring: bool
 
 
 def _gemms(
-    step: Step, column: bool, out: int, inner: int, forward_runs: int, group: Group
+    step: Step, column: bool, out: int, inner: int, forward_runs: int, weights: int, group: Group
 ) -> list[tuple]:
     """(GEMM, the axes and the number of values of its activation's (or output gradient's)
-    amaxes, those of the weight's, runs per micro-batch) of one layer's GEMMs that reduce any
-    value."""
+    amaxes, those of the weights', calls per micro-batch, of which the first run's, which take
+    the weights' too) of one layer's GEMMs that reduce any value. weights: the weights one
+    decomposed forward GEMM of the gathered input takes at once (gate and up; the input
+    gradient is one GEMM a weight). On the tp ring the decomposed GEMMs' tensorwise scale of a
+    gathered tensor (a column layer's input, a row layer's output gradient) is reduced from its
+    chunks over tp (megatronish.layers.overlap_fp8)."""
     t, c = step.tp > 1, step.cp > 1
     tp, cp = ({"tp"} if t else set()), ({"cp"} if c else set())
-    runs, weights = group.runs, group.weights
+    runs, per_weight = group.runs, group.weights * t
     if step.cfg.train.fp8_recipe == "tensorwise":  # backward reuses the weight's scale
+        gathered = (tp | cp, runs) if group.ring else (cp, runs * c)
         if column:
             rows = [
-                ("forward", cp, runs * c, tp, weights * t, forward_runs),
-                ("input gradient", tp | cp, runs * (t or c), set(), 0, 1),
+                ("forward", *gathered, tp, weights * per_weight, forward_runs, 1),
+                ("input gradient", tp | cp, runs * (t or c), set(), 0, weights, 0),
             ]
         else:
             rows = [
-                ("forward", tp | cp, runs * (t or c), tp, weights * t, forward_runs),
-                ("input gradient", cp, runs * c, set(), 0, 1),
+                ("forward", tp | cp, runs * (t or c), tp, per_weight, forward_runs, 1),
+                ("input gradient", *gathered, set(), 0, 1, 0),
             ]
     else:  # rowwise
         if column:  # the GEMM whose K (the layer's out or in) is split over tp
-            rows = [("input gradient", tp, group.rows * t, tp, weights * inner * t, 1)]
+            rows = [
+                ("input gradient", tp, group.rows * t, tp, per_weight * inner, weights, weights)
+            ]
         else:
-            rows = [("forward", tp, group.rows * t, tp, weights * out * t, forward_runs)]
+            rows = [("forward", tp, group.rows * t, tp, per_weight * out, forward_runs, 1)]
         width = out // step.tp + inner if column else out + inner // step.tp
-        rows.append(("weight gradient", cp, runs * width * c, set(), 0, 1))
+        rows.append(("weight gradient", cp, runs * width * c, set(), 0, weights, 0))
     return [row for row in rows if row[2] or row[4]]
 
 
@@ -131,3 +154,11 @@ def _over(step: Step, what: str, axes: set[str], values: int, calls: int) -> Col
         frozenset({"tp", "cp"}): ("tp_cp", step.tp * step.cp),
     }[frozenset(axes)]
     return Collective(what, "all_reduce", group, size, values * FP32_BYTES, calls)
+
+
+def cast_bytes(recipe: str, rows: int, k: int) -> int:
+    """Bytes of an fp8 cast of a [rows, K] operand that the decomposed all-gather sends
+    (megatronish.layers.overlap_fp8): a byte a value and each row's float32 scales (rowwise
+    one, blockwise a 1 x 128 tile's each; tensorwise none: every rank holds the scale)."""
+    scales = {"tensorwise": 0, "rowwise": 1, "blockwise": -(-k // 128)}[recipe]
+    return rows * (k + FP32_BYTES * scales)

@@ -48,11 +48,17 @@ it the attention projection's and the MLP down's forward all-reduce (a shared ex
 become t all-reduces of a chunk, payload / t each. The embedding's, the loss's, the routing's
 and the backward all-reduces stay whole. The decomposed row-parallel layer saves its tensors
 for backward only after its reduction, so full recompute reruns the MLP down's with or
-without dropout.
+without dropout. Under train.precision fp8 (megatronish.layers.overlap_fp8) the forward
+all-gathers of qkv's and the MLP's input carry its fp8 cast (a byte a value and each token's
+float32 scales: ``fp8.cast_bytes``); backward gathers again the tensorwise cast's payload (a
+byte a value) or, rowwise and blockwise, the input in its own precision. Llama's gate and up
+keep what they gathered: the fp8 cast (tensorwise), or, rowwise and blockwise, the input
+itself, gathered forward in its own precision.
 """
 
 from __future__ import annotations
 
+from megatronish.accounting.collectives.fp8 import cast_bytes
 from megatronish.accounting.collectives.step import (
     FP32_BYTES,
     FP64_BYTES,
@@ -148,11 +154,7 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     embed, head = (1 if step.first else 0), _heads(step)
     fp32 = step.b * step.s * step.h * FP32_BYTES
     attn_runs, down_runs = _forward_runs(step, step.overlap)
-    # Forward all-gathers of norm outputs; qkv, gpt2's MLP up and the LM head gather again in
-    # backward. Under full recompute the rerun block forward gathers once more.
     rerun = 1 if step.cfg.train.activation_checkpointing == "full" else 0
-    qkv_gathers = 2 + rerun
-    mlp_gathers = (2 if step.cfg.model.gpt2_block else 1) + rerun
     moe_runs = _forward_runs(step, False)[1]
     ag, rs = "all_gather", "reduce_scatter"
     qkv, latents = _attention_inputs(step)
@@ -172,8 +174,7 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
         + decomposed(
             step,
             [
-                ("qkv input (forward, backward)", ag, act, qkv * qkv_gathers, "qkv"),
-                ("MLP input (forward, backward)", ag, act, dense * mlp_gathers, "up"),
+                *_gathered_inputs(step, qkv, rerun),
                 ("LM head input (forward, backward)", ag, act, 2 * head, "head"),
                 ("qkv input gradient (backward)", rs, act, qkv, "qkv"),
                 ("MLP first projection input gradient (backward)", rs, act, dense, "up"),
@@ -185,6 +186,33 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
             ],
         ),
     )
+
+
+def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[tuple]:
+    """The sequence-parallel all-gathers of qkv's and the dense MLP's input (rows for
+    ``decomposed``): forward, and once more under full recompute; qkv and gpt2's MLP up gather
+    again in backward (llama's gate and up keep it). Decomposed under fp8 (module doc) the
+    forward ones carry the input's fp8 cast, and backward gathers the tensorwise cast's payload
+    (kept by gate and up) or the input itself (also for gate and up)."""
+    act, dense = step.b * step.s * step.h * step.c, step.layers - step.moe_layers
+    ag, gpt2 = "all_gather", step.cfg.model.gpt2_block
+    recipe = step.cfg.train.fp8_recipe
+    if not (step.overlap and step.cfg.train.precision == "fp8"):
+        return [
+            ("qkv input (forward, backward)", ag, act, qkv * (2 + rerun), "qkv"),
+            ("MLP input (forward, backward)", ag, act, dense * (1 + gpt2 + rerun), "up"),
+        ]
+    cast = cast_bytes(recipe, step.b * step.s, step.h)
+    tensorwise = recipe == "tensorwise"
+    again = step.b * step.s * step.h if tensorwise else act
+    mlp_cast = gpt2 or tensorwise  # gate and up: the input itself, kept, rowwise and blockwise
+    return [
+        ("qkv input, fp8 cast (forward)", ag, cast, qkv * (1 + rerun), "qkv"),
+        ("MLP input, fp8 cast (forward)", ag, cast, dense * (1 + rerun) * mlp_cast, "up"),
+        ("MLP input (forward)", ag, act, dense * (1 + rerun) * (not mlp_cast), "up"),
+        ("qkv input again (backward)", ag, again, qkv, "qkv"),
+        ("MLP input again (backward)", ag, again, dense * gpt2, "up"),
+    ]
 
 
 def decomposed(step: Step, rows: list[tuple]) -> list[tuple]:
