@@ -99,6 +99,19 @@ TWO_RANKS = {
         2, 1, LLAMA + FP8 + BLOCKWISE + SP + OVERLAP,
     ),
     "gpt2 tp2 fp8 rowwise sequence-parallel overlap": (2, 1, GPT2 + FP8 + ROWWISE + SP + OVERLAP),
+    "llama moe shared expert tp2 full-recompute": (
+        2, 1, LLAMA + MOE + ["train.activation_checkpointing=full"],
+    ),
+    "llama moe shared expert tp2 sequence-parallel full-recompute": (
+        2, 1, LLAMA + MOE + SP + ["train.activation_checkpointing=full"],
+    ),
+    # fp8 experts beside the shared expert's gate and up on the ring (one call, both weights)
+    "llama moe shared expert tp2 fp8 tensorwise sequence-parallel overlap": (
+        2, 1, LLAMA + MOE + FP8 + TENSORWISE + SP + OVERLAP,
+    ),
+    "llama moe shared expert tp2 fp8 rowwise sequence-parallel overlap": (
+        2, 1, LLAMA + MOE + FP8 + ROWWISE + SP + OVERLAP,
+    ),
 }  # fmt: skip
 FOUR_RANKS = {
     "gpt2 tp2 dp2": (2, 2, GPT2),

@@ -111,6 +111,12 @@ def _forward_runs(step: Step, decomposed: bool) -> tuple[int, int]:
     return (2 if full else 1), (2 if down_rerun else 1)
 
 
+def _moe_runs(step: Step) -> int:
+    """Forward runs a step makes of an MoE layer's collectives (its routing, the experts, the
+    shared expert and its output's reduction): full recompute reruns them all."""
+    return 2 if step.cfg.train.activation_checkpointing == "full" else 1
+
+
 def _attention_inputs(step: Step) -> tuple[int, int]:
     """(layers whose attention takes the layer input through a column-parallel projection: qkv,
     or mla's queries without q_lora_rank; bytes of mla's latents entering the tp region per
@@ -136,7 +142,7 @@ def _blocks(step: Step) -> list[Collective]:
         step,
         decomposed(step, forward)
         + [
-            ("MoE output (forward)", "all_reduce", act, moe * _forward_runs(step, False)[1]),
+            ("MoE output (forward)", "all_reduce", act, moe * _moe_runs(step)),
             ("qkv input gradient (backward)", "all_reduce", act, qkv),
             ("MLA latents gradient (backward)", "all_reduce", latents, n if latents else 0),
             ("MLP first projection input gradient (backward)", "all_reduce", act, n),
@@ -155,7 +161,7 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     fp32 = step.b * step.s * step.h * FP32_BYTES
     attn_runs, down_runs = _forward_runs(step, step.overlap)
     rerun = 1 if step.cfg.train.activation_checkpointing == "full" else 0
-    moe_runs = _forward_runs(step, False)[1]
+    moe_runs = _moe_runs(step)
     ag, rs = "all_gather", "reduce_scatter"
     qkv, latents = _attention_inputs(step)
     mla = n if latents else 0
@@ -194,24 +200,44 @@ def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[tuple]:
     again in backward (llama's gate and up keep it). Decomposed under fp8 (module doc) the
     forward ones carry the input's fp8 cast, and backward gathers the tensorwise cast's payload
     (kept by gate and up) or the input itself (also for gate and up)."""
-    act, dense = step.b * step.s * step.h * step.c, step.layers - step.moe_layers
-    ag, gpt2 = "all_gather", step.cfg.model.gpt2_block
-    recipe = step.cfg.train.fp8_recipe
+    act = step.b * step.s * step.h * step.c
+    dense = step.layers - step.moe_layers
     if not (step.overlap and step.cfg.train.precision == "fp8"):
         return [
-            ("qkv input (forward, backward)", ag, act, qkv * (2 + rerun), "qkv"),
-            ("MLP input (forward, backward)", ag, act, dense * (1 + gpt2 + rerun), "up"),
+            ("qkv input (forward, backward)", "all_gather", act, qkv * (2 + rerun), "qkv"),
+            *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up"),
         ]
-    cast = cast_bytes(recipe, step.b * step.s, step.h)
-    tensorwise = recipe == "tensorwise"
-    again = step.b * step.s * step.h if tensorwise else act
-    mlp_cast = gpt2 or tensorwise  # gate and up: the input itself, kept, rowwise and blockwise
+    cast = cast_bytes(step.cfg.train.fp8_recipe, step.b * step.s, step.h)
     return [
-        ("qkv input, fp8 cast (forward)", ag, cast, qkv * (1 + rerun), "qkv"),
-        ("MLP input, fp8 cast (forward)", ag, cast, dense * (1 + rerun) * mlp_cast, "up"),
-        ("MLP input (forward)", ag, act, dense * (1 + rerun) * (not mlp_cast), "up"),
-        ("qkv input again (backward)", ag, again, qkv, "qkv"),
-        ("MLP input again (backward)", ag, again, dense * gpt2, "up"),
+        ("qkv input, fp8 cast (forward)", "all_gather", cast, qkv * (1 + rerun), "qkv"),
+        ("qkv input again (backward)", "all_gather", _again(step), qkv, "qkv"),
+        *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up"),
+    ]
+
+
+def _again(step: Step) -> int:
+    """Bytes of an input gathered again in backward under fp8 on the ring: the tensorwise
+    cast's payload (a byte a value), or, rowwise and blockwise, the input itself."""
+    tensorwise = step.cfg.train.fp8_recipe == "tensorwise"
+    return step.b * step.s * step.h * (1 if tensorwise else step.c)
+
+
+def mlp_input_gathers(step: Step, what: str, mlps: int, runs: int, gemm: str) -> list[tuple]:
+    """The sequence-parallel all-gathers of the input of `mlps` MLPs (a dense MLP's or a shared
+    expert's; rows for ``decomposed``), each run forward `runs` times: gpt2's up gathers again in
+    backward, llama's gate and up keep what they gathered. Decomposed under fp8 the forward ones
+    carry the input's fp8 cast, except llama's gate and up rowwise and blockwise (the input
+    itself, kept for backward's per-feature scales); gpt2's again is _again's."""
+    act, gpt2 = step.b * step.s * step.h * step.c, step.cfg.model.gpt2_block
+    if not (step.overlap and step.cfg.train.precision == "fp8"):
+        return [(f"{what} (forward, backward)", "all_gather", act, mlps * (runs + gpt2), gemm)]
+    recipe = step.cfg.train.fp8_recipe
+    cast = cast_bytes(recipe, step.b * step.s, step.h)
+    mlp_cast = gpt2 or recipe == "tensorwise"
+    return [
+        (f"{what}, fp8 cast (forward)", "all_gather", cast, mlps * runs * mlp_cast, gemm),
+        (f"{what} (forward)", "all_gather", act, mlps * runs * (not mlp_cast), gemm),
+        (f"{what} again (backward)", "all_gather", _again(step), mlps * gpt2, gemm),
     ]
 
 
@@ -258,27 +284,29 @@ def _moe(step: Step) -> list[Collective]:
         return []
     tokens = step.b * step.s * moe.top_k  # T k routed rows
     weights, act = tokens * FP32_BYTES, step.b * step.s * step.h * step.c
-    counts = moe_count_bytes(step)
+    counts, runs = moe_count_bytes(step), _moe_runs(step)
     if not step.sp:
         rows = [("MoE combine weights gradient (backward)", "all_reduce", weights, n)]
         if step.derived.shared_d_ff:
-            shared = [("shared expert output (forward)", "all_reduce", act, n, "shared_down")]
+            shared = [
+                ("shared expert output (forward)", "all_reduce", act, n * runs, "shared_down")
+            ]
             rows += decomposed(step, shared)
             rows += [("shared expert input gradient (backward)", "all_reduce", act, n)]
         return _over_tp(step, rows)
     # Each tp rank routes its own tokens: weights and experts are gathered.
     rows = [
-        ("MoE combine weights (forward)", "all_gather", weights, n),
+        ("MoE combine weights (forward)", "all_gather", weights, n * runs),
         ("MoE combine weights gradient (backward)", "reduce_scatter", weights, n),
-        ("MoE experts of the tokens (forward)", "all_gather", tokens * INT64_BYTES, n),
-        ("MoE routed counts for the balancing loss", "all_reduce", counts, n),
+        ("MoE experts of the tokens (forward)", "all_gather", tokens * INT64_BYTES, n * runs),
+        ("MoE routed counts for the balancing loss", "all_reduce", counts, n * runs),
     ]
     if step.derived.shared_d_ff:
         ag, rs = "all_gather", "reduce_scatter"
         shared = [
-            ("shared expert input (forward)", ag, act, n, "shared_up"),
+            *mlp_input_gathers(step, "shared expert input", n, runs, "shared_up"),
             ("shared expert output gradient (backward)", ag, act, n, "shared_down_backward"),
-            ("shared expert output (forward)", rs, act, n, "shared_down"),
+            ("shared expert output (forward)", rs, act, n * runs, "shared_down"),
             ("shared expert input gradient (backward)", rs, act, n, "shared_up"),
         ]
         rows += decomposed(step, shared)
