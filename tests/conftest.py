@@ -25,6 +25,38 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
 
+# The longest modules (their multi-rank and torchrun runs), slowest first: under pytest-xdist
+# (the suite's two workers, pyproject's addopts) they are handed out first, so that neither
+# worker is left with one of them at the end while the other has nothing to do. Only an order:
+# a module missing here, or one that got faster, changes the suite's time, not its result.
+LONGEST_FIRST = [
+    "training/test_faults.py",
+    "data_parallel/test_zero_levels.py",
+    "checkpoint/test_checkpoint_async.py",
+    "pipeline/test_pipeline.py",
+    "moe/test_moe_training.py",
+    "accounting/test_step_time.py",
+    "context/test_context_training.py",
+    "pipeline/test_pipeline_interleaved.py",
+    "checkpoint/test_checkpoint_disk_full.py",
+    "context/test_context_ring.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the LONGEST_FIRST modules' tests first (each module's in its own
+    order); every other test after them, in collection order."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def position(item) -> int:
+        path = Path(str(item.fspath)).resolve().relative_to(Path(__file__).parent)
+        return rank.get(path.as_posix(), len(rank))
+
+    items.sort(key=position)  # stable: a module's tests keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory):
     """The built-in corpus is prepared once per session into a temporary cache, which the CLI
@@ -115,21 +147,46 @@ def finish(started: Started, timeout: float = 300) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(proc.args, proc.returncode, *outputs)
 
 
+class SideChecks:
+    """The side checks of a session: `pop(test name)` gives the test its check's Started, the
+    one started with the session or, where none was, one started now (None: the check cannot
+    run here, or the test was not selected)."""
+
+    def __init__(self, factories: dict, tmp_path_factory):
+        self.factories, self.tmp_path_factory = factories, tmp_path_factory
+        self.started: dict[str, Started] = {}
+
+    def start(self, name: str) -> Started | None:
+        command = self.factories[name](self.tmp_path_factory)
+        return None if command is None else start(*command)
+
+    def pop(self, name: str, default=None) -> Started | None:
+        if name in self.started:
+            return self.started.pop(name)
+        return self.start(name) if name in self.factories else default
+
+
 @pytest.fixture(scope="session", autouse=True)
 def side_checks(request, tmp_path_factory):
     """Checks that only wait on a subprocess, started as the session starts so that they run
     beside the tests before them: a test module's SIDE_CHECKS maps a test's name to a function
-    of tmp_path_factory giving (command, env), or None when the check cannot run. Yields
-    {test name: Started} of the selected ones; the test finishes its own (pops it)."""
-    started = {}
+    of tmp_path_factory giving (command, env), or None when the check cannot run. Yields the
+    SideChecks of the selected tests; the test finishes its own (pops it). Under pytest-xdist
+    (workers that each run a share of the modules) nothing starts early, since a worker cannot
+    tell which tests it will get: a test starts its check when it pops it."""
+    factories = {}
     for item in request.session.items:
         factory = getattr(item.module, "SIDE_CHECKS", {}).get(item.name)
-        if factory is not None and item.name not in started:
-            command = factory(tmp_path_factory)
-            if command is not None:
-                started[item.name] = start(*command)
-    yield started
-    for leftover in started.values():  # never waited for: its test did not run to the end
+        if factory is not None:
+            factories[item.name] = factory
+    checks = SideChecks(factories, tmp_path_factory)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        for name in factories:
+            started = checks.start(name)
+            if started is not None:
+                checks.started[name] = started
+    yield checks
+    for leftover in checks.started.values():  # never waited for: its test did not run to end
         leftover.proc.kill()
         finish(leftover)
 
