@@ -37,28 +37,41 @@ def main() -> None:
         root = Path(tmp)
         dataset = prepare_code_dataset(root)
         hf_dir = save_tiny_llama(root, dataset)
-        print("recipe      lr  reference  attention  max ratio (step)  steps < 0.1  "
+        print("recipe        lr  reference  attention  max ratio (step)  steps < 0.1  "
               "max |ours - fp8|  max |fp8 - fp32|")  # fmt: skip
         for lr in args.lr:
             for reference in args.reference:
+                fused = reference == "fused"
+                references = {}
                 for attention in args.attention:
-                    sets = [f"train.lr={lr}", f"train.steps={args.steps}", *args.set]
-                    result = curves(
-                        hf_dir, dataset, args.recipe, sets, reference == "fused", attention
-                    )
-                    r = ratios(result)
-                    worst = max(range(len(r)), key=r.__getitem__)
-                    ours = max(abs(o - f) for o, f in zip(result["ours"], result["fp8"]))
-                    own = max(abs(o - f) for o, f in zip(result["fp8"], result["fp32"]))
-                    below = sum(x < 0.1 for x in r)
-                    row = f"{args.recipe:10} {lr:>6}  {reference:9}  {attention:9}  "
-                    row += f"{r[worst]:10.3g} ({worst + 1:2d})  {below:5d}/{len(r)}  "
-                    print(row + f"{ours:16.3e}  {own:16.3e}", flush=True)
-                    if args.verbose:
-                        for step, row in enumerate(zip(*result.values(), r), 1):
-                            print(
-                                "   ", step, " ".join(f"{v:.7f}" for v in row[:3]), f"{row[3]:.3g}"
-                            )
+                    references[f"fp8 {attention}"] = (fused, attention)
+                    references[f"fp32 {attention}"] = (None, attention)
+                sets = [f"train.lr={lr}", f"train.steps={args.steps}", *args.set]
+                result = curves(hf_dir, dataset, args.recipe, sets, references)
+                for attention in args.attention:
+                    fp8, fp32 = f"fp8 {attention}", f"fp32 {attention}"
+                    head = f"{args.recipe:10} {lr:>6}  {reference:9}  {attention:9}  "
+                    report(head, result, "ours", fp8, fp32, args.verbose)
+                if len(args.attention) == 2:  # torchao against itself: one attention or the other
+                    one, other = args.attention
+                    head = f"{'torchao':10} {lr:>6}  {reference:9}  {one} vs {other}  "
+                    report(head, result, f"fp8 {one}", f"fp8 {other}", f"fp32 {other}", False)
+
+
+def report(head: str, result: dict, of: str, fp8: str, fp32: str, verbose: bool) -> None:
+    """One line: the largest ratio (ratios) and its step, the steps below 0.1, the largest
+    distance of `of` to the fp8 reference and of that to the fp32 one; with verbose, each
+    step's three losses and ratio."""
+    r = ratios(result, of, fp8, fp32)
+    worst = max(range(len(r)), key=r.__getitem__)
+    ours = max(abs(o - f) for o, f in zip(result[of], result[fp8]))
+    own = max(abs(o - f) for o, f in zip(result[fp8], result[fp32]))
+    below = sum(x < 0.1 for x in r)
+    row = head + f"{r[worst]:10.3g} ({worst + 1:2d})  {below:5d}/{len(r)}  "
+    print(row + f"{ours:16.3e}  {own:16.3e}", flush=True)
+    if verbose:
+        for step, losses in enumerate(zip(result[of], result[fp8], result[fp32], r), 1):
+            print("   ", step, " ".join(f"{v:.7f}" for v in losses[:3]), f"{losses[3]:.3g}")
 
 
 if __name__ == "__main__":

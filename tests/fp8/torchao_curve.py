@@ -124,33 +124,31 @@ def curves(
     dataset: Path,
     recipe: str,
     sets: list[str],
-    fused: bool,
-    attention: str = "eager",
+    references: dict[str, tuple[bool | None, str]],
 ) -> dict[str, list[float]]:
-    """The losses of our fp8 run ("ours"), the torchao reference ("fp8") and the fp32 reference
-    ("fp32"), on one thread (as a rank computes), with extra settings `sets` (train.lr, ...)."""
+    """The losses of our fp8 run ("ours") with extra settings `sets` (train.lr, ...) and of
+    each reference {name: (fused, attention)}: the transformers model with that
+    attn_implementation (eager, sdpa), converted by torchao with q, k and v fused or not, or
+    unconverted in fp32 where fused is None. All on one thread, as a rank computes."""
     import transformers
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     fp8 = ["train.precision=fp8", f"train.fp8_recipe={recipe}", "train.fp8_high_precision=fp32"]
     cfg = make_config(1, 1, 1, run_settings(hf_dir) + fp8 + sets, dataset)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-        ours = train_counted(trainer, cfg.train.steps)[0]
+        out = {"ours": train_counted(trainer, cfg.train.steps)[0]}
         decay = decays(trainer, hf_dir, Path(tempfile.mkdtemp(dir=hf_dir.parent)) / "decays")
-        out = {"ours": ours}
-        for name in ("fp8", "fp32"):
+        for name, (fused, attention) in references.items():
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 hf_dir, attn_implementation=attention
             )
             assert model.dtype == torch.float32
-            named_decay = dict(decay)
-            if name == "fp8":
-                config = dataclasses.replace(
-                    Float8LinearConfig.from_recipe_name(recipe), emulate=True
-                )
+            named_decay = decay
+            if fused is not None:
                 convert_to_float8_training(  # every linear but the output layer's
                     model, config=config, module_filter_fn=lambda m, fqn: fqn != "lm_head"
                 )
@@ -176,10 +174,11 @@ def _fused_decay(decay: dict[str, bool], model: nn.Module) -> dict[str, bool]:
     return out
 
 
-def ratios(result: dict[str, list[float]]) -> list[float]:
-    """Per step: |ours - fp8 reference| / |fp8 reference - fp32 reference| (the criterion:
-    every one below 0.1)."""
+def ratios(result: dict[str, list[float]], of: str, fp8: str, fp32: str) -> list[float]:
+    """Per step: |result[of] - result[fp8]| / |result[fp8] - result[fp32]|, the distance of
+    `of` to the fp8 reference over that reference's own distance to the fp32 one (the
+    criterion: every one below 0.1)."""
     return [
         abs(o - r) / max(abs(r - f), 1e-30)
-        for o, r, f in zip(result["ours"], result["fp8"], result["fp32"])
+        for o, r, f in zip(result[of], result[fp8], result[fp32])
     ]
