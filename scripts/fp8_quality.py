@@ -112,13 +112,12 @@ def plot(curves: dict[str, dict[int, float]], out: Path) -> Path:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
     base = curves["bf16"]
-    for name, curve in curves.items():
+    for i, (name, curve) in enumerate(curves.items()):
         steps = sorted(curve)
-        style = ":" if name == NOISE else "-"
-        top.plot(steps, [curve[s] for s in steps], style, label=name)
+        style = dict(linestyle=":" if name == NOISE else "-", color=f"C{i}", label=name)
+        top.plot(steps, [curve[s] for s in steps], **style)
         if name != "bf16":
-            gap = [100 * (curve[s] - base[s]) / base[s] for s in steps]
-            bottom.plot(steps, gap, style, label=name)
+            bottom.plot(steps, [100 * (curve[s] - base[s]) / base[s] for s in steps], **style)
     top.set_ylabel("training loss (mean of the last --every steps)")
     top.legend()
     bottom.axhline(100 * LIMIT, color="grey", linestyle="--")
