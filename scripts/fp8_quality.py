@@ -7,7 +7,12 @@ bf16 relative to bf16's loss, and a plot of the curves. The fp8 curves should st
 of bf16's at every such step (tensorwise and blockwise are held to it: exit 1 otherwise). On
 the CPU the fp8 GEMMs are emulated: the numerics, not the speed.
 
-    python scripts/fp8_quality.py [--steps 300] [--every 10] [--out fp8_quality]
+What a gap means: bf16 with another seed (another initialization and batch order) runs too,
+as the scale of the run-to-run noise of these means; it is shown, not held. The table of the
+means and gaps is also written to OUT/table.md. --reuse keeps a run whose metrics already hold
+--steps steps (a run interrupted after some recipes goes on from there).
+
+    python scripts/fp8_quality.py [--steps 300] [--every 10] [--out fp8_quality] [--reuse]
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ TRAIN = [
     "train.eval_every=0",
     "checkpoint.save=false",
 ]
+NOISE = "bf16 seed 1235"  # bf16 again with another seed: the run-to-run noise, not held
 RUNS = {
     "bf16": ["train.precision=bf16"],
+    NOISE: ["train.precision=bf16", "train.seed=1235"],
     "fp8 tensorwise": ["train.precision=fp8", "train.fp8_recipe=tensorwise"],
     "fp8 rowwise": ["train.precision=fp8", "train.fp8_recipe=rowwise"],
     "fp8 blockwise": ["train.precision=fp8", "train.fp8_recipe=blockwise"],
@@ -49,9 +56,11 @@ HELD = ("fp8 tensorwise", "fp8 blockwise")  # held to within LIMIT of bf16
 LIMIT = 0.02
 
 
-def train(sets: list[str], steps: int, every: int, out: Path) -> dict[int, float]:
+def train(sets: list[str], steps: int, every: int, out: Path, reuse: bool) -> dict[int, float]:
     """Every every-th step's training loss of one run, averaged over the every steps up to
-    it."""
+    it (with reuse, from out's metrics where they hold `steps` steps, without training)."""
+    if reuse and all(s in (losses := _losses(out)) for s in range(1, steps + 1)):
+        return _means(losses, steps, every)
     sets = MODEL + TRAIN + sets + [f"train.steps={steps}", "train.log_every=1"]
     args = [sys.executable, "-m", "megatronish", "train", "--config", str(CONFIG)]
     args += ["--set", f"run.out_dir={out}"]
@@ -60,10 +69,38 @@ def train(sets: list[str], steps: int, every: int, out: Path) -> dict[int, float
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"{' '.join(sets)}: exit {result.returncode}\n{result.stderr[-2000:]}")
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses = {line["step"]: line["loss"] for line in lines if "loss" in line and "step" in line}
+    return _means(_losses(out), steps, every)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """step -> training loss of the run in out ({} before it has run)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return {line["step"]: line["loss"] for line in lines if "loss" in line and "step" in line}
+
+
+def _means(losses: dict[int, float], steps: int, every: int) -> dict[int, float]:
     ends = range(every, steps + 1, every)
     return {end: sum(losses[s] for s in range(end - every + 1, end + 1)) / every for end in ends}
+
+
+def table(curves: dict[str, dict[int, float]], gaps: dict[str, float]) -> str:
+    """A markdown table: each logged step's mean loss per run and its gap to bf16, and each
+    run's largest gap."""
+    base = curves["bf16"]
+    names = list(curves)
+    lines = ["| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for step in sorted(base):
+        cells = [f"{base[step]:.4f}"] + [
+            f"{curves[n][step]:.4f} ({100 * (curves[n][step] - base[step]) / base[step]:+.2f}%)"
+            for n in names[1:]
+        ]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    largest = " | ".join(f"{100 * gaps[n]:.2f}%" for n in names[1:])
+    lines.append(f"| largest gap | | {largest} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(curves: dict[str, dict[int, float]], out: Path) -> Path:
@@ -75,11 +112,12 @@ def plot(curves: dict[str, dict[int, float]], out: Path) -> Path:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
     base = curves["bf16"]
-    for name, curve in curves.items():
+    for i, (name, curve) in enumerate(curves.items()):
         steps = sorted(curve)
-        top.plot(steps, [curve[s] for s in steps], label=name)
+        style = dict(linestyle=":" if name == NOISE else "-", color=f"C{i}", label=name)
+        top.plot(steps, [curve[s] for s in steps], **style)
         if name != "bf16":
-            bottom.plot(steps, [100 * (curve[s] - base[s]) / base[s] for s in steps], label=name)
+            bottom.plot(steps, [100 * (curve[s] - base[s]) / base[s] for s in steps], **style)
     top.set_ylabel("training loss (mean of the last --every steps)")
     top.legend()
     bottom.axhline(100 * LIMIT, color="grey", linestyle="--")
@@ -97,12 +135,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--out", default="fp8_quality", help="directory of the runs and plot")
+    parser.add_argument("--reuse", action="store_true", help="keep runs already complete")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     curves, seconds = {}, {}
     for name, sets in RUNS.items():
         start = time.perf_counter()
-        curves[name] = train(sets, args.steps, args.every, out / name.replace(" ", "_"))
+        curves[name] = train(sets, args.steps, args.every, out / name.replace(" ", "_"), args.reuse)
         seconds[name] = time.perf_counter() - start
     base = curves["bf16"]
     print("step  " + "  ".join(f"{name:>14}" for name in curves))
@@ -113,8 +152,10 @@ def main() -> None:
         for name, curve in curves.items()
         if name != "bf16"
     }
+    (out / "table.md").write_text(table(curves, gaps))
     for name, gap in gaps.items():
-        held = f"(held to {LIMIT:.0%})" if name in HELD else ""
+        held = {NOISE: "(the noise: not held)"}.get(name, "")
+        held = f"(held to {LIMIT:.0%})" if name in HELD else held
         print(f"{name}: largest gap to bf16 {gap:.3%} {held}, {seconds[name]:.0f} s")
     print(f"bf16: {seconds['bf16']:.0f} s; plot: {plot(curves, out)}")
     if any(gaps[name] > LIMIT for name in HELD):
