@@ -16,7 +16,10 @@ scripts/fp8_torchao_curve.py), so the criterion is held over 10 steps at lr 3e-3
 sets the cosine schedule: a shorter run is another run), not 20. transformers' own separate q, k
 and v projections take other scales and miss it from step 4 (ratios 0.12 to 0.2 over the 10
 steps); our rowwise scales not rounded to powers of two, or e5m2 output gradients, miss it by 10
-to 100 times from step 1 or 2: the comparison can fail.
+to 100 times from step 1 or 2: the comparison can fail. Held on torch's AVX2 and AVX-512 CPU
+kernels (ATEN_CPU_CAPABILITY avx2, avx512, with oneDNN's AVX2, AVX-512 and AMX), the code paths
+of x86 hosts; its unvectorized kernels (ATEN_CPU_CAPABILITY=default) round so differently that
+the first cast flips at step 4.
 """
 
 from __future__ import annotations
