@@ -2,9 +2,10 @@
 us (checkpoint.init_from_hf, train.precision fp8, fp32 as the high precision) and, on the same
 batches under our schedule with torch.optim.AdamW, converted by torchao's
 convert_to_float8_training (emulated) and unconverted in fp32 (tests/fp8/torchao_curve.py).
-Prints per step our loss's distance to the fp8 reference over the fp8 reference's distance to
-the fp32 one (the criterion: below 0.1 at every step), for each learning rate, with the
-reference's q, k and v projections separate (transformers' own) or fused as ours are.
+The ratio of our loss's distance to the fp8 reference over the fp8 reference's distance to the
+fp32 one (the criterion: below 0.1 at every step): one line per learning rate, reference and
+attention with its largest value over the steps (--verbose: every step's), the reference's q, k
+and v projections separate (transformers' own) or fused as ours are.
 
     python scripts/fp8_torchao_curve.py [--recipe rowwise] [--lr 3e-3 1e-3 3e-4]
         [--reference separate fused] [--attention eager sdpa]

@@ -7,8 +7,9 @@ dp x cp / ep ranks that hold the same experts):
   (bf16; with train.precision fp8 and bf16 around it, 2 bytes for each weight outside the fp8
   layers only: fp8 quantizes the fp32 weights of the blocks' attention projections, dense
   MLPs, shared and routed experts, model.precision.fp8_layers and fp8_moe_layers, and saves
-  them as they are); the DeepSeek router's routing
-  bias, experts x fp32 per MoE layer, a buffer without gradient or AdamW state
+  them as they are; it keeps each such weight's two fp8 casts, for the forward and for the
+  input gradient, for the whole step: 2 bytes a weight, at any optim.zero); the DeepSeek
+  router's routing bias, experts x fp32 per MoE layer, a buffer without gradient or AdamW state
   ("buffers"); optim.zero = 1 divides the AdamW state by D, 2 the gradients too, 3 the weights
   too (``model_state_bytes``; ZeRO-2 and 3 keep the parameters outside the gradient buffer,
   the sequence-parallel replicated ones and the pipeline's tied embedding copy, whole). What
@@ -264,17 +265,20 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         lookups = vocab if cfg.model.mtp_depth and not derived.tie_embeddings else 0
         head = vocab + mtp_params(cfg, derived, pp_rank) + lookups if last else 0
         gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
-    copies = 2 * (params - fp8_layer_params(cfg, derived, pp_rank)) if bf16 else 0
+    fp8_params = fp8_layer_params(cfg, derived, pp_rank)
+    copies = 2 * (params - fp8_params) if bf16 else 0
+    casts = 2 * fp8_params  # megatronish.fp8.gemm keeps them for the step (module doc)
+    fp8 = cfg.train.precision == "fp8"
     biased = cfg.model.moe.router == "sigmoid"
     return {
-        "weights": weights * 4 + copies,
+        "weights": weights * 4 + copies + casts,
         "grads": grads * 4,
         "optimizer": state * 8,
         "buffers": stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * 4 * biased,
         "gathered": gathered * 4,
         "experts": (expert_weights + expert_grads) * 4
         + expert_state * 8
-        + (2 * experts if bf16 and cfg.train.precision != "fp8" else 0),
+        + (2 * experts if bf16 or fp8 else 0),  # their bf16 copies, or their fp8 casts
     }
 
 

@@ -153,7 +153,7 @@ def experts_grad_weight(
                 continue
             qdyt, qxt = quantized[2 * (e * sources + s) : 2 * (e * sources + s) + 2]
             part = product(qdyt, qxt, grad_output.dtype, recipe.backend)
-            grad[e] = grad[e] + part.to(weight.dtype)
+            grad[e].add_(part.to(weight.dtype))
     return grad
 
 

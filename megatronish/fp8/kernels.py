@@ -80,6 +80,10 @@ def product(
     (a's granularity is b's, or tile where b's is block)."""
     granularity = b_operand.granularity
     if _scaled_mm_takes(a, b, granularity, dtype):
+        # torch._scaled_mm takes a row-major A and a column-major B (b.t() of a row-major b)
+        # with aligned leading dims: a transposed or unpacked payload view is copied first (the
+        # Triton GEMM takes any strides).
+        a, b = a.contiguous(), b.contiguous()
         scale_b = sb.reciprocal() if granularity == "tensor" else sb.reciprocal().t()
         return torch._scaled_mm(a, b.t(), scale_a=sa.reciprocal(), scale_b=scale_b, out_dtype=dtype)
     return _functions().fp8_gemm(a, b, sa, sb, dtype, b_block=granularity == "block")

@@ -33,7 +33,8 @@ collective's at t = 2 and with shared memory (rank order); gloo's ring at t > 2 
 otherwise.
 
 With an fp8 recipe the GEMMs are fp8 with the scales of the layer without the decomposition
-(megatronish.layers.overlap_fp8): the column layer's ring carries the fp8 cast of each chunk.
+(megatronish.layers.overlap_fp8): a column layer's forward ring carries the fp8 cast of each
+chunk (llama's gate and up under rowwise and blockwise: the chunk itself, kept gathered).
 
 Every transfer goes through megatronish.distributed.comm: a ring hop counts as "tp_ring" (the
 chunk's bytes), a chunk's all-reduce as an all_reduce of the chunk.

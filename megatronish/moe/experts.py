@@ -64,6 +64,8 @@ class GroupedExperts(nn.Module):
         source rank (needed under fp8)."""
         x = to_autocast_dtype(x)
         if self.fp8_recipe is not None:
+            if sources is None:
+                raise ValueError("fp8 experts scale per source rank: pass `sources`")
             return self._fp8(x, sources.tolist())
         gate, up, down = (to_autocast_dtype(w) for w in (self.gate, self.up, self.down))
         backend = self.backend
