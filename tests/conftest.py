@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
 
-# The longest modules (their multi-rank and torchrun runs), slowest first: under pytest-xdist
-# (the suite's two workers, pyproject's addopts) they are handed out first, so that neither
+# The longest modules (their multi-rank and torchrun runs), slowest first. Under pytest-xdist
+# (the suite's two workers: pyproject's addopts, --no-loadscope-reorder keeping this order where
+# xdist would put the modules of most tests first) they are handed out first, so that neither
 # worker is left with one of them at the end while the other has nothing to do. Only an order:
 # a module missing here, or one that got faster, changes the suite's time, not its result.
 LONGEST_FIRST = [
@@ -46,7 +47,7 @@ LONGEST_FIRST = [
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist, the LONGEST_FIRST modules' tests first (each module's in its own
     order); every other test after them, in collection order."""
-    if not getattr(config.option, "numprocesses", None):
+    if not hasattr(config, "workerinput"):  # not a pytest-xdist worker
         return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
