@@ -64,14 +64,30 @@ def test_routing_biases_are_a_buffer_apart_from_the_trained_parameters():
 
 
 @pytest.mark.parametrize("extra", [[], DEEPSEEK_MOE])
-def test_fp8_layers_get_no_bf16_weight_copies_in_the_estimate(extra):
+def test_fp8_layers_keep_their_two_fp8_casts_not_bf16_copies_and_the_estimate_says_so(extra):
+    """An fp8 layer's weight has no bf16 copy; its forward and input-gradient casts (a byte a
+    value each, and their scales) are kept for the step (megatronish.fp8.gemm)."""
+    from megatronish.fp8 import gemm
+
     cfg = _config("tiny-moe.yaml", ["train.precision=fp8", *extra])
     model, derived = _model(cfg)
     in_fp8 = sum(p.numel() for layer in fp8_layers(model) for p in layer.parameters())
     in_fp8 += sum(p.numel() for moe in fp8_moe_layers(model) for p in moe.experts.parameters())
     assert in_fp8 == fp8_layer_params(cfg, derived, 0) > 0
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    with gemm.weights_fixed():
+        with autocast(cfg, torch.device("cpu")):
+            loss = model.loss(tokens, tokens)
+        loss.backward()
+        kept = [
+            q for casts in gemm._WEIGHT_CASTS.values() for _, made in casts.values() for q in made
+        ]
+        payload = sum(q.payload.numel() * q.payload.element_size() for q in kept)
+        scales = sum(q.scale.numel() * q.scale.element_size() for q in kept)
+    assert payload == 2 * in_fp8 and scales < 0.02 * payload
     trained = local_parameter_count(cfg, derived)
-    assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * trained + 2 * (trained - in_fp8)
+    copies = 2 * (trained - in_fp8)  # bf16 autocast's, of the weights outside the fp8 layers
+    assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * trained + copies + payload
 
 
 @functools.cache
