@@ -25,20 +25,10 @@ from torch import nn
 
 from megatronish.data import dataset_vocab_size
 from megatronish.distributed.layout import ParallelState
-from tests.hf.curve import decays, reference_curve, run_settings
+from tests.hf.curve import LLAMA_SHAPE, decays, reference_curve, run_settings
 from tests.parity import make_config, make_trainer, train_counted
 
-SHAPE = dict(  # tests/hf/test_training_curve.py's tiny Llama
-    hidden_size=40,
-    intermediate_size=72,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=16,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    rope_theta=5000.0,
-)
+SHAPE = dict(LLAMA_SHAPE, rope_theta=5000.0)  # tests/hf/test_training_curve.py's Llama
 
 
 def save_tiny_llama(root: Path, dataset: Path, seed: int = 0) -> Path:

@@ -149,3 +149,16 @@ def reference_curve(
         adamw.step()
         losses.append(loss.item())
     return losses, norms
+
+
+# The tiny Llama of the curves (transformers LlamaConfig keys), fp32.
+LLAMA_SHAPE = dict(
+    hidden_size=40,
+    intermediate_size=72,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)

@@ -21,7 +21,14 @@ import torch
 
 from megatronish.data import dataset_vocab_size
 from megatronish.distributed.layout import ParallelState
-from tests.hf.curve import CURVE_STEPS, decays, reference_curve, run_settings, train_runs
+from tests.hf.curve import (
+    CURVE_STEPS,
+    LLAMA_SHAPE,
+    decays,
+    reference_curve,
+    run_settings,
+    train_runs,
+)
 from tests.parity import assert_close, make_config, make_trainer, train_counted
 from tests.ranks import run_on_ranks
 
@@ -30,16 +37,6 @@ transformers = pytest.importorskip("transformers")
 # transformers class -> its tiny model's sizes (fp32, eager attention, the dataset's vocab of 257,
 # the parity runs' 16 positions, no dropout; 3 layers: 2 and 1 at pp 2); a family that imports
 # joins with its entry.
-LLAMA_SHAPE = dict(
-    hidden_size=40,
-    intermediate_size=72,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=16,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
 FAMILIES = {
     "LlamaForCausalLM": dict(LLAMA_SHAPE, rope_theta=5000.0),
     "GPT2LMHeadModel": dict(
