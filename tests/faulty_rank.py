@@ -13,6 +13,7 @@ holds there for that many seconds, so a save is in flight for certain while the 
 in a run's first attempt: a run torchrun restarts writes normally).
 FAULT_FSIZE=BYTES: rank r's process can write no file larger than that (RLIMIT_FSIZE, with
 SIGXFSZ ignored so that a write past it fails with EFBIG instead of killing the process).
+FAULT_START_S=S: rank r starts the command S seconds after the others.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ HANG_S = float(os.environ.get("FAULT_HANG_S", "0"))
 HOLD_WRITE_STEP = int(os.environ.get("FAULT_HOLD_WRITE_STEP", "0"))
 HOLD_WRITE_S = float(os.environ.get("FAULT_HOLD_WRITE_S", "0"))
 FSIZE = int(os.environ.get("FAULT_FSIZE", "0"))
+START_S = float(os.environ.get("FAULT_START_S", "0"))
 compute_gradients = Trainer.compute_gradients
 write_file = async_save.write_file
 
@@ -81,4 +83,6 @@ if HOLD_WRITE_STEP:
 if FSIZE and int(os.environ.get("RANK", "0")) == RANK:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE, FSIZE))
+if START_S and int(os.environ.get("RANK", "0")) == RANK:
+    time.sleep(START_S)
 main()

@@ -61,7 +61,8 @@ class ParallelConfig:
     GEMM (train.seq_len / parallel.cp must then divide by parallel.tp). Losses equal those
     without it to fp32 rounding. No effect at tp = 1."""
     timeout_s: float = 600.0
-    """Seconds a collective may wait for the other ranks before the run fails instead of hanging."""
+    """Seconds a collective may wait for the other ranks before the run fails instead of hanging
+    (joining the process group at the start waits for every rank at least 300 s)."""
 
 
 @dataclass

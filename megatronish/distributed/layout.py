@@ -26,9 +26,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from megatronish.distributed import comm
 from megatronish.observe import record
+
+JOIN_S = 300.0
+"""The least time joining the process group waits for every rank to start (parallel.timeout_s
+bounds the collectives after it): ranks start seconds apart, more on a loaded host or a slow
+file system, and a short timeout_s set to find a hang quickly must not fail a healthy start."""
 
 
 def layout_rank(
@@ -244,7 +250,12 @@ def init_distributed(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(default_device())
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # Joining waits for every rank's start (imports, a slow file system), not a collective:
+        # at least JOIN_S, then the collectives' own timeout.
+        join = max(timeout_s, JOIN_S)
+        dist.init_process_group(backend, timeout=timedelta(seconds=join))
+        if join > timeout_s:
+            distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     return use_shared_memory(ParallelState.from_world(tp, dp, pp, cp, ep), timeout_s)
 
 

@@ -598,10 +598,13 @@ def test_max_skipped_steps_non_finite_in_a_row_stop_the_run_with_status_1(tmp_pa
 def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_ranks_dump(
     tmp_path, small_dataset
 ):
+    """Rank 1 also starts 5 s after rank 0, past the 4 s timeout_s: joining the process group
+    waits for every rank's start (distributed.layout.JOIN_S), the collectives after it do not."""
     out = tmp_path / "run"
     timeout_s = 4.0  # the watchdog reports a collective in flight for half of it, 2 s
     command = faulty(out, small_dataset, "train.steps=100000", f"parallel.timeout_s={timeout_s}")
-    with started(command, out, FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="6") as run:
+    faults = dict(FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="6", FAULT_START_S="5")
+    with started(command, out, **faults) as run:
         run.wait_for_step(2)
         stalled = time.monotonic()
         debug = out / "debug"
