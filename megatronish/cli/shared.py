@@ -3,6 +3,7 @@ exit status, and the options several commands take (--config, --set, --checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -20,10 +21,8 @@ stop rank 0 before it printed the line. Rank 0's exit ends the wait (torchrun st
 
 def _leave_rank0_time_to_print() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent
-        try:
+        with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C ends the wait, no traceback
             time.sleep(RANK0_GRACE_S)
-        except KeyboardInterrupt:  # a Ctrl-C stops the wait, not with a traceback
-            pass
 
 
 def user_errors(fn):

@@ -51,14 +51,10 @@ import torch.nn.functional as F
 from megatronish.distributed import comm
 from megatronish.fp8 import Recipe, TokenGroups
 from megatronish.layers import overlap_fp8
+from megatronish.layers.overlap_fp8 import _rows
 from megatronish.layers.tp_ring import RingReduceScatter, TpRing, gather_chunks
 
 Group = dist.ProcessGroup | None
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., n] as [rows, n]."""
-    return x.reshape(-1, x.shape[-1])
 
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
