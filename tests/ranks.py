@@ -22,6 +22,7 @@ import contextlib
 import io
 import os
 import queue as queue_module
+import random
 import socket
 import subprocess
 import sys
@@ -53,7 +54,37 @@ _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
 
 
+def _port_window() -> range:
+    """This test process's own ports: a slice, one per pytest-xdist worker, of the ports below
+    the kernel's ephemeral range (or above it). A port the kernel hands out (bind to port 0, or
+    the local end of each gloo connection) is in the ephemeral range, so a port found free
+    there can be taken by another worker's connection before a store listens on it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            low, high = map(int, file.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    start, stop = (max(1024, low - 12000), low) if low >= 8192 else (high + 1, 65536)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    slices = 8
+    size = (stop - start) // slices
+    first = start + (int(worker) % slices if worker.isdigit() else 0) * size
+    return range(first, first + size)
+
+
+_PORTS = _port_window()
+_next_port = [random.randrange(len(_PORTS))]  # another session on the host starts elsewhere
+
+
 def free_port() -> int:
+    """A port of this process's window that nothing holds now (see _port_window); the kernel's
+    choice where the window is all taken."""
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next_port[0] % len(_PORTS)]
+        _next_port[0] += 1
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind(("127.0.0.1", port))
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from megatronish.errors import RunFailure, UserError
 from megatronish.training.setup import setup
 from megatronish.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO, invoke_cli
+from tests.ranks import free_port
 
 pytestmark = [
     pytest.mark.slow,  # torchrun runs with ranks killed, stalled and stopped
@@ -249,12 +249,6 @@ def test_the_lock_names_its_holder_and_is_taken_over_once_the_holder_is_killed(t
 
 # --------------------------------------------------------------------------------------------
 # A launch of two nodes with one started
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_one_of_two_nodes(out_dir: Path, dataset: Path, *options: str) -> list[str]:
