@@ -72,8 +72,8 @@ def _port_window() -> range:
     return range(first, first + size)
 
 
-_PORTS = _port_window()
-_next_port = [random.randrange(len(_PORTS))]  # another session on the host starts elsewhere
+_PORTS = _port_window()  # empty where the ephemeral range leaves no room
+_next_port = [random.randrange(max(1, len(_PORTS)))]  # another session on the host starts elsewhere
 
 
 def free_port() -> int:
