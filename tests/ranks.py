@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import queue as queue_module
 import random
@@ -73,15 +74,15 @@ def _port_window() -> range:
 
 
 _PORTS = _port_window()  # empty where the ephemeral range leaves no room
-_next_port = [random.randrange(max(1, len(_PORTS)))]  # another session on the host starts elsewhere
+# where this process starts in its window (another session on the host starts elsewhere)
+_next_port = itertools.count(random.randrange(max(1, len(_PORTS))))
 
 
 def free_port() -> int:
     """A port of this process's window that nothing holds now (see _port_window); the kernel's
     choice where the window is all taken."""
     for _ in range(len(_PORTS)):
-        port = _PORTS[_next_port[0] % len(_PORTS)]
-        _next_port[0] += 1
+        port = _PORTS[next(_next_port) % len(_PORTS)]
         with socket.socket() as sock, contextlib.suppress(OSError):
             sock.bind(("127.0.0.1", port))
             return port
