@@ -1,5 +1,6 @@
-"""Shared test set-up: one built-in-corpus cache per test session, the datasets several test
-modules train on (prepared once per session), and CLI helpers."""
+"""Shared test set-up: a working directory and a built-in-corpus cache of the session's own (the
+checkout's runs/, data/ and the user's cache are never read or written), the datasets several
+test modules train on (prepared once per session), and CLI helpers."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ from megatronish.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
+# What a user's working directory in the checkout has that the tests' commands name as a user
+# does (`--config configs/tiny.yaml`, `python scripts/...`, `--input docs/`), linked into each
+# working directory the tests give their commands.
+CHECKOUT_LINKS = ("configs", "docs", "scripts")
+# What the README's main job and a user's other commands write into the checkout and into their
+# cache: what the tests must never read or write (a user runs the main job before `pytest`).
+USER_STATE = ("runs", "data")
 
 
 # The longest modules (their multi-rank and torchrun runs), slowest first. Under pytest-xdist
@@ -58,8 +66,50 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=position)  # stable: a module's tests keep their order
 
 
+def link_checkout(directory: Path) -> Path:
+    """directory with links to the checkout's CHECKOUT_LINKS, as a user's working directory in
+    the repository root has them (made if missing); returns directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in CHECKOUT_LINKS:
+        (directory / name).symlink_to(REPO / name, target_is_directory=True)
+    return directory
+
+
+def _user_state(cache: Path) -> dict[str, tuple[int, int]]:
+    """(size, modification time) of every file and directory under the checkout's USER_STATE
+    folders and the user's cache."""
+    state = {}
+    for root in [*(REPO / name for name in USER_STATE), cache]:
+        for path in [root, *root.rglob("*")] if root.exists() else []:
+            stat = path.lstat()
+            state[str(path)] = (stat.st_size, stat.st_mtime_ns)
+    return state
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _session_cache(tmp_path_factory):
+def _working_directory(tmp_path_factory):
+    """The session runs in a temporary working directory with links to the checkout's configs/,
+    docs/ and scripts/ (link_checkout), and commands started by the tests run there too: what a
+    command writes or reads by a relative default (`runs/tiny/checkpoints`, `data/...`) is the
+    session's own, never the checkout's. Fails the session if the checkout's runs/ or data/ or
+    the user's cache changed while it ran."""
+    from megatronish.data.cache import cache_root
+
+    user_cache = cache_root()
+    before = _user_state(user_cache)
+    previous = os.getcwd()
+    os.chdir(link_checkout(tmp_path_factory.mktemp("cwd")))
+    yield
+    os.chdir(previous)
+    after = _user_state(user_cache)
+    changed = sorted(
+        path for path in before.keys() | after.keys() if before.get(path) != after.get(path)
+    )
+    assert not changed, f"the tests changed the user's files: {', '.join(changed[:5])}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(_working_directory, tmp_path_factory):
     """The built-in corpus is prepared once per session into a temporary cache, which the CLI
     subprocesses inherit through the environment. It is prepared here, before any test, so no
     command a test runs prints the line that says it prepares it."""
@@ -122,11 +172,12 @@ class Started:
 
 
 def start(command: list[str], env: dict | None = None, cwd=None) -> Started:
-    """command started in a subprocess, to `finish`: commands that do not depend on each other
+    """command started in a subprocess (in cwd, by default the session's working directory), to
+    `finish`: commands that do not depend on each other
     run side by side (each writes to its own temporary files, so one that is not being waited
     for never blocks on a full pipe)."""
     stdout, stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=cwd or REPO)
+    proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=cwd)
     return Started(proc, stdout, stderr)
 
 

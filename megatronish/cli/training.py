@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import click
@@ -36,7 +37,8 @@ def check(config_path, overrides, world_size):
     """Validate a config without starting anything; print it resolved with its derived sizes."""
     from megatronish.commands.check import check_config
 
-    click.echo(check_config(load_config(config_path, overrides), world_size))
+    note = functools.partial(click.echo, err=True)
+    click.echo(check_config(load_config(config_path, overrides), world_size, note))
 
 
 @click.command()

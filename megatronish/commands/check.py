@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import yaml
 
 from megatronish.accounting.collectives import collectives_per_step
@@ -46,10 +48,13 @@ def _data_facts(cfg: Config) -> tuple[Config, int, bool]:
     return cfg, plan.vocab_size, plan.sft or data.eod_mask_loss
 
 
-def check_config(cfg: Config, world_size: int | None) -> str:
+def check_config(
+    cfg: Config, world_size: int | None, note: Callable[[str], None] | None = None
+) -> str:
     """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1). A
     model.* key that differs from the checkpoint the run would resume from is a UserError, as
-    in `train`."""
+    in `train` (launch checks with it before starting ranks); given note, it is a note line
+    passed to note instead (`check` explores shapes: the report is still made)."""
     from megatronish import fp8, ops
     from megatronish.distributed.layout import default_device
     from megatronish.training.resume import check_resumed_model
@@ -71,7 +76,12 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         world_size = world_size_of(cfg)
     cfg, vocab_size, loss_masked = _data_facts(cfg)
     derived = derive(cfg, world_size, vocab_size=vocab_size)
-    check_resumed_model(cfg, derived.vocab_size)  # a changed model.* key: the line train would say
+    try:
+        check_resumed_model(cfg, derived.vocab_size)  # a changed model.* key: train's line
+    except UserError as refusal:
+        if note is None:
+            raise
+        note(f"note: train would refuse this config: {refusal}")
     params = parameter_count(cfg, derived)
     lines = [
         "# resolved config",

@@ -1,7 +1,8 @@
 """A checkpoint runs only as the model it was trained with: resuming, or `eval --set`, with a
 model.* key changed (also one that changes no tensor shape: model.n_head at a fixed d_model,
 model.rope_theta, model.rope_scaling) is exit status 2 and one line naming the key and both
-values (`check`, and so `launch`, too), and writes nothing; the same values, or a null standing
+values (`launch` too, before any rank starts; `check` says it in a note line and still
+prints its report), and writes nothing; the same values, or a null standing
 for the same value, are accepted, and so is another model.dropout (said in one line). Every key
 of the schema's model section takes part, one added later too, and a checkpoint saved before a
 key existed compares as its default. A resume under checkpoint.resume=auto says which step it
@@ -77,17 +78,24 @@ def test_resume_with_another_n_head_exits_2_naming_it_and_writes_nothing(
     assert _tree(tmp_path) == before
 
 
-def test_check_and_so_launch_refuse_the_changed_key_before_any_rank_starts(
+def test_launch_refuses_the_changed_key_before_any_rank_starts_and_check_notes_it(
     gpt2_dir, small_dataset, tmp_path
 ):
+    """launch refuses as train does, before starting ranks; check, which people use to explore
+    shapes, prints its report and the refusal as one note line."""
     args = train_args(small_dataset, gpt2_dir, tmp_path / "run", "model.n_head=8")
-    result = invoke_cli("check", *args[1:])
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [
-        f"error: model.n_head: the checkpoint in {gpt2_dir / 'step_000002'} was trained with 4, "
-        "the config asks for 8; keep model.n_head=4, or start over with checkpoint.resume=never "
-        "or a new checkpoint.dir"
-    ]
+    refusal = (
+        f"model.n_head: the checkpoint in {gpt2_dir / 'step_000002'} was trained with 4, the "
+        "config asks for 8; keep model.n_head=4, or start over with checkpoint.resume=never or "
+        "a new checkpoint.dir"
+    )
+    launched = invoke_cli("launch", *args[1:])
+    assert (launched.returncode, launched.stderr.splitlines()) == (2, [f"error: {refusal}"])
+    assert not (tmp_path / "run").exists()
+    checked = invoke_cli("check", *args[1:])
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stderr.splitlines() == [f"note: train would refuse this config: {refusal}"]
+    assert "  n_head: 8\n" in checked.stdout and checked.stdout.endswith("ok\n")
 
 
 def test_resume_with_the_same_model_written_out_and_another_dropout_goes_on(
@@ -152,7 +160,7 @@ def test_resume_with_a_sliding_window_the_checkpoint_was_trained_without_exits_2
 ):
     llama = ["model.arch=llama", "model.n_kv_head=2", "model.d_ff=96", "model.sliding_window=8"]
     args = train_args(small_dataset, llama_step.parent, tmp_path / "run", *llama)
-    result = invoke_cli("check", *args[1:])
+    result = invoke_cli(*args)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         f"error: model.sliding_window: the checkpoint in {llama_step} was trained with null, the "

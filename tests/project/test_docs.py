@@ -12,7 +12,10 @@ that holds links to the repository's configs/, docs/ and scripts/: an example na
 `configs/tiny.yaml` as a user in the repository root does, and what it writes (`runs/...`,
 `data/...`) lands in the temporary directory, so a later block of the file can read what an
 earlier one wrote; the files run one after the other. Only cheap one-process commands are
-marked (see docs/testing.md)."""
+marked (see docs/testing.md).
+
+A reader runs the README's main job before anything else, so the blocks run after it too: each
+file's directory starts with the runs/ that the README's main job wrote, run once, as written."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,10 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, finish, invoke_cli, start
+from tests.conftest import REPO, finish, invoke_cli, link_checkout, start
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-LINKED_INTO_THE_WORKING_DIRECTORY = ("configs", "docs", "scripts")
 MARKER = re.compile(r"<!--\s*runnable(?::\s*exit\s+(\d+))?\s*-->")
 FENCE = re.compile(r"^(```|~~~)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
@@ -175,10 +178,16 @@ def broken_links(path: Path) -> list[str]:
     return broken
 
 
+def readme_commands() -> list[str]:
+    """The README's commands (pip, megatronish and pytest lines), comments dropped, in order:
+    its first three are the install, the main job and the tests."""
+    lines = [line.strip() for line in (REPO / "README.md").read_text().splitlines()]
+    starts = ("pip ", "megatronish ", "pytest")
+    return [line.split("#")[0].strip() for line in lines if line.startswith(starts)]
+
+
 def _run_blocks(doc: Path, cwd: Path, env: dict[str, str]) -> str | None:
     """Runs the runnable blocks of doc in order in cwd; the first failure, or None."""
-    for name in LINKED_INTO_THE_WORKING_DIRECTORY:
-        (cwd / name).symlink_to(REPO / name, target_is_directory=True)
     for block in runnable_blocks(doc):
         if not block.commands:
             return f"{doc.name}:{block.line}: the marker marks no code block"
@@ -193,16 +202,21 @@ def _run_blocks(doc: Path, cwd: Path, env: dict[str, str]) -> str | None:
 
 
 @pytest.mark.slow  # every runnable example of the docs, as written
-def test_the_runnable_blocks_of_every_doc_run_as_written(tmp_path):
-    """Each file's blocks in a directory of its own, one file after the other."""
+def test_the_runnable_blocks_of_every_doc_run_as_written_after_the_main_job(tmp_path):
+    """Each file's blocks in a directory of its own that holds the main job's runs/, one file
+    after the other."""
     docs = [doc for doc in DOCS if runnable_blocks(doc)]
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    main_job = link_checkout(tmp_path / "main-job")
+    done = _run(readme_commands()[1], main_job, env)
+    assert done.returncode == 0, f"the README's main job: {done.stderr}"
     failures = []
     for doc in docs:
-        (tmp_path / doc.stem).mkdir()
-        failures.append(_run_blocks(doc, tmp_path / doc.stem, env))
+        cwd = link_checkout(tmp_path / doc.stem)
+        shutil.copytree(main_job / "runs", cwd / "runs")
+        failures.append(_run_blocks(doc, cwd, env))
     assert not any(failures), "\n\n".join(f for f in failures if f)
 
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.project.test_docs import readme_commands
 
 START = "<!-- config-reference:start -->\n"
 END = "<!-- config-reference:end -->"
@@ -30,13 +31,7 @@ def test_the_config_reference_in_docs_matches_the_config_schema():
 
 
 def test_readme_starts_with_install_main_job_and_tests():
-    lines = [line.strip() for line in (REPO / "README.md").read_text().splitlines()]
-    commands = [
-        line.split("#")[0].strip()
-        for line in lines
-        if line.startswith(("pip ", "megatronish ", "pytest"))
-    ]
-    assert commands[:3] == [
+    assert readme_commands()[:3] == [
         'pip install -e ".[dev]"',
         "megatronish train --config configs/tiny.yaml",
         "pytest",
