@@ -89,7 +89,8 @@ def _user_state(cache: Path) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="session", autouse=True)
 def _working_directory(tmp_path_factory):
     """The session runs in a temporary working directory with links to the checkout's configs/,
-    docs/ and scripts/ (link_checkout), and commands started by the tests run there too: what a
+    docs/ and scripts/ (link_checkout), and commands started by the tests run there too, with the
+    checkout first on PYTHONPATH as a command started in it has it on sys.path: what a
     command writes or reads by a relative default (`runs/tiny/checkpoints`, `data/...`) is the
     session's own, never the checkout's. Fails the session if the checkout's runs/ or data/ or
     the user's cache changed while it ran."""
@@ -97,10 +98,16 @@ def _working_directory(tmp_path_factory):
 
     user_cache = cache_root()
     before = _user_state(user_cache)
-    previous = os.getcwd()
+    previous, path = os.getcwd(), os.environ.get("PYTHONPATH")
     os.chdir(link_checkout(tmp_path_factory.mktemp("cwd")))
+    # A `python -c` or `-m` started in the checkout had it first on sys.path (`from tests...`).
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), path) if p)
     yield
     os.chdir(previous)
+    if path is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = path
     after = _user_state(user_cache)
     changed = sorted(
         path for path in before.keys() | after.keys() if before.get(path) != after.get(path)
