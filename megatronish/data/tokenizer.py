@@ -2,8 +2,9 @@
 (a BPE trained on the corpus, or any existing tokenizer.json).
 
 Every tokenizer has `encode(text) -> list[int]`, `encode_batch(texts) -> list[list[int]]`,
-`decode(ids) -> str`, `vocab_size`, `eot_id` and `name`, plus `encode_arrays(texts)`, the fast
-path of `prepare`: one numpy array of ids per text. Decoding renders the end-of-text token as
+`decode(ids) -> str`, `decodable_ids()` (the ids decode renders; sampling draws only those),
+`vocab_size`, `eot_id` and `name`, plus `encode_arrays(texts)`, the fast path of `prepare`: one
+numpy array of ids per text. Decoding renders the end-of-text token as
 its text, so decode(encode(t)) == t also when t contains it.
 """
 
@@ -59,6 +60,10 @@ class ByteTokenizer:
         pieces.append(ids[start:].astype(np.uint8).tobytes())
         return b"".join(pieces).decode("utf-8", errors="replace")
 
+    def decodable_ids(self) -> np.ndarray:
+        """0..256: every byte and <|endoftext|>."""
+        return np.arange(self.vocab_size)
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` with a known end-of-text id.
@@ -89,6 +94,11 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def decodable_ids(self) -> np.ndarray:
+        """The ids of the vocabulary's tokens (an id it leaves unused decodes to nothing)."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))
 
     def save(self, path: str | Path) -> None:
         self.tokenizer.save(str(path))
