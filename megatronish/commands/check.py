@@ -32,24 +32,29 @@ def data_vocab_size(cfg: Config) -> int:
     return _data_facts(cfg)[1]
 
 
-def _data_facts(cfg: Config) -> tuple[Config, int, bool]:
+def _data_facts(cfg: Config, start_tokenizer: bool = False) -> tuple[Config, int, bool]:
     """(cfg as its data settles it, as training settles it (data.sources.run_data);
-    data_vocab_size; whether the data masks the loss: SFT data or data.eod_mask_loss)."""
+    data_vocab_size; whether the data masks the loss: SFT data or data.eod_mask_loss). With
+    start_tokenizer, a dataset of a tokenizer the starting weights do not have is a UserError
+    (train's; the built-in corpus is not opened to compare)."""
     from megatronish.data import ByteTokenizer
     from megatronish.data.sources import run_data
+    from megatronish.training.resume import check_start_tokenizer
 
     data = cfg.data
     if data.path is None and data.blend is None:
         return cfg, ByteTokenizer().vocab_size, data.eod_mask_loss
     cfg, plan = run_data(cfg)
+    if start_tokenizer:
+        check_start_tokenizer(cfg, plan.sources)
     check_dataset_vocab(cfg, plan.vocab_size, plan.sources[0].path)
     return cfg, plan.vocab_size, plan.sft or data.eod_mask_loss
 
 
 def check_config(cfg: Config, world_size: int | None) -> str:
     """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1). A
-    model.* key that differs from the checkpoint the run would resume from is a UserError, as
-    in `train`."""
+    model.* key that differs from the checkpoint the run would resume from, or a dataset of
+    another tokenizer than its (or checkpoint.init_from_hf's), is a UserError, as in `train`."""
     from megatronish import fp8, ops
     from megatronish.distributed.layout import default_device
     from megatronish.training.resume import check_resumed_model
@@ -69,7 +74,7 @@ def check_config(cfg: Config, world_size: int | None) -> str:
         check_available()
     if world_size is None:
         world_size = world_size_of(cfg)
-    cfg, vocab_size, loss_masked = _data_facts(cfg)
+    cfg, vocab_size, loss_masked = _data_facts(cfg, start_tokenizer=True)
     derived = derive(cfg, world_size, vocab_size=vocab_size)
     check_resumed_model(cfg, derived.vocab_size)  # a changed model.* key: the line train would say
     params = parameter_count(cfg, derived)

@@ -157,13 +157,13 @@ def load_tokenizer_file(path: str | Path, name: str = "file") -> HFTokenizer:
     raise UserError(f"{path}: the tokenizer has no end-of-text token; it needs one of {candidates}")
 
 
-def tokenizer_id(kind: str, file: Path) -> str | None:
+def tokenizer_id(kind: str, file: Path | None) -> str | None:
     """What identifies a tokenizer of `kind` (byte, bpe or file; `file` its tokenizer.json):
     "byte", or "KIND:<sha256 of the file>" (copies of one file are one tokenizer, whichever kind
     brought it). None: no tokenizer (kind none, or the file is missing)."""
     if kind == "byte":
         return "byte"
-    if kind not in ("bpe", "file") or not file.is_file():
+    if kind not in ("bpe", "file") or file is None or not file.is_file():
         return None
     return f"{kind}:{hashlib.sha256(file.read_bytes()).hexdigest()}"
 
