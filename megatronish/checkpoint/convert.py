@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatronish.checkpoint.format import (
-    TOKENIZER_FILE,
     TensorSpec,
     model_file,
     optim_file,
@@ -20,7 +19,7 @@ from megatronish.checkpoint.format import (
 from megatronish.checkpoint.load import rng_states_for, single_layout_config
 from megatronish.checkpoint.rank_files import write_safetensors
 from megatronish.checkpoint.reader import Checkpoint
-from megatronish.checkpoint.save import TokenizerInfo, base_metadata, finalize
+from megatronish.checkpoint.save import base_metadata, finalize, tokenizer_of_checkpoint
 from megatronish.config import derive
 from megatronish.errors import UserError
 from megatronish.paths import require_new_output_dir
@@ -55,7 +54,7 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
         for tp_rank in range(tp):
             checksums.update(_write_rank(ckpt, specs, tp, tp_rank, tmp, has_optimizer))
         ckpt.verify()
-        tokenizer = _tokenizer_of(ckpt)
+        tokenizer = tokenizer_of_checkpoint(ckpt.dir, ckpt.meta)
         layout = {"tp": tp, "dp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "world_size": tp}
         meta = base_metadata(
             ckpt.step,
@@ -101,12 +100,3 @@ def _write_rank(
     if rng is not None:
         checksums[rng_file(tp_rank)] = write_safetensors(tmp / rng_file(tp_rank), rng)
     return checksums
-
-
-def _tokenizer_of(ckpt: Checkpoint) -> TokenizerInfo | None:
-    """The tokenizer the source checkpoint records (its tokenizer.json, when it has one)."""
-    info = ckpt.meta.get("tokenizer")
-    if info is None:
-        return None
-    path = ckpt.dir / TOKENIZER_FILE
-    return TokenizerInfo(info["kind"], info["eot_id"], path if path.is_file() else None)

@@ -51,6 +51,7 @@ from megatronish.checkpoint.format import (
 from megatronish.checkpoint.integrity import CHECKSUM_KEY, first_message_of_ranks
 from megatronish.checkpoint.rank_files import rank_files, whole_params, write_safetensors
 from megatronish.config import Config, Derived
+from megatronish.data.tokenizer import tokenizer_id
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import ReportedError, RunFailure
@@ -64,6 +65,22 @@ class TokenizerInfo:
     kind: str
     eot_id: int
     file: Path | None = None
+
+
+def tokenizer_identity(tokenizer: TokenizerInfo | None) -> str | None:
+    """The tokenizer_id of a recorded tokenizer, which data of that tokenizer shares; None for
+    none (or a bpe/file tokenizer without its file)."""
+    return tokenizer_id(tokenizer.kind, tokenizer.file) if tokenizer is not None else None
+
+
+def tokenizer_of_checkpoint(step_dir: Path, meta: dict[str, Any]) -> TokenizerInfo | None:
+    """The tokenizer a checkpoint (its step directory and metadata.json) records, with its
+    tokenizer.json when it has one; None when it records none."""
+    info = meta.get("tokenizer")
+    if info is None:
+        return None
+    path = step_dir / TOKENIZER_FILE
+    return TokenizerInfo(info["kind"], info["eot_id"], path if path.is_file() else None)
 
 
 def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import yaml
 
@@ -34,16 +35,33 @@ def data_vocab_size(cfg: Config) -> int:
     return _data_facts(cfg)[1]
 
 
-def _data_facts(cfg: Config) -> tuple[Config, int, bool]:
+def _refused(note: Callable[[str], None] | None, check: Callable[..., Any], *args: Any) -> None:
+    """check(*args); with note, a UserError it raises (what train would refuse) is a note."""
+    try:
+        check(*args)
+    except UserError as refusal:
+        if note is None:
+            raise
+        note(f"note: train would refuse this config: {refusal}")
+
+
+def _data_facts(
+    cfg: Config, start_tokenizer: bool = False, note: Callable[[str], None] | None = None
+) -> tuple[Config, int, bool]:
     """(cfg as its data settles it, as training settles it (data.sources.run_data);
-    data_vocab_size; whether the data masks the loss: SFT data or data.eod_mask_loss)."""
+    data_vocab_size; whether the data masks the loss: SFT data or data.eod_mask_loss). With
+    start_tokenizer, a dataset of a tokenizer the starting weights do not have is a UserError
+    (train's; the built-in corpus is not opened to compare), or a note given note (_refused)."""
     from megatronish.data import ByteTokenizer
     from megatronish.data.sources import run_data
+    from megatronish.training.resume import check_start_tokenizer
 
     data = cfg.data
     if data.path is None and data.blend is None:
         return cfg, ByteTokenizer().vocab_size, data.eod_mask_loss
     cfg, plan = run_data(cfg)
+    if start_tokenizer:
+        _refused(note, check_start_tokenizer, cfg, plan.sources)
     check_dataset_vocab(cfg, plan.vocab_size, plan.sources[0].path)
     return cfg, plan.vocab_size, plan.sft or data.eod_mask_loss
 
@@ -52,9 +70,10 @@ def check_config(
     cfg: Config, world_size: int | None, note: Callable[[str], None] | None = None
 ) -> str:
     """The report `check` prints. world_size defaults to tp * cp * pp * (parallel.dp or 1). A
-    model.* key that differs from the checkpoint the run would resume from is a UserError, as
-    in `train` (launch checks with it before starting ranks); given note, it is a note line
-    passed to note instead (`check` explores shapes: the report is still made)."""
+    model.* key that differs from the checkpoint the run would resume from, or a dataset of
+    another tokenizer than its (or checkpoint.init_from_hf's), is a UserError, as in `train`
+    (launch checks with it before starting ranks); given note, it is a note line passed to note
+    instead (`check` explores shapes: the report is still made)."""
     from megatronish import fp8, ops
     from megatronish.distributed.layout import default_device
     from megatronish.training.resume import check_resumed_model
@@ -74,14 +93,9 @@ def check_config(
         check_available()
     if world_size is None:
         world_size = world_size_of(cfg)
-    cfg, vocab_size, loss_masked = _data_facts(cfg)
+    cfg, vocab_size, loss_masked = _data_facts(cfg, start_tokenizer=True, note=note)
     derived = derive(cfg, world_size, vocab_size=vocab_size)
-    try:
-        check_resumed_model(cfg, derived.vocab_size)  # a changed model.* key: train's line
-    except UserError as refusal:
-        if note is None:
-            raise
-        note(f"note: train would refuse this config: {refusal}")
+    _refused(note, check_resumed_model, cfg, derived.vocab_size)  # a changed model.* key
     params = parameter_count(cfg, derived)
     lines = [
         "# resolved config",

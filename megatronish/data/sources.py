@@ -281,6 +281,23 @@ def check_shared_tokenizer(sources: list[TokenSource]) -> None:
             )
 
 
+def check_trained_tokenizer(
+    cfg: Config, sources: list[TokenSource], trained: str | None, model: str, advice: str
+) -> None:
+    """A UserError naming data.path (data.blend where set) when a dataset's tokenizer is not
+    `trained`, the tokenizer_id of a model's tokenizer (`model` says whose, before its label);
+    nothing where either records none."""
+    key = "data.blend" if cfg.data.blend is not None else "data.path"
+    for source in sources:
+        if trained is None or source.tokenizer is None:
+            continue
+        if not same_tokenizer(trained, source.tokenizer):
+            raise UserError(
+                f"{key}: {source.path} {source.tokenizer_words()} but {model} "
+                f"{tokenizer_label(trained)}; {advice}"
+            )
+
+
 def _same_tokens(a: TokenSource, b: TokenSource) -> bool:
     if a.eot_id != b.eot_id:
         return False

@@ -2,8 +2,9 @@
 (a BPE trained on the corpus, or any existing tokenizer.json).
 
 Every tokenizer has `encode(text) -> list[int]`, `encode_batch(texts) -> list[list[int]]`,
-`decode(ids) -> str`, `vocab_size`, `eot_id` and `name`, plus `encode_arrays(texts)`, the fast
-path of `prepare`: one numpy array of ids per text. Decoding renders the end-of-text token as
+`decode(ids) -> str`, `decodable_ids()` (the ids decode renders; sampling draws only those),
+`vocab_size`, `eot_id` and `name`, plus `encode_arrays(texts)`, the fast path of `prepare`: one
+numpy array of ids per text. Decoding renders the end-of-text token as
 its text, so decode(encode(t)) == t also when t contains it.
 """
 
@@ -59,6 +60,10 @@ class ByteTokenizer:
         pieces.append(ids[start:].astype(np.uint8).tobytes())
         return b"".join(pieces).decode("utf-8", errors="replace")
 
+    def decodable_ids(self) -> np.ndarray:
+        """0..256: every byte and <|endoftext|>."""
+        return np.arange(self.vocab_size)
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` with a known end-of-text id.
@@ -89,6 +94,11 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def decodable_ids(self) -> np.ndarray:
+        """The ids of the vocabulary's tokens (an id it leaves unused decodes to nothing)."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))
 
     def save(self, path: str | Path) -> None:
         self.tokenizer.save(str(path))
@@ -147,13 +157,13 @@ def load_tokenizer_file(path: str | Path, name: str = "file") -> HFTokenizer:
     raise UserError(f"{path}: the tokenizer has no end-of-text token; it needs one of {candidates}")
 
 
-def tokenizer_id(kind: str, file: Path) -> str | None:
+def tokenizer_id(kind: str, file: Path | None) -> str | None:
     """What identifies a tokenizer of `kind` (byte, bpe or file; `file` its tokenizer.json):
     "byte", or "KIND:<sha256 of the file>" (copies of one file are one tokenizer, whichever kind
     brought it). None: no tokenizer (kind none, or the file is missing)."""
     if kind == "byte":
         return "byte"
-    if kind not in ("bpe", "file") or not file.is_file():
+    if kind not in ("bpe", "file") or file is None or not file.is_file():
         return None
     return f"{kind}:{hashlib.sha256(file.read_bytes()).hexdigest()}"
 

@@ -149,7 +149,7 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
     cfg, derived = one_process(cfg)
     model = GPT(cfg, derived, ParallelState.single())
     restore_model(source, model)
-    tokenizer = read_tokenizer(hf_path, read_config_json(hf_path))
+    tokenizer = read_tokenizer(hf_path)
     step_dir = save_checkpoint(
         out, 0, cfg=cfg, derived=derived, ps=model.ps, model=model, tokenizer=tokenizer
     )

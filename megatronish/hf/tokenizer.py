@@ -12,7 +12,7 @@ from megatronish.checkpoint.format import TOKENIZER_FILE
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo
 from megatronish.errors import UserError
-from megatronish.hf.family import ConfigJson
+from megatronish.hf.files import CONFIG_JSON, read_config_json
 
 BYTE_TOKENIZER_KEY = "megatronish_tokenizer"  # config.json marker of the byte-level tokenizer
 
@@ -41,11 +41,13 @@ def write_tokenizer(ckpt: Checkpoint, out: Path, config: dict, max_seq_len: int)
     return f"tokenizer: {TOKENIZER_FILE} (end of text {eot!r})"
 
 
-def read_tokenizer(hf_dir: Path, config: ConfigJson) -> TokenizerInfo | None:
-    """The tokenizer of a Hugging Face directory, None when it has none we read."""
+def read_tokenizer(hf_dir: Path) -> TokenizerInfo | None:
+    """The tokenizer of a Hugging Face directory: the byte-level mark of its config.json, or its
+    tokenizer.json; None when it has none we read."""
     from megatronish.data import load_tokenizer_file
 
-    if config.get(BYTE_TOKENIZER_KEY) == "byte":
+    has_config = (hf_dir / CONFIG_JSON).is_file()
+    if has_config and read_config_json(hf_dir).get(BYTE_TOKENIZER_KEY) == "byte":
         return TokenizerInfo("byte", 256)
     path = hf_dir / TOKENIZER_FILE
     if not path.is_file():

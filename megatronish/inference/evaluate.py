@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from megatronish.checkpoint.format import CONFIG_FILE, TOKENIZER_FILE
+from megatronish.checkpoint.format import CONFIG_FILE
 from megatronish.checkpoint.model_match import model_differences, refuse_other_model
 from megatronish.checkpoint.reader import Checkpoint
+from megatronish.checkpoint.save import tokenizer_identity, tokenizer_of_checkpoint
 from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState, default_device
 from megatronish.errors import UserError
 from megatronish.inference.model import build_model
-
-if TYPE_CHECKING:
-    from megatronish.data.sources import TokenSource
 
 
 def evaluate_checkpoint(
@@ -33,7 +31,7 @@ def evaluate_checkpoint(
     counts those. An override that changes a model.* key (but model_match.MAY_DIFFER) is a
     UserError naming it: the model is the one the checkpoint was trained with."""
     from megatronish.data.blend import open_loader
-    from megatronish.data.sources import run_data
+    from megatronish.data.sources import check_trained_tokenizer, run_data
     from megatronish.training.batches import validation_loss
     from megatronish.training.loss import counted_targets
 
@@ -47,8 +45,12 @@ def evaluate_checkpoint(
         "drop --set {key}={wanted}: eval runs the model the checkpoint was trained with",
     )
     cfg, data = run_data(cfg, vocab_size)  # SFT data: document masks, as in training
-    _check_tokenizer(
-        ckpt, data.sources, "data.blend" if cfg.data.blend is not None else "data.path"
+    check_trained_tokenizer(
+        cfg,
+        data.sources,
+        tokenizer_identity(tokenizer_of_checkpoint(ckpt.dir, ckpt.meta)),
+        f"the checkpoint {ckpt.dir} was trained on tokenizer",
+        "evaluate it on data of that tokenizer",
     )
     dataset = ", ".join(str(source.path) for source in data.sources)
     if data.vocab_size > ckpt.vocab_size:
@@ -69,24 +71,6 @@ def evaluate_checkpoint(
         "perplexity": math.exp(min(val_loss, 700.0)),
         "tokens": int(counted_targets(targets)),
     }
-
-
-def _check_tokenizer(ckpt: Checkpoint, sources: list[TokenSource], key: str) -> None:
-    """A UserError naming `key` when a dataset's tokenizer is not the one the checkpoint was
-    trained on (where both record one)."""
-    from megatronish.data.tokenizer import same_tokenizer, tokenizer_id, tokenizer_label
-
-    info = ckpt.meta.get("tokenizer")
-    trained = tokenizer_id(str(info.get("kind")), ckpt.dir / TOKENIZER_FILE) if info else None
-    for source in sources:
-        if trained is None or source.tokenizer is None:
-            continue
-        if not same_tokenizer(trained, source.tokenizer):
-            raise UserError(
-                f"{key}: {source.path} {source.tokenizer_words()} but the checkpoint {ckpt.dir} "
-                f"was trained on tokenizer {tokenizer_label(trained)}; evaluate it on data of "
-                "that tokenizer"
-            )
 
 
 def _other_data(overrides: tuple[str, ...]) -> tuple[str, ...]:

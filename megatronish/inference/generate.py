@@ -53,6 +53,16 @@ class Sampling:
             raise UserError(f"--top-p {self.top_p}: must be in (0, 1]")
 
 
+def decodable_mask(tokenizer, vocab_size: int) -> torch.Tensor:
+    """bool [vocab_size]: the ids of a model's vocabulary that the tokenizer decodes. A padded
+    vocabulary (an import's, or model.vocab_size above the data's) has ids past the tokenizer's;
+    those, and ids a tokenizer leaves unused, are never sampled."""
+    ids = torch.from_numpy(tokenizer.decodable_ids()).long()
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[ids[(ids >= 0) & (ids < vocab_size)]] = True
+    return mask
+
+
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
     """A token id drawn from logits [V] (on the CPU) as `sampling` says."""
     if sampling.temperature == 0:
@@ -106,9 +116,10 @@ class StreamDecoder:
 
 
 class Generation:
-    """Iterating yields the new token ids (the end-of-text token ends it and is not yielded);
-    afterwards stop_reason is "eot", "max_new_tokens" or "max_seq_len", and cache holds each
-    layer's decode cache (this rank's: keys and values of its heads, or under multi-head
+    """Iterating yields the new token ids, drawn only among the ids `decodable` (bool [V] over
+    the model's vocabulary: decodable_mask) allows; the end-of-text token ends it and is not
+    yielded. Afterwards stop_reason is "eot", "max_new_tokens" or "max_seq_len", and cache
+    holds each layer's decode cache (this rank's: keys and values of its heads, or under multi-head
     latent attention the latent and the shared rotary key) of the cached_tokens positions."""
 
     def __init__(
@@ -119,10 +130,10 @@ class Generation:
         sampling: Sampling,
         seed: int,
         eot_id: int | None,
-        vocab_size: int,
+        decodable: torch.Tensor,
     ):
         self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
-        self.sampling, self.seed, self.eot_id, self.vocab_size = sampling, seed, eot_id, vocab_size
+        self.sampling, self.seed, self.eot_id, self.decodable = sampling, seed, eot_id, decodable
         self.stop_reason: str | None = None
         self.cache: list = []
         self.cached_tokens = 0
@@ -146,7 +157,9 @@ class Generation:
                 self.stop_reason = "max_seq_len"
                 return
             full = mappings.gather_from_tensor_parallel_region(logits, ps.tp_group)  # [1, V]
-            token = next_token(full[0, : self.vocab_size].float().cpu(), self.sampling, generator)
+            drawable = full[0, : self.decodable.numel()].float().cpu()
+            drawable = drawable.masked_fill(~self.decodable, float("-inf"))  # greedy too
+            token = next_token(drawable, self.sampling, generator)
             token = self._agree(token)
             if token == self.eot_id:
                 self.stop_reason = "eot"
@@ -209,8 +222,9 @@ def generate_text(
         decoder = StreamDecoder(tokenizer)
         if ps.is_main:
             write(prompt)
+        decodable = decodable_mask(tokenizer, ckpt.vocab_size)
         generation = Generation(
-            model, ids, max_new_tokens, sampling, seed, tokenizer.eot_id, ckpt.vocab_size
+            model, ids, max_new_tokens, sampling, seed, tokenizer.eot_id, decodable
         )
         for token in generation:
             if ps.is_main:

@@ -1,9 +1,11 @@
 """Which checkpoint a run resumes from (checkpoint.resume: auto | never | PATH), and whether the
-run's config asks for the model that checkpoint was trained with."""
+run's config asks for the model that checkpoint was trained with and data of the tokenizer the
+run's starting weights come with."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatronish.checkpoint.format import (
     CONFIG_FILE,
@@ -14,7 +16,12 @@ from megatronish.checkpoint.format import (
     resolve_step_dir,
 )
 from megatronish.checkpoint.model_match import model_differences, refuse_other_model
+from megatronish.checkpoint.save import tokenizer_identity, tokenizer_of_checkpoint
 from megatronish.config import Config, load_config
+from megatronish.data.sources import check_trained_tokenizer
+
+if TYPE_CHECKING:
+    from megatronish.data.sources import TokenSource
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -68,3 +75,25 @@ def check_resumed_model(cfg: Config, vocab_size: int) -> list[str]:
         f"checkpoint: {key} is {wanted} in this run; {step_dir} was trained with {saved}"
         for key, saved, wanted in changed
     ]
+
+
+def check_start_tokenizer(cfg: Config, sources: list[TokenSource]) -> None:
+    """UserError naming data.path (or data.blend) and both tokenizers when a dataset's tokenizer
+    is not the one the run's starting weights come with: the resume checkpoint's, else the
+    checkpoint.init_from_hf directory's. Nothing where either records none (a Megatron prefix,
+    a Hugging Face directory without tokenizer files)."""
+    step_dir = resume_path(cfg)
+    if step_dir is not None:
+        tokenizer = tokenizer_of_checkpoint(step_dir, parse_metadata(step_dir / METADATA_FILE))
+        model = f"the checkpoint {step_dir} was trained on tokenizer"
+    elif cfg.checkpoint.init_from_hf:
+        from megatronish.hf.tokenizer import read_tokenizer
+
+        hf_dir = Path(cfg.checkpoint.init_from_hf).expanduser()
+        tokenizer, model = read_tokenizer(hf_dir), f"checkpoint.init_from_hf {hf_dir} has tokenizer"
+    else:
+        return
+    if tokenizer is None:
+        return
+    advice = f"train on data prepared with it (prepare --tokenizer {tokenizer.file or 'byte'})"
+    check_trained_tokenizer(cfg, sources, tokenizer_identity(tokenizer), model, advice)

@@ -32,7 +32,7 @@ from megatronish.distributed.layout import (
 from megatronish.errors import UserError
 from megatronish.files import write_text_atomic
 from megatronish.observe.tensorboard import check_available as check_tensorboard
-from megatronish.training.resume import check_resumed_model
+from megatronish.training.resume import check_resumed_model, check_start_tokenizer
 
 
 @dataclass
@@ -51,10 +51,11 @@ class Setup:
 
 
 def setup(cfg: Config) -> Setup:
-    """Checks the config against the world size, the dataset, the output paths and the model of
-    the checkpoint it resumes from (a model.* key it changes: one line naming it), then joins
-    the process group. Every user error surfaces here, before any collective, so no rank waits
-    on a failed one; every rank finds the same one, so only rank 0 prints it."""
+    """Checks the config against the world size, the dataset (and that it is of the tokenizer
+    the starting weights come with), the output paths and the model of the checkpoint it
+    resumes from (a model.* key it changes: one line naming it), then joins the process group.
+    Every user error surfaces here, before any collective, so no rank waits on a failed one;
+    every rank finds the same one, so only rank 0 prints it."""
     world = world_size_from_env()
     try:
         cfg, data, derived = _checked(cfg, world)
@@ -79,6 +80,7 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
             "-m megatronish train --config ...`"
         )
     cfg, data = run_data(cfg)
+    check_start_tokenizer(cfg, data.sources)
     dataset_dir = data.sources[0].path
     data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)

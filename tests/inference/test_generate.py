@@ -1,7 +1,8 @@
 """Generation: the KV-cached decoding path computes what the full forward does (with RoPE
 scaling, under a sliding window shorter and longer than the prompt, and with multi-head latent
 attention's latent cache), greedy generation is the same at tp = 1 and tp = 2, sampling is
-seeded, and the CLI streams text and says the decode cache's bytes per token."""
+seeded, only ids the tokenizer decodes are drawn (a padded vocabulary's others never), and the
+CLI streams text and says the decode cache's bytes per token."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from megatronish.checkpoint.reader import Checkpoint
 from megatronish.cli import cli
 from megatronish.data import ByteTokenizer
 from megatronish.distributed.layout import ParallelState
-from megatronish.inference.generate import Generation, Sampling, StreamDecoder, next_token
+from megatronish.inference.generate import (
+    Generation,
+    Sampling,
+    StreamDecoder,
+    decodable_mask,
+    next_token,
+)
 from megatronish.inference.model import build_model
 from tests.checkpoints import VOCAB, save_single, tiny_cfg, tokens
 from tests.conftest import invoke_cli
@@ -48,7 +55,9 @@ def checkpoints(tmp_path_factory):
 
 
 def generate(model, max_new: int, sampling: Sampling = GREEDY, seed: int = 0, eot=None):
-    generation = Generation(model, PROMPT, max_new, sampling, seed, eot, VOCAB)
+    generation = Generation(
+        model, PROMPT, max_new, sampling, seed, eot, decodable_mask(ByteTokenizer(), VOCAB)
+    )
     return list(generation), generation.stop_reason
 
 
@@ -143,6 +152,46 @@ def test_top_p_samples_only_from_the_smallest_set_that_reaches_p():
     assert drawn == {0, 1}
     drawn = {next_token(logits, Sampling(1.0, top_k=3), gen) for _ in range(300)}
     assert drawn == {0, 1, 2}
+
+
+PADDED = 300  # a model vocabulary past the byte tokenizer's 257, as an import's or a padded one
+SAMPLINGS = [GREEDY, Sampling(1.0), Sampling(1.0, top_k=40), Sampling(1.0, top_p=0.95)]
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """A model of 300 ids trained on byte data (the checkpoint records the byte tokenizer)."""
+    cfg = tiny_cfg("llama", f"model.vocab_size={PADDED}")
+    return save_single(tmp_path_factory.mktemp("padded"), cfg)[0]
+
+
+def test_a_padded_vocabulary_samples_only_ids_the_tokenizer_decodes(padded):
+    model = build_model(Checkpoint(padded), ParallelState.single())
+    with torch.no_grad():  # ids 257 and 258 outscore every byte, whatever the hidden state
+        direction = torch.randn(64, generator=torch.Generator().manual_seed(0))
+        model.lm_head.weight[VOCAB : VOCAB + 2] = torch.stack([direction, -direction]) * 1e3
+    decodable = decodable_mask(ByteTokenizer(), PADDED)
+    assert decodable.tolist() == [True] * VOCAB + [False] * (PADDED - VOCAB)
+    everything = torch.ones(PADDED, dtype=torch.bool)
+    for sampling in SAMPLINGS:
+        for seed in range(3):
+            unmasked = list(Generation(model, PROMPT, 12, sampling, seed, None, everything))
+            assert max(unmasked) >= VOCAB  # what a padded id did before: the case is exercised
+            drawn = list(Generation(model, PROMPT, 12, sampling, seed, None, decodable))
+            assert max(drawn) < VOCAB, (sampling, seed, drawn)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--seed", "0"], ["--seed", "1"], ["--seed", "2"], ["--temperature", "0"]]
+    + [["--top-k", "40", "--seed", "3"], ["--top-p", "0.95", "--seed", "4"]],
+)
+def test_generate_from_a_padded_vocabulary_prints_only_bytes(padded, options):
+    # An id past 256 crashed the byte decoder (the end-of-text id 256 ends the generation).
+    args = ["--checkpoint", str(padded), "--prompt", "hello", "--max-new-tokens", "40"]
+    result = invoke_cli("generate", *args, *options)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("hello") and "Traceback" not in result.stderr
 
 
 def test_generation_stops_at_max_seq_len_and_at_the_end_of_text(checkpoints):
