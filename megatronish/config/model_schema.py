@@ -91,11 +91,11 @@ class ModelConfig:
     """A family's preset. gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings.
     Every other family has RoPE, RMSNorm, SwiGLU, grouped-query attention and an untied output
     layer, and its preset fills the defaults of the component keys a config leaves unset (a key
-    set in the file or by --set wins): llama and mistral none; qwen2 qkv_bias, norm_eps 1e-6,
-    rope_theta 1e6; qwen3 qk_norm, norm_eps 1e-6, rope_theta 1e6; qwen3_moe those of qwen3 and
-    model.moe.aux_loss_coef 0.001, z_loss_coef 0 (a softmax_topk router); deepseek_v3
-    (DeepSeek-V3's config.json) attention mla with its model.mla sizes (not filled where
-    model.attention is set to mha), norm_eps 1e-6, YaRN rope_scaling (factor 40 over 4096
+    set in the file, to null too, or by --set wins): llama and mistral none; qwen2 qkv_bias,
+    norm_eps 1e-6, rope_theta 1e6; qwen3 qk_norm, norm_eps 1e-6, rope_theta 1e6; qwen3_moe those
+    of qwen3 and model.moe.aux_loss_coef 0.001, z_loss_coef 0 (a softmax_topk router);
+    deepseek_v3 (DeepSeek-V3's config.json) attention mla with its model.mla sizes (not filled
+    where model.attention is set to mha), norm_eps 1e-6, YaRN rope_scaling (factor 40 over 4096
     positions, mscale and mscale_all_dim 1) and the sigmoid router's model.moe keys (n_group 8,
     topk_group 4, routed_scaling_factor 2.5, seq_aux_loss_coef 0.001, n_shared_experts 1,
     first_k_dense 3, aux_loss_coef and z_loss_coef 0; bias_update_speed 0.001, the paper's, as

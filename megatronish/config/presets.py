@@ -70,11 +70,12 @@ def with_preset(model: Any, arch: str, attention: str | None = None) -> Any:
 
 
 def _fill(section: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """section with `defaults` in the keys it leaves out, section by section. A key it sets is
+    its own, an explicit null too (model.rope_scaling: null is no scaling, as --set gives it;
+    model.moe: null and model.mla: null are the schema's empty sections, not the preset's)."""
     for key, value in defaults.items():
-        if not isinstance(value, dict):
-            section.setdefault(key, value)
-        elif section.get(key) is None:
-            section[key] = dict(value)
-        elif isinstance(section[key], dict):
+        if key not in section:
+            section[key] = dict(value) if isinstance(value, dict) else value
+        elif isinstance(value, dict) and isinstance(section[key], dict):
             section[key] = _fill(dict(section[key]), value)
     return section

@@ -74,6 +74,12 @@ class Family:
     left is unexpected), KeyError naming one missing."""
     buffers: tuple[str, ...] = ()
     """Endings of tensor names a state dict may hold that are no weights (dropped on import)."""
+    embeddings: tuple[str, ...] = ("model.embed_tokens.weight",)
+    """The names the input embedding may have: config.json's tie_word_embeddings ties the
+    output layer to it."""
+    training_only: tuple[tuple[str, float], ...] = ()
+    """config.json keys (with the class's default) that transformers applies in training alone,
+    dropout and router noise: no weight depends on them, and import notes a non-zero one."""
 
     @property
     def architecture(self) -> str:

@@ -136,4 +136,6 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     buffers=(".attn.bias", ".attn.masked_bias"),
+    embeddings=("transformer.wte.weight", "wte.weight"),
+    training_only=tuple((key, 0.1) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")),
 )

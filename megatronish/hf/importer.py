@@ -6,9 +6,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from megatronish.checkpoint.load import inference_config, restore_model
@@ -16,16 +19,20 @@ from megatronish.checkpoint.reader import FullTensors
 from megatronish.checkpoint.save import save_checkpoint
 from megatronish.config import Config, Derived, check_values, derive, load_config
 from megatronish.errors import UserError
-from megatronish.hf.family import HEAD
+from megatronish.hf.family import HEAD, ConfigJson, Family, Tensors
 from megatronish.hf.files import read_config_json, read_tensors
 from megatronish.hf.registry import family_of_config_json
 from megatronish.hf.tokenizer import read_tokenizer
 from megatronish.paths import require_new_output_dir
 
 
-def read_hf(hf_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], FullTensors]:
+def read_hf(
+    hf_dir: str | os.PathLike[str], notes: list[str] | None = None
+) -> tuple[dict[str, Any], FullTensors]:
     """(our model.* settings, our full unpadded tensors) of a Hugging Face directory; a
-    UserError for a family, setting or tensor we cannot run."""
+    UserError for a family, setting or tensor we cannot run. `notes`, when given, gets a "note:"
+    line for each thing the import does that config.json alone does not say (an untied head)
+    or leaves out (training-time noise)."""
     hf_dir = Path(hf_dir).expanduser()
     if not hf_dir.is_dir():
         raise UserError(f"{hf_dir}: not a Hugging Face model directory")
@@ -33,6 +40,9 @@ def read_hf(hf_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], FullTensors
     family = family_of_config_json(config)
     fields = family.model_fields(config)
     hf = {k: v for k, v in read_tensors(hf_dir).items() if not k.endswith(family.buffers)}
+    found = [_untied_head(family, config, fields, hf), _training_only(family, config)]
+    if notes is not None:
+        notes.extend(note for note in found if note)
     try:
         ours = family.from_hf(hf, fields)
         head = hf.pop(HEAD, None)
@@ -49,6 +59,50 @@ def read_hf(hf_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], FullTensors
             f"{hf_dir}: unexpected tensors {sorted(hf)[:5]}; not a plain {fields['arch']}"
         )
     return fields, FullTensors(ours, hf_dir)
+
+
+def _untied_head(
+    family: Family, config: ConfigJson, fields: dict[str, Any], hf: Tensors
+) -> str | None:
+    """Unties `fields` where config.json ties the embeddings but the weights hold an lm_head
+    that differs from the embedding: transformers then loads both (it ties only equal ones, and
+    warns). The note that says so, or None."""
+    head = hf.get(HEAD)
+    embedding = next((name for name in family.embeddings if name in hf), None)
+    if not fields["tie_embeddings"] or head is None or embedding is None:
+        return None
+    if torch.equal(head, hf[embedding]):
+        return None
+    fields["tie_embeddings"] = False
+    return (
+        f"note: {config.path}: tie_word_embeddings is true but {HEAD} differs from {embedding}; "
+        "imported untied (model.tie_embeddings false), as transformers loads it"
+    )
+
+
+def _training_only(family: Family, config: ConfigJson) -> str | None:
+    """The note naming config.json's non-zero training-time settings (dropout, router noise),
+    which no weight depends on and megatronish does not take; None where there are none."""
+    found = [
+        (key, config.get(key, default))
+        for key, default in family.training_only
+        if config.get(key, default)
+    ]
+    if not found:
+        return None
+    listed = ", ".join(f"{key} {value}" for key, value in found)
+    verb = "is" if len(found) == 1 else "are"
+    dropout = "; dropout is model.dropout" if any("drop" in key for key, _ in found) else ""
+    return (
+        f"note: {config.path}: {listed} {verb} training-time noise that megatronish does not "
+        f"apply (the weights are the model's{dropout})"
+    )
+
+
+def _print_notes(notes: list[str]) -> None:
+    """Each note, on stderr."""
+    for note in notes:
+        print(note, file=sys.stderr, flush=True)
 
 
 NOT_IN_THE_WEIGHTS = (
@@ -91,6 +145,8 @@ def model_settings(cfg: Config, derived: Derived) -> dict[str, Any]:
     )
     moe = dataclasses.replace(settings.pop("moe"), d_ff=derived.moe_d_ff)
     settings.update({f"moe.{f.name}": getattr(moe, f.name) for f in dataclasses.fields(moe)})
+    mla = settings.pop("mla")
+    settings.update({f"mla.{f.name}": getattr(mla, f.name) for f in dataclasses.fields(mla)})
     dropped = set(NOT_IN_THE_WEIGHTS) | ({"max_seq_len"} if not model.gpt2_block else set())
     if not derived.moe_layers:
         dropped |= {key for key in settings if key.startswith("moe.")} - {"moe.num_experts"}
@@ -113,25 +169,42 @@ def _shown(value: Any) -> str:
 
 
 def check_hf_matches(fields: dict[str, Any], cfg: Config, derived: Derived, where: Path) -> None:
-    """UserError naming the first setting of the Hugging Face model (`fields`, its config.json's
-    model.* settings) that cfg's model does not share, and the --set that gives it. Settings
-    either model's weights do not depend on are not compared (a dense d_ff beside experts in
-    every block); those that decide it are (moe.num_experts, moe.every)."""
+    """One-line UserError naming every setting of the Hugging Face model (`fields`, its
+    config.json's model.* settings) that cfg's model does not share, and the --set options
+    (quoted for a shell) that give them all. Settings either model's weights do not depend on
+    are not compared (a dense d_ff beside experts in every block); those that decide it are
+    (moe.num_experts, moe.every)."""
     theirs = model_settings(*one_process(with_fields(cfg, fields)))
     ours = model_settings(cfg, derived)
-    for key, value in theirs.items():
-        if key.split(".")[0] in fields and key in ours and ours[key] != value:
-            raise UserError(
-                f"{where / 'config.json'}: the model has {key} {_shown(value)}, this config "
-                f"{_shown(ours[key])}; set --set model.{key}={_shown(value)}"
-            )
+    differ = [
+        key
+        for key, value in theirs.items()
+        if key.split(".")[0] in fields and key in ours and ours[key] != value
+    ]
+    if not differ:
+        return
+    listed = ", ".join(
+        f"{key} {_shown(ours[key])} (model has {_shown(theirs[key])})" for key in differ
+    )
+    sets = " ".join("--set " + shlex.quote(f"model.{key}={_shown(theirs[key])}") for key in differ)
+    keys = f"{len(differ)} key" + ("s" if len(differ) > 1 else "")
+    raise UserError(
+        f"{where / 'config.json'}: this config differs from the Hugging Face model in {keys}: "
+        f"{listed}; to match: {sets}"
+    )
 
 
-def init_from_hf(hf_dir: str, model, cfg: Config, derived: Derived) -> None:
-    """Copies a Hugging Face directory's weights into a (tp-sharded) model of the same shape."""
-    fields, source = read_hf(hf_dir)
+def init_from_hf(
+    hf_dir: str, model, cfg: Config, derived: Derived, main_process: bool = True
+) -> None:
+    """Copies a Hugging Face directory's weights into a (tp-sharded) model of the same shape;
+    the main process prints read_hf's notes."""
+    notes: list[str] = []
+    fields, source = read_hf(hf_dir, notes)
     check_hf_matches(fields, cfg, derived, Path(hf_dir))
     restore_model(source, model)
+    if main_process:
+        _print_notes(notes)
 
 
 def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tuple[Path, bool]:
@@ -142,7 +215,8 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
     from megatronish.model import GPT
 
     hf_path, out = Path(hf_dir).expanduser(), require_new_output_dir(output, "--output")
-    fields, source = read_hf(hf_path)
+    notes: list[str] = []
+    fields, source = read_hf(hf_path, notes)
     cfg = with_fields(load_config(None, overrides), fields)
     cfg.train.seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
     check_values(cfg)
@@ -153,4 +227,5 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
     step_dir = save_checkpoint(
         out, 0, cfg=cfg, derived=derived, ps=model.ps, model=model, tokenizer=tokenizer
     )
+    _print_notes(notes)
     return step_dir, tokenizer is not None

@@ -44,6 +44,7 @@ PLAIN = {"qkv_bias": False, "qk_norm": False}  # Llama's attention: neither comp
 # A window in every block (Mistral, Mixtral): no blocks of full attention before it.
 EVERY_BLOCK_SLIDES = {"full_attention_layers": False}
 MlpNames = Callable[[int], Names]  # a block's index -> its MLP's (our name, theirs)
+TRAINING_ONLY = (("attention_dropout", 0.0),)  # every Llama-block class's
 
 
 @dataclass(frozen=True)
@@ -252,4 +253,5 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     buffers=("rotary_emb.inv_freq",),
+    training_only=TRAINING_ONLY,
 )

@@ -54,4 +54,5 @@ FAMILY = Family(
     to_hf=llama.to_hf,
     from_hf=llama.from_hf,
     buffers=llama.FAMILY.buffers,
+    training_only=llama.TRAINING_ONLY,
 )

@@ -129,4 +129,5 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     buffers=llama.FAMILY.buffers,
+    training_only=llama.TRAINING_ONLY,
 )

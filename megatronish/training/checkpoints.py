@@ -57,7 +57,7 @@ def start(
             from megatronish.hf.importer import init_from_hf
 
             with optimizer.whole_params(write_back=True):
-                init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, setup.derived)
+                init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, setup.derived, ps.is_main)
             if ps.is_main:
                 print(f"initialized from {cfg.checkpoint.init_from_hf}", flush=True)
         return None

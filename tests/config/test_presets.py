@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatronish.config import derive, load_config
-from megatronish.config.presets import PRESETS
+from megatronish.config import MoEConfig, derive, load_config
+from megatronish.config.presets import PRESETS, with_preset
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
 from megatronish.model import GPT
@@ -79,3 +79,31 @@ def test_a_family_is_the_llama_block_with_its_presets_components(arch):
     }
     tokens = torch.randint(0, 64, (2, 16))
     torch.testing.assert_close(models[0](tokens), models[1](tokens), rtol=0, atol=0)
+
+
+MAPPINGS = [
+    (arch, key)
+    for arch, preset in sorted(PRESETS.items())
+    for key, value in preset.items()
+    if isinstance(value, dict)
+]
+
+
+@pytest.mark.parametrize(("arch", "key"), MAPPINGS)
+def test_a_key_the_file_sets_to_null_keeps_null_for_every_mapping_a_preset_fills(arch, key):
+    assert with_preset({"arch": arch, key: None}, arch)[key] is None
+    assert with_preset({"arch": arch, key: {}}, arch)[key] == PRESETS[arch][key]
+
+
+def test_deepseek_v3_with_rope_scaling_null_in_the_file_has_no_rope_scaling(tmp_path):
+    """As `--set model.rope_scaling=null` gives (a Moonlight-style model, imported); a section
+    that cannot be null (model.moe) is the schema's, as with no preset."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  arch: deepseek_v3\n  rope_scaling: null\n  moe: null\n")
+    cfg = load_config(path)
+    assert cfg.model.rope_scaling is None and cfg.model.moe == MoEConfig()
+    by_set = load_config(None, ["model.arch=deepseek_v3", "model.rope_scaling=null"])
+    assert by_set.model.rope_scaling is None
+    path.write_text("model:\n  arch: deepseek_v3\n  mla: null\n")
+    with pytest.raises(UserError, match="^model.mla.kv_lora_rank: missing"):
+        load_config(path)

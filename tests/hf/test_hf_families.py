@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 
 from megatronish import load_model
@@ -162,6 +164,12 @@ def _random_model(name: str) -> torch.nn.Module:
     """The family's tiny model with every weight random (biases and norm weights init to 0 and
     1, and the router to 0: each must show in the logits), DeepSeek's routing bias too."""
     cls, keys, _ = FAMILIES[name]
+    return random_model(cls, keys)
+
+
+def random_model(cls: str, keys: dict) -> torch.nn.Module:
+    """transformers' model of class `cls` and config keys `keys` (fp32, eager attention), every
+    weight random as _random_model makes them."""
     family = cls.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
     config_class = getattr(transformers, family + "Config")
     torch.manual_seed(0)
@@ -387,43 +395,46 @@ def test_import_reads_experts_in_transformers_fused_layout(name, built, tmp_path
         (
             "qwen3",
             dict(qk_norm=False),
-            "the model has qk_norm true, this config false; set --set model.qk_norm=true",
+            "in 1 key: qk_norm false (model has true); to match: --set model.qk_norm=true",
         ),
-        ("qwen3", dict(head_dim=16), "the model has head_dim 12, this config 16"),
-        ("qwen2", dict(qkv_bias=False), "the model has qkv_bias true"),
-        ("qwen2", dict(tie_embeddings=False), "the model has tie_embeddings true"),
-        ("qwen3_moe", dict(arch="qwen3"), "the model has arch qwen3_moe, this config qwen3"),
-        ("qwen3_moe", dict(moe_every=1), "the model has moe.every 2, this config 1"),
-        ("qwen3_moe", dict(moe_d_ff=24), "the model has moe.d_ff 20, this config 24"),
-        ("mixtral", dict(moe_top_k=1), "the model has moe.top_k 2, this config 1"),
-        ("llama", dict(rope_theta=1e4), "the model has rope_theta 500000.0, this config 10000.0"),
-        (  # the --set it names is one --set takes
+        ("qwen3", dict(head_dim=16), "head_dim 16 (model has 12)"),
+        ("qwen2", dict(qkv_bias=False), "qkv_bias false (model has true)"),
+        ("qwen2", dict(tie_embeddings=False), "tie_embeddings false (model has true)"),
+        ("qwen3_moe", dict(arch="qwen3"), "arch qwen3 (model has qwen3_moe)"),
+        ("qwen3_moe", dict(moe_every=1), "moe.every 1 (model has 2)"),
+        ("qwen3_moe", dict(moe_d_ff=24), "moe.d_ff 24 (model has 20)"),
+        ("mixtral", dict(moe_top_k=1), "moe.top_k 1 (model has 2)"),
+        ("llama", dict(rope_theta=1e4), "rope_theta 10000.0 (model has 500000.0)"),
+        (  # the --set it names is one --set takes, quoted for a shell
             "llama",
             dict(rope_scaling=None),
-            "this config null; set --set model.rope_scaling={type: llama3, factor: 4.0,",
+            "rope_scaling null (model has {type: llama3, factor: 4.0,",
         ),
-        ("mistral", dict(sliding_window=None), "the model has sliding_window 5, this config null"),
-        ("qwen2", dict(full_attention_layers=2), "the model has full_attention_layers 1"),
+        ("mistral", dict(sliding_window=None), "sliding_window null (model has 5)"),
+        ("qwen2", dict(full_attention_layers=2), "full_attention_layers 2 (model has 1)"),
+        ("deepseek_v3", dict(mla_kv_lora_rank=8), "mla.kv_lora_rank 8 (model has 16)"),
     ],
 )
 def test_training_from_an_hf_directory_names_any_setting_its_weights_depend_on(
-    name, change, expected, built
+    name, change, expected, built, tmp_path
 ):
     fields, _ = read_hf(built[name].hf)
     cfg = Checkpoint(built[name].ours).config
     check_hf_matches(fields, cfg, derive(cfg, 1), built[name].hf)  # the import's own: fits
     for key, value in change.items():
-        setattr(
-            cfg.model.moe if key.startswith("moe_") else cfg.model, key.removeprefix("moe_"), value
-        )
+        section, _, field = key.partition("_") if key[:4] in ("moe_", "mla_") else ("", "", key)
+        setattr(getattr(cfg.model, section) if section else cfg.model, field, value)
     with pytest.raises(
         UserError, match="^" + re.escape(str(built[name].hf / "config.json"))
     ) as error:
         check_hf_matches(fields, cfg, derive(cfg, 1), built[name].hf)
     assert expected in str(error.value)
-    hint = str(error.value).partition("set --set ")[2]
-    if hint.startswith("model.rope_scaling="):  # a section's value: one --set takes it
-        assert load_config(None, [hint, "model.arch=llama", "model.vocab_size=101"])
+    sets = shlex.split(str(error.value).partition("; to match: ")[2])  # as a shell reads them
+    assert sets[::2] == ["--set"] * (len(sets) // 2)
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(cfg.to_dict()))
+    fixed = load_config(changed, sets[1::2])
+    check_hf_matches(fields, fixed, derive(fixed, 1), built[name].hf)
 
 
 def _with_mtp_layer(hf_dir: Path, to: Path, head_copy=None) -> dict[str, torch.Tensor]:
