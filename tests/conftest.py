@@ -1,5 +1,6 @@
 """Shared test set-up: one built-in-corpus cache per test session, the datasets several test
-modules train on (prepared once per session), and CLI helpers."""
+modules train on (prepared once per session), a disk too small for a command's output, and CLI
+helpers."""
 
 from __future__ import annotations
 
@@ -100,6 +101,16 @@ def small_dataset(tmp_path_factory) -> Path:
     from tests.checkpoints import prepare_small_dataset
 
     return prepare_small_dataset(tmp_path_factory.mktemp("data") / "small")
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A disk too small for a command's output (tests/disk.py): a 64 kB tmpfs where this process
+    may mount one, else a file-size limit of 64 kB on the command's process."""
+    from tests.disk import small_disk
+
+    with small_disk(tmp_path / "small-disk") as disk:
+        yield disk
 
 
 @pytest.fixture

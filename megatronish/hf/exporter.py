@@ -1,18 +1,18 @@
 """Checkpoint -> a Hugging Face directory that transformers' from_pretrained loads with no custom
-code, as its family's own class (fp32, the real vocab), written whole or not at all."""
+code, as its family's own class (fp32, the real vocab), written whole or not at all: a write the
+system refuses (a full disk) is one line, with nothing left behind."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 from megatronish.checkpoint.load import inference_config
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import derive
-from megatronish.files import follow_umask
+from megatronish.files import nothing_left_on_failure, write_file
 from megatronish.hf.family import HEAD
-from megatronish.hf.files import CONFIG_JSON, WEIGHTS
+from megatronish.hf.files import CONFIG_JSON, WEIGHTS, json_bytes
 from megatronish.hf.registry import family_of_model
 from megatronish.hf.tokenizer import write_tokenizer
 from megatronish.paths import require_new_output_dir
@@ -20,7 +20,7 @@ from megatronish.paths import require_new_output_dir
 
 def export_hf(checkpoint: str, output: str) -> list[str]:
     """Writes checkpoint `checkpoint` as a Hugging Face directory; returns lines to print."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save as serialize
 
     out = require_new_output_dir(output, "--output")
     ckpt = Checkpoint(checkpoint)
@@ -42,16 +42,14 @@ def export_hf(checkpoint: str, output: str) -> list[str]:
         config["bos_token_id"] = config["eos_token_id"] = eot_id
     config["torch_dtype"] = "float32"
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    follow_umask(tmp / WEIGHTS)  # safetensors writes 0600: the export is to share
     count = sum(t.numel() for t in tensors.values())
     lines = [f"wrote {family.architecture} ({count:,} parameters, vocab {derived.vocab_size})"]
-    lines.append(write_tokenizer(ckpt, tmp, config, cfg.model.max_seq_len))
-    (tmp / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    os.rename(tmp, out)
+    with nothing_left_on_failure(out, tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_file(tmp / WEIGHTS, serialize(tensors, metadata={"format": "pt"}))
+        lines.append(write_tokenizer(ckpt, tmp, config, cfg.model.max_seq_len))
+        write_file(tmp / CONFIG_JSON, json_bytes(config))
+        os.rename(tmp, out)  # replaces an empty `out` (rename(2))
     lines[0] += f" to {out}"
     return lines
