@@ -1,6 +1,6 @@
-"""`megatronish prepare` and dataset errors as a user meets them: exit status 2, exactly one line
-on stderr naming the file, no traceback, nothing left at the output path. The first prepare runs
-in a real process; the error cases run in this one (invoke_cli), for speed."""
+"""`megatronish prepare` and dataset errors as a user meets them: exit status 2 (1 for a full disk),
+exactly one line on stderr naming the file, no traceback, nothing left at the output path. The
+first prepare runs in a real process; the error cases run in this one (invoke_cli), for speed."""
 
 from __future__ import annotations
 
@@ -193,10 +193,9 @@ def assert_full_disk_line(result: subprocess.CompletedProcess, named: Path) -> N
     "source, output, extra, named",
     [
         ("text", "data", (), "data"),
-        ("text", "made/for/it", (), "made/for/it"),  # the directories it made go too
-        ("text", "prefix", ("--output-format", "megatron"), "prefix.bin"),
+        ("text", "made/for/it", ("--output-format", "megatron"), "made/for/it.bin"),
         ("dataset", "prefix", ("--output-format", "megatron"), "prefix.bin"),
-        ("prefix", "data", ("--vocab-size", "257", "--eod-id", "256"), "data"),
+        ("prefix", "made/for/it", ("--vocab-size", "257", "--eod-id", "256"), "made/for/it"),
     ],
 )
 def test_prepare_on_a_full_disk_exits_1_in_one_line_and_leaves_nothing(
@@ -204,7 +203,7 @@ def test_prepare_on_a_full_disk_exits_1_in_one_line_and_leaves_nothing(
 ):
     args = ("--input", str(big_inputs[source]), *extra, "--output", str(full_disk.root / output))
     assert_full_disk_line(full_disk.run("prepare", *args), full_disk.root / named)
-    assert full_disk.leftovers() == []
+    assert full_disk.leftovers() == []  # made/for/ too: the directories it made for its output
 
 
 @pytest.fixture
