@@ -156,8 +156,8 @@ def nothing_left_on_failure(out: Path, staging: Path | None = None) -> Iterator[
     `staging`, a temporary sibling renamed into place at the end): when the body raises,
     removes staging and what the body made of out's path (out and the missing directories above
     it; an `out` that existed before is kept, with what it held), then raises an OSError as
-    write_failure's one line naming `out` (a RunFailure: the free space counted once the partial
-    output is gone)."""
+    write_failure's one line, naming the file the error names or else `out` (a RunFailure; the
+    space free is counted once the partial output is gone)."""
     made: Path | None = None
     target = Path(out).absolute()
     if not (target.exists() or target.is_symlink()):
