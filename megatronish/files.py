@@ -1,6 +1,7 @@
 """Writing files: atomically (a reader sees the old file or the new one, never a part), with
 modes as readable as any file the user makes, and a write the system refuses (a full disk or
-quota, the file-size limit, a directory that is not writable) reported in one line.
+quota, the file-size limit, a directory that is not writable) reported in one line, with
+nothing of a command's half-written output left behind.
 
 Plain `open()` and `mkdir()` take their mode from the user's umask (0644 and 0755 under the
 usual 022). Some writers create a private file or directory instead (safetensors writes 0600
@@ -130,3 +131,45 @@ def write_failures(path: Path, needed: int | None = None) -> Iterator[None]:
         yield
     except OSError as exc:
         raise RunFailure(write_failure(exc, path, needed)) from exc
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` and flushes it to disk; a write the system refuses is a
+    RunFailure naming the file and the bytes needed (write_failures)."""
+    with write_failures(path, len(data)), open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def nothing_left_on_failure(out: Path, staging: Path | None = None) -> Iterator[None]:
+    """For a command that writes the new file or directory `out` whole or not at all (through
+    `staging`, a temporary sibling renamed into place at the end): when the body raises,
+    removes staging and what the body made of out's path (out and the missing directories above
+    it; an `out` that existed before is kept, with what it held), then raises an OSError as
+    write_failure's one line, naming the file the error names or else `out` (a RunFailure; the
+    space free is counted once the partial output is gone)."""
+    made: Path | None = None
+    target = Path(out).absolute()
+    if not (target.exists() or target.is_symlink()):
+        made = target
+        while not made.parent.exists():
+            made = made.parent
+    try:
+        yield
+    except BaseException as exc:
+        for path in (staging, made):
+            if path is not None:
+                _remove(path)
+        if isinstance(exc, OSError):
+            raise RunFailure(write_failure(exc, out)) from exc
+        raise

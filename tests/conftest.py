@@ -1,6 +1,7 @@
 """Shared test set-up: a working directory and a built-in-corpus cache of the session's own (the
 checkout's runs/, data/ and the user's cache are never read or written), the datasets several
-test modules train on (prepared once per session), and CLI helpers."""
+test modules train on (prepared once per session), a disk too small for a command's output, and
+CLI helpers."""
 
 from __future__ import annotations
 
@@ -157,6 +158,16 @@ def small_dataset(tmp_path_factory) -> Path:
     from tests.checkpoints import prepare_small_dataset
 
     return prepare_small_dataset(tmp_path_factory.mktemp("data") / "small")
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A disk too small for a command's output (tests/disk.py): a 64 kB tmpfs where this process
+    may mount one, else a file-size limit of 64 kB on the command's process."""
+    from tests.disk import small_disk
+
+    with small_disk(tmp_path / "small-disk") as disk:
+        yield disk
 
 
 @pytest.fixture

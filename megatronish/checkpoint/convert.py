@@ -5,7 +5,6 @@ re-padded for the new tp, RNG states mapped as a resume at the new layout would 
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import base_metadata, finalize, tokenizer_of_checkpoint
 from megatronish.config import derive
 from megatronish.errors import UserError
+from megatronish.files import nothing_left_on_failure
 from megatronish.paths import require_new_output_dir
 
 
@@ -46,11 +46,10 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
     }
     has_optimizer = ckpt.meta.get("optimizer") is not None
     tmp = out / f"{step_dir_name(ckpt.step)}.tmp-{os.getpid()}"
-    created = not out.exists()
-    tmp.mkdir(parents=True)
     checksums: dict[str, str] = {}
-    ckpt.check_in_background()  # every file, while the new shards are written
-    try:
+    with nothing_left_on_failure(out, tmp):
+        tmp.mkdir(parents=True)
+        ckpt.check_in_background()  # every file, while the new shards are written
         for tp_rank in range(tp):
             checksums.update(_write_rank(ckpt, specs, tp, tp_rank, tmp, has_optimizer))
         ckpt.verify()
@@ -68,9 +67,6 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
             tokenizer,
         )
         return finalize(out, tmp, meta, cfg, tokenizer, keep=0, checksums=checksums)
-    except BaseException:
-        shutil.rmtree(out if created else tmp, ignore_errors=True)
-        raise
 
 
 def _write_rank(

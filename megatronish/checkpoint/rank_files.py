@@ -5,7 +5,6 @@ written, flushed to disk and checksummed."""
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import torch
@@ -14,19 +13,16 @@ from safetensors.torch import save as serialize
 from megatronish.checkpoint.format import FORMAT, model_file, optim_file, rng_file, saved_tensors
 from megatronish.checkpoint.integrity import checksum_text
 from megatronish.distributed.layout import ParallelState
-from megatronish.files import write_failures
+from megatronish.files import write_file
 from megatronish.layers.roles import role
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     """One shard file, flushed to disk; returns the CRC-32C of the bytes written. A write the
-    system refuses is a RunFailure naming the file (files.write_failures)."""
+    system refuses is a RunFailure naming the file (files.write_file)."""
     cpu = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
     data = serialize(cpu, metadata={"format": "pt", "writer": FORMAT})
-    with write_failures(path, len(data)), open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_file(path, data)
     return checksum_text(data)
 
 

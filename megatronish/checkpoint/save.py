@@ -55,7 +55,7 @@ from megatronish.data.tokenizer import tokenizer_id
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import ReportedError, RunFailure
-from megatronish.files import fsync_path, write_failures, write_text_atomic
+from megatronish.files import fsync_path, write_failures, write_file, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -165,11 +165,7 @@ def finalize(
         (CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False)),
         (METADATA_FILE, metadata_json(meta)),
     ):
-        data = text.encode("utf-8")
-        with write_failures(tmp / name, len(data)), open(tmp / name, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_file(tmp / name, text.encode("utf-8"))
     final = directory / step_dir_name(meta["step"])
     aside = None
     with write_failures(tmp):

@@ -82,7 +82,9 @@ def convert(checkpoint_path, tp, output):
 @click.option("--output", required=True, help="Directory to write.")
 @user_errors
 def export(checkpoint_path, fmt, output):
-    """A Hugging Face directory (config.json + model.safetensors) that transformers loads."""
+    """A Hugging Face directory (config.json + model.safetensors) that transformers loads as the
+    model's family: GPT-2, Llama 2/3.x, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE or
+    DeepSeek-V3."""
     from megatronish.hf.exporter import export_hf
 
     for line in export_hf(checkpoint_path, output):
@@ -94,13 +96,15 @@ def export(checkpoint_path, fmt, output):
     "--hf",
     "hf_dir",
     required=True,
-    help="Hugging Face directory (GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE).",
+    help="Hugging Face directory (GPT-2, Llama 2/3.x, Mistral, Mixtral, Qwen2/2.5, Qwen3, "
+    "Qwen3-MoE, DeepSeek-V3).",
 )
 @click.option("--output", required=True, help="Checkpoint directory to write.")
 @set_option
 @user_errors
 def import_command(hf_dir, output, overrides):
-    """A checkpoint (step 0, weights only) of a Hugging Face model directory."""
+    """A checkpoint (step 0, weights only) of a Hugging Face model directory. Its config.json
+    decides the model: --set takes the other keys (data.path, train.*), no model.* key."""
     from megatronish.hf.importer import import_hf
 
     step_dir, has_tokenizer = import_hf(hf_dir, output, overrides)

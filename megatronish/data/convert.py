@@ -40,7 +40,7 @@ from megatronish.data.indexed import (
 from megatronish.data.prepare import prepare_dataset, write_documents
 from megatronish.data.sources import TokenSource, open_prepared
 from megatronish.errors import UserError
-from megatronish.files import follow_umask
+from megatronish.files import follow_umask, nothing_left_on_failure
 
 OUTPUT_FORMATS = ("megatronish", "megatron")
 _CHUNK = 1 << 22  # tokens copied at a time
@@ -56,7 +56,8 @@ def prepare_any(
 ) -> Path:
     """`prepare` for every input and output format; returns the output (directory or prefix).
     options are prepare_dataset's (tokenizer, glob_pattern, jsonl_field, val_fraction, seed,
-    sft)."""
+    sft). A write the system refuses (a full disk) is a RunFailure naming the output (the
+    directory, or PREFIX.bin), with nothing left behind."""
     if output_format not in OUTPUT_FORMATS:
         raise UserError(f"--output-format {output_format}: must be one of megatronish, megatron")
     source = _dataset_input(inputs, vocab_size, eod_id)
@@ -70,13 +71,17 @@ def prepare_any(
             "--output-format megatron: a Megatron indexed dataset cannot hold an SFT loss mask; "
             "write a dataset directory (--output-format megatronish)"
         )
-    if output_format == "megatron":
-        return _write_prefix(inputs, Path(output).expanduser(), source, vocab_size, options)
-    if source is None:
-        return prepare_dataset(inputs, output, vocab_size=vocab_size, **options)
-    if source.kind != "megatron":
-        raise UserError(f"--input {source.path}: already a dataset directory; nothing to convert")
-    return _write_directory(source, Path(output).expanduser(), options)
+    out = Path(output).expanduser()
+    with nothing_left_on_failure(bin_path(out) if output_format == "megatron" else out):
+        if output_format == "megatron":
+            return _write_prefix(inputs, out, source, vocab_size, options)
+        if source is None:
+            return prepare_dataset(inputs, output, vocab_size=vocab_size, **options)
+        if source.kind != "megatron":
+            raise UserError(
+                f"--input {source.path}: already a dataset directory; nothing to convert"
+            )
+        return _write_directory(source, out, options)
 
 
 def _dataset_input(

@@ -81,7 +81,9 @@ def prepare_dataset(
     documents form the validation split: round(n_docs * val_fraction) of them (at least one
     when val_fraction > 0 and there are two or more), drawn by `seed`. sft: every input is SFT
     JSON Lines (sft.py), and the dataset gets a loss mask. UserError, with nothing left at
-    `output`, for a bad input, an existing non-empty output or a bad option."""
+    `output`, for a bad input, an existing non-empty output or a bad option; an OSError (a full
+    disk) once the temporary directory is removed (the directories made above `output` are
+    the caller's: prepare_any)."""
     out = Path(output).expanduser()
     _check_output_free(out)
     if not 0.0 <= val_fraction < 1.0:
@@ -94,21 +96,13 @@ def prepare_dataset(
     choice = resolve_tokenizer(tokenizer, vocab_size)
     kind = SFTCorpus if sft else Corpus
     corpus = kind.from_inputs(inputs, glob_pattern, jsonl_field) if inputs else Corpus.builtin()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as exc:
-        raise UserError(f"{out}: cannot create the output directory ({exc.strerror})") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     with _sigterm_as_interrupt():
         try:
             write_dataset(corpus, staging, choice, val_fraction, seed)
             _check_output_free(out)
-            if out.is_dir():
-                out.rmdir()  # empty: replaced by the finished dataset
-            os.rename(staging, out)
-        except OSError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise UserError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from None
+            os.rename(staging, out)  # replaces an empty `out` (rename(2))
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

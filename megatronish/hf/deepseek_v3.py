@@ -238,6 +238,7 @@ def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
 
 
 FAMILY = Family(
+    name="DeepSeek-V3",
     architectures=("DeepseekV3ForCausalLM",),
     model_type="deepseek_v3",
     arch="deepseek_v3",

@@ -1,18 +1,23 @@
 """Checkpoint -> a Hugging Face directory that transformers' from_pretrained loads with no custom
-code, as its family's own class (fp32, the real vocab), written whole or not at all."""
+code, as its family's own class (fp32, the real vocab), written whole or not at all: a write the
+system refuses (a full disk) is one line, with nothing left behind."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+from pathlib import Path
+
+import torch
 
 from megatronish.checkpoint.load import inference_config
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import derive
-from megatronish.files import follow_umask
+from megatronish.files import follow_umask, nothing_left_on_failure, write_failures, write_file
 from megatronish.hf.family import HEAD
-from megatronish.hf.files import CONFIG_JSON, WEIGHTS
+from megatronish.hf.files import CONFIG_JSON, WEIGHTS, json_bytes
 from megatronish.hf.registry import family_of_model
 from megatronish.hf.tokenizer import write_tokenizer
 from megatronish.paths import require_new_output_dir
@@ -20,8 +25,6 @@ from megatronish.paths import require_new_output_dir
 
 def export_hf(checkpoint: str, output: str) -> list[str]:
     """Writes checkpoint `checkpoint` as a Hugging Face directory; returns lines to print."""
-    from safetensors.torch import save_file
-
     out = require_new_output_dir(output, "--output")
     ckpt = Checkpoint(checkpoint)
     cfg = inference_config(ckpt.config, ckpt.vocab_size, 1)
@@ -42,16 +45,55 @@ def export_hf(checkpoint: str, output: str) -> list[str]:
         config["bos_token_id"] = config["eos_token_id"] = eot_id
     config["torch_dtype"] = "float32"
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    follow_umask(tmp / WEIGHTS)  # safetensors writes 0600: the export is to share
     count = sum(t.numel() for t in tensors.values())
     lines = [f"wrote {family.architecture} ({count:,} parameters, vocab {derived.vocab_size})"]
-    lines.append(write_tokenizer(ckpt, tmp, config, cfg.model.max_seq_len))
-    (tmp / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    os.rename(tmp, out)
+    with nothing_left_on_failure(out, tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _write_weights(tensors, tmp / WEIGHTS)
+        lines.append(write_tokenizer(ckpt, tmp, config, cfg.model.max_seq_len))
+        write_file(tmp / CONFIG_JSON, json_bytes(config))
+        os.rename(tmp, out)  # replaces an empty `out` (rename(2))
     lines[0] += f" to {out}"
     return lines
+
+
+def _write_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """tensors as one safetensors file (save_file writes them from their own memory: no second
+    copy of the model), as readable as the user's files. A write the system refuses, which
+    safetensors reports as its own error ending "(os error N)", is write_failures' one line
+    with the bytes needed."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    metadata = {"format": "pt"}
+    with write_failures(path, _safetensors_size(tensors, metadata)):
+        try:
+            save_file(tensors, str(path), metadata=metadata)
+        except SafetensorError as exc:
+            code = re.search(r"\(os error (\d+)\)", str(exc))
+            if code is None:
+                raise
+            raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from exc
+    follow_umask(path)
+
+
+def _safetensors_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """The bytes of the safetensors file of tensors: 8, the JSON header (each tensor's dtype,
+    shape and data offsets, the data laid out by element size, then name) padded to 8, the
+    data."""
+    from safetensors.torch import _TYPES  # the header's dtype names
+
+    names = {dtype: name for name, dtype in _TYPES.items()}
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0])):
+        end = offset + t.numel() * t.element_size()
+        header[name] = {
+            "dtype": names[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    length = len(json.dumps(header, separators=(",", ":")).encode())
+    return 8 + length + (-length) % 8 + offset

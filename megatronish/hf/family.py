@@ -51,6 +51,8 @@ class Family:
     parameter names mapped to ours. The output layer (lm_head.weight, untied models only) and
     the tokenizer are the shared machinery's: `to_hf` and `from_hf` map every other tensor."""
 
+    name: str
+    """The family as people name it (in import's and export's help and the manual)."""
     architectures: tuple[str, ...]
     """config.json `architectures` the family reads; export writes the first."""
     model_type: str

@@ -1,8 +1,10 @@
 """Reading a Hugging Face directory: its config.json and its safetensors weights (one
-model.safetensors, or the shards a model.safetensors.index.json names). Nothing is unpickled."""
+model.safetensors, or the shards a model.safetensors.index.json names). Nothing is unpickled.
+And the bytes of the JSON files export writes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -13,6 +15,11 @@ from megatronish.hf.family import ConfigJson
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def json_bytes(data: dict) -> bytes:
+    """A JSON file's bytes as transformers writes them: indented by 2, a final newline."""
+    return (json.dumps(data, indent=2) + "\n").encode("utf-8")
 
 
 def read_json(path: Path) -> dict:

@@ -127,6 +127,7 @@ def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
 
 
 FAMILY = Family(
+    name="GPT-2",
     architectures=("GPT2LMHeadModel",),
     model_type="gpt2",
     arch="gpt2",

@@ -19,8 +19,9 @@ from megatronish.checkpoint.reader import FullTensors
 from megatronish.checkpoint.save import save_checkpoint
 from megatronish.config import Config, Derived, check_values, derive, load_config
 from megatronish.errors import UserError
+from megatronish.files import nothing_left_on_failure
 from megatronish.hf.family import HEAD, ConfigJson, Family, Tensors
-from megatronish.hf.files import read_config_json, read_tensors
+from megatronish.hf.files import CONFIG_JSON, read_config_json, read_tensors
 from megatronish.hf.registry import family_of_config_json
 from megatronish.hf.tokenizer import read_tokenizer
 from megatronish.paths import require_new_output_dir
@@ -209,12 +210,14 @@ def init_from_hf(
 
 def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tuple[Path, bool]:
     """Writes the weights of a Hugging Face directory as checkpoint `output` (step 0, tp 1;
-    model.* from config.json, other keys from the defaults and overrides). Returns (step
-    directory, whether a tokenizer was found)."""
+    model.* from config.json, other keys from the defaults and overrides: a model.* override is
+    a UserError). Returns (step directory, whether a tokenizer was found). A write the system
+    refuses leaves no `output` behind (one that existed before is kept)."""
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
 
     hf_path, out = Path(hf_dir).expanduser(), require_new_output_dir(output, "--output")
+    _refuse_model_overrides(overrides, hf_path)
     notes: list[str] = []
     fields, source = read_hf(hf_path, notes)
     cfg = with_fields(load_config(None, overrides), fields)
@@ -224,8 +227,23 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
     model = GPT(cfg, derived, ParallelState.single())
     restore_model(source, model)
     tokenizer = read_tokenizer(hf_path)
-    step_dir = save_checkpoint(
-        out, 0, cfg=cfg, derived=derived, ps=model.ps, model=model, tokenizer=tokenizer
-    )
+    with nothing_left_on_failure(out):
+        step_dir = save_checkpoint(
+            out, 0, cfg=cfg, derived=derived, ps=model.ps, model=model, tokenizer=tokenizer
+        )
     _print_notes(notes)
     return step_dir, tokenizer is not None
+
+
+def _refuse_model_overrides(overrides: tuple[str, ...], hf_dir: Path) -> None:
+    """UserError for the first --set of a model.* key: config.json decides the model (with_fields
+    would replace the key without a word). The training-only keys, such as model.dropout, are
+    set by the run that trains from the checkpoint, in its own config."""
+    for assignment in overrides:
+        key = assignment.partition("=")[0].strip()
+        if key == "model" or key.startswith("model."):
+            raise UserError(
+                f"--set {assignment}: import takes the model from {hf_dir / CONFIG_JSON} (every "
+                "model.* key); drop it (a training run's settings, such as model.dropout, go in "
+                "its own config)"
+            )

@@ -244,6 +244,7 @@ def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
 
 
 FAMILY = Family(
+    name="Llama 2/3.x",
     architectures=("LlamaForCausalLM",),
     model_type="llama",
     arch="llama",

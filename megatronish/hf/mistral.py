@@ -29,6 +29,7 @@ def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
 
 
 FAMILY = Family(
+    name="Mistral",
     architectures=("MistralForCausalLM",),
     model_type="mistral",
     arch="mistral",

@@ -105,6 +105,7 @@ def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
 
 
 FAMILY = Family(
+    name="Mixtral",
     architectures=("MixtralForCausalLM",),
     model_type="mixtral",
     arch="llama",

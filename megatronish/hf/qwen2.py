@@ -66,6 +66,7 @@ def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
 
 
 FAMILY = Family(
+    name="Qwen2/2.5",
     architectures=("Qwen2ForCausalLM",),
     model_type="qwen2",
     arch="qwen2",

@@ -45,6 +45,7 @@ def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
 
 
 FAMILY = Family(
+    name="Qwen3",
     architectures=("Qwen3ForCausalLM",),
     model_type="qwen3",
     arch="qwen3",

@@ -120,6 +120,7 @@ def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
 
 
 FAMILY = Family(
+    name="Qwen3-MoE",
     architectures=("Qwen3MoeForCausalLM",),
     model_type="qwen3_moe",
     arch="qwen3_moe",

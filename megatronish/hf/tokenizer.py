@@ -4,15 +4,14 @@ model in config.json (transformers has no byte tokenizer class); import takes ei
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 from megatronish.checkpoint.format import TOKENIZER_FILE
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo
 from megatronish.errors import UserError
-from megatronish.hf.files import CONFIG_JSON, read_config_json
+from megatronish.files import write_file
+from megatronish.hf.files import CONFIG_JSON, json_bytes, read_config_json
 
 BYTE_TOKENIZER_KEY = "megatronish_tokenizer"  # config.json marker of the byte-level tokenizer
 
@@ -29,7 +28,7 @@ def write_tokenizer(ckpt: Checkpoint, out: Path, config: dict, max_seq_len: int)
         )
     if info is None or not (ckpt.dir / TOKENIZER_FILE).is_file():
         return "no tokenizer written: the checkpoint records none"
-    shutil.copyfile(ckpt.dir / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    write_file(out / TOKENIZER_FILE, (ckpt.dir / TOKENIZER_FILE).read_bytes())
     eot = ckpt.tokenizer().tokenizer.id_to_token(info["eot_id"])
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -37,7 +36,7 @@ def write_tokenizer(ckpt: Checkpoint, out: Path, config: dict, max_seq_len: int)
         "bos_token": eot,
         "eos_token": eot,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    write_file(out / "tokenizer_config.json", json_bytes(tokenizer_config))
     return f"tokenizer: {TOKENIZER_FILE} (end of text {eot!r})"
 
 

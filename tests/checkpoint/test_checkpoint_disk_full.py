@@ -17,7 +17,6 @@ import ctypes
 import errno
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -34,6 +33,7 @@ from megatronish.files import size_text, write_failures
 from megatronish.training.checkpoints import warn_if_short_of_space
 from tests.checkpoints import save_single, tiny_cfg
 from tests.conftest import REPO, invoke_cli
+from tests.disk import file_size_limit, mounted_tmpfs
 from tests.training.test_faults import (
     MEGATRONISH,
     TIMEOUT,
@@ -91,17 +91,6 @@ def saved_at_2(tmp_path_factory, small_dataset) -> Path:
 def copy_of(run_dir: Path, to: Path) -> Path:
     shutil.copytree(run_dir, to)
     return to
-
-
-def file_size_limit(limit: int):
-    """A preexec_fn: the child can write no file larger than `limit` bytes (SIGXFSZ ignored, so a
-    write past it fails with EFBIG instead of killing the process)."""
-
-    def limited() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return limited
 
 
 @pytest.mark.parametrize(
@@ -254,18 +243,10 @@ def small_filesystem(tmp_path, saved_at_2):
     size = sum(p.stat().st_size for p in (saved_at_2 / "checkpoints" / "step_000002").iterdir())
     mount = tmp_path / "small"
     mount.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(mount)]
-    try:
-        mounted = subprocess.run(command, capture_output=True).returncode == 0
-    except FileNotFoundError:
-        mounted = False
-    if not mounted:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with mounted_tmpfs(mount, size * 3 // 2) as mounted:
+        if not mounted:
+            pytest.skip("cannot mount a tmpfs here")
         yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_a_save_on_a_full_filesystem_stops_the_run_in_one_line_after_a_warning_at_start(

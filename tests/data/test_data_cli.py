@@ -1,12 +1,13 @@
-"""`megatronish prepare` and dataset errors as a user meets them: exit status 2, exactly one line
-on stderr naming the file, no traceback, nothing left at the output path. The first prepare runs
-in a real process; the error cases run in this one (invoke_cli), for speed."""
+"""`megatronish prepare` and dataset errors as a user meets them: exit status 2 (1 for a full disk),
+exactly one line on stderr naming the file, no traceback, nothing left at the output path. The
+first prepare runs in a real process; the error cases run in this one (invoke_cli), for speed."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from tests.conftest import invoke_cli
 from tests.conftest import run_cli as real_cli
+from tests.disk import CAUSE
 
 # Reads a dataset the way the training commands do (resolve_dataset), behind the CLI's own
 # UserError handler, until a command that only reads a dataset exists.
@@ -158,6 +160,50 @@ def test_tokenizer_file_that_is_not_a_tokenizer(tmp_path, text_dir):
     result = prepare(tmp_path, str(text_dir), extra=("--tokenizer", str(tmp_path / "tok.json")))
     assert_user_error(result, str(tmp_path / "tok.json"))
     assert_nothing_left(tmp_path, {"texts", "tok.json"})
+
+
+@pytest.fixture(scope="module")
+def big_inputs(tmp_path_factory) -> dict[str, Path]:
+    """216 kB of text (432 kB of 2-byte tokens: more than a full disk takes), as a text file, a
+    dataset directory and a Megatron prefix."""
+    root = tmp_path_factory.mktemp("big-inputs")
+    text = root / "big.txt"
+    text.write_text("a line of text to tokenize\n" * 8000)
+    for output in (
+        ("--output", root / "dataset"),
+        ("--output-format", "megatron", "--output", root / "prefix"),
+    ):
+        assert invoke_cli("prepare", "--input", str(text), *map(str, output)).returncode == 0
+    return {"text": text, "dataset": root / "dataset", "prefix": root / "prefix.idx"}
+
+
+def assert_full_disk_line(result: subprocess.CompletedProcess, named: Path) -> None:
+    """Exit status 1 and one line naming `named`, the cause and the space free."""
+    assert result.returncode == 1, result.stdout[-500:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert re.fullmatch(
+        rf"error: cannot write {named}: {CAUSE} \(\S+ \S+ free on /\S*"
+        r"(, the file-size limit \(ulimit -f\) is \S+ kB)?\)",
+        line,
+    ), line
+
+
+@pytest.mark.parametrize(
+    "source, output, extra, named",
+    [
+        ("text", "data", (), "data"),
+        ("text", "made/for/it", ("--output-format", "megatron"), "made/for/it.bin"),
+        ("dataset", "prefix", ("--output-format", "megatron"), "prefix.bin"),
+        ("prefix", "made/for/it", ("--vocab-size", "257", "--eod-id", "256"), "made/for/it"),
+    ],
+)
+def test_prepare_on_a_full_disk_exits_1_in_one_line_and_leaves_nothing(
+    big_inputs, full_disk, source, output, extra, named
+):
+    args = ("--input", str(big_inputs[source]), *extra, "--output", str(full_disk.root / output))
+    assert_full_disk_line(full_disk.run("prepare", *args), full_disk.root / named)
+    assert full_disk.leftovers() == []  # made/for/ too: the directories it made for its output
 
 
 @pytest.fixture
