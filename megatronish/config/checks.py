@@ -7,7 +7,7 @@ from pathlib import Path
 
 from megatronish.config.model_checks import check_attention, check_rope_scaling
 from megatronish.config.rules import divisors, require
-from megatronish.config.schema import Config
+from megatronish.config.schema import Config, TrainConfig
 from megatronish.errors import UserError
 from megatronish.paths import require_output_dir
 
@@ -19,6 +19,7 @@ def check_values(cfg: Config) -> None:
     check_moe_values(cfg)
     check_rope_scaling(cfg)
     check_attention(cfg)
+    _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(
         observe.straggler_ratio > 1,
@@ -117,6 +118,21 @@ def _check_ranges(cfg: Config) -> None:
     )
     _check_sliding_window(cfg)
     _check_mtp(cfg)
+
+
+def _check_fp8_keys(train: TrainConfig) -> None:
+    """train.fp8_recipe and train.fp8_high_precision only with train.precision fp8: a value other
+    than the default (as a model.mla size other than null needs model.attention mla) under
+    another precision would do nothing."""
+    defaults = TrainConfig()
+    for key in ("fp8_recipe", "fp8_high_precision"):
+        value, default = getattr(train, key), getattr(defaults, key)
+        require(
+            train.precision == "fp8" or value == default,
+            f"train.{key}: {value} needs train.precision=fp8 (train.precision is "
+            f"{train.precision}); set train.precision=fp8 or leave train.{key} unset "
+            f"(valid with {train.precision}: {default}, the default)",
+        )
 
 
 def _check_mtp(cfg: Config) -> None:
