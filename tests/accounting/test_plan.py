@@ -153,3 +153,29 @@ def test_plan_explains_its_pick_and_names_the_change_that_helps_most():
     assert "tp overlap on: -" in line and "(--set parallel.tp_comm_overlap=true)" in line
     # At tp 8 the 1.3B's attention projection reads k = 2048 / 8 = 256: memory-bound in fp8.
     assert "memory-bound: proj forward" in one
+
+
+@pytest.mark.parametrize(
+    ("config", "gpus", "memory_gb", "words", "sequence_parallel"),
+    [
+        ("gpt2-1.3b.yaml", 8, 4.0, "sequence parallel at tp > 1, ZeRO-1", "true"),
+        (
+            "deepseek-v3.yaml",
+            None,
+            None,
+            "no sequence parallel (not with experts), ZeRO-1",
+            "false",
+        ),
+    ],
+    ids=["dense", "experts"],
+)
+def test_the_header_of_the_fastest_layouts_says_what_the_pick_does_with_sequence_parallelism(
+    config, gpus, memory_gb, words, sequence_parallel
+):
+    cfg = load_config(CONFIGS / config)
+    report = plan(cfg, gpus=gpus, gpu="H100", memory_gb=memory_gb, show=1)
+    header = next(line for line in report.splitlines() if line.startswith("fastest layouts"))
+    assert header.endswith(f"recompute; {words}):"), header
+    picked = report.splitlines()[-1]
+    assert " --set parallel.tp=2 " in picked, picked  # a layout sequence parallelism applies to
+    assert f"--set parallel.sequence_parallel={sequence_parallel} " in picked, picked
