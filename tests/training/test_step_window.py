@@ -85,3 +85,21 @@ def test_an_mfu_over_100_percent_is_printed_with_why(dataset, tmp_path, fake_clo
     assert "% (vs measured fp32 matmul on cpu; over 100%: the peak was measured low" in final
     bar = [line for line in result.stderr.splitlines() if "mfu=" in line]
     assert bar and all("over 100%: the peak was measured low" in line for line in bar), bar
+
+
+def test_the_measured_cpu_peak_outlasts_a_burst_of_load_that_slows_its_first_trials(monkeypatch):
+    import torch
+
+    from megatronish.training import metrics
+
+    now = [0.0]
+
+    def perf_counter() -> float:  # each reading 10 ms apart while the host is busy, then 1 ms
+        now[0] += 0.01 if now[0] < 0.5 else 0.001
+        return now[0]
+
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    size = 8
+    measured = metrics.measured_matmul_flops(torch.device("cpu"), size=size, min_seconds=1.0)
+    # the clock's sums round at 1e-16 of 0.5 s: 1e-13 of a 1 ms trial
+    assert measured == pytest.approx(2 * size**3 / 0.001, rel=1e-9)
