@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from megatronish.accounting.hardware import Device
+from megatronish.accounting.hardware import GPUS, Device
 from megatronish.errors import UserError
 
 
@@ -72,6 +72,16 @@ CLUSTERS = {
     "pcie-l40s": Cluster("pcie-l40s", 8, 32.0, False, 2, 25.0, False, False, 0, 1.0),
 }
 
+CLUSTER_GPUS = {
+    "dgx-a100-selene": "A100",
+    "dgx-h100": "H100",
+    "dgx-b200": "B200",
+    "grand-teton-h100-roce": "H100",
+    "pcie-l40s": "L40S",
+}
+"""The GPU each preset's nodes hold: plan puts only that GPU of accounting.hardware's in them
+(a cluster file describes no GPU and takes any)."""
+
 FIELDS = [f.name for f in fields(Cluster) if f.name != "name"]
 BOOLS = ("nvswitch", "rail_optimized", "sharp")
 INTS = ("gpus_per_node", "nics_per_node", "pod_gpus")
@@ -106,7 +116,22 @@ def cluster_named(name: str | None, device: Device) -> Cluster:
             f"--cluster {name}: unknown cluster; valid: {', '.join(CLUSTERS)}, or a YAML file "
             f"with {', '.join(FIELDS)}"
         )
+    held = CLUSTER_GPUS[name.lower()]
+    if device.name in GPUS and device.name != held:
+        others = [k for k, gpu in CLUSTER_GPUS.items() if gpu == device.name]
+        raise UserError(
+            f"--gpu {device.name} --cluster {name}: {name}'s nodes hold {held} GPUs, not "
+            f"{device.name}; valid: --gpu {held}, "
+            + (f"--cluster {' or '.join(others)}, " if others else "")
+            + "or a cluster YAML file (it takes any GPU)"
+        )
     return CLUSTERS[name.lower()]
+
+
+def cluster_gpu(name: str | None) -> str | None:
+    """The GPU a preset cluster's nodes hold (None for no cluster or a cluster file): plan's
+    --gpu when --cluster names a preset and --gpu is not given."""
+    return CLUSTER_GPUS.get(name.lower()) if name else None
 
 
 def load_cluster(path: Path) -> Cluster:

@@ -28,6 +28,7 @@ from megatronish.config import Config, Derived, load_config, world_size_of
 from megatronish.distributed import comm
 from megatronish.errors import UserError
 from megatronish.observe.phases import FIELDS, current_rss, peak_memory
+from megatronish.training.metrics import mfu_text
 
 
 @dataclass
@@ -186,7 +187,7 @@ def summary_lines(cfg: Config, derived: Derived, record: dict) -> list[str]:
         f"step time {record['step_time_s']:.4f} s (median of {record['steps']} after "
         f"{record['warmup']} warm-up; min {record['step_time_min_s']:.4f}, max "
         f"{record['step_time_max_s']:.4f}); {record['tokens_per_s']:.0f} tokens/s; "
-        f"MFU {100 * record['mfu']:.2f}% ({record['peak_source']})",
+        f"MFU {mfu_text(record['mfu'], record['peak_source'], digits=2)}",
         *lines,
         f"rank 0 waits {record['exposed_dp_wait_s'] * 1e3:.2f} ms a step in data-parallel "
         f"communication (gradient reduction overlap {overlap}); gradient sync phase "

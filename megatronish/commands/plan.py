@@ -24,7 +24,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from megatronish.accounting.cluster import Cluster, cluster_named
+from megatronish.accounting.cluster import Cluster, cluster_gpu, cluster_named
 from megatronish.accounting.comm_time import ring_ratio
 from megatronish.accounting.hardware import Device, device_named
 from megatronish.accounting.memory import Estimate, estimate, layout_config
@@ -89,8 +89,9 @@ def target(
     world: int,
     cluster: str | None = None,
 ) -> Target:
-    """The device plan plans for: a GPU by name or YAML file in a cluster by name or YAML file
-    (None: the GPU's own nodes), or (device cpu) this host."""
+    """The device plan plans for: a GPU by name or YAML file (None: the GPU a preset cluster
+    holds, else H100) in a cluster by name or YAML file (None: the GPU's own nodes), or
+    (device cpu) this host."""
     if memory_gb is not None and memory_gb <= 0:
         raise UserError(f"--gpu-memory {memory_gb}: must be > 0 (GiB)")
     if device == "cpu":
@@ -110,7 +111,7 @@ def target(
             f"{first.hbm_tb_s * 1e3:.1f} GB/s memory, shared-memory all-reduce "
             f"{first.nvlink_gb_s:.2f} GB/s)",
         )
-    gpu_device = device_named(gpu)
+    gpu_device = device_named(gpu or cluster_gpu(cluster))
     nodes = cluster_named(cluster, gpu_device)
     memory = memory_gb or gpu_device.memory_gb
     fp8 = f", fp8 {gpu_device.fp8_tflops:.0f}" if gpu_device.fp8_tflops else ""

@@ -138,7 +138,7 @@ def report(
     moe = cfg.model.moe.num_experts > 0
     zero = max(1, cfg.optim.zero)  # plan's ZeRO level (search)
     lines = [title, "", *_table_lines(cfg, table, budget, moe, zero)]
-    lines += _fastest_lines(fits, budget, show, zero)
+    lines += _fastest_lines(fits, budget, show, zero, moe)
     if not fits:
         lines.append(
             f"does not fit: no layout stays under {budget:.1f} GiB per rank; use more GPUs, a "
@@ -186,14 +186,14 @@ def _table_lines(cfg: Config, table: list, budget: float, moe: bool, zero: int) 
     return lines
 
 
-def _fastest_lines(fits: list, budget: float, show: int, zero: int) -> list[str]:
+def _fastest_lines(fits: list, budget: float, show: int, zero: int, moe: bool) -> list[str]:
     """The `show` fastest layouts that fit, with the legend of their columns."""
     lines = [
         "",
         f"fastest layouts that fit {budget:.1f} GiB per rank ({min(show, len(fits))} "
         f"of the {len(fits)} that fit, --show N for more; "
-        "searching tp, cp, pp, v, dp, ep, micro-batch, recompute; sequence parallel at "
-        f"tp > 1, ZeRO-{zero}):",
+        "searching tp, cp, pp, v, dp, ep, micro-batch, recompute; "
+        f"{_sequence_parallel(fits, moe)}, ZeRO-{zero}):",
         f"{'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3} {'v':>2} {'ep':>3} {'mb':>3} {'recompute':>9} "
         f"{'GiB':>6} " + TIME_HEADER,
     ]
@@ -205,6 +205,14 @@ def _fastest_lines(fits: list, budget: float, show: int, zero: int) -> list[str]
             f"{row.memory.total_gb:>6.2f} " + _time_cells(row.time)
         )
     return [*lines, TIME_LEGEND, MFU_NOTE, ""]
+
+
+def _sequence_parallel(fits: list, moe: bool) -> str:
+    """What the listed layouts do with sequence parallelism: on at tp > 1, or off where a
+    layout at tp > 1 runs without it (with experts: accounting.memory.layout_config)."""
+    if any(row.cfg.parallel.tp > 1 and not row.cfg.parallel.sequence_parallel for row in fits):
+        return "no sequence parallel" + (" (not with experts)" if moe else "")
+    return "sequence parallel at tp > 1"
 
 
 def _recommendation(best, moe: bool) -> str:

@@ -15,11 +15,11 @@ from megatronish.config.derive import (
     chunk_layers,
     derive,
     layout_notes,
-    moe_layers,
     padded_vocab,
     virtual_stages,
     world_size_of,
 )
+from megatronish.config.layout_checks import moe_layers
 from megatronish.config.load import config_from_dict, load_config
 from megatronish.config.schema import (
     CheckpointConfig,

@@ -5,20 +5,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatronish.config.degrees import with_valid_values
 from megatronish.config.model_checks import check_attention, check_rope_scaling
-from megatronish.config.rules import divisors, require
-from megatronish.config.schema import Config
+from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
+from megatronish.config.schema import Config, TrainConfig
 from megatronish.errors import UserError
 from megatronish.paths import require_output_dir
 
 
 def check_values(cfg: Config) -> None:
-    """Ranges of single values; checks between values and the world size are in `derive`."""
+    """Ranges of single values; checks between values and the world size are in `derive`. A
+    message that suggests values of a key lists those that pass every check here."""
+    try:
+        value_checks(cfg)
+    except DegreeError as exc:
+        raise with_valid_values(exc, cfg, value_checks) from None
+
+
+def value_checks(cfg: Config) -> None:
+    """check_values without the suggestions filled in (config.degrees runs it on each)."""
     _check_sizes(cfg)
     _check_ranges(cfg)
     check_moe_values(cfg)
     check_rope_scaling(cfg)
     check_attention(cfg)
+    _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(
         observe.straggler_ratio > 1,
@@ -119,6 +130,21 @@ def _check_ranges(cfg: Config) -> None:
     _check_mtp(cfg)
 
 
+def _check_fp8_keys(train: TrainConfig) -> None:
+    """train.fp8_recipe and train.fp8_high_precision only with train.precision fp8: a value other
+    than the default (as a model.mla size other than null needs model.attention mla) under
+    another precision would do nothing."""
+    defaults = TrainConfig()
+    for key in ("fp8_recipe", "fp8_high_precision"):
+        value, default = getattr(train, key), getattr(defaults, key)
+        require(
+            train.precision == "fp8" or value == default,
+            f"train.{key}: {value} needs train.precision=fp8 (train.precision is "
+            f"{train.precision}); set train.precision=fp8 or leave train.{key} unset "
+            f"(valid with {train.precision}: {default}, the default)",
+        )
+
+
 def _check_mtp(cfg: Config) -> None:
     """model.mtp_depth and model.mtp_loss_coef."""
     model, seq_len = cfg.model, cfg.train.seq_len
@@ -162,7 +188,8 @@ def _check_sliding_window(cfg: Config) -> None:
 
 
 def check_moe_values(cfg: Config) -> None:
-    """The model.moe values on their own, and parallel.ep against them."""
+    """The model.moe values on their own, and whether parallel.ep has experts to split (whether
+    it divides them: derive, which knows the data-parallel degree ep splits too)."""
     moe, ep = cfg.model.moe, cfg.parallel.ep
     require(
         moe.num_experts >= 0,
@@ -184,11 +211,6 @@ def check_moe_values(cfg: Config) -> None:
         moe.top_k <= moe.num_experts,
         f"model.moe.top_k: {moe.top_k} is more than model.moe.num_experts={moe.num_experts}; "
         f"valid: 1 to {moe.num_experts}",
-    )
-    require(
-        moe.num_experts % ep == 0,
-        f"model.moe.num_experts: {moe.num_experts} is not divisible by parallel.ep={ep}; "
-        f"valid ep: {', '.join(str(d) for d in divisors(moe.num_experts))}",
     )
     for key, value in (("aux_loss_coef", moe.aux_loss_coef), ("z_loss_coef", moe.z_loss_coef)):
         require(value >= 0, f"model.moe.{key}: {value} must be >= 0 (0 turns it off)")
@@ -232,16 +254,20 @@ def check_deepseek_moe(cfg: Config) -> None:
         moe.routed_scaling_factor > 0,
         f"model.moe.routed_scaling_factor: {moe.routed_scaling_factor} must be > 0",
     )
-    require(
+    require_degree(
         moe.n_group >= 1 and moe.num_experts % moe.n_group == 0,
         f"model.moe.n_group: {moe.n_group} does not divide model.moe.num_experts="
-        f"{moe.num_experts}; valid: {', '.join(str(d) for d in divisors(moe.num_experts))}",
+        f"{moe.num_experts}; valid: {VALID}",
+        "model.moe.n_group",
+        divisors(moe.num_experts),
     )
     per_group = moe.num_experts // moe.n_group
-    require(
+    require_degree(
         moe.n_group == 1 or per_group >= 2,
         f"model.moe.n_group: {moe.n_group} leaves one expert per group (groups are ranked by "
-        "their two best scores); valid: a divisor of num_experts at most num_experts / 2",
+        f"their two best scores); valid: {VALID}",
+        "model.moe.n_group",
+        divisors(moe.num_experts),
     )
     require(
         1 <= moe.topk_group <= moe.n_group,

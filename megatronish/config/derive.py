@@ -6,23 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatronish.config.checks import value_checks
+from megatronish.config.degrees import with_valid_values
 from megatronish.config.kernel_dims import check_triton_head_dims
-from megatronish.config.rules import divisors, require
+from megatronish.config.layout_checks import check_context_parallel, check_fp8_blocks, moe_layers
+from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
 from megatronish.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 
 VOCAB_PAD_MULTIPLE = 128
-
-FP8_BLOCK = 128
-"""The side of a blockwise fp8 scaling block (megatronish.fp8.granularity.BLOCK)."""
-
-
-def moe_layers(cfg: Config) -> tuple[int, ...]:
-    """The MoE blocks: i >= moe.first_k_dense, multiples of moe.every (none without experts),
-    of the blocks and the multi-token prediction blocks n_layer .. n_layer + mtp_depth - 1."""
-    moe, blocks = cfg.model.moe, cfg.model.n_layer + cfg.model.mtp_depth
-    if moe.num_experts == 0:
-        return ()
-    return tuple(i for i in range(moe.first_k_dense, blocks) if i % moe.every == 0)
 
 
 def attention_window(model: ModelConfig, layer: int) -> int | None:
@@ -131,20 +122,35 @@ def chunk_layers(cfg: Config) -> tuple[int, ...]:
     return layers
 
 
-def world_size_of(cfg: Config) -> int:
-    """The processes a config asks for: tp * cp * pp * (parallel.dp, or 1 when unset)."""
+def world_size_of(cfg: Config, dp: int = 1) -> int:
+    """The processes a config asks for: tp * cp * pp * (parallel.dp, or dp when unset)."""
     parallel = cfg.parallel
-    return parallel.tp * parallel.cp * parallel.pp * (parallel.dp or 1)
+    return parallel.tp * parallel.cp * parallel.pp * (parallel.dp or dp)
 
 
 def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Derived:
     """Every derived size, after the checks between values; vocab_size is the dataset's when the
-    config leaves model.vocab_size unset."""
+    config leaves model.vocab_size unset. A message that suggests degrees lists those that pass
+    every check, each at the same data-parallel degree (the world it then asks for)."""
+    try:
+        return _derive(cfg, world_size, vocab_size)
+    except DegreeError as exc:
+        dp = world_size // (cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp)
+
+        def checks(candidate: Config) -> None:
+            value_checks(candidate)
+            _derive(candidate, world_size_of(candidate, dp), vocab_size)
+
+        raise with_valid_values(exc, cfg, checks) from None
+
+
+def _derive(cfg: Config, world_size: int, vocab_size: int | None) -> Derived:
+    """derive without the suggested degrees filled in."""
     model, parallel, train = cfg.model, cfg.parallel, cfg.train
     tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
     dp = _data_parallel_degree(parallel, world_size)
     if cp > 1:
-        _check_context_parallel(cfg)
+        check_context_parallel(cfg)
     n_kv, head_dim = _head_sizes(model, tp)
     check_triton_head_dims(cfg, head_dim)
     d_ff = _ffn_size(model, tp)
@@ -167,7 +173,7 @@ def derive(cfg: Config, world_size: int, vocab_size: int | None = None) -> Deriv
         _check_interleaving(train, dp, pp, virtual, accum)
     moe_d_ff = _expert_ffn_size(model, parallel, dp, d_ff) if model.moe.num_experts > 0 else 0
     if train.precision == "fp8" and train.fp8_recipe == "blockwise" and tp > 1:
-        _check_fp8_blocks(cfg, n_kv, head_dim, d_ff, moe_d_ff)
+        check_fp8_blocks(cfg, n_kv, head_dim, d_ff, moe_d_ff)
     chunks = chunk_layers(cfg)
     return Derived(
         world_size=world_size,
@@ -221,57 +227,26 @@ def _data_parallel_degree(parallel: ParallelConfig, world_size: int) -> int:
     return dp
 
 
-def _check_context_parallel(cfg: Config) -> None:
-    """What parallel.cp > 1 needs of the sequence length and dropout, and of blockwise fp8:
-    whole 128-token tiles in each zigzag chunk, and no experts."""
-    cp, seq_len, dropout = cfg.parallel.cp, cfg.train.seq_len, cfg.model.dropout
-    require(
-        seq_len % (2 * cp) == 0,
-        f"train.seq_len: {seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp "
-        f"rank holds two chunks of every sequence); valid: a multiple of {2 * cp}",
-    )
-    chunk = seq_len // (2 * cp)
-    require(
-        not (cfg.train.precision == "fp8" and cfg.train.fp8_recipe == "blockwise")
-        or chunk % FP8_BLOCK == 0,
-        f"train.fp8_recipe: blockwise at parallel.cp={cp} cuts train.seq_len={seq_len} into "
-        f"chunks of {chunk} tokens, not a multiple of {FP8_BLOCK} (a weight-gradient tile of "
-        f"{FP8_BLOCK} tokens would straddle two cp ranks); valid: a seq_len that is a multiple "
-        f"of {2 * cp * FP8_BLOCK}, or another fp8_recipe",
-    )
-    require(
-        not (cfg.train.precision == "fp8" and cfg.train.fp8_recipe == "blockwise")
-        or cfg.model.moe.num_experts == 0,
-        f"train.fp8_recipe: blockwise with model.moe.num_experts={cfg.model.moe.num_experts} at "
-        f"parallel.cp={cp}: an expert's weight-gradient tiles of {FP8_BLOCK} tokens would "
-        "straddle the cp ranks' shares of a micro-batch (an expert's rows are not whole chunks); "
-        "valid: parallel.cp=1, or fp8_recipe tensorwise or rowwise",
-    )
-    require(
-        dropout == 0,
-        f"model.dropout: {dropout} is not supported with parallel.cp={cp} (ring attention "
-        "has no attention dropout); set model.dropout=0 or parallel.cp=1",
-    )
-
-
 def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
     """(kv heads, head dim: model.head_dim or d_model / n_head; under mla n_head and the
     query-key head dim qk_nope_head_dim + qk_rope_head_dim), once the heads split over tp and
     into the kv groups."""
     n_kv = model.n_kv_head if model.n_kv_head is not None else model.n_head
-    require(
+    require_degree(
         model.n_head % tp == 0,
-        f"model.n_head: {model.n_head} is not divisible by parallel.tp={tp}; "
-        f"valid tp: {', '.join(str(d) for d in divisors(model.n_head))}",
+        f"model.n_head: {model.n_head} is not divisible by parallel.tp={tp}; valid tp: {VALID}",
+        "parallel.tp",
+        divisors(model.n_head),
     )
     require(
         model.n_head % n_kv == 0,
         f"model.n_kv_head: {n_kv} does not divide model.n_head={model.n_head}",
     )
-    require(
+    require_degree(
         n_kv % tp == 0,
-        f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; "
-        f"valid tp: {', '.join(str(d) for d in divisors(n_kv))}",
+        f"model.n_kv_head: {n_kv} is not divisible by parallel.tp={tp}; valid tp: {VALID}",
+        "parallel.tp",
+        divisors(n_kv),
     )
     if model.attention == "mla":  # every head its own keys; the query-key head dim
         return n_kv, model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim
@@ -290,43 +265,6 @@ def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
     if not model.gpt2_block:
         require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
     return n_kv, head_dim
-
-
-def _check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int, moe_d_ff: int) -> None:
-    """Blockwise fp8 at tp > 1: each rank's share of a split dimension of an fp8 linear layer
-    (the qkv outputs, the attention heads, a dense MLP's d_ff, an expert's and so the shared
-    experts' d_ff) is whole 128-wide blocks, so no tile or block straddles two ranks and every
-    tp scales the same groups."""
-    model, tp = cfg.model, cfg.parallel.tp
-    sizes = [
-        (
-            "the qkv outputs (model.n_head + 2 model.n_kv_head) x head dim",
-            (model.n_head + 2 * n_kv) * head_dim,
-        ),
-        ("the attention heads model.n_head x head dim", model.n_head * head_dim),
-    ]
-    if model.attention == "mla":  # its up-projections and output projection split over tp
-        mla = model.mla
-        sizes = [
-            ("the queries model.n_head x (qk_nope_head_dim + qk_rope_head_dim)", n_kv * head_dim),
-            (
-                "the keys and values model.n_head x (qk_nope_head_dim + v_head_dim)",
-                model.n_head * (mla.qk_nope_head_dim + mla.v_head_dim),
-            ),
-            ("the attention heads model.n_head x v_head_dim", model.n_head * mla.v_head_dim),
-        ]
-    if len(moe_layers(cfg)) < model.n_layer + model.mtp_depth:  # dense MLPs
-        sizes.append(("model.d_ff", d_ff))
-    if moe_d_ff:  # the experts (the shared experts' d_ff is a multiple of theirs)
-        sizes.append(("model.moe.d_ff", moe_d_ff))
-    for what, size in sizes:
-        valid = [1] + [t for t in divisors(size) if t > 1 and (size // t) % FP8_BLOCK == 0]
-        require(
-            (size // tp) % FP8_BLOCK == 0,
-            f"train.fp8_recipe: blockwise splits {what} = {size} over parallel.tp={tp} into "
-            f"{size // tp} per rank, not a multiple of {FP8_BLOCK} (a block would straddle two "
-            f"ranks); valid tp: {', '.join(map(str, valid))}, or another fp8_recipe",
-        )
 
 
 def head_dim_of(model: ModelConfig) -> int:
@@ -373,10 +311,13 @@ def _check_interleaving(train: TrainConfig, dp: int, pp: int, virtual: int, accu
 def _expert_ffn_size(model: ModelConfig, parallel: ParallelConfig, dp: int, d_ff: int) -> int:
     """model.moe.d_ff (default: the dense d_ff), once ep divides dp and it splits over tp."""
     ep = parallel.ep
-    require(
-        dp % ep == 0,
-        f"parallel.ep: {ep} does not divide the data-parallel degree {dp} (experts are split "
-        f"over ep of the dp ranks); valid ep: {', '.join(str(d) for d in divisors(dp))}",
+    require_degree(
+        dp % ep == 0 and model.moe.num_experts % ep == 0,
+        f"parallel.ep: {ep} does not divide both the data-parallel degree {dp} and "
+        f"model.moe.num_experts={model.moe.num_experts} (experts are split over ep of the dp "
+        f"ranks); valid ep: {VALID}",
+        "parallel.ep",
+        divisors(dp),
     )
     moe_d_ff = model.moe.d_ff if model.moe.d_ff is not None else d_ff
     require(

@@ -30,27 +30,44 @@ def _measured(device: torch.device, threads: int) -> float:
     return measured_matmul_flops(device)
 
 
-def measured_matmul_flops(device: torch.device, size: int | None = None, trials: int = 10) -> float:
-    """The best of `trials` timings of a size x size fp32 matmul, after two warm-up calls (the
-    best, because a core taken by something else only ever makes a trial slower). Default size:
-    512 on a CPU (its rate there is 1024's, measured in a tenth of the time: every rank of
-    every run measures), 1024 on a GPU."""
+def measured_matmul_flops(
+    device: torch.device, size: int | None = None, trials: int = 10, min_seconds: float = 0.1
+) -> float:
+    """The best of at least `trials` timings of a size x size fp32 matmul, spread over at least
+    `min_seconds`, after three warm-up calls: the best, because a core taken by something else
+    only ever makes a trial slower, and spread so that a burst of such load on a shared host
+    does not cover them all. Default size: 512 on a CPU (its rate there is 1024's, measured in
+    a tenth of the time: every rank of every run measures), 1024 on a GPU."""
     if size is None:
         size = 512 if device.type == "cpu" else 1024
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
-    for _ in range(2):
+    for _ in range(3):
         a @ b
-    best = float("inf")
-    for _ in range(trials):
+    best, tried, began = float("inf"), 0, time.perf_counter()
+    while tried < trials or time.perf_counter() - began < min_seconds:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         a @ b
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        best, tried = min(best, time.perf_counter() - start), tried + 1
     return 2 * size**3 / best
+
+
+def mfu_text(mfu: float, peak_source: str, digits: int = 1) -> str:
+    """MFU as the run prints it: the percentage and the peak it is of, and above 100% why (a
+    measured peak is the rate the matmul reached while measured, on a busy host below what
+    the run's GEMMs reached later; a data sheet's peak is one the model FLOPs cannot pass)."""
+    note = f"vs {peak_source}"
+    if mfu > 1:
+        note += "; over 100%: " + (
+            "the peak was measured low (the host was busier then than during these steps)"
+            if peak_source.startswith("measured")
+            else "the model FLOPs counted exceed the peak (a miscount)"
+        )
+    return f"{100 * mfu:.{digits}f}% ({note})"
 
 
 class MetricsWriter:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +36,10 @@ from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
 from megatronish.training.batches import next_batch, validation_loss
 from megatronish.training.loss import loss_divisor, mean_losses
-from megatronish.training.metrics import MetricsWriter, peak_flops
+from megatronish.training.metrics import MetricsWriter, mfu_text, peak_flops
 from megatronish.training.resume import checkpoint_dir
 from megatronish.training.setup import Setup, make_loader, setup, write_data_report
+from megatronish.training.window import StepWindow
 
 
 @dataclass(frozen=True)
@@ -196,32 +196,31 @@ class Trainer:
         cfg, ps = self.cfg, self.ps
         metrics, bar = self.open_outputs()
         last: dict = {}
-        window_start, window_steps = time.perf_counter(), 0
+        window = StepWindow()
         skipped_in_a_row, stopped = 0, False
         try:
             while self.step < cfg.train.steps and not stopped:
                 result = self.train_step()
                 self.saver.poll(result.verdict)  # completes a background save once written
-                window_steps += 1
+                window.step_done()
                 skipped_in_a_row = skipped_in_a_row + 1 if result.verdict.skip else 0
                 if result.verdict.skip:
                     self.record_skip(metrics, result.verdict, skipped_in_a_row)
                 elif self.step % cfg.train.log_every == 0 or self.step == cfg.train.steps:
-                    elapsed = time.perf_counter() - window_start
-                    last = self.log_step(metrics, bar, result, elapsed / window_steps)
-                    window_start, window_steps = time.perf_counter(), 0
+                    last = self.log_step(metrics, bar, result, window.mean_step_s())
+                    window.restart()
                 bar.update(1)
                 every = cfg.train.eval_every
                 if self.val_loader is not None and (
                     self.step % every == 0 or self.step == cfg.train.steps
                 ):
-                    val_loss = self.evaluate()
+                    with window.paused():
+                        val_loss = self.evaluate()
                     metrics.write({"step": self.step, "val_loss": val_loss})
                     last = dict(last, val_loss=val_loss)
-                    window_start = time.perf_counter()
                 if checkpoints.due(self.step, cfg):
-                    self.save_checkpoint()
-                    window_start = time.perf_counter()
+                    with window.paused():
+                        self.save_checkpoint()
                 stopped = result.verdict.stop
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
@@ -285,10 +284,11 @@ class Trainer:
     def progress_postfix(self, last: dict) -> dict[str, str]:
         """What the progress bar shows of a metrics line: loss, tokens/s and MFU; the MoE
         losses, imbalance (and dropped share, with a capacity factor); the peak memory."""
+        mfu = last["mfu"]  # over 100% it says why
         postfix = dict(
             loss=f"{last['loss']:.4f}",
             tok_s=f"{last['tokens_per_s']:.0f}",
-            mfu=f"{100 * last['mfu']:.1f}%",
+            mfu=mfu_text(mfu, self.peak_source) if mfu > 1 else f"{100 * mfu:.1f}%",
         )
         if "moe_aux_loss" in last:
             postfix["aux"] = f"{last['moe_aux_loss']:.3f}"
@@ -378,8 +378,8 @@ def train(cfg: Config) -> dict:
             line = f"step {summary['step']}: loss {summary['loss']:.4f}"
             if "val_loss" in summary:
                 line += f", val_loss {summary['val_loss']:.4f}"
-            line += f", {summary['tokens_per_s']:.0f} tokens/s, MFU {100 * summary['mfu']:.1f}%"
-            line += f" (vs {trainer.peak_source})"
+            line += f", {summary['tokens_per_s']:.0f} tokens/s, "
+            line += f"MFU {mfu_text(summary['mfu'], trainer.peak_source)}"
             print(line, flush=True)
         return summary
     except KeyboardInterrupt:  # a second Ctrl-C

@@ -120,6 +120,22 @@ def test_cli_bad_cluster_file_and_fp8_on_a100_exit_2_with_one_line(tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_gpu_other_than_the_one_a_preset_cluster_holds_exits_2_naming_both(tmp_path):
+    base = ["plan", "--config", str(CONFIGS / "gpt2-124m.yaml"), "--gpus", "8"]
+    result = invoke_cli(*base, "--gpu", "A100", "--cluster", "dgx-h100")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "--gpu A100 --cluster dgx-h100: dgx-h100's nodes hold H100 GPUs, not A100" in lines[0]
+    assert "valid: --gpu H100, --cluster dgx-a100-selene, or a cluster YAML file" in lines[0]
+    # Without --gpu the preset's own GPU; a cluster file takes any GPU.
+    own = invoke_cli(*base, "--cluster", "dgx-a100-selene")
+    assert own.returncode == 0 and own.stdout.startswith("plan for 8 x A100"), own.stderr
+    path = tmp_path / "h100-nodes.yaml"
+    path.write_text(CLUSTER_FILE)
+    anywhere = invoke_cli(*base, "--gpu", "A100", "--cluster", str(path))
+    assert anywhere.returncode == 0 and "in h100-nodes (" in anywhere.stdout, anywhere.stderr
+
+
 def test_plan_explains_its_pick_and_names_the_change_that_helps_most():
     cfg = load_config(CONFIGS / "gpt2-1.3b.yaml", ["train.precision=bf16"])
     report = plan(cfg, gpus=8, gpu="H100", memory_gb=None, cluster="dgx-h100", show=1)
@@ -137,3 +153,29 @@ def test_plan_explains_its_pick_and_names_the_change_that_helps_most():
     assert "tp overlap on: -" in line and "(--set parallel.tp_comm_overlap=true)" in line
     # At tp 8 the 1.3B's attention projection reads k = 2048 / 8 = 256: memory-bound in fp8.
     assert "memory-bound: proj forward" in one
+
+
+@pytest.mark.parametrize(
+    ("config", "gpus", "memory_gb", "words", "sequence_parallel"),
+    [
+        ("gpt2-1.3b.yaml", 8, 4.0, "sequence parallel at tp > 1, ZeRO-1", "true"),
+        (
+            "deepseek-v3.yaml",
+            None,
+            None,
+            "no sequence parallel (not with experts), ZeRO-1",
+            "false",
+        ),
+    ],
+    ids=["dense", "experts"],
+)
+def test_the_header_of_the_fastest_layouts_says_what_the_pick_does_with_sequence_parallelism(
+    config, gpus, memory_gb, words, sequence_parallel
+):
+    cfg = load_config(CONFIGS / config)
+    report = plan(cfg, gpus=gpus, gpu="H100", memory_gb=memory_gb, show=1)
+    header = next(line for line in report.splitlines() if line.startswith("fastest layouts"))
+    assert header.endswith(f"recompute; {words}):"), header
+    picked = report.splitlines()[-1]
+    assert " --set parallel.tp=2 " in picked, picked  # a layout sequence parallelism applies to
+    assert f"--set parallel.sequence_parallel={sequence_parallel} " in picked, picked

@@ -44,5 +44,9 @@ def test_launch_says_a_config_error_once_and_exits_2(tmp_path):
     result = invoke_cli("launch", "--config", str(CONFIGS / "tiny.yaml"), *BAD_LAYOUT, *out)
     assert result.returncode == 2
     assert (result.stdout + result.stderr).count(MESSAGE) == 1
-    assert result.stderr.strip().splitlines() == [f"error: {MESSAGE}; valid tp: 1, 3"]
+    # tp 3 would divide the heads but not d_model: no tp passes every check, and it says why.
+    assert result.stderr.strip().splitlines() == [
+        f"error: {MESSAGE}; valid tp: none (at parallel.tp=1: model.d_model: 128 is not "
+        "divisible by model.n_head=3)"
+    ]
     assert not (tmp_path / "run").exists()

@@ -1,6 +1,7 @@
 """The README and the config reference stay true: the README's three commands come first, the
-config reference in docs/config.md is the one generated from megatronish/config/schema.py, and
-what the docs' examples write into the checkout is ignored."""
+config reference in docs/config.md is the one generated from megatronish/config/schema.py, its
+table of shipped configs names every file of configs/, and what the docs' examples write into
+the checkout is ignored."""
 
 from __future__ import annotations
 
@@ -63,3 +64,12 @@ def test_the_readme_examples_outputs_are_ignored_and_no_tracked_file_is():
         assert _git("check-ignore", "-q", "--no-index", kept).returncode == 1, kept
     ignored = _git("ls-files", "--cached", "--ignored", "--exclude-standard").stdout
     assert ignored == "", f"tracked files that .gitignore covers: {ignored}"
+
+
+def test_every_shipped_config_has_a_row_in_the_table_of_docs_config_md():
+    text = (REPO / "docs" / "config.md").read_text()
+    table = text[text.index("## The shipped configs") : text.index("## Config reference")]
+    rows = set(re.findall(r"^\| `(configs/[^`]+)` \|", table, flags=re.MULTILINE))
+    shipped = {f"configs/{path.name}" for path in (REPO / "configs").iterdir()}
+    assert shipped - rows == set(), "add these to docs/config.md's table of shipped configs"
+    assert rows - shipped == set(), "docs/config.md's table names configs that are not shipped"
