@@ -27,6 +27,7 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from megatronish.fp8 import kernels
+from megatronish.fp8.parts import along_k
 from megatronish.fp8.quantize import Axes, Cast, Quantized, Split, quantize
 from megatronish.fp8.recipes import Recipe
 
@@ -137,22 +138,40 @@ def grad_input_casts(
     split: Split,
     scales: Scales,
     tokens: Axes | None = None,
-) -> tuple[Quantized, Quantized, Scales]:
-    """The input-gradient GEMM's operands in fp8, dY [T, out] and W^T [in, out], and the scales
-    with the output gradient's. tokens: as in forward_casts (a sequence chunk of a gathered
-    output gradient: its tensorwise scale is the gathered tensor's)."""
+) -> tuple[list[Quantized], list[Quantized], Scales]:
+    """The input-gradient GEMM's operands in fp8, dY [T, out] and W^T [in, out], each as one
+    per logical matrix of the output rows where their scales run along them (rowwise, split.parts:
+    megatronish.fp8.parts; else one each; the GEMM is the sum of the pairs' products), and the
+    scales with the output gradient's. tokens: as in forward_casts (a sequence chunk of a
+    gathered output gradient: its tensorwise scale is the gathered tensor's)."""
     rows = split.cp if tokens is None else tokens
-    weight_cast = Cast(
-        weight.t(), recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scales.weight
-    )
-    (qdy,), ((qwt,),) = kept_casts(
-        [Cast(grad_output, recipe.grad_output, rows=rows, k=split.tp("out"))],
-        [(weight, [weight_cast])],
+    parts = split.parts if recipe.grad_output.granularity == "row" else None
+    weight_casts = [
+        Cast(wt, recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scales.weight)
+        for wt in along_k(weight.t(), parts)
+    ]
+    qdys, (qwts,) = kept_casts(
+        [
+            Cast(dy, recipe.grad_output, rows=rows, k=split.tp("out"))
+            for dy in along_k(grad_output, parts)
+        ],
+        [(weight, weight_casts)],
         "input gradient",
         recipe,
         split,
     )
-    return qdy, qwt, replace(scales, grad_output=tensorwise(qdy))
+    return qdys, qwts, replace(scales, grad_output=tensorwise(qdys[0]))
+
+
+def summed_product(
+    qas: list[Quantized], qbs: list[Quantized], dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    """The sum of product(a, b) over the pairs (one GEMM per logical matrix, as grad_input_casts
+    gives them), added in dtype as separate layers' input gradients are."""
+    out = product(qas[0], qbs[0], dtype, backend)
+    for qa, qb in zip(qas[1:], qbs[1:]):
+        out = out.add_(product(qa, qb, dtype, backend))
+    return out
 
 
 def forward_gemm(
@@ -170,8 +189,8 @@ def grad_input_gemm(
 ) -> tuple[torch.Tensor, Scales]:
     """dX [T, in] = dY [T, out] W (this rank's partial sum for a column-parallel layer), and the
     scales with the output gradient's."""
-    qdy, qwt, scales = grad_input_casts(grad_output, weight, recipe, split, scales)
-    return product(qdy, qwt, grad_output.dtype, recipe.backend), scales
+    qdys, qwts, scales = grad_input_casts(grad_output, weight, recipe, split, scales)
+    return summed_product(qdys, qwts, grad_output.dtype, recipe.backend), scales
 
 
 def grad_weight_gemm(
