@@ -49,6 +49,7 @@ from megatronish.fp8 import Parts, Recipe, Split, TokenGroups
 from megatronish.fp8.gemm import (
     Scales,
     forward_casts,
+    forward_product,
     grad_input_casts,
     grad_weight_gemm,
     product,
@@ -129,12 +130,12 @@ class _AllGatherLinear(torch.autograd.Function):
                 cast = Cast(_rows(arrived), recipe.input)
                 (chunk,) = quantize([cast], recipe.power_of_2_scales, split, recipe.backend)
             for pieces, qw, bias in zip(outs, qws, biases):
-                out = _seq(product(chunk, qw, x.dtype, recipe.backend), batch)
+                out = _seq(forward_product(chunk, qw, split, recipe, x.dtype), batch)
                 pieces[source] = _add_bias(out, bias)
             kept[source] = _seq(chunk.payload.view(torch.uint8), batch) if tensor else arrived
         ctx.ring, ctx.recipe, ctx.split, ctx.count = ring, recipe, split, count
         ctx.weights = weights  # themselves (not a recompute's copies): the keys of their casts
-        ctx.scales = [Scales(input=tensorwise(qx), weight=tensorwise(qw)) for qw in qws]
+        ctx.scales = [Scales(input=tensorwise(qx), weight=tensorwise(qw[0])) for qw in qws]
         ctx.has_bias = [bias is not None for bias in biases]
         ctx.kept = keep_gathered
         if keep_gathered:  # the gathered fp8 payload (tensorwise) or x [b, s, in]
@@ -194,7 +195,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, group, recipe, tokens):
         ring, batch = TpRing.of(group), x.shape[0]
         split = Split(group, "in", tokens)
-        qx, (qw,) = forward_casts(_rows(x), [weight], recipe, split)
+        qx, ((qw,),) = forward_casts(_rows(x), [weight], recipe, split)
         reduce = RingReduceScatter(ring)
         for _ in range(ring.size):
             block = _block(qx, batch, reduce.destination, ring.size)
@@ -234,7 +235,7 @@ class _LinearAllReduce(torch.autograd.Function):
     def forward(ctx, x, weight, group, recipe, tokens):
         parts, batch = comm.group_size(group), x.shape[0]
         split = Split(group, "in", tokens)
-        qx, (qw,) = forward_casts(_rows(x), [weight], recipe, split)
+        qx, ((qw,),) = forward_casts(_rows(x), [weight], recipe, split)
         pieces, works = [], []
         for index in range(parts):
             block = _block(qx, batch, index, parts)
