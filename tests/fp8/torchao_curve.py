@@ -11,7 +11,9 @@ torchao Float8Linear whose output q_proj, k_proj and v_proj return slices of. It
 every recipe, not only tensorwise (one weight scale for the fused weight): the input-gradient
 GEMM sums over the projection's outputs, so a rowwise scale of the output gradient (per token)
 and of the weight (per input feature) is the amax over q, k and v together when they are fused,
-over each alone when not (in tests/fp8/test_fp8_curve.py the two curves part at step 4).
+over each alone when not, as ours are (megatronish.fp8.parts): the separate projections
+(fused=False, transformers' own) are the reference of tests/fp8/test_fp8_curve.py, the fused
+one a contrast for scripts/fp8_torchao_curve.py.
 """
 
 from __future__ import annotations
