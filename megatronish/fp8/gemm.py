@@ -124,19 +124,10 @@ def forward_casts(
     the gathered tensor's, all-reduced with the weights' amaxes)."""
     rows = split.cp if tokens is None else tokens
     parts = splitting(split.parts, recipe.weight.granularity, rows=True)
-    weight = recipe.weight
+    out, inner = split.tp("out"), split.tp("in")
     (qx,), qws = kept_casts(
-        [Cast(x, recipe.input, rows=rows, k=split.tp("in"))],
-        [
-            (
-                w,
-                [
-                    Cast(p, weight, rows=split.tp("out"), k=split.tp("in"))
-                    for p in along_rows(w, parts)
-                ],
-            )
-            for w in weights
-        ],
+        [Cast(x, recipe.input, rows=rows, k=inner)],
+        [(w, [Cast(p, recipe.weight, out, inner) for p in along_rows(w, parts)]) for w in weights],
         "forward",
         recipe,
         split,
@@ -167,11 +158,11 @@ def grad_input_casts(
     tokens: Axes | None = None,
 ) -> tuple[list[Quantized], list[Quantized], Scales]:
     """The input-gradient GEMM's operands in fp8, dY [T, out] and W^T [in, out], each as one
-    per logical matrix of the output rows where their scales run along them (rowwise, split.parts:
-    and blockwise where their tiles would straddle them: megatronish.fp8.parts; else one each;
-    the GEMM is the sum of the pairs' products), and the
-    scales with the output gradient's. tokens: as in forward_casts (a sequence chunk of a
-    gathered output gradient: its tensorwise scale is the gathered tensor's)."""
+    cast per logical matrix of the output rows (split.parts) where their scales run across them
+    (rowwise; blockwise where a tile would straddle two: megatronish.fp8.parts), else one each
+    (the GEMM is the sum of the pairs' products: summed_product), and the scales with the
+    output gradient's. tokens: as in forward_casts (a sequence chunk of a gathered output
+    gradient: its tensorwise scale is the gathered tensor's)."""
     rows = split.cp if tokens is None else tokens
     parts = splitting(split.parts, recipe.grad_output.granularity)
     weight_casts = [

@@ -16,6 +16,9 @@ Where the scales come from:
   all-reduced (MAX) over the tp group (tp x cp under context parallelism) before the ring
   starts, in the same call as the weights' amaxes (megatronish.fp8.quantize), and the chunks
   are cast with it.
+- A column layer of several logical matrices (the fused qkv: megatronish.fp8.parts) casts
+  each alone where the plain layer does, and each chunk's input-gradient GEMM is the sum of
+  theirs.
 - The weight-gradient GEMM's K is the tokens: its rowwise and tile scales span the chunks, so
   it is computed at once, after the ring, from the whole tensors, with the casts of the layer
   without the decomposition (chunking it would change its scales). Its tensorwise scales are
