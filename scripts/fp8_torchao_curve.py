@@ -5,10 +5,11 @@ convert_to_float8_training (emulated) and unconverted in fp32 (tests/fp8/torchao
 The ratio of our loss's distance to the fp8 reference over the fp8 reference's distance to the
 fp32 one (the criterion: below 0.1 at every step): one line per learning rate, reference and
 attention with its largest value over the steps (--verbose: every step's), the reference's q, k
-and v projections separate (transformers' own) or fused as ours are.
+and v projections separate (transformers' own) or fused in one torchao layer (in our row order),
+the model's k_proj weights --key-scale times the random init's (tests/fp8/test_fp8_curve.py: 64).
 
     python scripts/fp8_torchao_curve.py [--recipe rowwise] [--lr 3e-3 1e-3 3e-4]
-        [--reference separate fused] [--attention eager sdpa]
+        [--reference separate fused] [--attention eager sdpa] [--key-scale 64]
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ def main() -> None:
     parser.add_argument("--reference", nargs="+", default=["separate", "fused"])
     parser.add_argument("--attention", nargs="+", default=["eager"])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--key-scale", type=float, default=1.0, help="k_proj's weights times")
     parser.add_argument("--set", nargs="*", default=[], help="more settings of our run")
     parser.add_argument("--verbose", action="store_true", help="every step's losses")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         dataset = prepare_code_dataset(root)
-        hf_dir = save_tiny_llama(root, dataset)
+        hf_dir = save_tiny_llama(root, dataset, key_scale=args.key_scale)
         print("recipe        lr  reference  attention  max ratio (step)  steps < 0.1  "
               "max |ours - fp8|  max |fp8 - fp32|")  # fmt: skip
         for lr in args.lr:

@@ -56,9 +56,9 @@ def check_context_parallel(cfg: Config) -> None:
 
 def check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int, moe_d_ff: int) -> None:
     """Blockwise fp8 at tp > 1: each rank's share of a split dimension of an fp8 linear layer
-    (the qkv outputs, the attention heads, a dense MLP's d_ff, an expert's and so the shared
-    experts' d_ff) is whole 128-wide blocks, so no tile or block straddles two ranks and every
-    tp scales the same groups."""
+    (the qkv outputs, the query heads and the key and value heads, a dense MLP's d_ff, an
+    expert's and so the shared experts' d_ff) is whole 128-wide blocks, so no tile or block
+    straddles two ranks and every tp scales the same groups."""
     model, tp = cfg.model, cfg.parallel.tp
     sizes = [
         (
@@ -66,6 +66,8 @@ def check_fp8_blocks(cfg: Config, n_kv: int, head_dim: int, d_ff: int, moe_d_ff:
             (model.n_head + 2 * n_kv) * head_dim,
         ),
         ("the attention heads model.n_head x head dim", model.n_head * head_dim),
+        # q, k and v are tiled each from its own first row (megatronish.fp8.parts)
+        ("the key and value heads model.n_kv_head x head dim", n_kv * head_dim),
     ]
     if model.attention == "mla":  # its up-projections and output projection split over tp
         mla = model.mla

@@ -15,12 +15,14 @@ from megatronish.fp8.gemm import (
     weights_fixed,
 )
 from megatronish.fp8.grouped import fp8_experts
+from megatronish.fp8.parts import Parts
 from megatronish.fp8.quantize import Split, TokenGroups
 from megatronish.fp8.recipes import RECIPES, Operand, Recipe
 
 __all__ = [
     "RECIPES",
     "Operand",
+    "Parts",
     "Recipe",
     "Scales",
     "Split",

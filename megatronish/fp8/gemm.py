@@ -27,6 +27,7 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from megatronish.fp8 import kernels
+from megatronish.fp8.parts import along_k, along_rows, splitting
 from megatronish.fp8.quantize import Axes, Cast, Quantized, Split, quantize
 from megatronish.fp8.recipes import Recipe
 
@@ -114,20 +115,38 @@ def forward_casts(
     recipe: Recipe,
     split: Split,
     tokens: Axes | None = None,
-) -> tuple[Quantized, list[Quantized]]:
+) -> tuple[Quantized, list[list[Quantized]]]:
     """The forward GEMM's operands in fp8: X [T, in] and each weight [out, in] (the weights
-    share X: llama's gate and up). tokens: the axes X's rows are split over (default split.cp;
-    a sequence chunk of a gathered input adds tp: its tensorwise scale is the gathered
-    tensor's, all-reduced with the weights' amaxes)."""
+    share X: llama's gate and up), a weight as one cast per logical matrix of its rows where
+    its blocks would straddle them (blockwise, split.parts: megatronish.fp8.parts; else one;
+    forward_product puts the outputs together). tokens: the axes X's rows are split over
+    (default split.cp; a sequence chunk of a gathered input adds tp: its tensorwise scale is
+    the gathered tensor's, all-reduced with the weights' amaxes)."""
     rows = split.cp if tokens is None else tokens
+    parts = splitting(split.parts, recipe.weight.granularity, rows=True)
+    out, inner = split.tp("out"), split.tp("in")
     (qx,), qws = kept_casts(
-        [Cast(x, recipe.input, rows=rows, k=split.tp("in"))],
-        [(w, [Cast(w, recipe.weight, rows=split.tp("out"), k=split.tp("in"))]) for w in weights],
+        [Cast(x, recipe.input, rows=rows, k=inner)],
+        [(w, [Cast(p, recipe.weight, out, inner) for p in along_rows(w, parts)]) for w in weights],
         "forward",
         recipe,
         split,
     )
-    return qx, [qw for (qw,) in qws]
+    return qx, qws
+
+
+def forward_product(
+    qx: Quantized, qws: list[Quantized], split: Split, recipe: Recipe, dtype: torch.dtype
+) -> torch.Tensor:
+    """Y [T, out] = X W^T from forward_casts' casts of X and of one weight: one GEMM, or one per
+    logical matrix, each into its rows' columns of Y."""
+    if len(qws) == 1:
+        return product(qx, qws[0], dtype, recipe.backend)
+    out_rows = sum(qw.payload.shape[0] for qw in qws)
+    out = qx.payload.new_empty((qx.payload.shape[0], out_rows), dtype=dtype)
+    for index, qw in zip(split.parts.index(out_rows, out.device), qws):
+        out[:, index] = product(qx, qw, dtype, recipe.backend)
+    return out
 
 
 def grad_input_casts(
@@ -137,32 +156,50 @@ def grad_input_casts(
     split: Split,
     scales: Scales,
     tokens: Axes | None = None,
-) -> tuple[Quantized, Quantized, Scales]:
-    """The input-gradient GEMM's operands in fp8, dY [T, out] and W^T [in, out], and the scales
-    with the output gradient's. tokens: as in forward_casts (a sequence chunk of a gathered
-    output gradient: its tensorwise scale is the gathered tensor's)."""
+) -> tuple[list[Quantized], list[Quantized], Scales]:
+    """The input-gradient GEMM's operands in fp8, dY [T, out] and W^T [in, out], each as one
+    cast per logical matrix of the output rows (split.parts) where their scales run across them
+    (rowwise; blockwise where a tile would straddle two: megatronish.fp8.parts), else one each
+    (the GEMM is the sum of the pairs' products: summed_product), and the scales with the
+    output gradient's. tokens: as in forward_casts (a sequence chunk of a gathered output
+    gradient: its tensorwise scale is the gathered tensor's)."""
     rows = split.cp if tokens is None else tokens
-    weight_cast = Cast(
-        weight.t(), recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scales.weight
-    )
-    (qdy,), ((qwt,),) = kept_casts(
-        [Cast(grad_output, recipe.grad_output, rows=rows, k=split.tp("out"))],
-        [(weight, [weight_cast])],
+    parts = splitting(split.parts, recipe.grad_output.granularity)
+    weight_casts = [
+        Cast(wt, recipe.weight, rows=split.tp("in"), k=split.tp("out"), scale=scales.weight)
+        for wt in along_k(weight.t(), parts)
+    ]
+    qdys, (qwts,) = kept_casts(
+        [
+            Cast(dy, recipe.grad_output, rows=rows, k=split.tp("out"))
+            for dy in along_k(grad_output, parts)
+        ],
+        [(weight, weight_casts)],
         "input gradient",
         recipe,
         split,
     )
-    return qdy, qwt, replace(scales, grad_output=tensorwise(qdy))
+    return qdys, qwts, replace(scales, grad_output=tensorwise(qdys[0]))
+
+
+def summed_product(
+    qas: list[Quantized], qbs: list[Quantized], dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    """The sum of product(a, b) over the pairs (one GEMM per logical matrix, as grad_input_casts
+    gives them), added in dtype as separate layers' input gradients are."""
+    out = product(qas[0], qbs[0], dtype, backend)
+    for qa, qb in zip(qas[1:], qbs[1:]):
+        out = out.add_(product(qa, qb, dtype, backend))
+    return out
 
 
 def forward_gemm(
     x: torch.Tensor, weight: torch.Tensor, recipe: Recipe, split: Split
 ) -> tuple[torch.Tensor, Scales]:
     """Y [T, out] = X [T, in] W^T, and the tensorwise scales it computed."""
-    qx, (qw,) = forward_casts(x, [weight], recipe, split)
-    return product(qx, qw, x.dtype, recipe.backend), Scales(
-        input=tensorwise(qx), weight=tensorwise(qw)
-    )
+    qx, (qws,) = forward_casts(x, [weight], recipe, split)
+    out = forward_product(qx, qws, split, recipe, x.dtype)
+    return out, Scales(input=tensorwise(qx), weight=tensorwise(qws[0]))
 
 
 def grad_input_gemm(
@@ -170,8 +207,8 @@ def grad_input_gemm(
 ) -> tuple[torch.Tensor, Scales]:
     """dX [T, in] = dY [T, out] W (this rank's partial sum for a column-parallel layer), and the
     scales with the output gradient's."""
-    qdy, qwt, scales = grad_input_casts(grad_output, weight, recipe, split, scales)
-    return product(qdy, qwt, grad_output.dtype, recipe.backend), scales
+    qdys, qwts, scales = grad_input_casts(grad_output, weight, recipe, split, scales)
+    return summed_product(qdys, qwts, grad_output.dtype, recipe.backend), scales
 
 
 def grad_weight_gemm(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatronish.distributed import comm
 from megatronish.fp8 import granularity as groups
 from megatronish.fp8 import kernels
+from megatronish.fp8.parts import Parts
 from megatronish.fp8.recipes import Operand
 from megatronish.fp8.scaling import amax_to_scale, cast_to_fp8, dequantize
 
@@ -37,11 +38,13 @@ class TokenGroups:
 @dataclass(frozen=True)
 class Split:
     """A linear layer's groups: its tp `group` and the dim of its weight split over it (`dim`,
-    None: whole), and the groups its tokens are split over."""
+    None: whole), the groups its tokens are split over, and the logical matrices of its output
+    rows (`parts`, megatronish.fp8.parts; None: one)."""
 
     group: dist.ProcessGroup | None = None
     dim: Literal["out", "in"] | None = None
     tokens: TokenGroups = TokenGroups()
+    parts: Parts | None = None
 
     def tp(self, dim: Literal["out", "in"]) -> Axes:
         """The axes of the weight's dim `dim`: tp where it is the split one."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from megatronish.distributed import comm
 from megatronish.fp8 import (
+    Parts,
     Recipe,
     Split,
     TokenGroups,
@@ -76,9 +77,9 @@ class _ColumnLinear(torch.autograd.Function):
     recipe the three GEMMs take fp8 operands."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, recipe, tokens):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, recipe, split):
         ctx.group, ctx.sequence_parallel, ctx.recipe = group, sequence_parallel, recipe
-        ctx.split = Split(group, "out", tokens)
+        ctx.split = split
         ctx.has_bias = bias is not None
         full_x = mappings.gather_seq(x, group) if sequence_parallel else x
         if recipe is None:
@@ -160,20 +161,24 @@ def column_parallel_linear(
     fp8_recipe: Recipe | None = None,
     comm_overlap: bool = False,
     fp8_tokens: TokenGroups | None = None,
+    out_parts: Parts | None = None,
 ) -> torch.Tensor:
     """x [b, s, in] (or [b, s / t, in] with sequence_parallel) times this rank's block of the
     weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group. comm_overlap
     with sequence_parallel: the all-gather decomposed under the GEMM (layers.overlap).
-    fp8_tokens: the groups the tokens are split over (fp8 scales span them; None: whole)."""
+    fp8_tokens: the groups the tokens are split over (fp8 scales span them; None: whole);
+    out_parts: the logical matrices of the weight's rows (megatronish.fp8.parts; None: one)."""
     fp8_tokens = fp8_tokens or TokenGroups()
     if comm.group_size(group) == 1:
-        return local_linear(x, weight, bias, fp8_recipe, Split(tokens=fp8_tokens))
+        split = Split(tokens=fp8_tokens, parts=out_parts)
+        return local_linear(x, weight, bias, fp8_recipe, split)
     x = to_autocast_dtype(x)
     if comm_overlap and sequence_parallel:
         return overlap.all_gather_linear(
-            x, [weight], [bias], group, recipe=fp8_recipe, tokens=fp8_tokens
+            x, [weight], [bias], group, recipe=fp8_recipe, tokens=fp8_tokens, parts=out_parts
         )[0]
-    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe, fp8_tokens)
+    split = Split(group, "out", fp8_tokens, out_parts)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe, split)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -181,7 +186,9 @@ class ColumnParallelLinear(nn.Module):
     contiguous block). Forward needs no communication (the input is replicated); backward
     all-reduces the input gradient, overlapped with the weight-gradient matmul. With
     skip_bias_add the bias is left for the caller to fuse into the next op. fp8_recipe (None:
-    the autocast precision) makes its GEMMs fp8."""
+    the autocast precision) makes its GEMMs fp8. out_parts: the rows of each logical matrix
+    fused in the weight, per repeating unit of its rows (the attention's q, k and v per
+    key-value group; megatronish.fp8.parts): fp8 scales along the rows are taken per matrix."""
 
     def __init__(
         self,
@@ -196,6 +203,7 @@ class ColumnParallelLinear(nn.Module):
         init_method: InitMethod | None = DEFAULT_INIT,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        out_parts: tuple[int, ...] | None = None,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -203,6 +211,10 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         if out_features % self.tp_size:
             raise ValueError(f"out_features {out_features} not divisible by tp {self.tp_size}")
+        if out_parts is not None and (out_features // self.tp_size) % sum(out_parts):
+            units = f"whole units of out_parts {out_parts}"
+            raise ValueError(f"out_features {out_features} / tp {self.tp_size} not {units}")
+        self.out_parts = None if out_parts is None else Parts(tuple(out_parts))
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.fp8_recipe: Recipe | None = None
@@ -232,6 +244,7 @@ class ColumnParallelLinear(nn.Module):
             self.fp8_recipe,
             self.comm_overlap,
             self.fp8_tokens,
+            self.out_parts,
         )
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, self.tp_group)
@@ -241,7 +254,7 @@ class ColumnParallelLinear(nn.Module):
         """x [b, s, in], already in the tensor-parallel region (copied or gathered there by the
         caller), times this rank's weight: [b, s, out / t], no bias, no collective of
         activations."""
-        split = Split(self.tp_group, "out", self.fp8_tokens)
+        split = Split(self.tp_group, "out", self.fp8_tokens, self.out_parts)
         return local_linear(x, self.weight, None, self.fp8_recipe, split)
 
     def extra_repr(self) -> str:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatronish.distributed import comm
-from megatronish.fp8 import Recipe, TokenGroups
+from megatronish.fp8 import Parts, Recipe, TokenGroups
 from megatronish.layers import overlap_fp8
 from megatronish.layers.overlap_fp8 import _rows
 from megatronish.layers.tp_ring import RingReduceScatter, TpRing, gather_chunks
@@ -169,16 +169,18 @@ def all_gather_linear(
     keep_gathered: bool = False,
     recipe: Recipe | None = None,
     tokens: TokenGroups | None = None,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """x [b, c, in] (this rank's sequence chunk) -> F.linear(x gathered over the group's
     sequence, weight, bias) [b, s, out / t] for each weight, the gather decomposed under the
     GEMMs. Backward reduce-scatters dx. keep_gathered: save the gathered x for the weight
     gradients (else gather it again in backward, as the plain layer does). recipe: fp8 GEMMs
-    (megatronish.layers.overlap_fp8), tokens the groups the tokens are split over."""
+    (megatronish.layers.overlap_fp8), tokens the groups the tokens are split over, parts the
+    logical matrices of each weight's rows (megatronish.fp8.parts)."""
     if recipe is not None:
         tokens = tokens or TokenGroups()
         return overlap_fp8.all_gather_linear(
-            x, weights, biases, group, keep_gathered, recipe, tokens
+            x, weights, biases, group, keep_gathered, recipe, tokens, parts
         )
     return _AllGatherLinear.apply(x, group, keep_gathered, len(weights), *weights, *biases)
 

@@ -16,6 +16,9 @@ Where the scales come from:
   all-reduced (MAX) over the tp group (tp x cp under context parallelism) before the ring
   starts, in the same call as the weights' amaxes (megatronish.fp8.quantize), and the chunks
   are cast with it.
+- A column layer of several logical matrices (the fused qkv: megatronish.fp8.parts) casts
+  each alone where the plain layer does, and each chunk's input-gradient GEMM is the sum of
+  theirs.
 - The weight-gradient GEMM's K is the tokens: its rowwise and tile scales span the chunks, so
   it is computed at once, after the ring, from the whole tensors, with the casts of the layer
   without the decomposition (chunking it would change its scales). Its tensorwise scales are
@@ -45,13 +48,15 @@ import torch
 import torch.distributed as dist
 
 from megatronish.distributed import comm
-from megatronish.fp8 import Recipe, Split, TokenGroups
+from megatronish.fp8 import Parts, Recipe, Split, TokenGroups
 from megatronish.fp8.gemm import (
     Scales,
     forward_casts,
+    forward_product,
     grad_input_casts,
     grad_weight_gemm,
     product,
+    summed_product,
     tensorwise,
 )
 from megatronish.fp8.quantize import Cast, Quantized, quantize
@@ -111,10 +116,9 @@ class _AllGatherLinear(torch.autograd.Function):
     """x [b, c, in] -> (fp8 linear of the all-gathered x with w_i, + b_i, for each weight)."""
 
     @staticmethod
-    def forward(ctx, x, group, keep_gathered, recipe, tokens, count, *params):
+    def forward(ctx, x, group, keep_gathered, recipe, split, count, *params):
         weights, biases = params[:count], params[count:]
         ring, batch = TpRing.of(group), x.shape[0]
-        split = Split(group, "out", tokens)
         qx, qws = forward_casts(_rows(x), list(weights), recipe, split, split.cp | TP)
         outs = [[None] * ring.size for _ in weights]  # [weight][source]: [b, c, out / t]
         tensor = recipe.input.granularity == "tensor"
@@ -129,12 +133,12 @@ class _AllGatherLinear(torch.autograd.Function):
                 cast = Cast(_rows(arrived), recipe.input)
                 (chunk,) = quantize([cast], recipe.power_of_2_scales, split, recipe.backend)
             for pieces, qw, bias in zip(outs, qws, biases):
-                out = _seq(product(chunk, qw, x.dtype, recipe.backend), batch)
+                out = _seq(forward_product(chunk, qw, split, recipe, x.dtype), batch)
                 pieces[source] = _add_bias(out, bias)
             kept[source] = _seq(chunk.payload.view(torch.uint8), batch) if tensor else arrived
         ctx.ring, ctx.recipe, ctx.split, ctx.count = ring, recipe, split, count
         ctx.weights = weights  # themselves (not a recompute's copies): the keys of their casts
-        ctx.scales = [Scales(input=tensorwise(qx), weight=tensorwise(qw)) for qw in qws]
+        ctx.scales = [Scales(input=tensorwise(qx), weight=tensorwise(qw[0])) for qw in qws]
         ctx.has_bias = [bias is not None for bias in biases]
         ctx.kept = keep_gathered
         if keep_gathered:  # the gathered fp8 payload (tensorwise) or x [b, s, in]
@@ -156,11 +160,9 @@ class _AllGatherLinear(torch.autograd.Function):
         ]
 
         def input_grad(dest: int) -> torch.Tensor:  # this rank's partial of dest's block of dx
-            part = None
-            for qdy, qwt, _ in casts:
-                term = product(_block(qdy, batch, dest, ring.size), qwt, dtype, recipe.backend)
-                part = term if part is None else part.add_(term)
-            return _seq(part, batch)
+            blocks = [_block(qdy, batch, dest, ring.size) for qdys, _, _ in casts for qdy in qdys]
+            qwts = [qwt for _, weight_casts, _ in casts for qwt in weight_casts]
+            return _seq(summed_product(blocks, qwts, dtype, recipe.backend), batch)
 
         reduce = RingReduceScatter(ring)
         if ctx.kept:
@@ -196,7 +198,7 @@ class _LinearReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, group, recipe, tokens):
         ring, batch = TpRing.of(group), x.shape[0]
         split = Split(group, "in", tokens)
-        qx, (qw,) = forward_casts(_rows(x), [weight], recipe, split)
+        qx, ((qw,),) = forward_casts(_rows(x), [weight], recipe, split)
         reduce = RingReduceScatter(ring)
         for _ in range(ring.size):
             block = _block(qx, batch, reduce.destination, ring.size)
@@ -212,7 +214,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         recipe, split = ctx.recipe, ctx.split
         batch, dtype = grad.shape[0], grad.dtype
         # this rank's chunk, with the whole gathered gradient's tensorwise scale
-        mine, qwt, scales = grad_input_casts(
+        (mine,), (qwt,), scales = grad_input_casts(
             _rows(grad), weight, recipe, split, ctx.scales, split.cp | TP
         )
         pieces, chunks = [None] * ring.size, [None] * ring.size
@@ -236,7 +238,7 @@ class _LinearAllReduce(torch.autograd.Function):
     def forward(ctx, x, weight, group, recipe, tokens):
         parts, batch = comm.group_size(group), x.shape[0]
         split = Split(group, "in", tokens)
-        qx, (qw,) = forward_casts(_rows(x), [weight], recipe, split)
+        qx, ((qw,),) = forward_casts(_rows(x), [weight], recipe, split)
         pieces, works = [], []
         for index in range(parts):
             block = _block(qx, batch, index, parts)
@@ -253,7 +255,7 @@ class _LinearAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,), weight, recipe, split = ctx.saved_tensors, ctx.weight, ctx.recipe, ctx.split
-        qdy, qwt, scales = grad_input_casts(_rows(grad), weight, recipe, split, ctx.scales)
+        (qdy,), (qwt,), scales = grad_input_casts(_rows(grad), weight, recipe, split, ctx.scales)
         grad_in = product(qdy, qwt, grad.dtype, recipe.backend).view(*x.shape)
         weight_grad = grad_weight_gemm(_rows(grad), _rows(x), recipe, split, scales)
         return grad_in, weight_grad.to(weight.dtype), None, None, None
@@ -267,10 +269,11 @@ def all_gather_linear(
     keep_gathered: bool,
     recipe: Recipe,
     tokens: TokenGroups,
+    parts: Parts | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """overlap.all_gather_linear with fp8 GEMMs (module doc): x [b, c, in] -> [b, s, out / t]
-    for each weight."""
-    args = (x, group, keep_gathered, recipe, tokens, len(weights))
+    for each weight; parts: the logical matrices of each weight's rows (megatronish.fp8.parts)."""
+    args = (x, group, keep_gathered, recipe, Split(group, "out", tokens, parts), len(weights))
     return _AllGatherLinear.apply(*args, *weights, *biases)
 
 

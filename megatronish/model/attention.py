@@ -99,6 +99,8 @@ class Attention(nn.Module):
             sequence_parallel=sp,
             tp_group=group,
             init_method=None,
+            # per key-value group: its query heads, its key head, its value head
+            out_parts=(self.heads_per_group * self.head_dim, self.head_dim, self.head_dim),
         )
         self.q_norm = self.k_norm = None
         if model.qk_norm:  # each rank normalizes its own heads: its gradient is summed over tp

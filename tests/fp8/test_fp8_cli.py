@@ -1,5 +1,6 @@
 """fp8 from the command line: `check` names the recipe and says the GEMMs are emulated; a bad
-recipe, blockwise shards that would cut a 128 block (over tp, or the cp chunks of the
+recipe, blockwise shards that would cut a 128 block (over tp, the key heads' among them, or the
+cp chunks of the
 weight-gradient tiles, blockwise experts at cp 2) and a GPU without fp8 are one line, exit 2; a
 tiny-moe run (attention, routed and shared experts in fp8) says once that it emulates, and its
 checkpoint (fp32 master weights) resumes in bf16; an fp8 checkpoint resumes exactly in fp8 and
@@ -52,6 +53,12 @@ def test_check_prints_the_fp8_recipe_and_that_it_is_emulated():
             "train.fp8_recipe",
             "(model.n_head + 2 model.n_kv_head) x head dim = 384 over parallel.tp=2 into 192",
         ),
+        (  # q, k and v tiled each from its own first row: k's 64 rows a rank would cut one
+            ["train.fp8_recipe=blockwise", "parallel.tp=2", "model.arch=llama"]
+            + ["model.d_model=512", "model.n_head=8", "model.n_kv_head=2", "model.d_ff=512"],
+            "train.fp8_recipe",
+            "model.n_kv_head x head dim = 128 over parallel.tp=2 into 64 per rank",
+        ),
         (
             ["train.fp8_recipe=blockwise", "parallel.cp=2"],
             "train.fp8_recipe",
@@ -67,6 +74,7 @@ def test_check_prints_the_fp8_recipe_and_that_it_is_emulated():
     ids=[
         "misspelled recipe",
         "blockwise shards cut a block",
+        "blockwise key heads cut a block",
         "blockwise cp chunks cut a tile",
         "blockwise experts at cp 2",
     ],

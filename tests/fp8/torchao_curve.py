@@ -11,7 +11,9 @@ torchao Float8Linear whose output q_proj, k_proj and v_proj return slices of. It
 every recipe, not only tensorwise (one weight scale for the fused weight): the input-gradient
 GEMM sums over the projection's outputs, so a rowwise scale of the output gradient (per token)
 and of the weight (per input feature) is the amax over q, k and v together when they are fused,
-over each alone when not (in tests/fp8/test_fp8_curve.py the two curves part at step 4).
+over each alone when not, as ours are (megatronish.fp8.parts): the separate projections
+(fused=False, transformers' own) are the reference of tests/fp8/test_fp8_curve.py, the fused
+one a contrast for scripts/fp8_torchao_curve.py.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from tests.parity import make_config, make_trainer, train_counted
 SHAPE = dict(LLAMA_SHAPE, rope_theta=5000.0)  # tests/hf/test_training_curve.py's Llama
 
 
-def save_tiny_llama(root: Path, dataset: Path, seed: int = 0) -> Path:
-    """A tiny random transformers Llama (SHAPE, fp32) saved with save_pretrained in root/llama."""
+def save_tiny_llama(root: Path, dataset: Path, seed: int = 0, key_scale: float = 1.0) -> Path:
+    """A tiny random transformers Llama (SHAPE, fp32) saved with save_pretrained in root/llama,
+    each layer's k_proj weight multiplied by key_scale (q, k and v of other magnitudes, as a
+    trained model's are)."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -40,7 +44,11 @@ def save_tiny_llama(root: Path, dataset: Path, seed: int = 0) -> Path:
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(key_scale)
+    model.save_pretrained(root / "llama")
     return root / "llama"
 
 

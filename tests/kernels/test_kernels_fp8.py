@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatronish.fp8 import RECIPES, fp8_linear
+from megatronish.fp8 import RECIPES, Parts, fp8_linear
 from megatronish.fp8 import granularity as groups
 from megatronish.fp8 import quantize as quantize_module
 from megatronish.fp8.quantize import Cast, Split, TokenGroups, quantize
@@ -154,7 +154,8 @@ def test_scaled_gemm_equals_float64_within_fp32_rounding(gemm):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_an_fp8_linear_on_the_kernels_equals_it_on_torch(recipe, monkeypatch):
     """megatronish.fp8 with kernels.backend triton: the output and both gradients equal the
-    emulation's up to fp32 summation order; the casts of quantize are the emulation's bit for
+    emulation's up to fp32 summation order, the weight's rows three logical matrices (scaled and
+    tiled each alone: megatronish.fp8.parts); the casts of quantize are the emulation's bit for
     bit, also where an amax is reduced over ranks first (a group of two ranks, stood in for)."""
     from dataclasses import replace
 
@@ -166,7 +167,7 @@ def test_an_fp8_linear_on_the_kernels_equals_it_on_torch(recipe, monkeypatch):
     for backend in ("torch", "triton"):
         fp8 = replace(RECIPES[recipe], backend=backend)
         inputs = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        out = fp8_linear(*inputs, fp8, Split())
+        out = fp8_linear(*inputs, fp8, Split(parts=Parts((36, 16, 16))))  # two units of 68
         out.backward(dy)
         results.append([out, inputs[0].grad, inputs[1].grad])
     # The same fp8 operands summed in another order: (K + 5) fp32 roundings of sum |a b| (the

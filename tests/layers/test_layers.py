@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatronish.distributed import comm
-from megatronish.fp8 import RECIPES, Split, TokenGroups, fp8_linear
+from megatronish.fp8 import RECIPES, Parts, Split, TokenGroups, fp8_linear
 from megatronish.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -176,9 +176,21 @@ def _assert_summed_close(got, want, a, b, what: str) -> None:
     assert (err <= bound).all(), f"{what}: error {err.max():.3e} beyond the fp32 summation bound"
 
 
+def _qkv_sizes(recipe_name: str, world: int) -> tuple[int, int, tuple[int, int, int]]:
+    """(d_in, d_mid, out_parts) of the fp8 layout checks' column layer, three logical matrices
+    (q, k, v) per unit of its rows, each rank whole units: blockwise's of 64 rows (a head dim
+    under 128, whose fused blocks would straddle two matrices), two units a rank (whole blocks
+    of each matrix); the others' of 6 rows, one unit a rank."""
+    if recipe_name == "blockwise":
+        return 130, 384 * world, (64, 64, 64)
+    return 13, 6 * world, (3, 2, 1)
+
+
 def _fp8_pair(rank, world, recipe_name, sequence_parallel):
     """A column-parallel fp8 layer feeding a row-parallel one, against the single-device fp8
-    GEMMs with the full weights, each within the fp32 rounding of its reordered sums. Rank 0
+    GEMMs with the full weights, each within the fp32 rounding of its reordered sums; the
+    column layer holds three logical matrices (out_parts: _qkv_sizes), each rank a share of
+    each, whose scales along its rows are reduced over the ranks per matrix. Rank 0
     holds the column weight's larger rows and the last rank the row weight's larger columns
     (and the input the larger features), so a scale taken from one shard alone would differ
     from the whole tensor's (and move a result by about an fp8 step, 2^-4 relative: far beyond
@@ -190,7 +202,7 @@ def _fp8_pair(rank, world, recipe_name, sequence_parallel):
 
     recipe = RECIPES[recipe_name]
     torch.manual_seed(5)
-    d_in, d_mid = (130, 128 * world) if recipe_name == "blockwise" else (13, 6 * world)
+    d_in, d_mid, parts = _qkv_sizes(recipe_name, world)
     batch, seq = 2, 3 * world
     x, g = torch.randn(batch, seq, d_in), torch.randn(batch, seq, d_in) * 1e-3
     x[..., :4] *= 8
@@ -198,8 +210,12 @@ def _fp8_pair(rank, world, recipe_name, sequence_parallel):
     w1[: d_mid // world] *= 4
     w2, b2 = torch.randn(d_in, d_mid) * 0.1, torch.randn(d_in)
     w2[:, -(d_mid // world) :] *= 4
+    q, k, _ = parts  # k's weights and q's output gradients dwarf the others'
+    w1.view(-1, sum(parts), d_in)[:, q : q + k] *= 1024
+    w2.view(d_in, -1, sum(parts))[..., :q] *= 1024
     sp = dict(sequence_parallel=sequence_parallel)
-    col, row = ColumnParallelLinear(d_in, d_mid, **sp), RowParallelLinear(d_mid, d_in, **sp)
+    col = ColumnParallelLinear(d_in, d_mid, out_parts=parts, **sp)
+    row = RowParallelLinear(d_mid, d_in, **sp)
     col.fp8_recipe = row.fp8_recipe = recipe
     with torch.no_grad():
         col.weight.copy_(w1.chunk(world)[rank])
@@ -227,7 +243,7 @@ def _fp8_pair(rank, world, recipe_name, sequence_parallel):
     ref_x, ref_w1, ref_b1, ref_w2, ref_b2 = (
         t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)
     )
-    ref_hidden = fp8_linear(ref_x, ref_w1, recipe, Split()) + ref_b1
+    ref_hidden = fp8_linear(ref_x, ref_w1, recipe, Split(parts=Parts(parts))) + ref_b1
     ref_hidden.backward(whole(hidden.grad))
     ref_in = whole(hidden).requires_grad_()
     ref_out = fp8_linear(ref_in, ref_w2, recipe, Split()) + ref_b2
@@ -399,7 +415,8 @@ def _overlap_row(rank, world, sequence_parallel):
 
 def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
     """The decomposed fp8 GEMMs (parallel.tp_comm_overlap with train.precision fp8) against the
-    fp8 layers without the decomposition, each layer on the same inputs: outputs and input
+    fp8 layers without the decomposition, each layer on the same inputs (the column layer of
+    three logical matrices: _qkv_sizes): outputs and input
     gradients within the fp32 rounding of their reordered sums (a scale other than the plain
     layer's moves an fp8 value by up to 1/16, far beyond it), weight gradients bit for bit (the
     same casts of the same numbers, one GEMM). With sequence parallelism the counted tp_ring
@@ -412,7 +429,7 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
 
     recipe = RECIPES[recipe_name]
     torch.manual_seed(11)
-    d_in, d_mid = (130, 128 * world) if recipe_name == "blockwise" else (13, 6 * world)
+    d_in, d_mid, sizes = _qkv_sizes(recipe_name, world)
     batch, seq = 2, 2 * world
     x = torch.randn(batch, seq, d_in)
     x[..., :3] *= 8
@@ -421,6 +438,9 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
     bias = torch.randn(d_mid)
     full_g = [torch.randn(batch, seq, d_mid) * 1e-3 for _ in range(3)]
     full_g[1][:, : seq // world] *= 16  # rank 0's sequence chunk holds the larger gradients
+    parts, (q, k, _) = Parts(sizes), sizes  # the column layer's k weights and q gradients
+    full_w[0].view(-1, sum(sizes), d_in)[:, q : q + k] *= 1024
+    full_g[0].view(batch, seq, -1, sum(sizes))[..., :q] *= 1024
     ws = [w.chunk(world)[rank] for w in full_w]
     grads = [g.chunk(world, dim=-1)[rank] for g in full_g]
     row_x = torch.randn(batch, seq, d_mid)
@@ -441,7 +461,14 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
         hidden = row_x.chunk(world, dim=-1)[rank].clone().requires_grad_()
         with comm.CommCounter() as counter:
             col = column_parallel_linear(
-                x_in, params[0], b, None, sequence_parallel, recipe, comm_overlap=decomposed
+                x_in,
+                params[0],
+                b,
+                None,
+                sequence_parallel,
+                recipe,
+                comm_overlap=decomposed,
+                out_parts=parts,
             )
             if decomposed and sequence_parallel:
                 gate_up = overlap.all_gather_linear(

@@ -12,7 +12,9 @@ T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's full sizes
   cp) and weight (tp): one value each; backward, the output gradient's (a column layer's: tp,
   cp; a row layer's: cp). The weight-gradient GEMM reuses the scales.
 - rowwise: over tp a column layer's output-gradient rows and weight columns (T + in) in the
-  input-gradient GEMM and a row layer's input and weight rows (T + out) in the forward; over
+  input-gradient GEMM, one each per logical matrix of its rows (the qkv's q, k and v: 3 (T +
+  in); megatronish.fp8.parts), and a row layer's input and weight rows (T + out) in the
+  forward; over
   cp the weight-gradient GEMM's per-feature scales over the tokens (out / t + in, or out +
   in / t).
 - blockwise: none (a shard holds whole tiles and blocks: config.derive).
@@ -65,8 +67,9 @@ def fp8_collectives(step: Step) -> list[Collective]:
     linear = Group(1, 1, tokens, ring)
     experts = model.moe.num_experts // derived.ep
     routed = Group(experts * derived.ep, experts, tokens * model.moe.top_k, False)
+    qkv_rows = Group(1, 1, tokens, ring, parts=1 if model.attention == "mla" else 3)
     layers = [  # name, column-parallel, out, in, calls, weights a call takes, runs of rows
-        ("qkv", True, qkv, h, step.layers, 1, linear),
+        ("qkv", True, qkv, h, step.layers, 1, qkv_rows),
         ("attention projection", False, h, model.n_head * derived.head_dim, step.layers, 1, linear),
         (up[0], True, derived.d_ff, h, *up[1:], linear),
         ("MLP down", False, h, derived.d_ff, dense, 1, linear),
@@ -100,13 +103,15 @@ def fp8_collectives(step: Step) -> list[Collective]:
 class Group:
     """How a GEMM's rows are scaled: `runs` groups of rows (a linear layer: 1 tensor; experts:
     one per (expert, source)), `weights` weights (experts: one per local expert), `rows` rows
-    (a linear layer's tokens; the experts': the routed rows, on average), and whether its GEMMs
-    run decomposed on the tp ring (parallel.tp_comm_overlap with sequence parallelism)."""
+    (a linear layer's tokens; the experts': the routed rows, on average), whether its GEMMs
+    run decomposed on the tp ring (parallel.tp_comm_overlap with sequence parallelism), and the
+    logical matrices of its output rows (the qkv's q, k and v; megatronish.fp8.parts)."""
 
     runs: int
     weights: int
     rows: int
     ring: bool
+    parts: int = 1
 
 
 def _gemms(
@@ -136,9 +141,8 @@ def _gemms(
             ]
     else:  # rowwise
         if column:  # the GEMM whose K (the layer's out or in) is split over tp
-            rows = [
-                ("input gradient", tp, group.rows * t, tp, per_weight * inner, weights, weights)
-            ]
+            dy, w = group.rows * t * group.parts, per_weight * inner * group.parts
+            rows = [("input gradient", tp, dy, tp, w, weights, weights)]
         else:
             rows = [("forward", tp, group.rows * t, tp, per_weight * out, forward_runs, 1)]
         width = out // step.tp + inner if column else out + inner // step.tp
