@@ -267,6 +267,15 @@ def wait_for_text(run: Run, text: str, limit_s: float = 60.0) -> str:
     return run.stderr
 
 
+def wait_for_file(run: Run, path: Path) -> None:
+    """Waits until path exists (a failure if the run ends or TIMEOUT passes first)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not path.exists():
+        assert run.proc.poll() is None, f"ended without {path.name}:\n{run.stderr[-3000:]}"
+        assert time.monotonic() < deadline, f"no {path.name} within {TIMEOUT} s"
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def one_of_two_nodes(tmp_path_factory, small_dataset) -> dict:
     """A launch of two nodes (--rdzv-timeout 2) of which only this one starts, run to its end:
@@ -468,10 +477,7 @@ def test_a_second_ctrl_c_aborts_at_once_with_130_leaving_no_unfinished_save(
     hold = dict(FAULT_RANK="0", FAULT_HOLD_WRITE_STEP="2", FAULT_HOLD_WRITE_S="120",
                 FAULT_HOLD_MARKER=str(marker))  # fmt: skip
     with started(command, out, **hold) as run:
-        deadline = time.monotonic() + TIMEOUT
-        while not marker.exists():  # step 2's save is in flight, held by its writer
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr[-3000:]
-            time.sleep(0.02)
+        wait_for_file(run, marker)  # step 2's save is in flight, held by its writer
         run.proc.send_signal(signal.SIGINT)
         wait_for_text(run, "interrupted: stopping at the end of step ")
         run.proc.send_signal(signal.SIGINT)
@@ -485,6 +491,31 @@ def test_a_second_ctrl_c_aborts_at_once_with_130_leaving_no_unfinished_save(
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("aborted: a second Ctrl-C"), stderr[-3000:]
     assert [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name] == []
+
+
+@pytest.mark.parametrize("held", ["run", "exit"])
+def test_a_second_ctrl_c_once_the_save_is_on_disk_exits_0_with_no_traceback(
+    tmp_path, small_dataset, held
+):
+    """The second Ctrl-C comes while the process, its checkpoint saved, is held at the end of
+    the run (its stop handling still installed) or in an atexit callback as it exits."""
+    out, marker = tmp_path / "run", tmp_path / "saved-and-held"
+    command = train_command(out, small_dataset, "train.steps=100000", faulty_script=True)
+    hold = dict(FAULT_RANK="0", FAULT_HOLD_DONE=held, FAULT_HOLD_DONE_MARKER=str(marker))
+    with started(command, out, **hold) as run:
+        run.wait_for_step(1)
+        run.proc.send_signal(signal.SIGINT)
+        wait_for_file(run, marker)
+        run.proc.send_signal(signal.SIGINT)
+        marker.unlink()  # ends the hold: the signal came first
+        status = run.finish()
+        stdout, stderr = run.stdout, run.stderr
+    assert status == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert not [line for line in stderr.splitlines() if line.startswith("aborted")], stderr
+    stopped = max(x["step"] for x in metrics_lines(out))
+    assert f"stopped at step {stopped} of 100000 (SIGINT): saved step {stopped}" in stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:06d}"
 
 
 # --------------------------------------------------------------------------------------------
