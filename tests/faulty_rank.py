@@ -14,10 +14,14 @@ in a run's first attempt: a run torchrun restarts writes normally).
 FAULT_FSIZE=BYTES: rank r's process can write no file larger than that (RLIMIT_FSIZE, with
 SIGXFSZ ignored so that a write past it fails with EFBIG instead of killing the process).
 FAULT_START_S=S: rank r starts the command S seconds after the others.
+FAULT_HOLD_DONE=run|exit with FAULT_HOLD_DONE_MARKER=FILE: once rank r's run has returned (its
+last save on disk), it creates FILE and holds until the test removes it (at most 120 s): at the
+end of the training function (run), or in an atexit callback as the interpreter exits (exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import resource
 import signal
@@ -37,7 +41,9 @@ HOLD_WRITE_STEP = int(os.environ.get("FAULT_HOLD_WRITE_STEP", "0"))
 HOLD_WRITE_S = float(os.environ.get("FAULT_HOLD_WRITE_S", "0"))
 FSIZE = int(os.environ.get("FAULT_FSIZE", "0"))
 START_S = float(os.environ.get("FAULT_START_S", "0"))
+HOLD_DONE = os.environ.get("FAULT_HOLD_DONE", "")
 compute_gradients = Trainer.compute_gradients
+run = Trainer.run
 write_file = async_save.write_file
 
 
@@ -77,7 +83,26 @@ def held_write_file(path: Path, tensors) -> str:
     return checksum
 
 
+def hold_until_released() -> None:
+    marker = Path(os.environ["FAULT_HOLD_DONE_MARKER"])
+    marker.write_text("held\n")
+    deadline = time.monotonic() + 120
+    while marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def held_run(self: Trainer) -> dict:
+    last = run(self)
+    if self.ps.rank == RANK:
+        hold_until_released()
+    return last
+
+
 Trainer.compute_gradients = faulty_compute_gradients
+if HOLD_DONE == "run":
+    Trainer.run = held_run
+if HOLD_DONE == "exit" and int(os.environ.get("RANK", "0")) == RANK:
+    atexit.register(hold_until_released)
 if HOLD_WRITE_STEP:
     async_save.write_file = held_write_file
 if FSIZE and int(os.environ.get("RANK", "0")) == RANK:

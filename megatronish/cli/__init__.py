@@ -7,6 +7,8 @@ exit status 1 (cli.shared.user_errors)."""
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from megatronish.cli import checkpoints, data, runs, training
@@ -40,4 +42,10 @@ for command in (
 def main() -> None:
     if processes.under_launcher():  # a rank: it must not outlive torchrun
         processes.die_with_parent()
-    cli(prog_name="megatronish")
+    try:
+        cli(prog_name="megatronish")
+    finally:
+        # The command is over and its exit status decided: a Ctrl-C now could only interrupt
+        # an atexit callback (the checkpoint writer's, the process group's, tqdm's) into a
+        # KeyboardInterrupt traceback. The process finishes its exit instead.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

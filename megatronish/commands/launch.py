@@ -10,17 +10,24 @@ newest checkpoint.
 
 Several nodes meet at torchrun's c10d rendezvous on --rdzv-endpoint. Each launcher says once
 whom it waits for, where and until when (--rdzv-timeout, passed to torchrun as its join
-timeout); when the other nodes do not come by then, the launch exits 1 in one line.
+timeout); when the other nodes do not come by then, the launch exits 1 in one line. Node 0's
+launcher, on the endpoint's host, hosts the rendezvous store on its port: when another process
+holds that port, the launch exits 2 in one line naming it, before torchrun starts (or as
+torchrun fails to listen there, if the port was taken in between).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import os
+import socket
 import sys
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from megatronish.checkpoint.lock import ensure_unlocked
 from megatronish.commands.check import check_config
@@ -31,6 +38,7 @@ from megatronish.training.resume import checkpoint_dir
 
 # torchrun's own signal handling (it stops the ranks), less the signals the launcher forwards.
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+RDZV_DEFAULT_PORT = 29400  # torchrun's c10d rendezvous, for an endpoint given without a port
 
 
 def launch(
@@ -47,6 +55,7 @@ def launch(
     status. With several nodes, waits up to rdzv_timeout seconds for all of them."""
     world = world_size_of(cfg)
     _check_launch(cfg, world, nnodes, node_rank, rdzv_timeout)
+    store_port = store_port_here(rdzv_endpoint) if nnodes > 1 and node_rank == 0 else None
     nproc = world // nnodes
     # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -57,7 +66,7 @@ def launch(
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if nnodes > 1:
         print(waiting_line(nnodes, rdzv_endpoint, rdzv_timeout), file=sys.stderr)
-    rendezvous = (nnodes, node_rank, rdzv_endpoint, rdzv_timeout)
+    rendezvous = (nnodes, node_rank, rdzv_endpoint, rdzv_timeout, store_port is not None)
     args = torchrun_args(config_path, overrides, nproc, max_restarts, *rendezvous)
     try:
         with faults.forward_stop_signals():
@@ -71,6 +80,8 @@ def launch(
             "launch` on every node with the same --nnodes and --rdzv-endpoint"
         ) from None
     except RendezvousError as exc:  # the endpoint did not answer: node 0 not up, or mistyped
+        if store_port is not None and address_in_use(exc):  # taken since store_port_here
+            raise UserError(port_in_use(rdzv_endpoint, store_port)) from None
         raise RunFailure(
             f"launch: could not reach the rendezvous at {rdzv_endpoint} within {rdzv_timeout} s "
             f"(--rdzv-timeout): {type(exc).__name__}; start node 0's launch (the endpoint's "
@@ -108,9 +119,12 @@ def torchrun_args(
     node_rank: int,
     rdzv_endpoint: str,
     rdzv_timeout: int,
+    hosts_store: bool,
 ) -> list[str]:
     """torchrun's command line that starts `megatronish train` on nproc processes of this node:
-    standalone on one node, else a c10d rendezvous at rdzv_endpoint."""
+    standalone on one node, else a c10d rendezvous at rdzv_endpoint, whose store this node
+    hosts when hosts_store (torchrun then fails where it cannot listen on the port, instead of
+    dialling whatever holds it)."""
     args = [
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
@@ -121,7 +135,8 @@ def torchrun_args(
         args += [
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={rdzv_endpoint}",
-            f"--rdzv-conf=join_timeout={rdzv_timeout},read_timeout={rdzv_timeout}",
+            f"--rdzv-conf=join_timeout={rdzv_timeout},read_timeout={rdzv_timeout}"
+            + (",is_host=true" if hosts_store else ""),
             f"--node-rank={node_rank}",
         ]
     else:
@@ -141,4 +156,63 @@ def waiting_line(nnodes: int, endpoint: str, timeout_s: int) -> str:
     return (
         f"launch: waiting for {nnodes - 1} more node(s) at {endpoint} ({nnodes} nodes in all); "
         f"the rendezvous times out at {when} ({timeout_s} s, --rdzv-timeout)"
+    )
+
+
+def store_port_here(endpoint: str) -> int | None:
+    """The port of the rendezvous store that node 0's launcher hosts when endpoint's host is
+    this machine (None when it is another); a UserError naming the port when another process
+    holds it."""
+    try:
+        host, port = parse_rendezvous_endpoint(endpoint, RDZV_DEFAULT_PORT)
+    except ValueError as exc:
+        raise UserError(f"--rdzv-endpoint {endpoint}: {exc}") from None
+    if not is_this_host(host):
+        return None
+    if port_taken(port):
+        raise UserError(port_in_use(endpoint, port))
+    return port
+
+
+def port_taken(port: int) -> bool:
+    """Whether another socket holds port on this host, so that the rendezvous store cannot
+    listen there: bound as the store binds it (every address, SO_REUSEADDR), then closed."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as exc:  # another errno (a privileged port): torchrun's to report
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def is_this_host(host: str) -> bool:
+    """Whether host names an address of this machine (a socket binds to it)."""
+    try:
+        addresses = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError:  # not resolved here
+        return False
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe, contextlib.suppress(OSError):
+            probe.bind(address)
+            return True
+    return False
+
+
+def address_in_use(exc: BaseException) -> bool:
+    """Whether exc, or an exception it came from, says a socket could not listen because its
+    address is in use (torchrun's TCPStore failing to bind the rendezvous port)."""
+    current: BaseException | None = exc
+    while current is not None:
+        if getattr(current, "errno", None) == errno.EADDRINUSE or "EADDRINUSE" in str(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def port_in_use(endpoint: str, port: int) -> str:
+    """The line of a launch whose rendezvous port another process holds."""
+    return (
+        f"launch: --rdzv-endpoint {endpoint}: port {port} is in use on this host by another "
+        "process; pick a free port"
     )

@@ -9,8 +9,10 @@
   or on its launcher: `StopSignals` turns the signal into a request, and the ranks agree on it
   at the end of the step (`agree_on_step`), save a checkpoint and exit with status 0.
 - Ctrl-C (SIGINT): the first asks the same and says so in one line; a second aborts at once
-  (KeyboardInterrupt; the run exits 130, leaving no unfinished save). A launcher passes SIGINT
-  on to its ranks as it does SIGTERM, and leaves torchrun after a second.
+  (KeyboardInterrupt; the run exits 130, leaving no unfinished save). Once the run's last save
+  is on disk, Ctrl-C is ignored: the process finishes its exit with its status (0), with no
+  traceback. A launcher passes SIGINT on to its ranks as it does SIGTERM, and leaves torchrun
+  after a second.
 - A step's loss or gradient norm is not finite on some rank: `agree_on_step` makes every rank
   skip that optimizer update alike.
 - Another rank fails: the collective this rank waits in fails (gloo sees the connection close,
@@ -69,14 +71,15 @@ class StopSignals:
     stops after; None before the run has one) to stderr when notice is given: at once, or, when
     it comes while the step in progress is being decided on (between asked() and agreed(), so
     the ranks may see it at that step or the next), once every rank has agreed. A second SIGINT
-    raises KeyboardInterrupt at once; later ones are ignored while the run unwinds. restore()
-    puts the previous handlers back."""
+    raises KeyboardInterrupt at once; later ones are ignored while the run unwinds, and so is
+    any after done(). restore() puts the previous handlers back."""
 
     def __init__(self, notice: Callable[[int | None], str] | None = None) -> None:
         self.requested: str | None = None
         self.notice = notice
         self.settled: int | None = None  # the last step every rank agreed on (agreed)
         self.interrupts = 0
+        self._done = False  # done(): the run trained and saved what it saves
         self._deciding = False
         self._notice_due = False
         self._previous: dict[int, object] = {}
@@ -94,6 +97,11 @@ class StopSignals:
             self._notice_due = False
             self._say(step if stop else step + 1)
 
+    def done(self) -> None:
+        """The run's last save is on disk (or it saves nothing): nothing is left for a Ctrl-C to
+        stop or abort, so SIGINT is ignored from here on."""
+        self._done = True
+
     def _say(self, step: int | None) -> None:
         # os.write: the main thread may be inside a print to stderr. On a line of its own, below
         # the progress bar, which tqdm then draws again on the next line.
@@ -102,6 +110,8 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT:
+            if self._done:
+                return
             self.interrupts += 1
             if self.interrupts > 1:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)

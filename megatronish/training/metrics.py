@@ -1,5 +1,5 @@
-"""The device peak that MFU divides by (a known GPU's data sheet, else a measured matmul rate)
-and the metrics.jsonl writer. Model FLOPs are megatronish.accounting.flops's."""
+"""The device peak that MFU divides by (a known GPU's data sheet, else a measured matmul rate),
+the metrics.jsonl writer and the run's last line. Model FLOPs are megatronish.accounting.flops's."""
 
 from __future__ import annotations
 
@@ -100,3 +100,15 @@ class MetricsWriter:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def summary_line(summary: dict, peak_source: str) -> str:
+    """The line rank 0 prints as a run ends: its last metrics (`summary`, val_loss when computed)
+    and what MFU was measured against."""
+    line = f"step {summary['step']}: loss {summary['loss']:.4f}"
+    if "val_loss" in summary:
+        line += f", val_loss {summary['val_loss']:.4f}"
+    return (
+        line
+        + f", {summary['tokens_per_s']:.0f} tokens/s, MFU {mfu_text(summary['mfu'], peak_source)}"
+    )

@@ -36,7 +36,7 @@ from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
 from megatronish.training.batches import next_batch, validation_loss
 from megatronish.training.loss import loss_divisor, mean_losses
-from megatronish.training.metrics import MetricsWriter, mfu_text, peak_flops
+from megatronish.training.metrics import MetricsWriter, mfu_text, peak_flops, summary_line
 from megatronish.training.resume import checkpoint_dir
 from megatronish.training.setup import Setup, make_loader, setup, write_data_report
 from megatronish.training.window import StepWindow
@@ -225,6 +225,7 @@ class Trainer:
             if cfg.checkpoint.save and self.saved_step != self.step:
                 self.save_checkpoint()
             self.saver.finish()  # checkpoint.async: the last save on disk before the run ends
+            self.stop_signals.done()  # a Ctrl-C from here on no longer aborts
             self.data_parallel.make_whole()  # the model is whole when the run returns
         finally:
             self.saver.close()
@@ -375,12 +376,7 @@ def train(cfg: Config) -> dict:
                 held.enter_context(run_lock(directory, built.ps))
             summary = trainer.run()
         if built.ps.is_main and summary:
-            line = f"step {summary['step']}: loss {summary['loss']:.4f}"
-            if "val_loss" in summary:
-                line += f", val_loss {summary['val_loss']:.4f}"
-            line += f", {summary['tokens_per_s']:.0f} tokens/s, "
-            line += f"MFU {mfu_text(summary['mfu'], trainer.peak_source)}"
-            print(line, flush=True)
+            print(summary_line(summary, trainer.peak_source), flush=True)
         return summary
     except KeyboardInterrupt:  # a second Ctrl-C
         raise checkpoints.aborted(cfg, built.ps.is_main) from None
@@ -393,8 +389,10 @@ def train(cfg: Config) -> dict:
             rank0_prints=True,
         ) from exc
     finally:
-        stop_signals.restore()
-        if watchdog is not None:
-            watchdog.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if watchdog is not None:
+                watchdog.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            stop_signals.restore()  # last: a run done ignores Ctrl-C while it tears down

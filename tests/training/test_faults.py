@@ -16,9 +16,11 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -267,6 +269,15 @@ def wait_for_text(run: Run, text: str, limit_s: float = 60.0) -> str:
     return run.stderr
 
 
+def wait_for_file(run: Run, path: Path) -> None:
+    """Waits until path exists (a failure if the run ends or TIMEOUT passes first)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not path.exists():
+        assert run.proc.poll() is None, f"ended without {path.name}:\n{run.stderr[-3000:]}"
+        assert time.monotonic() < deadline, f"no {path.name} within {TIMEOUT} s"
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def one_of_two_nodes(tmp_path_factory, small_dataset) -> dict:
     """A launch of two nodes (--rdzv-timeout 2) of which only this one starts, run to its end:
@@ -308,6 +319,69 @@ def test_a_launch_whose_other_node_never_comes_exits_1_in_one_line_at_the_timeou
     assert lines[-1].startswith("error: launch: not all 2 nodes joined the rendezvous at ")
     assert "within 2 s (--rdzv-timeout)" in lines[-1]
     assert not one_of_two_nodes["wrote"], "nothing written before the ranks started"
+
+
+@contextlib.contextmanager
+def held_port(listening: bool) -> Iterator[int]:
+    """A port of this host that a socket of this process holds (listening, or only bound)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", free_port()))
+        if listening:
+            holder.listen()
+        yield holder.getsockname()[1]
+
+
+def launch_node_0_of_2(out_dir: Path, dataset: Path, endpoint: str, program=MEGATRONISH):
+    """`launch` of node 0 of 2 (--rdzv-timeout 600 s, beyond TIMEOUT), in a process of its own:
+    one that waited for its rendezvous fails the test rather than hangs it (a thread blocked
+    in the store's connect never returns to Python for pytest's timeout)."""
+    args = config_args(out_dir, dataset, "parallel.tp=1", "parallel.dp=2")
+    options = ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint]
+    command = [*program, "launch", *args, *options]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=environment(), timeout=TIMEOUT
+    )
+
+
+def port_in_use(endpoint: str, port: int) -> str:
+    return (
+        f"error: launch: --rdzv-endpoint {endpoint}: port {port} is in use on this host by "
+        "another process; pick a free port"
+    )
+
+
+@pytest.mark.parametrize("listening", [True, False], ids=["listening", "bound"])
+def test_node_0_whose_rendezvous_port_another_process_holds_exits_2_naming_the_port(
+    tmp_path, small_dataset, listening
+):
+    with held_port(listening) as port:
+        endpoint = f"127.0.0.1:{port}"
+        result = launch_node_0_of_2(tmp_path / "run", small_dataset, endpoint)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [port_in_use(endpoint, port)]
+    assert not (tmp_path / "run").exists()
+
+
+# `megatronish` whose launcher finds the rendezvous port free whatever holds it
+PORT_CHECK_MISSES = (
+    "from megatronish.commands import launch; launch.port_taken = lambda port: False; "
+    "from megatronish.cli import main; main()"
+)
+
+
+def test_node_0_whose_rendezvous_port_is_taken_after_the_check_exits_2_as_torchrun_fails(
+    tmp_path, small_dataset
+):
+    """The port taken between the launcher's check and torchrun's store: node 0 hosts the
+    store (it never dials the holder), so torchrun fails at once, and the launch says so in
+    the same line."""
+    with held_port(listening=True) as port:
+        endpoint = f"127.0.0.1:{port}"
+        program = (sys.executable, "-c", PORT_CHECK_MISSES)
+        result = launch_node_0_of_2(tmp_path / "run", small_dataset, endpoint, program)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == port_in_use(endpoint, port)
+    assert "Traceback" not in result.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,10 +542,7 @@ def test_a_second_ctrl_c_aborts_at_once_with_130_leaving_no_unfinished_save(
     hold = dict(FAULT_RANK="0", FAULT_HOLD_WRITE_STEP="2", FAULT_HOLD_WRITE_S="120",
                 FAULT_HOLD_MARKER=str(marker))  # fmt: skip
     with started(command, out, **hold) as run:
-        deadline = time.monotonic() + TIMEOUT
-        while not marker.exists():  # step 2's save is in flight, held by its writer
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr[-3000:]
-            time.sleep(0.02)
+        wait_for_file(run, marker)  # step 2's save is in flight, held by its writer
         run.proc.send_signal(signal.SIGINT)
         wait_for_text(run, "interrupted: stopping at the end of step ")
         run.proc.send_signal(signal.SIGINT)
@@ -485,6 +556,31 @@ def test_a_second_ctrl_c_aborts_at_once_with_130_leaving_no_unfinished_save(
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("aborted: a second Ctrl-C"), stderr[-3000:]
     assert [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name] == []
+
+
+@pytest.mark.parametrize("held", ["run", "exit"])
+def test_a_second_ctrl_c_once_the_save_is_on_disk_exits_0_with_no_traceback(
+    tmp_path, small_dataset, held
+):
+    """The second Ctrl-C comes while the process, its checkpoint saved, is held at the end of
+    the run (its stop handling still installed) or in an atexit callback as it exits."""
+    out, marker = tmp_path / "run", tmp_path / "saved-and-held"
+    command = train_command(out, small_dataset, "train.steps=100000", faulty_script=True)
+    hold = dict(FAULT_RANK="0", FAULT_HOLD_DONE=held, FAULT_HOLD_DONE_MARKER=str(marker))
+    with started(command, out, **hold) as run:
+        run.wait_for_step(1)
+        run.proc.send_signal(signal.SIGINT)
+        wait_for_file(run, marker)
+        run.proc.send_signal(signal.SIGINT)
+        marker.unlink()  # ends the hold: the signal came first
+        status = run.finish()
+        stdout, stderr = run.stdout, run.stderr
+    assert status == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert not [line for line in stderr.splitlines() if line.startswith("aborted")], stderr
+    stopped = max(x["step"] for x in metrics_lines(out))
+    assert f"stopped at step {stopped} of 100000 (SIGINT): saved step {stopped}" in stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{stopped:06d}"
 
 
 # --------------------------------------------------------------------------------------------
