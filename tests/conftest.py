@@ -40,6 +40,7 @@ USER_STATE = ("runs", "data")
 # worker is left with one of them at the end while the other has nothing to do. Only an order:
 # a module missing here, or one that got faster, changes the suite's time, not its result.
 LONGEST_FIRST = [
+    "project/test_docs.py",  # the README's main job, then every runnable block
     "training/test_faults.py",
     "data_parallel/test_zero_levels.py",
     "checkpoint/test_checkpoint_async.py",
