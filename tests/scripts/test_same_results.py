@@ -42,7 +42,7 @@ def test_compare_is_clean_on_an_unchanged_tree_and_reports_an_edited_record(tmp_
     assert script.main(["compare", str(record), "--only", "check tiny.yaml"]) == 1
     lines = capsys.readouterr().out.splitlines()
     stdout = values["check tiny.yaml"]["stdout"].splitlines() + ["<end>"]
-    assert lines == [f'check tiny.yaml | stdout line {len(stdout)} | "<end>" | "changed"']
+    assert lines == [f'check tiny.yaml | stdout line {len(stdout)} | "changed" | "<end>"']
     found = script.differences(edited, values)
     assert ("smoke", "step 1 loss", edited["smoke"]["step 1 loss"], loss) in found
     assert len(found) == 2
