@@ -170,6 +170,7 @@ def digest(tensor) -> str:
 def checkpoint_values(checkpoint_dir: Path) -> dict:
     """The saved step's full tensors (the reader joins the shards) and its metadata."""
     from megatronish.checkpoint.reader import Checkpoint
+    from megatronish.data import cache_root
 
     saved = Checkpoint(checkpoint_dir)
     values = {}
@@ -179,7 +180,8 @@ def checkpoint_values(checkpoint_dir: Path) -> dict:
             for kind in ("exp_avg", "exp_avg_sq"):
                 values[f"optimizer {name}.{kind}"] = digest(saved.full(name, kind))
             values[f"optimizer {name}.step"] = digest(saved.scalar(name))
-    meta = json.loads(saved.meta_path.read_text())
+    saved.verify()  # the files' checksums
+    meta = json.loads(saved.meta_path.read_text().replace(str(cache_root()), "<cache>"))
     meta.pop("created_at")
     # A file's bytes (so its crc32c) vary from run to run: safetensors writes the header's
     # metadata in a per-process hash order. Its tensors are compared above.
@@ -197,6 +199,7 @@ def checkpoint_values(checkpoint_dir: Path) -> dict:
 def export_values(tmp: Path) -> dict:
     result = cli(["export", "--checkpoint", "ckpt", "--format", "hf", "--output", "hf"], tmp)
     values: dict = {"export exit": result.returncode}
+    values |= {"export stdout": result.stdout, "export stderr": result.stderr}
     for path in sorted((tmp / "hf").rglob("*")) if (tmp / "hf").is_dir() else []:
         if path.is_file():
             key = f"export {path.relative_to(tmp / 'hf').as_posix()}"

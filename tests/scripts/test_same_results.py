@@ -7,7 +7,11 @@ import importlib.util
 import json
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow  # the CLI end to end: training and `check` in subprocesses
 
 SCRIPT = REPO / "scripts" / "same_results.py"
 ENTRIES = ["smoke", "check tiny.yaml"]
