@@ -21,6 +21,11 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
+# The kernels are imported first under Triton's interpreter where there is no GPU (tests/
+# kernel_env.py), before any test module can import them otherwise: a module that imports them
+# first without it (torchao's fp8 tests, through megatronish.fp8) left compiled-mode helpers that
+# an interpreted kernel cannot call, failing the kernel tests a process ran after it.
+import tests.kernel_env  # noqa: F401
 from megatronish.cli import cli
 
 REPO = Path(__file__).resolve().parent.parent
