@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatronish.checkpoint.format import (
+    OPTIM_STATE,
     TensorSpec,
     model_file,
     optim_file,
@@ -87,9 +88,10 @@ def _write_rank(
     )
     state = {}
     for name in (n for n in mine if has_optimizer and ckpt.has_optimizer_state(n)):
-        for kind in ("exp_avg", "exp_avg_sq"):
+        for kind in OPTIM_STATE.moments:
             state[f"{name}.{kind}"] = ckpt.block(name, kind, specs[name], tp, tp_rank)
-        state[f"{name}.step"] = ckpt.scalar(name, "step")
+        for kind in OPTIM_STATE.scalars:
+            state[f"{name}.{kind}"] = ckpt.scalar(name, kind)
     if state:
         checksums[optim_file(tp_rank, 0)] = write_safetensors(tmp / optim_file(tp_rank, 0), state)
     rng = rng_states_for(ckpt, tp, 1, tp_rank)

@@ -19,6 +19,7 @@ from megatronish.checkpoint.integrity import CHECKSUM_KEY, is_checksum
 from megatronish.errors import UserError, read_json_object
 from megatronish.layers.roles import role
 from megatronish.moe.experts import stored_tensors
+from megatronish.optim.registry import optimizer_named
 
 FORMAT = "megatronish-checkpoint"
 FORMAT_VERSION = 1
@@ -27,7 +28,10 @@ CONFIG_FILE = "config.yaml"
 LATEST_FILE = "latest"
 TOKENIZER_FILE = "tokenizer.json"
 STEP_RE = re.compile(r"step_(\d+)")
-OPTIM_KINDS = ("exp_avg", "exp_avg_sq", "step")
+OPTIMIZER = optimizer_named("adamw")
+"""The optimizer whose state a checkpoint holds (metadata's optimizer.kind)."""
+OPTIM_STATE = OPTIMIZER.state
+OPTIM_KINDS = OPTIM_STATE.kinds
 FILE_KINDS = ("model", "optim", "rng")
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -29,9 +29,10 @@ def restore_model(source, model: nn.Module) -> None:
 
 
 def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
-    """Loads the AdamW state of the parameters this rank's optimizer holds (under ZeRO only
-    the owned ones), re-sharded for the model's tp rank. Parameters without saved state start
-    fresh; a checkpoint without optimizer state (e.g. imported) leaves the optimizer as is."""
+    """Loads the optimizer state (by the names of its optim.state) of the parameters this
+    rank's optimizer holds (under ZeRO only the owned ones), re-sharded for the model's tp
+    rank. Parameters without saved state start fresh; a checkpoint without optimizer state
+    (e.g. imported) leaves the optimizer as is."""
     if ckpt.meta.get("optimizer") is None:
         return
     wanted = model_specs(model)
@@ -39,6 +40,7 @@ def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
     for name, param, _ in stored_tensors(model.named_parameters()):
         stored.setdefault(id(param), []).append(name)
     tp, tp_rank = model.derived.tp, model.ps.tp_rank
+    spec = optimizer.optim.state
 
     def read(param: nn.Parameter) -> dict[str, torch.Tensor] | None:
         names = stored[id(param)]
@@ -50,10 +52,12 @@ def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
             tensor = torch.stack(blocks) if is_expert(param) else blocks[0]
             return tensor.to(device=param.device, dtype=param.dtype)
 
+        def scalar(kind: str) -> torch.Tensor:
+            return ckpt.scalar(names[0], kind).to(param.device, torch.float32, copy=True)
+
         return {
-            "step": ckpt.scalar(names[0], "step").to(param.device, torch.float32, copy=True),
-            "exp_avg": moment("exp_avg"),
-            "exp_avg_sq": moment("exp_avg_sq"),
+            **{kind: scalar(kind) for kind in spec.scalars},
+            **{kind: moment(kind) for kind in spec.moments},
         }
 
     optimizer.load_states(read)

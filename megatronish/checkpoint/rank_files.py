@@ -34,20 +34,22 @@ def _part(tensor: torch.Tensor, index: int | None) -> torch.Tensor:
 def optimizer_tensors(
     model, optimizer, include_replicated: bool, experts_only: bool = False
 ) -> dict[str, torch.Tensor]:
-    """This rank's AdamW state as '<name>.exp_avg', '.exp_avg_sq' and '.step' tensors (a
-    stacked expert weight's state by each expert's name)."""
+    """This rank's optimizer state as '<name>.<kind>' tensors, by the names its StateSpec gives
+    (AdamW: exp_avg, exp_avg_sq, step), moments then scalars (a stacked expert weight's state
+    by each expert's name)."""
     out: dict[str, torch.Tensor] = {}
-    states = optimizer.states_to_save()
+    states, spec = optimizer.states_to_save(), optimizer.optim.state
     for name, param, index in saved_tensors(model):
         state = states.get(param)
         if not state or (role(param).tp_split_dim is None and not include_replicated):
             continue
         if experts_only and index is None:
             continue
-        out[f"{name}.exp_avg"] = _part(state["exp_avg"], index)
-        out[f"{name}.exp_avg_sq"] = _part(state["exp_avg_sq"], index)
-        step = torch.as_tensor(state["step"], dtype=torch.float32).reshape(())
-        out[f"{name}.step"] = step if index is None else step.clone()  # one per expert
+        for kind in spec.moments:
+            out[f"{name}.{kind}"] = _part(state[kind], index)
+        for kind in spec.scalars:
+            scalar = torch.as_tensor(state[kind], dtype=torch.float32).reshape(())
+            out[f"{name}.{kind}"] = scalar if index is None else scalar.clone()  # one per expert
     return out
 
 

@@ -26,6 +26,7 @@ from megatronish.checkpoint.format import (
     CONFIG_FILE,
     METADATA_FILE,
     OPTIM_KINDS,
+    OPTIM_STATE,
     TOKENIZER_FILE,
     TensorSpec,
     model_file,
@@ -220,7 +221,7 @@ class Checkpoint:
                     raise UserError(f"{path}: tensor '{key}' is not in {METADATA_FILE}")
                 view = handle.get_slice(key)
                 shape = tuple(view.get_shape())
-                expected = () if kind == "step" else spec.local_shape(self.tp)
+                expected = () if kind in OPTIM_STATE.scalars else spec.local_shape(self.tp)
                 if shape != expected:
                     raise UserError(
                         f"{path}: tensor '{key}' is {_shape_text(shape)}, but {METADATA_FILE} "
@@ -288,7 +289,8 @@ class Checkpoint:
         check_specs(self.specs, wanted, str(self.meta_path))
 
     def has_optimizer_state(self, name: str) -> bool:
-        return self.meta.get("optimizer") is not None and ("exp_avg", name) in self._index
+        first = OPTIM_STATE.moments[0]
+        return self.meta.get("optimizer") is not None and (first, name) in self._index
 
     def scalar(self, name: str, kind: str = "step") -> torch.Tensor:
         owners = self._index[(kind, name)]

@@ -40,6 +40,7 @@ from megatronish.checkpoint.format import (
     FORMAT_VERSION,
     LATEST_FILE,
     METADATA_FILE,
+    OPTIMIZER,
     TOKENIZER_FILE,
     TensorSpec,
     all_stage_specs,
@@ -124,7 +125,7 @@ def base_metadata(
         "vocab_size": vocab_size,
         "padded_vocab_size": padded_vocab_size,
         "tensors": specs,
-        "optimizer": {"kind": "adamw"} if has_optimizer else None,
+        "optimizer": {"kind": OPTIMIZER.name} if has_optimizer else None,
         "loader": loader_state,
         "tokenizer": None
         if tokenizer is None

@@ -4,7 +4,7 @@ backward runs, or after it for the parameters summed over another group first (o
 one class per ZeRO level says what it shards and which collectives it issues:
 
     zero0  nothing sharded: an all-reduce per bucket
-    zero1  AdamW state: a reduce-scatter per bucket, the parameters all-gathered after the step
+    zero1  optimizer state: a reduce-scatter per bucket, the parameters all-gathered after the step
     zero2  and gradients: a reduce-scatter per bucket per micro-batch
     zero3  and parameters: each module's all-gathered when it runs (param_shards.py)
 

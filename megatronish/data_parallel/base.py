@@ -1,6 +1,6 @@
 """What every ZeRO level shares: the bucket layout, the hooks that hand each gradient to the
-level, the plain reduction of the parameters outside the buckets, the gradient norm, AdamW and
-the step loop's calls."""
+level, the plain reduction of the parameters outside the buckets, the gradient norm, the
+optimizer's update (optim.interface) and the step loop's calls."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from megatronish.data_parallel.outside import reduce_gradients
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers.roles import role
 from megatronish.optim.clip import Squares, clip_, global_norm, squares
-from megatronish.optim.optimizer import AdamW, param_groups
+from megatronish.optim.interface import Optimizer, Update
+from megatronish.optim.registry import optimizer_named
 
 # (module, the parameters used from its call on), in the order a forward calls the modules
 Uses = list[tuple[nn.Module, list[nn.Parameter]]]
@@ -26,23 +27,24 @@ class DataParallel(ABC):
     """The data-parallel side of training a model on this rank, the one object the step loop
     calls: the gradients reduced over the dp x cp group (expert weights over their
     expert-data-parallel group), in buckets overlapped with backward and, for the parameters
-    outside them, after it (data_parallel.outside); the gradient norm and clipping; AdamW over
-    what this rank updates; the parameters made whole where a level shards them. A subclass
-    per ZeRO level (zero0 .. zero3) says where the buckets' gradients, parameters and AdamW
-    state live and which collectives move them; data_parallel.data_parallel_for picks it.
+    outside them, after it (data_parallel.outside); the gradient norm and clipping; the
+    optimizer's update (`optim`: AdamW) of what this rank updates; the parameters made whole
+    where a level shards them. A subclass per ZeRO level (zero0 .. zero3) says where the
+    buckets' gradients, parameters and optimizer state live and which collectives move them;
+    data_parallel.data_parallel_for picks it.
 
     Each step: start_of_step(micro_batches) before the first backward, after_backward() after
     the last, clip_grads(max_norm), step(lr) unless the step is skipped, after_step(). Besides:
     after_eval() after forward passes without backward, whole_params() around reading or
     loading the parameters (a checkpoint), make_whole() when a run ends (the model is returned
-    whole), states_to_save() and load_states() for the checkpoint's AdamW state.
+    whole), states_to_save() and load_states() for the checkpoint's optimizer state.
 
     `model` is a GPT (forward_param_uses places the hooks of the levels that gather parameters
     for a module); with buckets=False every gradient takes the plain reduction and, under
     ZeRO, every parameter is owned whole (the reference the buckets are held to)."""
 
     zero = False
-    """Whether AdamW state is split over the group (each rank saves its part)."""
+    """Whether the optimizer state is split over the group (each rank saves its part)."""
 
     def __init__(self, model: nn.Module, cfg: Config, ps: ParallelState, buckets: bool = True):
         self.cfg, self.ps = cfg, ps
@@ -61,7 +63,8 @@ class DataParallel(ABC):
         self.calls: dict[nn.Parameter, int] = {}  # micro-batch gradients this step
         self._hooks: list = []
         self._lay_out(uses)
-        self.adamw = self._make_adamw(param_groups(model, cfg.train.weight_decay))
+        self.optim: Optimizer = optimizer_named("adamw")
+        self.update = self._make_update(self.optim.param_groups(model, cfg.train.weight_decay))
         hook = self._on_grad
         self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in self.layout.members]
 
@@ -93,11 +96,11 @@ class DataParallel(ABC):
         return norm
 
     def step(self, lr: float) -> None:
-        """AdamW's update at learning rate lr of what this rank updates, then the updated
-        parameters sent where the level needs them."""
-        for group in self.adamw.param_groups:
+        """The optimizer's update at learning rate lr of what this rank updates, then the
+        updated parameters sent where the level needs them."""
+        for group in self.update.param_groups:
             group["lr"] = lr
-        self.adamw.step()
+        self.update.step()
         self._after_update()
 
     def after_step(self) -> None:
@@ -119,25 +122,25 @@ class DataParallel(ABC):
         the group enters it."""
         return contextlib.nullcontext()
 
-    # ---- the checkpoint's AdamW state
+    # ---- the checkpoint's optimizer state
 
     def states_to_save(self) -> dict[nn.Parameter, dict]:
-        """The whole AdamW state ("step", "exp_avg", "exp_avg_sq", each the parameter's shape)
-        of the parameters this rank saves."""
-        return {p: st for p, st in self.adamw.state.items() if isinstance(p, nn.Parameter)}
+        """The whole optimizer state (by optim.state's names, each moment the parameter's
+        shape) of the parameters this rank saves."""
+        return {p: st for p, st in self.update.state.items() if isinstance(p, nn.Parameter)}
 
     def load_states(self, read) -> None:
-        """Replaces the AdamW state with read(param) (a dict as states_to_save gives, or None:
+        """Replaces the optimizer state with read(param) (a dict as states_to_save gives, or None:
         the parameter starts fresh) for every parameter this rank updates."""
-        self.adamw.state.clear()
+        self.update.state.clear()
         for param in self.held():
             state = read(param)
             if state is not None:
-                self.adamw.state[param] = state
+                self.update.state[param] = state
 
     def held(self) -> list[nn.Parameter]:
-        """The parameters whose AdamW state (or part of it) this rank holds."""
-        held = {id(p) for g in self.adamw.param_groups for p in g["params"]}
+        """The parameters whose optimizer state (or part of it) this rank holds."""
+        held = {id(p) for g in self.update.param_groups for p in g["params"]}
         return [p for p in self.params if id(p) in held]
 
     def close(self) -> None:
@@ -156,10 +159,10 @@ class DataParallel(ABC):
     def _lay_out(self, uses: Uses) -> None:
         """Makes the level's storage of the buckets' gradients (and parameters)."""
 
-    def _make_adamw(self, groups: list[dict]) -> AdamW:
-        """AdamW over groups (optim.param_groups of the model), or this rank's share of them."""
-        optim = self.cfg.optim
-        return AdamW(groups, lr=self.cfg.train.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    def _make_update(self, groups: list[dict]) -> Update:
+        """The optimizer over groups (its param_groups of the model), or this rank's share of
+        them."""
+        return self.optim.build(groups, self.cfg)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if self.active:
@@ -200,7 +203,7 @@ class DataParallel(ABC):
         return []
 
     def _after_update(self) -> None:  # noqa: B027 (a level with nothing to do)
-        """After AdamW's update: the parameters sent where they are needed (ZeRO)."""
+        """After the optimizer's update: the parameters sent where they are needed (ZeRO)."""
 
     @abstractmethod
     def _clear_grads(self) -> None:

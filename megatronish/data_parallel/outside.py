@@ -1,7 +1,7 @@
 """The parameters outside the buckets: sequence-parallel replicated parameters, the pipeline
 copies of tied embeddings (every parameter when the buckets are off, the reference the bucketed
 reductions are held to). Their gradients are reduced after backward, in flat buckets
-all-reduced; under ZeRO each one's AdamW state lives whole on one rank of its group (its
+all-reduced; under ZeRO each one's optimizer state lives whole on one rank of its group (its
 owner), which broadcasts the updated parameter after the step.
 
 The sums are those of the buckets, element for element (shared-memory and two-rank gloo sums
@@ -90,7 +90,7 @@ def _launch(bucket: list[torch.Tensor], group, scale: float, dtype: torch.dtype)
 
 
 def zero_owners(params: list[nn.Parameter], size: int) -> list[int]:
-    """The rank of a group of `size` that owns each parameter's AdamW state: greedy balancing
+    """The rank of a group of `size` that owns each parameter's optimizer state: greedy balancing
     of element counts, largest first, deterministic on every rank."""
     loads = [0] * size
     owners = [0] * len(params)

@@ -4,7 +4,7 @@ bucket's whole parameters exist only while a module uses them.
 Each bucket (data_parallel.buckets) gets its own flat parameter tensor laid out like its
 gradients, whose parameters are views; between uses its storage is resized to nothing (the
 views stay valid, so tensors autograd saved in forward see the parameters again once the
-bucket is gathered back). `owned` holds this rank's shard of every bucket (what AdamW
+bucket is gathered back). `owned` holds this rank's shard of every bucket (what the optimizer
 updates). Gathering a bucket reallocates its storage, writes this rank's shard into it and
 all-gathers the shards over the bucket's group (comm.all_gather_in_place).
 

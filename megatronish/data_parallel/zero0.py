@@ -14,7 +14,7 @@ from megatronish.optim import IN_FLIGHT
 
 
 class Zero0(DataParallel):
-    """Every rank keeps whole parameters, gradients and AdamW state. The buckets' gradients live
+    """Every rank keeps whole parameters, gradients and optimizer state. The buckets' gradients live
     in one contiguous fp32 buffer (Megatron's main_grad), each parameter's in a view of it: the
     hook after autograd accumulates a micro-batch's gradient into param.grad adds it there and
     drops param.grad, so micro-batches accumulate in the order autograd would have. When a

@@ -1,4 +1,4 @@
-"""ZeRO-1 (Megatron's distributed optimizer): AdamW state sharded over the group."""
+"""ZeRO-1 (Megatron's distributed optimizer): the optimizer state sharded over the group."""
 
 from __future__ import annotations
 
@@ -13,26 +13,28 @@ from megatronish.data_parallel.buckets import Bucket
 from megatronish.data_parallel.outside import WholeOwners
 from megatronish.data_parallel.zero0 import Zero0
 from megatronish.distributed import comm
+from megatronish.errors import UserError
 from megatronish.layers.roles import role
 from megatronish.optim.clip import Squares, squares
-from megatronish.optim.optimizer import AdamW
+from megatronish.optim.interface import Update
 
 
 class Zero1(Zero0):
     """Each bucket is padded to a multiple of its group's size n, and rank r keeps shard r of it:
     the bucket's gradients, in ZeRO-0's whole buffer, are reduce-scattered instead of
-    all-reduced (rank r gets shard r reduced; only it is divided by dp x cp), and AdamW updates
-    the pieces of the parameters in this rank's shards (its moments one tensor per shard,
-    `shard_state`). The buckets' parameters keep no .grad: their reduced gradient is only in
-    the pieces. The parameters live in one flat buffer laid out like the gradients; after the
-    step each bucket is all-gathered in place, with the overlap asynchronously in the order the
-    next forward needs them, each module's forward pre-hook waiting for its own buckets. The
-    parameters outside the buckets are owned whole (outside.WholeOwners).
+    all-reduced (rank r gets shard r reduced; only it is divided by dp x cp), and the optimizer
+    (`optim`) updates the pieces of the parameters in this rank's shards (its moments one
+    tensor per shard, `shard_state`). The buckets' parameters keep no .grad: their reduced
+    gradient is only in the pieces. The parameters live in one flat buffer laid out like the
+    gradients; after the step each bucket is all-gathered in place, with the overlap
+    asynchronously in the order the next forward needs them, each module's forward pre-hook
+    waiting for its own buckets. The parameters outside the buckets are owned whole
+    (outside.WholeOwners).
 
     Collectives per step: a reduce-scatter and a parameter all-gather per bucket, a broadcast
     per parameter outside the buckets, and for the gradient norm an all-reduce of the shards'
     squares over the dp x cp group (and one over the expert-data-parallel group with experts).
-    A checkpoint gathers each bucket's AdamW moments over its group."""
+    A checkpoint gathers each bucket's optimizer moments over its group."""
 
     zero = True
 
@@ -66,7 +68,7 @@ class Zero1(Zero0):
             bucket.params_view = self.flat_params[bucket.start : bucket.stop]
 
     def _param_shard(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's shard of bucket's parameters (what AdamW updates)."""
+        """This rank's shard of bucket's parameters (what the optimizer updates)."""
         return self.flat_params[bucket.shard_start : bucket.shard_start + bucket.shard_size]
 
     def _hook_modules(self, uses: Uses) -> None:
@@ -145,11 +147,12 @@ class Zero1(Zero0):
         self._wait_params()
         return contextlib.nullcontext()
 
-    # ---- AdamW state
+    # ---- optimizer state
 
-    def _make_adamw(self, groups: list[dict]) -> AdamW:
-        """AdamW over the parameters this rank owns whole and the pieces of its shards, the
-        pieces' moments views of one tensor per bucket's shard (`shard_state`)."""
+    def _make_update(self, groups: list[dict]) -> Update:
+        """The optimizer over the parameters this rank owns whole and the pieces of its shards,
+        the pieces' moments views of one tensor per bucket's shard (`shard_state`)."""
+        self._refuse_split_wholes()
         owned = {id(p) for p in self.owners.owned}
         shares = []
         for group in groups:
@@ -157,19 +160,32 @@ class Zero1(Zero0):
             whole = [p for p in group["params"] if id(p) in owned]
             pieces = [piece.data for piece in self.pieces if id(piece.param) in members]
             shares.append({**group, "params": whole + pieces})
-        adamw = super()._make_adamw(shares)
+        update = super()._make_update(shares)
+        spec = self.optim.state
         self.shard_state = []
         for bucket in self.buckets:
-            moments = {k: torch.zeros_like(bucket.grad_shard) for k in ("exp_avg", "exp_avg_sq")}
+            moments = {k: torch.zeros_like(bucket.grad_shard) for k in spec.moments}
             self.shard_state.append(moments)
             for piece in bucket.pieces:
                 lo = piece.at - bucket.shard_start
                 at = slice(lo, lo + piece.data.numel())
-                adamw.state[piece.data] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=piece.data.device),
+                zero = torch.zeros((), dtype=torch.float32, device=piece.data.device)
+                update.state[piece.data] = {
+                    **{k: zero.clone() for k in spec.scalars},
                     **{k: v[at] for k, v in moments.items()},
                 }
-        return adamw
+        return update
+
+    def _refuse_split_wholes(self) -> None:
+        """A parameter the optimizer needs whole (optim.needs_whole) may not be split over the
+        ranks' shards of its bucket, which this level does not gather for the update yet."""
+        for param in self.layout.members:
+            if self.optim.needs_whole(param):
+                raise UserError(
+                    f"optim.zero: the {self.optim.name} optimizer needs whole parameters "
+                    f"(e.g. one of shape {tuple(param.shape)}), and optim.zero "
+                    f"{self.cfg.optim.zero} shards them (not supported yet); valid: optim.zero 0"
+                )
 
     def held(self) -> list[nn.Parameter]:
         held = {id(p) for p in self.owners.owned} | {id(piece.param) for piece in self.pieces}
@@ -187,8 +203,9 @@ class Zero1(Zero0):
                     continue  # the parameter starts in an earlier shard: saved by its rank
                 param, at = piece.param, piece.at - bucket.start
                 span = slice(at, at + param.numel())
+                scalars = self.update.state[piece.data]
                 whole[param] = {
-                    "step": self.adamw.state[piece.data]["step"],
+                    **{k: scalars[k] for k in self.optim.state.scalars},
                     **{k: v[span].view_as(param).clone() for k, v in full.items()},
                 }
         return whole
@@ -204,7 +221,7 @@ class Zero1(Zero0):
 
     def load_states(self, read) -> None:
         """read(param) (None: fresh) into the whole states this rank owns and its pieces."""
-        state = self.adamw.state
+        state, spec = self.update.state, self.optim.state
         for param in [p for p in list(state) if isinstance(p, nn.Parameter)]:
             del state[param]
         states = {id(p): read(p) for p in self.held()}
@@ -214,8 +231,9 @@ class Zero1(Zero0):
         for piece in self.pieces:
             saved, mine = states[id(piece.param)], state[piece.data]
             part = slice(piece.lo, piece.lo + piece.data.numel())
-            mine["step"].copy_(saved["step"] if saved is not None else 0.0)
-            for kind in ("exp_avg", "exp_avg_sq"):
+            for kind in spec.scalars:
+                mine[kind].copy_(saved[kind] if saved is not None else 0.0)
+            for kind in spec.moments:
                 if saved is None:
                     mine[kind].zero_()
                 else:

@@ -1,4 +1,4 @@
-"""ZeRO-2: gradients sharded as well as AdamW state."""
+"""ZeRO-2: gradients sharded as well as optimizer state."""
 
 from __future__ import annotations
 

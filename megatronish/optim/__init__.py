@@ -1,4 +1,6 @@
-"""The optimizer's arithmetic: AdamW, the learning-rate schedule, gradient clipping.
+"""The optimizer's arithmetic: the interface the ZeRO levels and the checkpoint call
+(optim.interface) and its optimizers by name (optim.registry: AdamW), the learning-rate
+schedule, gradient clipping.
 
 IN_FLIGHT belongs to data parallelism's ZeRO-2 and 3 (megatronish.data_parallel.zero2): the
 reduce-scatters of micro-batch gradients outstanding at once, each holding its bucket-sized

@@ -30,7 +30,7 @@ UNTIED = ("model.tie_embeddings=false", "model.mtp_depth=1")
 
 def _local_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: s["exp_avg"].clone() for p, s in optimizer.adamw.state.items() if s}
+    return {names[id(p)]: s["exp_avg"].clone() for p, s in optimizer.update.state.items() if s}
 
 
 def _save_at_tp2_dp2_zero1_then_load_at_tp4(rank: int, world: int, ckpt_dir: str) -> dict:

@@ -53,9 +53,9 @@ def _dp3(rank, world, dataset, ckpt_dir):
         # AdamW's moments: the tensors allocated, and the pieces' views of them
         "allocated": sum(t.numel() for moments in dp.shard_state for t in moments.values()),
         "viewed": sum(
-            t.numel() for st in dp.adamw.state.values() for k, t in st.items() if k != "step"
+            t.numel() for st in dp.update.state.values() for k, t in st.items() if k != "step"
         ),
-        "whole": [n for n, p in trainer.model.named_parameters() if p in dp.adamw.state],
+        "whole": [n for n, p in trainer.model.named_parameters() if p in dp.update.state],
         "blocks": sum(b.grad_shard.numel() for b in dp.buckets),
         "grad_is_none": all(p.grad is None for p in dp.params),
     }

@@ -136,7 +136,7 @@ def _held_bytes(trainer) -> int:
             tensors.append(getattr(dp, name))
     if hasattr(dp, "shards"):
         tensors += [dp.shards.owned] + [bucket.full for bucket in dp.buckets]
-    tensors += [t for st in dp.adamw.state.values() for t in st.values()]
+    tensors += [t for st in dp.update.state.values() for t in st.values()]
     storages = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()

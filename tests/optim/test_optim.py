@@ -8,7 +8,7 @@ import sys
 import torch
 from torch import nn
 
-from megatronish.optim.optimizer import AdamW
+from megatronish.optim.adamw import AdamW
 from tests.ranks import run_on_ranks
 
 
