@@ -39,38 +39,60 @@ CHECKOUT_LINKS = ("configs", "docs", "scripts")
 USER_STATE = ("runs", "data")
 
 
-# The longest modules (their multi-rank and torchrun runs), slowest first. Under pytest-xdist
-# (the suite's two workers: pyproject's addopts, --no-loadscope-reorder keeping this order where
-# xdist would put the modules of most tests first) they are handed out first, so that neither
-# worker is left with one of them at the end while the other has nothing to do. Only an order:
-# a module missing here, or one that got faster, changes the suite's time, not its result.
-LONGEST_FIRST = [
-    "project/test_docs.py",  # the README's main job, then every runnable block
-    "training/test_faults.py",
-    "data_parallel/test_zero_levels.py",
-    "checkpoint/test_checkpoint_async.py",
-    "pipeline/test_pipeline.py",
-    "moe/test_moe_training.py",
-    "accounting/test_step_time.py",
-    "context/test_context_training.py",
-    "pipeline/test_pipeline_interleaved.py",
-    "checkpoint/test_checkpoint_disk_full.py",
-    "context/test_context_ring.py",
-]
+# Each test module's recorded wall time (seconds, its tests' setup, call and teardown summed),
+# written by `pytest --record-durations`. Under pytest-xdist (the suite's two workers:
+# pyproject's addopts, --no-loadscope-reorder keeping this order where xdist would put the
+# modules of most tests first) the modules are handed out longest first, so that neither worker
+# is left with a long one at the end while the other has nothing to do. Only an order: a module
+# not recorded (after the recorded ones, in collection order), or one that got faster, changes
+# the suite's time, not its result.
+DURATIONS = Path(__file__).parent / "durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write each test module's wall time to tests/durations.json (the handout order)",
+    )
+
+
+def _module(nodeid: str) -> str:
+    """A test's module relative to tests/ ('project/test_docs.py')."""
+    return nodeid.split("::")[0].removeprefix("tests/")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the LONGEST_FIRST modules' tests first (each module's in its own
-    order); every other test after them, in collection order."""
+    """Under pytest-xdist, the modules' tests longest module first (each module's in its own
+    order, DURATIONS); the modules not recorded after them, in collection order."""
     if not hasattr(config, "workerinput"):  # not a pytest-xdist worker
         return
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
-    def position(item) -> int:
-        path = Path(str(item.fspath)).resolve().relative_to(Path(__file__).parent)
-        return rank.get(path.as_posix(), len(rank))
+    def position(item) -> tuple[int, float]:
+        seconds = recorded.get(_module(item.nodeid))
+        return (1, 0.0) if seconds is None else (0, -seconds)
 
     items.sort(key=position)  # stable: a module's tests keep their order
+
+
+# Each module's seconds so far in this process (with xdist, the controller gets every report).
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = _module(report.nodeid)
+    _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With --record-durations, writes DURATIONS from this session's reports, longest first (in
+    the only process, or xdist's controller)."""
+    if session.config.getoption("--record-durations") and not hasattr(
+        session.config, "workerinput"
+    ):
+        ordered = sorted(_module_seconds.items(), key=lambda kv: -kv[1])
+        DURATIONS.write_text(json.dumps({m: round(s, 1) for m, s in ordered}, indent=1) + "\n")
 
 
 def link_checkout(directory: Path) -> Path:

@@ -22,6 +22,7 @@ from pathlib import Path
 from megatronish.config import derive, load_config
 from megatronish.data import prepare_dataset
 from tests.conftest import invoke_cli
+from tests.tolerances import LAYOUT_CURVE_REL, OVERLAP_REL
 
 STEPS = 10
 SAVE_AT = 5  # the resumable runs save here and resume on the curve's second half
@@ -45,21 +46,6 @@ SP = ["parallel.sequence_parallel=true"]
 OVERLAP = ["parallel.tp_comm_overlap=true"]
 MTP = ["model.mtp_depth=1"]  # multi-token prediction, DeepSeek-V3's depth
 MTP2 = ["model.mtp_depth=2"]
-# How far OVERLAP may move a curve: the decomposition adds the same fp32 partial sums in another
-# order (megatronish.layers.overlap), each sum off by about one rounding, 2^-24 relative; the
-# loss and the gradient norm are means over every token and parameter of such sums, and 20
-# steps of AdamW carry the difference on at that size: 1e-6 leaves a factor of ten.
-OVERLAP_REL = 1e-6
-# How far tp, cp or OVERLAP may move an fp8 run's first step (loss, gradient norm) from one
-# process's: they add a GEMM's fp32 partial sums in another order, which moves a value by up to
-# K u relative (K terms, u = 2^-24) before the next GEMM casts it. A value that close to a
-# rounding boundary of its fp8 format is cast a whole step (2^-3 of its binade in e4m3) away
-# instead: up to 2 K u / 2^-3 = 16 K u of the casts, 4.9e-4 at K = 512 (the longest sum of
-# tests/commands/test_bench.py's fp8 runs, blockwise's d_ff). Were all of them to move the loss
-# or the norm the same way by their whole step, it would move by 16 K u 2^-3 = 6.1e-5 relative.
-# (Measured: 1.6e-5, blockwise at tp 2; a tensorwise scale taken from one rank's shard or tokens
-# moves the first step's gradient norm by 2.0e-4 at tp 2 and 6.4e-4 at cp 2.)
-FP8_REORDER_REL = 1e-4
 
 # One function of the parity dataset, of its index i and its document's index part.
 CODE_FUNCTION = "def g{i}(x):\n    return x - {i} * {part}\n\n"
@@ -166,7 +152,7 @@ def run_reference(overrides: list[str], dataset: Path, **sets) -> dict:
 
 
 def assert_close(
-    actual: list[float], expected: list[float], rel: float = 1e-5, steps: int = STEPS
+    actual: list[float], expected: list[float], rel: float = LAYOUT_CURVE_REL, steps: int = STEPS
 ) -> None:
     """Both curves are `steps` long and equal step by step within rel (relative)."""
     assert len(actual) == len(expected) == steps

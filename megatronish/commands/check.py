@@ -101,6 +101,25 @@ def check_config(
         "# resolved config",
         yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
         "",
+        *derived_lines(cfg, derived, params),
+    ]
+    lines += zero_lines(cfg, derived, loss_masked)
+    if fp8_note is not None:
+        lines += fp8_lines(cfg, derived, fp8_note)
+    lines += layout_notes(cfg, derived) + tp_overlap_lines(cfg, derived, loss_masked)
+    if derived.moe_layers:
+        lines += moe_lines(cfg, derived, params)
+    if derived.cp > 1:
+        lines += context_lines(cfg, derived)
+    if derived.pp > 1:
+        lines += pipeline_lines(cfg, derived)
+    return "\n".join(lines + ["ok"])
+
+
+def derived_lines(cfg: Config, derived: Derived, params: int) -> list[str]:
+    """The report's `# derived` section: the layout, the model's sizes per tp rank, the batch and
+    the model FLOPs per step."""
+    return [
         "# derived",
         f"world_size: {derived.world_size}  (tp {derived.tp} x cp {derived.cp} x dp {derived.dp}"
         + (f" (ep {derived.ep} inside)" if derived.ep > 1 else "")
@@ -118,17 +137,6 @@ def check_config(
         "model FLOPs per step (global batch, all ranks): "
         f"{model_flops_per_step(cfg, derived):.3e} FLOP",
     ]
-    lines += zero_lines(cfg, derived, loss_masked)
-    if fp8_note is not None:
-        lines += fp8_lines(cfg, derived, fp8_note)
-    lines += layout_notes(cfg, derived) + tp_overlap_lines(cfg, derived, loss_masked)
-    if derived.moe_layers:
-        lines += moe_lines(cfg, derived, params)
-    if derived.cp > 1:
-        lines += context_lines(cfg, derived)
-    if derived.pp > 1:
-        lines += pipeline_lines(cfg, derived)
-    return "\n".join(lines + ["ok"])
 
 
 def zero_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[str]:

@@ -18,8 +18,8 @@ from megatronish.accounting.collectives import collectives_per_step, formula_byt
 from megatronish.config import derive, load_config
 from megatronish.data import prepare_dataset
 from tests.conftest import invoke_cli
-from tests.parity import FP8_REORDER_REL
 from tests.ranks import run_on_ranks
+from tests.tolerances import FP8_REORDER_REL
 
 pytestmark = pytest.mark.slow  # two-rank training runs held to the byte formula
 

@@ -27,6 +27,7 @@ from tests import kernel_env  # noqa: F401 (the kernels defined as the kernel te
 from tests.conftest import REPO
 from tests.parity import assert_close, make_config, make_trainer, train_losses
 from tests.ranks import run_on_ranks
+from tests.tolerances import FP32_REORDER
 
 EOD = 0
 BENCH = REPO / "scripts" / "bench_packed_attention.py"
@@ -127,7 +128,9 @@ def _assert_each_document_as_alone(packed, alone, starts, skip=None):
             continue
         rows = slice(start, start + got[0].shape[2])
         for name, a, b in zip(["out", "dq", "dk", "dv"], packed, got):
-            torch.testing.assert_close(a[:, :, rows], b, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(
+                a[:, :, rows], b, rtol=FP32_REORDER, atol=FP32_REORDER, msg=name
+            )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -187,12 +190,16 @@ def test_a_packed_sequence_gives_each_document_the_logits_and_gradients_it_gets_
     start = 0
     for n in lengths:
         logits, grads = run(slice(start, start + n), None)
-        torch.testing.assert_close(packed[:, start : start + n], logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            packed[:, start : start + n], logits, rtol=FP32_REORDER, atol=FP32_REORDER
+        )
         for name, grad in grads.items():
             summed[name] += grad
         start += n
     for name, grad in packed_grads.items():
-        torch.testing.assert_close(grad, summed[name], rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(
+            grad, summed[name], rtol=FP32_REORDER, atol=FP32_REORDER, msg=name
+        )
 
 
 # Training

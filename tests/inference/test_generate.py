@@ -27,6 +27,7 @@ from megatronish.inference.model import build_model
 from tests.checkpoints import VOCAB, save_single, tiny_cfg, tokens
 from tests.conftest import invoke_cli
 from tests.ranks import run_on_ranks
+from tests.tolerances import EXACT, FP32_DECODE_ABS
 
 GREEDY = Sampling(temperature=0.0)
 # Multi-head latent attention (with the deepseek_v3 preset's YaRN scaling): the cache holds a
@@ -79,7 +80,7 @@ def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch)
     cached, full, cache = _cached_and_full(model, tokens(2, 24, seed=3))
     assert len(cache) == 2 and cache[0][0].shape[2] == 24
     assert cache[0][0].shape[3] == (24 if arch == "llama_head_dim" else 16)  # the head dim
-    torch.testing.assert_close(cached, full, rtol=0, atol=2e-5)
+    torch.testing.assert_close(cached, full, rtol=EXACT, atol=FP32_DECODE_ABS)
 
 
 def test_mla_decoding_caches_the_latent_and_rotary_key_and_gives_the_full_forwards_logits(
@@ -88,7 +89,7 @@ def test_mla_decoding_caches_the_latent_and_rotary_key_and_gives_the_full_forwar
     model = build_model(Checkpoint(checkpoints["mla"]), ParallelState.single())
     cached, full, cache = _cached_and_full(model, tokens(2, 24, seed=3))
     assert [[tuple(t.shape) for t in layer] for layer in cache] == [[(2, 24, 16), (2, 24, 8)]] * 2
-    torch.testing.assert_close(cached, full, rtol=0, atol=2e-5)
+    torch.testing.assert_close(cached, full, rtol=EXACT, atol=FP32_DECODE_ABS)
 
 
 @pytest.mark.parametrize("window", [5, 12])  # shorter and longer than the 7-token prompt
@@ -102,12 +103,14 @@ def test_cached_decoding_under_a_sliding_window_gives_the_logits_of_the_full_for
     model = build_model(ckpt, ParallelState.single(), cfg)
     sequence = tokens(2, 24, seed=3)
     cached, full, _ = _cached_and_full(model, sequence)
-    torch.testing.assert_close(cached, full, rtol=0, atol=2e-5)
+    torch.testing.assert_close(cached, full, rtol=EXACT, atol=FP32_DECODE_ABS)
     for block in model.blocks.values():  # the same weights without the window
         block.attn.window = None
     with torch.no_grad():
         unwindowed = model(sequence)
-    torch.testing.assert_close(unwindowed[:, :window], full[:, :window], rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        unwindowed[:, :window], full[:, :window], rtol=EXACT, atol=FP32_DECODE_ABS
+    )
     later = (unwindowed[:, window:, :VOCAB] - full[:, window:, :VOCAB]).abs().max()
     assert later > 1e-3
 

@@ -21,6 +21,7 @@ from megatronish.ops.rope import PLAIN, Llama3Scaling, RopeSpec, YarnScaling
 from tests.conftest import finish
 from tests.kernel_env import INTERPRET as _INTERPRET
 from tests.kernel_env import kernels
+from tests.tolerances import KERNEL_ABS, KERNEL_REL, KERNEL_ROPE_ABS
 
 pytestmark = pytest.mark.usefixtures("interpreter_env")  # tests/conftest.py
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,7 +52,7 @@ def as64(inputs):
     ]
 
 
-def check_op(kernel, ref32, ref64, inputs, atol=1e-5, rtol=1e-4):
+def check_op(kernel, ref32, ref64, inputs, atol=KERNEL_ABS, rtol=KERNEL_REL):
     """Output and every input gradient of kernel match ref32 (same inputs) and ref64 (float64
     copies of the inputs), for a random upstream gradient."""
     out = ref32(*inputs)
@@ -190,7 +191,7 @@ def test_rope_matches_reference_and_float64(shape, spec, positions):
         lambda x: reference.rope(x, spec, positions=at),
         lambda x: rope64(x, spec, at),
         [randn(*shape, seed=10)],
-        atol=2e-5,
+        atol=KERNEL_ROPE_ABS,
     )
 
 
@@ -277,7 +278,10 @@ def test_the_triton_kernels_never_read_the_blocks_outside_every_window(poisoned)
     rows = slice(64, None) if poisoned == "early" else slice(0, 32)
     for index in checked:
         torch.testing.assert_close(
-            got[index][:, :, rows].double(), want[index][:, :, rows], atol=1e-5, rtol=1e-4
+            got[index][:, :, rows].double(),
+            want[index][:, :, rows],
+            atol=KERNEL_ABS,
+            rtol=KERNEL_REL,
         )
 
 
@@ -296,14 +300,16 @@ def test_a_ring_block_under_a_window_its_queries_past_its_keys_matches_the_float
     exact = [x.detach().double() for x in (q, k, v)]
     want_out, want_lse = blocks.torch_forward(*exact, *args)
     assert torch.equal(got_lse.isinf(), want_lse.isinf()) and want_lse.isinf().any()
-    torch.testing.assert_close(got_out.double(), want_out, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_out.double(), want_out, atol=KERNEL_ABS, rtol=KERNEL_REL)
     seen = ~want_lse.isinf()
-    torch.testing.assert_close(got_lse.double()[seen], want_lse[seen], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        got_lse.double()[seen], want_lse[seen], atol=KERNEL_ABS, rtol=KERNEL_REL
+    )
     lse = want_lse.masked_fill(~seen, 0.0)  # a ring's final lse: finite on every row
     got = blocks.triton_backward(q, k, v, want_out.float(), lse.float(), dout, *args)
     want = blocks.torch_backward(*exact, want_out, lse, dout.double(), *args)
     for name, a, b in zip(["dq", "dk", "dv"], got, want, strict=True):
-        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(a.double(), b, atol=KERNEL_ABS, rtol=KERNEL_REL, msg=name)
 
 
 def test_attention_accepts_non_contiguous_inputs():
@@ -369,7 +375,7 @@ def test_ops_backend_triton_dispatches_to_the_kernel_and_matches_torch(
     got = outputs_and_grads(lambda *a: getattr(ops, op)(*a, backend="triton"), inputs, upstream)
     want = outputs_and_grads(lambda *a: getattr(ops, op)(*a, backend="torch"), inputs, upstream)
     for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=KERNEL_ABS, rtol=KERNEL_REL)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")

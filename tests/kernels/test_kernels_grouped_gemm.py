@@ -11,6 +11,7 @@ import torch
 from megatronish import ops
 from megatronish.ops import reference
 from tests.kernel_env import kernels
+from tests.tolerances import BF16_GEMM, EXACT, FP32_REORDER, FP64_REORDER
 
 pytestmark = pytest.mark.usefixtures("interpreter_env")  # tests/conftest.py
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,7 +44,7 @@ def test_kernel_forward_and_gradients_equal_float64_with_empty_groups(counts):
     got = _grads(kernels.grouped_mm, x, weight, offsets, dy)
     want = _grads(reference.grouped_mm, x.double(), weight.double(), offsets, dy.double())
     for name, g, w in zip(("y", "dx", "dw"), got, want):
-        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(g.double(), w, rtol=FP32_REORDER, atol=FP32_REORDER, msg=name)
 
 
 def test_torch_loop_equals_a_per_row_product_in_float64():
@@ -51,7 +52,9 @@ def test_torch_loop_equals_a_per_row_product_in_float64():
     w = weight.transpose(1, 2)
     group_of = torch.repeat_interleave(torch.arange(4), torch.tensor([3, 0, 4, 1]))
     per_row = torch.stack([x[r] @ w[group_of[r]] for r in range(x.shape[0])])
-    torch.testing.assert_close(reference.grouped_mm(x, w, offsets), per_row, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        reference.grouped_mm(x, w, offsets), per_row, rtol=FP64_REORDER, atol=FP64_REORDER
+    )
     one = torch.tensor([x.shape[0]], dtype=torch.int32)
     assert torch.equal(reference.grouped_mm(x, w[:1], one), x @ w[0])
     empty = reference.grouped_mm(x[:0], w, torch.zeros(4, dtype=torch.int32))
@@ -63,7 +66,7 @@ def test_ops_grouped_mm_backends_agree():
     triton = _grads(lambda *a: ops.grouped_mm(*a, backend="triton"), x, weight, offsets, dy)
     torch_ = _grads(lambda *a: ops.grouped_mm(*a, backend="torch"), x, weight, offsets, dy)
     for g, w in zip(triton, torch_):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g, w, rtol=FP32_REORDER, atol=FP32_REORDER)
 
 
 @pytest.mark.cuda
@@ -73,7 +76,7 @@ def test_kernel_bf16_is_close_to_float64():
     got = _grads(kernels.grouped_mm, x, weight, offsets, dy)
     want = _grads(reference.grouped_mm, x.double(), weight.double(), offsets, dy.double())
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(g.double(), w, rtol=BF16_GEMM, atol=BF16_GEMM)
 
 
 def test_an_moe_layer_on_the_kernels_equals_it_on_torch():
@@ -104,4 +107,4 @@ def test_an_moe_layer_on_the_kernels_equals_it_on_torch():
     # the tensor's largest magnitude (u = 2^-24), where a wrong row or expert is off by its size.
     for got, want in zip(results[1], results[0]):
         bound = 4 * 32 * 2.0**-24 * want.abs().max().item()
-        torch.testing.assert_close(got, want, rtol=0, atol=bound)
+        torch.testing.assert_close(got, want, rtol=EXACT, atol=bound)

@@ -16,6 +16,7 @@ from megatronish.layers.roles import role
 from megatronish.moe.dispatch import capacity_keep, combine, dispatch, make_plan
 from megatronish.moe.router import balancing_loss_share, route, z_loss_share
 from tests.ranks import run_on_ranks
+from tests.tolerances import EXACT, FP32_FEW_OPS_REL, FP32_TINY_ABS, FP64_REORDER
 
 E, K, H, F = 4, 2, 8, 12
 B, S = 2, 5
@@ -150,7 +151,9 @@ def parallel(tp: int, dp: int, ep: int) -> list[dict]:
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9, msg=what)
+    torch.testing.assert_close(
+        actual, expected, rtol=FP32_FEW_OPS_REL, atol=FP32_TINY_ABS, msg=what
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -194,7 +197,7 @@ def test_router_top_k_weights_and_losses_equal_their_formulas():
     mixtral = route(logits, K, "softmax_topk")
     other = route(logits, K, "topk_softmax")
     assert torch.equal(mixtral.experts, other.experts)
-    torch.testing.assert_close(mixtral.weights, other.weights, rtol=1e-12, atol=0)
+    torch.testing.assert_close(mixtral.weights, other.weights, rtol=FP64_REORDER, atol=EXACT)
     rows = logits.tolist()
     for t, row in enumerate(rows):
         order = sorted(range(E), key=lambda i: -row[i])[:K]

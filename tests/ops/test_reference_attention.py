@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatronish.ops import reference
+from tests.tolerances import EXACT, FP64_REORDER
 
 
 def _by_definition(q, k, v, segments, window):
@@ -44,6 +45,10 @@ def test_reference_attention_under_a_sliding_window_equals_the_definition(window
     if documents:  # documents of 3, 5 and 3 tokens in the first sequence, one in the second
         segments = torch.tensor([[0] * 3 + [1] * 5 + [2] * 3, [0] * 11], dtype=torch.int32)
     got = reference.attention(q, k, v, True, segments, window)
-    torch.testing.assert_close(got, _by_definition(q, k, v, segments, window), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        got, _by_definition(q, k, v, segments, window), rtol=EXACT, atol=FP64_REORDER
+    )
     if window == 11 and not documents:  # a window as long as the sequence: plain causal
-        torch.testing.assert_close(got, reference.attention(q, k, v, True), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            got, reference.attention(q, k, v, True), rtol=EXACT, atol=FP64_REORDER
+        )

@@ -15,6 +15,8 @@ from megatronish.ops.rope import rope_spec, rope_table
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
+from tests.tolerances import EXACT  # noqa: E402
+
 CPU = torch.device("cpu")
 
 
@@ -92,7 +94,7 @@ def test_the_table_at_given_positions_is_the_scaled_table_at_those_rows():
     cos, sin = rope_table(spec, 40, head_dim, CPU)
     factor = spec.attention_factor()
     angles = torch.outer(torch.arange(40.0), spec.inverse_frequencies(head_dim, CPU))
-    torch.testing.assert_close(cos, angles.cos() * factor, rtol=0, atol=0)
+    torch.testing.assert_close(cos, angles.cos() * factor, rtol=EXACT, atol=EXACT)
     positions = torch.tensor([[3, 0, 39], [7, 8, 9]])
     at_cos, at_sin = rope_table(spec, 3, head_dim, CPU, positions=positions)
     assert torch.equal(at_cos, cos[positions]) and torch.equal(at_sin, sin[positions])

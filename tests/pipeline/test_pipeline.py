@@ -33,6 +33,7 @@ from tests.parity import (
     train_losses,
 )
 from tests.ranks import run_on_ranks
+from tests.tolerances import PARITY_ABS, PARITY_REL
 
 pytestmark = pytest.mark.slow  # multi-rank training at every pipeline layout
 
@@ -215,14 +216,14 @@ def test_a_pp2_checkpoint_loads_evaluates_and_exports_like_pp1(
     with torch.no_grad():
         got = load_model(saved_dir / "loaded" / f"step_{STEPS:06d}")(tokens)
         want = load_model(tmp_path / "ref" / f"step_{STEPS:06d}")(tokens)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=PARITY_REL, atol=PARITY_ABS)
     export_hf(str(saved_dir / "loaded" / f"step_{STEPS:06d}"), str(tmp_path / "hf_pp"))
     export_hf(str(tmp_path / "ref" / f"step_{STEPS:06d}"), str(tmp_path / "hf_ref"))
     got_hf = load_file(str(tmp_path / "hf_pp" / "model.safetensors"))
     want_hf = load_file(str(tmp_path / "hf_ref" / "model.safetensors"))
     assert got_hf.keys() == want_hf.keys()
     for key in want_hf:
-        torch.testing.assert_close(got_hf[key], want_hf[key], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_hf[key], want_hf[key], rtol=PARITY_REL, atol=PARITY_ABS)
     result = invoke_cli("eval", "--checkpoint", str(saved_dir / "loaded" / f"step_{STEPS:06d}"))
     assert result.returncode == 0, result.stderr
     ref_eval = invoke_cli("eval", "--checkpoint", str(tmp_path / "ref" / f"step_{STEPS:06d}"))

@@ -19,6 +19,7 @@ from tests.conftest import CONFIGS, REPO, finish, start
 # project name, since PyPI's `kernels` is another project).
 PACKAGES = {"megatronish": REPO / "megatronish", "megatronish_kernels": REPO / "kernels"}
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 60  # outside kernels/, whose Triton kernels are written out whole
 
 
 def source_modules(packages: dict[str, Path]) -> dict[str, Path]:
@@ -135,6 +136,34 @@ def test_every_module_opens_with_a_docstring_and_stays_under_the_line_limit():
             undocumented.append(module)
     assert not too_long, f"modules over {MAX_LINES} lines: {', '.join(too_long)}"
     assert not undocumented, f"modules without an opening docstring: {', '.join(undocumented)}"
+
+
+def long_functions(path: Path, limit: int) -> list[str]:
+    """'name (n lines)' for every function or method in path over limit lines, from its `def`
+    line to its last (decorators not counted)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append(f"{node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_of_the_package_is_over_the_function_line_limit():
+    too_long = [
+        f"{module}.{function}"
+        for module, path in source_modules({"megatronish": PACKAGES["megatronish"]}).items()
+        for function in long_functions(path, MAX_FUNCTION_LINES)
+    ]
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(too_long)}"
+
+
+def test_the_function_length_counts_from_the_def_line_to_the_last(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(59))
+    path = tmp_path / "m.py"
+    path.write_text(f"@decorated\ndef fits():\n{body}\n\ndef over():\n{body}    x = 0\n")
+    assert long_functions(path, MAX_FUNCTION_LINES) == ["over (61 lines)"]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics
 from tests.ranks import run_cli_on_ranks
+from tests.tolerances import CURVE_REL
 
 pytestmark = pytest.mark.slow  # the CLI trains end to end
 
@@ -58,7 +59,7 @@ def train_here(tmp_path, name: str, overrides: list[str]):
     return read_metrics(tmp_path / name)
 
 
-def assert_same_curve(a, b, rtol=1e-4):
+def assert_same_curve(a, b, rtol=CURVE_REL):
     (train_a, val_a), (train_b, val_b) = a, b
     assert [x["step"] for x in train_a] == [x["step"] for x in train_b] == list(range(1, 21))
     for x, y in zip(train_a + val_a, train_b + val_b):
