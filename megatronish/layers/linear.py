@@ -7,10 +7,11 @@ Shapes: b batch, s sequence, t tp group size; weights are [out, in] as in nn.Lin
                         output [b, s, out] (summed over the group), bias added once after it
 With sequence_parallel the replicated activations are [b, s / t, h] instead: the column layer
 all-gathers its input along the sequence, the row layer reduce-scatters its output.
-With fp8_recipe set (megatronish.fp8) the layer's three GEMMs take fp8 operands; the scales
-of tensors split over the group are reduced over it, so every tp degree computes the same.
-comm_overlap (parallel.tp_comm_overlap) decomposes those collectives under the GEMMs:
-megatronish.layers.overlap (with fp8: megatronish.layers.overlap_fp8).
+Each layer's plan (megatronish.layers.plan), given when it is built, fixes its numeric format
+and its communication schedule: with an fp8 recipe (megatronish.fp8) the three GEMMs take fp8
+operands, the scales of tensors split over the group reduced over it, so every tp degree
+computes the same; with overlap (parallel.tp_comm_overlap) the collectives are decomposed under
+the GEMMs (megatronish.layers.overlap).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from megatronish.fp8 import (
     Parts,
     Recipe,
     Split,
-    TokenGroups,
     forward_gemm,
     fp8_linear,
     grad_input_gemm,
     grad_weight_gemm,
 )
 from megatronish.layers import mappings, overlap
+from megatronish.layers.plan import PLAIN, LinearPlan
 from megatronish.layers.roles import role, set_role
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -158,37 +159,34 @@ def column_parallel_linear(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     sequence_parallel: bool = False,
-    fp8_recipe: Recipe | None = None,
-    comm_overlap: bool = False,
-    fp8_tokens: TokenGroups | None = None,
+    plan: LinearPlan = PLAIN,
     out_parts: Parts | None = None,
 ) -> torch.Tensor:
     """x [b, s, in] (or [b, s / t, in] with sequence_parallel) times this rank's block of the
-    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group. comm_overlap
+    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group. plan.overlap
     with sequence_parallel: the all-gather decomposed under the GEMM (layers.overlap).
-    fp8_tokens: the groups the tokens are split over (fp8 scales span them; None: whole);
     out_parts: the logical matrices of the weight's rows (megatronish.fp8.parts; None: one)."""
-    fp8_tokens = fp8_tokens or TokenGroups()
+    recipe, tokens = plan.recipe, plan.tokens
     if comm.group_size(group) == 1:
-        split = Split(tokens=fp8_tokens, parts=out_parts)
-        return local_linear(x, weight, bias, fp8_recipe, split)
+        return local_linear(x, weight, bias, recipe, Split(tokens=tokens, parts=out_parts))
     x = to_autocast_dtype(x)
-    if comm_overlap and sequence_parallel:
+    if plan.overlap and sequence_parallel:
         return overlap.all_gather_linear(
-            x, [weight], [bias], group, recipe=fp8_recipe, tokens=fp8_tokens, parts=out_parts
+            x, [weight], [bias], group, recipe=recipe, tokens=tokens, parts=out_parts
         )[0]
-    split = Split(group, "out", fp8_tokens, out_parts)
-    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe, split)
+    split = Split(group, "out", tokens, out_parts)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, recipe, split)
 
 
 class ColumnParallelLinear(nn.Module):
     """Linear layer whose output features are split over the tp group (rank r holds the r-th
     contiguous block). Forward needs no communication (the input is replicated); backward
     all-reduces the input gradient, overlapped with the weight-gradient matmul. With
-    skip_bias_add the bias is left for the caller to fuse into the next op. fp8_recipe (None:
-    the autocast precision) makes its GEMMs fp8. out_parts: the rows of each logical matrix
-    fused in the weight, per repeating unit of its rows (the attention's q, k and v per
-    key-value group; megatronish.fp8.parts): fp8 scales along the rows are taken per matrix."""
+    skip_bias_add the bias is left for the caller to fuse into the next op. plan: its numeric
+    format and communication schedule (megatronish.layers.plan). out_parts: the rows of each
+    logical matrix fused in the weight, per repeating unit of its rows (the attention's q, k and
+    v per key-value group; megatronish.fp8.parts): fp8 scales along the rows are taken per
+    matrix."""
 
     def __init__(
         self,
@@ -204,6 +202,7 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         out_parts: tuple[int, ...] | None = None,
+        plan: LinearPlan = PLAIN,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -217,9 +216,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_parts = None if out_parts is None else Parts(tuple(out_parts))
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.fp8_recipe: Recipe | None = None
-        self.fp8_tokens = TokenGroups()  # the groups its tokens are split over (under fp8)
-        self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
+        self.plan = plan
         local_out = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         mark_parallel(self.weight, 0, (out_features, in_features))
@@ -241,9 +238,7 @@ class ColumnParallelLinear(nn.Module):
             bias,
             self.tp_group,
             self.sequence_parallel,
-            self.fp8_recipe,
-            self.comm_overlap,
-            self.fp8_tokens,
+            self.plan,
             self.out_parts,
         )
         if self.gather_output:
@@ -254,8 +249,8 @@ class ColumnParallelLinear(nn.Module):
         """x [b, s, in], already in the tensor-parallel region (copied or gathered there by the
         caller), times this rank's weight: [b, s, out / t], no bias, no collective of
         activations."""
-        split = Split(self.tp_group, "out", self.fp8_tokens, self.out_parts)
-        return local_linear(x, self.weight, None, self.fp8_recipe, split)
+        split = Split(self.tp_group, "out", self.plan.tokens, self.out_parts)
+        return local_linear(x, self.weight, None, self.plan.recipe, split)
 
     def extra_repr(self) -> str:
         return (
@@ -267,8 +262,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Linear layer whose input features are split over the tp group. Forward all-reduces the
     partial outputs (reduce-scatters them along the sequence with sequence_parallel); the bias
-    is replicated and added once, after the reduction. fp8_recipe (None: the autocast
-    precision) makes its GEMMs fp8."""
+    is replicated and added once, after the reduction. plan: its numeric format and
+    communication schedule (megatronish.layers.plan)."""
 
     def __init__(
         self,
@@ -282,6 +277,7 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod | None = DEFAULT_INIT,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        plan: LinearPlan = PLAIN,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -292,9 +288,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.fp8_recipe: Recipe | None = None
-        self.fp8_tokens = TokenGroups()  # the groups its tokens are split over (under fp8)
-        self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
+        self.plan = plan
         local_in = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
         mark_parallel(self.weight, 1, (out_features, in_features))
@@ -309,22 +303,17 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        split = Split(self.tp_group, "in", self.fp8_tokens)
+        recipe, tokens = self.plan.recipe, self.plan.tokens
+        split = Split(self.tp_group, "in", tokens)
         if self.tp_size == 1:
-            return local_linear(x, self.weight, self.bias, self.fp8_recipe, split)
+            return local_linear(x, self.weight, self.bias, recipe, split)
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
-        if self.comm_overlap:  # the GEMM decomposed under its reduction (layers.overlap)
-            out = overlap.reduced_linear(
-                x,
-                self.weight,
-                self.tp_group,
-                self.sequence_parallel,
-                self.fp8_recipe,
-                self.fp8_tokens,
-            )
+        if self.plan.overlap:  # the GEMM decomposed under its reduction (layers.overlap)
+            group, sp = self.tp_group, self.sequence_parallel
+            out = overlap.reduced_linear(x, self.weight, group, sp, recipe, tokens)
             return out if self.bias is None else out + self.bias
-        partial = local_linear(x, self.weight, None, self.fp8_recipe, split)
+        partial = local_linear(x, self.weight, None, recipe, split)
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

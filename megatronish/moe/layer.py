@@ -33,6 +33,7 @@ from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
+from megatronish.layers.plan import PLAIN, LinearPlan
 from megatronish.layers.roles import set_role
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
@@ -79,8 +80,14 @@ class Router(nn.Module):
 
 class MoELayer(nn.Module):
     def __init__(
-        self, cfg: Config, derived: Derived, ps: ParallelState, shared: nn.Module | None = None
+        self,
+        cfg: Config,
+        derived: Derived,
+        ps: ParallelState,
+        shared: nn.Module | None = None,
+        plan: LinearPlan = PLAIN,
     ):
+        """plan: the routed experts' (megatronish.layers.plan)."""
         super().__init__()
         moe = cfg.model.moe
         self.num_experts, self.top_k, self.kind = moe.num_experts, moe.top_k, moe.router
@@ -107,6 +114,8 @@ class MoELayer(nn.Module):
             derived.moe_d_ff,
             derived.tp,
             cfg.kernels.backend,
+            ps.tp_group,
+            plan,
         )
         self.shared = shared
         self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)

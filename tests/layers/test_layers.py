@@ -23,6 +23,7 @@ from megatronish.layers import (
     vocab_parallel_cross_entropy,
 )
 from megatronish.layers.linear import column_parallel_linear
+from megatronish.layers.plan import LinearPlan
 from tests.ranks import run_on_ranks
 
 RTOL = 1e-5
@@ -213,10 +214,9 @@ def _fp8_pair(rank, world, recipe_name, sequence_parallel):
     q, k, _ = parts  # k's weights and q's output gradients dwarf the others'
     w1.view(-1, sum(parts), d_in)[:, q : q + k] *= 1024
     w2.view(d_in, -1, sum(parts))[..., :q] *= 1024
-    sp = dict(sequence_parallel=sequence_parallel)
+    sp = dict(sequence_parallel=sequence_parallel, plan=LinearPlan(recipe))
     col = ColumnParallelLinear(d_in, d_mid, out_parts=parts, **sp)
     row = RowParallelLinear(d_mid, d_in, **sp)
-    col.fp8_recipe = row.fp8_recipe = recipe
     with torch.no_grad():
         col.weight.copy_(w1.chunk(world)[rank])
         col.bias.copy_(b1.chunk(world)[rank])
@@ -387,8 +387,8 @@ def _overlap_row(rank, world, sequence_parallel):
     grad_out = full_grad.chunk(world, dim=1)[rank] if sequence_parallel else full_grad
     runs = {}
     for decomposed in (False, True):
-        layer = RowParallelLinear(d_in, d_out, sequence_parallel=sequence_parallel)
-        layer.comm_overlap = decomposed
+        plan = LinearPlan(overlap=decomposed)
+        layer = RowParallelLinear(d_in, d_out, sequence_parallel=sequence_parallel, plan=plan)
         with torch.no_grad():
             layer.weight.copy_(w)
         x_in = x.clone().requires_grad_()
@@ -454,8 +454,9 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
         x_in = tokens(x).clone().requires_grad_()
         params = [w.clone().requires_grad_() for w in ws]
         b = bias.chunk(world)[rank].clone().requires_grad_()
-        row = RowParallelLinear(d_mid, d_in, bias=False, sequence_parallel=sequence_parallel)
-        row.fp8_recipe, row.comm_overlap = recipe, decomposed
+        plan = LinearPlan(recipe, overlap=decomposed)
+        sp = dict(sequence_parallel=sequence_parallel, plan=plan)
+        row = RowParallelLinear(d_mid, d_in, bias=False, **sp)
         with torch.no_grad():
             row.weight.copy_(row_w.chunk(world, dim=1)[rank])
         hidden = row_x.chunk(world, dim=-1)[rank].clone().requires_grad_()
@@ -466,8 +467,7 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
                 b,
                 None,
                 sequence_parallel,
-                recipe,
-                comm_overlap=decomposed,
+                plan,
                 out_parts=parts,
             )
             if decomposed and sequence_parallel:
