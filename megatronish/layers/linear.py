@@ -16,7 +16,7 @@ the GEMMs (megatronish.layers.overlap).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from megatronish.fp8 import (
     grad_input_gemm,
     grad_weight_gemm,
 )
+from megatronish.fp8.gemm import add_bias
 from megatronish.layers import mappings, overlap
 from megatronish.layers.plan import PLAIN, LinearPlan
 from megatronish.layers.roles import role, set_role
@@ -88,7 +89,7 @@ class _ColumnLinear(torch.autograd.Function):
         else:
             x_2d = full_x.reshape(-1, full_x.shape[-1])
             out, ctx.scales = forward_gemm(x_2d, weight, recipe, ctx.split)
-            out = _add_bias(out.view(*full_x.shape[:-1], -1), bias)
+            out = add_bias(out.view(*full_x.shape[:-1], -1), bias)
         ctx.save_for_backward(x if sequence_parallel else full_x)
         ctx.weight = weight  # itself (not a recompute's copy): the key of its fp8 casts
         return out
@@ -124,11 +125,6 @@ class _ColumnLinear(torch.autograd.Function):
         return grad_in, grad_weight, grad_bias, None, None, None, None
 
 
-def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """out + bias in out's dtype (an fp8 GEMM's output is in its input's dtype)."""
-    return out if bias is None else out + bias.to(out.dtype)
-
-
 def local_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -141,7 +137,7 @@ def local_linear(
     split dim makes them span the ranks)."""
     if recipe is None:
         return F.linear(x, weight, bias)
-    return _add_bias(fp8_linear(to_autocast_dtype(x), weight, recipe, split), bias)
+    return add_bias(fp8_linear(to_autocast_dtype(x), weight, recipe, split), bias)
 
 
 def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +172,31 @@ def column_parallel_linear(
         )[0]
     split = Split(group, "out", tokens, out_parts)
     return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, recipe, split)
+
+
+def shared_input_linears(
+    x: torch.Tensor, layers: Sequence[ColumnParallelLinear]
+) -> list[torch.Tensor]:
+    """x [b, s(/t), in] times each column layer's weight (no bias): one gather (or copy) for
+    all, so backward sums their input gradients once, as one fused layer would (llama's gate
+    and up). Under their plan's overlap with sequence parallelism the gather is decomposed under
+    the GEMMs, the gathered input kept for the weight gradients. The layers share their group,
+    sequence parallelism and plan."""
+    first = layers[0]
+    settings = {(layer.tp_group, layer.sequence_parallel, layer.plan) for layer in layers}
+    if len(settings) > 1:
+        raise ValueError("shared_input_linears: the layers differ in group, sp or plan")
+    x, group, plan = to_autocast_dtype(x), first.tp_group, first.plan
+    if first.sequence_parallel and plan.overlap:
+        weights, biases = [layer.weight for layer in layers], [None] * len(layers)
+        recipe, tokens = plan.recipe, plan.tokens
+        return list(
+            overlap.all_gather_linear(
+                x, weights, biases, group, keep_gathered=True, recipe=recipe, tokens=tokens
+            )
+        )
+    x = mappings.to_tensor_parallel_region(x, group, first.sequence_parallel)  # [b, s, in]
+    return [layer.local(x) for layer in layers]
 
 
 class ColumnParallelLinear(nn.Module):

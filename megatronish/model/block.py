@@ -15,11 +15,10 @@ from megatronish import ops
 from megatronish.config import Config, Derived
 from megatronish.context import Documents
 from megatronish.distributed.layout import ParallelState, RNGTracker
-from megatronish.layers import mappings, overlap
 from megatronish.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
-    to_autocast_dtype,
+    shared_input_linears,
 )
 from megatronish.layers.plan import LinearPlan
 from megatronish.model.attention import Attention
@@ -56,26 +55,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_llama:
-            # gate and up read the same input: one f (or one sequence all-gather) for both, so
-            # backward all-reduces their summed input gradient once, as a fused fc1 would.
-            group, weights = self.gate.tp_group, [self.gate.weight, self.up.weight]
-            x = to_autocast_dtype(x)
-            if self.gate.sequence_parallel and self.gate.plan.overlap:  # the gather under them
-                gate, up = overlap.all_gather_linear(
-                    x,
-                    weights,
-                    [None, None],
-                    group,
-                    keep_gathered=True,
-                    recipe=self.gate.plan.recipe,
-                    tokens=self.gate.plan.tokens,
-                )
-            else:
-                if self.gate.sequence_parallel:
-                    x = mappings.gather_from_sequence_parallel_region(x, group)  # [b, s, h]
-                else:
-                    x = mappings.copy_to_tensor_parallel_region(x, group)
-                gate, up = self.gate.local(x), self.up.local(x)  # [b, s, f/t]
+            gate, up = shared_input_linears(x, [self.gate, self.up])  # [b, s, f/t] each
             hidden = ops.swiglu(gate, up, backend=self.backend)
         elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
             hidden = ops.bias_gelu(self.up(x), self.up.bias, backend="triton")

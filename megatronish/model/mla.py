@@ -143,9 +143,7 @@ class LatentAttention(nn.Module):
         """Replicated activations [b, s(/t), .] into the tensor-parallel region: all-gathered
         along the sequence under sequence parallelism, else copied (backward sums over tp)."""
         x = to_autocast_dtype(x)
-        if self.sequence_parallel:
-            return mappings.gather_from_sequence_parallel_region(x, self.group)
-        return mappings.copy_to_tensor_parallel_region(x, self.group)
+        return mappings.to_tensor_parallel_region(x, self.group, self.sequence_parallel)
 
     def latents(self, x: torch.Tensor):
         """x [b, s(/t), h] -> (q [b, s, n/t, e + p], the normed kv latent [b, s, r], the shared

@@ -130,17 +130,14 @@ class MoELayer(nn.Module):
         group = self.tp_group
         # In the matmul dtype (bf16 under autocast) before the collectives, as the dense MLP.
         tokens, weights, experts = to_autocast_dtype(x), routing.weights, routing.experts
-        if self.sequence_parallel:  # every tp rank's tokens, along the sequence
-            tokens = mappings.gather_from_sequence_parallel_region(tokens, group)
-            weights, experts = (
-                mappings.gather_from_sequence_parallel_region(t.view(b, s, -1), group)
-                for t in (weights, experts)
-            )
-            full = b * tokens.shape[1]
-            weights, experts = weights.reshape(full, -1), experts.reshape(full, -1)
-        else:
-            tokens = mappings.copy_to_tensor_parallel_region(tokens, group)
-            weights = mappings.copy_to_tensor_parallel_region(weights, group)
+        # Under sequence parallelism every tp rank's tokens, along the sequence.
+        sp = self.sequence_parallel
+        tokens = mappings.to_tensor_parallel_region(tokens, group, sp)
+        weights = mappings.to_tensor_parallel_region(weights.view(b, s, -1), group, sp)
+        if sp:
+            experts = mappings.gather_from_sequence_parallel_region(experts.view(b, s, -1), group)
+        full = b * tokens.shape[1]
+        weights, experts = weights.reshape(full, -1), experts.reshape(full, -1)
         total = experts.shape[0]
         keep = None
         if self.capacity_factor is not None:
