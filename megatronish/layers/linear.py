@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megatronish.distributed import comm
@@ -28,13 +27,9 @@ from megatronish.fp8 import (
     Parts,
     Recipe,
     Split,
-    forward_gemm,
-    fp8_linear,
-    grad_input_gemm,
-    grad_weight_gemm,
 )
-from megatronish.fp8.gemm import add_bias
 from megatronish.layers import mappings, overlap
+from megatronish.layers.formats import numeric_format, to_autocast_dtype
 from megatronish.layers.plan import PLAIN, LinearPlan
 from megatronish.layers.roles import role, set_role
 
@@ -75,21 +70,16 @@ def init_sharded(
 
 class _ColumnLinear(torch.autograd.Function):
     """X A^T + b whose backward all-reduces dX asynchronously while computing dA (or, with
-    sequence parallelism, all-gathers X forward and reduce-scatters dX backward); with an fp8
-    recipe the three GEMMs take fp8 operands."""
+    sequence parallelism, all-gathers X forward and reduce-scatters dX backward); the three
+    GEMMs in the layer's numeric format (megatronish.layers.formats)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, recipe, split):
-        ctx.group, ctx.sequence_parallel, ctx.recipe = group, sequence_parallel, recipe
+    def forward(ctx, x, weight, bias, group, sequence_parallel, fmt, split):
+        ctx.group, ctx.sequence_parallel, ctx.format = group, sequence_parallel, fmt
         ctx.split = split
         ctx.has_bias = bias is not None
         full_x = mappings.gather_seq(x, group) if sequence_parallel else x
-        if recipe is None:
-            out = F.linear(full_x, weight, bias)
-        else:
-            x_2d = full_x.reshape(-1, full_x.shape[-1])
-            out, ctx.scales = forward_gemm(x_2d, weight, recipe, ctx.split)
-            out = add_bias(out.view(*full_x.shape[:-1], -1), bias)
+        out, ctx.casts = fmt.forward(full_x, weight, bias, split)
         ctx.save_for_backward(x if sequence_parallel else full_x)
         ctx.weight = weight  # itself (not a recompute's copy): the key of its fp8 casts
         return out
@@ -97,26 +87,17 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensors, ctx.weight
-        group, recipe = ctx.group, ctx.recipe
+        group, fmt, split = ctx.group, ctx.format, ctx.split
         full_x = mappings.gather_seq(x, group) if ctx.sequence_parallel else x
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        if recipe is None:
-            grad_in = grad_out.matmul(weight.to(grad_out.dtype))
-        else:
-            split = ctx.split
-            grad_in, scales = grad_input_gemm(grad_2d, weight, recipe, split, ctx.scales)
-            grad_in = grad_in.view(*grad_out.shape[:-1], -1)
+        grad_in, casts = fmt.grad_input(grad_out, weight, split, ctx.casts)
         handle = None
         if not ctx.sequence_parallel:
             grad_in = grad_in.contiguous()
             handle = comm.all_reduce(grad_in, group, async_op=True)
         # The weight gradient overlaps the all-reduce.
-        if recipe is None:
-            x_2d = full_x.reshape(-1, full_x.shape[-1]).to(grad_out.dtype)
-            grad_weight = grad_2d.t().matmul(x_2d).to(weight.dtype)
-        else:
-            x_2d = full_x.reshape(-1, full_x.shape[-1])
-            grad_weight = grad_weight_gemm(grad_2d, x_2d, recipe, split, scales).to(weight.dtype)
+        x_2d = full_x.reshape(-1, full_x.shape[-1])
+        grad_weight = fmt.grad_weight(grad_2d, x_2d, weight, split, casts)
         grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
@@ -132,21 +113,10 @@ def local_linear(
     recipe: Recipe | None,
     split: Split,
 ) -> torch.Tensor:
-    """x W^T + b on this rank, no collective of activations: F.linear, or with an fp8 recipe the
-    fp8 GEMMs (x in autocast's dtype; the scales reduced over split.group where the weight's
-    split dim makes them span the ranks)."""
-    if recipe is None:
-        return F.linear(x, weight, bias)
-    return add_bias(fp8_linear(to_autocast_dtype(x), weight, recipe, split), bias)
-
-
-def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x in autocast's dtype when autocast is on for its device (else x): cast before a
-    collective, so activations and their gradients cross the wire in bf16, not fp32."""
-    device = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x
+    """x W^T + b on this rank, no collective of activations, in recipe's numeric format
+    (megatronish.layers.formats; fp8: x in autocast's dtype, the scales reduced over split.group
+    where the weight's split dim makes them span the ranks)."""
+    return numeric_format(recipe).linear(x, weight, bias, split)
 
 
 def column_parallel_linear(
@@ -171,7 +141,8 @@ def column_parallel_linear(
             x, [weight], [bias], group, recipe=recipe, tokens=tokens, parts=out_parts
         )[0]
     split = Split(group, "out", tokens, out_parts)
-    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, recipe, split)
+    fmt = numeric_format(recipe)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fmt, split)
 
 
 def shared_input_linears(
