@@ -48,13 +48,12 @@ class GPT(nn.Module):
     and multi-token prediction (model.mtp_depth, `mtp`: on the last stage) put a copy of
     tok_emb on the last stage too: both copies are tagged pipeline_tied (their gradients are
     summed across the two stages) and the last stage's is tagged pipeline_duplicate (not
-    saved, not counted twice in the gradient norm)."""
+    saved, not counted twice in the gradient norm). `plan`: each layer's numeric format and
+    communication schedule (default: cfg's, megatronish.model.plan)."""
 
     def __init__(
         self, cfg: Config, derived: Derived, ps: ParallelState, plan: ModelPlan | None = None
     ):
-        """plan: each layer's numeric format and communication schedule (default: cfg's,
-        megatronish.model.plan)."""
         super().__init__()
         model = cfg.model
         plan = model_plan(cfg, derived, ps) if plan is None else plan
