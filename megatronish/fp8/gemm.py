@@ -59,6 +59,11 @@ _WEIGHT_CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 """weight -> {(use, recipe, backend): (the weight's version, its cast)}, while the weight lives."""
 
 
+def add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """out + bias in out's dtype (an fp8 GEMM's output is in its input's dtype)."""
+    return out if bias is None else out + bias.to(out.dtype)
+
+
 def weights_changed() -> None:
     """Forgets every weight's kept casts: the weights may have changed (the optimizer updates
     them outside autograd's version count)."""

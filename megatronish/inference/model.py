@@ -15,13 +15,14 @@ from megatronish.distributed.layout import ParallelState
 
 
 def build_model(ckpt: Checkpoint, ps: ParallelState, cfg: Config | None = None):
-    """A GPT holding the checkpoint's weights at ps's tp degree, in eval mode. cfg defaults to
-    the checkpoint's own config."""
+    """A GPT holding the checkpoint's weights at ps's tp degree, in eval mode (in the autocast
+    precision alone: no fp8 GEMMs). cfg defaults to the checkpoint's own config."""
     from megatronish.model import GPT
+    from megatronish.model.plan import model_plan
 
     cfg = inference_config(cfg if cfg is not None else ckpt.config, ckpt.vocab_size, ps.tp)
     derived = derive(cfg, ps.tp, vocab_size=ckpt.vocab_size)
-    model = GPT(cfg, derived, ps)
+    model = GPT(cfg, derived, ps, model_plan(cfg, derived, ps, fp8=False))
     restore_model(ckpt, model)
     return model.eval()
 

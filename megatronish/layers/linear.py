@@ -7,19 +7,19 @@ Shapes: b batch, s sequence, t tp group size; weights are [out, in] as in nn.Lin
                         output [b, s, out] (summed over the group), bias added once after it
 With sequence_parallel the replicated activations are [b, s / t, h] instead: the column layer
 all-gathers its input along the sequence, the row layer reduce-scatters its output.
-With fp8_recipe set (megatronish.fp8) the layer's three GEMMs take fp8 operands; the scales
-of tensors split over the group are reduced over it, so every tp degree computes the same.
-comm_overlap (parallel.tp_comm_overlap) decomposes those collectives under the GEMMs:
-megatronish.layers.overlap (with fp8: megatronish.layers.overlap_fp8).
+Each layer's plan (megatronish.layers.plan), given when it is built, fixes its numeric format
+and its communication schedule: with an fp8 recipe (megatronish.fp8) the three GEMMs take fp8
+operands, the scales of tensors split over the group reduced over it, so every tp degree
+computes the same; with overlap (parallel.tp_comm_overlap) the collectives are decomposed under
+the GEMMs (megatronish.layers.overlap).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megatronish.distributed import comm
@@ -27,13 +27,10 @@ from megatronish.fp8 import (
     Parts,
     Recipe,
     Split,
-    TokenGroups,
-    forward_gemm,
-    fp8_linear,
-    grad_input_gemm,
-    grad_weight_gemm,
 )
 from megatronish.layers import mappings, overlap
+from megatronish.layers.formats import numeric_format, to_autocast_dtype
+from megatronish.layers.plan import PLAIN, LinearPlan
 from megatronish.layers.roles import role, set_role
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -73,21 +70,16 @@ def init_sharded(
 
 class _ColumnLinear(torch.autograd.Function):
     """X A^T + b whose backward all-reduces dX asynchronously while computing dA (or, with
-    sequence parallelism, all-gathers X forward and reduce-scatters dX backward); with an fp8
-    recipe the three GEMMs take fp8 operands."""
+    sequence parallelism, all-gathers X forward and reduce-scatters dX backward); the three
+    GEMMs in the layer's numeric format (megatronish.layers.formats)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, recipe, split):
-        ctx.group, ctx.sequence_parallel, ctx.recipe = group, sequence_parallel, recipe
+    def forward(ctx, x, weight, bias, group, sequence_parallel, fmt, split):
+        ctx.group, ctx.sequence_parallel, ctx.format = group, sequence_parallel, fmt
         ctx.split = split
         ctx.has_bias = bias is not None
         full_x = mappings.gather_seq(x, group) if sequence_parallel else x
-        if recipe is None:
-            out = F.linear(full_x, weight, bias)
-        else:
-            x_2d = full_x.reshape(-1, full_x.shape[-1])
-            out, ctx.scales = forward_gemm(x_2d, weight, recipe, ctx.split)
-            out = _add_bias(out.view(*full_x.shape[:-1], -1), bias)
+        out, ctx.casts = fmt.forward(full_x, weight, bias, split)
         ctx.save_for_backward(x if sequence_parallel else full_x)
         ctx.weight = weight  # itself (not a recompute's copy): the key of its fp8 casts
         return out
@@ -95,37 +87,23 @@ class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensors, ctx.weight
-        group, recipe = ctx.group, ctx.recipe
+        group, fmt, split = ctx.group, ctx.format, ctx.split
         full_x = mappings.gather_seq(x, group) if ctx.sequence_parallel else x
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        if recipe is None:
-            grad_in = grad_out.matmul(weight.to(grad_out.dtype))
-        else:
-            split = ctx.split
-            grad_in, scales = grad_input_gemm(grad_2d, weight, recipe, split, ctx.scales)
-            grad_in = grad_in.view(*grad_out.shape[:-1], -1)
+        grad_in, casts = fmt.grad_input(grad_out, weight, split, ctx.casts)
         handle = None
         if not ctx.sequence_parallel:
             grad_in = grad_in.contiguous()
             handle = comm.all_reduce(grad_in, group, async_op=True)
         # The weight gradient overlaps the all-reduce.
-        if recipe is None:
-            x_2d = full_x.reshape(-1, full_x.shape[-1]).to(grad_out.dtype)
-            grad_weight = grad_2d.t().matmul(x_2d).to(weight.dtype)
-        else:
-            x_2d = full_x.reshape(-1, full_x.shape[-1])
-            grad_weight = grad_weight_gemm(grad_2d, x_2d, recipe, split, scales).to(weight.dtype)
+        x_2d = full_x.reshape(-1, full_x.shape[-1])
+        grad_weight = fmt.grad_weight(grad_2d, x_2d, weight, split, casts)
         grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
         if handle is not None:
             handle.wait()
         if ctx.sequence_parallel:
             grad_in = mappings.reduce_scatter_seq(grad_in, group).contiguous()
         return grad_in, grad_weight, grad_bias, None, None, None, None
-
-
-def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """out + bias in out's dtype (an fp8 GEMM's output is in its input's dtype)."""
-    return out if bias is None else out + bias.to(out.dtype)
 
 
 def local_linear(
@@ -135,21 +113,10 @@ def local_linear(
     recipe: Recipe | None,
     split: Split,
 ) -> torch.Tensor:
-    """x W^T + b on this rank, no collective of activations: F.linear, or with an fp8 recipe the
-    fp8 GEMMs (x in autocast's dtype; the scales reduced over split.group where the weight's
-    split dim makes them span the ranks)."""
-    if recipe is None:
-        return F.linear(x, weight, bias)
-    return _add_bias(fp8_linear(to_autocast_dtype(x), weight, recipe, split), bias)
-
-
-def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
-    """x in autocast's dtype when autocast is on for its device (else x): cast before a
-    collective, so activations and their gradients cross the wire in bf16, not fp32."""
-    device = x.device.type
-    if x.is_floating_point() and torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x
+    """x W^T + b on this rank, no collective of activations, in recipe's numeric format
+    (megatronish.layers.formats; fp8: x in autocast's dtype, the scales reduced over split.group
+    where the weight's split dim makes them span the ranks)."""
+    return numeric_format(recipe).linear(x, weight, bias, split)
 
 
 def column_parallel_linear(
@@ -158,37 +125,60 @@ def column_parallel_linear(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     sequence_parallel: bool = False,
-    fp8_recipe: Recipe | None = None,
-    comm_overlap: bool = False,
-    fp8_tokens: TokenGroups | None = None,
+    plan: LinearPlan = PLAIN,
     out_parts: Parts | None = None,
 ) -> torch.Tensor:
     """x [b, s, in] (or [b, s / t, in] with sequence_parallel) times this rank's block of the
-    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group. comm_overlap
+    weight [out / t, in]: [b, s, out / t]. Backward all-reduces dx over the group. plan.overlap
     with sequence_parallel: the all-gather decomposed under the GEMM (layers.overlap).
-    fp8_tokens: the groups the tokens are split over (fp8 scales span them; None: whole);
     out_parts: the logical matrices of the weight's rows (megatronish.fp8.parts; None: one)."""
-    fp8_tokens = fp8_tokens or TokenGroups()
+    recipe, tokens = plan.recipe, plan.tokens
     if comm.group_size(group) == 1:
-        split = Split(tokens=fp8_tokens, parts=out_parts)
-        return local_linear(x, weight, bias, fp8_recipe, split)
+        return local_linear(x, weight, bias, recipe, Split(tokens=tokens, parts=out_parts))
     x = to_autocast_dtype(x)
-    if comm_overlap and sequence_parallel:
+    if plan.overlap and sequence_parallel:
         return overlap.all_gather_linear(
-            x, [weight], [bias], group, recipe=fp8_recipe, tokens=fp8_tokens, parts=out_parts
+            x, [weight], [bias], group, recipe=recipe, tokens=tokens, parts=out_parts
         )[0]
-    split = Split(group, "out", fp8_tokens, out_parts)
-    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fp8_recipe, split)
+    split = Split(group, "out", tokens, out_parts)
+    fmt = numeric_format(recipe)
+    return _ColumnLinear.apply(x, weight, bias, group, sequence_parallel, fmt, split)
+
+
+def shared_input_linears(
+    x: torch.Tensor, layers: Sequence[ColumnParallelLinear]
+) -> list[torch.Tensor]:
+    """x [b, s(/t), in] times each column layer's weight (no bias): one gather (or copy) for
+    all, so backward sums their input gradients once, as one fused layer would (llama's gate
+    and up). Under their plan's overlap with sequence parallelism the gather is decomposed under
+    the GEMMs, the gathered input kept for the weight gradients. The layers share their group,
+    sequence parallelism and plan."""
+    first = layers[0]
+    settings = {(layer.tp_group, layer.sequence_parallel, layer.plan) for layer in layers}
+    if len(settings) > 1:
+        raise ValueError("shared_input_linears: the layers differ in group, sp or plan")
+    x, group, plan = to_autocast_dtype(x), first.tp_group, first.plan
+    if first.sequence_parallel and plan.overlap:
+        weights, biases = [layer.weight for layer in layers], [None] * len(layers)
+        recipe, tokens = plan.recipe, plan.tokens
+        return list(
+            overlap.all_gather_linear(
+                x, weights, biases, group, keep_gathered=True, recipe=recipe, tokens=tokens
+            )
+        )
+    x = mappings.to_tensor_parallel_region(x, group, first.sequence_parallel)  # [b, s, in]
+    return [layer.local(x) for layer in layers]
 
 
 class ColumnParallelLinear(nn.Module):
     """Linear layer whose output features are split over the tp group (rank r holds the r-th
     contiguous block). Forward needs no communication (the input is replicated); backward
     all-reduces the input gradient, overlapped with the weight-gradient matmul. With
-    skip_bias_add the bias is left for the caller to fuse into the next op. fp8_recipe (None:
-    the autocast precision) makes its GEMMs fp8. out_parts: the rows of each logical matrix
-    fused in the weight, per repeating unit of its rows (the attention's q, k and v per
-    key-value group; megatronish.fp8.parts): fp8 scales along the rows are taken per matrix."""
+    skip_bias_add the bias is left for the caller to fuse into the next op. plan: its numeric
+    format and communication schedule (megatronish.layers.plan). out_parts: the rows of each
+    logical matrix fused in the weight, per repeating unit of its rows (the attention's q, k and
+    v per key-value group; megatronish.fp8.parts): fp8 scales along the rows are taken per
+    matrix."""
 
     def __init__(
         self,
@@ -204,6 +194,7 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         out_parts: tuple[int, ...] | None = None,
+        plan: LinearPlan = PLAIN,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -217,9 +208,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_parts = None if out_parts is None else Parts(tuple(out_parts))
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.fp8_recipe: Recipe | None = None
-        self.fp8_tokens = TokenGroups()  # the groups its tokens are split over (under fp8)
-        self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
+        self.plan = plan
         local_out = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
         mark_parallel(self.weight, 0, (out_features, in_features))
@@ -241,9 +230,7 @@ class ColumnParallelLinear(nn.Module):
             bias,
             self.tp_group,
             self.sequence_parallel,
-            self.fp8_recipe,
-            self.comm_overlap,
-            self.fp8_tokens,
+            self.plan,
             self.out_parts,
         )
         if self.gather_output:
@@ -254,8 +241,8 @@ class ColumnParallelLinear(nn.Module):
         """x [b, s, in], already in the tensor-parallel region (copied or gathered there by the
         caller), times this rank's weight: [b, s, out / t], no bias, no collective of
         activations."""
-        split = Split(self.tp_group, "out", self.fp8_tokens, self.out_parts)
-        return local_linear(x, self.weight, None, self.fp8_recipe, split)
+        split = Split(self.tp_group, "out", self.plan.tokens, self.out_parts)
+        return local_linear(x, self.weight, None, self.plan.recipe, split)
 
     def extra_repr(self) -> str:
         return (
@@ -267,8 +254,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Linear layer whose input features are split over the tp group. Forward all-reduces the
     partial outputs (reduce-scatters them along the sequence with sequence_parallel); the bias
-    is replicated and added once, after the reduction. fp8_recipe (None: the autocast
-    precision) makes its GEMMs fp8."""
+    is replicated and added once, after the reduction. plan: its numeric format and
+    communication schedule (megatronish.layers.plan)."""
 
     def __init__(
         self,
@@ -282,6 +269,7 @@ class RowParallelLinear(nn.Module):
         init_method: InitMethod | None = DEFAULT_INIT,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        plan: LinearPlan = PLAIN,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -292,9 +280,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.fp8_recipe: Recipe | None = None
-        self.fp8_tokens = TokenGroups()  # the groups its tokens are split over (under fp8)
-        self.comm_overlap = False  # parallel.tp_comm_overlap (set by the model that holds it)
+        self.plan = plan
         local_in = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
         mark_parallel(self.weight, 1, (out_features, in_features))
@@ -309,22 +295,17 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        split = Split(self.tp_group, "in", self.fp8_tokens)
+        recipe, tokens = self.plan.recipe, self.plan.tokens
+        split = Split(self.tp_group, "in", tokens)
         if self.tp_size == 1:
-            return local_linear(x, self.weight, self.bias, self.fp8_recipe, split)
+            return local_linear(x, self.weight, self.bias, recipe, split)
         if not self.input_is_parallel:
             x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
-        if self.comm_overlap:  # the GEMM decomposed under its reduction (layers.overlap)
-            out = overlap.reduced_linear(
-                x,
-                self.weight,
-                self.tp_group,
-                self.sequence_parallel,
-                self.fp8_recipe,
-                self.fp8_tokens,
-            )
+        if self.plan.overlap:  # the GEMM decomposed under its reduction (layers.overlap)
+            group, sp = self.tp_group, self.sequence_parallel
+            out = overlap.reduced_linear(x, self.weight, group, sp, recipe, tokens)
             return out if self.bias is None else out + self.bias
-        partial = local_linear(x, self.weight, None, self.fp8_recipe, split)
+        partial = local_linear(x, self.weight, None, recipe, split)
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

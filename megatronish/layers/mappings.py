@@ -179,6 +179,17 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group = None) -
     return x if comm.group_size(group) == 1 else _GatherFromSequence.apply(x, group)
 
 
+def to_tensor_parallel_region(
+    x: torch.Tensor, group: Group, sequence_parallel: bool
+) -> torch.Tensor:
+    """Replicated activations [b, s(/t), ...] into the tensor-parallel region: all-gathered
+    along the sequence under sequence parallelism (reduce-scattered backward), else copied
+    (backward sums over the group)."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group)
+    return copy_to_tensor_parallel_region(x, group)
+
+
 def reduce_scatter_to_sequence_parallel_region(
     x: torch.Tensor, group: Group = None
 ) -> torch.Tensor:

@@ -1,41 +1,11 @@
 """Tensor-parallel communication under the GEMMs (parallel.tp_comm_overlap; Megatron-LM's
 --tp-comm-overlap, torchtitan's async TP): each collective of a linear layer split into steps
-that each run while the GEMM of one sequence chunk computes.
+that each run while the GEMM of one sequence chunk computes, on the ring of
+megatronish.layers.tp_ring (with sequence parallelism) or as t chunked all-reduces (without);
+with an fp8 recipe the GEMMs are megatronish.layers.overlap_fp8's. The schedules, what stays
+exposed and where the sums change order: docs/parallelism.md (Communication under the GEMMs).
 
 Shapes: b batch, s sequence, t tp group size, c = s / t; weights [out, in] as in nn.Linear.
-
-With sequence parallelism, on the ring of megatronish.layers.tp_ring:
-  all_gather_linear      x [b, c, in] -> [b, s, out / t] per weight. Forward: the all-gather of
-                         x and the GEMM in t steps; a rank multiplies the chunk it holds while
-                         the chunk travels on, so only what a hop takes beyond its chunk's GEMM
-                         is exposed. Backward: the input gradient's reduce-scatter in t steps,
-                         each computing the partial that the next hop carries, and (unless the
-                         gathered x was kept) the all-gather of x again, each arriving chunk's
-                         share of the weight gradient computed as the next one travels.
-  linear_reduce_scatter  x [b, s, in / t] -> [b, c, out]. Forward: GEMM and reduce-scatter in t
-                         steps (each step's GEMM computes the partial the next hop carries).
-                         Backward: the all-gather of the output gradient, each arriving chunk's
-                         input- and weight-gradient GEMMs computed as the next one travels.
-Without sequence parallelism:
-  linear_all_reduce      x [b, s, in / t] -> [b, s, out]: the output all-reduce in t chunks along
-                         the sequence, each started as soon as its chunk's GEMM is done, so it
-                         runs under the next chunk's GEMM; the last chunk's all-reduce (1 / t of
-                         the bytes) is exposed. The backward moves nothing, as without the
-                         overlap. (The column layer's forward moves nothing either, and its
-                         backward all-reduce already runs under its weight-gradient GEMM:
-                         megatronish.layers.linear.)
-
-Where the sums change order (fp32 rounding, not the value): a reduce-scatter's block sums in
-ring order (tp_ring; at t = 2 the same bits); a weight gradient computed chunk by chunk sums
-the sequence in t pieces, this rank's chunk first; the output rows computed a chunk at a time
-are the same dot products as the whole GEMM's. The chunked all-reduce's sums are the
-collective's at t = 2 and with shared memory (rank order); gloo's ring at t > 2 may order them
-otherwise.
-
-With an fp8 recipe the GEMMs are fp8 with the scales of the layer without the decomposition
-(megatronish.layers.overlap_fp8): a column layer's forward ring carries the fp8 cast of each
-chunk (llama's gate and up under rowwise and blockwise: the chunk itself, kept gathered).
-
 Every transfer goes through megatronish.distributed.comm: a ring hop counts as "tp_ring" (the
 chunk's bytes), a chunk's all-reduce as an all_reduce of the chunk.
 """

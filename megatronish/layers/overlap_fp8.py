@@ -1,43 +1,11 @@
-"""The decomposed GEMMs of megatronish.layers.overlap with fp8 operands (train.precision fp8
-with parallel.tp_comm_overlap): the same ring steps, each chunk's GEMM an fp8 GEMM of
-megatronish.fp8.gemm whose operands carry exactly the scales of the layer without the
-decomposition, so the two differ only by the order of fp32 additions.
+"""The decomposed GEMMs of megatronish.layers.overlap with fp8 operands: the same ring steps,
+each chunk's GEMM an fp8 GEMM of megatronish.fp8.gemm whose operands carry exactly the scales
+of the layer without the decomposition, so the two differ only by the order of fp32 additions.
+Where the scales come from and what each ring carries: docs/fp8.md (With the tp communication
+under the GEMMs).
 
 Shapes: b batch, s sequence, t tp group size, c = s / t; weights [out, in]; a chunk's rows are
-its b * c tokens, batch-major. Legend of scales (megatronish.fp8.recipes): tensorwise one per
-tensor, rowwise one per token row of X and dY in the forward and input-gradient GEMMs (K is
-the features), tile 1 x 128 along those features.
-
-Where the scales come from:
-- A cast whose scales are per token (rowwise, tiles: K is the features) is the same cast of a
-  chunk alone as of the whole tensor: each chunk is cast where it is.
-- A tensorwise scale of a tensor the ring gathers (the column layer's input forward, the row
-  layer's output gradient backward) is the whole gathered tensor's: the local chunk's amax is
-  all-reduced (MAX) over the tp group (tp x cp under context parallelism) before the ring
-  starts, in the same call as the weights' amaxes (megatronish.fp8.quantize), and the chunks
-  are cast with it.
-- A column layer of several logical matrices (the fused qkv: megatronish.fp8.parts) casts
-  each alone where the plain layer does, and each chunk's input-gradient GEMM is the sum of
-  theirs.
-- The weight-gradient GEMM's K is the tokens: its rowwise and tile scales span the chunks, so
-  it is computed at once, after the ring, from the whole tensors, with the casts of the layer
-  without the decomposition (chunking it would change its scales). Its tensorwise scales are
-  the forward's and the input gradient's, as without the decomposition.
-
-What travels:
-- all_gather_linear forward sends each chunk in fp8 (the scales are known before the ring):
-  the payload's bytes, followed in each token's row by its float32 scales (rowwise one, tile
-  ceil(in / 128)); a tensorwise scale is on every rank already. That is 1 + 4 n / in bytes a
-  value where the plain ring sends 2 (bf16) or 4 (fp32). Backward, the weight gradient needs
-  the gathered input: tensorwise, its fp8 payload (the forward's, transposed: the same numbers
-  as casting X^T with the same scale), kept when keep_gathered, else gathered again in fp8;
-  rowwise and blockwise, the input in its own precision (their per-feature scales over the
-  tokens need it), gathered again. Rowwise and blockwise with keep_gathered send x itself
-  forward instead, each rank casting each chunk as it arrives, and keep it gathered: one
-  gather in its own precision rather than an fp8 one and the same again backward.
-- linear_reduce_scatter sends partial outputs (sums, not casts) forward and gathers the output
-  gradient in its own precision backward (the weight gradient's casts need it).
-- linear_all_reduce reduces output chunks; its backward moves nothing.
+its b * c tokens, batch-major.
 """
 
 from __future__ import annotations
@@ -51,6 +19,7 @@ from megatronish.distributed import comm
 from megatronish.fp8 import Parts, Recipe, Split, TokenGroups
 from megatronish.fp8.gemm import (
     Scales,
+    add_bias,
     forward_casts,
     forward_product,
     grad_input_casts,
@@ -108,8 +77,12 @@ def unpack(packed: torch.Tensor, like: Quantized) -> Quantized:
     return Quantized(payload, scale, like.operand)
 
 
-def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return out if bias is None else out + bias.to(out.dtype)
+def ring_carries_cast(recipe: Recipe, keep_gathered: bool) -> bool:
+    """Whether all_gather_linear's forward ring carries the input's fp8 cast (else the input
+    itself, each rank casting each chunk as it arrives): a tensorwise cast always; a per-token
+    one unless the gathered input is kept for the weight gradient, whose per-feature scales need
+    the input (one gather of it rather than the cast forward and the input again backward)."""
+    return recipe.input.granularity == "tensor" or not keep_gathered
 
 
 class _AllGatherLinear(torch.autograd.Function):
@@ -122,7 +95,7 @@ class _AllGatherLinear(torch.autograd.Function):
         qx, qws = forward_casts(_rows(x), list(weights), recipe, split, split.cp | TP)
         outs = [[None] * ring.size for _ in weights]  # [weight][source]: [b, c, out / t]
         tensor = recipe.input.granularity == "tensor"
-        send_cast = tensor or not keep_gathered  # else x itself, kept gathered for dW
+        send_cast = ring_carries_cast(recipe, keep_gathered)  # else x itself, kept for dW
         kept = [None] * ring.size  # what backward keeps of each chunk
         for source, arrived in gather_chunks(ring, pack(qx, batch) if send_cast else x):
             if source == ring.rank:
@@ -134,7 +107,7 @@ class _AllGatherLinear(torch.autograd.Function):
                 (chunk,) = quantize([cast], recipe.power_of_2_scales, split, recipe.backend)
             for pieces, qw, bias in zip(outs, qws, biases):
                 out = _seq(forward_product(chunk, qw, split, recipe, x.dtype), batch)
-                pieces[source] = _add_bias(out, bias)
+                pieces[source] = add_bias(out, bias)
             kept[source] = _seq(chunk.payload.view(torch.uint8), batch) if tensor else arrived
         ctx.ring, ctx.recipe, ctx.split, ctx.count = ring, recipe, split, count
         ctx.weights = weights  # themselves (not a recompute's copies): the keys of their casts

@@ -22,6 +22,7 @@ from megatronish.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
 )
+from megatronish.layers.plan import LinearPlan
 from megatronish.model.norm import Norm
 from megatronish.model.recompute import checkpoint
 from megatronish.ops import reference
@@ -76,7 +77,13 @@ class Attention(nn.Module):
     """The attention of block `layer` (its global index, which picks its sliding window)."""
 
     def __init__(
-        self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, layer: int
+        self,
+        cfg: Config,
+        derived: Derived,
+        ps: ParallelState,
+        tracker: RNGTracker,
+        layer: int,
+        plan: LinearPlan,
     ):
         super().__init__()
         model, tp = cfg.model, derived.tp
@@ -99,6 +106,7 @@ class Attention(nn.Module):
             sequence_parallel=sp,
             tp_group=group,
             init_method=None,
+            plan=plan,
             # per key-value group: its query heads, its key head, its value head
             out_parts=(self.heads_per_group * self.head_dim, self.head_dim, self.head_dim),
         )
@@ -113,6 +121,7 @@ class Attention(nn.Module):
             sequence_parallel=sp,
             tp_group=group,
             init_method=None,
+            plan=plan,
         )
 
     def core(

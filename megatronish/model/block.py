@@ -15,12 +15,12 @@ from megatronish import ops
 from megatronish.config import Config, Derived
 from megatronish.context import Documents
 from megatronish.distributed.layout import ParallelState, RNGTracker
-from megatronish.layers import mappings, overlap
 from megatronish.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
-    to_autocast_dtype,
+    shared_input_linears,
 )
+from megatronish.layers.plan import LinearPlan
 from megatronish.model.attention import Attention
 from megatronish.model.mla import LatentAttention
 from megatronish.model.norm import Norm
@@ -28,14 +28,22 @@ from megatronish.moe import MoELayer
 
 
 class MLP(nn.Module):
-    """The dense MLP (d_ff: derived.d_ff unless given, e.g. an MoE layer's shared expert)."""
+    """The dense MLP (d_ff: derived.d_ff unless given, e.g. an MoE layer's shared expert);
+    plan: its linear layers' (megatronish.layers.plan)."""
 
-    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, d_ff: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        derived: Derived,
+        ps: ParallelState,
+        plan: LinearPlan,
+        d_ff: int | None = None,
+    ):
         super().__init__()
         model, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
         d_ff = derived.d_ff if d_ff is None else d_ff
         self.is_llama, self.backend = not model.gpt2_block, cfg.kernels.backend
-        common = dict(sequence_parallel=sp, tp_group=group, init_method=None)
+        common = dict(sequence_parallel=sp, tp_group=group, init_method=None, plan=plan)
         if self.is_llama:
             self.gate = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
             self.up = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
@@ -47,26 +55,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_llama:
-            # gate and up read the same input: one f (or one sequence all-gather) for both, so
-            # backward all-reduces their summed input gradient once, as a fused fc1 would.
-            group, weights = self.gate.tp_group, [self.gate.weight, self.up.weight]
-            x = to_autocast_dtype(x)
-            if self.gate.sequence_parallel and self.gate.comm_overlap:  # the gather under them
-                gate, up = overlap.all_gather_linear(
-                    x,
-                    weights,
-                    [None, None],
-                    group,
-                    keep_gathered=True,
-                    recipe=self.gate.fp8_recipe,
-                    tokens=self.gate.fp8_tokens,
-                )
-            else:
-                if self.gate.sequence_parallel:
-                    x = mappings.gather_from_sequence_parallel_region(x, group)  # [b, s, h]
-                else:
-                    x = mappings.copy_to_tensor_parallel_region(x, group)
-                gate, up = self.gate.local(x), self.up.local(x)  # [b, s, f/t]
+            gate, up = shared_input_linears(x, [self.gate, self.up])  # [b, s, f/t] each
             hidden = ops.swiglu(gate, up, backend=self.backend)
         elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
             hidden = ops.bias_gelu(self.up(x), self.up.bias, backend="triton")
@@ -77,10 +66,17 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Transformer block `index`: attention, then a dense MLP, or a mixture of experts where
-    index is one of derived.moe_layers."""
+    index is one of derived.moe_layers. plan: the plan of its linear layers and experts
+    (megatronish.model.plan's ModelPlan.blocks)."""
 
     def __init__(
-        self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, index: int
+        self,
+        cfg: Config,
+        derived: Derived,
+        ps: ParallelState,
+        tracker: RNGTracker,
+        index: int,
+        plan: LinearPlan,
     ):
         super().__init__()
         model, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
@@ -88,13 +84,14 @@ class Block(nn.Module):
         backend = cfg.kernels.backend
         self.norm1 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         attention = LatentAttention if model.attention == "mla" else Attention
-        self.attn = attention(cfg, derived, ps, tracker, index)
+        self.attn = attention(cfg, derived, ps, tracker, index, plan)
         self.norm2 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
         if index in derived.moe_layers:
-            shared = MLP(cfg, derived, ps, derived.shared_d_ff) if derived.shared_d_ff else None
-            self.mlp = MoELayer(cfg, derived, ps, shared)
+            d_ff = derived.shared_d_ff
+            shared = MLP(cfg, derived, ps, plan, d_ff) if d_ff else None
+            self.mlp = MoELayer(cfg, derived, ps, shared, plan)
         else:
-            self.mlp = MLP(cfg, derived, ps)
+            self.mlp = MLP(cfg, derived, ps, plan)
         self.dropout, self.tracker, self.sequence_parallel = model.dropout, tracker, sp
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:

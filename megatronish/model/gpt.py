@@ -20,7 +20,6 @@ from megatronish.layers import mappings
 from megatronish.layers.embedding import VocabParallelEmbedding
 from megatronish.layers.linear import (
     ColumnParallelLinear,
-    RowParallelLinear,
     column_parallel_linear,
     mark_parallel,
 )
@@ -29,6 +28,7 @@ from megatronish.model.block import Block
 from megatronish.model.init import init_weights
 from megatronish.model.mtp import MTP, ahead_of
 from megatronish.model.norm import Norm
+from megatronish.model.plan import ModelPlan, model_plan
 from megatronish.model.recompute import checkpoint
 from megatronish.moe import MoELayer
 from megatronish.observe.profile import annotate
@@ -48,15 +48,19 @@ class GPT(nn.Module):
     and multi-token prediction (model.mtp_depth, `mtp`: on the last stage) put a copy of
     tok_emb on the last stage too: both copies are tagged pipeline_tied (their gradients are
     summed across the two stages) and the last stage's is tagged pipeline_duplicate (not
-    saved, not counted twice in the gradient norm)."""
+    saved, not counted twice in the gradient norm). `plan`: each layer's numeric format and
+    communication schedule (default: cfg's, megatronish.model.plan)."""
 
-    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState):
+    def __init__(
+        self, cfg: Config, derived: Derived, ps: ParallelState, plan: ModelPlan | None = None
+    ):
         super().__init__()
         model = cfg.model
+        plan = model_plan(cfg, derived, ps) if plan is None else plan
+        self.logits_plan = plan.others
         self.cfg, self.derived, self.ps = cfg, derived, ps
         self.tracker = RNGTracker(cfg.train.seed, ps.tp_rank, ps.device)
         self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
-        self.tp_comm_overlap = cfg.parallel.tp_comm_overlap and derived.tp > 1
         self.backend = cfg.kernels.backend
         self.full_checkpoint = cfg.train.activation_checkpointing == "full"
         self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
@@ -76,7 +80,7 @@ class GPT(nn.Module):
         self.chunks = [[str(i) for i in layers] for layers in derived.stage_chunks(ps.pp_rank)]
         self.blocks = nn.ModuleDict(
             {
-                name: Block(cfg, derived, ps, self.tracker, int(name))
+                name: Block(cfg, derived, ps, self.tracker, int(name), plan.blocks)
                 for chunk in self.chunks
                 for name in chunk
             }
@@ -94,20 +98,17 @@ class GPT(nn.Module):
                     sequence_parallel=self.sequence_parallel,
                     tp_group=ps.tp_group,
                     init_method=None,
+                    plan=plan.others,
                 )
                 set_role(self.lm_head.weight, valid_rows=derived.vocab_size)
         self.mtp = None
         if self.is_last_stage and model.mtp_depth > 0:
-            self.mtp = MTP(cfg, derived, ps, self.tracker)
+            self.mtp = MTP(cfg, derived, ps, self.tracker, plan.blocks)
         self.mtp_loss_coef = model.mtp_loss_coef
         local_v = V // derived.tp
         ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)
         self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
         self.has_padding = bool(self.vocab_padding.any())
-        if self.tp_comm_overlap:  # every tp linear decomposes its collectives (layers.overlap)
-            for module in self.modules():
-                if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                    module.comm_overlap = True
         self.to(ps.device)
         init_weights(self, cfg.train.seed, model.n_layer)
 
@@ -222,7 +223,7 @@ class GPT(nn.Module):
             None,
             self.ps.tp_group,
             self.sequence_parallel,
-            comm_overlap=self.tp_comm_overlap,
+            self.logits_plan,
         )
         if self.has_padding:
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))

@@ -45,6 +45,7 @@ from megatronish.layers.linear import (
     mark_parallel,
     to_autocast_dtype,
 )
+from megatronish.layers.plan import LinearPlan
 from megatronish.layers.roles import set_role
 from megatronish.model.attention import attend, decode_mask, rope_positions
 from megatronish.model.norm import Norm
@@ -87,7 +88,13 @@ class LatentAttention(nn.Module):
     sliding window)."""
 
     def __init__(
-        self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, layer: int
+        self,
+        cfg: Config,
+        derived: Derived,
+        ps: ParallelState,
+        tracker: RNGTracker,
+        layer: int,
+        plan: LinearPlan,
     ):
         super().__init__()
         model, mla, tp = cfg.model, cfg.model.mla, derived.tp
@@ -108,7 +115,7 @@ class LatentAttention(nn.Module):
         self.sequence_parallel = sp = cfg.parallel.sequence_parallel and tp > 1
         qk = self.nope + self.rope_dim
         norm = (model.norm_eps, self.backend, sp)
-        common = dict(bias=False, tp_group=ps.tp_group, init_method=None)
+        common = dict(bias=False, tp_group=ps.tp_group, init_method=None, plan=plan)
         if self.q_rank is None:
             self.q = ColumnParallelLinear(
                 model.d_model, model.n_head * qk, sequence_parallel=sp, **common
@@ -129,15 +136,14 @@ class LatentAttention(nn.Module):
             sequence_parallel=sp,
             tp_group=ps.tp_group,
             init_method=None,
+            plan=plan,
         )
 
     def _to_tp_region(self, x: torch.Tensor) -> torch.Tensor:
         """Replicated activations [b, s(/t), .] into the tensor-parallel region: all-gathered
         along the sequence under sequence parallelism, else copied (backward sums over tp)."""
         x = to_autocast_dtype(x)
-        if self.sequence_parallel:
-            return mappings.gather_from_sequence_parallel_region(x, self.group)
-        return mappings.copy_to_tensor_parallel_region(x, self.group)
+        return mappings.to_tensor_parallel_region(x, self.group, self.sequence_parallel)
 
     def latents(self, x: torch.Tensor):
         """x [b, s(/t), h] -> (q [b, s, n/t, e + p], the normed kv latent [b, s, r], the shared

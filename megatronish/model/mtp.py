@@ -33,6 +33,7 @@ from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers import mappings
 from megatronish.layers.cross_entropy import IGNORE_INDEX
 from megatronish.layers.linear import mark_parallel
+from megatronish.layers.plan import LinearPlan
 from megatronish.layers.roles import set_role
 from megatronish.model.block import Block
 from megatronish.model.norm import Norm
@@ -64,7 +65,13 @@ class MTPLayer(nn.Module):
     parallelism as the norms')."""
 
     def __init__(
-        self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker, depth: int
+        self,
+        cfg: Config,
+        derived: Derived,
+        ps: ParallelState,
+        tracker: RNGTracker,
+        depth: int,
+        plan: LinearPlan,
     ):
         super().__init__()
         model, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
@@ -74,7 +81,7 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         mark_parallel(self.eh_proj.weight, None, (h, 2 * h))
         set_role(self.eh_proj.weight, sequence_parallel_grad=sp)
-        self.block = Block(cfg, derived, ps, tracker, model.n_layer + depth - 1)
+        self.block = Block(cfg, derived, ps, tracker, model.n_layer + depth - 1, plan)
         self.norm = Norm(h, kind, model.norm_eps, cfg.kernels.backend, sp)
 
     def forward(
@@ -99,11 +106,18 @@ class MTP(nn.Module):
     """The mtp_depth modules of the last pipeline stage (ZeRO-3 gathers their parameters with
     the final norm's: GPT.forward_param_uses)."""
 
-    def __init__(self, cfg: Config, derived: Derived, ps: ParallelState, tracker: RNGTracker):
+    def __init__(
+        self,
+        cfg: Config,
+        derived: Derived,
+        ps: ParallelState,
+        tracker: RNGTracker,
+        plan: LinearPlan,
+    ):
+        """plan: the plan of its blocks' linear layers (megatronish.layers.plan)."""
         super().__init__()
-        self.layers = nn.ModuleList(
-            MTPLayer(cfg, derived, ps, tracker, k) for k in range(1, cfg.model.mtp_depth + 1)
-        )
+        depths = range(1, cfg.model.mtp_depth + 1)
+        self.layers = nn.ModuleList(MTPLayer(cfg, derived, ps, tracker, k, plan) for k in depths)
         self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
         self.tp_group = ps.tp_group
 

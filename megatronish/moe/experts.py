@@ -7,9 +7,9 @@ d_ff, t tp. gate and up [E_l, f/t, h] (column-parallel), down [E_l, h, f/t] (row
 each expert's slice is exactly the nn.Linear weight of a dense SwiGLU MLP's block, so the
 output [R, h] is a partial sum over the tp ranks (the caller all-reduces it).
 
-Under train.precision fp8 (use_fp8) the three grouped GEMMs take fp8 operands, scaled per
-(expert, source) run of rows (megatronish.fp8.grouped): the caller passes the dispatch's
-per-source counts.
+Under train.precision fp8 (a plan with an fp8 recipe, given when it is built) the three
+grouped GEMMs take fp8 operands, scaled per (expert, source) run of rows
+(megatronish.fp8.grouped): the caller passes the dispatch's per-source counts.
 
 Each weight's role (mark_experts) holds its per-expert full shape and tp split dim (those of
 one expert's 2-D weight) and its global expert ids: checkpoints store every expert by global
@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from megatronish import ops
-from megatronish.fp8 import Recipe, Split, TokenGroups, fp8_experts
+from megatronish.fp8 import Split, fp8_experts
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
+from megatronish.layers.plan import PLAIN, LinearPlan
 from megatronish.layers.roles import is_expert, role, set_role
 
 
@@ -37,7 +38,20 @@ def mark_experts(
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, num_local: int, first: int, d_model: int, d_ff: int, tp: int, backend):
+    """plan: its numeric format (plan.recipe; plan.tokens the groups a micro-batch's tokens
+    are split over); tp_group splits gate and up's outputs and down's inputs."""
+
+    def __init__(
+        self,
+        num_local: int,
+        first: int,
+        d_model: int,
+        d_ff: int,
+        tp: int,
+        backend,
+        tp_group=None,
+        plan: LinearPlan = PLAIN,
+    ):
         super().__init__()
         local_ff = d_ff // tp
         self.backend = backend
@@ -47,13 +61,7 @@ class GroupedExperts(nn.Module):
         mark_experts(self.gate, 0, (d_ff, d_model), first)
         mark_experts(self.up, 0, (d_ff, d_model), first)
         mark_experts(self.down, 1, (d_model, d_ff), first)
-        self.fp8_recipe: Recipe | None = None
-        self.fp8_splits = (Split(), Split())  # gate and up's, down's (use_fp8)
-
-    def use_fp8(self, recipe: Recipe, tp_group, tokens: TokenGroups) -> None:
-        """Runs the GEMMs in fp8 by `recipe`; tp_group splits gate and up's outputs and down's
-        inputs, `tokens` the groups a micro-batch's tokens are split over."""
-        self.fp8_recipe = recipe
+        self.recipe, tokens = plan.recipe, plan.tokens
         self.fp8_splits = (Split(tp_group, "out", tokens), Split(tp_group, "in", tokens))
 
     def forward(
@@ -63,7 +71,7 @@ class GroupedExperts(nn.Module):
         (this tp rank's partial sum). sources [E_l, S]: the rows of each expert from each
         source rank (needed under fp8)."""
         x = to_autocast_dtype(x)
-        if self.fp8_recipe is not None:
+        if self.recipe is not None:
             if sources is None:
                 raise ValueError("fp8 experts scale per source rank: pass `sources`")
             return self._fp8(x, sources.tolist())
@@ -76,7 +84,7 @@ class GroupedExperts(nn.Module):
 
     def _fp8(self, x: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """The forward's GEMMs in fp8 on the fp32 weights (their casts kept for the step)."""
-        recipe, (column, row) = self.fp8_recipe, self.fp8_splits
+        recipe, (column, row) = self.recipe, self.fp8_splits
         g = fp8_experts(x, self.gate, counts, recipe, column)  # [R, f/t]
         u = fp8_experts(x, self.up, counts, recipe, column)
         hidden = ops.swiglu(g, u, backend=self.backend)

@@ -33,6 +33,7 @@ from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
+from megatronish.layers.plan import PLAIN, LinearPlan
 from megatronish.layers.roles import set_role
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
@@ -79,8 +80,14 @@ class Router(nn.Module):
 
 class MoELayer(nn.Module):
     def __init__(
-        self, cfg: Config, derived: Derived, ps: ParallelState, shared: nn.Module | None = None
+        self,
+        cfg: Config,
+        derived: Derived,
+        ps: ParallelState,
+        shared: nn.Module | None = None,
+        plan: LinearPlan = PLAIN,
     ):
+        """plan: the routed experts' (megatronish.layers.plan)."""
         super().__init__()
         moe = cfg.model.moe
         self.num_experts, self.top_k, self.kind = moe.num_experts, moe.top_k, moe.router
@@ -107,6 +114,8 @@ class MoELayer(nn.Module):
             derived.moe_d_ff,
             derived.tp,
             cfg.kernels.backend,
+            ps.tp_group,
+            plan,
         )
         self.shared = shared
         self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)
@@ -121,17 +130,14 @@ class MoELayer(nn.Module):
         group = self.tp_group
         # In the matmul dtype (bf16 under autocast) before the collectives, as the dense MLP.
         tokens, weights, experts = to_autocast_dtype(x), routing.weights, routing.experts
-        if self.sequence_parallel:  # every tp rank's tokens, along the sequence
-            tokens = mappings.gather_from_sequence_parallel_region(tokens, group)
-            weights, experts = (
-                mappings.gather_from_sequence_parallel_region(t.view(b, s, -1), group)
-                for t in (weights, experts)
-            )
-            full = b * tokens.shape[1]
-            weights, experts = weights.reshape(full, -1), experts.reshape(full, -1)
-        else:
-            tokens = mappings.copy_to_tensor_parallel_region(tokens, group)
-            weights = mappings.copy_to_tensor_parallel_region(weights, group)
+        # Under sequence parallelism every tp rank's tokens, along the sequence.
+        sp = self.sequence_parallel
+        tokens = mappings.to_tensor_parallel_region(tokens, group, sp)
+        weights = mappings.to_tensor_parallel_region(weights.view(b, s, -1), group, sp)
+        if sp:
+            experts = mappings.gather_from_sequence_parallel_region(experts.view(b, s, -1), group)
+        full = b * tokens.shape[1]
+        weights, experts = weights.reshape(full, -1), experts.reshape(full, -1)
         total = experts.shape[0]
         keep = None
         if self.capacity_factor is not None:

@@ -26,7 +26,7 @@ from megatronish.context import micro_batches
 from megatronish.data_parallel import data_parallel_for
 from megatronish.errors import RunFailure
 from megatronish.model import GPT
-from megatronish.model.precision import autocast, use_precision
+from megatronish.model.precision import autocast
 from megatronish.moe import Balancer, step_metrics
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
@@ -62,7 +62,6 @@ class Trainer:
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(setup.cfg.train.seed)
         self.model = GPT(setup.cfg, setup.derived, setup.ps)
-        use_precision(self.model, setup.cfg, setup.ps)  # fp8: the blocks' linear layers
         # The sigmoid router's routing biases and load spread (moe.balance).
         self.balancer = Balancer(self.model.moe_layers(), setup.cfg, setup.derived, setup.ps)
         # Phase times of every step on this rank (observe.phase_times).

@@ -22,7 +22,7 @@ from megatronish.accounting.parameters import local_layer_params, local_paramete
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.model.precision import autocast, fp8_layers, fp8_moe_layers, use_precision
+from megatronish.model.precision import autocast, fp8_layers, fp8_moe_layers
 from tests.conftest import CONFIGS
 
 DEEPSEEK_MOE = [
@@ -40,9 +40,7 @@ def _config(path: str, sets: list[str]):
 def _model(cfg):
     derived = derive(cfg, 1)
     ps = ParallelState.single()
-    model = GPT(cfg, derived, ps)
-    use_precision(model, cfg, ps)
-    return model, derived
+    return GPT(cfg, derived, ps), derived
 
 
 def test_routing_biases_are_a_buffer_apart_from_the_trained_parameters():

@@ -16,6 +16,7 @@ from torchao.float8.float8_linear import Float8Linear
 
 from megatronish.fp8 import RECIPES, Parts
 from megatronish.layers import ColumnParallelLinear, RowParallelLinear
+from megatronish.layers.plan import LinearPlan
 
 
 def torchao_linear(recipe: str, weight: torch.Tensor, bias: torch.Tensor) -> Float8Linear:
@@ -46,8 +47,7 @@ def inputs(dtype: torch.dtype, d_in: int, d_out: int, seed: int):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_linear_layer_equals_torchao_float8_linear_bit_for_bit(recipe, layer_class, dtype):
     x, weight, bias, grad = inputs(dtype, d_in=37, d_out=23, seed=len(recipe))
-    ours = layer_class(37, 23)
-    ours.fp8_recipe = RECIPES[recipe]
+    ours = layer_class(37, 23, plan=LinearPlan(RECIPES[recipe]))
     with torch.no_grad():
         ours.weight.copy_(weight)
         ours.bias.copy_(bias)
@@ -72,8 +72,7 @@ def test_rowwise_and_tensorwise_differ_so_the_comparison_can_fail():
     x, weight, bias, _ = inputs(torch.float32, d_in=37, d_out=23, seed=0)
     outputs = []
     for recipe in ("tensorwise", "rowwise"):
-        layer = ColumnParallelLinear(37, 23)
-        layer.fp8_recipe = RECIPES[recipe]
+        layer = ColumnParallelLinear(37, 23, plan=LinearPlan(RECIPES[recipe]))
         with torch.no_grad():
             layer.weight.copy_(weight)
             layer.bias.copy_(bias)
@@ -89,8 +88,10 @@ def _qkv_layer(weights: dict[str, torch.Tensor], groups: int, recipe: str, parts
     heads', its key head's, its value head's rows) in `recipe`, with out_parts `parts`."""
     rows = torch.cat([w.view(groups, -1, w.shape[1]) for w in weights.values()], dim=1)
     out_features = rows.shape[0] * rows.shape[1]
-    layer = ColumnParallelLinear(rows.shape[2], out_features, bias=False, out_parts=parts)
-    layer.fp8_recipe = RECIPES[recipe]
+    plan = LinearPlan(RECIPES[recipe])
+    layer = ColumnParallelLinear(
+        rows.shape[2], out_features, bias=False, out_parts=parts, plan=plan
+    )
     with torch.no_grad():
         layer.weight.copy_(rows.reshape(-1, rows.shape[2]))
     return layer
@@ -114,8 +115,8 @@ def _separate_linear(recipe: str, weight: torch.Tensor) -> nn.Module:
     tests/fp8/test_fp8_blockwise.py)."""
     if recipe == "rowwise":
         return torchao_linear(recipe, weight, torch.zeros(weight.shape[0]))
-    layer = ColumnParallelLinear(weight.shape[1], weight.shape[0], bias=False)
-    layer.fp8_recipe = RECIPES[recipe]
+    plan = LinearPlan(RECIPES[recipe])
+    layer = ColumnParallelLinear(weight.shape[1], weight.shape[0], bias=False, plan=plan)
     with torch.no_grad():
         layer.weight.copy_(weight)
     return layer

@@ -23,6 +23,7 @@ from megatronish.layers import (
     vocab_parallel_cross_entropy,
 )
 from megatronish.layers.linear import column_parallel_linear
+from megatronish.layers.plan import LinearPlan
 from tests.ranks import run_on_ranks
 
 RTOL = 1e-5
@@ -213,10 +214,9 @@ def _fp8_pair(rank, world, recipe_name, sequence_parallel):
     q, k, _ = parts  # k's weights and q's output gradients dwarf the others'
     w1.view(-1, sum(parts), d_in)[:, q : q + k] *= 1024
     w2.view(d_in, -1, sum(parts))[..., :q] *= 1024
-    sp = dict(sequence_parallel=sequence_parallel)
+    sp = dict(sequence_parallel=sequence_parallel, plan=LinearPlan(recipe))
     col = ColumnParallelLinear(d_in, d_mid, out_parts=parts, **sp)
     row = RowParallelLinear(d_mid, d_in, **sp)
-    col.fp8_recipe = row.fp8_recipe = recipe
     with torch.no_grad():
         col.weight.copy_(w1.chunk(world)[rank])
         col.bias.copy_(b1.chunk(world)[rank])
@@ -387,8 +387,8 @@ def _overlap_row(rank, world, sequence_parallel):
     grad_out = full_grad.chunk(world, dim=1)[rank] if sequence_parallel else full_grad
     runs = {}
     for decomposed in (False, True):
-        layer = RowParallelLinear(d_in, d_out, sequence_parallel=sequence_parallel)
-        layer.comm_overlap = decomposed
+        plan = LinearPlan(overlap=decomposed)
+        layer = RowParallelLinear(d_in, d_out, sequence_parallel=sequence_parallel, plan=plan)
         with torch.no_grad():
             layer.weight.copy_(w)
         x_in = x.clone().requires_grad_()
@@ -454,8 +454,9 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
         x_in = tokens(x).clone().requires_grad_()
         params = [w.clone().requires_grad_() for w in ws]
         b = bias.chunk(world)[rank].clone().requires_grad_()
-        row = RowParallelLinear(d_mid, d_in, bias=False, sequence_parallel=sequence_parallel)
-        row.fp8_recipe, row.comm_overlap = recipe, decomposed
+        plan = LinearPlan(recipe, overlap=decomposed)
+        sp = dict(sequence_parallel=sequence_parallel, plan=plan)
+        row = RowParallelLinear(d_mid, d_in, bias=False, **sp)
         with torch.no_grad():
             row.weight.copy_(row_w.chunk(world, dim=1)[rank])
         hidden = row_x.chunk(world, dim=-1)[rank].clone().requires_grad_()
@@ -466,8 +467,7 @@ def _overlap_fp8(rank, world, recipe_name, sequence_parallel):
                 b,
                 None,
                 sequence_parallel,
-                recipe,
-                comm_overlap=decomposed,
+                plan,
                 out_parts=parts,
             )
             if decomposed and sequence_parallel:
@@ -532,14 +532,14 @@ CHECKS = {
     "cross_entropy": _cross_entropy,
     "mapping_bytes": _mappings_bytes,
     **{
-        f"fp8_{recipe}{' sequence_parallel' * sp}": functools.partial(
+        f"fp8_{recipe}{'_sequence_parallel' * sp}": functools.partial(
             _fp8_pair, recipe_name=recipe, sequence_parallel=sp
         )
         for recipe in RECIPES
         for sp in (False, True)
     },
     **{
-        f"fp8_{recipe} tokens split": functools.partial(_fp8_tokens, recipe_name=recipe)
+        f"fp8_{recipe}_tokens_split": functools.partial(_fp8_tokens, recipe_name=recipe)
         for recipe in RECIPES
     },
     "column_overlap": lambda r, w: _overlap_column(r, w, 1),
@@ -547,96 +547,122 @@ CHECKS = {
     "row_overlap_sequence_parallel": lambda r, w: _overlap_row(r, w, True),
     "row_overlap_all_reduce": lambda r, w: _overlap_row(r, w, False),
     **{
-        f"overlap_fp8_{recipe}{' sequence_parallel' * sp}": functools.partial(
+        f"overlap_fp8_{recipe}{'_sequence_parallel' * sp}": functools.partial(
             _overlap_fp8, recipe_name=recipe, sequence_parallel=sp
         )
         for recipe in RECIPES
         for sp in (False, True)
     },
 }
+"""Each check by name: run on every rank of a world (2 or 4), it raises where the layers
+differ. A test item names its check by its `check` parameter and its world by `world`."""
+
+WORLDS = [2, 4]
 
 
-def _all_checks(rank, world):
-    """Every check on this rank (one process start per world size keeps the suite fast)."""
+def _run_checks(rank: int, world: int, names: list[str]) -> dict[str, tuple | None]:
+    """The named checks on this rank: None for each that passed, else (its exception, the
+    traceback text)."""
     import traceback
 
     results = {}
-    for name, check in CHECKS.items():
+    for name in names:
         try:
-            check(rank, world)
+            CHECKS[name](rank, world)
             results[name] = None
-        except Exception:  # noqa: BLE001 - reported per check by the tests below
-            results[name] = traceback.format_exc()
+        except Exception as error:  # noqa: BLE001 - raised again by the check's test item
+            results[name] = (error, traceback.format_exc())
     return results
 
 
-@functools.cache
-def results_on(world: int) -> dict[str, str | None]:
-    per_rank = run_on_ranks(_all_checks, world, timeout=180)
-    merged = {}
-    for name in CHECKS:
-        errors = [f"rank {r}: {res[name]}" for r, res in enumerate(per_rank) if res[name]]
-        merged[name] = "\n".join(errors) or None
-    return merged
+@pytest.fixture(scope="module")
+def layer_check(request):
+    """check(world, name): raises the named check's own exception from the first rank where it
+    failed (every failing rank's traceback as a note). The checks of every selected item of this
+    module run once per world size, on one start of its ranks, when the first of them runs."""
+    selected: dict[int, list[str]] = {}
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and "check" in params:
+            selected.setdefault(params["world"], []).append(params["check"])
+    results: dict[int, list[dict]] = {}
+
+    def check(world: int, name: str) -> None:
+        if world not in results:
+            names = list(dict.fromkeys(selected.get(world, [name])))
+            results[world] = run_on_ranks(_run_checks, world, names, timeout=180)
+        failed = [(r, res[name]) for r, res in enumerate(results[world]) if res[name]]
+        if failed:
+            error = failed[0][1][0]
+            for rank, (_, text) in failed:
+                error.add_note(f"rank {rank} of {world}:\n{text}")
+            raise error
+
+    return check
 
 
-def check(world: int, name: str) -> None:
-    error = results_on(world)[name]
-    assert error is None, error
+def _checks(*names: str):
+    """Parametrizes a test over the named checks and the world sizes (each one item)."""
+
+    def mark(test):
+        test = pytest.mark.parametrize("check", list(names))(test)
+        return pytest.mark.parametrize("world", WORLDS)(test)
+
+    return mark
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_column_parallel_linear_matches_full_linear(world):
-    check(world, "column")
+@_checks("column")
+def test_column_parallel_linear_matches_full_linear(world, check, layer_check):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_column_parallel_linear_gather_output_matches_full_linear(world):
-    check(world, "column_gather_output")
+@_checks("column_gather_output")
+def test_column_parallel_linear_gather_output_matches_full_linear(world, check, layer_check):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_row_parallel_linear_matches_full_linear(world):
-    check(world, "row")
+@_checks("row")
+def test_row_parallel_linear_matches_full_linear(world, check, layer_check):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_row_parallel_linear_with_unsplit_input_matches_full_linear(world):
-    check(world, "row_scatter_input")
+@_checks("row_scatter_input")
+def test_row_parallel_linear_with_unsplit_input_matches_full_linear(world, check, layer_check):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sequence_parallel_linears_match_full_linear(world):
-    check(world, "column_sequence_parallel")
-    check(world, "row_sequence_parallel")
+@_checks("column_sequence_parallel", "row_sequence_parallel")
+def test_sequence_parallel_linears_match_full_linear(world, check, layer_check):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_embedding_matches_full_embedding(world):
-    check(world, "embedding")
+@_checks("embedding")
+def test_vocab_parallel_embedding_matches_full_embedding(world, check, layer_check):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_cross_entropy_matches_full_and_ignores_minus_100(world):
-    check(world, "cross_entropy")
+@_checks("cross_entropy")
+def test_vocab_parallel_cross_entropy_matches_full_and_ignores_minus_100(world, check, layer_check):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_communication_ops_all_reduce_once_in_the_right_direction(world):
-    check(world, "mapping_bytes")
+@_checks("mapping_bytes")
+def test_communication_ops_all_reduce_once_in_the_right_direction(world, check, layer_check):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_fp8_column_and_row_parallel_layers_equal_the_single_device_fp8_gemms(world, recipe):
-    check(world, f"fp8_{recipe}")
-    check(world, f"fp8_{recipe} sequence_parallel")
+@_checks(*(f"fp8_{r}{sp}" for r in RECIPES for sp in ("", "_sequence_parallel")))
+def test_fp8_column_and_row_parallel_layers_equal_the_single_device_fp8_gemms(
+    world, check, layer_check
+):
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_fp8_gemms_with_the_tokens_split_over_ranks_equal_the_single_device_ones(world, recipe):
-    check(world, f"fp8_{recipe} tokens split")
+@_checks(*(f"fp8_{r}_tokens_split" for r in RECIPES))
+def test_fp8_gemms_with_the_tokens_split_over_ranks_equal_the_single_device_ones(
+    world, check, layer_check
+):
+    layer_check(world, check)
 
 
 def test_layers_without_process_group_are_plain_ops():
@@ -654,18 +680,17 @@ def test_layers_without_process_group_are_plain_ops():
     )
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@_checks(
+    "column_overlap", "gate_up_overlap", "row_overlap_sequence_parallel", "row_overlap_all_reduce"
+)
 def test_decomposed_tp_collectives_match_the_plain_layers_to_fp32_rounding_and_send_the_same_bytes(
-    world,
+    world, check, layer_check
 ):
-    for name in ("column_overlap", "gate_up_overlap"):
-        check(world, name)
-    check(world, "row_overlap_sequence_parallel")
-    check(world, "row_overlap_all_reduce")
+    layer_check(world, check)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("recipe", list(RECIPES))
-def test_decomposed_fp8_gemms_equal_the_plain_fp8_layers_to_fp32_rounding(world, recipe):
-    check(world, f"overlap_fp8_{recipe}")
-    check(world, f"overlap_fp8_{recipe} sequence_parallel")
+@_checks(*(f"overlap_fp8_{r}{sp}" for r in RECIPES for sp in ("", "_sequence_parallel")))
+def test_decomposed_fp8_gemms_equal_the_plain_fp8_layers_to_fp32_rounding(
+    world, check, layer_check
+):
+    layer_check(world, check)

@@ -68,6 +68,8 @@ from megatronish.accounting.collectives.step import (
     moe_count_bytes,
 )
 from megatronish.accounting.parameters import tp_summed_grad_count
+from megatronish.fp8 import RECIPES
+from megatronish.layers.overlap_fp8 import ring_carries_cast
 
 
 def tp_collectives(step: Step) -> list[Collective]:
@@ -233,7 +235,7 @@ def mlp_input_gathers(step: Step, what: str, mlps: int, runs: int, gemm: str) ->
         return [(f"{what} (forward, backward)", "all_gather", act, mlps * (runs + gpt2), gemm)]
     recipe = step.cfg.train.fp8_recipe
     cast = cast_bytes(recipe, step.b * step.s, step.h)
-    mlp_cast = gpt2 or recipe == "tensorwise"
+    mlp_cast = ring_carries_cast(RECIPES[recipe], keep_gathered=not gpt2)  # llama's gate, up keep
     return [
         (f"{what}, fp8 cast (forward)", "all_gather", cast, mlps * runs * mlp_cast, gemm),
         (f"{what} (forward)", "all_gather", act, mlps * runs * (not mlp_cast), gemm),

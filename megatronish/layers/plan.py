@@ -1,0 +1,23 @@
+"""How a parallel linear layer computes and communicates, fixed when it is built (the model
+derives each layer's plan from the config: megatronish.model.plan)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatronish.fp8 import Recipe, TokenGroups
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """recipe: the numeric format of the layer's GEMMs (an fp8 recipe; None: the autocast
+    precision). overlap: its tp collectives decomposed under the GEMMs (parallel.tp_comm_overlap:
+    megatronish.layers.overlap). tokens: the groups its tokens are split over (fp8 scales span
+    them)."""
+
+    recipe: Recipe | None = None
+    overlap: bool = False
+    tokens: TokenGroups = TokenGroups()
+
+
+PLAIN = LinearPlan()
