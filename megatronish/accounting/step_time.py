@@ -53,7 +53,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from megatronish.accounting.cluster import Cluster, default_cluster
-from megatronish.accounting.collectives import collectives_per_step
+from megatronish.accounting.collectives import Purpose, collectives_per_step
 from megatronish.accounting.collectives.step import FP32_BYTES, GRAD_REDUCE_BYTES
 from megatronish.accounting.comm_time import Mesh, collective_seconds
 from megatronish.accounting.flops import attention_flops_per_token, model_flops_per_step
@@ -232,7 +232,7 @@ def _comm(
         elif op.group in ("dp", "ep") and op.kind == "all_gather":
             gather += seconds
             gather_payload += op.payload * op.count
-        elif op.group in ("dp", "ep") and "gradient" in op.what and op.payload > 64:
+        elif op.purpose is Purpose.GRADIENT_REDUCTION and op.group == "dp" and op.payload > 64:
             grad += seconds
             grad_payload += op.payload * FP32_BYTES / grad_width
         else:
