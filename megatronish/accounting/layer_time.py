@@ -53,6 +53,7 @@ from megatronish.accounting.roofline import (
     memory_seconds,
 )
 from megatronish.config import Config, Derived
+from megatronish.config.mla_shapes import mla_shapes
 
 
 @dataclass(frozen=True)
@@ -174,12 +175,11 @@ def attention_gemms(cfg: Config, derived: Derived, T: int, N: int) -> list[tuple
     heads, kv, hd = model.n_head // tp, derived.n_kv_head // tp, derived.head_dim
     if model.attention != "mla":
         return [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
-    mla = model.mla
-    rank, rope, v = mla.kv_lora_rank, mla.qk_rope_head_dim, derived.v_head_dim
-    gemms = [(N, rank + rope, h), (T, heads * (mla.qk_nope_head_dim + v), rank), (T, h, heads * v)]
-    if mla.q_lora_rank is None:
-        return [(T, heads * hd, h), *gemms]
-    return [(N, mla.q_lora_rank, h), (T, heads * hd, mla.q_lora_rank), *gemms]
+    mla = mla_shapes(model, heads)
+    gemms = [(N, mla.latent, h), (T, mla.kv_b_out, mla.kv_rank), (T, h, mla.proj_in)]
+    if mla.q_rank is None:
+        return [(T, mla.q_out, h), *gemms]
+    return [(N, mla.q_rank, h), (T, mla.q_out, mla.q_rank), *gemms]
 
 
 FP8_LINEARS = {"qkv", "proj", "up", "down", "shared_up", "shared_down"}

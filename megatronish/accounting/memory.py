@@ -70,6 +70,7 @@ from megatronish.accounting.parameters import (
 )
 from megatronish.config import Config, Derived, derive, virtual_stages
 from megatronish.config.derive import head_dim_of
+from megatronish.config.mla_shapes import mla_shapes
 from megatronish.optim import IN_FLIGHT
 from megatronish.pipeline.schedule import warmup_forwards
 
@@ -145,12 +146,11 @@ def mla_activations(cfg: Config) -> tuple[float, float, float]:
     q, k, v and attention output, split over tp; the inputs of the latents' norms, replicated,
     on the sequence shard under sequence parallelism; the latents that enter the tp region,
     the up-projections' inputs, whole at any tp)."""
-    model, mla = cfg.model, cfg.model.mla
-    qk, q_rank = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.q_lora_rank or 0
-    heads = 2 * model.n_head * (2 * qk + 2 * mla.v_head_dim)
-    norms = 2 * (q_rank + mla.kv_lora_rank)
-    latents = 2 * (q_rank + mla.kv_lora_rank + mla.qk_rope_head_dim)
-    h = model.d_model
+    shapes = mla_shapes(cfg.model)
+    heads = 2 * (2 * shapes.q_out + 2 * shapes.proj_in)
+    norms = 2 * shapes.normed
+    latents = 2 * shapes.entering_tp
+    h = cfg.model.d_model
     return heads / h, norms / h, latents / h
 
 
@@ -163,7 +163,7 @@ def decode_cache_elements(cfg: Config, derived: Derived) -> tuple[int, int]:
     full = heads * (derived.head_dim + derived.v_head_dim)
     if cfg.model.attention != "mla":
         return full, full
-    return cfg.model.mla.kv_lora_rank + cfg.model.mla.qk_rope_head_dim, full
+    return mla_shapes(cfg.model).latent, full
 
 
 def estimate(

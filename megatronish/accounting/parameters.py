@@ -6,22 +6,18 @@ carry), MoE layers per stage, and the replicated parameters whose gradients are 
 from __future__ import annotations
 
 from megatronish.config import Config, Derived
+from megatronish.config.mla_shapes import mla_shapes
 
 
 def mla_params(cfg: Config) -> tuple[int, int, int]:
     """Multi-head latent attention's parameters of one layer (model.attention mla), as (split
     over tp: q or q_b, kv_b and proj, whole; the replicated down-projections q_a and kv_a; the
     replicated norms of their latents)."""
-    model, mla, h = cfg.model, cfg.model.mla, cfg.model.d_model
-    n, qk = model.n_head, mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    q_in = h if mla.q_lora_rank is None else mla.q_lora_rank
-    split = q_in * n * qk + mla.kv_lora_rank * n * (mla.qk_nope_head_dim + mla.v_head_dim)
-    split += n * mla.v_head_dim * h
-    down = h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
-    norms = mla.kv_lora_rank
-    if mla.q_lora_rank is not None:
-        down, norms = down + h * mla.q_lora_rank, norms + mla.q_lora_rank
-    return split, down, norms
+    shapes, h = mla_shapes(cfg.model), cfg.model.d_model
+    q_in = h if shapes.q_rank is None else shapes.q_rank
+    split = q_in * shapes.q_out + shapes.kv_rank * shapes.kv_b_out + shapes.proj_in * h
+    down = h * (shapes.latent + (shapes.q_rank or 0))
+    return split, down, shapes.normed
 
 
 def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:

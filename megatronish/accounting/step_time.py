@@ -50,10 +50,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from megatronish.accounting.cluster import Cluster, default_cluster
-from megatronish.accounting.collectives import collectives_per_step
+from megatronish.accounting.collectives import Purpose, collectives_per_step
 from megatronish.accounting.collectives.step import FP32_BYTES, GRAD_REDUCE_BYTES
 from megatronish.accounting.comm_time import Mesh, collective_seconds
 from megatronish.accounting.flops import attention_flops_per_token, model_flops_per_step
@@ -141,36 +143,57 @@ def flops_per_step(cfg: Config, derived: Derived) -> tuple[float, float]:
     return model_flops, model_flops
 
 
-def _stage_kinds(cfg: Config, derived: Derived, r: int) -> tuple[tuple[tuple, int], ...]:
-    """((MoE, sliding window), layers) of stage r's layers, in a fixed order."""
+class LayerKind(NamedTuple):
+    """What sets a layer's time apart: an MoE MLP, and its sliding window (None: none)."""
+
+    moe: bool
+    window: int | None
+
+
+def _kinds(
+    cfg: Config, derived: Derived, layers: Iterable[int]
+) -> tuple[tuple[LayerKind, int], ...]:
+    """(LayerKind, how many) of `layers` (global indices), in a fixed order."""
     kinds = Counter(
-        (layer in derived.moe_layers, attention_window(cfg.model, layer))
-        for chunk in derived.stage_chunks(r)
-        for layer in chunk
+        LayerKind(layer in derived.moe_layers, attention_window(cfg.model, layer))
+        for layer in layers
     )
-    return tuple(sorted(kinds.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
+    return tuple(sorted(kinds.items(), key=lambda item: (item[0].moe, item[0].window or 0)))
 
 
-def _mtp_kinds(cfg: Config, derived: Derived) -> tuple[tuple[tuple, int], ...]:
-    """((MoE, sliding window), blocks) of the multi-token prediction modules' blocks (global
-    indices n_layer .. n_layer + mtp_depth - 1), in a fixed order."""
+def _stage_kinds(cfg: Config, derived: Derived, r: int) -> tuple[tuple[LayerKind, int], ...]:
+    """The kinds of stage r's layers."""
+    return _kinds(cfg, derived, (layer for chunk in derived.stage_chunks(r) for layer in chunk))
+
+
+def _mtp_kinds(cfg: Config, derived: Derived) -> tuple[tuple[LayerKind, int], ...]:
+    """The kinds of the multi-token prediction modules' blocks (global indices n_layer ..
+    n_layer + mtp_depth - 1)."""
     n_layer = cfg.model.n_layer
-    kinds = Counter(
-        (layer in derived.moe_layers, attention_window(cfg.model, layer))
-        for layer in range(n_layer, n_layer + cfg.model.mtp_depth)
-    )
-    return tuple(sorted(kinds.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
+    return _kinds(cfg, derived, range(n_layer, n_layer + cfg.model.mtp_depth))
 
 
-def _stage(cfg: Config, derived: Derived, r: int, device: Device, eff: Efficiency, attention: str):
-    """(per-micro-batch compute, forward, backward, attention core forward) seconds of stage
-    r; the last stage's include its multi-token prediction modules: each a layer (rerun by
-    full recompute), its eh_proj and norms, and the output layer again (not rerun)."""
+class StageSeconds(NamedTuple):
+    """Seconds of one micro-batch on a stage."""
+
+    compute: float
+    forward: float
+    backward: float
+    attention_forward: float
+    """The attention core's forward."""
+
+
+def _stage(
+    cfg: Config, derived: Derived, r: int, device: Device, eff: Efficiency, attention: str
+) -> StageSeconds:
+    """The seconds of stage r; the last stage's include its multi-token prediction modules:
+    each a layer (rerun by full recompute), its eh_proj and norms, and the output layer again
+    (not rerun)."""
     recompute, last = cfg.train.activation_checkpointing, r == derived.pp - 1
     kinds = _stage_kinds(cfg, derived, r) + (_mtp_kinds(cfg, derived) if last else ())
     parts = [
-        (layer_time(cfg, derived, device, eff, moe, attention, window), n)
-        for (moe, window), n in kinds
+        (layer_time(cfg, derived, device, eff, kind.moe, attention, kind.window), n)
+        for kind, n in kinds
     ]
     compute = sum(lt.total(recompute) * n for lt, n in parts)
     forward = sum(lt.forward * n for lt, n in parts)
@@ -184,7 +207,18 @@ def _stage(cfg: Config, derived: Derived, r: int, device: Device, eff: Efficienc
             compute += (lt.forward + lt.backward) * n
             forward += lt.forward * n
             backward += lt.backward * n
-    return compute, forward, backward, attention_forward
+    return StageSeconds(compute, forward, backward, attention_forward)
+
+
+class StageStep(NamedTuple):
+    """One stage's share of the step: a micro-batch's compute and its exposed tp, cp and ep
+    communication, its compute alone, its exposed communication per part (``_comm``) and its
+    optimizer step, in seconds."""
+
+    per_micro: float
+    compute: float
+    comm: dict[str, float]
+    optimizer: float
 
 
 def _optimizer_seconds(
@@ -232,7 +266,7 @@ def _comm(
         elif op.group in ("dp", "ep") and op.kind == "all_gather":
             gather += seconds
             gather_payload += op.payload * op.count
-        elif op.group in ("dp", "ep") and "gradient" in op.what and op.payload > 64:
+        elif op.purpose is Purpose.GRADIENT_REDUCTION and op.group == "dp" and op.payload > 64:
             grad += seconds
             grad_payload += op.payload * FP32_BYTES / grad_width
         else:
@@ -278,27 +312,26 @@ def step_time(
         # Stages that differ neither in their layers nor in being first or last time alike.
         key = (r == 0, r == pp - 1, _stage_kinds(cfg, derived, r))
         if key not in done:
-            compute, forward, backward, attention_forward = _stage(
-                cfg, derived, r, device, eff, attention
-            )
-            attention_s = attention_forward * passes * m
+            sec = _stage(cfg, derived, r, device, eff, attention)
+            attention_s = sec.attention_forward * passes * m
             comm = _comm(
-                cfg, derived, r, mesh, device, cluster, eff, attention_s, forward, backward
+                cfg, derived, r, mesh, device, cluster, eff, attention_s, sec.forward, sec.backward
             )
-            per_micro = compute + (comm["tp"] + comm["cp"] + comm["ep"]) / m
-            done[key] = (per_micro, compute, comm, _optimizer_seconds(cfg, derived, r, device, eff))
+            per_micro = sec.compute + (comm["tp"] + comm["cp"] + comm["ep"]) / m
+            optimizer = _optimizer_seconds(cfg, derived, r, device, eff)
+            done[key] = StageStep(per_micro, sec.compute, comm, optimizer)
         stages.append(done[key])
-    slowest = max(stages, key=lambda st: st[0])
-    per_micro, compute, comm, _ = slowest
+    slowest = max(stages, key=lambda st: st.per_micro)
+    per_micro, compute, comm = slowest.per_micro, slowest.compute, slowest.comm
     breakdown = {
         "compute": m * compute,
         "exposed_tp": comm["tp"],
         "exposed_cp": comm["cp"],
         "exposed_ep": comm["ep"],
-        "exposed_dp": max(st[2]["dp"] for st in stages),
+        "exposed_dp": max(st.comm["dp"] for st in stages),
         "pipeline_bubble": (pp - 1) / virtual * per_micro,
-        "pipeline_sends": max(st[2]["sends"] + st[2]["pp"] for st in stages),
-        "optimizer": max(st[3] for st in stages),
+        "pipeline_sends": max(st.comm["sends"] + st.comm["pp"] for st in stages),
+        "optimizer": max(st.optimizer for st in stages),
     }
     model_flops, hardware_flops = flops_per_step(cfg, derived)
     return StepTime(

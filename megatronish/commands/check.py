@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from megatronish.accounting.collectives import collectives_per_step
+from megatronish.accounting.collectives import Purpose, Split, collectives_per_step
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.memory import decode_cache_elements, model_state_bytes
 from megatronish.accounting.parameters import (
@@ -175,7 +175,8 @@ def fp8_lines(cfg: Config, derived: Derived, note: str) -> list[str]:
     """The fp8 recipe, what it covers, its amax all-reduces per step (stage 0) and the note
     that says it is emulated."""
     recipe = cfg.train.fp8_recipe
-    amax = [op for op in collectives_per_step(cfg, derived) if op.what.startswith("fp8 amax")]
+    ops = collectives_per_step(cfg, derived)
+    amax = [op for op in ops if op.purpose is Purpose.FP8_AMAX]
     calls, payload = sum(op.count for op in amax), sum(op.payload * op.count for op in amax)
     return [
         f"fp8: {recipe} ({FP8_RECIPES[recipe]}) on the blocks' attention, dense MLP and MoE "
@@ -200,9 +201,8 @@ def tp_overlap_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[s
         for op in collectives_per_step(cfg, derived, r, loss_masked)
         if op.group == "tp"
     ]
-    suffix = ", ring" if cfg.parallel.sequence_parallel else f", {t} chunks"
-    split = {op.what.removesuffix(suffix) for op in ops if op.what.endswith(suffix)}
-    whole = {op.what for op in ops if not op.what.endswith(suffix)}
+    split = {op.what for op in ops if op.split is not Split.WHOLE}
+    whole = {op.what for op in ops if op.split is Split.WHOLE}
     if cfg.parallel.sequence_parallel:
         hops = f"{t - 1} ring hop{'s' if t > 2 else ''}"
         how = f"each all-gather and reduce-scatter as {hops} of a 1/{t} sequence chunk"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from megatronish.accounting.cluster import Cluster, cluster_gpu, cluster_named
 from megatronish.accounting.comm_time import ring_ratio
@@ -137,9 +138,22 @@ def target(
     )
 
 
-def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
-    """(tp, cp, pp) whose product divides the world and leaves a dp that divides the global
-    batch (see module doc)."""
+class Layout(NamedTuple):
+    """The degrees of one layout of the search; dp is what the world leaves."""
+
+    tp: int
+    cp: int
+    pp: int
+    ep: int = 1
+
+    def dp(self, world: int) -> int:
+        """The data-parallel degree of this layout on `world` ranks."""
+        return world // (self.tp * self.cp * self.pp)
+
+
+def candidate_layouts(cfg: Config, world: int) -> list[Layout]:
+    """Layouts (ep 1) whose tp x cp x pp divides the world and leaves a dp that divides the
+    global batch (see module doc)."""
     n_kv = cfg.model.n_kv_head or cfg.model.n_head
     seq_len = cfg.train.seq_len
     out = []
@@ -159,7 +173,7 @@ def candidate_layouts(cfg: Config, world: int) -> list[tuple[int, int, int]]:
                 dp = world // (tp * cp * pp)
                 if cfg.train.global_batch_size % dp:
                     continue
-                out.append((tp, cp, pp))
+                out.append(Layout(tp, cp, pp))
     return out
 
 
@@ -178,9 +192,9 @@ def _virtuals(cfg: Config, pp: int, micro_batches: int) -> list[int]:
     return [v for v in VIRTUAL if v == 1 or (n_layer % (pp * v) == 0 and micro_batches % pp == 0)]
 
 
-def _row(cfg: Config, world: int, layout: tuple, tgt: Target, budget: float, **changes) -> Row:
-    tp, cp, pp, ep = layout
-    device, eff = tgt.device(tp, cp, world // (tp * cp * pp))
+def _row(cfg: Config, world: int, layout: Layout, tgt: Target, budget: float, **changes) -> Row:
+    tp, cp, pp, ep = layout.tp, layout.cp, layout.pp, layout.ep
+    device, eff = tgt.device(tp, cp, layout.dp(world))
     memory = estimate(cfg, world, tp, pp, cp, ep, **changes)
     layout_cfg, derived = layout_config(cfg, world, tp, pp, cp, ep, **changes)
     fits = memory.total_gb <= budget
@@ -195,14 +209,13 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
     budget = tgt.memory_gib * HEADROOM
     zero = max(1, cfg.optim.zero)  # ZeRO-1 at least: its state sharding costs no traffic
     layouts = [
-        (tp, cp, pp, ep)
-        for tp, cp, pp in candidate_layouts(cfg, world)
-        for ep in expert_degrees(cfg, world // (tp * cp * pp))
+        candidate._replace(ep=ep)
+        for candidate in candidate_layouts(cfg, world)
+        for ep in expert_degrees(cfg, candidate.dp(world))
     ]
     table, fits, seen = [], [], set()
     for layout in layouts:
-        tp, cp, pp, ep = layout
-        dp = world // (tp * cp * pp)
+        dp = layout.dp(world)
         if cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp) == 0:
             table.append(_row(cfg, world, layout, tgt, budget, zero=zero))
         micro = sorted({*MICRO_BATCHES, cfg.train.micro_batch_size})
@@ -210,7 +223,7 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
             if cfg.train.global_batch_size % (mb * dp):
                 continue
             micro_batches = cfg.train.global_batch_size // (mb * dp)
-            for v in _virtuals(cfg, pp, micro_batches):
+            for v in _virtuals(cfg, layout.pp, micro_batches):
                 variant = _variant(cfg, mb, v)
                 for recompute in RECOMPUTE:
                     key = (layout, mb, v, recompute)

@@ -6,6 +6,7 @@ step the most (``best_change``), each change a megatronish config key the run ca
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from megatronish.accounting.cluster import Cluster
 from megatronish.accounting.hardware import Device
@@ -16,8 +17,17 @@ from megatronish.config import Config, derive
 from megatronish.errors import UserError
 
 
-def _candidates(cfg: Config, device: Device) -> list[tuple[str, str, Config]]:
-    """(what, --set, config) of each single change that could help: what the run overlaps
+class Change(NamedTuple):
+    """A single change to the config: what it does, the --set option that makes it, the
+    changed config."""
+
+    what: str
+    option: str
+    cfg: Config
+
+
+def _candidates(cfg: Config, device: Device) -> list[Change]:
+    """Each single change that could help: what the run overlaps
     (tp communication, the dp reduction), the precision of the gradient reduction and of the
     GEMMs, sequence parallelism."""
     parallel, optim, train = cfg.parallel, cfg.optim, cfg.train
@@ -25,9 +35,8 @@ def _candidates(cfg: Config, device: Device) -> list[tuple[str, str, Config]]:
 
     def change(what: str, key: str, value: str, section: str, **fields) -> None:
         section_cfg = dataclasses.replace(getattr(cfg, section), **fields)
-        out.append(
-            (what, f"--set {key}={value}", dataclasses.replace(cfg, **{section: section_cfg}))
-        )
+        changed = dataclasses.replace(cfg, **{section: section_cfg})
+        out.append(Change(what, f"--set {key}={value}", changed))
 
     if parallel.tp > 1 and not parallel.tp_comm_overlap:
         change(
@@ -65,19 +74,19 @@ def best_change(
     """The single change (``_candidates``) that shortens the predicted step the most, as
     "tp overlap on: -0.21 s (--set parallel.tp_comm_overlap=true)"; None if none helps. Memory
     is not rechecked: these changes hold or lower it."""
-    best = None
-    for what, option, changed in _candidates(cfg, device):
+    best, best_saved = None, 0.0
+    for candidate in _candidates(cfg, device):
+        changed = candidate.cfg
         try:
             derived = derive(changed, world, vocab_size=changed.model.vocab_size)
         except UserError:  # a combination the trainer refuses
             continue
         saved = now - step_time(changed, derived, device, eff, cluster=cluster).step_time_s
-        if saved > 0 and (best is None or saved > best[0]):
-            best = (saved, what, option)
+        if saved > 0 and (best is None or saved > best_saved):
+            best, best_saved = candidate, saved
     if best is None:
         return None
-    saved, what, option = best
-    return f"{what}: -{saved:.3g} s a step ({option})"
+    return f"{best.what}: -{best_saved:.3g} s a step ({best.option})"
 
 
 def explanation(rows: list, world: int, tgt) -> list[str]:

@@ -36,6 +36,7 @@ from torch import nn
 
 from megatronish import ops
 from megatronish.config import Config, Derived, attention_window
+from megatronish.config.mla_shapes import mla_shapes
 from megatronish.context import Documents, Ring
 from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers import mappings
@@ -113,24 +114,22 @@ class LatentAttention(nn.Module):
         self.window = attention_window(model, layer)
         self.group = ps.tp_group
         self.sequence_parallel = sp = cfg.parallel.sequence_parallel and tp > 1
-        qk = self.nope + self.rope_dim
+        shapes = mla_shapes(model)
         norm = (model.norm_eps, self.backend, sp)
         common = dict(bias=False, tp_group=ps.tp_group, init_method=None, plan=plan)
         if self.q_rank is None:
             self.q = ColumnParallelLinear(
-                model.d_model, model.n_head * qk, sequence_parallel=sp, **common
+                model.d_model, shapes.q_out, sequence_parallel=sp, **common
             )
         else:
             self.q_a = ReplicatedLinear(model.d_model, self.q_rank, sp)
             self.q_a_norm = Norm(self.q_rank, "rmsnorm", *norm)
-            self.q_b = ColumnParallelLinear(self.q_rank, model.n_head * qk, **common)
-        self.kv_a = ReplicatedLinear(model.d_model, self.kv_rank + self.rope_dim, sp)
+            self.q_b = ColumnParallelLinear(self.q_rank, shapes.q_out, **common)
+        self.kv_a = ReplicatedLinear(model.d_model, shapes.latent, sp)
         self.kv_a_norm = Norm(self.kv_rank, "rmsnorm", *norm)
-        self.kv_b = ColumnParallelLinear(
-            self.kv_rank, model.n_head * (self.nope + self.v_dim), **common
-        )
+        self.kv_b = ColumnParallelLinear(self.kv_rank, shapes.kv_b_out, **common)
         self.proj = RowParallelLinear(
-            model.n_head * self.v_dim,
+            shapes.proj_in,
             model.d_model,
             bias=False,
             sequence_parallel=sp,

@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from megatronish.accounting.cluster import CLUSTERS, default_cluster
-from megatronish.accounting.collectives import Collective, collectives_per_step
+from megatronish.accounting.collectives import Collective, Purpose, collectives_per_step
 from megatronish.accounting.comm_time import Mesh, collective_seconds, inside_node
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.hardware import GPUS, device_named
@@ -118,16 +118,18 @@ def test_the_model_times_the_bytes_of_the_analytic_collective_count():
 
 
 def test_tp_comm_overlap_leaves_exposed_only_what_outlasts_its_gemm_chunk():
-    from megatronish.accounting.collectives import Collective
+    from megatronish.accounting.collectives import Collective, Purpose, Split
     from megatronish.accounting.tp_overlap import split_seconds
 
     # 4 hops of 1 ms each under GEMMs of 8 ms at t = 4 (2 ms chunks): all hidden; of 3 ms: 1 ms
     # each exposed. 8 chunked all-reduces (two collectives at t = 4) of 1 ms under 2 ms chunks:
     # each collective's last chunk exposed.
-    hops = Collective("x", "tp_ring", "tp", 4, 100, 4, "qkv")
+    hops = Collective("x", "tp_ring", "tp", 4, 100, 4, Purpose.ACTIVATION, "qkv", Split.RING)
     assert split_seconds(hops, 4.0, 8.0, 4) == (0.0, 4.0)
     assert split_seconds(hops, 12.0, 8.0, 4) == (4.0, 8.0)
-    chunks = Collective("y", "all_reduce", "tp", 4, 100, 8, "proj")
+    chunks = Collective(
+        "y", "all_reduce", "tp", 4, 100, 8, Purpose.ACTIVATION, "proj", Split.CHUNKS
+    )
     assert split_seconds(chunks, 8.0, 8.0, 4) == (2.0, 6.0)
 
 
@@ -172,7 +174,7 @@ def test_groups_inside_a_node_use_nvlink_and_the_others_the_network():
 
 
 def _reduce_scatter_s(tp: int, cluster: str, dp: int = 48) -> float:
-    op = Collective("g", "reduce_scatter", "dp", dp, 8 * 2**30, 1)
+    op = Collective("g", "reduce_scatter", "dp", dp, 8 * 2**30, 1, Purpose.GRADIENT_REDUCTION)
     return collective_seconds(op, Mesh(tp=tp, cp=1, dp=dp, pp=1), CLUSTERS[cluster], GPU_EFFICIENCY)
 
 
@@ -191,12 +193,12 @@ def test_a_dp_group_gets_the_nics_of_its_ranks_in_a_node_and_pays_oversubscripti
 
 def test_small_all_reduces_across_nodes_take_the_tree_and_sharp_sends_each_byte_once():
     mesh, eff = Mesh(tp=8, cp=1, dp=64, pp=1), GPU_EFFICIENCY
-    small = Collective("flags", "all_reduce", "dp", 64, 16, 1)
+    small = Collective("flags", "all_reduce", "dp", 64, 16, 1, Purpose.AGREEMENT)
     ring = 2 * 63 * eff.network_latency_s
     tree = 2 * 6 * eff.network_latency_s + 2 * 16 / 45e9  # log2 64 nodes, one rank a node
     assert collective_seconds(small, mesh, CLUSTERS["dgx-h100"], eff) == pytest.approx(tree)
     assert tree < ring
-    big = Collective("grads", "all_reduce", "dp", 64, 2**30, 1)
+    big = Collective("grads", "all_reduce", "dp", 64, 2**30, 1, Purpose.GRADIENT_REDUCTION)
     sharp = dataclasses.replace(CLUSTERS["dgx-h100"], sharp=True)
     plain = collective_seconds(big, mesh, CLUSTERS["dgx-h100"], eff)
     assert collective_seconds(big, mesh, sharp, eff) == pytest.approx(

@@ -10,8 +10,8 @@ Legend: b micro-batch, s sequence (a rank's share seq_len / cp), h hidden, L lay
 stage, A accumulation steps, t tp size, P local parameters (``local_parameter_count``). With
 pp > 1 each stage counts its own L layers and parameters; the embedding's collectives are the
 first stage's, the LM head's and the loss's the last stage's. Under bf16 autocast the matmuls
-run in bf16 (c = 2 bytes), everything else in fp32; with fp32, c = 4. Which dtype each tensor
-has:
+run in bf16 (c = 2 bytes, ``Step.operand_bytes``), everything else in fp32; with fp32, c = 4.
+Which dtype each tensor has:
 
 - the embedding output is a lookup of fp32 weights: fp32 [b, s, h];
 - a row-parallel output (attention projection, MLP down) is a matmul output: c [b, s, h];
@@ -35,6 +35,8 @@ from megatronish.accounting.collectives.fp8 import fp8_collectives
 from megatronish.accounting.collectives.pp import pp_collectives
 from megatronish.accounting.collectives.step import (
     Collective,
+    Purpose,
+    Split,
     expert_loads,
     step_agreement,
     step_of,
@@ -44,6 +46,8 @@ from megatronish.config import Config, Derived
 
 __all__ = [
     "Collective",
+    "Purpose",
+    "Split",
     "collectives_per_step",
     "formula_bytes_per_step",
     "formula_payload_by_kind",

@@ -22,6 +22,7 @@ from megatronish.accounting.collectives.step import (
     FP32_BYTES,
     FP64_BYTES,
     Collective,
+    Purpose,
     Step,
     moe_count_bytes,
 )
@@ -30,23 +31,24 @@ from megatronish.accounting.collectives.step import (
 def cp_collectives(step: Step) -> list[Collective]:
     """The ring's, the MoE balancing loss's and the loss's token counts (see module doc)."""
     cp, accum, n = step.cp, step.accum, step.layers
+    act, loss = Purpose.ACTIVATION, Purpose.LOSS
     derived = step.derived
     heads = derived.n_kv_head // step.tp
     kv = step.b * heads * step.s * (derived.head_dim + derived.v_head_dim)  # elements
     forward_rings = 2 if step.cfg.train.activation_checkpointing != "none" else 1
     hops = (cp - 1) * (forward_rings + 1) * n * accum
     what = "ring attention k and v (forward, backward)"
-    ops = [Collective(what, "cp_ring", "cp", cp, kv * step.c, hops)]
+    ops = [Collective(what, "cp_ring", "cp", cp, kv * step.operand_bytes, hops, act)]
     what = "ring attention dk and dv accumulator (backward)"
-    ops.append(Collective(what, "cp_ring", "cp", cp, kv * FP32_BYTES, cp * n * accum))
+    ops.append(Collective(what, "cp_ring", "cp", cp, kv * FP32_BYTES, cp * n * accum, act))
     counts, calls = moe_count_bytes(step), step.moe_layers * accum
     what = "MoE routed counts for the balancing loss"
-    ops.append(Collective(what, "all_reduce", "cp", cp, counts, calls))
+    ops.append(Collective(what, "all_reduce", "cp", cp, counts, calls, Purpose.ROUTING))
     losses = 1 + step.mtp  # the main loss's and each multi-token prediction module's
     if step.last and not step.masked:
         what = "loss token count"
-        ops.append(Collective(what, "all_reduce", "cp", cp, FP64_BYTES, losses * accum))
+        ops.append(Collective(what, "all_reduce", "cp", cp, FP64_BYTES, losses * accum, loss))
     if step.last and step.masked:
         what = "counted tokens of the global batch (loss mask)"
-        ops.append(Collective(what, "all_reduce", "dp", step.dp, losses * FP64_BYTES, 1))
+        ops.append(Collective(what, "all_reduce", "dp", step.dp_cp, losses * FP64_BYTES, 1, loss))
     return ops

@@ -28,6 +28,8 @@ from megatronish.accounting.collectives.step import (
     FP64_BYTES,
     GRAD_REDUCE_BYTES,
     Collective,
+    Kind,
+    Purpose,
     Step,
     loss_bytes,
 )
@@ -37,37 +39,35 @@ from megatronish.accounting.parameters import (
     tp_summed_grad_count,
 )
 
+GRAD, PARAMS = Purpose.GRADIENT_REDUCTION, Purpose.PARAMETERS
+
 
 def dp_collectives(step: Step) -> list[Collective]:
     """The gradient reductions and parameter gathers of optim.zero, and the loss mean."""
-    dp = step.dp
+    dp = step.dp_cp
     if step.cfg.optim.zero >= 1 and dp > 1:
         ops = _zero(step)
     else:
         experts, edp = _expert_bytes(step), _edp(step)
         dense = local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts
-        ops = _over_dp(
-            [
-                ("data-parallel gradient average", "all_reduce", dp, _wire(step, dense), 1),
-                (
-                    "expert gradient sum (expert-data-parallel)",
-                    "all_reduce",
-                    edp,
-                    _wire(step, experts),
-                    1,
-                ),
-            ]
-        )
-    return ops + _over_dp([("loss mean", "all_reduce", dp, loss_bytes(step), 1)])
+        ops = [
+            _dp("data-parallel gradient average", "all_reduce", dp, _wire(step, dense), 1, GRAD),
+            _dp(
+                "expert gradient sum (expert-data-parallel)",
+                "all_reduce",
+                edp,
+                _wire(step, experts),
+                1,
+                GRAD,
+            ),
+        ]
+    return ops + [_dp("loss mean", "all_reduce", dp, loss_bytes(step), 1, Purpose.LOSS)]
 
 
-def _over_dp(rows: list[tuple[str, str, int, int, int]]) -> list[Collective]:
-    """The Collectives of rows (what, kind, group size, payload, count) over the data-parallel
-    group (size dp x cp) or the experts' (size ``_edp``)."""
-    return [
-        Collective(what, kind, "dp", size, payload, count)
-        for what, kind, size, payload, count in rows
-    ]
+def _dp(what: str, kind: Kind, size: int, payload: int, count: int, purpose: Purpose) -> Collective:
+    """A Collective over the data-parallel group (size dp x cp) or the experts' (size
+    ``_edp``)."""
+    return Collective(what, kind, "dp", size, payload, count, purpose)
 
 
 def _wire(step: Step, fp32_bytes: int) -> int:
@@ -78,7 +78,7 @@ def _wire(step: Step, fp32_bytes: int) -> int:
 
 def _edp(step: Step) -> int:
     """The expert-data-parallel group: the ranks that hold the same experts."""
-    return step.dp // step.derived.ep
+    return step.dp_cp // step.derived.ep
 
 
 def _expert_bytes(step: Step) -> int:
@@ -100,42 +100,39 @@ def _zero(step: Step) -> list[Collective]:
     """optim.zero >= 1 at dp x cp > 1: the buffer's buckets reduce-scattered (ZeRO-2 and 3:
     after every micro-batch) and their updated shards all-gathered (ZeRO-3: by each module,
     ``zero3_gathers``); the parameters outside it all-reduced and broadcast; the shards' norms."""
-    zero, dp, edp = step.cfg.optim.zero, step.dp, _edp(step)
+    zero, dp, edp = step.cfg.optim.zero, step.dp_cp, _edp(step)
     experts, outside = _expert_bytes(step), _outside_bytes(step)
     dense = (
         local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts - outside
     )
-    rows = []
+    ops = []
     if outside:
+        what = "gradients outside the buffer: average"
         broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
-        rows += [
-            ("gradients outside the buffer: average", "all_reduce", dp, _wire(step, outside), 1),
-            (broadcast, "broadcast", dp, outside, 1),
+        ops += [
+            _dp(what, "all_reduce", dp, _wire(step, outside), 1, GRAD),
+            _dp(broadcast, "broadcast", dp, outside, 1, PARAMS),
         ]
     passes = step.accum if zero >= 2 else 1  # reductions per step
-    rows += [
-        (f"ZeRO-{zero} gradient reduce-scatter", "reduce_scatter", dp, _wire(step, dense), passes),
-        (
-            f"ZeRO-{zero} expert gradient reduce-scatter",
-            "reduce_scatter",
-            edp,
-            _wire(step, experts),
-            passes,
-        ),
+    scatter = f"ZeRO-{zero} gradient reduce-scatter"
+    expert_scatter = f"ZeRO-{zero} expert gradient reduce-scatter"
+    ops += [
+        _dp(scatter, "reduce_scatter", dp, _wire(step, dense), passes, GRAD),
+        _dp(expert_scatter, "reduce_scatter", edp, _wire(step, experts), passes, GRAD),
     ]
     if zero < 3:
-        rows += [
-            (f"ZeRO-{zero} parameter all-gather", "all_gather", dp, dense, 1),
-            (f"ZeRO-{zero} expert all-gather", "all_gather", edp, experts, 1),
+        ops += [
+            _dp(f"ZeRO-{zero} parameter all-gather", "all_gather", dp, dense, 1, PARAMS),
+            _dp(f"ZeRO-{zero} expert all-gather", "all_gather", edp, experts, 1, PARAMS),
         ]
     else:
-        rows += zero3_gathers(step, dense)
-    rows.append(
-        ("gradient norm of the shards (split, replicated)", "all_reduce", dp, 2 * FP64_BYTES, 1)
-    )
+        ops += zero3_gathers(step, dense)
+    what, norm = "gradient norm of the shards (split, replicated)", Purpose.GRADIENT_NORM
+    ops.append(_dp(what, "all_reduce", dp, 2 * FP64_BYTES, 1, norm))
     if experts:
-        rows.append(("gradient norm of the expert shards", "all_reduce", edp, FP64_BYTES, 1))
-    return _over_dp(rows)
+        what = "gradient norm of the expert shards"
+        ops.append(_dp(what, "all_reduce", edp, FP64_BYTES, 1, norm))
+    return ops
 
 
 def _mtp_bytes(step: Step) -> int:
@@ -154,20 +151,34 @@ def _mtp_bytes(step: Step) -> int:
     return (local - outside - experts) * FP32_BYTES
 
 
-def zero3_gathers(step: Step, dense: int) -> list[tuple[str, str, int, int, int]]:
-    """ZeRO-3's parameter all-gathers of one step, as rows of ``_over_dp``; `dense`: the bytes
+def zero3_gathers(step: Step, dense: int) -> list[Collective]:
+    """ZeRO-3's parameter all-gathers of one step; `dense`: the bytes
     of the buffer's dense buckets. At pp = 1 every micro-batch gathers each bucket before its
     module's forward, the tied embedding's (with multi-token prediction the embedding's) again
     for the output layer, and each bucket again before its backward but the last module's (the
     final norm, the output layer and the multi-token prediction modules) and the tied
     embedding's, which stay from their forward, and the embeddings', whose backward reads
     no weight; at pp > 1 each bucket once a step (kept to its end)."""
-    model, derived, dp, accum = step.cfg.model, step.derived, step.dp, step.accum
+    model, derived, dp, accum = step.cfg.model, step.derived, step.dp_cp, step.accum
     experts, edp = _expert_bytes(step), _edp(step)
     if derived.pp > 1:
         return [
-            ("ZeRO-3 parameter all-gather (kept for the step)", "all_gather", dp, dense, 1),
-            ("ZeRO-3 expert all-gather (kept for the step)", "all_gather", edp, experts, 1),
+            _dp(
+                "ZeRO-3 parameter all-gather (kept for the step)",
+                "all_gather",
+                dp,
+                dense,
+                1,
+                PARAMS,
+            ),
+            _dp(
+                "ZeRO-3 expert all-gather (kept for the step)",
+                "all_gather",
+                edp,
+                experts,
+                1,
+                PARAMS,
+            ),
         ]
     norm = (2 if model.gpt2_block else 1) * step.h * FP32_BYTES
     vocab = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
@@ -177,9 +188,10 @@ def zero3_gathers(step: Step, dense: int) -> list[tuple[str, str, int, int, int]
     lookups = (0 if derived.tie_embeddings else vocab) + positions  # not gathered for backward
     backward = dense - kept - tied - lookups
     again = vocab if derived.last_stage_embedding else 0  # the output layer's, MTP's lookups
+    ag = "all_gather"
     return [
-        ("ZeRO-3 parameter all-gather (forward)", "all_gather", dp, dense, accum),
-        ("ZeRO-3 embedding all-gather again (output layer, MTP)", "all_gather", dp, again, accum),
-        ("ZeRO-3 parameter all-gather (backward)", "all_gather", dp, backward, accum),
-        ("ZeRO-3 expert all-gather (forward, backward)", "all_gather", edp, experts, 2 * accum),
+        _dp("ZeRO-3 parameter all-gather (forward)", ag, dp, dense, accum, PARAMS),
+        _dp("ZeRO-3 embedding all-gather again (output layer, MTP)", ag, dp, again, accum, PARAMS),
+        _dp("ZeRO-3 parameter all-gather (backward)", ag, dp, backward, accum, PARAMS),
+        _dp("ZeRO-3 expert all-gather (forward, backward)", ag, edp, experts, 2 * accum, PARAMS),
     ]

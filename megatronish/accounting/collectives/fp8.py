@@ -43,60 +43,85 @@ value every run. The routed experts do not run on the ring.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Step
+from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Purpose, Step
 
 
 def fp8_collectives(step: Step) -> list[Collective]:
     """The fp8 scales' amax all-reduces of the stage's blocks in one step (module doc)."""
-    train, model = step.cfg.train, step.cfg.model
+    train = step.cfg.train
     if train.precision != "fp8" or train.fp8_recipe == "blockwise":
         return []
-    derived, h = step.derived, step.h
+    forward_runs = 2 if train.activation_checkpointing == "full" else 1
+    ops = []
+    for layer in _layers(step):
+        n = layer.calls
+        if not n:
+            continue
+        for g in _gemms(step, layer, forward_runs):
+            calls = n * step.accum * g.runs  # the GEMM's calls a step
+            what = f"fp8 amax of {layer.name} ({g.gemm})"
+            if g.weight_values:  # the first run's calls take the weights' too
+                both = f"{what}, with the weight's"
+                axes, values = g.axes | g.weight_axes, g.values + g.weight_values
+                ops.append(_over(step, both, axes, values, n * g.firsts))
+                calls -= n * g.firsts
+            if g.values:
+                ops.append(_over(step, what, g.axes, g.values, calls))
+    return ops
+
+
+class AmaxLayer(NamedTuple):
+    """A layer whose GEMMs run in fp8, as the amax count sees it."""
+
+    name: str
+    column: bool
+    """Column-parallel (else row-parallel)."""
+    out: int
+    inner: int
+    calls: int
+    """Calls of its forward GEMM per micro-batch."""
+    weights: int
+    """Weights one call takes (gate and up decomposed on the ring: 2)."""
+    group: Group
+
+
+def _layers(step: Step) -> list[AmaxLayer]:
+    """The stage's fp8 layers, per micro-batch: gate and up are one decomposed GEMM of the
+    gathered input on the tp ring, else one each."""
+    model, derived, h = step.cfg.model, step.derived, step.h
     dense = step.layers - step.moe_layers
     shared = step.moe_layers if derived.shared_d_ff else 0
     qkv = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
-    ring = step.sp and step.overlap  # gate and up: one decomposed GEMM of the gathered input
-    if model.gpt2_block:
-        up, shared_up = ("MLP up", dense, 1), (shared, 1)
-    elif ring:
-        up, shared_up = ("MLP up and gate", dense, 2), (shared, 2)
-    else:
-        up, shared_up = ("MLP up and gate", 2 * dense, 1), (2 * shared, 1)
+    ring = step.sp and step.overlap
+    gates = 1 if model.gpt2_block else 2  # weights of the MLP's first projection
+    each, weights = (1, gates) if ring else (gates, 1)  # calls of it and weights a call takes
+    up = "MLP up" if model.gpt2_block else "MLP up and gate"
     tokens = step.b * step.s
     linear = Group(1, 1, tokens, ring)
     experts = model.moe.num_experts // derived.ep
     routed = Group(experts * derived.ep, experts, tokens * model.moe.top_k, False)
     qkv_rows = Group(1, 1, tokens, ring, parts=1 if model.attention == "mla" else 3)
-    layers = [  # name, column-parallel, out, in, calls, weights a call takes, runs of rows
-        ("qkv", True, qkv, h, step.layers, 1, qkv_rows),
-        ("attention projection", False, h, model.n_head * derived.head_dim, step.layers, 1, linear),
-        (up[0], True, derived.d_ff, h, *up[1:], linear),
-        ("MLP down", False, h, derived.d_ff, dense, 1, linear),
-        ("shared experts up and gate", True, derived.shared_d_ff, h, *shared_up, linear),
-        ("shared experts down", False, h, derived.shared_d_ff, shared, 1, linear),
-        ("experts up and gate", True, derived.moe_d_ff, h, 2 * step.moe_layers, 1, routed),
-        ("experts down", False, h, derived.moe_d_ff, step.moe_layers, 1, routed),
+    proj_in = model.n_head * derived.head_dim
+    return [
+        AmaxLayer("qkv", True, qkv, h, step.layers, 1, qkv_rows),
+        AmaxLayer("attention projection", False, h, proj_in, step.layers, 1, linear),
+        AmaxLayer(up, True, derived.d_ff, h, each * dense, weights, linear),
+        AmaxLayer("MLP down", False, h, derived.d_ff, dense, 1, linear),
+        AmaxLayer(
+            "shared experts up and gate",
+            True,
+            derived.shared_d_ff,
+            h,
+            each * shared,
+            weights,
+            linear,
+        ),
+        AmaxLayer("shared experts down", False, h, derived.shared_d_ff, shared, 1, linear),
+        AmaxLayer("experts up and gate", True, derived.moe_d_ff, h, 2 * step.moe_layers, 1, routed),
+        AmaxLayer("experts down", False, h, derived.moe_d_ff, step.moe_layers, 1, routed),
     ]
-    forward_runs = 2 if train.activation_checkpointing == "full" else 1
-    ops = []
-    for name, column, out, inner, n, weights, group in layers:
-        if not n:
-            continue
-        for gemm, axes, values, weight_axes, weight_values, runs, firsts in _gemms(
-            step, column, out, inner, forward_runs, weights, group
-        ):
-            calls = n * step.accum * runs  # the GEMM's calls a step
-            what = f"fp8 amax of {name} ({gemm})"
-            if weight_values:  # the first run's calls take the weights' too
-                both = f"{what}, with the weight's"
-                ops.append(
-                    _over(step, both, axes | weight_axes, values + weight_values, n * firsts)
-                )
-                calls -= n * firsts
-            if values:
-                ops.append(_over(step, what, axes, values, calls))
-    return ops
 
 
 @dataclass(frozen=True)
@@ -114,40 +139,60 @@ class Group:
     parts: int = 1
 
 
-def _gemms(
-    step: Step, column: bool, out: int, inner: int, forward_runs: int, weights: int, group: Group
-) -> list[tuple]:
-    """(GEMM, the axes and the number of values of its activation's (or output gradient's)
-    amaxes, those of the weights', calls per micro-batch, of which the first run's, which take
-    the weights' too) of one layer's GEMMs that reduce any value. weights: the weights one
-    decomposed forward GEMM of the gathered input takes at once (gate and up; the input
-    gradient is one GEMM a weight). On the tp ring the decomposed GEMMs' tensorwise scale of a
-    gathered tensor (a column layer's input, a row layer's output gradient) is reduced from its
-    chunks over tp (megatronish.layers.overlap_fp8)."""
+class AmaxGemm(NamedTuple):
+    """One GEMM of a layer that reduces amaxes."""
+
+    gemm: str
+    """"forward", "input gradient" or "weight gradient"."""
+    axes: set[str]
+    values: int
+    """The axes and the number of values of its activation's (or output gradient's) amaxes."""
+    weight_axes: set[str]
+    weight_values: int
+    """Those of the weights' amaxes, taken by the first run's calls."""
+    runs: int
+    """Calls per micro-batch and layer call."""
+    firsts: int
+    """Of which the first run's, which take the weights' too."""
+
+
+def _gemms(step: Step, layer: AmaxLayer, forward_runs: int) -> list[AmaxGemm]:
+    """The GEMMs of one layer that reduce any value. layer.weights: the weights one decomposed
+    forward GEMM of the gathered input takes at once (gate and up; the input gradient is one
+    GEMM a weight). On the tp ring the decomposed GEMMs' tensorwise scale of a gathered tensor
+    (a column layer's input, a row layer's output gradient) is reduced from its chunks over tp
+    (megatronish.layers.overlap_fp8)."""
     t, c = step.tp > 1, step.cp > 1
     tp, cp = ({"tp"} if t else set()), ({"cp"} if c else set())
+    column, out, inner, weights, group = (
+        layer.column,
+        layer.out,
+        layer.inner,
+        layer.weights,
+        layer.group,
+    )
     runs, per_weight = group.runs, group.weights * t
     if step.cfg.train.fp8_recipe == "tensorwise":  # backward reuses the weight's scale
         gathered = (tp | cp, runs) if group.ring else (cp, runs * c)
         if column:
             rows = [
-                ("forward", *gathered, tp, weights * per_weight, forward_runs, 1),
-                ("input gradient", tp | cp, runs * (t or c), set(), 0, weights, 0),
+                AmaxGemm("forward", *gathered, tp, weights * per_weight, forward_runs, 1),
+                AmaxGemm("input gradient", tp | cp, runs * (t or c), set(), 0, weights, 0),
             ]
         else:
             rows = [
-                ("forward", tp | cp, runs * (t or c), tp, per_weight, forward_runs, 1),
-                ("input gradient", *gathered, set(), 0, 1, 0),
+                AmaxGemm("forward", tp | cp, runs * (t or c), tp, per_weight, forward_runs, 1),
+                AmaxGemm("input gradient", *gathered, set(), 0, 1, 0),
             ]
     else:  # rowwise
         if column:  # the GEMM whose K (the layer's out or in) is split over tp
             dy, w = group.rows * t * group.parts, per_weight * inner * group.parts
-            rows = [("input gradient", tp, dy, tp, w, weights, weights)]
+            rows = [AmaxGemm("input gradient", tp, dy, tp, w, weights, weights)]
         else:
-            rows = [("forward", tp, group.rows * t, tp, per_weight * out, forward_runs, 1)]
+            rows = [AmaxGemm("forward", tp, group.rows * t, tp, per_weight * out, forward_runs, 1)]
         width = out // step.tp + inner if column else out + inner // step.tp
-        rows.append(("weight gradient", cp, runs * width * c, set(), 0, weights, 0))
-    return [row for row in rows if row[2] or row[4]]
+        rows.append(AmaxGemm("weight gradient", cp, runs * width * c, set(), 0, weights, 0))
+    return [row for row in rows if row.values or row.weight_values]
 
 
 def _over(step: Step, what: str, axes: set[str], values: int, calls: int) -> Collective:
@@ -157,7 +202,7 @@ def _over(step: Step, what: str, axes: set[str], values: int, calls: int) -> Col
         frozenset({"cp"}): ("cp", step.cp),
         frozenset({"tp", "cp"}): ("tp_cp", step.tp * step.cp),
     }[frozenset(axes)]
-    return Collective(what, "all_reduce", group, size, values * FP32_BYTES, calls)
+    return Collective(what, "all_reduce", group, size, values * FP32_BYTES, calls, Purpose.FP8_AMAX)
 
 
 def cast_bytes(recipe: str, rows: int, k: int) -> int:

@@ -16,6 +16,7 @@ from megatronish.accounting.collectives.step import (
     FP32_BYTES,
     FP64_BYTES,
     Collective,
+    Purpose,
     Step,
     loss_bytes,
 )
@@ -32,12 +33,24 @@ def pp_collectives(step: Step) -> list[Collective]:
     v = derived.pp_virtual
     sends = (v - (1 if step.last else 0)) + (v - (1 if step.first else 0))
     what = "hidden states and their gradients (point to point)"
-    ops = [Collective(what, "p2p", "pp", pp, hidden, sends * step.accum)]
+    ops = [Collective(what, "p2p", "pp", pp, hidden, sends * step.accum, Purpose.ACTIVATION)]
     if derived.last_stage_embedding and (step.first or step.last):
         shard = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
         what = "tied embedding gradient (first and last stage)"
-        ops.append(Collective(what, "all_reduce", "embedding", 2, shard, 1))
+        ops.append(
+            Collective(what, "all_reduce", "embedding", 2, shard, 1, Purpose.GRADIENT_REDUCTION)
+        )
     return ops + [
-        Collective("gradient norm over the stages", "all_reduce", "pp", pp, FP64_BYTES, 1),
-        Collective("loss from the last stage", "all_reduce", "pp", pp, loss_bytes(step), 1),
+        Collective(
+            "gradient norm over the stages",
+            "all_reduce",
+            "pp",
+            pp,
+            FP64_BYTES,
+            1,
+            Purpose.GRADIENT_NORM,
+        ),
+        Collective(
+            "loss from the last stage", "all_reduce", "pp", pp, loss_bytes(step), 1, Purpose.LOSS
+        ),
     ]

@@ -5,6 +5,8 @@ agreement every rank joins at the end of a step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import Literal
 
 from megatronish.accounting.parameters import last_stage_mtp, stage_moe_layers
 from megatronish.config import Config, Derived
@@ -16,22 +18,55 @@ GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2}  # optim.grad_reduce_dtype: bytes an 
 STEP_FLAGS = 4  # faults.agree_on_step: loss and grad_norm non-finite, stop, writer busy
 
 
+Kind = Literal[
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p", "cp_ring",
+    "tp_ring",
+]  # fmt: skip
+"""The call on the wire, as ``comm.CommCounter`` keys it."""
+GroupName = Literal["tp", "cp", "tp_cp", "dp", "ep", "pp", "embedding", "world"]
+"""The ranks it runs over; "dp" is the data-parallel group, dp x cp ranks (or the experts')."""
+
+
+class Purpose(Enum):
+    """What a collective carries."""
+
+    ACTIVATION = "activations or their gradients between shards, stages or experts"
+    ROUTING = "MoE routing: counts, combine weights, the tokens' experts, expert loads"
+    GRADIENT_REDUCTION = "parameter gradients summed or averaged"
+    PARAMETERS = "ZeRO's parameter gathers and broadcasts"
+    FP8_AMAX = "fp8 scales' amaxes"
+    LOSS = "the loss's statistics, token counts and reported value"
+    GRADIENT_NORM = "gradient norms' partial sums"
+    AGREEMENT = "the step agreement's flags"
+
+
+class Split(Enum):
+    """How parallel.tp_comm_overlap issues a collective: whole, or decomposed under a GEMM as
+    t - 1 ring hops of a sequence chunk or as t all-reduces of a chunk."""
+
+    WHOLE = ""
+    RING = "ring"
+    CHUNKS = "chunks"
+
+
 @dataclass(frozen=True)
 class Collective:
     """One kind of collective a training step issues: `count` calls of `payload` bytes each on
-    the `group` ("tp", "cp", "tp_cp", "dp", "ep", "pp", "embedding" or "world") of `size`
-    ranks. payload is what ``comm`` counts: the tensor of an all-reduce or broadcast, the full
-    (gathered) tensor of an all-gather or reduce-scatter."""
+    the `group` of `size` ranks. payload is what ``comm`` counts: the tensor of an all-reduce
+    or broadcast, the full (gathered) tensor of an all-gather or reduce-scatter."""
 
     what: str
-    kind: str
-    group: str
+    """What it carries, as ``check`` names it (a decomposed one: before its split)."""
+    kind: Kind
+    group: GroupName
     size: int
     payload: int
     count: int
+    purpose: Purpose
     under: str = ""
     """For a collective parallel.tp_comm_overlap decomposes: the GEMM it runs under
     (accounting.layer_time.linear_gemms' name); "" for every other."""
+    split: Split = Split.WHOLE
 
     @property
     def sent(self) -> float:
@@ -61,14 +96,14 @@ class Step:
     """The last stage: it holds the output layer and the loss."""
     tp: int
     cp: int
-    dp: int
+    dp_cp: int
     """The data-parallel group, dp x cp ranks: the data-parallel collectives run over it."""
     accum: int
     b: int
     s: int
     """A rank's share of the sequence, seq_len / cp."""
     h: int
-    c: int
+    operand_bytes: int
     """Bytes of a matmul operand: 2 under bf16 autocast, 4 in fp32."""
     sp: bool
     """Sequence parallelism in effect (on, and tp > 1)."""
@@ -96,12 +131,12 @@ def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | Non
         last=pp_rank == derived.pp - 1,
         tp=derived.tp,
         cp=cp,
-        dp=derived.dp * cp,
+        dp_cp=derived.dp * cp,
         accum=derived.grad_accum_steps,
         b=train.micro_batch_size,
         s=train.seq_len // cp,
         h=cfg.model.d_model,
-        c=2 if train.bf16_autocast else FP32_BYTES,
+        operand_bytes=2 if train.bf16_autocast else FP32_BYTES,
         sp=cfg.parallel.sequence_parallel and derived.tp > 1,
         overlap=cfg.parallel.tp_comm_overlap and derived.tp > 1,
         layers=derived.stage_layers[pp_rank] + last_stage_mtp(cfg, derived, pp_rank),
@@ -132,15 +167,17 @@ def expert_loads(step: Step) -> list[Collective]:
         return []
     payload = len(derived.moe_layers) * moe.num_experts * INT64_BYTES
     what = "MoE expert loads of the global batch (routing biases)"
-    return [Collective(what, "all_reduce", "world", derived.world_size, payload, 1)]
+    return [
+        Collective(what, "all_reduce", "world", derived.world_size, payload, 1, Purpose.ROUTING)
+    ]
 
 
 def step_agreement(step: Step) -> list[Collective]:
     """faults.agree_on_step: four fp32 flags (16 bytes) all-reduced over tp, then dp x cp, then
     pp, once per step."""
-    groups = (("tp", step.tp), ("dp", step.dp), ("pp", step.derived.pp))
+    groups = (("tp", step.tp), ("dp", step.dp_cp), ("pp", step.derived.pp))
     what = "step agreement: non-finite and stop flags"
     return [
-        Collective(what, "all_reduce", group, size, STEP_FLAGS * FP32_BYTES, 1)
+        Collective(what, "all_reduce", group, size, STEP_FLAGS * FP32_BYTES, 1, Purpose.AGREEMENT)
         for group, size in groups
     ]

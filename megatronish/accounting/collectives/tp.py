@@ -58,18 +58,43 @@ itself, gathered forward in its own precision.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from megatronish.accounting.collectives.fp8 import cast_bytes
 from megatronish.accounting.collectives.step import (
     FP32_BYTES,
     FP64_BYTES,
     INT64_BYTES,
     Collective,
+    Kind,
+    Purpose,
+    Split,
     Step,
     moe_count_bytes,
 )
 from megatronish.accounting.parameters import tp_summed_grad_count
+from megatronish.config.mla_shapes import mla_shapes
 from megatronish.fp8 import RECIPES
 from megatronish.layers.overlap_fp8 import ring_carries_cast
+
+
+class Row(NamedTuple):
+    """A tp collective before ``_over_tp`` counts it over the step's micro-batches."""
+
+    what: str
+    kind: Kind
+    payload: int
+    per_micro: int
+    """Calls per micro-batch."""
+    under: str = ""
+    """The GEMM parallel.tp_comm_overlap would decompose it under (``decomposed``)."""
+    purpose: Purpose = Purpose.ACTIVATION
+    split: Split = Split.WHOLE
+
+
+def _activation_bytes(step: Step) -> int:
+    """Bytes of a matmul operand's [b, s, h] activation, c [b, s, h]."""
+    return step.b * step.s * step.h * step.operand_bytes
 
 
 def tp_collectives(step: Step) -> list[Collective]:
@@ -79,28 +104,38 @@ def tp_collectives(step: Step) -> list[Collective]:
     ops = _over_tp(
         step,
         [
-            ("embedding output (forward)", "all_reduce", fp32, embed),
-            ("multi-token prediction embeddings (forward)", "all_reduce", fp32 * step.mtp, 1),
+            Row("embedding output (forward)", "all_reduce", fp32, embed),
+            Row("multi-token prediction embeddings (forward)", "all_reduce", fp32 * step.mtp, 1),
         ],
     )
     ops += _sequence_parallel_blocks(step) if step.sp else _blocks(step)
     ops += _vocab_parallel_loss(step) + _moe(step)
-    what = "gradient norm (fp64 partial sum)"
-    ops.append(Collective(what, "all_reduce", "tp", step.tp, FP64_BYTES, 1))
+    what, norm = "gradient norm (fp64 partial sum)", Purpose.GRADIENT_NORM
+    ops.append(Collective(what, "all_reduce", "tp", step.tp, FP64_BYTES, 1, norm))
     replicated = tp_summed_grad_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
     if replicated:
         what = "replicated-parameter gradients (sequence parallel, query and key norms)"
-        ops.append(Collective(what, "all_reduce", "tp", step.tp, replicated, 1))
+        grad = Purpose.GRADIENT_REDUCTION
+        ops.append(Collective(what, "all_reduce", "tp", step.tp, replicated, 1, grad))
     return ops
 
 
-def _over_tp(step: Step, rows: list[tuple]) -> list[Collective]:
-    """The Collectives of rows (what, kind, payload, calls per micro-batch[, the GEMM a
-    decomposed one runs under]) over tp: each row's calls in every one of the step's
+def _over_tp(step: Step, rows: list[Row]) -> list[Collective]:
+    """The Collectives of rows over tp: each row's calls in every one of the step's
     micro-batches."""
     return [
-        Collective(what, kind, "tp", step.tp, payload, per_micro * step.accum, *under)
-        for what, kind, payload, per_micro, *under in rows
+        Collective(
+            row.what,
+            row.kind,
+            "tp",
+            step.tp,
+            row.payload,
+            row.per_micro * step.accum,
+            row.purpose,
+            row.under,
+            row.split,
+        )
+        for row in rows
     ]
 
 
@@ -123,32 +158,33 @@ def _attention_inputs(step: Step) -> tuple[int, int]:
     """(layers whose attention takes the layer input through a column-parallel projection: qkv,
     or mla's queries without q_lora_rank; bytes of mla's latents entering the tp region per
     micro-batch and layer, 0 without mla)."""
-    mla, n = step.cfg.model.mla, step.layers
+    n = step.layers
     if step.cfg.model.attention != "mla":
         return n, 0
-    width = (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim
-    return (n if mla.q_lora_rank is None else 0), step.b * step.s * width * step.c
+    mla = mla_shapes(step.cfg.model)
+    latents = step.b * step.s * mla.entering_tp * step.operand_bytes
+    return (n if mla.q_rank is None else 0), latents
 
 
 def _blocks(step: Step) -> list[Collective]:
     """Without sequence parallelism: the layers' and the LM head's all-reduces (an MoE layer's
     output all-reduce stays whole under parallel.tp_comm_overlap)."""
-    act, n, head = step.b * step.s * step.h * step.c, step.layers, _heads(step)
+    act, n, head = _activation_bytes(step), step.layers, _heads(step)
     moe, (attn_runs, down_runs) = step.moe_layers, _forward_runs(step, step.overlap)
     qkv, latents = _attention_inputs(step)
     forward = [
-        ("attention projection output (forward)", "all_reduce", act, n * attn_runs, "proj"),
-        ("MLP down output (forward)", "all_reduce", act, (n - moe) * down_runs, "down"),
+        Row("attention projection output (forward)", "all_reduce", act, n * attn_runs, "proj"),
+        Row("MLP down output (forward)", "all_reduce", act, (n - moe) * down_runs, "down"),
     ]
     return _over_tp(
         step,
         decomposed(step, forward)
         + [
-            ("MoE output (forward)", "all_reduce", act, moe * _moe_runs(step)),
-            ("qkv input gradient (backward)", "all_reduce", act, qkv),
-            ("MLA latents gradient (backward)", "all_reduce", latents, n if latents else 0),
-            ("MLP first projection input gradient (backward)", "all_reduce", act, n),
-            ("LM head input gradient (backward)", "all_reduce", act, head),
+            Row("MoE output (forward)", "all_reduce", act, moe * _moe_runs(step)),
+            Row("qkv input gradient (backward)", "all_reduce", act, qkv),
+            Row("MLA latents gradient (backward)", "all_reduce", latents, n if latents else 0),
+            Row("MLP first projection input gradient (backward)", "all_reduce", act, n),
+            Row("LM head input gradient (backward)", "all_reduce", act, head),
         ],
     )
 
@@ -157,7 +193,7 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     """Under sequence parallelism: the layers', the LM head's and the embedding gradient's
     all-gathers and reduce-scatters (an MoE layer's, of its tokens and its output, stay whole
     under parallel.tp_comm_overlap)."""
-    act, n, moe = step.b * step.s * step.h * step.c, step.layers, step.moe_layers
+    act, n, moe = _activation_bytes(step), step.layers, step.moe_layers
     dense = n - moe
     embed, head = (1 if step.first else 0), _heads(step)
     fp32 = step.b * step.s * step.h * FP32_BYTES
@@ -170,92 +206,97 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     return _over_tp(
         step,
         [
-            ("embedding output gradient (backward)", ag, fp32, embed),
-            ("MLA latents (forward)", ag, latents, mla * (1 + rerun)),
-            ("MLA latents gradient (backward)", rs, latents, mla),
-            ("multi-token prediction embedding gradients (backward)", ag, fp32, step.mtp),
-            ("MoE tokens (forward, backward)", ag, act, moe * (1 + rerun)),
-            ("MoE tokens gradient (backward)", rs, act, moe),
-            ("MoE output (forward)", rs, act, moe * moe_runs),
-            ("MoE output gradient (backward)", ag, act, moe),
+            Row("embedding output gradient (backward)", ag, fp32, embed),
+            Row("MLA latents (forward)", ag, latents, mla * (1 + rerun)),
+            Row("MLA latents gradient (backward)", rs, latents, mla),
+            Row("multi-token prediction embedding gradients (backward)", ag, fp32, step.mtp),
+            Row("MoE tokens (forward, backward)", ag, act, moe * (1 + rerun)),
+            Row("MoE tokens gradient (backward)", rs, act, moe),
+            Row("MoE output (forward)", rs, act, moe * moe_runs),
+            Row("MoE output gradient (backward)", ag, act, moe),
         ]
         + decomposed(
             step,
             [
                 *_gathered_inputs(step, qkv, rerun),
-                ("LM head input (forward, backward)", ag, act, 2 * head, "head"),
-                ("qkv input gradient (backward)", rs, act, qkv, "qkv"),
-                ("MLP first projection input gradient (backward)", rs, act, dense, "up"),
-                ("LM head input gradient (backward)", rs, act, head, "head"),
-                ("attention projection output (forward)", rs, act, n * attn_runs, "proj"),
-                ("MLP down output (forward)", rs, act, dense * down_runs, "down"),
-                ("attention projection output gradient (backward)", ag, act, n, "proj_backward"),
-                ("MLP down output gradient (backward)", ag, act, dense, "down_backward"),
+                Row("LM head input (forward, backward)", ag, act, 2 * head, "head"),
+                Row("qkv input gradient (backward)", rs, act, qkv, "qkv"),
+                Row("MLP first projection input gradient (backward)", rs, act, dense, "up"),
+                Row("LM head input gradient (backward)", rs, act, head, "head"),
+                Row("attention projection output (forward)", rs, act, n * attn_runs, "proj"),
+                Row("MLP down output (forward)", rs, act, dense * down_runs, "down"),
+                Row("attention projection output gradient (backward)", ag, act, n, "proj_backward"),
+                Row("MLP down output gradient (backward)", ag, act, dense, "down_backward"),
             ],
         ),
     )
 
 
-def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[tuple]:
+def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[Row]:
     """The sequence-parallel all-gathers of qkv's and the dense MLP's input (rows for
     ``decomposed``): forward, and once more under full recompute; qkv and gpt2's MLP up gather
     again in backward (llama's gate and up keep it). Decomposed under fp8 (module doc) the
     forward ones carry the input's fp8 cast, and backward gathers the tensorwise cast's payload
     (kept by gate and up) or the input itself (also for gate and up)."""
-    act = step.b * step.s * step.h * step.c
+    act = _activation_bytes(step)
     dense = step.layers - step.moe_layers
     if not (step.overlap and step.cfg.train.precision == "fp8"):
         return [
-            ("qkv input (forward, backward)", "all_gather", act, qkv * (2 + rerun), "qkv"),
+            Row("qkv input (forward, backward)", "all_gather", act, qkv * (2 + rerun), "qkv"),
             *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up"),
         ]
     cast = cast_bytes(step.cfg.train.fp8_recipe, step.b * step.s, step.h)
     return [
-        ("qkv input, fp8 cast (forward)", "all_gather", cast, qkv * (1 + rerun), "qkv"),
-        ("qkv input again (backward)", "all_gather", _again(step), qkv, "qkv"),
+        Row("qkv input, fp8 cast (forward)", "all_gather", cast, qkv * (1 + rerun), "qkv"),
+        Row("qkv input again (backward)", "all_gather", _gathered_again_bytes(step), qkv, "qkv"),
         *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up"),
     ]
 
 
-def _again(step: Step) -> int:
+def _gathered_again_bytes(step: Step) -> int:
     """Bytes of an input gathered again in backward under fp8 on the ring: the tensorwise
     cast's payload (a byte a value), or, rowwise and blockwise, the input itself."""
     tensorwise = step.cfg.train.fp8_recipe == "tensorwise"
-    return step.b * step.s * step.h * (1 if tensorwise else step.c)
+    return step.b * step.s * step.h * (1 if tensorwise else step.operand_bytes)
 
 
-def mlp_input_gathers(step: Step, what: str, mlps: int, runs: int, gemm: str) -> list[tuple]:
+def mlp_input_gathers(step: Step, what: str, mlps: int, runs: int, gemm: str) -> list[Row]:
     """The sequence-parallel all-gathers of the input of `mlps` MLPs (a dense MLP's or a shared
     expert's; rows for ``decomposed``), each run forward `runs` times: gpt2's up gathers again in
     backward, llama's gate and up keep what they gathered. Decomposed under fp8 the forward ones
     carry the input's fp8 cast, except llama's gate and up rowwise and blockwise (the input
-    itself, kept for backward's per-feature scales); gpt2's again is _again's."""
-    act, gpt2 = step.b * step.s * step.h * step.c, step.cfg.model.gpt2_block
+    itself, kept for backward's per-feature scales); gpt2's again is ``_gathered_again_bytes``."""
+    act, gpt2 = _activation_bytes(step), step.cfg.model.gpt2_block
     if not (step.overlap and step.cfg.train.precision == "fp8"):
-        return [(f"{what} (forward, backward)", "all_gather", act, mlps * (runs + gpt2), gemm)]
+        return [Row(f"{what} (forward, backward)", "all_gather", act, mlps * (runs + gpt2), gemm)]
     recipe = step.cfg.train.fp8_recipe
     cast = cast_bytes(recipe, step.b * step.s, step.h)
     mlp_cast = ring_carries_cast(RECIPES[recipe], keep_gathered=not gpt2)  # llama's gate, up keep
+    again = _gathered_again_bytes(step)
     return [
-        (f"{what}, fp8 cast (forward)", "all_gather", cast, mlps * runs * mlp_cast, gemm),
-        (f"{what} (forward)", "all_gather", act, mlps * runs * (not mlp_cast), gemm),
-        (f"{what} again (backward)", "all_gather", _again(step), mlps * gpt2, gemm),
+        Row(f"{what}, fp8 cast (forward)", "all_gather", cast, mlps * runs * mlp_cast, gemm),
+        Row(f"{what} (forward)", "all_gather", act, mlps * runs * (not mlp_cast), gemm),
+        Row(f"{what} again (backward)", "all_gather", again, mlps * gpt2, gemm),
     ]
 
 
-def decomposed(step: Step, rows: list[tuple]) -> list[tuple]:
-    """rows (what, kind, payload, calls per micro-batch, the GEMM it would run under) of
-    collectives the linear layers decompose, as parallel.tp_comm_overlap issues them (module
-    doc): an all-gather or reduce-scatter as t - 1 ring hops of payload / t, an all-reduce as
-    t of payload / t; without it as they are, whole."""
+def decomposed(step: Step, rows: list[Row]) -> list[Row]:
+    """rows of collectives the linear layers decompose, as parallel.tp_comm_overlap issues them
+    (module doc): an all-gather or reduce-scatter as t - 1 ring hops of payload / t, an
+    all-reduce as t of payload / t; without it as they are, whole (under no GEMM)."""
     if not step.overlap:
-        return [row[:4] for row in rows]
+        return [row._replace(under="") for row in rows]
     t = step.tp
     return [
-        (f"{what}, {t} chunks", kind, payload // t, calls * t, under)
-        if kind == "all_reduce"
-        else (f"{what}, ring", "tp_ring", payload // t, calls * (t - 1), under)
-        for what, kind, payload, calls, under in rows
+        row._replace(payload=row.payload // t, per_micro=row.per_micro * t, split=Split.CHUNKS)
+        if row.kind == "all_reduce"
+        else row._replace(
+            kind="tp_ring",
+            payload=row.payload // t,
+            per_micro=row.per_micro * (t - 1),
+            split=Split.RING,
+        )
+        for row in rows
     ]
 
 
@@ -269,12 +310,18 @@ def _vocab_parallel_loss(step: Step) -> list[Collective]:
     """The last stage's cross entropies over the vocabulary's tp shards (the main one and each
     multi-token prediction module's), per micro-batch."""
     loss = _heads(step)
-    rows = step.b * step.s * FP32_BYTES
+    rows, stat = step.b * step.s * FP32_BYTES, Purpose.LOSS
     return _over_tp(
         step,
         [
-            ("cross-entropy row max (forward)", "all_reduce", rows, loss),
-            ("cross-entropy target logit and sum of exp (forward)", "all_reduce", 2 * rows, loss),
+            Row("cross-entropy row max (forward)", "all_reduce", rows, loss, purpose=stat),
+            Row(
+                "cross-entropy target logit and sum of exp (forward)",
+                "all_reduce",
+                2 * rows,
+                loss,
+                purpose=stat,
+            ),
         ],
     )
 
@@ -285,31 +332,39 @@ def _moe(step: Step) -> list[Collective]:
     if not n:
         return []
     tokens = step.b * step.s * moe.top_k  # T k routed rows
-    weights, act = tokens * FP32_BYTES, step.b * step.s * step.h * step.c
+    weights, act = tokens * FP32_BYTES, _activation_bytes(step)
     counts, runs = moe_count_bytes(step), _moe_runs(step)
+    indices, route = tokens * INT64_BYTES, Purpose.ROUTING
     if not step.sp:
-        rows = [("MoE combine weights gradient (backward)", "all_reduce", weights, n)]
+        what = "MoE combine weights gradient (backward)"
+        rows = [Row(what, "all_reduce", weights, n, purpose=route)]
         if step.derived.shared_d_ff:
             shared = [
-                ("shared expert output (forward)", "all_reduce", act, n * runs, "shared_down")
+                Row("shared expert output (forward)", "all_reduce", act, n * runs, "shared_down")
             ]
             rows += decomposed(step, shared)
-            rows += [("shared expert input gradient (backward)", "all_reduce", act, n)]
+            rows += [Row("shared expert input gradient (backward)", "all_reduce", act, n)]
         return _over_tp(step, rows)
     # Each tp rank routes its own tokens: weights and experts are gathered.
     rows = [
-        ("MoE combine weights (forward)", "all_gather", weights, n * runs),
-        ("MoE combine weights gradient (backward)", "reduce_scatter", weights, n),
-        ("MoE experts of the tokens (forward)", "all_gather", tokens * INT64_BYTES, n * runs),
-        ("MoE routed counts for the balancing loss", "all_reduce", counts, n * runs),
+        Row("MoE combine weights (forward)", "all_gather", weights, n * runs, purpose=route),
+        Row("MoE combine weights gradient (backward)", "reduce_scatter", weights, n, purpose=route),
+        Row("MoE experts of the tokens (forward)", "all_gather", indices, n * runs, purpose=route),
+        Row(
+            "MoE routed counts for the balancing loss",
+            "all_reduce",
+            counts,
+            n * runs,
+            purpose=route,
+        ),
     ]
     if step.derived.shared_d_ff:
         ag, rs = "all_gather", "reduce_scatter"
         shared = [
             *mlp_input_gathers(step, "shared expert input", n, runs, "shared_up"),
-            ("shared expert output gradient (backward)", ag, act, n, "shared_down_backward"),
-            ("shared expert output (forward)", rs, act, n * runs, "shared_down"),
-            ("shared expert input gradient (backward)", rs, act, n, "shared_up"),
+            Row("shared expert output gradient (backward)", ag, act, n, "shared_down_backward"),
+            Row("shared expert output (forward)", rs, act, n * runs, "shared_down"),
+            Row("shared expert input gradient (backward)", rs, act, n, "shared_up"),
         ]
         rows += decomposed(step, shared)
     return _over_tp(step, rows)
