@@ -37,6 +37,17 @@ CHECKOUT_LINKS = ("configs", "docs", "scripts")
 # What the README's main job and a user's other commands write into the checkout and into their
 # cache: what the tests must never read or write (a user runs the main job before `pytest`).
 USER_STATE = ("runs", "data")
+# The smallest run the CLI tests train: one block of d_model 32, sequences of 16 tokens, a global
+# batch of one micro-batch of 2 (each test adds its steps, logging and evaluation).
+SMALLEST_RUN = [
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "model.max_seq_len=16",
+    "train.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+]
 
 
 # Each test module's recorded wall time (seconds, its tests' setup, call and teardown summed),

@@ -15,17 +15,11 @@ import torch
 
 from megatronish.errors import UserError
 from megatronish.fp8 import check_device
-from tests.conftest import CONFIGS, invoke_cli, read_metrics
+from tests.conftest import CONFIGS, SMALLEST_RUN, invoke_cli, read_metrics
 
 FP8 = ["train.precision=fp8"]
 TINY = [
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.max_seq_len=16",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=2",
+    *SMALLEST_RUN,
     "train.warmup_steps=10",
     "train.log_every=1",
     "train.eval_every=0",

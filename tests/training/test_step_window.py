@@ -11,17 +11,11 @@ import pytest
 
 from megatronish.training import window
 from megatronish.training.trainer import Trainer
-from tests.conftest import CONFIGS, invoke_cli, read_metrics
+from tests.conftest import CONFIGS, SMALLEST_RUN, invoke_cli, read_metrics
 
 STEP_S, EVAL_S, SAVE_S = 1.0, 5.0, 7.0  # seconds each takes on the fake clock
 TINY = [
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.max_seq_len=16",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=2",
+    *SMALLEST_RUN,
     "train.log_every=4",
     "train.eval_every=2",
     "train.eval_steps=1",

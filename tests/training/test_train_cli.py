@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, finish, invoke_cli, read_metrics
+from tests.conftest import CONFIGS, SMALLEST_RUN, finish, invoke_cli, read_metrics
 from tests.ranks import run_cli_on_ranks
 from tests.tolerances import CURVE_REL
 
@@ -163,13 +163,7 @@ def test_train_writes_metrics_and_resolved_config_and_ends_with_a_line_that_give
 
 
 TRITON_TINY = [
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=2",
-    "model.max_seq_len=16",
-    "train.seq_len=16",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=2",
+    *SMALLEST_RUN,
     "train.steps=4",  # interpreted Triton takes about a second a step
     "train.warmup_steps=0",  # full steps from the first: a wrong gradient shows in the loss
     "train.log_every=1",
