@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatronish.config.components import BlockComponents
+from megatronish.config.presets import components_of
+
 
 @dataclass
 class MoEConfig:
@@ -171,6 +174,12 @@ class ModelConfig:
     masks its heads as it masks mha's)."""
     mla: MLAConfig = field(default_factory=MLAConfig)
     """Multi-head latent attention's sizes (with model.attention mla only); see model.mla.*."""
+
+    @property
+    def components(self) -> BlockComponents:
+        """The components the blocks are built from (megatronish.config.components): the
+        family's choice (megatronish.config.presets), with model.attention and model.qkv_bias."""
+        return components_of(self.arch, self.attention, self.qkv_bias)
 
     @property
     def gpt2_block(self) -> bool:

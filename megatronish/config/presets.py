@@ -4,7 +4,10 @@ megatronish.hf), never a branch through the model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
+
+from megatronish.config.components import GPT2, ROPE, AttentionKind, BlockComponents
 
 _QWEN = {"norm_eps": 1e-6, "rope_theta": 1e6}
 
@@ -53,6 +56,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 """model.* defaults of each model.arch (nested dicts for sub-sections such as model.moe)."""
+
+FAMILY_BLOCKS: dict[str, BlockComponents] = {arch: ROPE for arch in PRESETS} | {"gpt2": GPT2}
+"""The components each model.arch builds its blocks from (megatronish.config.components)."""
+
+
+def components_of(arch: str, attention: AttentionKind, qkv_bias: bool) -> BlockComponents:
+    """The components of model.arch's blocks, with model.attention's attention and, in a RoPE
+    family, biases on the qkv projection where model.qkv_bias sets them."""
+    base = FAMILY_BLOCKS[arch]
+    if base.rope and qkv_bias:
+        base = replace(base, biases="qkv")
+    return replace(base, attention=attention)
 
 
 def with_preset(model: Any, arch: str, attention: str | None = None) -> Any:

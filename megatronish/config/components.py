@@ -1,0 +1,84 @@
+"""The components a model is built from, as model.arch's preset chooses them: its positions, its
+norm and where the norm sits, its attention, its MLP and its biases. The model, the Hugging Face
+mapping and the accounting ask a component, never the family: a new family is a new choice of
+components (megatronish.config.presets), a new component a new value here and the code that
+builds and costs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Positions = Literal["learned", "rope"]
+NormKind = Literal["layernorm", "rmsnorm"]
+NormPlacement = Literal["pre"]
+AttentionKind = Literal["mha", "mla"]
+Activation = Literal["gelu", "swiglu"]
+Biases = Literal["all", "qkv", "none"]
+
+
+@dataclass(frozen=True)
+class BlockComponents:
+    """What a family's blocks are made of (the dense blocks' MLP; model.moe makes the MLP of
+    some blocks a mixture of experts of the same activation: megatronish.config.moe_layers).
+
+    positions: learned (a position table beside the token embedding) or rope (rotary, inside
+    attention). norm: the norm's kind; norm_placement: pre (each sublayer reads the norm of the
+    residual stream and adds its output to it, with one final norm). attention: mha (multi-head,
+    grouped-query) or mla (multi-head latent). mlp: gelu (up, GELU, down) or swiglu (gate and up,
+    SiLU(gate) * up, down). biases: all (every linear layer), qkv (the query, key and value
+    projections only) or none."""
+
+    positions: Positions
+    norm: NormKind
+    norm_placement: NormPlacement
+    attention: AttentionKind
+    mlp: Activation
+    biases: Biases
+
+    @property
+    def rope(self) -> bool:
+        """Rotary positions (inside attention), not a learned table."""
+        return self.positions == "rope"
+
+    @property
+    def linear_bias(self) -> bool:
+        """Biases on every linear layer of the block (not only on the qkv projection)."""
+        return self.biases == "all"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on the query, key and value projections."""
+        return self.biases != "none"
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP's first projection is two (gate and up) rather than one."""
+        return self.mlp == "swiglu"
+
+    @property
+    def norm_weights(self) -> int:
+        """Tensors of d_model elements in one norm: weight and bias (layernorm) or weight."""
+        return 2 if self.norm == "layernorm" else 1
+
+
+GPT2 = BlockComponents(
+    positions="learned",
+    norm="layernorm",
+    norm_placement="pre",
+    attention="mha",
+    mlp="gelu",
+    biases="all",
+)
+"""GPT-2's blocks: learned positions, LayerNorm, GELU, biases everywhere."""
+
+ROPE = BlockComponents(
+    positions="rope",
+    norm="rmsnorm",
+    norm_placement="pre",
+    attention="mha",
+    mlp="swiglu",
+    biases="none",
+)
+"""The RoPE, RMSNorm and SwiGLU blocks every other family composes (model.attention, qkv_bias
+choose the rest)."""
