@@ -81,6 +81,7 @@ def _check_ranges(cfg: Config) -> None:
     """The rates, intervals, limits and epsilons, and the sequence and kv heads the model
     allows."""
     model, train = cfg.model, cfg.train
+    components = model.components
     require(
         0.0 <= model.dropout < 1.0,
         f"model.dropout: {model.dropout} is not valid; must be in [0, 1)",
@@ -110,20 +111,20 @@ def _check_ranges(cfg: Config) -> None:
         f"train.seq_len: {train.seq_len} is longer than model.max_seq_len={model.max_seq_len}",
     )
     require(
-        not model.gpt2_block or model.n_kv_head in (None, model.n_head),
+        components.rope or model.n_kv_head in (None, model.n_head),
         f"model.n_kv_head: gpt2 uses n_kv_head = n_head = {model.n_head}; got {model.n_kv_head}",
     )
     require(
-        not model.gpt2_block or model.head_dim is None,
+        components.rope or model.head_dim is None,
         f"model.head_dim: gpt2 uses d_model / n_head; got {model.head_dim} (only with RoPE "
         "families)",
     )
     require(
-        not model.gpt2_block or not model.qkv_bias,
+        not components.linear_bias or not model.qkv_bias,
         "model.qkv_bias: gpt2 already has biases on every projection (only with RoPE families)",
     )
     require(
-        not model.gpt2_block or not model.qk_norm,
+        components.rope or not model.qk_norm,
         "model.qk_norm: gpt2 has no norm of queries and keys (only with RoPE families)",
     )
     _check_sliding_window(cfg)
@@ -170,7 +171,7 @@ def _check_sliding_window(cfg: Config) -> None:
         "positions a query sees, itself included) or null",
     )
     require(
-        not model.gpt2_block or window is None,
+        model.components.rope or window is None,
         f"model.sliding_window: gpt2 attends to every earlier position; got {window} (set it "
         "only for llama)",
     )
@@ -203,7 +204,7 @@ def check_moe_values(cfg: Config) -> None:
     if moe.num_experts == 0:
         return
     require(
-        not cfg.model.gpt2_block,
+        cfg.model.components.gated_mlp,
         "model.moe: experts are SwiGLU; model.arch 'gpt2' has GELU MLPs; set model.arch to a "
         "RoPE family (llama, qwen3_moe, ...) or model.moe.num_experts=0",
     )

@@ -15,19 +15,22 @@ NormPlacement = Literal["pre"]
 AttentionKind = Literal["mha", "mla"]
 Activation = Literal["gelu", "swiglu"]
 Biases = Literal["all", "qkv", "none"]
+Output = Literal["tied", "separate"]
 
 
 @dataclass(frozen=True)
 class BlockComponents:
-    """What a family's blocks are made of (the dense blocks' MLP; model.moe makes the MLP of
-    some blocks a mixture of experts of the same activation: megatronish.config.moe_layers).
+    """What a family's blocks are made of, and its output layer (the dense blocks' MLP;
+    model.moe makes the MLP of some blocks a mixture of experts of the same activation:
+    megatronish.config.moe_layers).
 
     positions: learned (a position table beside the token embedding) or rope (rotary, inside
     attention). norm: the norm's kind; norm_placement: pre (each sublayer reads the norm of the
     residual stream and adds its output to it, with one final norm). attention: mha (multi-head,
     grouped-query) or mla (multi-head latent). mlp: gelu (up, GELU, down) or swiglu (gate and up,
     SiLU(gate) * up, down). biases: all (every linear layer), qkv (the query, key and value
-    projections only) or none."""
+    projections only) or none. output: the output layer where model.tie_embeddings is null,
+    tied (the token embedding's transpose) or separate (a weight of its own)."""
 
     positions: Positions
     norm: NormKind
@@ -35,11 +38,17 @@ class BlockComponents:
     attention: AttentionKind
     mlp: Activation
     biases: Biases
+    output: Output
 
     @property
     def rope(self) -> bool:
         """Rotary positions (inside attention), not a learned table."""
         return self.positions == "rope"
+
+    @property
+    def learned_positions(self) -> bool:
+        """A position table beside the token embedding (its rows: model.max_seq_len)."""
+        return self.positions == "learned"
 
     @property
     def linear_bias(self) -> bool:
@@ -61,6 +70,11 @@ class BlockComponents:
         """Tensors of d_model elements in one norm: weight and bias (layernorm) or weight."""
         return 2 if self.norm == "layernorm" else 1
 
+    @property
+    def tied_output(self) -> bool:
+        """The default of model.tie_embeddings: the output layer is the token embedding's."""
+        return self.output == "tied"
+
 
 GPT2 = BlockComponents(
     positions="learned",
@@ -69,8 +83,9 @@ GPT2 = BlockComponents(
     attention="mha",
     mlp="gelu",
     biases="all",
+    output="tied",
 )
-"""GPT-2's blocks: learned positions, LayerNorm, GELU, biases everywhere."""
+"""GPT-2's blocks: learned positions, LayerNorm, GELU, biases everywhere, a tied output layer."""
 
 ROPE = BlockComponents(
     positions="rope",
@@ -79,6 +94,7 @@ ROPE = BlockComponents(
     attention="mha",
     mlp="swiglu",
     biases="none",
+    output="separate",
 )
-"""The RoPE, RMSNorm and SwiGLU blocks every other family composes (model.attention, qkv_bias
-choose the rest)."""
+"""The RoPE, RMSNorm and SwiGLU blocks every other family composes, with a separate output layer
+(model.attention, qkv_bias choose the rest)."""

@@ -157,7 +157,8 @@ def _derive(cfg: Config, world_size: int, vocab_size: int | None) -> Derived:
     accum = _grad_accum_steps(train, dp)
     vocab = model.vocab_size if model.vocab_size is not None else vocab_size
     require(vocab is not None, "model.vocab_size: not set and no dataset to take it from")
-    tie = model.tie_embeddings if model.tie_embeddings is not None else model.gpt2_block
+    tie = model.tie_embeddings
+    tie = model.components.tied_output if tie is None else tie
     require(
         not (parallel.sequence_parallel and tp > 1 and (train.seq_len // cp) % tp != 0),
         f"train.seq_len: {train.seq_len} / parallel.cp={cp} must be divisible by "
@@ -262,7 +263,7 @@ def _head_sizes(model: ModelConfig, tp: int) -> tuple[int, int]:
         f"model.d_model: {model.d_model} is not divisible by model.n_head={model.n_head}",
     )
     head_dim = head_dim_of(model)
-    if not model.gpt2_block:
+    if model.components.rope:
         require(head_dim % 2 == 0, f"model.d_model / model.n_head = {head_dim} must be even (RoPE)")
     return n_kv, head_dim
 
@@ -277,7 +278,7 @@ def _ffn_size(model: ModelConfig, tp: int) -> int:
     a multiple of 256), once it splits over tp."""
     if model.d_ff is not None:
         d_ff = model.d_ff
-    elif model.gpt2_block:
+    elif not model.components.gated_mlp:
         d_ff = 4 * model.d_model
     else:
         d_ff = -(-(8 * model.d_model // 3) // 256) * 256

@@ -17,7 +17,7 @@ def check_rope_scaling(cfg: Config) -> None:
     if scaling is None:
         return
     require(
-        not cfg.model.gpt2_block,
+        cfg.model.components.rope,
         f"{key}: gpt2 has learned positions, no RoPE to scale (only with RoPE families)",
     )
     require(
@@ -90,7 +90,7 @@ def check_attention(cfg: Config) -> None:
             )
         return
     require(
-        not model.gpt2_block,
+        model.components.rope,
         "model.attention: mla needs the RoPE block; model.arch 'gpt2' has learned positions "
         "(valid: deepseek_v3, llama, ...)",
     )

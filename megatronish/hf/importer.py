@@ -148,7 +148,7 @@ def model_settings(cfg: Config, derived: Derived) -> dict[str, Any]:
     settings.update({f"moe.{f.name}": getattr(moe, f.name) for f in dataclasses.fields(moe)})
     mla = settings.pop("mla")
     settings.update({f"mla.{f.name}": getattr(mla, f.name) for f in dataclasses.fields(mla)})
-    dropped = set(NOT_IN_THE_WEIGHTS) | ({"max_seq_len"} if not model.gpt2_block else set())
+    dropped = set(NOT_IN_THE_WEIGHTS) | ({"max_seq_len"} if model.components.rope else set())
     if not derived.moe_layers:
         dropped |= {key for key in settings if key.startswith("moe.")} - {"moe.num_experts"}
     elif len(derived.moe_layers) == model.n_layer + model.mtp_depth:

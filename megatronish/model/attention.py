@@ -15,15 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish import ops
-from megatronish.config import Config, Derived, attention_window
+from megatronish.config import ModelConfig, attention_window
 from megatronish.context import Documents, Ring, ring_attention, zigzag_positions
-from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
 )
-from megatronish.layers.plan import LinearPlan
 from megatronish.model.norm import Norm
+from megatronish.model.plan import BlockPlan
 from megatronish.model.recompute import checkpoint
 from megatronish.ops import reference
 from megatronish.ops.rope import rope_spec
@@ -74,39 +73,30 @@ def decode_mask(start_pos: int, s: int, keys: int, window: int | None, device) -
 
 
 class Attention(nn.Module):
-    """The attention of block `layer` (its global index, which picks its sliding window)."""
+    """The attention of plan.index's block (the index picks its sliding window)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        derived: Derived,
-        ps: ParallelState,
-        tracker: RNGTracker,
-        layer: int,
-        plan: LinearPlan,
-    ):
+    def __init__(self, model: ModelConfig, plan: BlockPlan):
         super().__init__()
-        model, tp = cfg.model, derived.tp
+        derived, tp = plan.derived, plan.derived.tp
         self.head_dim = derived.head_dim
         self.local_heads, self.local_groups = model.n_head // tp, derived.n_kv_head // tp
         self.heads_per_group = model.n_head // derived.n_kv_head
-        self.is_llama, self.rope = not model.gpt2_block, rope_spec(model)
-        self.dropout, self.tracker = model.dropout, tracker
-        self.backend = cfg.kernels.backend
-        self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
-        self.cp = derived.cp
-        self.ring = Ring.of(ps) if derived.cp > 1 else None
-        self.window = attention_window(model, layer)  # None: every earlier position
-        bias, sp, group = model.gpt2_block, cfg.parallel.sequence_parallel, ps.tp_group
+        self.rotary, self.rope = plan.components.rope, rope_spec(model)
+        self.dropout, self.tracker = model.dropout, plan.tracker
+        self.backend = plan.backend
+        self.selective_checkpoint = plan.selective_recompute
+        self.cp, self.ring = derived.cp, plan.ring()
+        self.window = attention_window(model, plan.index)  # None: every earlier position
+        sp, group = plan.linear_sequence_parallel, plan.ps.tp_group
         qkv_out = (model.n_head + 2 * derived.n_kv_head) * self.head_dim
         self.qkv = ColumnParallelLinear(
             model.d_model,
             qkv_out,
-            bias=bias or model.qkv_bias,
+            bias=plan.components.qkv_bias,
             sequence_parallel=sp,
             tp_group=group,
             init_method=None,
-            plan=plan,
+            plan=plan.linear,
             # per key-value group: its query heads, its key head, its value head
             out_parts=(self.heads_per_group * self.head_dim, self.head_dim, self.head_dim),
         )
@@ -117,11 +107,11 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(
             model.n_head * self.head_dim,
             model.d_model,
-            bias=bias,
+            bias=plan.components.linear_bias,
             sequence_parallel=sp,
             tp_group=group,
             init_method=None,
-            plan=plan,
+            plan=plan.linear,
         )
 
     def core(
@@ -131,7 +121,7 @@ class Attention(nn.Module):
         (documents of these s tokens) attention stays within each document and RoPE rotates
         by the positions within it."""
         positions, segments = rope_positions(documents, self.ring, self.cp, q.shape[2], q.device)
-        if self.is_llama:
+        if self.rotary:
             q = ops.rope(q, self.rope, backend=self.backend, positions=positions)
             k = ops.rope(k, self.rope, backend=self.backend, positions=positions)
         return attend(self, q, k, v, documents, segments)
@@ -169,7 +159,7 @@ class Attention(nn.Module):
         cache keeps every position, and the sliding window masks those out of reach."""
         q, k, v = self.split_heads(x)
         b, s = q.shape[0], q.shape[2]
-        if self.is_llama:
+        if self.rotary:
             q = reference.rope(q, self.rope, start_pos)
             k = reference.rope(k, self.rope, start_pos)
         if cache is not None:

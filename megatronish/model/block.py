@@ -12,49 +12,45 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish import ops
-from megatronish.config import Config, Derived
+from megatronish.config import ModelConfig
 from megatronish.context import Documents
-from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     shared_input_linears,
 )
-from megatronish.layers.plan import LinearPlan
 from megatronish.model.attention import Attention
 from megatronish.model.mla import LatentAttention
-from megatronish.model.norm import Norm
+from megatronish.model.norm import hidden_norm
+from megatronish.model.plan import BlockPlan
 from megatronish.moe import MoELayer
+
+ATTENTION: dict[str, type[nn.Module]] = {"mha": Attention, "mla": LatentAttention}
+"""The attention module of each attention component (megatronish.config.components)."""
 
 
 class MLP(nn.Module):
-    """The dense MLP (d_ff: derived.d_ff unless given, e.g. an MoE layer's shared expert);
-    plan: its linear layers' (megatronish.layers.plan)."""
+    """The dense MLP of plan's block (d_ff: derived.d_ff unless given, e.g. an MoE layer's
+    shared expert): gated (SwiGLU) or GELU, with biases where plan.components has them."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        derived: Derived,
-        ps: ParallelState,
-        plan: LinearPlan,
-        d_ff: int | None = None,
-    ):
+    def __init__(self, model: ModelConfig, plan: BlockPlan, d_ff: int | None = None):
         super().__init__()
-        model, sp, group = cfg.model, cfg.parallel.sequence_parallel, ps.tp_group
-        d_ff = derived.d_ff if d_ff is None else d_ff
-        self.is_llama, self.backend = not model.gpt2_block, cfg.kernels.backend
-        common = dict(sequence_parallel=sp, tp_group=group, init_method=None, plan=plan)
-        if self.is_llama:
-            self.gate = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
-            self.up = ColumnParallelLinear(model.d_model, d_ff, bias=False, **common)
+        sp, group = plan.linear_sequence_parallel, plan.ps.tp_group
+        d_ff = plan.derived.d_ff if d_ff is None else d_ff
+        self.gated, self.backend = plan.components.gated_mlp, plan.backend
+        bias = plan.components.linear_bias
+        common = dict(sequence_parallel=sp, tp_group=group, init_method=None, plan=plan.linear)
+        if self.gated:
+            self.gate = ColumnParallelLinear(model.d_model, d_ff, bias=bias, **common)
+            self.up = ColumnParallelLinear(model.d_model, d_ff, bias=bias, **common)
         else:
             self.up = ColumnParallelLinear(
-                model.d_model, d_ff, bias=True, skip_bias_add=True, **common
+                model.d_model, d_ff, bias=bias, skip_bias_add=True, **common
             )
-        self.down = RowParallelLinear(d_ff, model.d_model, bias=not self.is_llama, **common)
+        self.down = RowParallelLinear(d_ff, model.d_model, bias=bias, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_llama:
+        if self.gated:
             gate, up = shared_input_linears(x, [self.gate, self.up])  # [b, s, f/t] each
             hidden = ops.swiglu(gate, up, backend=self.backend)
         elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
@@ -65,34 +61,23 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Transformer block `index`: attention, then a dense MLP, or a mixture of experts where
-    index is one of derived.moe_layers. plan: the plan of its linear layers and experts
-    (megatronish.model.plan's ModelPlan.blocks)."""
+    """Transformer block plan.index (megatronish.model.plan): attention, then a dense MLP, or a
+    mixture of experts where plan.moe."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        derived: Derived,
-        ps: ParallelState,
-        tracker: RNGTracker,
-        index: int,
-        plan: LinearPlan,
-    ):
+    def __init__(self, model: ModelConfig, plan: BlockPlan):
         super().__init__()
-        model, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
-        kind = "layernorm" if model.gpt2_block else "rmsnorm"
-        backend = cfg.kernels.backend
-        self.norm1 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
-        attention = LatentAttention if model.attention == "mla" else Attention
-        self.attn = attention(cfg, derived, ps, tracker, index, plan)
-        self.norm2 = Norm(model.d_model, kind, model.norm_eps, backend, sp)
-        if index in derived.moe_layers:
-            d_ff = derived.shared_d_ff
-            shared = MLP(cfg, derived, ps, plan, d_ff) if d_ff else None
-            self.mlp = MoELayer(cfg, derived, ps, shared, plan)
+        self.norm1 = hidden_norm(model, plan)
+        self.attn = ATTENTION[plan.components.attention](model, plan)
+        self.norm2 = hidden_norm(model, plan)
+        if plan.moe:
+            d_ff = plan.derived.shared_d_ff
+            shared = MLP(model, plan, d_ff) if d_ff else None
+            sp, derived = plan.sequence_parallel, plan.derived
+            self.mlp = MoELayer(model, derived, plan.ps, plan.linear, plan.backend, sp, shared)
         else:
-            self.mlp = MLP(cfg, derived, ps, plan)
-        self.dropout, self.tracker, self.sequence_parallel = model.dropout, tracker, sp
+            self.mlp = MLP(model, plan)
+        self.dropout, self.tracker = model.dropout, plan.tracker
+        self.sequence_parallel = plan.sequence_parallel
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout == 0 or not self.training:

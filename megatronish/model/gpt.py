@@ -7,6 +7,8 @@ t tp size.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,7 @@ from megatronish.model.block import Block
 from megatronish.model.init import init_weights
 from megatronish.model.mtp import MTP, ahead_of
 from megatronish.model.norm import Norm
-from megatronish.model.plan import ModelPlan, model_plan
+from megatronish.model.plan import ModelPlan, block_plan, model_plan
 from megatronish.model.recompute import checkpoint
 from megatronish.moe import MoELayer
 from megatronish.observe.profile import annotate
@@ -74,22 +76,17 @@ class GPT(nn.Module):
             if derived.pp > 1 and derived.last_stage_embedding:
                 duplicate = not self.is_first_stage
                 set_role(self.tok_emb.weight, pipeline_tied=True, pipeline_duplicate=duplicate)
-        if self.is_first_stage and model.gpt2_block:
+        if self.is_first_stage and model.components.learned_positions:
             self.pos_emb = nn.Embedding(model.max_seq_len, model.d_model)
             mark_parallel(self.pos_emb.weight, None, tuple(self.pos_emb.weight.shape))
         self.chunks = [[str(i) for i in layers] for layers in derived.stage_chunks(ps.pp_rank)]
+        plan_of = partial(block_plan, cfg, derived, ps, self.tracker, linear=plan.blocks)
         self.blocks = nn.ModuleDict(
-            {
-                name: Block(cfg, derived, ps, self.tracker, int(name), plan.blocks)
-                for chunk in self.chunks
-                for name in chunk
-            }
+            {name: Block(model, plan_of(int(name))) for chunk in self.chunks for name in chunk}
         )
         if self.is_last_stage:
-            kind = "layernorm" if model.gpt2_block else "rmsnorm"
-            self.norm_f = Norm(
-                model.d_model, kind, model.norm_eps, self.backend, self.sequence_parallel
-            )
+            norm = (model.components.norm, model.norm_eps, self.backend, self.sequence_parallel)
+            self.norm_f = Norm(model.d_model, *norm)
             if not derived.tie_embeddings:
                 self.lm_head = ColumnParallelLinear(
                     model.d_model,
@@ -103,7 +100,7 @@ class GPT(nn.Module):
                 set_role(self.lm_head.weight, valid_rows=derived.vocab_size)
         self.mtp = None
         if self.is_last_stage and model.mtp_depth > 0:
-            self.mtp = MTP(cfg, derived, ps, self.tracker, plan.blocks)
+            self.mtp = MTP(model, [plan_of(model.n_layer + k) for k in range(model.mtp_depth)])
         self.mtp_loss_coef = model.mtp_loss_coef
         local_v = V // derived.tp
         ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)

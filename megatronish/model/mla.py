@@ -35,10 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish import ops
-from megatronish.config import Config, Derived, attention_window
+from megatronish.config import ModelConfig, attention_window
 from megatronish.config.mla_shapes import mla_shapes
-from megatronish.context import Documents, Ring
-from megatronish.distributed.layout import ParallelState, RNGTracker
+from megatronish.context import Documents
 from megatronish.layers import mappings
 from megatronish.layers.linear import (
     ColumnParallelLinear,
@@ -46,10 +45,10 @@ from megatronish.layers.linear import (
     mark_parallel,
     to_autocast_dtype,
 )
-from megatronish.layers.plan import LinearPlan
 from megatronish.layers.roles import set_role
 from megatronish.model.attention import attend, decode_mask, rope_positions
 from megatronish.model.norm import Norm
+from megatronish.model.plan import BlockPlan
 from megatronish.model.recompute import checkpoint
 from megatronish.ops import reference
 from megatronish.ops.rope import RopeSpec, YarnScaling, rope_spec, yarn_mscale
@@ -85,20 +84,12 @@ class ReplicatedLinear(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """The multi-head latent attention of block `layer` (its global index, which picks its
-    sliding window)."""
+    """The multi-head latent attention of plan.index's block (the index picks its sliding
+    window)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        derived: Derived,
-        ps: ParallelState,
-        tracker: RNGTracker,
-        layer: int,
-        plan: LinearPlan,
-    ):
+    def __init__(self, model: ModelConfig, plan: BlockPlan):
         super().__init__()
-        model, mla, tp = cfg.model, cfg.model.mla, derived.tp
+        mla, tp = model.mla, plan.derived.tp
         self.local_heads = model.n_head // tp
         self.nope, self.rope_dim, self.v_dim = (
             mla.qk_nope_head_dim,
@@ -108,15 +99,15 @@ class LatentAttention(nn.Module):
         self.kv_rank, self.q_rank = mla.kv_lora_rank, mla.q_lora_rank
         self.rope = rope_spec(model)
         self.q_factor = softmax_scale_factor(self.rope)
-        self.dropout, self.tracker, self.backend = model.dropout, tracker, cfg.kernels.backend
-        self.selective_checkpoint = cfg.train.activation_checkpointing == "selective"
-        self.cp, self.ring = derived.cp, Ring.of(ps) if derived.cp > 1 else None
-        self.window = attention_window(model, layer)
-        self.group = ps.tp_group
-        self.sequence_parallel = sp = cfg.parallel.sequence_parallel and tp > 1
+        self.dropout, self.tracker, self.backend = model.dropout, plan.tracker, plan.backend
+        self.selective_checkpoint = plan.selective_recompute
+        self.cp, self.ring = plan.derived.cp, plan.ring()
+        self.window = attention_window(model, plan.index)
+        self.group = plan.ps.tp_group
+        self.sequence_parallel = sp = plan.sequence_parallel
         shapes = mla_shapes(model)
         norm = (model.norm_eps, self.backend, sp)
-        common = dict(bias=False, tp_group=ps.tp_group, init_method=None, plan=plan)
+        common = dict(bias=False, tp_group=self.group, init_method=None, plan=plan.linear)
         if self.q_rank is None:
             self.q = ColumnParallelLinear(
                 model.d_model, shapes.q_out, sequence_parallel=sp, **common
@@ -133,9 +124,9 @@ class LatentAttention(nn.Module):
             model.d_model,
             bias=False,
             sequence_parallel=sp,
-            tp_group=ps.tp_group,
+            tp_group=self.group,
             init_method=None,
-            plan=plan,
+            plan=plan.linear,
         )
 
     def _to_tp_region(self, x: torch.Tensor) -> torch.Tensor:

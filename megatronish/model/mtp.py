@@ -27,16 +27,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatronish.config import Config, Derived
+from megatronish.config import ModelConfig
 from megatronish.context import Documents, shard_sequence
-from megatronish.distributed.layout import ParallelState, RNGTracker
+from megatronish.distributed.layout import RNGTracker
 from megatronish.layers import mappings
 from megatronish.layers.cross_entropy import IGNORE_INDEX
 from megatronish.layers.linear import mark_parallel
-from megatronish.layers.plan import LinearPlan
 from megatronish.layers.roles import set_role
 from megatronish.model.block import Block
-from megatronish.model.norm import Norm
+from megatronish.model.norm import hidden_norm
+from megatronish.model.plan import BlockPlan
 from megatronish.model.recompute import checkpoint
 
 
@@ -62,27 +62,17 @@ def shard_ahead(ahead: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
 class MTPLayer(nn.Module):
     """Module k of multi-token prediction: enorm, hnorm, eh_proj, block, norm (the published
     names; eh_proj replicated on the tp ranks, its gradient summed over tp under sequence
-    parallelism as the norms')."""
+    parallelism as the norms'). plan: its block's (index n_layer + k - 1)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        derived: Derived,
-        ps: ParallelState,
-        tracker: RNGTracker,
-        depth: int,
-        plan: LinearPlan,
-    ):
+    def __init__(self, model: ModelConfig, plan: BlockPlan):
         super().__init__()
-        model, sp = cfg.model, cfg.parallel.sequence_parallel and derived.tp > 1
-        kind, h = ("layernorm" if model.gpt2_block else "rmsnorm"), model.d_model
-        self.enorm = Norm(h, kind, model.norm_eps, cfg.kernels.backend, sp)
-        self.hnorm = Norm(h, kind, model.norm_eps, cfg.kernels.backend, sp)
+        h = model.d_model
+        self.enorm, self.hnorm = hidden_norm(model, plan), hidden_norm(model, plan)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         mark_parallel(self.eh_proj.weight, None, (h, 2 * h))
-        set_role(self.eh_proj.weight, sequence_parallel_grad=sp)
-        self.block = Block(cfg, derived, ps, tracker, model.n_layer + depth - 1, plan)
-        self.norm = Norm(h, kind, model.norm_eps, cfg.kernels.backend, sp)
+        set_role(self.eh_proj.weight, sequence_parallel_grad=plan.sequence_parallel)
+        self.block = Block(model, plan)
+        self.norm = hidden_norm(model, plan)
 
     def forward(
         self,
@@ -106,20 +96,12 @@ class MTP(nn.Module):
     """The mtp_depth modules of the last pipeline stage (ZeRO-3 gathers their parameters with
     the final norm's: GPT.forward_param_uses)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        derived: Derived,
-        ps: ParallelState,
-        tracker: RNGTracker,
-        plan: LinearPlan,
-    ):
-        """plan: the plan of its blocks' linear layers (megatronish.layers.plan)."""
+    def __init__(self, model: ModelConfig, plans: list[BlockPlan]):
+        """plans: the plans of the modules' blocks, depth 1 first (one per model.mtp_depth)."""
         super().__init__()
-        depths = range(1, cfg.model.mtp_depth + 1)
-        self.layers = nn.ModuleList(MTPLayer(cfg, derived, ps, tracker, k, plan) for k in depths)
-        self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
-        self.tp_group = ps.tp_group
+        self.layers = nn.ModuleList(MTPLayer(model, plan) for plan in plans)
+        self.sequence_parallel = plans[0].sequence_parallel
+        self.tp_group = plans[0].ps.tp_group
 
     def forward(
         self,

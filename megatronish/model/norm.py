@@ -7,8 +7,10 @@ import torch
 from torch import nn
 
 from megatronish import ops
+from megatronish.config import ModelConfig
 from megatronish.layers.linear import mark_parallel
 from megatronish.layers.roles import set_role
+from megatronish.model.plan import BlockPlan
 
 
 class Norm(nn.Module):
@@ -31,3 +33,9 @@ class Norm(nn.Module):
         if self.kind == "layernorm":
             return ops.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
         return ops.rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+def hidden_norm(model: ModelConfig, plan: BlockPlan) -> Norm:
+    """A norm over d_model of plan's block: its norm component, on this rank's tokens."""
+    kind, sp = plan.components.norm, plan.sequence_parallel
+    return Norm(model.d_model, kind, model.norm_eps, plan.backend, sp)

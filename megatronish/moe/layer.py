@@ -28,12 +28,12 @@ import contextlib
 import torch
 from torch import nn
 
-from megatronish.config import Config, Derived
+from megatronish.config import Derived, ModelConfig
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
-from megatronish.layers.plan import PLAIN, LinearPlan
+from megatronish.layers.plan import LinearPlan
 from megatronish.layers.roles import set_role
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
@@ -81,27 +81,31 @@ class Router(nn.Module):
 class MoELayer(nn.Module):
     def __init__(
         self,
-        cfg: Config,
+        model: ModelConfig,
         derived: Derived,
         ps: ParallelState,
+        experts: LinearPlan,
+        backend: str,
+        sequence_parallel: bool,
         shared: nn.Module | None = None,
-        plan: LinearPlan = PLAIN,
     ):
-        """plan: the routed experts' (megatronish.layers.plan)."""
+        """model: its model.moe and d_model; experts: the routed experts' plan
+        (megatronish.layers.plan); sequence_parallel: on at tp > 1 only; shared: the shared
+        experts' MLP, if any (a block's plan gives the rest: megatronish.model.plan)."""
         super().__init__()
-        moe = cfg.model.moe
+        moe = model.moe
         self.num_experts, self.top_k, self.kind = moe.num_experts, moe.top_k, moe.router
         self.capacity_factor = moe.capacity_factor
         self.aux_coef, self.z_coef = moe.aux_loss_coef, moe.z_loss_coef
         self.loss_weight = 1.0 / len(derived.moe_layers)
         self.ep, self.cp = derived.ep, derived.cp
         self.tp_group, self.ep_group, self.cp_group = ps.tp_group, ps.ep_group, ps.cp_group
-        self.sequence_parallel = cfg.parallel.sequence_parallel and derived.tp > 1
+        self.sequence_parallel = sequence_parallel
         # The tokens of a micro-batch's sequence shard are split over tp under sequence
         # parallelism: the router losses count every tp rank's share.
         self.token_shards = self.cp * (derived.tp if self.sequence_parallel else 1)
         local = moe.num_experts // derived.ep
-        self.router = Router(moe.num_experts, cfg.model.d_model, moe.router == "sigmoid")
+        self.router = Router(moe.num_experts, model.d_model, moe.router == "sigmoid")
         self.grouping = Grouping(moe.n_group, moe.topk_group, moe.routed_scaling_factor)
         self.seq_coef = moe.seq_aux_loss_coef
         # Routed assignments per expert since the last bias update (moe.balance), this rank's.
@@ -110,12 +114,12 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(
             local,
             ps.ep_rank * local,
-            cfg.model.d_model,
+            model.d_model,
             derived.moe_d_ff,
             derived.tp,
-            cfg.kernels.backend,
+            backend,
             ps.tp_group,
-            plan,
+            experts,
         )
         self.shared = shared
         self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)

@@ -84,6 +84,7 @@ def test_an_moe_layer_on_the_kernels_equals_it_on_torch():
     the SwiGLU kernel between two grouped GEMMs, an expert with no tokens."""
     from megatronish.config import derive, load_config
     from megatronish.distributed.layout import ParallelState
+    from megatronish.layers.plan import PLAIN
     from megatronish.moe import MoELayer
 
     sets = ["model.arch=llama", "model.d_model=32", "model.n_head=2", "model.vocab_size=64",
@@ -93,7 +94,8 @@ def test_an_moe_layer_on_the_kernels_equals_it_on_torch():
     for backend in ("torch", "triton"):
         cfg = load_config(None, [*sets, f"kernels.backend={backend}"])
         torch.manual_seed(0)
-        layer = MoELayer(cfg, derive(cfg, 1), ParallelState.single(DEVICE)).to(DEVICE)
+        ps = ParallelState.single(DEVICE)
+        layer = MoELayer(cfg.model, derive(cfg, 1), ps, PLAIN, backend, False).to(DEVICE)
         with torch.no_grad():
             for param in layer.parameters():
                 param.normal_(0.0, 0.3, generator=torch.Generator(DEVICE).manual_seed(1))

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from megatronish.layers.plan import PLAIN
 from megatronish.layers.roles import role
 from megatronish.moe.dispatch import capacity_keep, combine, dispatch, make_plan
 from megatronish.moe.router import balancing_loss_share, route, z_loss_share
@@ -75,7 +76,8 @@ def _layer(cfg, world: int, ps, weights):
     from megatronish.moe import MoELayer
 
     derived = derive(cfg, world, vocab_size=64)
-    layer = MoELayer(cfg, derived, ps).double().train()
+    sp = cfg.parallel.sequence_parallel and derived.tp > 1
+    layer = MoELayer(cfg.model, derived, ps, PLAIN, cfg.kernels.backend, sp).double().train()
     ids = list(role(layer.experts.gate).expert_ids)
     tp, rank = derived.tp, ps.tp_rank
     with torch.no_grad():
