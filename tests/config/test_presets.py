@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatronish.config import MoEConfig, derive, load_config
-from megatronish.config.presets import PRESETS, with_preset
+from megatronish.config.presets import FAMILY_BLOCKS, PRESETS, with_preset
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
 from megatronish.model import GPT
@@ -108,3 +108,14 @@ def test_deepseek_v3_with_rope_scaling_null_in_the_file_has_no_rope_scaling(tmp_
     path.write_text("model:\n  arch: deepseek_v3\n  mla: null\n")
     with pytest.raises(UserError, match="^model.mla.kv_lora_rank: missing"):
         load_config(path)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3"])
+def test_a_familys_output_layer_and_mlp_size_defaults_are_its_components(arch):
+    sets = [f"model.arch={arch}", "model.n_head=4", "model.d_model=96", "model.vocab_size=61"]
+    cfg = load_config(TINY, sets)
+    components, derived = FAMILY_BLOCKS[arch], derive(cfg, 1)
+    assert cfg.model.tie_embeddings is None and cfg.model.d_ff is None
+    assert derived.tie_embeddings == components.tied_output == (arch == "gpt2")
+    gelu_size = 4 * cfg.model.d_model
+    assert (derived.d_ff == gelu_size) == (not components.gated_mlp)
