@@ -149,12 +149,13 @@ def fp8_product_magnitude(a, b):
 
 
 # Bounds that are not roundings.
-# A number printed to two decimals (0.01 MiB, a bubble fraction): half its last digit; two such
+# A number printed to two decimals (0.01 MiB, a bubble fraction): half its last digit, plus the
+# fp64 error of the decimal read back (a tie, 0.125 printed as 0.12, sits on the half); two such
 # numbers, one of them divided by a shard count before it was printed, differ by up to twice it.
-PRINTED_HUNDREDTHS_ABS = 0.005
+PRINTED_HUNDREDTHS_ABS = 0.005 + FP64_REORDER
 PRINTED_HUNDREDTHS_PAIR_ABS = 2 * PRINTED_HUNDREDTHS_ABS
-# A rate stored to 0.1 (TFLOP/s in a device file): half its last digit.
-PRINTED_TENTHS_ABS = 0.05
+# A rate stored to 0.1 (TFLOP/s in a device file): half its last digit, plus the same fp64 error.
+PRINTED_TENTHS_ABS = 0.05 + FP64_REORDER
 # The golden-ratio blend (megatronish.data.blend.assign): how many of N positions fall in a
 # dataset's interval is within about the number of terms of N's Zeckendorf sum (Ostrowski's
 # bound, every partial quotient of the golden ratio being 1), at most log_phi(N) / 2 = 9.6 at
