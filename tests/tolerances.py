@@ -159,10 +159,10 @@ def fp8_product_magnitude(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # Bounds that are not roundings.
 # A number printed to two decimals (0.01 MiB, a bubble fraction): half its last digit, plus the
-# fp64 error of the decimal read back (a tie, 0.125 printed as 0.12, sits on the half); two such
-# numbers, one of them divided by a shard count before it was printed, differ by up to twice it.
+# fp64 error of the decimal read back (a tie, 0.125 printed as 0.12, sits on the half). A printed
+# x / 4 (a ZeRO shard of 4 ranks) against the printed x divided by 4: (1 + 1 / 4) times it.
 PRINTED_HUNDREDTHS_ABS = 0.005 + FP64_REORDER
-PRINTED_HUNDREDTHS_PAIR_ABS = 2 * PRINTED_HUNDREDTHS_ABS
+PRINTED_QUARTER_PAIR_ABS = (1 + 1 / 4) * PRINTED_HUNDREDTHS_ABS
 # A rate stored to 0.1 (TFLOP/s in a device file): half its last digit, plus the same fp64 error.
 PRINTED_TENTHS_ABS = 0.05 + FP64_REORDER
 # The golden-ratio blend (megatronish.data.blend.assign): how many of N positions fall in a

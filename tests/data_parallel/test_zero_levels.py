@@ -45,7 +45,7 @@ from tests.tolerances import (
     LAYOUT_CURVE_REL,
     MODEL_STATE_ESTIMATE_REL,
     PRINTED_HUNDREDTHS_ABS,
-    PRINTED_HUNDREDTHS_PAIR_ABS,
+    PRINTED_QUARTER_PAIR_ABS,
     ZERO_BF16_CURVE_REL,
     ZERO_CURVE_REL,
 )
@@ -406,7 +406,7 @@ def test_check_and_plan_shard_weights_gradients_and_state_by_level_with_zero3_ga
         3: [weights / 4, grads / 4, adam / 4],
     }
     for zero, want in shards.items():
-        assert report[zero] == pytest.approx(want, abs=PRINTED_HUNDREDTHS_PAIR_ABS), zero
+        assert report[zero] == pytest.approx(want, abs=PRINTED_QUARTER_PAIR_ABS), zero
     # two micro-batches: gathers before each forward and backward, not once after the step
     assert payload[0] == 0 and payload[1] == payload[2] > 0 and payload[3] > 3 * payload[1]
 
