@@ -3,16 +3,26 @@ roundoffs: fp32 u = 2^-24 (6.0e-8), bf16 2^-8, fp64 2^-53 (1.1e-16). A sum of K 
 another order moves by at most 2 K u times the sum of the terms' magnitudes (each order is
 within K u of the exact sum): `reordered_sum_bound`, the one derivation of it. A name's value
 is the bound with the margin said beside it; a tolerance of 0 means the same operations in the
-same order (bit for bit).
-
-Bounds a module of tests/layers/, tests/fp8/, tests/data_parallel/ or tests/optim/ derives
-beside its checks are still written there."""
+same order (bit for bit). Bounds that are not roundings (a printed number's last digit, a
+cost model's accuracy, time on a shared host) are named here too, with what they come from.
+tests/project/test_tolerances.py keeps literal atol=, rtol=, abs= and rel= numbers out of the
+other test modules."""
 
 from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 U_FP32 = 2.0**-24
 U_BF16 = 2.0**-8
 U_FP64 = 2.0**-53
+# fp8: e4m3 keeps 3 mantissa bits, e5m2 2; rounding to nearest moves a normal value by at most
+# these, relative (a subnormal by half its fixed step instead).
+U_E4M3 = 2.0**-4
+U_E5M2 = 2.0**-3
 
 
 def reordered_sum_bound(terms: int, u: float = U_FP32) -> float:
@@ -25,9 +35,13 @@ def reordered_sum_bound(terms: int, u: float = U_FP32) -> float:
 # The same operations in the same order: bit for bit.
 EXACT = 0.0
 
-# fp64 against fp64 in another order (a definition written out, a loop against a batched op):
-# sums of up to ~1e3 terms of magnitude ~1, 2 K u_64 = 2.2e-13; 1e-12 leaves a factor of 4.
+# fp64 against fp64 in another order (a definition written out, a loop against a batched op, a
+# cost formula evaluated twice in Python floats): sums of up to ~1e3 terms of magnitude ~1,
+# 2 K u_64 = 2.2e-13; 1e-12 leaves a factor of 4.
 FP64_REORDER = 1e-12
+
+# A Python float stored as fp32 (a tensorboard scalar): one rounding to nearest.
+FP32_STORED_REL = U_FP32
 
 # A few fp32 operations on the same values in another order or through another path (shared
 # memory against gloo, an fp32 routing weight against its fp64 reference): each rounding
@@ -50,6 +64,11 @@ FP32_REORDER = 1e-5
 # decode cache's growing sums (2e-5 covers the logits, 10 times the values' magnitude).
 FP32_RING_ABS = 1e-6
 FP32_DECODE_ABS = 2e-5
+# One fp32 model against the same model computed another way (split over tp or pp ranks, on
+# other BLAS kernels, written out in plain torch): FP32_REORDER relative on its logits and loss.
+# Logits of magnitude ~1 as absolute bound: the same number.
+FP32_LOGITS_ABS = FP32_REORDER
+
 # The cross entropy's gradient softmax(z) - onehot over a vocabulary of V <= 67: each entry
 # below 1 with an fp32 exp and a division, off by a few u of the entry; 5e-6 and 1e-6 (the
 # smaller vocabulary) on top of FP32_REORDER relative.
@@ -72,6 +91,11 @@ PARITY_REL = 1e-4
 PARITY_ABS = 1e-5
 # Two training curves (loss per step) of the same run through different processes: PARITY_REL.
 CURVE_REL = PARITY_REL
+# Our logits against transformers' (magnitude ~1): PARITY_REL of them, as an absolute bound.
+PARITY_LOGITS_ABS = PARITY_REL
+# The fp64 sum of n = 30 x 256 such logits (a subprocess prints it): each within PARITY_ABS,
+# the errors of either sign, so sqrt(n) PARITY_ABS = 8.8e-4.
+PARITY_LOGIT_SUM_ABS = 1e-3
 # The parity harness's curves (tests/parity.py: 10 steps of a 4-layer d_model 32 model) at
 # another layout against one process: its GEMMs' sums of K <= 128 terms in another order,
 # reordered_sum_bound(128) = 1.5e-5 worst case per sum, averaged over every token in the loss:
@@ -99,3 +123,76 @@ BF16_GEMM = 2e-2
 # The bf16 ring attention's outputs, log-sum-exps and gradients against fp64: a few bf16
 # roundings of values ~1 (one per merge of two partial softmaxes, two ranks): ~8 u = 3.1e-2.
 BF16_RING_ABS = 3e-2
+
+# The ZeRO levels' curves against ZeRO-0's (tests/data_parallel). The levels compute the same
+# gradients and sum them in the same rank order, but clipping's gradient norm is summed in fp32
+# per piece of a bucket's block under ZeRO-1 to 3 and per parameter under ZeRO-0, so it differs
+# in its last bits (1e-8 to 2e-7 relative); every step clips (grad_clip 1), so the fp32 weights
+# the optimizer writes differ by an ulp here and there: FP32_FEW_OPS_REL. In bf16 one step
+# between bf16 values is 2^16 fp32 ulps, so now and then (about one weight in 2^16 per ulp
+# moved) a weight rounds to the other bf16 neighbour; from then on the two runs are two bf16
+# roundings of one computation, whose tokens' losses differ by about U_BF16 relative,
+# independently in sign. The mean over the global batch's 8 x 16 tokens (tests/parity.SMALL)
+# moves by U_BF16 / sqrt(128) = 3.5e-4 relative; so does the gradient, a mean over the same
+# tokens, and its norm by no more (| |a| - |b| | <= |a - b|). The first step, from the same
+# weights, holds ZERO_CURVE_REL in bf16 too: it is the same computation, its norm summed apart.
+ZERO_CURVE_REL = FP32_FEW_OPS_REL
+ZERO_BF16_CURVE_REL = U_BF16 / math.sqrt(8 * 16)
+# A gradient reduced in bf16: U_BF16 once for each rank's gradient divided by dp (cast to bf16)
+# and once for their sum: within 2 U_BF16 (+ U_BF16^2) of the mean of the ranks' magnitudes
+# (relative to the reduced value itself it is unbounded where they cancel).
+BF16_REDUCE_REL = 2 * U_BF16 * (1 + U_BF16)
+# The losses after such steps move from the fp32 run's by at most 2 U_BF16 of how far the loss
+# has moved: AdamW's update is a ratio of moments of a gradient rounded to 2 U_BF16.
+BF16_UPDATE_REL = 2 * U_BF16
+
+
+def fp8_product_magnitude(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A bound on |A_fp8| |B_fp8|^T (fp64) for a [M, K], b [N, K] cast to fp8 by any recipe
+    here: a cast value is within U_E5M2 (covering U_E4M3) of its magnitude or 2^-9 / scale
+    (subnormals) of it, and 1 / scale <= 2 amax / 448, so 2^-9 / scale < 2^-16 amax."""
+    a, b = a.detach().double(), b.detach().double()
+    slack_a, slack_b = a.abs().max() * 2.0**-16, b.abs().max() * 2.0**-16
+    grow = 1 + U_E5M2
+    return (grow * a.abs() + slack_a) @ (grow * b.abs() + slack_b).t()
+
+
+# Bounds that are not roundings.
+# A number printed to two decimals (0.01 MiB, a bubble fraction): half its last digit, plus the
+# fp64 error of the decimal read back (a tie, 0.125 printed as 0.12, sits on the half). A printed
+# x / 4 (a ZeRO shard of 4 ranks) against the printed x divided by 4: (1 + 1 / 4) times it.
+PRINTED_HUNDREDTHS_ABS = 0.005 + FP64_REORDER
+PRINTED_QUARTER_PAIR_ABS = (1 + 1 / 4) * PRINTED_HUNDREDTHS_ABS
+# A rate stored to 0.1 (TFLOP/s in a device file): half its last digit, plus the same fp64 error.
+PRINTED_TENTHS_ABS = 0.05 + FP64_REORDER
+# The golden-ratio blend (megatronish.data.blend.assign): how many of N positions fall in a
+# dataset's interval is within about the number of terms of N's Zeckendorf sum (Ostrowski's
+# bound, every partial quotient of the golden ratio being 1), at most log_phi(N) / 2 = 9.6 at
+# N = 10^4: 10 samples.
+BLEND_COUNT_ABS = 10
+# A count written in a test as an approximation (gpt2-1.3b's 1,313,722,368 parameters as
+# 1.3136e9, 9.3e-5 below): 1e-3; a block counted twice or not at all moves it by 3.8%.
+WRITTEN_COUNT_REL = 1e-3
+# The cost model's GEMM time against its FLOPs over the rate: a kernel's fixed overhead (4 us)
+# against an 8192^3 GEMM's >= 0.6 ms, and peak rates published to four digits: under 1%.
+GEMM_OVERHEAD_REL = 0.01
+# What the cost model claims, not a rounding: its step times are within 20% of every published
+# run's (the median within 10%) and 15% of the A100 ones (Korthikanti et al.'s measured
+# iterations among them).
+PUBLISHED_STEP_REL = 0.20
+PUBLISHED_MEDIAN_REL = 0.10
+PUBLISHED_ITERATION_REL = 0.15
+# The plan's model state (weights, gradients, AdamW) against the bytes a rank holds: the buckets'
+# padding to a multiple of dp and the parameters kept whole are not in its count: 5%.
+MODEL_STATE_ESTIMATE_REL = 0.05
+# A timed or traced step against its parts (phases; compute, exposed communication, bubble) on a
+# shared CPU host: the host's time between the timed events is in no part: a tenth of the step.
+TRACE_PARTS_REL = 0.1
+# A checkpoint's fp8 step-2 weights continued in fp32 or bf16 against the fp8 run's step 3: fp8's
+# and bf16's roundings move the loss by about 1e-4, a fresh model's loss is 3% higher and step
+# 2's 1.3%: 5e-3 tells them apart.
+FP8_CONTINUED_REL = 5e-3
+# A difference that says two fp32 results compute different things (a window left out, a mask,
+# micro-batches of unequal counts): 1e-3, 50 times FP32_DECODE_ABS and 100 times FP32_REORDER,
+# so no rounding above reaches it.
+BEYOND_ROUNDING = 1e-3

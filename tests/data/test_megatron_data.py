@@ -17,6 +17,7 @@ from megatronish.errors import UserError
 from tests.conftest import invoke_cli
 from tests.parity import GPT2, assert_close, make_config
 from tests.ranks import run_on_ranks
+from tests.tolerances import BLEND_COUNT_ABS
 
 VOCAB, EOD = 300, 299
 
@@ -218,7 +219,7 @@ def _blend(tmp_path: Path, dp_rank: int = 0, dp_size: int = 1, split: str = "tra
 
 def test_a_blend_follows_its_weights_not_the_dataset_sizes(tmp_path):
     loader = _blend(tmp_path)
-    assert loader.counts_before(10_000).tolist() == pytest.approx([7000, 3000], abs=10)
+    assert loader.counts_before(10_000).tolist() == pytest.approx([7000, 3000], abs=BLEND_COUNT_ABS)
     assert loader.parts[0].n_samples < 20 < loader.parts[1].n_samples
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from tests.parity import GPT2, LLAMA, SP, make_config, make_trainer
 from tests.ranks import run_on_ranks
+from tests.tolerances import EXACT, ZERO_CURVE_REL
 
 pytestmark = pytest.mark.slow  # multi-rank training with and without the overlap
 
@@ -72,7 +73,9 @@ def test_buffered_reduction_overlapped_or_not_is_bitwise_the_unbuffered_one(name
             on, off = results[(name, "buffer, overlap on")], results[(name, "buffer, overlap off")]
             assert on == off
             flat = [x for pair in on for x in pair]
-            assert flat == pytest.approx([x for pair in want for x in pair], rel=1e-6, abs=0)
+            assert flat == pytest.approx(
+                [x for pair in want for x in pair], rel=ZERO_CURVE_REL, abs=EXACT
+            )
             assert results[(name, "unbuffered")] == want
             continue
         for way in WAYS:

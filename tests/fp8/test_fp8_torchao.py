@@ -17,6 +17,7 @@ from torchao.float8.float8_linear import Float8Linear
 from megatronish.fp8 import RECIPES, Parts
 from megatronish.layers import ColumnParallelLinear, RowParallelLinear
 from megatronish.layers.plan import LinearPlan
+from tests.tolerances import fp8_product_magnitude, reordered_sum_bound
 
 
 def torchao_linear(recipe: str, weight: torch.Tensor, bias: torch.Tensor) -> Float8Linear:
@@ -102,11 +103,9 @@ def _within_fp32_sums(got, want, a, b) -> bool:
     orders (or split in parts), differ by at most 2 (K + 2) u of the sum of the products'
     magnitudes (an fp8 value within 1/8 of its operand's, plus a subnormal's step)."""
     k = a.shape[-1]
-    a, b = a.detach().double().reshape(-1, k), b.detach().double().reshape(-1, k)
-    slack_a, slack_b = a.abs().max() * 2.0**-16, b.abs().max() * 2.0**-16
-    magnitude = ((1.125 * a.abs() + slack_a) @ (1.125 * b.abs() + slack_b).t()).view(want.shape)
+    magnitude = fp8_product_magnitude(a.reshape(-1, k), b.reshape(-1, k)).view(want.shape)
     err = (got.double() - want.double()).abs()
-    return bool((err <= 2 * (k + 2) * 2.0**-24 * magnitude).all())
+    return bool((err <= reordered_sum_bound(k + 2) * magnitude).all())
 
 
 def _separate_linear(recipe: str, weight: torch.Tensor) -> nn.Module:

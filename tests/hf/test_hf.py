@@ -37,6 +37,7 @@ from tests.checkpoints import (
 )
 from tests.conftest import CONFIGS as SHIPPED
 from tests.conftest import REPO, finish, run_cli, start
+from tests.tolerances import PARITY_LOGIT_SUM_ABS, PARITY_LOGITS_ABS, PARITY_REL
 
 transformers = pytest.importorskip("transformers")
 
@@ -127,7 +128,7 @@ def test_transformers_loads_the_export_and_computes_the_same_logits(exported):
         theirs = hf_model(tokens(2, 30)).logits
         ours = load_model(step_dir)(tokens(2, 30))
     assert theirs.shape == ours.shape == (2, 30, VOCAB)
-    assert (theirs - ours).abs().max() < 1e-4
+    assert (theirs - ours).abs().max() < PARITY_LOGITS_ABS
 
 
 @pytest.mark.slow  # two subprocesses, one importing transformers
@@ -156,7 +157,9 @@ def test_from_the_repo_root_export_runs_and_transformers_loads_it_without_shadow
     assert loaded.returncode == 0, loaded.stderr
     with torch.no_grad():
         ours = load_model(step_dir)(torch.arange(30).remainder(VOCAB)[None]).double().sum()
-    assert float(loaded.stdout) == pytest.approx(ours.item(), rel=1e-4, abs=1e-3)
+    assert float(loaded.stdout) == pytest.approx(
+        ours.item(), rel=PARITY_REL, abs=PARITY_LOGIT_SUM_ABS
+    )
 
 
 def test_import_of_the_export_gives_back_the_same_model(exported, tmp_path):

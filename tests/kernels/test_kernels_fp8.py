@@ -20,6 +20,7 @@ from megatronish.fp8 import quantize as quantize_module
 from megatronish.fp8.quantize import Cast, Split, TokenGroups, quantize
 from megatronish.fp8.scaling import amax_to_scale, cast_to_fp8
 from tests.kernel_env import kernels
+from tests.tolerances import EXACT, U_BF16, U_E5M2, U_FP32
 
 pytestmark = pytest.mark.usefixtures("interpreter_env")  # tests/conftest.py
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -144,9 +145,9 @@ def test_scaled_gemm_equals_float64_within_fp32_rounding(gemm):
     da, db = _dequantized(qa, sa, ga), _dequantized(qb, sb, gb)
     want, magnitude = da @ db.t(), da.abs() @ db.abs().t()
     k = a.shape[1]
-    for out_dtype, relative in ((torch.float32, 0.0), (torch.bfloat16, 2.0**-7)):
+    for out_dtype, relative in ((torch.float32, EXACT), (torch.bfloat16, 2 * U_BF16)):
         got = kernels.fp8_gemm(qa, qb, sa, sb, out_dtype, b_block=gb == "block").cpu().double()
-        bound = (k + 5) * 2.0**-24 * magnitude + relative * want.abs()
+        bound = (k + 5) * U_FP32 * magnitude + relative * want.abs()
         assert got.shape == want.shape
         assert ((got - want).abs() <= bound).all(), ((got - want).abs() / magnitude).max()
 
@@ -172,14 +173,14 @@ def test_an_fp8_linear_on_the_kernels_equals_it_on_torch(recipe, monkeypatch):
         results.append([out, inputs[0].grad, inputs[1].grad])
     # The same fp8 operands summed in another order: (K + 5) fp32 roundings of sum |a b| (the
     # fp8 operands within 2^-3 of the inputs' magnitudes: e5m2 keeps 2 mantissa bits).
-    grow = (1 + 2.0**-3) ** 2
+    grow = (1 + U_E5M2) ** 2
     magnitudes = [
         (x.abs() @ weight.abs().t(), 256),
         (dy.abs() @ weight.abs(), 136),
         (dy.abs().t() @ x.abs(), 40),
     ]
     for got, want, (magnitude, k) in zip(results[1], results[0], magnitudes):
-        assert ((got - want).abs() <= (k + 5) * 2.0**-24 * grow * magnitude).all()
+        assert ((got - want).abs() <= (k + 5) * U_FP32 * grow * magnitude).all()
 
     # x's tokens over cp and K over tp, the weight's rows over tp: one all-reduce of the amaxes
     # (tensorwise: over the tp x cp group; rowwise: x's rows over tp; blockwise: none), whose

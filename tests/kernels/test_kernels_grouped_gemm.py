@@ -11,7 +11,7 @@ import torch
 from megatronish import ops
 from megatronish.ops import reference
 from tests.kernel_env import kernels
-from tests.tolerances import BF16_GEMM, EXACT, FP32_REORDER, FP64_REORDER
+from tests.tolerances import BF16_GEMM, EXACT, FP32_REORDER, FP64_REORDER, U_FP32
 
 pytestmark = pytest.mark.usefixtures("interpreter_env")  # tests/conftest.py
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,5 +108,5 @@ def test_an_moe_layer_on_the_kernels_equals_it_on_torch():
     # back) of up to K = 32 terms that the two backends add in other orders: within 4 K u of
     # the tensor's largest magnitude (u = 2^-24), where a wrong row or expert is off by its size.
     for got, want in zip(results[1], results[0]):
-        bound = 4 * 32 * 2.0**-24 * want.abs().max().item()
+        bound = 4 * 32 * U_FP32 * want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=EXACT, atol=bound)

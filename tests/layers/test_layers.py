@@ -25,14 +25,19 @@ from megatronish.layers import (
 from megatronish.layers.linear import column_parallel_linear
 from megatronish.layers.plan import LinearPlan
 from tests.ranks import run_on_ranks
-
-RTOL = 1e-5
+from tests.tolerances import (
+    FP32_REORDER,
+    FP64_REORDER,
+    U_FP32,
+    fp8_product_magnitude,
+    reordered_sum_bound,
+)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     err = (actual - expected).abs().max().item()
     scale = expected.abs().max().item() + 1e-12
-    assert err / scale < RTOL, f"{what}: relative error {err / scale:.2e}"
+    assert err / scale < FP32_REORDER, f"{what}: relative error {err / scale:.2e}"
 
 
 def _column(rank, world, gather_output, sequence_parallel):
@@ -156,23 +161,14 @@ def _mappings_bytes(rank, world):
     return True
 
 
-def _fp8_magnitude(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A bound on |A_fp8| |B_fp8|^T for a [M, K], b [N, K] cast to fp8 by any recipe here: a cast
-    value is within 1/8 of its magnitude (3 mantissa bits) or 2^-9 / scale (subnormals) of it,
-    and 1 / scale <= 2 amax / 448."""
-    a, b = a.detach().double(), b.detach().double()
-    slack_a, slack_b = a.abs().max() * 2.0**-16, b.abs().max() * 2.0**-16
-    return (1.125 * a.abs() + slack_a) @ (1.125 * b.abs() + slack_b).t()
-
-
 def _assert_summed_close(got, want, a, b, what: str) -> None:
     """got (partial sums over tp added up) and want (one sum) of the fp8 product a b^T (plus a
     bias) differ only by fp32 rounding: each sum of K products is within K u of the exact one
     (u = 2^-24), plus a rounding of the partials' addition and of the bias's."""
     k = a.shape[-1]
     a, b = a.reshape(-1, k), b.reshape(-1, k)
-    magnitude = _fp8_magnitude(a, b).view(want.shape)
-    bound = 2 * (k + 1) * 2.0**-24 * magnitude + 2.0**-23 * want.detach().double().abs()
+    magnitude = fp8_product_magnitude(a, b).view(want.shape)
+    bound = reordered_sum_bound(k + 1) * magnitude + 2 * U_FP32 * want.detach().double().abs()
     err = (got.double() - want.double()).abs()
     assert (err <= bound).all(), f"{what}: error {err.max():.3e} beyond the fp32 summation bound"
 
@@ -312,7 +308,7 @@ def rounding_bound(a: torch.Tensor, b: torch.Tensor, n: int | None = None) -> to
     value (u = 2^-24, n the terms a sum has: k unless given), so they are within 2 n u
     (|a| @ |b|) of each other."""
     n = a.shape[-1] if n is None else n
-    return 2 * n * 2**-24 * (a.double().abs() @ b.double().abs())
+    return reordered_sum_bound(n) * (a.double().abs() @ b.double().abs())
 
 
 def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str):
@@ -368,7 +364,7 @@ def _overlap_column(rank, world, weights):
     if bias is not None:
         assert torch.equal(b.grad, want_b.grad)
     hops = (3 if weights == 1 else 2) * (world - 1)  # gathers of x and a reduce-scatter
-    assert on.total_sent == pytest.approx(off.total_sent, rel=1e-12)
+    assert on.total_sent == pytest.approx(off.total_sent, rel=FP64_REORDER)
     assert on.calls["tp_ring"] == hops
     assert on.calls["all_gather"] == on.calls["reduce_scatter"] == 0
     return True
@@ -405,7 +401,7 @@ def _overlap_row(rank, world, sequence_parallel):
     dw_bound = rounding_bound(full_grad.flatten(0, 1).t(), x.flatten(0, 1))
     assert_within(dw, want_dw, dw_bound, "weight grad")
     assert torch.equal(db, want_db)
-    assert on.total_sent == pytest.approx(off.total_sent, rel=1e-12)
+    assert on.total_sent == pytest.approx(off.total_sent, rel=FP64_REORDER)
     if sequence_parallel:
         assert on.calls["tp_ring"] == 2 * (world - 1) and on.calls["reduce_scatter"] == 0
     else:

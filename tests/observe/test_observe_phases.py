@@ -13,6 +13,7 @@ import pytest
 from megatronish.observe.phases import FIELDS, PHASES
 from tests.parity import GPT2, make_config, make_trainer
 from tests.ranks import run_on_ranks
+from tests.tolerances import FP32_STORED_REL, TRACE_PARTS_REL
 
 pytestmark = pytest.mark.slow  # multi-rank runs with a slowed rank
 
@@ -78,7 +79,7 @@ def test_the_phases_of_each_rank_add_up_to_its_step_time(slow_run):
         for row in rows:
             fields = dict(zip(FIELDS, row))
             total = sum(fields[p] for p in PHASES)
-            assert abs(total - fields["step"]) <= 0.1 * fields["step"], fields
+            assert abs(total - fields["step"]) <= TRACE_PARTS_REL * fields["step"], fields
             waits = sum(v for k, v in fields.items() if k.startswith("wait_"))
             assert waits <= fields["step"] and fields["compute"] > 0
 
@@ -106,7 +107,9 @@ def test_tensorboard_event_files_hold_the_metrics_values(tmp_path, dataset):
     events = EventAccumulator(str(tmp_path / "run" / "tb"))
     events.Reload()
     losses = [(e.step, e.value) for e in events.Scalars("loss")]
-    assert losses == [(line["step"], pytest.approx(line["loss"], rel=1e-6)) for line in lines]
+    assert losses == [
+        (line["step"], pytest.approx(line["loss"], rel=FP32_STORED_REL)) for line in lines
+    ]
     assert "phases/forward_s/max" in events.Tags()["scalars"]
     assert "peak_memory_gb" in events.Tags()["scalars"]
 

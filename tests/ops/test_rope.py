@@ -15,7 +15,7 @@ from megatronish.ops.rope import rope_spec, rope_table
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from tests.tolerances import EXACT  # noqa: E402
+from tests.tolerances import EXACT, FP64_REORDER  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -84,8 +84,8 @@ def test_inverse_frequencies_and_attention_factor_equal_transformers(name):
     assert got.dtype == want.dtype == torch.float32
     plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     assert not torch.equal(want, plain), "the setting scales some frequency"
-    assert ((got - want).abs() / want).max().item() <= 1e-6  # measured: 0 (the same fp32 ops)
-    assert spec.attention_factor() == pytest.approx(want_factor, rel=1e-12)
+    assert ((got - want).abs() / want).max().item() <= EXACT  # the same fp32 ops
+    assert spec.attention_factor() == pytest.approx(want_factor, rel=FP64_REORDER)
 
 
 def test_the_table_at_given_positions_is_the_scaled_table_at_those_rows():

@@ -36,6 +36,7 @@ from megatronish.training.setup import setup
 from megatronish.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO, invoke_cli
 from tests.ranks import free_port
+from tests.tolerances import EXACT
 
 pytestmark = [
     pytest.mark.slow,  # torchrun runs with ranks killed, stalled and stopped
@@ -495,7 +496,7 @@ def test_interrupted_runs_have_the_losses_of_an_uninterrupted_run(interrupted, k
     assert [step for step, _ in curve] == list(range(1, stopped + 1)), "each step once"
     assert [step for step, _ in never_stopped] == list(range(1, STEPS + 1))
     for (step, loss), (_, expected) in zip(curve, never_stopped[:stopped], strict=True):
-        assert loss == pytest.approx(expected, rel=1e-5), step
+        assert loss == pytest.approx(expected, rel=EXACT, abs=EXACT), step
 
 
 def train_command(out_dir: Path, dataset: Path, *overrides: str, faulty_script: bool = False):
