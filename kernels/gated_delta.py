@@ -25,7 +25,14 @@ import triton
 import triton.language as tl
 
 from ._utils import Launch, check_device
-from .gated_delta_bwd import CHUNK, backward_launches, block_v, precision
+from .gated_delta_bwd import (
+    CHUNK,
+    FORWARD_BLOCK_V,
+    NUM_WARPS,
+    backward_launches,
+    block_v,
+    precision,
+)
 
 
 @triton.jit
@@ -121,7 +128,7 @@ def prep_launch(k, v, g, beta, g_cum, t, w, u) -> Launch:
     bh, seq, dk = k.shape
     dims = dict(DK=dk, DV=v.shape[-1], CHUNK=CHUNK, PREC=precision(k.dtype))
     grid = (seq // CHUNK, bh)
-    return Launch(_gdn_prep_kernel, grid, (k, v, g, beta, g_cum, t, w, u, seq), dims, 4, 1)
+    return Launch(_gdn_prep_kernel, grid, (k, v, g, beta, g_cum, t, w, u, seq), dims, NUM_WARPS, 1)
 
 
 def state_launch(k, w, u, g_cum, s0, h, v_new, s_out) -> Launch:
@@ -129,20 +136,20 @@ def state_launch(k, w, u, g_cum, s0, h, v_new, s_out) -> Launch:
     s_out [BH, d_k, d_v] (fp32); s0 the initial state or None (zeros)."""
     bh, seq, dk = k.shape
     dv = u.shape[-1]
-    bv = block_v(dv)
+    bv = block_v(dv, FORWARD_BLOCK_V)
     args = (k, w, u, g_cum, s0 if s0 is not None else s_out, h, v_new, s_out, seq, seq // CHUNK)
     dims = dict(HAS_S0=s0 is not None, DK=dk, DV=dv, BV=bv, CHUNK=CHUNK, PREC=precision(k.dtype))
-    return Launch(_gdn_state_kernel, (dv // bv, bh), args, dims, 4, 1)
+    return Launch(_gdn_state_kernel, (dv // bv, bh), args, dims, NUM_WARPS, 1)
 
 
 def out_launch(q, k, g_cum, h, v_new, o, scale: float) -> Launch:
     """The output kernel into o [BH, s, d_v] (the inputs' dtype)."""
     bh, seq, dk = q.shape
     dv = o.shape[-1]
-    bv = block_v(dv)
+    bv = block_v(dv, FORWARD_BLOCK_V)
     dims = dict(DK=dk, DV=dv, BV=bv, CHUNK=CHUNK, PREC=precision(q.dtype))
     grid = (seq // CHUNK, dv // bv, bh)
-    return Launch(_gdn_out_kernel, grid, (q, k, g_cum, h, v_new, o, seq, scale), dims, 4, 1)
+    return Launch(_gdn_out_kernel, grid, (q, k, g_cum, h, v_new, o, seq, scale), dims, NUM_WARPS, 1)
 
 
 def forward_launches(q, k, v, g, beta, s0, scale: float, saved: dict, o, s_out) -> list[Launch]:
@@ -150,8 +157,9 @@ def forward_launches(q, k, v, g, beta, s0, scale: float, saved: dict, o, s_out) 
     v_new), which the backward reads."""
     return [
         prep_launch(k, v, g, beta, saved["g_cum"], saved["t"], saved["w"], saved["u"]),
-        state_launch(k, saved["w"], saved["u"], saved["g_cum"], s0, saved["h"],
-                     saved["v_new"], s_out),  # fmt: skip
+        state_launch(
+            k, saved["w"], saved["u"], saved["g_cum"], s0, saved["h"], saved["v_new"], s_out
+        ),  # fmt: skip
         out_launch(q, k, saved["g_cum"], saved["h"], saved["v_new"], o, scale),
     ]
 
@@ -224,4 +232,3 @@ def gated_delta_rule(q, k, v, g, beta, scale: float, initial_state=None):
     s0 = None if initial_state is None else initial_state.reshape(b * heads, dk, dv).contiguous()
     o, state = _GatedDelta.apply(*args, s0, scale)
     return o[:, :seq].reshape(b, heads, seq, dv), state.reshape(b, heads, dk, dv)
-

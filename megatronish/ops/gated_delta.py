@@ -17,7 +17,8 @@ Within a chunk with cumulative log-decays G_i (G = cumsum g) and D_ij = exp(G_i 
 
     A = strict_lower(diag(beta) K K^T * D),  T = (I + A)^-1
     W = T diag(beta e^G) K,  U = T diag(beta) V,  V' = U - W S
-    O = scale (diag(e^G) Q S + lower(Q K^T * D) V'),  S <- e^G_last S + (diag(e^(G_last - G)) K)^T V'
+    O = scale (diag(e^G) Q S + lower(Q K^T * D) V')
+    S <- e^G_last S + (diag(e^(G_last - G)) K)^T V'
 
 Chunks chain exactly: running the rule on a sequence's first part and then, from its final
 state, on the rest is running it on the whole (the context-parallel split's contract).
