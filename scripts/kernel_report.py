@@ -5,27 +5,26 @@ use.
     python scripts/kernel_report.py --arch sm_80 sm_89 sm_90 [--json FILE] [--jobs N]
                                     [--representative] [--only WORD...]
 
-For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2
-and 8 where the heads divide, for the head dim 128 of the benchmarks, and for DeepSeek-V3's
-latent attention (query-key head dim 192, value head dim 128: MLA_V3), in bf16 and fp32, it
-builds the launches of one training step as the launchers make them
+For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2 and
+8 where the heads divide, for the head dim 128 of the benchmarks, and for DeepSeek-V3's latent
+attention (query-key head dim 192, value head dim 128: MLA_V3), in bf16 and fp32, it builds the
+launches of one training step as the launchers make them
 (megatronish_kernels.compile_check.model_launches: attention forward and backward, the ring-
-attention blocks, both again under document masks and (llama) under a sliding window, norms,
-RoPE, SwiGLU or bias-GELU, cross entropy, the expert GEMMs, and for sm_89 and sm_90 the fp8
-casts and GEMMs, which sm_80 lacks; those also at the shapes of llama3-8b, mistral-7b and
-qwen3-30b-a3b; and the gated delta rule's nine forward and backward kernels at Qwen3.5's
-linear attention, QWEN35_GDN), compiles each distinct one for each arch with the ptxas Triton
-ships, and prints one table: kernel, configuration (constexprs, arguments specialized to 1, warps w and stages s),
-arch, dtype, registers, spill bytes, shared memory / the arch's limit per block, the estimated
-occupancy (warps per SM of 64, 48 on sm_89, from registers and shared memory), the configs that
-launch it, and a status. A row FAILs when its shared memory is over the limit, or when it spills
-at bf16 or fp8 (fp32 runs exact-fp32 dots without tensor cores: spills there are reported, not
-failed). --representative compiles one bf16 configuration per kernel (and per attention kernel one
-more, under document masks and a sliding window at MLA_V3's head dims) only: what the tests
-compile. --only WORD... keeps the launches whose kernel
-name and origin ("llama-1b tp2 ring window documents") hold every word (--only window: the
-attention kernels under a sliding window). --json FILE writes the rows as a list of objects
-(kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes,
+attention blocks, both again under document masks and (llama) under a sliding window, norms, RoPE,
+SwiGLU or bias-GELU, cross entropy, the expert GEMMs, and for sm_89 and sm_90 the fp8 casts and
+GEMMs, which sm_80 lacks; those also at the shapes of llama3-8b, mistral-7b and qwen3-30b-a3b; and
+the gated delta rule's nine forward and backward kernels at Qwen3.5's linear attention, QWEN35_GDN),
+compiles each distinct one for each arch with the ptxas Triton ships, and prints one table: kernel,
+configuration (constexprs, arguments specialized to 1, warps w and stages s), arch, dtype,
+registers, spill bytes, shared memory / the arch's limit per block, the estimated occupancy (warps
+per SM of 64, 48 on sm_89, from registers and shared memory), the configs that launch it, and a
+status. A row FAILs when its shared memory is over the limit, or when it spills at bf16 or fp8 (fp32
+runs exact-fp32 dots without tensor cores: spills there are reported, not failed). --representative
+compiles one bf16 configuration per kernel (and per attention kernel one more, under document masks
+and a sliding window at MLA_V3's head dims) only: what the tests compile. --only WORD... keeps the
+launches whose kernel name and origin ("llama-1b tp2 ring window documents") hold every word (--only
+window: the attention kernels under a sliding window). --json FILE writes the rows as a list of
+objects (kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes,
 num_warps, num_stages, occupancy_warps, models).
 
 Exit status: 0 every row fits, 1 a row fails, 2 Triton cannot compile for NVIDIA targets here.
