@@ -99,3 +99,10 @@ BF16_GEMM = 2e-2
 # The bf16 ring attention's outputs, log-sum-exps and gradients against fp64: a few bf16
 # roundings of values ~1 (one per merge of two partial softmaxes, two ranks): ~8 u = 3.1e-2.
 BF16_RING_ABS = 3e-2
+# The chunked gated delta rule (fp32) against its float64 recurrence: each output is a chain of
+# at most 4 GEMMs (W or U, V' = U - W S, then O or the next state; the backward's dR, dT, dA and
+# dK likewise), each a sum of at most 64 + d <= 192 terms (a chunk's tokens, or the head dim 128
+# and the chunk): 4 reordered_sum_bound(192) = 9.2e-5, relative to the largest magnitude of the
+# compared tensor (the terms are of its size with l2-normalized q and k and beta, e^g <= 1):
+# 1e-4.
+GATED_DELTA_REL = 1e-4
