@@ -8,14 +8,18 @@ R = diag(beta) V - diag(beta e^G) K S, so V' = T R; f = e^(G_last - G)):
     dQ  = scale diag(e^G) dO S^T + dQK K,   dQK = scale lower(dO V'^T * D)
     dR  = T^T dV',  dT = dV' R^T,  dA = -strict_lower(T^T dT T^T)
     dV  = diag(beta) dR
-    dK  = dQK^T Q + diag(f) V' dS'^T - diag(beta e^G) dR S^T + B K + B^T K,  B = dA * D diag(beta)
+    dK  = dQK^T Q + diag(f) V' dS'^T - diag(beta e^G) dR S^T + B K + B^T K,  B = diag(beta) (dA * D)
     dbeta = rowsum(V * dR) - e^G rowsum(K * dR S^T) + rowsum(dA * K K^T * D)
     dG  = the gradient of every exp above; dg = its reverse cumulative sum within the chunk.
 
-Three kernels: state (one program per BV columns and head, along the chunks backwards: the
-gradient of the state after each chunk, saved, dV' saved, and dS of the initial state); dq
-(one program per chunk and head: dQ, the P part of dK and dG, over the state's columns in BV
-blocks); dk (one program per chunk and head: dK, dV, dbeta, dg).
+Six kernels, in order (each a function of the shapes only, none atomic): dv_intra (per chunk,
+BV columns and head: P^T dO into dV'); state (per BV columns and head, along the chunks
+backwards: the gradient of the state after each chunk, saved as DH, dV' completed, and dS of the
+initial state); dq (per chunk and head: dQ, the P part of dK and of dG, over the state's columns
+in BV steps); dr (per chunk and head: dR, saved, dV, dT, saved, the V part of dbeta and
+e^G_last's part of dG); dk_state (per chunk and head: the parts of dK, dbeta and dG through the
+states, V' dS'^T and dR S^T); dk (per chunk and head: dA and its parts of dK, dbeta and dG, then
+dg). Split so because one kernel holding all of a chunk's [64, 128] tiles spills.
 """
 
 from __future__ import annotations
