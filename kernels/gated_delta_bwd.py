@@ -122,29 +122,31 @@ def _gdn_dq_kernel(
     n_chunks = tl.num_programs(0)
     rows, cols_k = tl.arange(0, CHUNK), tl.arange(0, DK)
     tok = bh * seq + n * CHUNK + rows
-    dq = tl.zeros([CHUNK, DK], dtype=tl.float32)
-    dp = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    dp = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO V'^T, first: the intra-chunk part
+    for v0 in range(0, DV, BV):
+        cols_v = v0 + tl.arange(0, BV)
+        do = tl.load(DO + tok[:, None] * DV + cols_v[None, :]).to(tl.float32)
+        v_new = tl.load(V_NEW + tok[:, None] * DV + cols_v[None, :])
+        dp += tl.dot(do, tl.trans(v_new), input_precision=PREC)
+    cum = tl.load(GCUM + tok)
+    dqk = dp * _decay(cum, rows, False) * scale
+    q = tl.load(Q + tok[:, None] * DK + cols_k[None, :]).to(tl.float32)
+    k = tl.load(K + tok[:, None] * DK + cols_k[None, :]).to(tl.float32)
+    dp_p = dqk * tl.dot(q, tl.trans(k), input_precision=PREC)  # dP * P, through D
+    dg = tl.sum(dp_p, axis=1) - tl.sum(dp_p, axis=0)
+    tl.store(DK_PART + tok[:, None] * DK + cols_k[None, :],
+             tl.dot(tl.trans(dqk), q, input_precision=PREC))  # fmt: skip
+    dq_intra = tl.dot(dqk, k, input_precision=PREC)
+    dq = tl.zeros([CHUNK, DK], dtype=tl.float32)  # then dO S^T, the inter-chunk part
     for v0 in range(0, DV, BV):
         cols_v = v0 + tl.arange(0, BV)
         s = tl.load(H + (bh * n_chunks + n) * DK * DV + cols_k[:, None] * DV + cols_v[None, :])
         do = tl.load(DO + tok[:, None] * DV + cols_v[None, :]).to(tl.float32)
-        v_new = tl.load(V_NEW + tok[:, None] * DV + cols_v[None, :])
         dq += tl.dot(do, tl.trans(s), input_precision=PREC)
-        dp += tl.dot(do, tl.trans(v_new), input_precision=PREC)
-    cum = tl.load(GCUM + tok)
-    q = tl.load(Q + tok[:, None] * DK + cols_k[None, :]).to(tl.float32)
-    k = tl.load(K + tok[:, None] * DK + cols_k[None, :]).to(tl.float32)
     dq = dq * (tl.exp(cum) * scale)[:, None]
-    dg = tl.sum(q * dq, axis=1)  # through e^G of the inter-chunk term
-    decay = _decay(cum, rows, False)
-    dqk = dp * decay * scale
-    dp_p = dqk * tl.dot(q, tl.trans(k), input_precision=PREC)  # dP * P, through D
-    dg += tl.sum(dp_p, axis=1) - tl.sum(dp_p, axis=0)
-    dq += tl.dot(dqk, k, input_precision=PREC)
-    tl.store(DQ + tok[:, None] * DK + cols_k[None, :], dq.to(DQ.dtype.element_ty))
-    dk = tl.dot(tl.trans(dqk), q, input_precision=PREC)
-    tl.store(DK_PART + tok[:, None] * DK + cols_k[None, :], dk)
-    tl.store(DG_PART + tok, dg)
+    q = tl.load(Q + tok[:, None] * DK + cols_k[None, :]).to(tl.float32)
+    tl.store(DG_PART + tok, dg + tl.sum(q * dq, axis=1))  # through e^G of the inter part
+    tl.store(DQ + tok[:, None] * DK + cols_k[None, :], (dq + dq_intra).to(DQ.dtype.element_ty))
 
 
 @triton.jit
