@@ -4,10 +4,9 @@ The math is megatronish.ops.gated_delta's (its docstring has the chunk's terms).
 [BH, s, d_k], v [BH, s, d_v], g and beta [BH, s], s a multiple of CHUNK (the caller pads with
 zeros, which leave the state alone), d_k and d_v powers of two from 16 to 128. Three kernels:
 
-1. prep (one program per chunk and head): G = cumsum g, A, T = (I + A)^-1 by forward
-   substitution (row i of T is e_i - A_i T, rows in order: the triangular solve, stable where a
-   series in A would not be), W = T diag(beta e^G) K and U = T diag(beta) V; saves G, T, W, U
-   (fp32) for the other kernels and the backward.
+1. prep (one program per chunk and head): G = cumsum g, A, T = (I + A)^-1 (forward
+   substitution in 16 x 16 blocks, joined: _unit_lower_inverse), W = T diag(beta e^G) K and
+   U = T diag(beta) V; saves G, T, W, U (fp32) for the other kernels and the backward.
 2. state (one program per BV columns of the state and head, along the chunks in order): the
    state before each chunk (saved: H [BH, n, d_k, d_v] fp32), V' = U - W S (saved) and the next
    state; the last one is the final state.
@@ -36,6 +35,32 @@ from .gated_delta_bwd import (
 
 
 @triton.jit
+def _join_blocks(t, a, rows, WIDTH: tl.constexpr, PREC: tl.constexpr):
+    """t, the inverse of I + a's diagonal blocks of WIDTH, made the inverse of its diagonal
+    blocks of 2 WIDTH: [[T1, 0], [L, T2]]^-1 = T - T L T, L the block of a between them."""
+    pair = (rows[:, None] // (2 * WIDTH)) == (rows[None, :] // (2 * WIDTH))
+    across = pair & ((rows[:, None] // WIDTH) != (rows[None, :] // WIDTH))
+    between = tl.dot(tl.where(across, a, 0.0), t, input_precision=PREC)
+    return t - tl.dot(t, between, input_precision=PREC)
+
+
+@triton.jit
+def _unit_lower_inverse(a, rows, PREC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower [CHUNK, CHUNK] (CHUNK = 64): forward substitution within
+    the 16 x 16 diagonal blocks, all four at once (row i of each block is e_i - a_i T, rows in
+    order: the triangular solve, stable where a series in a would not be), then the blocks
+    joined in pairs twice (_join_blocks)."""
+    sub = rows % 16
+    t = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    in_block = (rows[:, None] // 16) == (rows[None, :] // 16)
+    for i in range(1, 16):
+        a_i = tl.where(in_block & (sub[:, None] == i), a, 0.0)
+        t = tl.where(sub[:, None] == i, t - tl.dot(a_i, t, input_precision=PREC), t)
+    t = _join_blocks(t, a, rows, 16, PREC)
+    return _join_blocks(t, a, rows, 32, PREC)
+
+
+@triton.jit
 def _gdn_prep_kernel(
     K, V, G, BETA, GCUM, T_OUT, W, U, seq,
     DK: tl.constexpr, DV: tl.constexpr, CHUNK: tl.constexpr, PREC: tl.constexpr,
@@ -50,15 +75,11 @@ def _gdn_prep_kernel(
     tl.store(GCUM + tok, cum)
     k = tl.load(K + tok[:, None] * DK + cols_k[None, :]).to(tl.float32)
     kk = tl.dot(k, tl.trans(k), input_precision=PREC)
-    # A transposed: at = A^T, at[j, i] = beta_i k_i.k_j exp(G_i - G_j) for i > j (kk symmetric).
-    upper = rows[:, None] < rows[None, :]
-    diff = tl.where(upper, cum[None, :] - cum[:, None], 0.0)
-    at = tl.where(upper, kk * beta[None, :] * tl.exp(diff), 0.0)
-    t = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, CHUNK):
-        a_i = tl.sum(tl.where(rows[None, :] == i, at, 0.0), axis=1)  # A[i, j], along j = dim 0
-        t_i = tl.sum(a_i[:, None] * t, axis=0)
-        t = tl.where(rows[:, None] == i, t - t_i[None, :], t)
+    lower = rows[:, None] > rows[None, :]
+    a = tl.where(
+        lower, kk * beta[:, None] * tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0
+    )
+    t = _unit_lower_inverse(a, rows, PREC)
     tile = (bh * n_chunks + n) * CHUNK * CHUNK
     tl.store(T_OUT + tile + rows[:, None] * CHUNK + rows[None, :], t)
     k_scaled = k * (beta * tl.exp(cum))[:, None]
