@@ -50,6 +50,13 @@ def test_triton_on_two_parts_chained_by_the_final_state_equals_the_whole():
     assert_close(outputs_and_grads(chained, leaves, torch.float32), whole)
 
 
+def test_head_dims_the_kernels_do_not_take_go_to_torch_under_auto_and_fail_under_triton():
+    x = torch.zeros(1, 1, 4, 24, device=DEVICE)
+    assert gated_delta.gated_delta_backend("auto", x, x) == "torch"
+    with pytest.raises(ValueError, match="head dims"):
+        gated_delta.gated_delta_backend("triton", x, x)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_triton_bf16_at_qwen35_head_dims_matches_the_float64_recurrence():

@@ -76,12 +76,6 @@ def test_without_an_initial_state_the_state_starts_at_zero_and_none_is_returned(
     assert torch.equal(out, expected)
 
 
-def test_auto_runs_torch_on_cpu_and_triton_refuses_head_dims_it_does_not_take(monkeypatch):
-    x = torch.zeros(1, 1, 4, 24)
+def test_auto_runs_torch_on_cpu_tensors():
+    x = torch.zeros(1, 1, 4, 16)
     assert gated_delta.gated_delta_backend("auto", x, x) == "torch"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if gated_delta._kernels() is None:
-        pytest.skip("Triton is not installed")
-    assert gated_delta.gated_delta_backend("auto", x, x) == "torch"
-    with pytest.raises(ValueError, match="head dims"):
-        gated_delta.gated_delta_backend("triton", x, x)
