@@ -25,6 +25,7 @@ from .cross_entropy import VocabSplit, cross_entropy
 from .elementwise import bias_gelu, swiglu
 from .fp8_cast import fp8_amax, fp8_cast
 from .fp8_gemm import fp8_gemm
+from .gated_delta import gated_delta_rule
 from .grouped_gemm import grouped_mm
 from .norms import layer_norm, rms_norm
 from .rope import rope
@@ -39,6 +40,7 @@ __all__ = [
     "fp8_amax",
     "fp8_cast",
     "fp8_gemm",
+    "gated_delta_rule",
     "grouped_mm",
     "layer_norm",
     "rms_norm",

@@ -5,26 +5,26 @@ use.
     python scripts/kernel_report.py --arch sm_80 sm_89 sm_90 [--json FILE] [--jobs N]
                                     [--representative] [--only WORD...]
 
-For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2
-and 8 where the heads divide, for the head dim 128 of the benchmarks, and for DeepSeek-V3's
-latent attention (query-key head dim 192, value head dim 128: MLA_V3), in bf16 and fp32, it
-builds the launches of one training step as the launchers make them
+For each shipped config (configs/gpt2-124m, gpt2-350m, gpt2-1.3b, llama-1b, tiny-moe) at tp 1, 2 and
+8 where the heads divide, for the head dim 128 of the benchmarks, and for DeepSeek-V3's latent
+attention (query-key head dim 192, value head dim 128: MLA_V3), in bf16 and fp32, it builds the
+launches of one training step as the launchers make them
 (megatronish_kernels.compile_check.model_launches: attention forward and backward, the ring-
-attention blocks, both again under document masks and (llama) under a sliding window, norms,
-RoPE, SwiGLU or bias-GELU, cross entropy, the expert GEMMs, and for sm_89 and sm_90 the fp8
-casts and GEMMs, which sm_80 lacks; those also at the shapes of llama3-8b, mistral-7b and
-qwen3-30b-a3b), compiles each distinct one for each arch with the ptxas Triton ships, and prints
-one table: kernel, configuration (constexprs, arguments specialized to 1, warps w and stages s),
-arch, dtype, registers, spill bytes, shared memory / the arch's limit per block, the estimated
-occupancy (warps per SM of 64, 48 on sm_89, from registers and shared memory), the configs that
-launch it, and a status. A row FAILs when its shared memory is over the limit, or when it spills
-at bf16 or fp8 (fp32 runs exact-fp32 dots without tensor cores: spills there are reported, not
-failed). --representative compiles one bf16 configuration per kernel (and per attention kernel one
-more, under document masks and a sliding window at MLA_V3's head dims) only: what the tests
-compile. --only WORD... keeps the launches whose kernel
-name and origin ("llama-1b tp2 ring window documents") hold every word (--only window: the
-attention kernels under a sliding window). --json FILE writes the rows as a list of objects
-(kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes,
+attention blocks, both again under document masks and (llama) under a sliding window, norms, RoPE,
+SwiGLU or bias-GELU, cross entropy, the expert GEMMs, and for sm_89 and sm_90 the fp8 casts and
+GEMMs, which sm_80 lacks; those also at the shapes of llama3-8b, mistral-7b and qwen3-30b-a3b; and
+the gated delta rule's nine forward and backward kernels at Qwen3.5's linear attention, QWEN35_GDN),
+compiles each distinct one for each arch with the ptxas Triton ships, and prints one table: kernel,
+configuration (constexprs, arguments specialized to 1, warps w and stages s), arch, dtype,
+registers, spill bytes, shared memory / the arch's limit per block, the estimated occupancy (warps
+per SM of 64, 48 on sm_89, from registers and shared memory), the configs that launch it, and a
+status. A row FAILs when its shared memory is over the limit, or when it spills at bf16 or fp8 (fp32
+runs exact-fp32 dots without tensor cores: spills there are reported, not failed). --representative
+compiles one bf16 configuration per kernel (and per attention kernel one more, under document masks
+and a sliding window at MLA_V3's head dims) only: what the tests compile. --only WORD... keeps the
+launches whose kernel name and origin ("llama-1b tp2 ring window documents") hold every word (--only
+window: the attention kernels under a sliding window). --json FILE writes the rows as a list of
+objects (kernel, config, arch, dtype, registers, spill_bytes, shared_bytes, shared_limit_bytes,
 num_warps, num_stages, occupancy_warps, models).
 
 Exit status: 0 every row fits, 1 a row fails, 2 Triton cannot compile for NVIDIA targets here.
@@ -47,6 +47,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # before the kernels are defined: compile,
 
 from megatronish_kernels import compile_check  # noqa: E402
 from megatronish_kernels.compile_check import ARCHS, Compiled, Launch, ModelShapes  # noqa: E402
+from megatronish_kernels.compile_gdn import GatedDeltaShapes, gated_delta_launches  # noqa: E402
 
 from megatronish.config import derive, load_config  # noqa: E402
 from megatronish.errors import UserError  # noqa: E402
@@ -116,6 +117,26 @@ MLA_V3 = ModelShapes(
 )  # fmt: skip
 
 
+# Qwen3.5's linear attention (transformers' Qwen3_5Config defaults: 16 query-key heads of 128,
+# 32 value heads of 128), one rank of tp 1 at s 4096: the gated delta rule's kernels.
+QWEN35_GDN = GatedDeltaShapes(
+    name="qwen3.5-linear-attention tp1", batch=1, seq_len=4096, heads=32, k_head_dim=128,
+    v_head_dim=128,
+)  # fmt: skip
+
+
+def _gated_delta_runs(arch_names: list[str], only: list[str] | None) -> list:
+    """(arch name, launch, user) of the gated delta rule's launches at QWEN35_GDN, bf16 and
+    fp32, whose kernel name and origin hold the words of only (None: all)."""
+    runs = []
+    for arch_name in arch_names:
+        for dtype in ("bf16", "fp32"):
+            for launch in gated_delta_launches(QWEN35_GDN, compile_check.DTYPES[dtype]):
+                if not only or all(w in f"{launch.name} {QWEN35_GDN.name}" for w in only):
+                    runs.append((arch_name, launch, QWEN35_GDN.name))
+    return runs
+
+
 def shipped_shapes(names: tuple[str, ...] = CONFIGS) -> list[ModelShapes]:
     """Every shipped config of `names` at every tp degree it splits over (1, 2, 8 and its own),
     then (for CONFIGS) the head-dim-128 shape of the benchmarks and DeepSeek-V3's latent
@@ -179,6 +200,11 @@ def plan(
                 key = _key(launch, arch_name)
                 jobs.setdefault(key, (arch_name, launch))
                 users.setdefault(key, []).append(f"{shapes.name} {where}".strip())
+    if not representative:
+        for arch_name, launch, user in _gated_delta_runs(arch_names, only):
+            key = _key(launch, arch_name)
+            jobs.setdefault(key, (arch_name, launch))
+            users.setdefault(key, []).append(user)
     return list(jobs.items()), users
 
 

@@ -196,3 +196,11 @@ FP8_CONTINUED_REL = 5e-3
 # micro-batches of unequal counts): 1e-3, 50 times FP32_DECODE_ABS and 100 times FP32_REORDER,
 # so no rounding above reaches it.
 BEYOND_ROUNDING = 1e-3
+
+# The chunked gated delta rule (fp32) against its float64 recurrence: each output is a chain of
+# at most 4 GEMMs (W or U, V' = U - W S, then O or the next state; the backward's dR, dT, dA and
+# dK likewise), each a sum of at most 64 + d <= 192 terms (a chunk's tokens, or the head dim 128
+# and the chunk): 4 reordered_sum_bound(192) = 9.2e-5, relative to the largest magnitude of the
+# compared tensor (the terms are of its size with l2-normalized q and k and beta, e^g <= 1):
+# 1e-4.
+GATED_DELTA_REL = 1e-4
