@@ -22,7 +22,9 @@ dp x cp / ep ranks that hold the same experts):
   embedding's they read), at pp > 1 the stage's whole parameters (kept for the step);
   activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
   b micro-batch, h hidden, t tp), with a fused attention kernel (no s x s scores kept):
-    tensor parallel        s b h (10 + 24 / t)
+    tensor parallel        s b h (10 + 24 / t): the norms 4, attention 3 + 8 / t, the MLP
+                           3 + 16 / t (each component's ``activations``,
+                           accounting.components)
     + sequence parallel    s b h (34 / t)
     full recompute         2 s b h (/ t with sequence parallel) kept per layer, plus one layer's
                            working set during its backward
@@ -59,7 +61,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatronish.accounting.collectives import formula_bytes_per_step
-from megatronish.accounting.components import attention_of, norm
+from megatronish.accounting.components import attention_of, mlp, norm
 from megatronish.accounting.components.attention import qk_norm_params
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.parameters import (
@@ -131,9 +133,14 @@ def activation_bytes_per_layer(
     if recompute == "full":
         kept = 2 * sbh / (tp if sequence_parallel else 1)
         return kept * width
-    heads, replicated, latents = attention_of(cfg.model).activations(cfg.model)
-    per = (26 + heads + replicated) / tp if sequence_parallel else 10 + (16 + heads) / tp
-    if not sequence_parallel:
+    model = cfg.model
+    attention, heads, replicated, latents = attention_of(model).activations(model)
+    mlp_whole, mlp_split = mlp.activations(model)
+    whole = norm.activations(model) + attention + mlp_whole  # 10 s b h, whole on every tp rank
+    if sequence_parallel:
+        per = (whole + mlp_split + heads + replicated) / tp
+    else:
+        per = whole + (mlp_split + heads) / tp
         per += replicated
     return sbh * (per + latents) * width
 

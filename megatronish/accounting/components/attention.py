@@ -58,11 +58,17 @@ def gemms(model: ModelConfig, derived: Derived, T: int, N: int) -> list[tuple[in
     return [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
 
 
-def activations(model: ModelConfig) -> tuple[float, float, float]:
-    """What it keeps per layer in units of 16-bit s b h (megatronish.accounting.memory): (q, k,
-    v and the output projection's input, split over tp: 8 when the heads span d_model; nothing
-    replicated; no latents)."""
-    return 8 * model.n_head * head_dim_of(model) / model.d_model, 0.0, 0.0
+WHOLE_ACTIVATIONS = 3
+"""What attention keeps whole on every tp rank without sequence parallelism, in 16-bit s b h
+(Korthikanti et al. 2022): its input (2) and the dropout mask after it (1)."""
+
+
+def activations(model: ModelConfig) -> tuple[int, float, float, float]:
+    """What it keeps per layer in units of 16-bit s b h (megatronish.accounting.memory): (whole
+    on every tp rank, ``WHOLE_ACTIVATIONS``; q, k, v and the output projection's input, split
+    over tp: 8 when the heads span d_model; nothing replicated; no latents)."""
+    heads = 8 * model.n_head * head_dim_of(model) / model.d_model
+    return WHOLE_ACTIVATIONS, heads, 0.0, 0.0
 
 
 def tp_inputs(model: ModelConfig, tokens: int, operand_bytes: int) -> tuple[bool, int]:

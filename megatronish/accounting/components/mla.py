@@ -6,6 +6,7 @@ norms (model.qk_norm is refused with it)."""
 
 from __future__ import annotations
 
+from megatronish.accounting.components.attention import WHOLE_ACTIVATIONS
 from megatronish.config import Derived
 from megatronish.config.mla_shapes import mla_shapes
 from megatronish.config.schema import ModelConfig
@@ -57,17 +58,18 @@ def gemms(model: ModelConfig, derived: Derived, T: int, N: int) -> list[tuple[in
     return [(N, mla.q_rank, h), (T, mla.q_out, mla.q_rank), *out]
 
 
-def activations(model: ModelConfig) -> tuple[float, float, float]:
-    """What it keeps per layer in units of 16-bit s b h: (the heads' q, k, v and attention
-    output, split over tp; the inputs of the latents' norms, replicated, on the sequence shard
-    under sequence parallelism; the latents that enter the tp region, the up-projections'
-    inputs, whole at any tp)."""
+def activations(model: ModelConfig) -> tuple[int, float, float, float]:
+    """What it keeps per layer in units of 16-bit s b h: (its input and the dropout mask after
+    it, whole on every tp rank without sequence parallelism, as mha's; the heads' q, k, v and
+    attention output, split over tp; the inputs of the latents' norms, replicated, on the
+    sequence shard under sequence parallelism; the latents that enter the tp region, the
+    up-projections' inputs, whole at any tp)."""
     shapes = mla_shapes(model)
     heads = 2 * (2 * shapes.q_out + 2 * shapes.proj_in)
     norms = 2 * shapes.normed
     latents = 2 * shapes.entering_tp
     h = model.d_model
-    return heads / h, norms / h, latents / h
+    return WHOLE_ACTIVATIONS, heads / h, norms / h, latents / h
 
 
 def tp_inputs(model: ModelConfig, tokens: int, operand_bytes: int) -> tuple[bool, int]:

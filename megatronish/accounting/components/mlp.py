@@ -41,6 +41,14 @@ def sp_replicated(model: ModelConfig) -> int:
     return model.d_model if model.components.linear_bias else 0
 
 
+def activations(model: ModelConfig) -> tuple[int, int]:
+    """What it keeps per layer in 16-bit s b h (Korthikanti et al. 2022, at d_ff = 4 d_model;
+    the same for swiglu and a MoE MLP, within a few percent): (whole on every tp rank without
+    sequence parallelism: its input (2) and the dropout mask after it (1); split over tp: the
+    first projection's output and the activation's (8 each))."""
+    return 3, 16
+
+
 def gemms(model: ModelConfig, T: int, f: int) -> list[tuple[int, int, int]]:
     """(rows, columns, inner) of the forward GEMMs of T tokens through an MLP f wide: the first
     projection and down."""

@@ -25,6 +25,12 @@ def block_parameters(model: ModelConfig) -> int:
     return per_block(model) * weights(model)
 
 
+def activations(model: ModelConfig) -> int:
+    """What one block's norms keep for backward in 16-bit s b h: each its input (2), whole on
+    every tp rank without sequence parallelism."""
+    return per_block(model) * 2
+
+
 def stream_elements(model: ModelConfig, tokens: int) -> int:
     """Elements one block's norms read and write forward over `tokens` tokens (read N h, write
     N h each): with ``per_block`` kernels."""
