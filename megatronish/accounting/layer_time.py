@@ -135,24 +135,15 @@ def layer_time(
     fwd = sum(timer.gemm(*g, fp8=True) for g in gemms)
     bwd = sum(timer.gemm(*g, backward=True, fp8=True) for g in gemms)
     if moe:
-        experts = model.moe.num_experts
-        local = experts // derived.ep
-        rows = max(
-            1, T * model.moe.top_k * derived.ep // experts
-        )  # per expert, dropless on average
-        expert_gemms = [(T, experts, h)] + [(rows, f_local, h)] * 2 + [(rows, h, f_local)]
-        for i, g in enumerate(expert_gemms):
-            batch = 1 if i == 0 else local
-            low = i > 0  # the experts in fp8 (under fp8), the router in high precision
-            fwd += timer.gemm(*g, batch=batch, fp8=low)
-            bwd += timer.gemm(*g, backward=True, batch=batch, fp8=low)
-        if derived.shared_d_ff:
-            shared_local = derived.shared_d_ff // derived.tp
-            shared = [(T, 2 * shared_local, h), (T, h, shared_local)]
+        for g in moe_cost.routed_gemms(cfg, derived, T):
+            fwd += timer.gemm(g.m, g.n, g.k, batch=g.batch, fp8=g.fp8)
+            bwd += timer.gemm(g.m, g.n, g.k, backward=True, batch=g.batch, fp8=g.fp8)
+        shared = moe_cost.shared_gemms(cfg, derived, T)
+        if shared:
             fwd += sum(timer.gemm(*g, fp8=True) for g in shared)
             bwd += sum(timer.gemm(*g, backward=True, fp8=True) for g in shared)
         # Permute the routed rows out and back, forward; twice backward.
-        routed = T * model.moe.top_k * h
+        routed = moe_cost.permuted_elements(cfg, T)
         fwd += timer.stream(4 * routed, 4)
         bwd += timer.stream(8 * routed, 8)
     attn_fwd, attn_bwd = _attention(cfg, derived, timer, device, eff, attention, s, window)
