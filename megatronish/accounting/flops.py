@@ -4,7 +4,8 @@ matmul rate (training.metrics.peak_flops)."""
 
 from __future__ import annotations
 
-from megatronish.accounting.parameters import mla_params, moe_mlp_params
+from megatronish.accounting.components import attention_of, mlp
+from megatronish.accounting.components import moe as moe_cost
 from megatronish.config import Config, Derived, attention_window
 
 
@@ -15,16 +16,13 @@ def matmul_params(cfg: Config, derived: Derived) -> int:
     config.derive.moe_layers says) and the output layer again (the embedding lookup, norms and
     biases (model.qkv_bias) are not matmuls and not counted)."""
     model, h = cfg.model, cfg.model.d_model
-    qkv = h * (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
-    proj = model.n_head * derived.head_dim * h
-    if model.attention == "mla":  # its projections, the down-projections among them
-        qkv, proj = sum(mla_params(cfg)[:2]), 0
-    mlp = (2 if model.gpt2_block else 3) * h * derived.d_ff
+    attn = attention_of(model).matmul_params(model, derived)
+    dense = mlp.matmul_params(model, derived.d_ff)
     moe = len(derived.moe_layers)
-    active = moe * moe_mlp_params(cfg, derived, active=True) if moe else 0
+    active = moe * moe_cost.parameters(cfg, derived, active=True) if moe else 0
     blocks = model.n_layer + model.mtp_depth  # MoE among both: config.derive.moe_layers
     mtp = model.mtp_depth * (2 * h * h + h * derived.vocab_size)
-    return blocks * (qkv + proj) + (blocks - moe) * mlp + active + h * derived.vocab_size + mtp
+    return blocks * attn + (blocks - moe) * dense + active + h * derived.vocab_size + mtp
 
 
 def attention_keys(cfg: Config) -> int:

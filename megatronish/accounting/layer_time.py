@@ -43,7 +43,10 @@ write 4 T h).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
+from megatronish.accounting.components import attention_of, embedding, mlp, norm
+from megatronish.accounting.components import moe as moe_cost
 from megatronish.accounting.hardware import Device
 from megatronish.accounting.roofline import (
     Efficiency,
@@ -53,7 +56,6 @@ from megatronish.accounting.roofline import (
     memory_seconds,
 )
 from megatronish.config import Config, Derived
-from megatronish.config.mla_shapes import mla_shapes
 
 
 @dataclass(frozen=True)
@@ -126,60 +128,36 @@ def layer_time(
     heads, kv = model.n_head // tp, derived.n_kv_head // tp
     sp = cfg.parallel.sequence_parallel and tp > 1
     N = T // tp if sp else T
-    llama = not model.gpt2_block
-    gemms = attention_gemms(cfg, derived, T, N)
+    gemms = attention_of(model).gemms(model, derived, T, N)
     f_local = (derived.moe_d_ff if moe else derived.d_ff) // tp
-    mlp_gemms = [(T, (2 if llama else 1) * f_local, h), (T, h, f_local)]
     if not moe:
-        gemms += mlp_gemms
+        gemms += mlp.gemms(model, T, f_local)
     fwd = sum(timer.gemm(*g, fp8=True) for g in gemms)
     bwd = sum(timer.gemm(*g, backward=True, fp8=True) for g in gemms)
     if moe:
-        experts = model.moe.num_experts
-        local = experts // derived.ep
-        rows = max(
-            1, T * model.moe.top_k * derived.ep // experts
-        )  # per expert, dropless on average
-        expert_gemms = [(T, experts, h)] + [(rows, f_local, h)] * 2 + [(rows, h, f_local)]
-        for i, g in enumerate(expert_gemms):
-            batch = 1 if i == 0 else local
-            low = i > 0  # the experts in fp8 (under fp8), the router in high precision
-            fwd += timer.gemm(*g, batch=batch, fp8=low)
-            bwd += timer.gemm(*g, backward=True, batch=batch, fp8=low)
-        if derived.shared_d_ff:
-            shared_local = derived.shared_d_ff // derived.tp
-            shared = [(T, 2 * shared_local, h), (T, h, shared_local)]
+        for g in moe_cost.routed_gemms(cfg, derived, T):
+            fwd += timer.gemm(g.m, g.n, g.k, batch=g.batch, fp8=g.fp8)
+            bwd += timer.gemm(g.m, g.n, g.k, backward=True, batch=g.batch, fp8=g.fp8)
+        shared = moe_cost.shared_gemms(cfg, derived, T)
+        if shared:
             fwd += sum(timer.gemm(*g, fp8=True) for g in shared)
             bwd += sum(timer.gemm(*g, backward=True, fp8=True) for g in shared)
         # Permute the routed rows out and back, forward; twice backward.
-        routed = T * model.moe.top_k * h
+        routed = moe_cost.permuted_elements(cfg, T)
         fwd += timer.stream(4 * routed, 4)
         bwd += timer.stream(8 * routed, 8)
     attn_fwd, attn_bwd = _attention(cfg, derived, timer, device, eff, attention, s, window)
     mask = 1 if model.dropout > 0 else 0
-    act_elems = T * f_local * (3 if llama or moe else 2)
-    rope = 2 * T * (heads + kv) * hd if llama else 0
+    act = moe_cost.activation_elements if moe else partial(mlp.activation_elements, model)
+    rope = embedding.rope_elements(model, T, heads, kv, hd)
     heads_copy = 2 * T * (2 * heads + 2 * kv) * hd  # [s, b, n, d] <-> [b, n, s, d], in and out
-    elems = N * h * (2 + 2 + 3 + 3) + act_elems + rope + heads_copy
-    elementwise = timer.stream(elems, 6 + (2 if llama else 0), extra_bytes=2 * mask * N * h)
+    residuals = N * h * (3 + 3)  # bias + dropout + residual twice: read 2 N h, write N h
+    elems = norm.stream_elements(model, N) + residuals + act(T, f_local) + rope + heads_copy
+    kernels = norm.per_block(model) + 4 + embedding.rope_kernels(model)
+    elementwise = timer.stream(elems, kernels, extra_bytes=2 * mask * N * h)
     fwd += attn_fwd + elementwise
     bwd += attn_bwd + 2 * elementwise
     return LayerTime(forward=fwd, backward=bwd, attention_forward=attn_fwd)
-
-
-def attention_gemms(cfg: Config, derived: Derived, T: int, N: int) -> list[tuple[int, int, int]]:
-    """(rows, columns, inner) of the attention projections' GEMMs of T tokens on one rank (N
-    of them this rank's under sequence parallelism): qkv and the output projection, or multi-
-    head latent attention's down-projections (on the N tokens), up-projections and output."""
-    model, tp, h = cfg.model, derived.tp, cfg.model.d_model
-    heads, kv, hd = model.n_head // tp, derived.n_kv_head // tp, derived.head_dim
-    if model.attention != "mla":
-        return [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
-    mla = mla_shapes(model, heads)
-    gemms = [(N, mla.latent, h), (T, mla.kv_b_out, mla.kv_rank), (T, h, mla.proj_in)]
-    if mla.q_rank is None:
-        return [(T, mla.q_out, h), *gemms]
-    return [(N, mla.q_rank, h), (T, mla.q_out, mla.q_rank), *gemms]
 
 
 FP8_LINEARS = {"qkv", "proj", "up", "down", "shared_up", "shared_down"}
@@ -210,13 +188,14 @@ def linear_shapes(cfg: Config, derived: Derived) -> dict[str, tuple[int, int, in
     rank, named as ``linear_gemms`` names them."""
     model, train, tp = cfg.model, cfg.train, derived.tp
     T, h, hd = train.micro_batch_size * train.seq_len // derived.cp, model.d_model, derived.head_dim
-    heads, kv, llama = model.n_head // tp, derived.n_kv_head // tp, not model.gpt2_block
+    heads, kv = model.n_head // tp, derived.n_kv_head // tp
     f, shared = derived.d_ff // tp, derived.moe_d_ff // tp
+    up, down = mlp.gemms(model, T, f)
     shapes = {
         "qkv": (T, (heads + 2 * kv) * hd, h),
         "proj": (T, h, heads * derived.v_head_dim),
-        "up": (T, (2 if llama else 1) * f, h),
-        "down": (T, h, f),
+        "up": up,
+        "down": down,
         "head": (T, derived.padded_vocab_size // tp, h),
     }
     if shared:

@@ -22,14 +22,16 @@ dp x cp / ep ranks that hold the same experts):
   embedding's they read), at pp > 1 the stage's whole parameters (kept for the step);
   activations per layer and micro-batch (Korthikanti et al. 2022, 16-bit activations, s seq,
   b micro-batch, h hidden, t tp), with a fused attention kernel (no s x s scores kept):
-    tensor parallel        s b h (10 + 24 / t)
+    tensor parallel        s b h (10 + 24 / t): the norms 4, attention 3 + 8 / t, the MLP
+                           3 + 16 / t (each component's ``activations``,
+                           accounting.components)
     + sequence parallel    s b h (34 / t)
     full recompute         2 s b h (/ t with sequence parallel) kept per layer, plus one layer's
                            working set during its backward
   (multi-head latent attention: its heads' q, k, v and output over the query-key and value head
-  dims, and its latents, ``mla_activations``), times 2 for fp32 activations; plus the logits
-  and the loss's softmax, b s V / t x 6 bytes (bf16 logits, fp32 softmax). Llama's SwiGLU MLP
-  and GQA move these by a few percent.
+  dims, and its latents; each attention kind's ``activations`` in accounting.components),
+  times 2 for fp32 activations; plus the logits and the loss's softmax, b s V / t x 6 bytes
+  (bf16 logits, fp32 softmax). Llama's SwiGLU MLP and GQA move these by a few percent.
   Multi-token prediction (model.mtp_depth D) adds D layers and D logits to the last stage.
   With train.precision fp8 the activations are those of its fp8_high_precision (16-bit for
   bf16): every recipe (tensorwise, rowwise, blockwise) saves an fp8 GEMM's input for backward
@@ -59,18 +61,18 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatronish.accounting.collectives import formula_bytes_per_step
+from megatronish.accounting.components import attention_of, mlp, norm
+from megatronish.accounting.components.attention import qk_norm_params
+from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.parameters import (
     last_stage_mtp,
     local_layer_params,
-    local_moe_params,
     local_parameter_count,
     mtp_params,
     stage_moe_layers,
     tp_summed_grad_count,
 )
 from megatronish.config import Config, Derived, derive, virtual_stages
-from megatronish.config.derive import head_dim_of
-from megatronish.config.mla_shapes import mla_shapes
 from megatronish.optim import IN_FLIGHT
 from megatronish.pipeline.schedule import warmup_forwards
 
@@ -131,27 +133,16 @@ def activation_bytes_per_layer(
     if recompute == "full":
         kept = 2 * sbh / (tp if sequence_parallel else 1)
         return kept * width
-    # q, k, v and the output projection's input: 8 sbh when the heads span d_model.
-    heads, replicated, latents = 8 * cfg.model.n_head * head_dim_of(cfg.model) / h, 0.0, 0.0
-    if cfg.model.attention == "mla":
-        heads, replicated, latents = mla_activations(cfg)
-    per = (26 + heads + replicated) / tp if sequence_parallel else 10 + (16 + heads) / tp
-    if not sequence_parallel:
+    model = cfg.model
+    attention, heads, replicated, latents = attention_of(model).activations(model)
+    mlp_whole, mlp_split = mlp.activations(model)
+    whole = norm.activations(model) + attention + mlp_whole  # 10 s b h, whole on every tp rank
+    if sequence_parallel:
+        per = (whole + mlp_split + heads + replicated) / tp
+    else:
+        per = whole + (mlp_split + heads) / tp
         per += replicated
     return sbh * (per + latents) * width
-
-
-def mla_activations(cfg: Config) -> tuple[float, float, float]:
-    """What multi-head latent attention keeps per layer, in units of 16-bit s b h: (the heads'
-    q, k, v and attention output, split over tp; the inputs of the latents' norms, replicated,
-    on the sequence shard under sequence parallelism; the latents that enter the tp region,
-    the up-projections' inputs, whole at any tp)."""
-    shapes = mla_shapes(cfg.model)
-    heads = 2 * (2 * shapes.q_out + 2 * shapes.proj_in)
-    norms = 2 * shapes.normed
-    latents = 2 * shapes.entering_tp
-    h = cfg.model.d_model
-    return heads / h, norms / h, latents / h
 
 
 def decode_cache_elements(cfg: Config, derived: Derived) -> tuple[int, int]:
@@ -159,11 +150,7 @@ def decode_cache_elements(cfg: Config, derived: Derived) -> tuple[int, int]:
     holds, the keys and values of its heads). They differ under multi-head latent attention,
     which caches the normed latent and the shared rotary key, kv_lora_rank + qk_rope_head_dim
     (whole on every tp rank), and rebuilds the keys and values from them."""
-    heads = derived.n_kv_head // derived.tp
-    full = heads * (derived.head_dim + derived.v_head_dim)
-    if cfg.model.attention != "mla":
-        return full, full
-    return mla_shapes(cfg.model).latent, full
+    return attention_of(cfg.model).cache_elements(cfg.model, derived)
 
 
 def estimate(
@@ -237,7 +224,7 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     "experts" (the experts' part of the first three)."""
     zero, bf16 = cfg.optim.zero, cfg.train.bf16_autocast
     params = local_parameter_count(cfg, derived, pp_rank)
-    experts = stage_moe_layers(derived, pp_rank) * local_moe_params(cfg, derived, experts_only=True)
+    experts = stage_moe_layers(derived, pp_rank) * local_parameters(cfg, derived, experts_only=True)
     dp = derived.dp * derived.cp
     edp = max(1, dp // derived.ep)  # the ranks that hold the same experts
     outside = tp_summed_grad_count(cfg, derived, pp_rank)
@@ -290,8 +277,7 @@ def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
     if cfg.train.precision != "fp8":
         return 0
     model, h = cfg.model, cfg.model.d_model
-    norms = 2 * (2 * h if model.gpt2_block else h)
-    norms += 2 * derived.head_dim if model.qk_norm else 0
+    norms = norm.block_parameters(model) + qk_norm_params(model, derived)
     moe = stage_moe_layers(derived, pp_rank)
     dense = local_layer_params(cfg, derived) - norms
     router = cfg.model.moe.num_experts * h

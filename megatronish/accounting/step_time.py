@@ -58,6 +58,7 @@ from megatronish.accounting.cluster import Cluster, default_cluster
 from megatronish.accounting.collectives import Purpose, collectives_per_step
 from megatronish.accounting.collectives.step import FP32_BYTES, GRAD_REDUCE_BYTES
 from megatronish.accounting.comm_time import Mesh, collective_seconds
+from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.flops import attention_flops_per_token, model_flops_per_step
 from megatronish.accounting.hardware import Device
 from megatronish.accounting.layer_time import (
@@ -68,7 +69,6 @@ from megatronish.accounting.layer_time import (
     output_time,
 )
 from megatronish.accounting.parameters import (
-    local_moe_params,
     local_parameter_count,
     stage_moe_layers,
 )
@@ -225,7 +225,7 @@ def _optimizer_seconds(
     cfg: Config, derived: Derived, r: int, device: Device, eff: Efficiency
 ) -> float:
     params = local_parameter_count(cfg, derived, r)
-    experts = stage_moe_layers(derived, r) * local_moe_params(cfg, derived, experts_only=True)
+    experts = stage_moe_layers(derived, r) * local_parameters(cfg, derived, experts_only=True)
     if cfg.optim.zero >= 1:
         state = (params - experts) / (derived.dp * derived.cp) + experts / max(
             1, derived.dp * derived.cp // derived.ep

@@ -8,11 +8,11 @@ from typing import Any
 import yaml
 
 from megatronish.accounting.collectives import Purpose, Split, collectives_per_step
+from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.memory import decode_cache_elements, model_state_bytes
 from megatronish.accounting.parameters import (
     approx_tp_rank_parameters,
-    local_moe_params,
     local_parameter_count,
     parameter_count,
     stage_moe_layers,
@@ -224,7 +224,7 @@ def moe_lines(cfg: Config, derived: Derived, params: int) -> list[str]:
     layers = ", ".join(str(i) for i in derived.moe_layers)
     per_stage = [stage_moe_layers(derived, r) for r in range(derived.pp)]
     stage = per_stage.index(max(per_stage))
-    local = per_stage[stage] * local_moe_params(cfg, derived, True)
+    local = per_stage[stage] * local_parameters(cfg, derived, True)
     a2a = [op for op in collectives_per_step(cfg, derived, stage) if op.kind == "all_to_all"]
     sent = sum(op.sent for op in a2a)
     where = f", stage {stage}: {per_stage[stage]} MoE layers" if derived.pp > 1 else ""

@@ -33,8 +33,10 @@ from megatronish.accounting.collectives.step import (
     Step,
     loss_bytes,
 )
+from megatronish.accounting.components.embedding import position_params
+from megatronish.accounting.components.moe import local_parameters
+from megatronish.accounting.components.norm import weights as norm_weights
 from megatronish.accounting.parameters import (
-    local_moe_params,
     local_parameter_count,
     tp_summed_grad_count,
 )
@@ -83,7 +85,7 @@ def _edp(step: Step) -> int:
 
 def _expert_bytes(step: Step) -> int:
     """The stage's expert parameters on this rank, fp32."""
-    return step.moe_layers * local_moe_params(step.cfg, step.derived, True) * FP32_BYTES
+    return step.moe_layers * local_parameters(step.cfg, step.derived, True) * FP32_BYTES
 
 
 def _outside_bytes(step: Step) -> int:
@@ -147,7 +149,7 @@ def _mtp_bytes(step: Step) -> int:
     bare = replace(derived, moe_layers=main)
     local = local_parameter_count(cfg, derived, last) - local_parameter_count(plain, bare, last)
     outside = tp_summed_grad_count(cfg, derived, last) - tp_summed_grad_count(plain, bare, last)
-    experts = (len(derived.moe_layers) - len(main)) * local_moe_params(cfg, derived, True)
+    experts = (len(derived.moe_layers) - len(main)) * local_parameters(cfg, derived, True)
     return (local - outside - experts) * FP32_BYTES
 
 
@@ -180,11 +182,11 @@ def zero3_gathers(step: Step, dense: int) -> list[Collective]:
                 PARAMS,
             ),
         ]
-    norm = (2 if model.gpt2_block else 1) * step.h * FP32_BYTES
+    norm = norm_weights(model) * FP32_BYTES
     vocab = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
     tied = vocab if derived.tie_embeddings else 0
     kept = (0 if step.sp else norm) + (0 if derived.tie_embeddings else vocab) + _mtp_bytes(step)
-    positions = model.max_seq_len * step.h * FP32_BYTES if model.gpt2_block else 0
+    positions = position_params(model) * FP32_BYTES
     lookups = (0 if derived.tie_embeddings else vocab) + positions  # not gathered for backward
     backward = dense - kept - tied - lookups
     again = vocab if derived.last_stage_embedding else 0  # the output layer's, MTP's lookups

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Purpose, Step
+from megatronish.accounting.components import attention_of, mlp
 
 
 def fp8_collectives(step: Step) -> list[Collective]:
@@ -95,14 +96,14 @@ def _layers(step: Step) -> list[AmaxLayer]:
     shared = step.moe_layers if derived.shared_d_ff else 0
     qkv = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
     ring = step.sp and step.overlap
-    gates = 1 if model.gpt2_block else 2  # weights of the MLP's first projection
+    gates = mlp.first_weights(model)  # weights of the MLP's first projection
     each, weights = (1, gates) if ring else (gates, 1)  # calls of it and weights a call takes
-    up = "MLP up" if model.gpt2_block else "MLP up and gate"
+    up = mlp.first_name(model)
     tokens = step.b * step.s
     linear = Group(1, 1, tokens, ring)
     experts = model.moe.num_experts // derived.ep
     routed = Group(experts * derived.ep, experts, tokens * model.moe.top_k, False)
-    qkv_rows = Group(1, 1, tokens, ring, parts=1 if model.attention == "mla" else 3)
+    qkv_rows = Group(1, 1, tokens, ring, parts=attention_of(model).QKV_PARTS)
     proj_in = model.n_head * derived.head_dim
     return [
         AmaxLayer("qkv", True, qkv, h, step.layers, 1, qkv_rows),

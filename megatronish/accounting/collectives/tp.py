@@ -8,8 +8,9 @@ all-reduce becomes an all-gather plus a reduce-scatter of the same full tensor: 
 all-gathers of the norm outputs before qkv, the MLP and the LM head, reduce-scatters of the
 row-parallel outputs; backward the matching reduce-scatters of the input gradients and
 all-gathers of the output gradients, the all-gather of the embedding's gradient, and a second
-all-gather of the input of qkv, of gpt2's MLP up and of the LM head (these recompute their
-gathered input instead of keeping it; llama's gate and up keep it). Full activation
+all-gather of the input of qkv, of a lone MLP up (gelu) and of the LM head (these recompute
+their gathered input instead of keeping it; swiglu's gate and up keep it:
+accounting.components.mlp.keeps_gathered). Full activation
 checkpointing reruns each block's forward, up to the last op that saves a tensor for backward
 (torch.utils.checkpoint stops there): the attention projection's collective, and the MLP
 down's only with dropout after it.
@@ -51,7 +52,7 @@ for backward only after its reduction, so full recompute reruns the MLP down's w
 without dropout. Under train.precision fp8 (megatronish.layers.overlap_fp8) the forward
 all-gathers of qkv's and the MLP's input carry its fp8 cast (a byte a value and each token's
 float32 scales: ``fp8.cast_bytes``); backward gathers again the tensorwise cast's payload (a
-byte a value) or, rowwise and blockwise, the input in its own precision. Llama's gate and up
+byte a value) or, rowwise and blockwise, the input in its own precision. Gate and up
 keep what they gathered: the fp8 cast (tensorwise), or, rowwise and blockwise, the input
 itself, gathered forward in its own precision.
 """
@@ -72,8 +73,9 @@ from megatronish.accounting.collectives.step import (
     Step,
     moe_count_bytes,
 )
+from megatronish.accounting.components import attention_of, mlp
+from megatronish.accounting.components import moe as moe_cost
 from megatronish.accounting.parameters import tp_summed_grad_count
-from megatronish.config.mla_shapes import mla_shapes
 from megatronish.fp8 import RECIPES
 from megatronish.layers.overlap_fp8 import ring_carries_cast
 
@@ -156,14 +158,11 @@ def _moe_runs(step: Step) -> int:
 
 def _attention_inputs(step: Step) -> tuple[int, int]:
     """(layers whose attention takes the layer input through a column-parallel projection: qkv,
-    or mla's queries without q_lora_rank; bytes of mla's latents entering the tp region per
-    micro-batch and layer, 0 without mla)."""
-    n = step.layers
-    if step.cfg.model.attention != "mla":
-        return n, 0
-    mla = mla_shapes(step.cfg.model)
-    latents = step.b * step.s * mla.entering_tp * step.operand_bytes
-    return (n if mla.q_rank is None else 0), latents
+    or mla's queries without q_lora_rank; bytes of what else enters the tp region per
+    micro-batch and layer: mla's latents, 0 without)."""
+    model = step.cfg.model
+    column, entering = attention_of(model).tp_inputs(model, step.b * step.s, step.operand_bytes)
+    return (step.layers if column else 0), entering
 
 
 def _blocks(step: Step) -> list[Collective]:
@@ -234,22 +233,22 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
 
 def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[Row]:
     """The sequence-parallel all-gathers of qkv's and the dense MLP's input (rows for
-    ``decomposed``): forward, and once more under full recompute; qkv and gpt2's MLP up gather
-    again in backward (llama's gate and up keep it). Decomposed under fp8 (module doc) the
+    ``decomposed``): forward, and once more under full recompute; qkv and a lone MLP up gather
+    again in backward (gate and up keep it). Decomposed under fp8 (module doc) the
     forward ones carry the input's fp8 cast, and backward gathers the tensorwise cast's payload
     (kept by gate and up) or the input itself (also for gate and up)."""
-    act = _activation_bytes(step)
+    act, keep = _activation_bytes(step), mlp.keeps_gathered(step.cfg.model)
     dense = step.layers - step.moe_layers
     if not (step.overlap and step.cfg.train.precision == "fp8"):
         return [
             Row("qkv input (forward, backward)", "all_gather", act, qkv * (2 + rerun), "qkv"),
-            *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up"),
+            *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up", keep),
         ]
     cast = cast_bytes(step.cfg.train.fp8_recipe, step.b * step.s, step.h)
     return [
         Row("qkv input, fp8 cast (forward)", "all_gather", cast, qkv * (1 + rerun), "qkv"),
         Row("qkv input again (backward)", "all_gather", _gathered_again_bytes(step), qkv, "qkv"),
-        *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up"),
+        *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up", keep),
     ]
 
 
@@ -260,23 +259,27 @@ def _gathered_again_bytes(step: Step) -> int:
     return step.b * step.s * step.h * (1 if tensorwise else step.operand_bytes)
 
 
-def mlp_input_gathers(step: Step, what: str, mlps: int, runs: int, gemm: str) -> list[Row]:
+def mlp_input_gathers(
+    step: Step, what: str, mlps: int, runs: int, gemm: str, keep: bool
+) -> list[Row]:
     """The sequence-parallel all-gathers of the input of `mlps` MLPs (a dense MLP's or a shared
-    expert's; rows for ``decomposed``), each run forward `runs` times: gpt2's up gathers again in
-    backward, llama's gate and up keep what they gathered. Decomposed under fp8 the forward ones
-    carry the input's fp8 cast, except llama's gate and up rowwise and blockwise (the input
-    itself, kept for backward's per-feature scales); gpt2's again is ``_gathered_again_bytes``."""
-    act, gpt2 = _activation_bytes(step), step.cfg.model.gpt2_block
+    expert's; rows for ``decomposed``), each run forward `runs` times: a lone up gathers again in
+    backward, gate and up keep what they gathered (`keep`: accounting.components.mlp
+    keeps_gathered). Decomposed under fp8 the forward ones carry the input's fp8 cast, except
+    kept ones rowwise and blockwise (the input itself, kept for backward's per-feature scales);
+    the lone up's again is ``_gathered_again_bytes``."""
+    act, again_runs = _activation_bytes(step), int(not keep)
     if not (step.overlap and step.cfg.train.precision == "fp8"):
-        return [Row(f"{what} (forward, backward)", "all_gather", act, mlps * (runs + gpt2), gemm)]
+        rows = mlps * (runs + again_runs)
+        return [Row(f"{what} (forward, backward)", "all_gather", act, rows, gemm)]
     recipe = step.cfg.train.fp8_recipe
     cast = cast_bytes(recipe, step.b * step.s, step.h)
-    mlp_cast = ring_carries_cast(RECIPES[recipe], keep_gathered=not gpt2)  # llama's gate, up keep
+    mlp_cast = ring_carries_cast(RECIPES[recipe], keep_gathered=keep)
     again = _gathered_again_bytes(step)
     return [
         Row(f"{what}, fp8 cast (forward)", "all_gather", cast, mlps * runs * mlp_cast, gemm),
         Row(f"{what} (forward)", "all_gather", act, mlps * runs * (not mlp_cast), gemm),
-        Row(f"{what} again (backward)", "all_gather", again, mlps * gpt2, gemm),
+        Row(f"{what} again (backward)", "all_gather", again, mlps * again_runs, gemm),
     ]
 
 
@@ -359,9 +362,9 @@ def _moe(step: Step) -> list[Collective]:
         ),
     ]
     if step.derived.shared_d_ff:
-        ag, rs = "all_gather", "reduce_scatter"
+        ag, rs, shared_keep = "all_gather", "reduce_scatter", moe_cost.SHARED_KEEPS_GATHERED
         shared = [
-            *mlp_input_gathers(step, "shared expert input", n, runs, "shared_up"),
+            *mlp_input_gathers(step, "shared expert input", n, runs, "shared_up", shared_keep),
             Row("shared expert output gradient (backward)", ag, act, n, "shared_down_backward"),
             Row("shared expert output (forward)", rs, act, n * runs, "shared_down"),
             Row("shared expert input gradient (backward)", rs, act, n, "shared_up"),
