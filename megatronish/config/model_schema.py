@@ -181,12 +181,6 @@ class ModelConfig:
         family's choice (megatronish.config.presets), with model.attention and model.qkv_bias."""
         return components_of(self.arch, self.attention, self.qkv_bias)
 
-    @property
-    def gpt2_block(self) -> bool:
-        """Whether the blocks are GPT-2's (learned positions, LayerNorm, GELU, biases) rather
-        than the RoPE, RMSNorm and SwiGLU blocks every other family composes its components on."""
-        return self.arch == "gpt2"
-
 
 # The keys of model.rope_scaling each type reads (besides `type`); a key of another type is an
 # error unless left at its default.
