@@ -49,6 +49,7 @@ from megatronish.config import Config, derive, load_config
 from megatronish.data_parallel import data_parallel_for
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
+from megatronish.objectives.registry import sequence_losses
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_OVERRIDES = ["parallel.tp=1", "optim.zero=0", "train.precision=fp32", "kernels.backend=torch"]
@@ -76,7 +77,7 @@ def build(cfg: Config, with_state: bool):
     optimizer = data_parallel_for(model, cfg, ps, buckets=False)
     if with_state:
         batch = torch.randint(0, derived.vocab_size, (1, 17))
-        model.loss(batch[:, :-1], batch[:, 1:]).backward()
+        sequence_losses(model, batch[:, :-1], batch[:, 1:]).total.backward()
         optimizer.step(cfg.train.lr)
         optimizer.after_step()
     return model, optimizer, derived

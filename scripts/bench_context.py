@@ -48,6 +48,7 @@ def _rank(rank: int, cp: int, port: int, arch: str, seq_len: int, out) -> None:
     from megatronish.context import RingCounter, shard_sequence
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
+    from megatronish.objectives.registry import sequence_losses
     from megatronish.pipeline.runner import SavedTensorMeter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -66,7 +67,7 @@ def _rank(rank: int, cp: int, port: int, arch: str, seq_len: int, out) -> None:
     meter = SavedTensorMeter(model.parameters())
     start = time.perf_counter()
     with meter.hooks(), RingCounter() as work:
-        loss = model.loss(inputs, targets)
+        loss = sequence_losses(model, inputs, targets).total
     loss.backward()
     seconds = time.perf_counter() - start
     out.put((rank, meter.peak, work.flops, seconds))

@@ -18,6 +18,7 @@ from megatronish.config import Config, load_config
 from megatronish.data_parallel import data_parallel_for
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
+from megatronish.objectives.registry import sequence_losses
 
 VOCAB = 257  # the byte tokenizer's
 BYTES = TokenizerInfo("byte", 256)
@@ -58,7 +59,7 @@ def trained(cfg: Config, ps: ParallelState, steps: int = 2, lr: float = 1e-2):
     for _ in range(steps):
         batch = torch.randint(0, VOCAB, (2 * ps.dp, 17), generator=gen)[2 * ps.dp_rank :][:2]
         optimizer.start_of_step(1)
-        model.loss(batch[:, :-1], batch[:, 1:]).backward()
+        sequence_losses(model, batch[:, :-1], batch[:, 1:]).total.backward()
         optimizer.after_backward()
         optimizer.step(lr)
         optimizer.after_step()

@@ -2,7 +2,7 @@
 ring attention passing keys and values around the group; and the documents of packed
 sequences (document masks), split the same way."""
 
-from megatronish.context.documents import Documents, documents_of, micro_batches
+from megatronish.context.documents import Documents, documents_of
 from megatronish.context.ring import Ring, RingCounter, ring_attention
 from megatronish.context.zigzag import shard_sequence, split_batch, zigzag_positions
 
@@ -11,7 +11,6 @@ __all__ = [
     "Ring",
     "RingCounter",
     "documents_of",
-    "micro_batches",
     "ring_attention",
     "shard_sequence",
     "split_batch",

@@ -59,23 +59,3 @@ def documents_of(inputs: torch.Tensor, eod_id: int) -> Documents:
     index = torch.arange(length, device=inputs.device).expand(inputs.shape)
     first = torch.where(starts, index, 0).cummax(-1).values  # where each token's document starts
     return Documents(segments, index - first, segments.unsqueeze(-2))
-
-
-def micro_batches(
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    documents: Documents | None,
-    ahead: torch.Tensor | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor, Documents | None, torch.Tensor | None]]:
-    """(inputs, targets, documents or None, ahead or None) of each micro-batch of a step's
-    inputs and targets [accum, micro, s], their documents (None without document masks) and the
-    tokens and targets ahead [accum, micro, 2, D, s] (multi-token prediction: model.mtp)."""
-    return [
-        (
-            x,
-            y,
-            None if documents is None else documents[index],
-            None if ahead is None else ahead[index],
-        )
-        for index, (x, y) in enumerate(zip(inputs, targets))
-    ]

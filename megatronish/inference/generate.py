@@ -1,4 +1,4 @@
-"""`megatronish generate`: sampling from a checkpoint with a KV cache (GPT.forward_cached).
+"""`megatronish generate`: sampling from a checkpoint with a KV cache (inference.decode).
 
 In one process the checkpoint is re-sharded to tp 1; under torchrun each of the WORLD_SIZE
 ranks holds its tp shard, the logits are all-gathered over the vocab, every rank samples with
@@ -28,6 +28,7 @@ from megatronish.distributed.layout import (
     world_size_from_env,
 )
 from megatronish.errors import UserError
+from megatronish.inference.decode import decode_step
 from megatronish.inference.model import build_model
 from megatronish.layers import mappings
 
@@ -150,7 +151,7 @@ class Generation:
         generator = torch.Generator().manual_seed(self.seed)
         cache = self.cache
         prompt = torch.tensor([self.prompt_ids], dtype=torch.int64, device=ps.device)
-        logits = model.forward_cached(prompt, cache, 0)[:, -1]  # [1, V / t]
+        logits = decode_step(model, prompt, cache, 0)[:, -1]  # [1, V / t]
         pos = self.cached_tokens = len(self.prompt_ids)  # the position sampled next
         for produced in range(self.max_new_tokens):
             if pos >= max_len:
@@ -168,7 +169,7 @@ class Generation:
             pos += 1
             if produced + 1 < self.max_new_tokens and pos < max_len:
                 step = torch.tensor([[token]], dtype=torch.int64, device=ps.device)
-                logits = model.forward_cached(step, cache, pos - 1)[:, -1]
+                logits = decode_step(model, step, cache, pos - 1)[:, -1]
                 self.cached_tokens = pos
         self.stop_reason = "max_new_tokens"
 

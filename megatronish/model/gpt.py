@@ -1,5 +1,6 @@
 """GPT: the model of one tp rank of one pipeline stage (embeddings, blocks, final norm,
-logits and the vocab-parallel loss).
+logits, the multi-token prediction modules); what training minimizes is megatronish.objectives,
+incremental decoding megatronish.inference.decode.
 
 Shapes (legend in megatronish.model): b batch, s sequence, h d_model, V padded vocab,
 t tp size.
@@ -13,10 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatronish import ops
 from megatronish.config import Config, Derived
 from megatronish.context import Documents, zigzag_positions
-from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.layers import mappings
 from megatronish.layers.embedding import VocabParallelEmbedding
@@ -28,7 +27,7 @@ from megatronish.layers.linear import (
 from megatronish.layers.roles import set_role
 from megatronish.model.block import Block
 from megatronish.model.init import init_weights
-from megatronish.model.mtp import MTP, ahead_of
+from megatronish.model.mtp import MTP
 from megatronish.model.norm import Norm
 from megatronish.model.plan import ModelPlan, block_plan, model_plan
 from megatronish.model.recompute import checkpoint
@@ -39,7 +38,8 @@ from megatronish.observe.profile import annotate
 class GPT(nn.Module):
     """The model on one tp rank of one pipeline stage. With pp = 1 (one stage):
     forward(tokens [b, s]) -> this rank's logits [b, s, V / t] (padding ids beyond the real vocab
-    are -inf); loss(tokens, targets) -> mean loss.
+    are -inf); stage_forward -> the final hidden states, which an objective takes on through
+    head and mtp_hidden (megatronish.objectives).
 
     With pp > 1 the stage holds its slice of the transformer layers (derived.stage_chunks), under
     their global names (blocks.<i>), so checkpoints are the same at any pp; the first stage also
@@ -101,7 +101,6 @@ class GPT(nn.Module):
         self.mtp = None
         if self.is_last_stage and model.mtp_depth > 0:
             self.mtp = MTP(model, [plan_of(model.n_layer + k) for k in range(model.mtp_depth)])
-        self.mtp_loss_coef = model.mtp_loss_coef
         local_v = V // derived.tp
         ids = torch.arange(ps.tp_rank * local_v, (ps.tp_rank + 1) * local_v)
         self.register_buffer("vocab_padding", ids >= derived.vocab_size, persistent=False)
@@ -188,7 +187,7 @@ class GPT(nn.Module):
         """This rank's model chunk `chunk` (0 .. pp_virtual - 1; global chunk pp_rank + chunk x
         pp): tokens [b, s] (global chunk 0) or the previous chunk's hidden states -> hidden
         states for the next chunk; after the last chunk the final hidden states, before the
-        final norm (head_losses, or logits(norm_f(...)) takes them on)."""
+        final norm (head and an objective take them on)."""
         if self.is_first_stage and chunk == 0:
             with annotate("embed"):
                 x = self.embed(inputs, documents)
@@ -226,114 +225,26 @@ class GPT(nn.Module):
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits
 
-    def loss_of_logits(
-        self, logits: torch.Tensor, targets: torch.Tensor, divisor: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Mean cross entropy over the tokens whose target is not -100. Under cp the count is
-        the whole sequences' (summed over the cp group) and the value is scaled by cp, so the
-        mean over the cp group of this loss (and of its gradients) is the full sequences'
-        mean, however the targets that count fall on the cp ranks. With `divisor` (a loss
-        mask: training/loss.py) the sum over the counted targets divided by it, with no
-        collective."""
-        with annotate("loss"):
-            per_token = ops.cross_entropy(logits, targets, self.ps.tp_group, backend=self.backend)
-        if divisor is not None:
-            return per_token.float().sum() / divisor
-        count = (targets != -100).sum()
-        if self.derived.cp > 1:
-            count = count.to(torch.float64).reshape(1)
-            comm.all_reduce(count, self.ps.cp_group)
-            return per_token.float().sum() * self.derived.cp / count.clamp(min=1).float()[0]
-        return per_token.float().sum() / count.clamp(min=1)
-
-    def head_losses(
-        self,
-        hidden: torch.Tensor,
-        targets: torch.Tensor,
-        divisor: torch.Tensor | None = None,
-        documents: Documents | None = None,
-        ahead: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The last stage's losses from its final hidden states [b, s, h]: (the main loss, the
-        mean over the depths of the multi-token prediction losses, or None without them or
-        outside training). ahead: the micro-batch's mtp.ahead_of [b, 2, D, s / cp], this cp
-        rank's shard. divisor (a loss mask): a scalar, or [1 + D] (the main loss's, then each
-        depth's) with multi-token prediction."""
-        main_divisor = divisor if divisor is None or divisor.dim() == 0 else divisor[0]
+    def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's output layers: its final hidden states [b, s, h] -> (the hidden
+        states after the final norm, this rank's logits [b, s, V / t])."""
         normed = self.norm_f(hidden)
         with annotate("logits"):
-            logits = self.logits(normed)
-        main = self.loss_of_logits(logits, targets, main_divisor)
-        if self.mtp is None or not self.training:
-            return main, None
-        if ahead is None:
-            raise RuntimeError("multi-token prediction needs the tokens ahead (mtp.ahead_of)")
-        tokens, mtp_targets = ahead[:, 0], ahead[:, 1]  # [b, D, s] each
+            return normed, self.logits(normed)
+
+    def mtp_hidden(
+        self,
+        normed: torch.Tensor,
+        future_tokens: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The multi-token prediction modules' h^1 .. h^D [b, s, h] (each normed, the input of
+        the output layer for its depth) from the main model's output after its final norm
+        [b, s, h] and the input tokens ahead [b, D, s] (mtp.future_tokens_of, this cp rank's
+        shard)."""
         # forward, not the module's call: its ZeRO-3 hooks are the first lookup's; the final
         # norm's gathered this embedding again (forward_param_uses)
-        embedded = self.tok_emb.forward(tokens)  # [b, D, s, h]
+        embedded = self.tok_emb.forward(future_tokens)  # [b, D, s, h]
         recompute = self.tracker if self.full_checkpoint and self.training else None
         with annotate("mtp"):
-            depths = self.mtp(normed, embedded, documents, recompute)
-        losses = []
-        for k, x in enumerate(depths, start=1):
-            depth_divisor = None if divisor is None else divisor[k]
-            losses.append(self.loss_of_logits(self.logits(x), mtp_targets[:, k - 1], depth_divisor))
-        return main, torch.stack(losses).mean()
-
-    def objective(self, main: torch.Tensor, mtp: torch.Tensor | None) -> torch.Tensor:
-        """What training differentiates: the main loss, plus model.mtp_loss_coef times the
-        multi-token prediction loss when there is one."""
-        return main if mtp is None else main + self.mtp_loss_coef * mtp
-
-    def losses(
-        self,
-        tokens: torch.Tensor,
-        targets: torch.Tensor,
-        divisor: torch.Tensor | None = None,
-        documents: Documents | None = None,
-        ahead: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """head_losses of the tokens (one stage only); documents: the tokens' under document
-        masks (megatronish.context.documents); ahead: mtp.ahead_of of the whole sequences,
-        taken from tokens and targets when None (at cp 1 only)."""
-        if ahead is None and self.mtp is not None and self.training:
-            if self.derived.cp > 1:
-                raise RuntimeError("under cp the tokens ahead come from the whole sequences")
-            ahead = ahead_of(tokens, targets, self.cfg.model.mtp_depth)
-        hidden = self.stage_forward(tokens, documents)
-        return self.head_losses(hidden, targets, divisor, documents, ahead)
-
-    def loss(
-        self,
-        tokens: torch.Tensor,
-        targets: torch.Tensor,
-        divisor: torch.Tensor | None = None,
-        documents: Documents | None = None,
-        ahead: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The objective of `losses` (the main loss alone in eval mode)."""
-        return self.objective(*self.losses(tokens, targets, divisor, documents, ahead))
-
-    @torch.no_grad()
-    def forward_cached(self, tokens: torch.Tensor, cache: list, start_pos: int) -> torch.Tensor:
-        """Incremental decoding (generation; eval mode, one stage, no sequence parallelism):
-        tokens [b, s] at positions start_pos..start_pos + s - 1 -> this rank's logits
-        [b, s, V / t] for those positions, as forward on the whole sequence gives them. `cache`
-        is a list, empty at start_pos 0, that holds each block's keys and values; it is
-        updated in place."""
-        if self.sequence_parallel or self.derived.pp > 1:
-            raise RuntimeError("forward_cached runs at pp 1 with sequence_parallel false")
-        s = tokens.shape[1]
-        if start_pos + s > self.cfg.model.max_seq_len:
-            raise ValueError(f"positions up to {start_pos + s} > max_seq_len")
-        x = self.tok_emb(tokens)  # [b, s, h]
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start_pos, start_pos + s, device=tokens.device))
-        for index, block in enumerate(self.blocks.values()):
-            x, kv = block.forward_cached(x, cache[index] if index < len(cache) else None, start_pos)
-            if index < len(cache):
-                cache[index] = kv
-            else:
-                cache.append(kv)
-        return self.logits(self.norm_f(x))
+            return self.mtp(normed, embedded, documents, recompute)

@@ -14,9 +14,9 @@ The loss the model trains on is the main loss plus mtp_loss_coef times the mean 
 of their cross-entropies; the main loss alone is what `loss` and every evaluation report.
 
 The tokens and targets ahead are shifted on the whole sequences, before the zigzag split over
-cp ranks (`ahead_of`, then sharded like the inputs), so the token k ahead of a rank's last token
-of a chunk is the right one. Causal attention keeps the tokens past the end (padding, with no
-target) from reaching any position that has one.
+cp ranks (`future_tokens_of`, then sharded like the inputs), so the token k ahead of a rank's
+last token of a chunk is the right one. Causal attention keeps the tokens past the end
+(padding, with no target) from reaching any position that has one.
 
 Shapes: b batch, s sequence (s / cp on a cp rank; s / t of the hidden states under sequence
 parallelism), h d_model, D depth.
@@ -40,7 +40,7 @@ from megatronish.model.plan import BlockPlan
 from megatronish.model.recompute import checkpoint
 
 
-def ahead_of(inputs: torch.Tensor, targets: torch.Tensor, depth: int) -> torch.Tensor:
+def future_tokens_of(inputs: torch.Tensor, targets: torch.Tensor, depth: int) -> torch.Tensor:
     """The tokens and targets ahead of whole sequences inputs and targets [..., s] (targets:
     -100 where they do not count): int64 [..., 2, depth, s], [..., 0, k - 1, i] the input token
     at i + k (0 past the end) and [..., 1, k - 1, i] the target at i + k (-100 past the end)."""
@@ -54,9 +54,10 @@ def ahead_of(inputs: torch.Tensor, targets: torch.Tensor, depth: int) -> torch.T
     return torch.stack(rows, dim=-3)
 
 
-def shard_ahead(ahead: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
-    """This cp rank's zigzag shard of ahead_of's [..., 2, D, s] -> [..., 2, D, s / cp]."""
-    return shard_sequence(ahead, cp, cp_rank, ahead.dim() - 1)
+def shard_future_tokens(future_tokens: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """This cp rank's zigzag shard of future_tokens_of's [..., 2, D, s] ->
+    [..., 2, D, s / cp]."""
+    return shard_sequence(future_tokens, cp, cp_rank, future_tokens.dim() - 1)
 
 
 class MTPLayer(nn.Module):
@@ -115,9 +116,9 @@ class MTP(nn.Module):
         for the output layer."""
         out = []
         for k, layer in enumerate(self.layers):
-            ahead = embedded[:, k]
+            future = embedded[:, k]
             if self.sequence_parallel:
-                ahead = mappings.scatter_to_sequence_parallel_region(ahead, self.tp_group)
-            hidden = layer(hidden, ahead, documents, tracker)
+                future = mappings.scatter_to_sequence_parallel_region(future, self.tp_group)
+            hidden = layer(hidden, future, documents, tracker)
             out.append(hidden)
         return tuple(out)

@@ -1,7 +1,8 @@
 """Pipeline schedules: one optimizer step's micro-batches through the pipeline stages.
 
 Each stage runs GPT.stage_forward on its layers, with the micro-batch's documents under
-document masks (every stage has the whole batch, so they need not travel). Between stages
+document masks (every stage has the whole batch, so they need not travel); the last stage
+hands its output to the objective (megatronish.objectives). Between stages
 travel the hidden states
 [micro, s, h] (a tp rank's sequence shard [micro, s/t, h] under sequence parallelism: every tp
 rank sends its own shard to the same tp rank of the next stage) and, backwards, their
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronish.context import Documents, micro_batches
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
+from megatronish.objectives.batch import MicroBatch
+from megatronish.objectives.interface import Objective
 from megatronish.observe.phases import PhaseTimer
 from megatronish.pipeline.schedule import Op, Tick, interleaved_ticks
 
@@ -118,14 +120,12 @@ class Pipeline:
             comm.exchange(sends, recvs)
         self.stats.wait_s += time.perf_counter() - start
 
-    def _recv_forward(self, micro: tuple) -> torch.Tensor:
-        """This stage's input for micro-batch `micro` (inputs [b, s], targets [b, s],
-        documents or None, tokens ahead or None): its tokens
-        on the first stage, else the previous stage's hidden states (a leaf that collects
-        their gradient)."""
+    def _recv_forward(self, micro: MicroBatch) -> torch.Tensor:
+        """This stage's input for `micro`: its tokens on the first stage, else the previous
+        stage's hidden states (a leaf that collects their gradient)."""
         if self.ps.is_first_stage:
-            return micro[0]
-        buffer = self._buffer(micro[0].shape[0])
+            return micro.tokens
+        buffer = self._buffer(micro.tokens.shape[0])
         self._exchange([], [(buffer, self.prev)])
         return buffer.requires_grad_(True)
 
@@ -152,10 +152,10 @@ class Pipeline:
         if not self.ps.is_first_stage:
             self._exchange([(grad, self.prev)], [])
 
-    def _send_backward_recv_forward(self, grad, micro: tuple) -> torch.Tensor:
+    def _send_backward_recv_forward(self, grad, micro: MicroBatch) -> torch.Tensor:
         if self.ps.is_first_stage:
-            return micro[0]
-        buffer = self._buffer(micro[0].shape[0])
+            return micro.tokens
+        buffer = self._buffer(micro.tokens.shape[0])
         self._exchange([(grad, self.prev)], [(buffer, self.prev)])
         return buffer.requires_grad_(True)
 
@@ -180,30 +180,32 @@ class Pipeline:
         return self.ps.is_last_stage and chunk in (None, self.virtual - 1)
 
     def _forward(
-        self, inputs: torch.Tensor, micro: tuple, scale: float, autocast, chunk: int | None = None
+        self,
+        inputs: torch.Tensor,
+        micro: MicroBatch,
+        scale: float,
+        autocast,
+        chunk: int | None = None,
     ):
         """(output, what backward starts from) of this stage, or of its model chunk `chunk`
-        (0 .. v - 1) under interleaving: hidden states, or the micro-batch's objective
-        (GPT.objective) scaled by `scale` at the end of the model (its unscaled main loss added
-        to the loss sum, its multi-token prediction loss to mtp_sum)."""
+        (0 .. v - 1) under interleaving: hidden states, or the total of the micro-batch's
+        losses (self.objective) scaled by `scale` at the end of the model (its unscaled main
+        loss added to the loss sum, its multi-token prediction loss to mtp_sum)."""
         start = time.perf_counter()
         saving = self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
         last = self._last(chunk)
         with self.timer.phase("forward"), saving, autocast():
             if chunk is None:
-                output = self.model.stage_forward(inputs, micro[2])
+                output = self.model.stage_forward(inputs, micro.documents)
             else:
-                output = self.model.chunk_forward(chunk, inputs, micro[2])
+                output = self.model.chunk_forward(chunk, inputs, micro.documents)
             if last:
-                main, mtp = self.model.head_losses(
-                    output, micro[1], self.divisor, micro[2], micro[3]
-                )
-                loss = self.model.objective(main, mtp)
+                losses = self.objective.losses(self.model, output, micro)
         if last:
-            self.loss_sum += main.detach()
-            if mtp is not None:
-                self.mtp_sum += mtp.detach()
-            output = loss * scale
+            self.loss_sum += losses.main.detach()
+            if losses.mtp is not None:
+                self.mtp_sum += losses.mtp.detach()
+            output = losses.total * scale
         self.stats.compute_s += time.perf_counter() - start
         return output
 
@@ -222,25 +224,20 @@ class Pipeline:
 
     def run(
         self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
+        batch: list[MicroBatch],
+        objective: Objective,
         scale: float,
         autocast,
         *,
         forward_only: bool = False,
-        divisor: torch.Tensor | None = None,
-        documents: Documents | None = None,
-        ahead: torch.Tensor | None = None,
     ):
-        """Forward (and, unless forward_only, backward) of every micro-batch of inputs and
-        targets [m, micro, s] (this rank's sequence shard under cp), with their documents
-        [m, micro, ...] under document masks and the tokens ahead [m, micro, 2, D, s] under
-        multi-token prediction; each micro-batch's objective (GPT.head_losses, with `divisor`)
-        is scaled by `scale` for backward. Returns the sum of the micro-batch main losses (zero
-        except on the last stage); that of their multi-token prediction losses is mtp_sum."""
+        """Forward (and, unless forward_only, backward) of every micro-batch of a step (this
+        rank's sequence shard under cp); each micro-batch's total loss (objective's, on the
+        last stage) is scaled by `scale` for backward. Returns the sum of the micro-batch main
+        losses (zero except on the last stage); that of their multi-token prediction losses is
+        mtp_sum."""
         start = time.perf_counter()
-        self.divisor = divisor
-        batch = micro_batches(inputs, targets, documents, ahead)
+        self.objective = objective
         self.loss_sum = torch.zeros((), device=self.ps.device)
         self.mtp_sum = torch.zeros((), device=self.ps.device)
         self.stats = ScheduleStats()
@@ -300,12 +297,12 @@ class Pipeline:
             grad = self._recv_backward(oldest_output)
             self._send_backward(self._backward(oldest_inputs, oldest_output, grad))
 
-    def _interleaved(self, batch, scale, autocast, forward_only: bool) -> None:
+    def _interleaved(self, batch: list[MicroBatch], scale, autocast, forward_only: bool) -> None:
         """This rank's ticks of interleaved_ticks: each one's operation, then one batch of its
         sends and receives, posted without waiting. A receive is waited for when its operation
         runs; every batch at the latest 2 pp ticks later (its peers are past that tick by then;
         waiting releases the tensors it holds), the last ones after the last tick."""
-        ps, micro_batch_size = self.ps, batch[0][0].shape[0]
+        ps, micro_batch_size = self.ps, batch[0].tokens.shape[0]
         ticks = interleaved_ticks(ps.pp, self.virtual, len(batch), self.schedule, forward_only)
         inbox: dict[Op, tuple[torch.Tensor, object]] = {}  # received (buffer, batch handle)
         # (micro-batch, chunk) -> (inputs, output) until its backward; None: forward only
@@ -352,7 +349,7 @@ class Pipeline:
         local, micro = chunk // self.ps.pp, batch[index]
         if kind == "F":
             if self._first(local):
-                inputs = micro[0]
+                inputs = micro.tokens
             else:
                 inputs = self._received(inbox, op).requires_grad_(True)
             output = self._forward(inputs, micro, scale, autocast, local)

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatronish.config import Config
-from megatronish.context import Documents, documents_of, micro_batches, split_batch
+from megatronish.context import Documents, documents_of, split_batch
 from megatronish.data import BatchLoader
 from megatronish.distributed.layout import ParallelState
-from megatronish.model.mtp import ahead_of, shard_ahead
+from megatronish.model.mtp import future_tokens_of, shard_future_tokens
 from megatronish.model.precision import autocast
+from megatronish.objectives.batch import micro_batches
+from megatronish.objectives.registry import objective_for
 from megatronish.training.loss import counted_share, mean_loss
 
 if TYPE_CHECKING:
@@ -33,17 +35,18 @@ def next_batch(
     the loader's samples of this dp rank, this cp rank's zigzag shard of them (targets that do
     not count in the loss are -100); with document_mask (data.document_mask) their documents
     (found in the whole sequences, then split like them); with mtp_depth D > 0 the tokens and
-    targets ahead (model.mtp.ahead_of of the whole sequences, then split like them)
+    targets ahead (model.mtp.future_tokens_of of the whole sequences, then split like them)
     [accum, micro, 2, D, s / cp], else None."""
     batch, loss_mask = loader.next_masked_step()  # [accum, micro, s + 1], [..., s]
     batch = batch.to(ps.device)
-    documents = ahead = None
+    documents = future_tokens = None
     if document_mask:
         documents = documents_of(batch[..., :-1], loader.eod_id).shard(ps.cp, ps.cp_rank)
     if mtp_depth > 0:
         whole = split_batch(batch, 1, 0, loss_mask)
-        ahead = shard_ahead(ahead_of(*whole, mtp_depth), ps.cp, ps.cp_rank)
-    return *split_batch(batch, ps.cp, ps.cp_rank, loss_mask), documents, ahead
+        whole_future = future_tokens_of(*whole, mtp_depth)
+        future_tokens = shard_future_tokens(whole_future, ps.cp, ps.cp_rank)
+    return *split_batch(batch, ps.cp, ps.cp_rank, loss_mask), documents, future_tokens
 
 
 @torch.no_grad()
@@ -61,24 +64,18 @@ def validation_loss(
     else the model on this rank's micro-batches; the model's mode is the caller's."""
     divisor = torch.ones((), device=ps.device) if loader.masks_loss else None
     in_precision = functools.partial(autocast, cfg, ps.device)
+    objective = objective_for(cfg, ps)
     total = torch.zeros((), device=ps.device)
     seen, count = [], 0  # the targets, and the micro-batches, evaluated
     for _ in range(cfg.train.eval_steps):
         inputs, targets, documents, _ = next_batch(loader, ps, cfg.data.document_mask)
+        batch = micro_batches(inputs, targets, divisor, documents)
         if pipeline is not None:
-            total += pipeline.run(
-                inputs,
-                targets,
-                1.0,
-                in_precision,
-                forward_only=True,
-                divisor=divisor,
-                documents=documents,
-            )
+            total += pipeline.run(batch, objective, 1.0, in_precision, forward_only=True)
         else:
-            for x, y, docs, _ in micro_batches(inputs, targets, documents):
+            for micro in batch:
                 with in_precision():
-                    loss = model.losses(x, y, divisor, docs)[0]  # the main loss alone
+                    loss = objective(model, micro).main  # the main loss alone
                 total += loss.float()
         seen.append(targets)
         count += inputs.shape[0]

@@ -1,7 +1,7 @@
 """How the micro-batch losses of a step become its loss: the mean over the global batch.
 
 Without a loss mask every micro-batch has the same number of targets, so the loss is the mean
-of the micro-batch means (GPT.loss_of_logits), averaged over the dp x cp group with the
+of the micro-batch means (objectives.cross_entropy), averaged over the dp x cp group with the
 gradients. With a loss mask (SFT data, data.eod_mask_loss: targets that do not count are -100)
 the micro-batches count different numbers of targets, and the loss is the sum over every
 counted target of the global batch divided by their number N, whatever the layout. One fp64
@@ -64,14 +64,14 @@ def counted_share(targets: torch.Tensor, ps: ParallelState) -> torch.Tensor:
 
 
 def loss_divisor(
-    targets: torch.Tensor, ahead: torch.Tensor | None, ps: ParallelState
+    targets: torch.Tensor, future_tokens: torch.Tensor | None, ps: ParallelState
 ) -> torch.Tensor:
     """counted_share of a step's targets [accum, micro, s]: a scalar; with the tokens ahead
     (multi-token prediction, [accum, micro, 2, D, s]) [1 + D], the main targets' and each
     depth's, in one all-reduce."""
-    if ahead is None:
+    if future_tokens is None:
         return counted_share(targets, ps)
-    return counted_shares([targets, *ahead[:, :, 1].unbind(2)], ps)
+    return counted_shares([targets, *future_tokens[:, :, 1].unbind(2)], ps)
 
 
 def counted_shares(targets: list[torch.Tensor], ps: ParallelState) -> torch.Tensor:

@@ -22,12 +22,13 @@ from megatronish import fp8
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.checkpoint.lock import run_lock
 from megatronish.config import Config
-from megatronish.context import micro_batches
 from megatronish.data_parallel import data_parallel_for
 from megatronish.errors import RunFailure
 from megatronish.model import GPT
 from megatronish.model.precision import autocast
 from megatronish.moe import Balancer, step_metrics
+from megatronish.objectives.batch import micro_batches
+from megatronish.objectives.registry import objective_for
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
@@ -62,6 +63,7 @@ class Trainer:
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(setup.cfg.train.seed)
         self.model = GPT(setup.cfg, setup.derived, setup.ps)
+        self.objective = objective_for(setup.cfg, setup.ps)  # what the steps minimize
         # The sigmoid router's routing biases and load spread (moe.balance).
         self.balancer = Balancer(self.model.moe_layers(), setup.cfg, setup.derived, setup.ps)
         # Phase times of every step on this rank (observe.phase_times).
@@ -121,39 +123,32 @@ class Trainer:
         multi-token prediction loss's mean goes to self.mtp_loss (None without it)."""
         timer, depth = self.timer, self.cfg.model.mtp_depth
         with timer.phase("data"):
-            # [accum, micro, seq / cp] each; documents None unless data.document_mask, ahead
-            # (the tokens and targets ahead, [accum, micro, 2, D, seq / cp]) unless mtp_depth 0
-            inputs, targets, documents, ahead = next_batch(
+            # [accum, micro, seq / cp] each; documents None unless data.document_mask, the
+            # tokens and targets ahead ([accum, micro, 2, D, seq / cp]) None unless mtp_depth 0
+            inputs, targets, documents, future_tokens = next_batch(
                 self.loader, self.ps, self.cfg.data.document_mask, depth
             )
             accum = inputs.shape[0]
             divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
             if self.loader.masks_loss and self.ps.is_last_stage:
-                divisor = loss_divisor(targets, ahead, self.ps) / accum
+                divisor = loss_divisor(targets, future_tokens, self.ps) / accum
+            batch = micro_batches(inputs, targets, divisor, documents, future_tokens)
         self.data_parallel.start_of_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
-            loss_sum = self.pipeline.run(
-                inputs,
-                targets,
-                1.0 / accum,
-                self.autocast,
-                divisor=divisor,
-                documents=documents,
-                ahead=ahead,
-            )
+            loss_sum = self.pipeline.run(batch, self.objective, 1.0 / accum, self.autocast)
             mtp_sum = self.pipeline.mtp_sum
         else:
             loss_sum = torch.zeros((), device=self.ps.device)
             mtp_sum = torch.zeros((), device=self.ps.device)
-            for micro in micro_batches(inputs, targets, documents, ahead):
+            for micro in batch:
                 with timer.phase("forward"), self.autocast():
-                    main, mtp = self.model.losses(micro[0], micro[1], divisor, *micro[2:])
+                    losses = self.objective(self.model, micro)
                 with timer.phase("backward"):
-                    (self.model.objective(main, mtp) / accum).backward()
-                loss_sum += main.detach()
-                if mtp is not None:
-                    mtp_sum += mtp.detach()
+                    (losses.total / accum).backward()
+                loss_sum += losses.main.detach()
+                if losses.mtp is not None:
+                    mtp_sum += losses.mtp.detach()
         with timer.phase("grad_sync"):
             self.data_parallel.after_backward()
             grad_norm = self.data_parallel.clip_grads(self.cfg.train.grad_clip)

@@ -23,6 +23,7 @@ from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
 from megatronish.model.precision import autocast, fp8_layers, fp8_moe_layers
+from megatronish.objectives.registry import sequence_losses
 from tests.conftest import CONFIGS
 
 DEEPSEEK_MOE = [
@@ -75,7 +76,7 @@ def test_fp8_layers_keep_their_two_fp8_casts_not_bf16_copies_and_the_estimate_sa
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
     with gemm.weights_fixed():
         with autocast(cfg, torch.device("cpu")):
-            loss = model.loss(tokens, tokens)
+            loss = sequence_losses(model, tokens, tokens).total
         loss.backward()
         kept = [
             q for casts in gemm._WEIGHT_CASTS.values() for _, made in casts.values() for q in made
@@ -108,7 +109,7 @@ def _saved_per_layer(sets: tuple[str, ...]) -> int:
         tokens = torch.randint(0, 200, (B, S), generator=torch.Generator().manual_seed(0))
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
         with hooks, autocast(cfg, torch.device("cpu")):
-            model.loss(tokens, tokens)
+            sequence_losses(model, tokens, tokens)
         saved.append(sum(n for ptr, n in seen.items() if ptr not in params))
     return saved[1] - saved[0]
 

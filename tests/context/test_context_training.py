@@ -263,6 +263,7 @@ def _masked_loss(rank, world):
     from megatronish.data_parallel.outside import reduce_gradients
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
+    from megatronish.objectives.registry import sequence_losses
     from megatronish.training.loss import mean_loss
 
     if world == 1:
@@ -272,7 +273,7 @@ def _masked_loss(rank, world):
     cfg = load_config(None, MASKED + [f"parallel.cp={world}"])
     model = GPT(cfg, derive(cfg, world), ps)
     inputs, targets = (shard_sequence(x, world, ps.cp_rank) for x in _masked_batch())
-    loss = model.loss(inputs, targets)
+    loss = sequence_losses(model, inputs, targets).total
     loss.backward()
     params = [p for p in model.parameters()]
     reduce_gradients(params, ps)

@@ -16,6 +16,7 @@ from megatronish.checkpoint.reader import Checkpoint
 from megatronish.cli import cli
 from megatronish.data import ByteTokenizer
 from megatronish.distributed.layout import ParallelState
+from megatronish.inference.decode import decode_step
 from megatronish.inference.generate import (
     Generation,
     Sampling,
@@ -68,9 +69,9 @@ def _cached_and_full(model, sequence):
     with torch.no_grad():
         full = model(sequence)
         cache: list = []
-        pieces = [model.forward_cached(sequence[:, :7], cache, 0)]
+        pieces = [decode_step(model, sequence[:, :7], cache, 0)]
         for pos in range(7, sequence.shape[1]):
-            pieces.append(model.forward_cached(sequence[:, pos : pos + 1], cache, pos))
+            pieces.append(decode_step(model, sequence[:, pos : pos + 1], cache, pos))
     return torch.cat(pieces, dim=1), full, cache
 
 

@@ -10,6 +10,7 @@ import torch
 
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
+from megatronish.inference.decode import decode_step
 from megatronish.model import GPT
 from tests.conftest import CONFIGS, invoke_cli
 from tests.tolerances import FP32_REORDER
@@ -99,8 +100,8 @@ def test_cached_decode_holds_the_latents_and_equals_the_full_forward():
     with torch.no_grad():
         full = model(tokens)
         cache: list = []
-        steps = [model.forward_cached(tokens[:, :7], cache, 0)]
-        steps += [model.forward_cached(tokens[:, i : i + 1], cache, i) for i in range(7, SEQ)]
+        steps = [decode_step(model, tokens[:, :7], cache, 0)]
+        steps += [decode_step(model, tokens[:, i : i + 1], cache, i) for i in range(7, SEQ)]
     assert [tuple(t.shape) for t in cache[0]] == [(2, SEQ, 16), (2, SEQ, 4)]
     torch.testing.assert_close(torch.cat(steps, dim=1)[..., :61], full[..., :61])
 

@@ -15,6 +15,7 @@ from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers.roles import role
 from megatronish.model import GPT
+from megatronish.objectives.registry import sequence_losses
 from tests.ranks import run_on_ranks
 from tests.tolerances import FP32_REORDER
 
@@ -96,7 +97,7 @@ def run_model(model: GPT):
     """Logits of this rank, loss, and {name: (weight, grad)} after one backward."""
     tokens, targets = batch()
     logits = model(tokens)
-    loss = model.loss(tokens, targets)
+    loss = sequence_losses(model, tokens, targets).total
     loss.backward()
     params = {
         name: (

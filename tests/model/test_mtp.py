@@ -15,7 +15,9 @@ from megatronish.config import derive, load_config
 from megatronish.context.zigzag import unshard_sequence
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
-from megatronish.model.mtp import ahead_of, shard_ahead
+from megatronish.model.mtp import future_tokens_of, shard_future_tokens
+from megatronish.objectives.cross_entropy import mean_cross_entropy
+from megatronish.objectives.registry import sequence_losses
 from tests.conftest import CONFIGS
 from tests.parity import assert_check_fails_with_one_line
 from tests.tolerances import FP32_FEW_OPS_REL, FP32_REORDER
@@ -80,28 +82,30 @@ def reference_mtp_loss(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) 
 def test_mtp_loss_equals_a_plain_torch_reference_on_the_same_weights(depth):
     model = build(depth)
     tokens, targets = batch()
-    main, mtp = model.losses(tokens, targets)
+    losses = sequence_losses(model, tokens, targets)
+    main, mtp = losses.main, losses.mtp
     # The positions past s - k are causal padding: the reference never computes them, so its
     # depth-2 hidden states see only real tokens, as the model's counted positions do.
     want = reference_mtp_loss(model, tokens, targets)
     assert abs(mtp.item() - want.item()) <= FP32_REORDER * want.item()
-    assert main.item() == pytest.approx(model.loss_of_logits(model(tokens), targets).item())
-    objective = model.loss(tokens, targets)
+    plain = mean_cross_entropy(model(tokens), targets, None, model.ps, model.backend)
+    assert main.item() == pytest.approx(plain.item())
+    objective = losses.total
     assert objective.item() == pytest.approx(main.item() + 0.25 * mtp.item(), rel=FP32_FEW_OPS_REL)
     objective.backward()
     assert model.mtp.layers[0].eh_proj.weight.grad.abs().sum() > 0
     model.eval()
-    assert model.losses(tokens, targets)[1] is None  # evaluation: the main loss alone
+    assert sequence_losses(model, tokens, targets).mtp is None  # evaluation: the main loss alone
 
 
 def test_the_tokens_ahead_of_a_cp_shard_are_the_whole_sequences():
     tokens, targets = batch()
-    ahead = ahead_of(tokens, targets, 2)  # [b, 2, D, s]
-    assert torch.equal(ahead[:, 0, 1, :-2], tokens[:, 2:])
-    assert torch.equal(ahead[:, 1, 0, :-1], targets[:, 1:])
-    assert (ahead[:, 1, 1, -2:] == -100).all()
-    shards = [shard_ahead(ahead, 3, rank) for rank in range(3)]  # chunks of 2 of 12
-    assert torch.equal(unshard_sequence(shards, dim=3), ahead)
+    future = future_tokens_of(tokens, targets, 2)  # [b, 2, D, s]
+    assert torch.equal(future[:, 0, 1, :-2], tokens[:, 2:])
+    assert torch.equal(future[:, 1, 0, :-1], targets[:, 1:])
+    assert (future[:, 1, 1, -2:] == -100).all()
+    shards = [shard_future_tokens(future, 3, rank) for rank in range(3)]  # chunks of 2 of 12
+    assert torch.equal(unshard_sequence(shards, dim=3), future)
     # cp rank 0's first chunk ends at position 1: its token 2 ahead is position 3's, which
     # another cp rank holds.
     assert torch.equal(shards[0][:, 0, 1, 1], tokens[:, 3])
