@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from megatronish.fp8.gemm import (
     summed_product,
     tensorwise,
 )
+from megatronish.fp8.granularity import layout
 from megatronish.fp8.quantize import Cast, Quantized, quantize
 from megatronish.layers.formats import rows, seq, to_autocast_dtype
 
@@ -182,13 +184,14 @@ class Fp8:
 
     def wire_bytes(self, tokens: int, k: int, width: int, keep_gathered: bool) -> int:
         """Bytes the forward all-gather ring carries of a [tokens, k] input of `width` bytes a
-        value: its cast (a byte a value and each token's float32 scales: rowwise one,
-        blockwise a 1 x 128 tile's each, tensorwise none) or the input itself."""
+        value: its cast as ``pack`` sends it (the payload, a byte a value, and the float32
+        scales of its layout: rowwise one a token, blockwise a 1 x 128 tile's each, tensorwise
+        none, every rank holding that scale) or the input itself."""
         if not self.ring_carries_cast(keep_gathered):
             return tokens * k * width
-        granularity = self.recipe.input.granularity
-        scales = {"tensor": 0, "row": 1, "tile": -(-k // 128)}[granularity]
-        return tokens * (k + SCALE_BYTES * scales)
+        granularity, payload = self.recipe.input.granularity, self.recipe.input.dtype.itemsize
+        scales = 0 if granularity == "tensor" else prod(layout((tokens, k), granularity))
+        return tokens * k * payload + SCALE_BYTES * scales
 
     def again_bytes(self, tokens: int, k: int, width: int) -> int:
         """Bytes of what backward gathers again of a [tokens, k] input (``again``)."""
