@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+from megatronish.accounting.collectives.fp8 import train_format
 from megatronish.accounting.components import attention_of, embedding, mlp, norm
 from megatronish.accounting.components import moe as moe_cost
 from megatronish.accounting.hardware import Device
@@ -56,6 +57,8 @@ from megatronish.accounting.roofline import (
     memory_seconds,
 )
 from megatronish.config import Config, Derived
+from megatronish.layers.formats import HIGH_PRECISION
+from megatronish.layers.plan import Format
 
 
 @dataclass(frozen=True)
@@ -73,40 +76,30 @@ class LayerTime:
 
 
 class _Timer:
-    """Roofline times on one device at one activation width; fp8: the GEMMs of ``gemm`` in
-    fp8 (``fp8_gemm``)."""
+    """Roofline times on one device at one activation width; fmt: the numeric format of the
+    GEMMs of ``gemm`` asked to run in it (megatronish.layers.formats)."""
 
-    def __init__(self, device: Device, eff: Efficiency, width: int, fp8: bool = False):
+    def __init__(self, device: Device, eff: Efficiency, width: int, fmt: Format = HIGH_PRECISION):
         self.device, self.bw, self.eff, self.width = device, device.hbm_tb_s * 1e12, eff, width
-        self.fp8 = fp8
+        self.format = fmt
 
     def gemm(
         self, m: int, n: int, k: int, backward: bool = False, batch: int = 1, fp8: bool = False
     ) -> float:
         """One GEMM forward, or its two gradient GEMMs; `batch` of them in one kernel; fp8 (with
-        the timer's fp8): at the fp8 peak, plus the casts of its operands (``cast_bytes``)."""
+        the timer's format fp8): at the fp8 peak, plus the bytes of its casts (the format's)."""
         shapes = [(m, k, n), (k, n, m)] if backward else [(m, n, k)]
-        fp8 = fp8 and self.fp8
+        fp8 = fp8 and self.format.fp8_gemms
         total = 0.0
         for mm, nn, kk in shapes:
             total += gemm_time(mm, nn, kk, self.device, self.width, self.eff, fp8, batch)[0]
         if fp8:
-            nbytes = batch * cast_bytes(m, n, k, self.width, backward)
+            nbytes = batch * self.format.cast_bytes(m, n, k, self.width, backward)
             total += memory_seconds(nbytes, self.bw, self.eff, 2)
         return total
 
     def stream(self, elements: float, kernels: int, extra_bytes: float = 0.0) -> float:
         return memory_seconds(elements * self.width + extra_bytes, self.bw, self.eff, kernels)
-
-
-def cast_bytes(m: int, n: int, k: int, width: int, backward: bool) -> float:
-    """Bytes the fp8 casts of one [m, k] x [k, n] GEMM move, each computing its amax as it goes:
-    forward the input (read `width`, write 1) and the fp32 weight (read 4, write 1); backward
-    the output gradient (read `width`, write it and its transpose, 1 each) and the transposed
-    copies of the fp8 input and weight the gradient GEMMs read (read 1, write 1 each)."""
-    if backward:
-        return m * n * (width + 2) + 2 * m * k + 2 * k * n
-    return m * k * (width + 1) + 5 * k * n
 
 
 def layer_time(
@@ -122,7 +115,7 @@ def layer_time(
     `window` is set) for one micro-batch on one rank."""
     model, train, tp = cfg.model, cfg.train, derived.tp
     width = 2 if train.bf16_autocast else 4
-    timer = _Timer(device, eff, width, fp8=train.precision == "fp8")
+    timer = _Timer(device, eff, width, train_format(train))
     s = train.seq_len // derived.cp
     T, h, hd = train.micro_batch_size * s, model.d_model, derived.head_dim
     heads, kv = model.n_head // tp, derived.n_kv_head // tp
@@ -174,7 +167,7 @@ def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency)
     pair (input and weight gradient) of proj, down and shared_down, which the all-gather of
     their output gradient runs under."""
     train = cfg.train
-    timer = _Timer(device, eff, 2 if train.bf16_autocast else 4, train.precision == "fp8")
+    timer = _Timer(device, eff, 2 if train.bf16_autocast else 4, train_format(train))
     shapes = linear_shapes(cfg, derived)
     gemms = {name: timer.gemm(*shape, fp8=name in FP8_LINEARS) for name, shape in shapes.items()}
     for name in ("proj", "down", "shared_down"):

@@ -1,29 +1,25 @@
-"""A linear layer's numeric format: how it casts its operands and runs its three GEMMs (forward,
-input gradient, weight gradient), used by the layer (megatronish.layers.linear) whatever its
-communication. HighPrecision: the autocast precision, torch's GEMMs; Fp8(recipe): fp8 operands
-by an fp8 recipe (megatronish.fp8), their amaxes reduced over the groups of the layer's Split.
-A new format is one more class with these four methods.
+"""A linear layer's numeric format: how it casts its operands and runs its three GEMMs, on the
+plain layer (megatronish.layers.linear: linear, forward, grad_input, grad_weight) and on each
+chunk of the decomposed schedules (megatronish.layers.overlap: ring_carries_cast, operands,
+block, send, received, chunk_linear, again, grad_operands, grad_block, grad_received,
+grad_weight_of), and the bytes its casts move, which the accounting asks (wire_bytes,
+again_bytes, cast_bytes). HighPrecision here: the autocast precision, torch's GEMMs;
+Fp8(recipe): megatronish.layers.fp8_format. A new format is one more class with these methods
+(and its choice in megatronish.layers.plan.numeric_format).
 
-Shapes: x [..., in], weight [out, in], grad [..., out]; `rows` operands are [tokens, features].
+Shapes: x [..., in], weight [out, in], grad [..., out]; `rows` operands are [tokens, features];
+the schedules' tensors [b, s, ...], a sequence chunk [b, c, ...].
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatronish.fp8 import (
-    Recipe,
-    Split,
-    forward_gemm,
-    fp8_linear,
-    grad_input_gemm,
-    grad_weight_gemm,
-)
-from megatronish.fp8.gemm import add_bias
+from megatronish.fp8 import Split
 
 
 def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -35,12 +31,28 @@ def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] as [rows, n]."""
     return x.reshape(-1, x.shape[-1])
 
 
+def seq(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """t [b * c, n] as [b, c, n]."""
+    return t.view(batch, -1, t.shape[-1])
+
+
+def seq_block(x: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    """Sequence chunk `index` of `parts` of x [b, s, ...] (dim 1, a view)."""
+    c = x.shape[1] // parts
+    return x[:, index * c : (index + 1) * c]
+
+
 class HighPrecision:
-    """The autocast precision: torch's GEMMs, nothing cast, nothing reduced."""
+    """The autocast precision: torch's GEMMs, nothing cast, nothing reduced; the rings carry
+    the activations and gradients themselves."""
+
+    fp8_gemms = False
+    chunked_weight_grad = True  # the schedules sum the weight gradient chunk by chunk
 
     def linear(self, x, weight, bias, split: Split) -> torch.Tensor:
         """x W^T + b with autograd's own backward."""
@@ -58,37 +70,73 @@ class HighPrecision:
         """grad^T x in weight's dtype (the GEMM in grad's)."""
         return grad_rows.t().matmul(x_rows.to(grad_rows.dtype)).to(weight.dtype)
 
+    # The decomposed schedules' steps: the operands are the tensors themselves.
 
-@dataclass(frozen=True)
-class Fp8:
-    """fp8 operands by `recipe` (megatronish.fp8.gemm): each GEMM casts its operands, the
-    scales of tensors split over split's groups reduced over them, so every layout computes the
-    same; the output in the input's dtype."""
+    def ring_carries_cast(self, keep_gathered: bool) -> bool:
+        """Whether the all-gather ring carries a cast of the input: never."""
+        return False
 
-    recipe: Recipe
+    def operands(self, x, weights: Sequence, split: Split, gathered: bool) -> tuple:
+        """(x's operand, each weight's, what backward needs of each weight's forward)."""
+        return x, list(weights), [None] * len(weights)
 
-    def linear(self, x, weight, bias, split: Split) -> torch.Tensor:
-        """x W^T + b, x in autocast's dtype."""
-        return add_bias(fp8_linear(to_autocast_dtype(x), weight, self.recipe, split), bias)
+    def block(self, x, index: int, parts: int, like: torch.Tensor) -> torch.Tensor:
+        """Sequence chunk `index` of `parts` of an operand of `like` [b, s, ...]."""
+        return seq_block(x, index, parts)
 
-    def forward(self, x, weight, bias, split: Split) -> tuple[torch.Tensor, Any]:
-        """(x W^T + b, the forward's scales that backward reuses)."""
-        out, scales = forward_gemm(_rows(x), weight, self.recipe, split)
-        return add_bias(out.view(*x.shape[:-1], -1), bias), scales
+    def send(self, x_op, x: torch.Tensor, keep_gathered: bool) -> torch.Tensor:
+        """What the all-gather ring carries of this rank's chunk x (its operand x_op)."""
+        return x
 
-    def grad_input(self, grad, weight, split: Split, state: Any) -> tuple[torch.Tensor, Any]:
-        """(grad W, the scales the weight gradient reuses)."""
-        out, scales = grad_input_gemm(_rows(grad), weight, self.recipe, split, state)
-        return out.view(*grad.shape[:-1], -1), scales
+    def received(self, sent, x_op, split: Split, keep_gathered: bool) -> torch.Tensor:
+        """The operand of a chunk another rank `send`s."""
+        return sent
 
-    def grad_weight(self, grad_rows, x_rows, weight, split: Split, state: Any) -> torch.Tensor:
-        """grad^T x in weight's dtype."""
-        return grad_weight_gemm(grad_rows, x_rows, self.recipe, split, state).to(weight.dtype)
+    def chunk_linear(self, x, weight, bias, split: Split, like: torch.Tensor) -> torch.Tensor:
+        """A chunk's x W^T + b [b, c, out]."""
+        return F.linear(x, weight, bias)
+
+    def again(self, sent: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """What backward gathers again of this rank's chunk x (`sent`: what the ring carried)."""
+        return x
+
+    def grad_operands(self, grads, weights, split: Split, states, gathered: bool = False):
+        """Per weight: (its output gradients' operands, its weight's for the input gradient,
+        what the weight gradient needs of them)."""
+        return [([grad.contiguous()], [weight], None) for grad, weight in zip(grads, weights)]
+
+    def grad_block(self, casts, index: int, parts: int, like: torch.Tensor) -> torch.Tensor:
+        """Sequence chunk `index` of `parts` of the sum over grad_operands of grad W [b, c, in],
+        in like's (an output gradient's) dtype."""
+        part = None
+        for grads, weights, _ in casts:
+            for grad, weight in zip(grads, weights):
+                term = seq_block(grad, index, parts).matmul(weight.to(like.dtype))
+                part = term if part is None else part.add_(term)
+        return part
+
+    def grad_received(self, grad, casts, split: Split) -> Any:
+        """grad_operands of another rank's chunk of the gradient whose own chunk `casts` has."""
+        return [([grad], casts[0][1], None)]
+
+    def grad_weight_of(self, grad, gathered, weight, split: Split, casts) -> torch.Tensor:
+        """grad [b, s, out]^T times the gathered input [b, s, in], in weight's dtype."""
+        return self.grad_weight(rows(grad), rows(gathered), weight, split, None)
+
+    # Bytes, for the accounting.
+
+    def wire_bytes(self, tokens: int, k: int, width: int, keep_gathered: bool) -> int:
+        """Bytes the forward all-gather ring carries of a [tokens, k] input of `width` bytes a
+        value: the input."""
+        return tokens * k * width
+
+    def again_bytes(self, tokens: int, k: int, width: int) -> int:
+        """Bytes of what backward gathers again of a [tokens, k] input: the input."""
+        return tokens * k * width
+
+    def cast_bytes(self, m: int, n: int, k: int, width: int, backward: bool) -> int:
+        """Bytes the casts of one [m, k] x [k, n] GEMM move: none."""
+        return 0
 
 
 HIGH_PRECISION = HighPrecision()
-
-
-def numeric_format(recipe: Recipe | None) -> HighPrecision | Fp8:
-    """The format of a layer whose plan has `recipe` (None: the autocast precision)."""
-    return HIGH_PRECISION if recipe is None else Fp8(recipe)

@@ -29,8 +29,8 @@ from megatronish.fp8 import (
     Split,
 )
 from megatronish.layers import mappings, overlap
-from megatronish.layers.formats import numeric_format, to_autocast_dtype
-from megatronish.layers.plan import PLAIN, LinearPlan
+from megatronish.layers.formats import to_autocast_dtype
+from megatronish.layers.plan import PLAIN, LinearPlan, numeric_format
 from megatronish.layers.roles import role, set_role
 
 InitMethod = Callable[[torch.Tensor], None]

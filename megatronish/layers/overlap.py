@@ -1,9 +1,10 @@
 """Tensor-parallel communication under the GEMMs (parallel.tp_comm_overlap; Megatron-LM's
 --tp-comm-overlap, torchtitan's async TP): each collective of a linear layer split into steps
 that each run while the GEMM of one sequence chunk computes, on the ring of
-megatronish.layers.tp_ring (with sequence parallelism) or as t chunked all-reduces (without);
-with an fp8 recipe the GEMMs are megatronish.layers.overlap_fp8's. The schedules, what stays
-exposed and where the sums change order: docs/parallelism.md (Communication under the GEMMs).
+megatronish.layers.tp_ring (with sequence parallelism) or as t chunked all-reduces (without).
+Each schedule is written once; its GEMMs and what its ring carries come from the layer's
+numeric format (megatronish.layers.formats). The schedules, what stays exposed and where the
+sums change order: docs/parallelism.md (Communication under the GEMMs); with fp8: docs/fp8.md.
 
 Shapes: b batch, s sequence, t tp group size, c = s / t; weights [out, in] as in nn.Linear.
 Every transfer goes through megatronish.distributed.comm: a ring hop counts as "tp_ring" (the
@@ -16,119 +17,146 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatronish.distributed import comm
-from megatronish.fp8 import Parts, Recipe, TokenGroups
-from megatronish.layers import overlap_fp8
-from megatronish.layers.overlap_fp8 import _rows
+from megatronish.fp8 import Parts, Recipe, Split, TokenGroups
+from megatronish.layers.formats import rows, seq_block
+from megatronish.layers.plan import numeric_format
 from megatronish.layers.tp_ring import RingReduceScatter, TpRing, gather_chunks
 
 Group = dist.ProcessGroup | None
 
 
-def _weight_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """grad [b, c, out]^T x [b, c, in] -> [out, in] in weight's dtype (the GEMM in grad's)."""
-    return _rows(grad).t().matmul(_rows(x).to(grad.dtype)).to(weight.dtype)
+def _summed(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
+    return term if total is None else total.add_(term)
 
 
 class _AllGatherLinear(torch.autograd.Function):
-    """x [b, c, in] -> (F.linear(all-gathered x, w_i, b_i) for each weight), decomposed."""
+    """x [b, c, in] -> (x all-gathered times w_i, + b_i, for each weight), decomposed."""
 
     @staticmethod
-    def forward(ctx, x, group, keep_gathered, count, *params):
+    def forward(ctx, x, group, keep_gathered, fmt, split, count, *params):
         weights, biases = params[:count], params[count:]
         ring = TpRing.of(group)
+        x_op, w_ops, ctx.states = fmt.operands(x, weights, split, gathered=True)
         outs = [[None] * ring.size for _ in weights]  # [weight][source]: [b, c, out / t]
-        chunks = [None] * ring.size
-        for source, chunk in gather_chunks(ring, x):
-            for pieces, weight, bias in zip(outs, weights, biases):
-                pieces[source] = F.linear(chunk, weight, bias)
-            if keep_gathered:
-                chunks[source] = chunk
-        ctx.ring, ctx.keep_gathered, ctx.count = ring, keep_gathered, count
+        sent = fmt.send(x_op, x, keep_gathered)
+        kept = [None] * ring.size  # what arrived, kept for backward
+        for source, arrived in gather_chunks(ring, sent):
+            mine = source == ring.rank
+            chunk = x_op if mine else fmt.received(arrived, x_op, split, keep_gathered)
+            for pieces, w_op, bias in zip(outs, w_ops, biases):
+                pieces[source] = fmt.chunk_linear(chunk, w_op, bias, split, x)
+            if keep_gathered or mine:
+                kept[source] = arrived
+        ctx.ring, ctx.format, ctx.split, ctx.keep_gathered = ring, fmt, split, keep_gathered
+        ctx.weights = weights  # themselves (not a recompute's copies): the keys of their casts
         ctx.has_bias = [bias is not None for bias in biases]
-        ctx.save_for_backward(torch.cat(chunks, dim=1) if keep_gathered else x, *weights)
+        saved = torch.cat(kept, dim=1) if keep_gathered else fmt.again(kept[ring.rank], x)
+        ctx.save_for_backward(saved)
         return tuple(torch.cat(pieces, dim=1) for pieces in outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x, *weights = ctx.saved_tensors
-        ring, dtype = ctx.ring, grad_outs[0].dtype
+        (saved,), ring, fmt, split = ctx.saved_tensors, ctx.ring, ctx.format, ctx.split
+        weights = ctx.weights
         grads = [grad.contiguous() for grad in grad_outs]  # [b, s, out / t] each
-
-        def input_grad(dest: int) -> torch.Tensor:  # this rank's partial of dest's block of dx
-            part = None
-            for grad, weight in zip(grads, weights):
-                term = ring.block(grad, dest).matmul(weight.to(dtype))
-                part = term if part is None else part.add_(term)
-            return part
-
+        casts = fmt.grad_operands(grads, weights, split, ctx.states)
         reduce = RingReduceScatter(ring)
-        if ctx.keep_gathered:  # x is the gathered input: the weight gradients in one GEMM each
+
+        def reduce_next() -> None:  # this rank's partial of the next block of dx
+            reduce.add(fmt.grad_block(casts, reduce.destination, ring.size, grads[0]))
+
+        weight_grads, gathered = [None] * len(weights), saved
+        if ctx.keep_gathered:
             for _ in range(ring.size):
-                reduce.add(input_grad(reduce.destination))
-            weight_grads = [_weight_grad(g, x, w) for g, w in zip(grads, weights)]
-        else:  # gather x again, chunk by chunk, under the input gradient's GEMMs
-            weight_grads = [None] * len(weights)
-            for source, chunk in gather_chunks(ring, x):
-                reduce.add(input_grad(reduce.destination))
+                reduce_next()
+        else:  # gather x again, chunk by chunk, under the dx GEMMs
+            chunks = [None] * ring.size
+            for source, chunk in gather_chunks(ring, saved):
+                reduce_next()
+                if not fmt.chunked_weight_grad:
+                    chunks[source] = chunk
+                    continue
                 for i, (grad, weight) in enumerate(zip(grads, weights)):
-                    term = _weight_grad(ring.block(grad, source), chunk, weight)
-                    weight_grads[i] = (
-                        term if weight_grads[i] is None else weight_grads[i].add_(term)
-                    )
+                    part = rows(seq_block(grad, source, ring.size))
+                    term = fmt.grad_weight(part, rows(chunk), weight, split, None)
+                    weight_grads[i] = _summed(weight_grads[i], term)
+            gathered = None if fmt.chunked_weight_grad else torch.cat(chunks, dim=1)
+        if gathered is not None:  # one GEMM a weight, on the gathered input
+            weight_grads = [
+                fmt.grad_weight_of(grad, gathered, weight, split, cast)
+                for grad, weight, cast in zip(grads, weights, casts)
+            ]
         bias_grads = [
-            _rows(grad).sum(0).to(weight.dtype) if has_bias else None
+            rows(grad).sum(0).to(weight.dtype) if has_bias else None
             for grad, weight, has_bias in zip(grads, weights, ctx.has_bias)
         ]
-        return reduce.result, None, None, None, *weight_grads, *bias_grads
+        return reduce.result, None, None, None, None, None, *weight_grads, *bias_grads
 
 
 class _LinearReduceScatter(torch.autograd.Function):
-    """x [b, s, in / t] -> reduce-scatter of F.linear(x, weight) along the sequence, decomposed."""
+    """x [b, s, in / t] -> reduce-scatter of x weight^T along the sequence, decomposed."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, fmt, split):
         ring = TpRing.of(group)
+        x_op, (w_op,), ctx.states = fmt.operands(x, [weight], split, gathered=False)
         reduce = RingReduceScatter(ring)
         for _ in range(ring.size):
-            reduce.add(F.linear(ring.block(x, reduce.destination), weight))
-        ctx.ring = ring
-        ctx.save_for_backward(x, weight)
+            block = fmt.block(x_op, reduce.destination, ring.size, x)
+            reduce.add(fmt.chunk_linear(block, w_op, None, split, x))
+        ctx.ring, ctx.format, ctx.split, ctx.weight = ring, fmt, split, weight
+        ctx.save_for_backward(x)
         return reduce.result  # [b, c, out]
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        ring = ctx.ring
-        pieces, weight_grad = [None] * ring.size, None
+        (x,), weight, ring = ctx.saved_tensors, ctx.weight, ctx.ring
+        fmt, split = ctx.format, ctx.split
+        # this rank's chunk, with the whole gathered gradient's tensorwise scale
+        casts = fmt.grad_operands([grad], [weight], split, ctx.states, gathered=True)
+        pieces, chunks, weight_grad = [None] * ring.size, [None] * ring.size, None
         for source, chunk in gather_chunks(ring, grad):  # chunk [b, c, out]
-            pieces[source] = chunk.matmul(weight.to(chunk.dtype))
-            term = _weight_grad(chunk, ring.block(x, source), weight)
-            weight_grad = term if weight_grad is None else weight_grad.add_(term)
-        return torch.cat(pieces, dim=1), weight_grad, None
+            mine = casts if source == ring.rank else fmt.grad_received(chunk, casts, split)
+            pieces[source] = fmt.grad_block(mine, 0, 1, grad)
+            if fmt.chunked_weight_grad:
+                x_part = rows(seq_block(x, source, ring.size))
+                term = fmt.grad_weight(rows(chunk), x_part, weight, split, None)
+                weight_grad = _summed(weight_grad, term)
+            else:
+                chunks[source] = chunk
+        if not fmt.chunked_weight_grad:
+            full = rows(torch.cat(chunks, dim=1))
+            weight_grad = fmt.grad_weight(full, rows(x), weight, split, casts[0][2])
+        return torch.cat(pieces, dim=1), weight_grad, None, None, None
 
 
 class _LinearAllReduce(torch.autograd.Function):
-    """x [b, s, in / t] -> all-reduce of F.linear(x, weight), in t chunks along the sequence."""
+    """x [b, s, in / t] -> all-reduce of x weight^T, in t chunks along the sequence."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, fmt, split):
+        parts = comm.group_size(group)
+        x_op, (w_op,), ctx.states = fmt.operands(x, [weight], split, gathered=False)
         pieces, works = [], []
-        for chunk in x.chunk(comm.group_size(group), dim=1):
-            piece = F.linear(chunk, weight)  # [b, c, out], reduced under the next chunk's GEMM
+        for index in range(parts):
+            block = fmt.block(x_op, index, parts, x)
+            piece = fmt.chunk_linear(block, w_op, None, split, x)  # reduced under the next GEMM
             works.append(comm.all_reduce(piece, group, async_op=True))
             pieces.append(piece)
         for work in works:
             work.wait()
-        ctx.save_for_backward(x, weight)
+        ctx.format, ctx.split, ctx.weight = fmt, split, weight
+        ctx.save_for_backward(x)
         return torch.cat(pieces, dim=1)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        return grad.matmul(weight.to(grad.dtype)), _weight_grad(grad, x, weight), None
+        (x,), weight, fmt, split = ctx.saved_tensors, ctx.weight, ctx.format, ctx.split
+        grad_in, state = fmt.grad_input(grad, weight, split, ctx.states[0])
+        weight_grad = fmt.grad_weight(rows(grad), rows(x), weight, split, state)
+        return grad_in, weight_grad, None, None, None
 
 
 def all_gather_linear(
@@ -141,30 +169,15 @@ def all_gather_linear(
     tokens: TokenGroups | None = None,
     parts: Parts | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """x [b, c, in] (this rank's sequence chunk) -> F.linear(x gathered over the group's
-    sequence, weight, bias) [b, s, out / t] for each weight, the gather decomposed under the
-    GEMMs. Backward reduce-scatters dx. keep_gathered: save the gathered x for the weight
-    gradients (else gather it again in backward, as the plain layer does). recipe: fp8 GEMMs
-    (megatronish.layers.overlap_fp8), tokens the groups the tokens are split over, parts the
-    logical matrices of each weight's rows (megatronish.fp8.parts)."""
-    if recipe is not None:
-        tokens = tokens or TokenGroups()
-        return overlap_fp8.all_gather_linear(
-            x, weights, biases, group, keep_gathered, recipe, tokens, parts
-        )
-    return _AllGatherLinear.apply(x, group, keep_gathered, len(weights), *weights, *biases)
-
-
-def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
-    """x [b, s, in / t] -> the sum over the group of F.linear(x, weight), this rank's sequence
-    chunk [b, c, out], the reduce-scatter decomposed under the GEMMs."""
-    return _LinearReduceScatter.apply(x, weight, group)
-
-
-def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, group: Group) -> torch.Tensor:
-    """x [b, s, in / t] -> the sum over the group of F.linear(x, weight) [b, s, out], all-reduced
-    in t chunks along the sequence, each under the next chunk's GEMM."""
-    return _LinearAllReduce.apply(x, weight, group)
+    """x [b, c, in] (this rank's sequence chunk) -> x gathered over the group's sequence times
+    each weight, + its bias, [b, s, out / t] each, the gather decomposed under the GEMMs.
+    Backward reduce-scatters dx. keep_gathered: keep what the ring gathered for the weight
+    gradients (else gather it again in backward, as the plain layer does). recipe: the numeric
+    format's fp8 recipe (None: the autocast precision), tokens the groups the tokens are split
+    over, parts the logical matrices of each weight's rows (megatronish.fp8.parts)."""
+    split = Split(group, "out", tokens or TokenGroups(), parts)
+    args = (x, group, keep_gathered, numeric_format(recipe), split, len(weights))
+    return _AllGatherLinear.apply(*args, *weights, *biases)
 
 
 def reduced_linear(
@@ -175,17 +188,10 @@ def reduced_linear(
     recipe: Recipe | None = None,
     tokens: TokenGroups | None = None,
 ) -> torch.Tensor:
-    """A row-parallel layer's GEMM and its reduction, decomposed: linear_reduce_scatter with
-    sequence parallelism, else linear_all_reduce; with fp8 GEMMs where recipe is given
-    (megatronish.layers.overlap_fp8; tokens: the groups the tokens are split over)."""
-    if recipe is not None:
-        tokens = tokens or TokenGroups()
-        fp8 = (
-            overlap_fp8.linear_reduce_scatter
-            if sequence_parallel
-            else overlap_fp8.linear_all_reduce
-        )
-        return fp8(x, weight, group, recipe, tokens)
-    if sequence_parallel:
-        return linear_reduce_scatter(x, weight, group)
-    return linear_all_reduce(x, weight, group)
+    """A row-parallel layer's GEMM x [b, s, in / t] times weight [out, in / t]^T and its sum
+    over the group, decomposed: with sequence parallelism reduce-scattered on the ring (this
+    rank's chunk [b, c, out]), else all-reduced in t chunks along the sequence ([b, s, out]),
+    each under the next chunk's GEMM; recipe and tokens as in all_gather_linear."""
+    split = Split(group, "in", tokens or TokenGroups())
+    schedule = _LinearReduceScatter if sequence_parallel else _LinearAllReduce
+    return schedule.apply(x, weight, group, numeric_format(recipe), split)

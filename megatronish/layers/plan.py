@@ -6,6 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatronish.fp8 import Recipe, TokenGroups
+from megatronish.layers.formats import HIGH_PRECISION, HighPrecision
+from megatronish.layers.fp8_format import Fp8
+
+Format = HighPrecision | Fp8
+"""A linear layer's numeric format (megatronish.layers.formats)."""
+
+
+def numeric_format(recipe: Recipe | None) -> Format:
+    """The numeric format of a layer whose plan has `recipe` (None: the autocast precision)."""
+    return HIGH_PRECISION if recipe is None else Fp8(recipe)
 
 
 @dataclass(frozen=True)

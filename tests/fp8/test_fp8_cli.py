@@ -112,7 +112,7 @@ def test_fp8_moe_run_says_once_it_emulates_and_its_checkpoint_resumes_in_bf16(
 
 
 def test_fp8_with_the_tp_comm_overlap_is_a_valid_config_for_every_recipe():
-    """fp8 and parallel.tp_comm_overlap go together (megatronish.layers.overlap_fp8); the
+    """fp8 and parallel.tp_comm_overlap go together (megatronish.layers.overlap); the
     overlap's own limit (the sequence cut into tp chunks) stays one line."""
     from megatronish.config import derive, load_config
 

@@ -33,7 +33,7 @@ runs (later micro-batches, a full recompute's rerun) reduce the activation's alo
 
 Full recompute reruns the forward ones.
 
-Under parallel.tp_comm_overlap with sequence parallelism (megatronish.layers.overlap_fp8) the
+Under parallel.tp_comm_overlap with sequence parallelism (megatronish.layers.overlap) the
 scales are the same, but a gathered tensor's tensorwise amax is reduced from its sequence chunks
 before the ring: a column layer's forward (its input: tp, cp; llama's gate and up in one call
 with both weights) and a row layer's input gradient (its output gradient: tp, cp) reduce one
@@ -47,6 +47,9 @@ from typing import NamedTuple
 
 from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Purpose, Step
 from megatronish.accounting.components import attention_of, mlp
+from megatronish.config import TrainConfig
+from megatronish.fp8 import RECIPES
+from megatronish.layers.plan import Format, numeric_format
 
 
 def fp8_collectives(step: Step) -> list[Collective]:
@@ -162,7 +165,7 @@ def _gemms(step: Step, layer: AmaxLayer, forward_runs: int) -> list[AmaxGemm]:
     forward GEMM of the gathered input takes at once (gate and up; the input gradient is one
     GEMM a weight). On the tp ring the decomposed GEMMs' tensorwise scale of a gathered tensor
     (a column layer's input, a row layer's output gradient) is reduced from its chunks over tp
-    (megatronish.layers.overlap_fp8)."""
+    (megatronish.layers.overlap)."""
     t, c = step.tp > 1, step.cp > 1
     tp, cp = ({"tp"} if t else set()), ({"cp"} if c else set())
     column, out, inner, weights, group = (
@@ -206,9 +209,7 @@ def _over(step: Step, what: str, axes: set[str], values: int, calls: int) -> Col
     return Collective(what, "all_reduce", group, size, values * FP32_BYTES, calls, Purpose.FP8_AMAX)
 
 
-def cast_bytes(recipe: str, rows: int, k: int) -> int:
-    """Bytes of an fp8 cast of a [rows, K] operand that the decomposed all-gather sends
-    (megatronish.layers.overlap_fp8): a byte a value and each row's float32 scales (rowwise
-    one, blockwise a 1 x 128 tile's each; tensorwise none: every rank holds the scale)."""
-    scales = {"tensorwise": 0, "rowwise": 1, "blockwise": -(-k // 128)}[recipe]
-    return rows * (k + FP32_BYTES * scales)
+def train_format(train: TrainConfig) -> Format:
+    """The numeric format of the blocks' linear layers under train.precision, which states the
+    bytes of its casts (megatronish.layers.formats)."""
+    return numeric_format(RECIPES[train.fp8_recipe] if train.precision == "fp8" else None)

@@ -49,9 +49,9 @@ it the attention projection's and the MLP down's forward all-reduce (a shared ex
 become t all-reduces of a chunk, payload / t each. The embedding's, the loss's, the routing's
 and the backward all-reduces stay whole. The decomposed row-parallel layer saves its tensors
 for backward only after its reduction, so full recompute reruns the MLP down's with or
-without dropout. Under train.precision fp8 (megatronish.layers.overlap_fp8) the forward
+without dropout. Under train.precision fp8 (megatronish.layers.fp8_format) the forward
 all-gathers of qkv's and the MLP's input carry its fp8 cast (a byte a value and each token's
-float32 scales: ``fp8.cast_bytes``); backward gathers again the tensorwise cast's payload (a
+float32 scales: its wire_bytes); backward gathers again the tensorwise cast's payload (a
 byte a value) or, rowwise and blockwise, the input in its own precision. Gate and up
 keep what they gathered: the fp8 cast (tensorwise), or, rowwise and blockwise, the input
 itself, gathered forward in its own precision.
@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from megatronish.accounting.collectives.fp8 import cast_bytes
+from megatronish.accounting.collectives.fp8 import train_format
 from megatronish.accounting.collectives.step import (
     FP32_BYTES,
     FP64_BYTES,
@@ -76,8 +76,6 @@ from megatronish.accounting.collectives.step import (
 from megatronish.accounting.components import attention_of, mlp
 from megatronish.accounting.components import moe as moe_cost
 from megatronish.accounting.parameters import tp_summed_grad_count
-from megatronish.fp8 import RECIPES
-from megatronish.layers.overlap_fp8 import ring_carries_cast
 
 
 class Row(NamedTuple):
@@ -244,7 +242,8 @@ def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[Row]:
             Row("qkv input (forward, backward)", "all_gather", act, qkv * (2 + rerun), "qkv"),
             *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up", keep),
         ]
-    cast = cast_bytes(step.cfg.train.fp8_recipe, step.b * step.s, step.h)
+    fmt = train_format(step.cfg.train)
+    cast = fmt.wire_bytes(step.b * step.s, step.h, step.operand_bytes, False)
     return [
         Row("qkv input, fp8 cast (forward)", "all_gather", cast, qkv * (1 + rerun), "qkv"),
         Row("qkv input again (backward)", "all_gather", _gathered_again_bytes(step), qkv, "qkv"),
@@ -255,8 +254,7 @@ def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[Row]:
 def _gathered_again_bytes(step: Step) -> int:
     """Bytes of an input gathered again in backward under fp8 on the ring: the tensorwise
     cast's payload (a byte a value), or, rowwise and blockwise, the input itself."""
-    tensorwise = step.cfg.train.fp8_recipe == "tensorwise"
-    return step.b * step.s * step.h * (1 if tensorwise else step.operand_bytes)
+    return train_format(step.cfg.train).again_bytes(step.b * step.s, step.h, step.operand_bytes)
 
 
 def mlp_input_gathers(
@@ -272,9 +270,9 @@ def mlp_input_gathers(
     if not (step.overlap and step.cfg.train.precision == "fp8"):
         rows = mlps * (runs + again_runs)
         return [Row(f"{what} (forward, backward)", "all_gather", act, rows, gemm)]
-    recipe = step.cfg.train.fp8_recipe
-    cast = cast_bytes(recipe, step.b * step.s, step.h)
-    mlp_cast = ring_carries_cast(RECIPES[recipe], keep_gathered=keep)
+    fmt = train_format(step.cfg.train)
+    cast = fmt.wire_bytes(step.b * step.s, step.h, step.operand_bytes, False)
+    mlp_cast = fmt.ring_carries_cast(keep_gathered=keep)
     again = _gathered_again_bytes(step)
     return [
         Row(f"{what}, fp8 cast (forward)", "all_gather", cast, mlps * runs * mlp_cast, gemm),
