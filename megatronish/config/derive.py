@@ -10,6 +10,7 @@ from megatronish.config.checks import value_checks
 from megatronish.config.degrees import with_valid_values
 from megatronish.config.kernel_dims import check_triton_head_dims
 from megatronish.config.layout_checks import check_context_parallel, check_fp8_blocks, moe_layers
+from megatronish.config.model_checks import check_linear_heads_split
 from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
 from megatronish.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 
@@ -152,6 +153,7 @@ def _derive(cfg: Config, world_size: int, vocab_size: int | None) -> Derived:
     if cp > 1:
         check_context_parallel(cfg)
     n_kv, head_dim = _head_sizes(model, tp)
+    check_linear_heads_split(cfg)
     check_triton_head_dims(cfg, head_dim)
     d_ff = _ffn_size(model, tp)
     accum = _grad_accum_steps(train, dp)

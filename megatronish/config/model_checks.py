@@ -125,9 +125,9 @@ def check_attention(cfg: Config) -> None:
 
 def check_linear_attention(cfg: Config) -> None:
     """model.layer_types (one entry per block) and, where a block runs linear attention, the
-    model.linear_* sizes: positive, the value heads a multiple of the key heads, which divide
-    by parallel.tp; context parallelism does not pass the recurrent state yet."""
-    model, tp = cfg.model, cfg.parallel.tp
+    model.linear_* sizes: positive, the value heads a multiple of the key heads; context
+    parallelism does not pass the recurrent state yet."""
+    model = cfg.model
     types = model.layer_types
     if types is None:
         return
@@ -149,15 +149,25 @@ def check_linear_attention(cfg: Config) -> None:
         f"model.linear_num_value_heads: {values} is not valid; must be a multiple of "
         f"model.linear_num_key_heads={keys}",
     )
-    require_degree(  # the value heads too, a multiple of the key heads
+    require(
+        cfg.parallel.cp == 1,
+        f"parallel.cp: {cfg.parallel.cp} is not valid with linear_attention in "
+        "model.layer_types (the recurrent state is not passed between cp ranks yet); valid: 1",
+    )
+
+
+def check_linear_heads_split(cfg: Config) -> None:
+    """The linear-attention key heads (so their multiple, the value heads) split over
+    parallel.tp, where a block runs linear attention (with the derived checks, so the tp it
+    suggests passes the others: model.n_head's split too)."""
+    model, tp = cfg.model, cfg.parallel.tp
+    if "linear_attention" not in (model.layer_types or ()):
+        return
+    keys = model.linear_num_key_heads
+    require_degree(
         keys % tp == 0,
         f"model.linear_num_key_heads: {keys} is not divisible by parallel.tp={tp}; valid tp: "
         f"{VALID}",
         "parallel.tp",
         divisors(keys),
-    )
-    require(
-        cfg.parallel.cp == 1,
-        f"parallel.cp: {cfg.parallel.cp} is not valid with linear_attention in "
-        "model.layer_types (the recurrent state is not passed between cp ranks yet); valid: 1",
     )

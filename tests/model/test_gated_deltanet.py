@@ -2,8 +2,9 @@
 transformers' Qwen3_5GatedDeltaNet given the same weights (forward and every gradient, over two
 of the rule's chunks); a hybrid model at tp 2, with sequence parallelism and with document
 masks, equals tp 1 (weights, logits, loss, every gradient); document masks restart the state
-and the convolution at each document; a hybrid trains from the CLI with the same losses at tp
-1 and tp 2; bad settings are one line."""
+and the convolution at each document; cached decoding keeps a fixed-size state and equals the
+full forward; a hybrid trains from the CLI with tp 1's losses at tp 2 (with and without
+sequence parallelism), pp 2 and dp 2 with ZeRO-3; bad settings are one line."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ from megatronish.model import GPT
 from megatronish.model.gated_deltanet import qkv_rows
 from tests.conftest import CONFIGS, invoke_cli, read_metrics
 from tests.ranks import run_cli_on_ranks, run_on_ranks
-from tests.tolerances import CURVE_REL, FP32_REORDER, GATED_DELTA_REL, GATED_DELTANET_REL
+from tests.tolerances import (
+    FP32_REORDER,
+    GATED_DELTA_REL,
+    GATED_DELTANET_REL,
+    LAYOUT_CURVE_REL,
+)
 
 VOCAB = 61
 KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, KERNEL, D_MODEL = 2, 4, 8, 6, 4, 32
@@ -195,17 +201,36 @@ def cli_args(out, *sets: str) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="module")
+def tp1_losses(tmp_path_factory) -> list[float]:
+    """The losses of the hybrid's CLI run at tp 1, trained once for the layouts' tests."""
+    out = tmp_path_factory.mktemp("hybrid") / "tp1"
+    result = invoke_cli("train", *cli_args(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [x["loss"] for x in read_metrics(out)[0]]
+
+
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],
+    "tp2 sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pp=2"],
+    "dp2 zero3": ["parallel.dp=2", "optim.zero=3"],
+}
+
+
 @pytest.mark.slow
-def test_hybrid_model_trains_from_the_cli_with_the_same_losses_at_tp1_and_tp2(tmp_path):
-    one = invoke_cli("train", *cli_args(tmp_path / "tp1"))
-    assert one.returncode == 0, one.stderr[-3000:]
-    ranks = run_cli_on_ranks(["train", *cli_args(tmp_path / "tp2", "parallel.tp=2")], 2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hybrid_model_trains_from_the_cli_with_the_losses_of_tp1_at_two_ranks(
+    tmp_path, layout, tp1_losses
+):
+    ranks = run_cli_on_ranks(["train", *cli_args(tmp_path / "run", *LAYOUTS[layout])], 2)
     for result in ranks:
         assert result.returncode == 0, result.stderr[-3000:]
-    losses = [[x["loss"] for x in read_metrics(tmp_path / run)[0]] for run in ("tp1", "tp2")]
-    assert len(losses[0]) == len(losses[1]) == 4
-    for a, b in zip(*losses):
-        assert abs(a - b) <= CURVE_REL * b, losses
+    losses = [x["loss"] for x in read_metrics(tmp_path / "run")[0]]
+    assert len(losses) == len(tp1_losses) == 4
+    for a, b in zip(losses, tp1_losses):
+        assert abs(a - b) <= LAYOUT_CURVE_REL * b, (losses, tp1_losses)
+    assert tp1_losses[-1] < tp1_losses[0], "the model learns"
 
 
 @pytest.mark.parametrize(
