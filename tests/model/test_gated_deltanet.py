@@ -212,7 +212,11 @@ def tp1_losses(tmp_path_factory) -> list[float]:
 
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
-    "tp2 sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2 sp selective": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.activation_checkpointing=selective",
+    ],
     "pp2": ["parallel.pp=2"],
     "dp2 zero3": ["parallel.dp=2", "optim.zero=3"],
 }
@@ -257,17 +261,30 @@ def test_a_bad_linear_attention_setting_is_exit_2_with_one_line_naming_the_key(s
         assert needle in lines[0], lines[0]
 
 
-def test_cached_decode_holds_a_fixed_size_state_and_equals_the_full_forward():
-    cfg = hybrid_config(1, 12)
-    model = GPT(cfg, derive(cfg, 1), ParallelState.single()).eval()
+def decode(rank: int, world: int):
+    """(full-forward logits, cached-decode logits, the first block's cache shapes) of the
+    hybrid at tp = world: a 7-token prompt, then one token at a time."""
+    cfg = hybrid_config(world, 12)
+    ps = ParallelState.from_world(tp=world, dp=1) if world > 1 else ParallelState.single()
+    model = GPT(cfg, derive(cfg, world), ps).eval()
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = model(tokens)
         cache: list = []
         steps = [model.forward_cached(tokens[:, :7], cache, 0)]
         steps += [model.forward_cached(tokens[:, i : i + 1], cache, i) for i in range(7, 12)]
+    return full, torch.cat(steps, dim=1), [tuple(t.shape) for t in cache[0]]
+
+
+def test_cached_decode_holds_a_fixed_size_state_and_equals_the_full_forward_at_tp1_and_tp2():
+    full, decoded, shapes = decode(0, 1)
     channels = KEY_HEADS * 2 * KEY_DIM + VALUE_HEADS * VALUE_DIM
-    shapes = [(2, channels, KERNEL - 1), (2, VALUE_HEADS, KEY_DIM, VALUE_DIM)]
-    assert [tuple(t.shape) for t in cache[0]] == shapes
-    decoded = torch.cat(steps, dim=1)[..., :VOCAB]
-    assert rel_err(decoded, full[..., :VOCAB]) < FP32_REORDER
+    assert shapes == [(2, channels, KERNEL - 1), (2, VALUE_HEADS, KEY_DIM, VALUE_DIM)]
+    assert rel_err(decoded[..., :VOCAB], full[..., :VOCAB]) < FP32_REORDER
+    ranks = run_on_ranks(decode, 2, timeout=180)
+    assert ranks[0][2] == [
+        (2, channels // 2, KERNEL - 1),
+        (2, VALUE_HEADS // 2, KEY_DIM, VALUE_DIM),
+    ]
+    decoded_tp2 = torch.cat([r[1] for r in ranks], dim=-1)[..., :VOCAB]
+    assert rel_err(decoded_tp2, full[..., :VOCAB]) < FP32_REORDER
