@@ -288,3 +288,11 @@ def test_cached_decode_holds_a_fixed_size_state_and_equals_the_full_forward_at_t
     ]
     decoded_tp2 = torch.cat([r[1] for r in ranks], dim=-1)[..., :VOCAB]
     assert rel_err(decoded_tp2, full[..., :VOCAB]) < FP32_REORDER
+
+
+def test_check_says_its_counts_take_the_linear_attention_blocks_as_full_attention():
+    result = invoke_cli("check", *cli_args("unused"))
+    assert result.returncode == 0, result.stderr
+    note = "model.layer_types: the parameter, FLOP (MFU), memory and time counts take the"
+    assert note in result.stdout
+    assert note not in invoke_cli("check", *cli_args("unused", "model.layer_types=null")).stdout
