@@ -7,11 +7,13 @@ transformers' Qwen3_5GatedDeltaNet computes it:
   o = the gated delta rule (ops.gated_delta_rule, q and k L2-normalized, scale 1/sqrt(d_k));
   out_proj(RMSNorm(o) * SiLU(z)), the norm over each value head with one weight of d_v.
 
-Tensor parallelism splits the heads: the four input projections are column-parallel, their
-rows ordered by key head so that rank r's contiguous block holds its key heads' q and k rows
-and their value heads' v rows (per key head i: q_i, k_i, then v of value heads i r .. i r + r -
-1, r = h_v / h_k: `qkv_rows`, the order of transformers' [q; k; v] rows in ours); the
-convolution's channels, A_log and dt_bias split the same way; out_proj is row-parallel.
+Tensor parallelism splits the heads: the four input projections are column-parallel, the rows
+of in_proj_qkv ordered by key head so that rank r's contiguous block holds its key heads' q and
+k rows and their value heads' v rows (per key head i: q_i, k_i, then v of value heads i r ..
+i r + r - 1, r = h_v / h_k; `qkv_rows` puts transformers' [q; k; v] rows in this order), the
+convolution's channels the same way; z, b, a, A_log and dt_bias split by value head; out_proj
+is row-parallel; the gated norm's weight is replicated.
+
 Under sequence parallelism the input is gathered once for the four projections and the output
 reduce-scattered, as for attention. Under document masks (data.document_mask) the convolution
 does not reach across a document start and the recurrent state restarts at each.
@@ -52,7 +54,7 @@ def qkv_rows(key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> 
     return torch.cat([q, k, v + 2 * key_heads * key_dim], dim=1).flatten()
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None):
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
     """Depthwise causal convolution: x [b, c/t, s], weight [c/t, K] -> [b, c/t, s], output t
     the sum over i of weight[:, i] x[t - (K - 1 - i)]; starts [b, s] bool (document starts):
     no tap reaches an earlier document."""
@@ -69,7 +71,15 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | No
     return out
 
 
-def delta_rule(q, k, v, g, beta, backend: str, starts: torch.Tensor | None) -> torch.Tensor:
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    backend: str,
+    starts: torch.Tensor | None,
+) -> torch.Tensor:
     """ops.gated_delta_rule (q and k L2-normalized) on q, k [b, k/t, s, e], v [b, v/t, s, f],
     g and beta [b, v/t, s] -> [b, v/t, s, f]; with starts [b, s] (document starts), run on each
     document alone, from a zero state."""
@@ -140,7 +150,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedNorm(self.value_dim, model.norm_eps, self.backend, tp > 1)
         self.out_proj = RowParallelLinear(value_heads * self.value_dim, model.d_model, **common)
 
-    def rule_inputs(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    def rule_inputs(
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """The delta rule's q, k [b, k/t, s, e], v [b, v/t, s, f], g and beta [b, v/t, s] from
         the convolution's output mixed [b, s, c/t] (after SiLU) and a, b [b, s, v/t]."""
         batch, seq, _ = mixed.shape
