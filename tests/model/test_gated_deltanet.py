@@ -247,6 +247,8 @@ def test_hybrid_model_trains_from_the_cli_with_the_losses_of_tp1_at_two_ranks(
          ["model.layer_types[1]: 'mamba' is not valid", "linear_attention | full_attention"]),
         (["model.layer_types=[linear_attention, full_attention]"],
          ["model.layer_types: 2 entries", "model.n_layer=4"]),
+        (["model.layer_types=linear_attention"],
+         ["model.layer_types: 'linear_attention' is not a list of linear_attention | full"]),
         (["model.linear_conv_kernel_dim=0"], ["model.linear_conv_kernel_dim: 0", ">= 1"]),
         (["parallel.cp=2"], ["parallel.cp: 2", "linear_attention", "valid: 1"]),
     ],
@@ -296,3 +298,12 @@ def test_check_says_its_counts_take_the_linear_attention_blocks_as_full_attentio
     note = "model.layer_types: the parameter, FLOP (MFU), memory and time counts take the"
     assert note in result.stdout
     assert note not in invoke_cli("check", *cli_args("unused", "model.layer_types=null")).stdout
+
+
+def test_layer_types_read_from_a_config_file_choose_each_blocks_attention(tmp_path):
+    config = tmp_path / "hybrid.yaml"
+    kinds = "[full_attention, linear_attention, full_attention, linear_attention]"
+    config.write_text(f"model:\n  arch: llama\n  n_layer: 4\n  layer_types: {kinds}\n")
+    model = load_config(config).model
+    assert model.layer_types == ["full_attention", "linear_attention"] * 2
+    assert [model.block_attention(i) for i in range(5)] == ["mha", "gated_deltanet"] * 2 + ["mha"]
