@@ -204,3 +204,10 @@ BEYOND_ROUNDING = 1e-3
 # compared tensor (the terms are of its size with l2-normalized q and k and beta, e^g <= 1):
 # 1e-4.
 GATED_DELTA_REL = 1e-4
+
+# Gated DeltaNet (the whole layer) against transformers' Qwen3_5GatedDeltaNet: two chunked fp32
+# evaluations of the gated delta rule, each within GATED_DELTA_REL of the exact rule (ours by
+# triangular solves, theirs by a row-by-row inverse), hence within 2 GATED_DELTA_REL of each
+# other; the projections (32 terms), the convolution (4 taps) and the gated norm around it add
+# FP32_REORDER-sized terms, far below: 2e-4.
+GATED_DELTANET_REL = 2 * GATED_DELTA_REL

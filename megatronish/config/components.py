@@ -12,7 +12,7 @@ from typing import Literal
 Positions = Literal["learned", "rope"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre"]
-AttentionKind = Literal["mha", "mla"]
+AttentionKind = Literal["mha", "mla", "gated_deltanet"]
 Activation = Literal["gelu", "swiglu"]
 Biases = Literal["all", "qkv", "none"]
 Output = Literal["tied", "separate"]
@@ -27,7 +27,9 @@ class BlockComponents:
     positions: learned (a position table beside the token embedding) or rope (rotary, inside
     attention). norm: the norm's kind; norm_placement: pre (each sublayer reads the norm of the
     residual stream and adds its output to it, with one final norm). attention: mha (multi-head,
-    grouped-query) or mla (multi-head latent). mlp: gelu (up, GELU, down) or swiglu (gate and up,
+    grouped-query) or mla (multi-head latent), the full attention of the blocks that
+    model.layer_types leaves as such (the others run gated_deltanet, linear attention:
+    ModelConfig.block_attention). mlp: gelu (up, GELU, down) or swiglu (gate and up,
     SiLU(gate) * up, down). biases: all (every linear layer), qkv (the query, key and value
     projections only) or none. output: the output layer where model.tie_embeddings is null,
     tied (the token embedding's transpose) or separate (a weight of its own)."""

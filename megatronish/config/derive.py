@@ -10,6 +10,7 @@ from megatronish.config.checks import value_checks
 from megatronish.config.degrees import with_valid_values
 from megatronish.config.kernel_dims import check_triton_head_dims
 from megatronish.config.layout_checks import check_context_parallel, check_fp8_blocks, moe_layers
+from megatronish.config.model_checks import check_linear_heads_split
 from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
 from megatronish.config.schema import Config, ModelConfig, ParallelConfig, TrainConfig
 
@@ -152,6 +153,7 @@ def _derive(cfg: Config, world_size: int, vocab_size: int | None) -> Derived:
     if cp > 1:
         check_context_parallel(cfg)
     n_kv, head_dim = _head_sizes(model, tp)
+    check_linear_heads_split(cfg)
     check_triton_head_dims(cfg, head_dim)
     d_ff = _ffn_size(model, tp)
     accum = _grad_accum_steps(train, dp)
@@ -203,11 +205,17 @@ def _derive(cfg: Config, world_size: int, vocab_size: int | None) -> Derived:
 
 
 def layout_notes(cfg: Config, derived: Derived) -> list[str]:
-    """Settings that have no effect at this layout, one line each (train says them once,
-    check prints them)."""
+    """Settings that have no effect at this layout, or that the counts do not cover yet, one
+    line each (train says them once, check prints them)."""
+    notes = []
     if cfg.parallel.tp_comm_overlap and derived.tp == 1:
-        return ["parallel.tp_comm_overlap: no effect at parallel.tp=1 (no tp communication)"]
-    return []
+        notes.append("parallel.tp_comm_overlap: no effect at parallel.tp=1 (no tp communication)")
+    if "linear_attention" in (cfg.model.layer_types or ()):
+        notes.append(
+            "model.layer_types: the parameter, FLOP (MFU), memory and time counts take the "
+            "linear_attention blocks as full attention (not covered yet)"
+        )
+    return notes
 
 
 def _data_parallel_degree(parallel: ParallelConfig, world_size: int) -> int:

@@ -74,6 +74,8 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
         if isinstance(value, list) and list in inner and not from_string:
             return value  # a YAML list (data.blend); its items are checked where it is used
         return _coerce(key, value, inner[0], from_string)
+    if origin is list:
+        return _as_list(key, value, get_args(tp)[0], from_string)
     if origin is Literal:
         allowed = get_args(tp)
         if from_string and all(isinstance(a, int) for a in allowed):
@@ -98,6 +100,19 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
             raise bad
         return str(value)
     raise bad
+
+
+def _as_list(key: str, value: Any, item: Any, from_string: bool) -> list:
+    """A YAML list (from --set, a flow sequence such as [a, b]) of items of type item, each
+    coerced as key[i]; else a UserError naming key."""
+    if from_string:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if not isinstance(value, list):
+        raise UserError(f"{key}: {value!r} is not a list of {_describe(item)}")
+    return [_coerce(f"{key}[{index}]", entry, item, False) for index, entry in enumerate(value)]
 
 
 def _as_bool(value: Any, from_string: bool, bad: UserError) -> bool:

@@ -1,12 +1,13 @@
-"""Checks of the model's position and attention components on their own: model.rope_scaling
-and multi-head latent attention (model.attention, model.mla.*), each failing with a UserError
-that names the key and what is valid."""
+"""Checks of the model's position and attention components on their own: model.rope_scaling,
+multi-head latent attention (model.attention, model.mla.*) and linear attention
+(model.layer_types, model.linear_*), each failing with a UserError that names the key and what
+is valid."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from megatronish.config.rules import require
+from megatronish.config.rules import VALID, divisors, require, require_degree
 from megatronish.config.schema import ROPE_SCALING_KEYS, Config, RopeScalingConfig
 
 
@@ -120,3 +121,53 @@ def check_attention(cfg: Config) -> None:
             f"model.n_head queries over keys and values from the latent, sized by model.mla.*); "
             f"leave model.{key} unset",
         )
+
+
+def check_linear_attention(cfg: Config) -> None:
+    """model.layer_types (one entry per block) and, where a block runs linear attention, the
+    model.linear_* sizes: positive, the value heads a multiple of the key heads; context
+    parallelism does not pass the recurrent state yet."""
+    model = cfg.model
+    types = model.layer_types
+    if types is None:
+        return
+    require(
+        len(types) == model.n_layer,
+        f"model.layer_types: {len(types)} entries is not valid; one per block, "
+        f"model.n_layer={model.n_layer} of linear_attention | full_attention",
+    )
+    if "linear_attention" not in types:
+        return
+    kernel = model.linear_conv_kernel_dim
+    require(kernel >= 1, f"model.linear_conv_kernel_dim: {kernel} is not valid; must be >= 1")
+    for name in ("key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
+        value = getattr(model, f"linear_{name}")
+        require(value >= 1, f"model.linear_{name}: {value} is not valid; must be >= 1")
+    keys, values = model.linear_num_key_heads, model.linear_num_value_heads
+    require(
+        values % keys == 0,
+        f"model.linear_num_value_heads: {values} is not valid; must be a multiple of "
+        f"model.linear_num_key_heads={keys}",
+    )
+    require(
+        cfg.parallel.cp == 1,
+        f"parallel.cp: {cfg.parallel.cp} is not valid with linear_attention in "
+        "model.layer_types (the recurrent state is not passed between cp ranks yet); valid: 1",
+    )
+
+
+def check_linear_heads_split(cfg: Config) -> None:
+    """The linear-attention key heads (so their multiple, the value heads) split over
+    parallel.tp, where a block runs linear attention (with the derived checks, so the tp it
+    suggests passes the others: model.n_head's split too)."""
+    model, tp = cfg.model, cfg.parallel.tp
+    if "linear_attention" not in (model.layer_types or ()):
+        return
+    keys = model.linear_num_key_heads
+    require_degree(
+        keys % tp == 0,
+        f"model.linear_num_key_heads: {keys} is not divisible by parallel.tp={tp}; valid tp: "
+        f"{VALID}",
+        "parallel.tp",
+        divisors(keys),
+    )

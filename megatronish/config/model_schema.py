@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatronish.config.components import BlockComponents
+from megatronish.config.components import AttentionKind, BlockComponents
 from megatronish.config.presets import components_of
 
 
@@ -174,12 +174,38 @@ class ModelConfig:
     masks its heads as it masks mha's)."""
     mla: MLAConfig = field(default_factory=MLAConfig)
     """Multi-head latent attention's sizes (with model.attention mla only); see model.mla.*."""
+    layer_types: list[Literal["linear_attention", "full_attention"]] | None = None
+    """Each block's token mixer, as transformers' Qwen3.5 config names them (a list of
+    model.n_layer entries): full_attention (model.attention's heads) or linear_attention (Gated
+    DeltaNet: a causal depthwise convolution, then the gated delta rule's recurrent state per
+    value head, sized by model.linear_*). null: every block full attention. Multi-token
+    prediction blocks are full attention."""
+    linear_conv_kernel_dim: int = 4
+    """Width of linear attention's causal depthwise convolution over q, k and v (>= 1)."""
+    linear_key_head_dim: int = 128
+    """Size of one linear-attention query and key head (the recurrent state's rows)."""
+    linear_value_head_dim: int = 128
+    """Size of one linear-attention value head (the recurrent state's columns)."""
+    linear_num_key_heads: int = 16
+    """Linear-attention query and key heads; divisible by parallel.tp."""
+    linear_num_value_heads: int = 32
+    """Linear-attention value heads (each with its own state, decay and beta): a multiple of
+    linear_num_key_heads (each query-key head serves that many consecutive value heads),
+    divisible by parallel.tp."""
 
     @property
     def components(self) -> BlockComponents:
         """The components the blocks are built from (megatronish.config.components): the
         family's choice (megatronish.config.presets), with model.attention and model.qkv_bias."""
         return components_of(self.arch, self.attention, self.qkv_bias)
+
+    def block_attention(self, index: int) -> AttentionKind:
+        """The attention block `index` (its global index) runs: gated_deltanet where
+        model.layer_types says linear_attention, else the components' full attention."""
+        types = self.layer_types
+        if types is not None and index < len(types) and types[index] == "linear_attention":
+            return "gated_deltanet"
+        return self.components.attention
 
 
 # The keys of model.rope_scaling each type reads (besides `type`); a key of another type is an

@@ -20,12 +20,17 @@ from megatronish.layers.linear import (
     shared_input_linears,
 )
 from megatronish.model.attention import Attention
+from megatronish.model.gated_deltanet import GatedDeltaNet
 from megatronish.model.mla import LatentAttention
 from megatronish.model.norm import hidden_norm
 from megatronish.model.plan import BlockPlan
 from megatronish.moe import MoELayer
 
-ATTENTION: dict[str, type[nn.Module]] = {"mha": Attention, "mla": LatentAttention}
+ATTENTION: dict[str, type[nn.Module]] = {
+    "mha": Attention,
+    "mla": LatentAttention,
+    "gated_deltanet": GatedDeltaNet,
+}
 """The attention module of each attention component (megatronish.config.components)."""
 
 
@@ -67,7 +72,7 @@ class Block(nn.Module):
     def __init__(self, model: ModelConfig, plan: BlockPlan):
         super().__init__()
         self.norm1 = hidden_norm(model, plan)
-        self.attn = ATTENTION[plan.components.attention](model, plan)
+        self.attn = ATTENTION[plan.attention](model, plan)
         self.norm2 = hidden_norm(model, plan)
         if plan.moe:
             d_ff = plan.derived.shared_d_ff

@@ -24,24 +24,28 @@ def init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
     """GPT-2-style initialization, layout-invariant: each full weight (each expert's, for
     stacked experts) is drawn from a generator seeded by (seed, its checkpoint name) and this
     rank keeps its block. Matrices and embeddings (and multi-token prediction's eh_proj):
-    normal(0, 0.02); residual outputs (attention proj, MLP and expert down):
-    normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm weights 1."""
+    normal(0, 0.02); residual outputs (attention proj, MLP and expert down, linear attention's
+    out_proj): normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm weights and linear attention's
+    dt_bias 1, its A_log log(U(0.01, 16)) (as transformers' Qwen3.5)."""
     ps = model.ps
     for name, param, index in stored_tensors(model.named_parameters()):
         target = param if index is None else param[index]
         if name.endswith(".bias"):
             target.zero_()
             continue
-        if "norm" in name:
+        if "norm" in name or name.endswith("dt_bias"):
             target.fill_(1.0)
             continue
-        residual = name.endswith(("proj.weight", "down.weight")) and "eh_proj" not in name
-        std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
         tags = role(param)
-        rows = tags.valid_rows if tags.valid_rows is not None else tags.full_shape[0]
         gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
         full = torch.zeros(tags.full_shape)
-        full[:rows].normal_(0.0, std, generator=gen)
+        if name.endswith("A_log"):  # linear attention's decay rates A ~ U(0.01, 16)
+            full.uniform_(0.01, 16, generator=gen).log_()
+        else:
+            residual = name.endswith(("proj.weight", "down.weight")) and "eh_proj" not in name
+            std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
+            rows = tags.valid_rows if tags.valid_rows is not None else tags.full_shape[0]
+            full[:rows].normal_(0.0, std, generator=gen)
         if tags.tp_split_dim is not None:
             full = full.chunk(model.derived.tp, dim=tags.tp_split_dim)[ps.tp_rank]
         target.copy_(full)

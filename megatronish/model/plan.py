@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatronish.config import Config, Derived
-from megatronish.config.components import BlockComponents
+from megatronish.config.components import AttentionKind, BlockComponents
 from megatronish.context import Ring
 from megatronish.distributed.layout import ParallelState, RNGTracker
 from megatronish.fp8 import RECIPES, TokenGroups
@@ -44,8 +44,10 @@ class BlockPlan:
     plan, the kernel backend, sequence parallelism (on at tp > 1: the norms' and the residual
     dropout's tokens are this rank's s / t; `linear_sequence_parallel`: parallel.sequence_parallel
     as set, also at tp 1, what the dense attention's and MLP's linear layers take), selective
-    recompute (of the attention core), whether its MLP is a mixture of experts, the sizes derived
-    from the config, this rank's groups and the RNG tracker of its dropout."""
+    recompute (of the attention core), the attention it runs (the components' full attention,
+    or gated_deltanet where model.layer_types makes it linear attention), whether its MLP is a
+    mixture of experts, the sizes derived from the config, this rank's groups and the RNG
+    tracker of its dropout."""
 
     index: int
     components: BlockComponents
@@ -54,6 +56,7 @@ class BlockPlan:
     sequence_parallel: bool
     linear_sequence_parallel: bool
     selective_recompute: bool
+    attention: AttentionKind
     moe: bool
     derived: Derived
     ps: ParallelState
@@ -81,6 +84,7 @@ def block_plan(
         sequence_parallel=cfg.parallel.sequence_parallel and derived.tp > 1,
         linear_sequence_parallel=cfg.parallel.sequence_parallel,
         selective_recompute=cfg.train.activation_checkpointing == "selective",
+        attention=cfg.model.block_attention(index),
         moe=index in derived.moe_layers,
         derived=derived,
         ps=ps,

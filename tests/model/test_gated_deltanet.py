@@ -1,0 +1,311 @@
+"""Gated DeltaNet, the linear attention of hybrid models (model.layer_types): the layer equals
+transformers' Qwen3_5GatedDeltaNet given the same weights (forward and every gradient, over two
+of the rule's chunks); a hybrid model at tp 2, with sequence parallelism and with document
+masks, equals tp 1 (weights, logits, loss, every gradient); document masks restart the state
+and the convolution at each document; cached decoding keeps a fixed-size state and equals the
+full forward; a hybrid trains from the CLI with tp 1's losses at tp 2 (with and without
+sequence parallelism), pp 2 and dp 2 with ZeRO-3; bad settings are one line."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from megatronish.config import derive, load_config
+from megatronish.context import documents_of
+from megatronish.distributed.layout import ParallelState
+from megatronish.inference.decode import decode_step
+from megatronish.layers.roles import role
+from megatronish.model import GPT
+from megatronish.model.gated_deltanet import qkv_rows
+from megatronish.objectives.cross_entropy import mean_cross_entropy
+from tests.conftest import CONFIGS, invoke_cli, read_metrics
+from tests.ranks import run_cli_on_ranks, run_on_ranks
+from tests.tolerances import (
+    FP32_REORDER,
+    GATED_DELTA_REL,
+    GATED_DELTANET_REL,
+    LAYOUT_CURVE_REL,
+)
+
+VOCAB = 61
+KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, KERNEL, D_MODEL = 2, 4, 8, 6, 4, 32
+HYBRID = [
+    "model.arch=llama",
+    "model.n_layer=4",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    f"model.d_model={D_MODEL}",
+    "model.layer_types=[linear_attention, linear_attention, linear_attention, full_attention]",
+    f"model.linear_num_key_heads={KEY_HEADS}",
+    f"model.linear_num_value_heads={VALUE_HEADS}",
+    f"model.linear_key_head_dim={KEY_DIM}",
+    f"model.linear_value_head_dim={VALUE_DIM}",
+    f"model.linear_conv_kernel_dim={KERNEL}",
+]
+
+
+def hybrid_config(tp: int = 1, seq: int = 12, *sets: str):
+    sizes = [f"model.vocab_size={VOCAB}", "model.max_seq_len=80", f"train.seq_len={seq}"]
+    return load_config(None, [*HYBRID, *sizes, f"parallel.tp={tp}", "train.seed=7", *sets])
+
+
+def hybrid_layer(seq: int):
+    cfg = hybrid_config(1, seq)
+    return GPT(cfg, derive(cfg, 1), ParallelState.single()).blocks["0"].attn
+
+
+def theirs_of(ours):
+    """transformers' Qwen3_5GatedDeltaNet with ours's weights (its [q; k; v] rows in order)."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    config = Qwen3_5TextConfig(
+        hidden_size=D_MODEL,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        linear_num_key_heads=KEY_HEADS,
+        linear_num_value_heads=VALUE_HEADS,
+        linear_key_head_dim=KEY_DIM,
+        linear_value_head_dim=VALUE_DIM,
+        linear_conv_kernel_dim=KERNEL,
+        rms_norm_eps=1e-5,  # model.norm_eps's default
+    )
+    theirs = Qwen3_5GatedDeltaNet(config, layer_idx=0)
+    rows = qkv_rows(KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM)
+    with torch.no_grad():
+        theirs.in_proj_qkv.weight[rows] = ours.in_proj_qkv.weight
+        theirs.conv1d.weight[rows, 0] = ours.conv_weight
+        for name in ("in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "norm"):
+            getattr(theirs, name).weight.copy_(getattr(ours, name).weight)
+        theirs.A_log.copy_(ours.A_log)
+        theirs.dt_bias.copy_(ours.dt_bias)
+    return theirs, rows
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / (b.abs().max() + 1e-12)).item()
+
+
+def test_gated_deltanet_equals_transformers_qwen3_5_forward_and_every_gradient():
+    seq = 70  # two of the rule's chunks of 64: the state passes between them
+    ours = hybrid_layer(seq)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in ours.parameters():  # values of magnitude ~1 through every path
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3 + 0.1)
+    theirs, rows = theirs_of(ours)
+    x = torch.randn(2, seq, D_MODEL, generator=gen)
+    x_ours, x_theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, expected = ours(x_ours), theirs(x_theirs)
+    assert rel_err(out, expected) < GATED_DELTANET_REL
+    upstream = torch.randn(out.shape, generator=gen)
+    (out * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    assert rel_err(x_ours.grad, x_theirs.grad) < GATED_DELTANET_REL
+    grads = {
+        "in_proj_qkv.weight": theirs.in_proj_qkv.weight.grad[rows],
+        "conv_weight": theirs.conv1d.weight.grad[rows, 0],
+        "A_log": theirs.A_log.grad,
+        "dt_bias": theirs.dt_bias.grad,
+    }
+    for name in ("in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "norm"):
+        grads[f"{name}.weight"] = getattr(theirs, name).weight.grad
+    for name, param in ours.named_parameters():
+        assert rel_err(param.grad, grads[name]) < GATED_DELTANET_REL, name
+
+
+def test_document_masks_restart_the_state_and_the_convolution_at_each_document():
+    layer = hybrid_layer(12).eval()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 12, D_MODEL, generator=gen)
+    tokens = torch.ones(2, 12, dtype=torch.long)
+    tokens[0, [3, 7]] = tokens[1, 10] = 0  # documents end at these tokens (eod id 0)
+    with torch.no_grad():
+        masked = layer(x, documents_of(tokens, 0))
+        alone = [
+            torch.cat([layer(x[:1, a:b]) for a, b in ((0, 4), (4, 8), (8, 12))], dim=1),
+            torch.cat([layer(x[1:, a:b]) for a, b in ((0, 11), (11, 12))], dim=1),
+        ]
+        unmasked = layer(x)
+    assert rel_err(masked, torch.cat(alone)) < FP32_REORDER
+    assert rel_err(masked[0, 4:], unmasked[0, 4:]) > FP32_REORDER, "the documents differ"
+
+
+def batch():
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, VOCAB, (3, 12), generator=gen)
+    tokens[:, [2, 8]] = 0  # documents end there under document masks (eod id 0)
+    return tokens, torch.randint(0, VOCAB, (3, 12), generator=gen)
+
+
+def run_model(model: GPT, document_mask: bool):
+    """Logits of this rank, loss and {name: (weight, grad, split dim, summed over tp)}."""
+    tokens, targets = batch()
+    documents = documents_of(tokens, 0) if document_mask else None
+    logits = model(tokens, documents)
+    loss = mean_cross_entropy(logits, targets, None, model.ps, model.backend)
+    loss.backward()
+    return logits.detach(), float(loss.detach()), {
+        name: (p.detach().clone(), p.grad.clone(), role(p).tp_split_dim,
+               role(p).sequence_parallel_grad)
+        for name, p in model.named_parameters()
+    }  # fmt: skip
+
+
+def _tp_worker(rank, world, sequence_parallel, document_mask):
+    cfg = hybrid_config(world, 12, f"parallel.sequence_parallel={sequence_parallel}")
+    model = GPT(cfg, derive(cfg, world), ParallelState.from_world(tp=world, dp=1))
+    return run_model(model, document_mask)
+
+
+@functools.cache
+def tp1(document_mask: bool):
+    cfg = hybrid_config()
+    return run_model(GPT(cfg, derive(cfg, 1), ParallelState.single()), document_mask)
+
+
+@pytest.mark.parametrize(
+    "sequence_parallel, document_mask", [(False, False), (True, False), (True, True)]
+)
+def test_hybrid_model_at_tp2_equals_tp1_weights_logits_loss_and_every_gradient(
+    sequence_parallel, document_mask
+):
+    ref_logits, ref_loss, ref_params = tp1(document_mask)
+    results = run_on_ranks(_tp_worker, 2, sequence_parallel, document_mask, timeout=180)
+    logits = torch.cat([r[0] for r in results], dim=-1)[..., :VOCAB]
+    assert rel_err(logits, ref_logits[..., :VOCAB]) < FP32_REORDER
+    assert abs(results[0][1] - ref_loss) < FP32_REORDER * ref_loss
+    for name, (ref_weight, ref_grad, _, _) in ref_params.items():
+        split, summed = results[0][2][name][2:]
+        shards = [[r[2][name][i] for r in results] for i in (0, 1)]
+        weight, grad = (t[0] if split is None else torch.cat(t, dim=split) for t in shards)
+        if summed:  # replicated, each rank's gradient covering its tokens or heads
+            grad = sum(shards[1])
+        if name.endswith(("tok_emb.weight", "lm_head.weight")):
+            weight, grad, ref_weight, ref_grad = (t[:VOCAB] for t in (weight, grad, ref_weight,
+                                                                      ref_grad))  # fmt: skip
+        assert torch.equal(weight, ref_weight), f"{name}: init differs"
+        # The decay's gradients (A_log, dt_bias) sum the rule's dg, a reverse cumulative sum
+        # whose terms far exceed it (~1e-8 under short documents): the rule's reordering bound.
+        bound = GATED_DELTA_REL if name.endswith(("A_log", "dt_bias")) else FP32_REORDER
+        assert rel_err(grad, ref_grad) < bound, name
+
+
+def cli_args(out, *sets: str) -> list[str]:
+    sizes = ["model.max_seq_len=32", "train.seq_len=32", "train.micro_batch_size=2"]
+    sizes += ["train.global_batch_size=4", "train.steps=4", "train.log_every=1"]
+    sizes += ["train.eval_every=0", f"run.out_dir={out}", "checkpoint.save=false"]
+    return ["--config", str(CONFIGS / "tiny.yaml")] + [
+        a for s in HYBRID + sizes + list(sets) for a in ("--set", s)
+    ]
+
+
+@pytest.fixture(scope="module")
+def tp1_losses(tmp_path_factory) -> list[float]:
+    """The losses of the hybrid's CLI run at tp 1, trained once for the layouts' tests."""
+    out = tmp_path_factory.mktemp("hybrid") / "tp1"
+    result = invoke_cli("train", *cli_args(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [x["loss"] for x in read_metrics(out)[0]]
+
+
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],
+    "tp2 sp selective": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.activation_checkpointing=selective",
+    ],
+    "pp2": ["parallel.pp=2"],
+    "dp2 zero3": ["parallel.dp=2", "optim.zero=3"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hybrid_model_trains_from_the_cli_with_the_losses_of_tp1_at_two_ranks(
+    tmp_path, layout, tp1_losses
+):
+    ranks = run_cli_on_ranks(["train", *cli_args(tmp_path / "run", *LAYOUTS[layout])], 2)
+    for result in ranks:
+        assert result.returncode == 0, result.stderr[-3000:]
+    losses = [x["loss"] for x in read_metrics(tmp_path / "run")[0]]
+    assert len(losses) == len(tp1_losses) == 4
+    for a, b in zip(losses, tp1_losses):
+        assert abs(a - b) <= LAYOUT_CURVE_REL * b, (losses, tp1_losses)
+    assert tp1_losses[-1] < tp1_losses[0], "the model learns"
+
+
+@pytest.mark.parametrize(
+    "sets, needles",
+    [
+        (["parallel.tp=2", "model.linear_num_key_heads=3", "model.linear_num_value_heads=6"],
+         ["model.linear_num_key_heads: 3 is not divisible by parallel.tp=2", "valid tp: 1"]),
+        (["model.linear_num_value_heads=3"], ["model.linear_num_value_heads: 3", "multiple"]),
+        (["model.layer_types=[linear_attention, mamba, full_attention, full_attention]"],
+         ["model.layer_types[1]: 'mamba' is not valid", "linear_attention | full_attention"]),
+        (["model.layer_types=[linear_attention, full_attention]"],
+         ["model.layer_types: 2 entries", "model.n_layer=4"]),
+        (["model.layer_types=linear_attention"],
+         ["model.layer_types: 'linear_attention' is not a list of linear_attention | full"]),
+        (["model.linear_conv_kernel_dim=0"], ["model.linear_conv_kernel_dim: 0", ">= 1"]),
+        (["parallel.cp=2"], ["parallel.cp: 2", "linear_attention", "valid: 1"]),
+    ],
+)  # fmt: skip
+def test_a_bad_linear_attention_setting_is_exit_2_with_one_line_naming_the_key(sets, needles):
+    args = cli_args("unused") + [a for s in sets for a in ("--set", s)]
+    result = invoke_cli("check", *args, "--world-size", "4")
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def decode(rank: int, world: int):
+    """(full-forward logits, cached-decode logits, the first block's cache shapes) of the
+    hybrid at tp = world: a 7-token prompt, then one token at a time."""
+    cfg = hybrid_config(world, 12)
+    ps = ParallelState.from_world(tp=world, dp=1) if world > 1 else ParallelState.single()
+    model = GPT(cfg, derive(cfg, world), ps).eval()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(tokens)
+        cache: list = []
+        steps = [decode_step(model, tokens[:, :7], cache, 0)]
+        steps += [decode_step(model, tokens[:, i : i + 1], cache, i) for i in range(7, 12)]
+    return full, torch.cat(steps, dim=1), [tuple(t.shape) for t in cache[0]]
+
+
+def test_cached_decode_holds_a_fixed_size_state_and_equals_the_full_forward_at_tp1_and_tp2():
+    full, decoded, shapes = decode(0, 1)
+    channels = KEY_HEADS * 2 * KEY_DIM + VALUE_HEADS * VALUE_DIM
+    assert shapes == [(2, channels, KERNEL - 1), (2, VALUE_HEADS, KEY_DIM, VALUE_DIM)]
+    assert rel_err(decoded[..., :VOCAB], full[..., :VOCAB]) < FP32_REORDER
+    ranks = run_on_ranks(decode, 2, timeout=180)
+    assert ranks[0][2] == [
+        (2, channels // 2, KERNEL - 1),
+        (2, VALUE_HEADS // 2, KEY_DIM, VALUE_DIM),
+    ]
+    decoded_tp2 = torch.cat([r[1] for r in ranks], dim=-1)[..., :VOCAB]
+    assert rel_err(decoded_tp2, full[..., :VOCAB]) < FP32_REORDER
+
+
+def test_check_says_its_counts_take_the_linear_attention_blocks_as_full_attention():
+    result = invoke_cli("check", *cli_args("unused"))
+    assert result.returncode == 0, result.stderr
+    note = "model.layer_types: the parameter, FLOP (MFU), memory and time counts take the"
+    assert note in result.stdout
+    assert note not in invoke_cli("check", *cli_args("unused", "model.layer_types=null")).stdout
+
+
+def test_layer_types_read_from_a_config_file_choose_each_blocks_attention(tmp_path):
+    config = tmp_path / "hybrid.yaml"
+    kinds = "[full_attention, linear_attention, full_attention, linear_attention]"
+    config.write_text(f"model:\n  arch: llama\n  n_layer: 4\n  layer_types: {kinds}\n")
+    model = load_config(config).model
+    assert model.layer_types == ["full_attention", "linear_attention"] * 2
+    assert [model.block_attention(i) for i in range(5)] == ["mha", "gated_deltanet"] * 2 + ["mha"]
