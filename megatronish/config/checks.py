@@ -6,7 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatronish.config.degrees import with_valid_values
-from megatronish.config.model_checks import check_attention, check_rope_scaling
+from megatronish.config.model_checks import (
+    check_attention,
+    check_partial_rotary,
+    check_rope_scaling,
+)
 from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
 from megatronish.config.schema import Config, TrainConfig
 from megatronish.errors import UserError
@@ -29,6 +33,7 @@ def value_checks(cfg: Config) -> None:
     check_moe_values(cfg)
     check_rope_scaling(cfg)
     check_attention(cfg)
+    check_partial_rotary(cfg)
     _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(

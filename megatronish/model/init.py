@@ -25,19 +25,20 @@ def init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
     stacked experts) is drawn from a generator seeded by (seed, its checkpoint name) and this
     rank keeps its block. Matrices and embeddings (and multi-token prediction's eh_proj):
     normal(0, 0.02); residual outputs (attention proj, MLP and expert down):
-    normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm weights 1."""
+    normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm weights 1 (0 where a norm scales by
+    1 + weight)."""
     ps = model.ps
     for name, param, index in stored_tensors(model.named_parameters()):
         target = param if index is None else param[index]
         if name.endswith(".bias"):
             target.zero_()
             continue
-        if "norm" in name:
-            target.fill_(1.0)
+        tags = role(param)
+        if tags.init_fill is not None or "norm" in name:
+            target.fill_(1.0 if tags.init_fill is None else tags.init_fill)
             continue
         residual = name.endswith(("proj.weight", "down.weight")) and "eh_proj" not in name
         std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02
-        tags = role(param)
         rows = tags.valid_rows if tags.valid_rows is not None else tags.full_shape[0]
         gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
         full = torch.zeros(tags.full_shape)
