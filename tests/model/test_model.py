@@ -1,7 +1,7 @@
 """The whole model at tp = 2 and 4 equals tp = 1: the same full weights at init, the same
 logits and loss, the same gradient of every parameter (fp32, relative error < 1e-5); also with
 Qwen-style attention (q, k, v biases, q and k norms, a sliding window after the first block)
-multi-head latent attention and multi-token prediction."""
+multi-head latent attention, multi-token prediction and Qwen3.5's gated attention."""
 
 from __future__ import annotations
 
@@ -47,6 +47,17 @@ ARCH_SETTINGS = {
         "model.sliding_window=5",
         "model.full_attention_layers=1",
         "model.mtp_depth=2",
+    ],
+    # Qwen3.5's gated attention: each query head's output gate in the qkv rows of its kv group
+    # (split over tp with the heads), RoPE on the first 6 of each head's 12 dims, and every
+    # norm (the blocks', the final one, q and k's) scaling by 1 + its zero-initialized weight.
+    "qwen3_5": [
+        "model.arch=qwen3_5",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.d_model=32",
+        "model.head_dim=12",
+        "model.partial_rotary_factor=0.5",
     ],
     # Multi-head latent attention (DeepSeek-V3): heads split over tp, the replicated
     # down-projections and their norms (each rank's gradient covering its tokens under sequence
@@ -123,6 +134,15 @@ def reference(arch: str):
     return run_model(GPT(cfg, derive(cfg, 1), ParallelState.single()))
 
 
+def check_parameter_counts(arch: str, tp: int, sequence_parallel: bool, params: dict) -> None:
+    """The accounting counts a tp rank's parameters, and those whose gradients sum over tp."""
+    cfg = make_config(arch, tp, sequence_parallel)
+    local = sum(p[0].numel() for p in params.values())
+    assert local_parameter_count(cfg, derive(cfg, tp)) == local, "a tp rank's parameter count"
+    summed = sum(p[0].numel() for p in params.values() if p[3])
+    assert tp_summed_grad_count(cfg, derive(cfg, tp)) == summed, "gradients summed over tp"
+
+
 def full(shards: list[torch.Tensor], split_dim: int | None, name: str) -> torch.Tensor:
     tensor = shards[0] if split_dim is None else torch.cat(shards, dim=split_dim)
     if name in ("tok_emb.weight", "lm_head.weight"):
@@ -148,20 +168,24 @@ def test_qwen_and_latent_attention_at_tp_equal_tp1_weights_logits_loss_and_every
     check_tp_parity(arch, tp, sequence_parallel)
 
 
-def check_tp_parity(arch: str, tp: int, sequence_parallel: bool) -> None:
+@pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True)])
+def test_gated_attention_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(
+    tp, sequence_parallel
+):
+    check_tp_parity("qwen3_5", tp, sequence_parallel, accounted=False)
+
+
+def check_tp_parity(arch: str, tp: int, sequence_parallel: bool, accounted: bool = True) -> None:
     """arch's model at tp (with sequence_parallel) equals tp 1: full weights, logits, loss and
-    every parameter's full gradient."""
+    every parameter's full gradient; and (accounted) the accounting's parameter counts."""
     ref_logits, ref_loss, ref_params = reference(arch)
     results = run_on_ranks(_parallel_worker, tp, arch, sequence_parallel, timeout=180)
     logits = torch.cat([r[0] for r in results], dim=-1)[..., :VOCAB]
     assert rel_err(logits, ref_logits[..., :VOCAB]) < FP32_REORDER
     assert abs(results[0][1] - ref_loss) / ref_loss < FP32_REORDER
     assert all(r[1] == results[0][1] for r in results), "every tp rank reports the same loss"
-    cfg = make_config(arch, tp, sequence_parallel)
-    local = sum(p[0].numel() for p in results[0][2].values())
-    assert local_parameter_count(cfg, derive(cfg, tp)) == local, "a tp rank's parameter count"
-    summed = sum(p[0].numel() for p in results[0][2].values() if p[3])
-    assert tp_summed_grad_count(cfg, derive(cfg, tp)) == summed, "gradients summed over tp"
+    if accounted:
+        check_parameter_counts(arch, tp, sequence_parallel, results[0][2])
     for name, (ref_weight, ref_grad, _, _) in ref_params.items():
         split, partial = results[0][2][name][2:]
         weight = full([r[2][name][0] for r in results], split, name)
