@@ -1,0 +1,202 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM, its text model) from transformers' side, as every family in
+test_hf_families.py: a tiny random model built by transformers (fp32, eager attention, every
+weight random, norms too; layer_types all full_attention until our model has the Gated
+DeltaNet layers) imported with our CLI gives transformers' logits at tp 1 and loaded at tp 2;
+exporting the import gives back save_pretrained's tensors bit for bit, which transformers loads
+as Qwen3_5ForCausalLM with our logits. config.json is read as Qwen3_5TextConfig fills it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronish import load_model
+from megatronish.errors import UserError
+from megatronish.hf import qwen3_5
+from megatronish.hf.family import ConfigJson
+from tests.checkpoints import logits_at_tp
+from tests.conftest import CONFIGS, invoke_cli, run_cli
+from tests.hf.test_hf_families import random_model
+from tests.ranks import run_on_ranks
+from tests.tolerances import FP32_LOGITS_ABS, PARITY_LOGITS_ABS
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 101
+# The published configs' rope_parameters: mrope sections (the same for text positions) beside
+# the partial rotary factor; 4 of each head's 16 dims rotate.
+ROPE = dict(
+    rope_type="default",
+    rope_theta=1e7,
+    partial_rotary_factor=0.25,
+    mrope_section=[1, 1, 0],
+    mrope_interleaved=True,
+)
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=40,
+    intermediate_size=56,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_parameters=ROPE,
+    layer_types=["full_attention"] * 3,
+)
+HYBRID = dict(  # 3 Gated DeltaNet layers to 1 full attention, as the published models
+    SHAPE,
+    num_hidden_layers=4,
+    layer_types=None,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+def _cli(*args: str) -> None:
+    result = invoke_cli(*args)
+    assert result.returncode == 0, result.stderr
+
+
+def _build(root: Path, keys: dict) -> tuple[torch.nn.Module, Path, Path, Path]:
+    model = random_model("Qwen3_5ForCausalLM", keys)
+    hf, ours, back = root / "hf", root / "ours", root / "back"
+    model.save_pretrained(hf)
+    _cli("import", "--hf", str(hf), "--output", str(ours))
+    _cli("export", "--checkpoint", str(ours), "--output", str(back))
+    return model, hf, ours, back
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("qwen3_5"), SHAPE)
+
+
+def check_round_trip(built) -> None:
+    """Import gives transformers' logits; export gives its tensors bit for bit, and loads back
+    as Qwen3_5ForCausalLM with our logits."""
+    from safetensors.torch import load_file
+
+    model, hf, ours, back = built
+    with torch.no_grad():
+        want, got = model(_tokens()).logits, load_model(ours)(_tokens())
+    assert (got - want).abs().max() < PARITY_LOGITS_ABS
+    theirs = load_file(str(hf / "model.safetensors"))
+    again = load_file(str(back / "model.safetensors"))
+    assert sorted(again) == sorted(theirs)
+    for key, tensor in theirs.items():
+        assert torch.equal(again[key], tensor), key
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager")
+    assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        assert (loaded.eval()(_tokens()).logits - got).abs().max() < PARITY_LOGITS_ABS
+
+
+def test_import_export_and_load_back_of_a_qwen3_5_model_agree_with_transformers(built):
+    model = load_model(built[2]).config.model
+    assert (model.arch, model.head_dim, model.partial_rotary_factor) == ("qwen3_5", 16, 0.25)
+    assert (model.rope_theta, model.qk_norm, model.tie_embeddings) == (1e7, True, False)
+    check_round_trip(built)
+
+
+def test_the_qwen3_5_import_loaded_at_tp2_gives_the_tp1_and_transformers_logits(built):
+    """tp 2 splits the kv groups, each with its query heads and their gates."""
+    model, _, ours, _ = built
+    at_tp2 = run_on_ranks(logits_at_tp, 2, [str(ours)], _tokens(), timeout=180)[0][0]
+    with torch.no_grad():
+        at_tp1, want = load_model(ours)(_tokens()), model(_tokens()).logits
+    assert (at_tp2 - at_tp1).abs().max() < FP32_LOGITS_ABS
+    assert (at_tp2 - want).abs().max() < PARITY_LOGITS_ABS
+
+
+@pytest.mark.skipif(
+    not qwen3_5.linear_layers_supported(), reason="the Gated DeltaNet layer is not in the model"
+)
+def test_a_hybrid_qwen3_5_model_round_trips_with_transformers_logits(tmp_path):
+    check_round_trip(_build(tmp_path, HYBRID))
+
+
+def test_the_linear_attention_table_names_transformers_gated_deltanet_parameters():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    layer = Qwen3_5GatedDeltaNet(transformers.Qwen3_5TextConfig(**HYBRID), layer_idx=0)
+    theirs = sorted(name for _, name in qwen3_5.LINEAR_ATTENTION)
+    assert theirs == sorted(f"linear_attn.{name}" for name in layer.state_dict())
+
+
+def _fields(config: dict) -> dict:
+    return qwen3_5.model_fields(ConfigJson(config, Path("config.json")))
+
+
+def test_a_config_json_without_optional_keys_reads_qwen3_5_text_configs_defaults():
+    keys = dict(SHAPE, layer_types=None, rope_parameters=None, head_dim=None)
+    keys = {k: v for k, v in keys.items() if v is not None and k != "max_position_embeddings"}
+    theirs = transformers.Qwen3_5TextConfig(**keys, layer_types=["full_attention"] * 3)
+    fields = _fields(dict(keys, layer_types=["full_attention"] * 3))
+    assert fields["head_dim"] == theirs.head_dim == 256
+    assert fields["partial_rotary_factor"] == theirs.rope_parameters["partial_rotary_factor"]
+    assert fields["rope_theta"] == theirs.rope_parameters["rope_theta"]
+    assert fields["max_seq_len"] == theirs.max_position_embeddings
+    assert (fields["n_kv_head"], fields["norm_eps"]) == (theirs.num_key_value_heads, 1e-6)
+
+
+LINEAR_REFUSED = [
+    (dict(layer_types=["full_attention", "sliding_attention", "full_attention"]), "layer_types"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+]
+if not qwen3_5.linear_layers_supported():  # until the Gated DeltaNet layer: every linear one
+    LINEAR_REFUSED += [
+        (dict(layer_types=["linear_attention", "linear_attention", "full_attention"]), "layer_"),
+        (dict(layer_types=None), "layer_types"),  # transformers' pattern: linear, full every 4th
+    ]
+
+
+@pytest.mark.parametrize(("changes", "key"), LINEAR_REFUSED)
+def test_a_qwen3_5_config_json_setting_we_do_not_implement_is_refused_naming_it(changes, key):
+    config = {k: v for k, v in (SHAPE | changes).items() if v is not None}
+    with pytest.raises(UserError) as error:
+        _fields(config)
+    message = str(error.value)
+    assert message.startswith("config.json: ") and key in message and "supported: " in message
+
+
+def test_cli_import_of_linear_attention_layers_is_exit_2_in_one_line(built, tmp_path):
+    if qwen3_5.linear_layers_supported():
+        pytest.skip("the model has Gated DeltaNet layers")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    config = json.loads((built[1] / "config.json").read_text())
+    config["layer_types"] = ["linear_attention", "linear_attention", "full_attention"]
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    result = run_cli("import", "--hf", str(hf_dir), "--output", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "layer_types" in lines[0] and "supported: 3 entries of full_attention" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_partial_rope_in_a_family_without_it_is_exit_2_in_one_line(tmp_path):
+    sets = ["model.arch=llama", "model.partial_rotary_factor=0.5", "train.steps=1"]
+    sets += [f"checkpoint.dir={tmp_path / 'ckpt'}", f"run.out_dir={tmp_path / 'run'}"]
+    sets += ["train.eval_every=0", "model.n_layer=1"]
+    args = [a for s in sets for a in ("--set", s)]
+    assert invoke_cli("train", "--config", str(CONFIGS / "tiny.yaml"), *args).returncode == 0
+    checkpoint = tmp_path / "ckpt"
+    result = invoke_cli("export", "--checkpoint", str(checkpoint), "--output", str(tmp_path / "o"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.partial_rotary_factor=0.5" in lines[0], lines
+    assert "model.arch qwen3_5" in lines[0] and not (tmp_path / "o").exists()
