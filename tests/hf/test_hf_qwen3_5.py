@@ -200,3 +200,24 @@ def test_export_of_a_partial_rope_in_a_family_without_it_is_exit_2_in_one_line(t
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.partial_rotary_factor=0.5" in lines[0], lines
     assert "model.arch qwen3_5" in lines[0] and not (tmp_path / "o").exists()
+
+
+def test_the_tiny_qwen3_5_config_trains_from_the_cli_and_exports_as_transformers_class(tmp_path):
+    """configs/tiny-qwen3_5.yaml, shortened, trains 2 steps (its norms leave zero) and its export
+    gives transformers' Qwen3_5ForCausalLM our logits."""
+    sets = ["model.n_layer=2", "train.seq_len=32", "train.micro_batch_size=2"]
+    sets += ["train.global_batch_size=4", "train.steps=2", "train.eval_every=0"]
+    sets += [f"checkpoint.dir={tmp_path / 'ckpt'}", f"run.out_dir={tmp_path / 'run'}"]
+    args = [a for s in sets for a in ("--set", s)]
+    result = invoke_cli("train", "--config", str(CONFIGS / "tiny-qwen3_5.yaml"), *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("step 2: loss ")
+    _cli("export", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
+    norm = loaded.model.layers[0].input_layernorm.weight
+    assert norm.abs().max() > 0, "a trained norm's weight"
+    ours = load_model(tmp_path / "ckpt")
+    tokens = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (loaded(tokens).logits - ours(tokens)).abs().max() < PARITY_LOGITS_ABS
