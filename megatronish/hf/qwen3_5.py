@@ -183,7 +183,12 @@ FAMILY = Family(
     architectures=("Qwen3_5ForCausalLM",),
     model_type="qwen3_5_text",
     arch="qwen3_5",
-    components={**COMPONENTS, "experts": False, "sliding_window": False},
+    components={
+        **COMPONENTS,
+        "experts": False,
+        "sliding_window": False,
+        "full_attention_layers": False,
+    },
     model_fields=model_fields,
     config_json=config_json,
     to_hf=to_hf,
