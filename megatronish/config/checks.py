@@ -234,6 +234,11 @@ def check_deepseek_moe(cfg: Config) -> None:
         value = getattr(moe, key)
         require(value >= 0, f"model.moe.{key}: {value} must be >= 0 (0 turns it off)")
     require(
+        not moe.shared_expert_gate or moe.shared_expert or moe.n_shared_experts > 0,
+        "model.moe.shared_expert_gate: true gates the shared experts, and there are none; set "
+        "model.moe.shared_expert=true or model.moe.shared_expert_gate=false",
+    )
+    require(
         not (moe.shared_expert and moe.n_shared_experts > 0),
         f"model.moe.shared_expert: true and model.moe.n_shared_experts={moe.n_shared_experts} "
         "both ask for shared experts; set only n_shared_experts",

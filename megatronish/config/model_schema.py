@@ -64,6 +64,10 @@ class MoEConfig:
     expert d_ff on every token, added to the routed output (DeepSeek). 0: none."""
     shared_expert: bool = False
     """One shared expert: the same as n_shared_experts=1 (set one or the other)."""
+    shared_expert_gate: bool = False
+    """The shared experts' output multiplied by sigmoid(w . x) per token before it is added (w
+    one learned vector of d_model per MoE layer, replicated over tp: Qwen3.5-MoE's
+    shared_expert_gate); needs shared experts."""
     first_k_dense: int = 0
     """The first this-many blocks have dense MLPs (model.d_ff); MoE blocks are then those at
     index i >= first_k_dense with i a multiple of model.moe.every."""

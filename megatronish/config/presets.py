@@ -29,6 +29,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 256,
         "partial_rotary_factor": 0.25,
         "tie_embeddings": False,
+        "moe": {  # with model.moe.num_experts: Qwen3_5MoeTextConfig's experts
+            "router": "softmax_topk",
+            "aux_loss_coef": 0.001,
+            "z_loss_coef": 0.0,
+            "shared_expert": True,
+            "shared_expert_gate": True,
+        },
     },
     "deepseek_v3": {  # DeepSeek-V3's config.json (bias_update_speed: its paper's)
         "norm_eps": 1e-6,

@@ -33,10 +33,9 @@ PARTIAL_ROTARY = 0.25  # Qwen3_5TextConfig's default
 FULL, LINEAR = "full_attention", "linear_attention"
 FULL_INTERVAL = 4  # without layer_types: every 4th block full attention, as transformers fills
 
-COMMON: Names = (
+NORMS: Names = (
     ("norm1.weight", "input_layernorm.weight"),
     ("norm2.weight", "post_attention_layernorm.weight"),
-    *llama.DENSE_MLP,
 )
 FULL_ATTENTION: Names = (("attn.proj.weight", "self_attn.o_proj.weight"), *llama.QK_NORM)
 LINEAR_ATTENTION: Names = tuple(
@@ -82,10 +81,11 @@ def layer_types_of(config: ConfigJson, n_layer: int) -> list[str]:
     return types
 
 
-def model_fields(config: ConfigJson) -> dict[str, Any]:
-    """Our model.* settings of a Qwen3_5TextConfig config.json."""
+def model_fields(config: ConfigJson, defaults: llama.ClassDefaults = DEFAULTS) -> dict[str, Any]:
+    """Our model.* settings of a Qwen3_5TextConfig config.json (the blocks Qwen3.5-MoE shares,
+    its class's defaults `defaults`)."""
     llama.refuse_biases(config, "attention_bias")
-    fields = llama.block_fields(config, "qwen3_5", DEFAULTS, COMPONENTS)
+    fields = llama.block_fields(config, "qwen3_5", defaults, COMPONENTS)
     rope = config.get("rope_parameters") or {}
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     fields["partial_rotary_factor"] = float(PARTIAL_ROTARY if partial is None else partial)
@@ -102,10 +102,16 @@ def layer_types(model: Any) -> list[str]:
     return list(getattr(model, "layer_types", None) or [FULL] * model.n_layer)
 
 
-def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
+def config_json(
+    cfg: Config,
+    derived: Derived,
+    architecture: str = "Qwen3_5ForCausalLM",
+    model_type: str = "qwen3_5_text",
+) -> dict[str, Any]:
+    """config.json's keys of our model as `architecture` (Qwen3.5-MoE's too)."""
     model = cfg.model
     out = dict(
-        llama.block_json(cfg, derived, "Qwen3_5ForCausalLM", "qwen3_5_text", partial_rope=True),
+        llama.block_json(cfg, derived, architecture, model_type, partial_rope=True),
         attention_bias=False,
         layer_types=layer_types(model),
     )
@@ -149,7 +155,8 @@ def qkv_to_hf(qkv: torch.Tensor, n_head: int, n_kv_head: int, head_dim: int):
 QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 
 
-def to_hf(cfg: Config, derived: Derived, ours: Tensors) -> Tensors:
+def tensors_to_hf(cfg: Config, derived: Derived, ours: Tensors, mlp: llama.MlpNames) -> Tensors:
+    """Their tensors of ours, block i's MLP named as mlp(i) says (Qwen3.5-MoE's experts)."""
     heads = (cfg.model.n_head, derived.n_kv_head, derived.head_dim)
     out: Tensors = {"model.embed_tokens.weight": ours["tok_emb.weight"]}
     for i, kind in enumerate(layer_types(cfg.model)):
@@ -158,12 +165,13 @@ def to_hf(cfg: Config, derived: Derived, ours: Tensors) -> Tensors:
             for name, part in zip(QKV, qkv_to_hf(ours[f"{src}attn.qkv.weight"], *heads)):
                 out[dst + name] = part
         names = FULL_ATTENTION if kind == FULL else LINEAR_ATTENTION
-        copy_to_hf(ours, out, (*names, *COMMON), src, dst)
+        copy_to_hf(ours, out, (*names, *NORMS, *mlp(i)), src, dst)
     out["model.norm.weight"] = ours["norm_f.weight"]
     return out
 
 
-def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
+def tensors_from_hf(hf: Tensors, fields: dict[str, Any], mlp: llama.MlpNames) -> Tensors:
+    """Our tensors of theirs, block i's MLP named as mlp(i) says."""
     heads = (fields["n_head"], fields["n_kv_head"], fields["head_dim"])
     types = fields.get("layer_types") or [FULL] * fields["n_layer"]
     ours: Tensors = {"tok_emb.weight": hf.pop("model.embed_tokens.weight")}
@@ -173,9 +181,17 @@ def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
             q_proj, k_proj, v_proj = (hf.pop(src + name) for name in QKV)
             ours[f"{dst}attn.qkv.weight"] = qkv_to_ours(q_proj, k_proj, v_proj, *heads)
         names = FULL_ATTENTION if kind == FULL else LINEAR_ATTENTION
-        take_from_hf(hf, ours, (*names, *COMMON), src, dst)
+        take_from_hf(hf, ours, (*names, *NORMS, *mlp(i)), src, dst)
     ours["norm_f.weight"] = hf.pop("model.norm.weight")
     return ours
+
+
+def to_hf(cfg: Config, derived: Derived, ours: Tensors) -> Tensors:
+    return tensors_to_hf(cfg, derived, ours, llama.dense)
+
+
+def from_hf(hf: Tensors, fields: dict[str, Any]) -> Tensors:
+    return tensors_from_hf(hf, fields, llama.dense)
 
 
 FAMILY = Family(

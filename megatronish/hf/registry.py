@@ -18,6 +18,7 @@ from megatronish.hf import (
     qwen2,
     qwen3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
 )
 from megatronish.hf.family import ConfigJson, Family
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
     qwen3_5.FAMILY,
+    qwen3_5_moe.FAMILY,
     deepseek_v3.FAMILY,
 )
 
