@@ -224,6 +224,11 @@ def check_moe_values(cfg: Config) -> None:
         moe.capacity_factor is None or moe.capacity_factor > 0,
         f"model.moe.capacity_factor: {moe.capacity_factor} must be > 0, or null (dropless)",
     )
+    require(
+        not moe.shared_expert_gate or moe.shared_expert or moe.n_shared_experts > 0,
+        "model.moe.shared_expert_gate: true gates the shared experts, and there are none; set "
+        "model.moe.shared_expert=true or model.moe.shared_expert_gate=false",
+    )
     check_deepseek_moe(cfg)
 
 
@@ -233,11 +238,6 @@ def check_deepseek_moe(cfg: Config) -> None:
     for key in ("bias_update_speed", "seq_aux_loss_coef", "n_shared_experts", "first_k_dense"):
         value = getattr(moe, key)
         require(value >= 0, f"model.moe.{key}: {value} must be >= 0 (0 turns it off)")
-    require(
-        not moe.shared_expert_gate or moe.shared_expert or moe.n_shared_experts > 0,
-        "model.moe.shared_expert_gate: true gates the shared experts, and there are none; set "
-        "model.moe.shared_expert=true or model.moe.shared_expert_gate=false",
-    )
     require(
         not (moe.shared_expert and moe.n_shared_experts > 0),
         f"model.moe.shared_expert: true and model.moe.n_shared_experts={moe.n_shared_experts} "
