@@ -142,3 +142,24 @@ def test_a_bad_partial_rotary_factor_is_exit_2_with_one_line_naming_the_key(sets
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+@pytest.mark.usefixtures("interpreter_env")
+def test_gated_model_on_the_triton_kernels_equals_the_torch_ops_forward_and_backward():
+    """The rope kernel rotates the leading quarter of each head, the norm kernel scales by the
+    1 + weight it is given (Triton's interpreter on CPU; fp32)."""
+    from tests.kernel_env import kernels  # noqa: F401 (defines the kernels for the interpreter)
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
+    results = []
+    for backend in ("torch", "triton"):
+        model = gated_model("model.n_layer=1", f"kernels.backend={backend}")
+        randomize(model, 10)
+        logits = model(tokens)[..., :VOCAB]
+        logits.sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=FP32_REORDER, atol=FP32_REORDER)
+    for name, grad in want_grads.items():
+        scale = grad.abs().max()
+        assert (got_grads[name] - grad).abs().max() <= FP32_REORDER * scale, name
