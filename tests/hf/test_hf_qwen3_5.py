@@ -8,7 +8,6 @@ Qwen3_5TextConfig fills it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from megatronish.errors import UserError
 from megatronish.hf import qwen3_5, qwen3_5_moe
 from megatronish.hf.family import ConfigJson
 from tests.checkpoints import logits_at_tp
-from tests.conftest import CONFIGS, invoke_cli, run_cli
+from tests.conftest import CONFIGS, invoke_cli
 from tests.hf.test_hf_families import random_model
 from tests.ranks import run_on_ranks
 from tests.tolerances import FP32_REORDER, PARITY_REL
@@ -202,16 +201,12 @@ def test_a_qwen3_5_config_json_setting_we_do_not_implement_is_refused_naming_it(
     assert message.startswith("config.json: ") and key in message and "supported: " in message
 
 
-def test_cli_import_of_linear_attention_layers_is_exit_2_in_one_line(built, tmp_path):
-    """(for either class)"""
-    if qwen3_5.linear_layers_supported():
-        pytest.skip("the model has Gated DeltaNet layers")
+@pytest.mark.skipif(qwen3_5.linear_layers_supported(), reason="the model has Gated DeltaNet layers")
+def test_cli_import_of_linear_attention_layers_is_exit_2_in_one_line(tmp_path):
     hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    config = json.loads((built[1] / "config.json").read_text())
-    config["layer_types"] = ["linear_attention", "linear_attention", "full_attention"]
-    (hf_dir / "config.json").write_text(json.dumps(config))
-    result = run_cli("import", "--hf", str(hf_dir), "--output", str(tmp_path / "out"))
+    types = ["linear_attention", "linear_attention", "full_attention"]
+    transformers.Qwen3_5TextConfig(**dict(SHAPE, layer_types=types)).save_pretrained(hf_dir)
+    result = invoke_cli("import", "--hf", str(hf_dir), "--output", str(tmp_path / "out"))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
