@@ -48,7 +48,9 @@ def model_fields(config: ConfigJson) -> dict[str, Any]:
         aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
         z_loss_coef=0.0,  # Qwen3.5-MoE has none
         router="softmax_topk",
-        n_shared_experts=shared // d_ff,
+        # one shared expert as the preset has it (shared_expert), else n_shared_experts
+        shared_expert=shared == d_ff,
+        n_shared_experts=0 if shared == d_ff else shared // d_ff,
         shared_expert_gate=True,
     )
     return dict(fields, moe=moe)

@@ -282,3 +282,17 @@ def test_a_shared_expert_gate_without_shared_experts_is_exit_2_in_one_line():
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.moe.shared_expert_gate: true" in lines[0], lines
+
+
+def test_training_the_preset_from_a_qwen3_5_moe_directory_of_its_sizes_takes_its_weights():
+    """The preset's one gated shared expert is the class's shared expert of
+    moe_intermediate_size: nothing to --set but the sizes."""
+    from megatronish.config import derive, load_config
+    from megatronish.hf.importer import check_hf_matches
+
+    fields = _fields(dict(MOE, shared_expert_intermediate_size=20), qwen3_5_moe)
+    sets = ["model.arch=qwen3_5", "model.n_layer=3", "model.n_head=6", "model.n_kv_head=2"]
+    sets += ["model.d_model=40", "model.head_dim=16", f"model.vocab_size={VOCAB}"]
+    sets += ["model.moe.num_experts=4", "model.moe.d_ff=20", "model.rope_theta=1e7"]
+    cfg = load_config(None, [*sets, "model.max_seq_len=64", "train.seq_len=16"])
+    check_hf_matches(fields, cfg, derive(cfg, 1), Path("hf"))
