@@ -9,6 +9,7 @@ from megatronish.config.degrees import with_valid_values
 from megatronish.config.model_checks import (
     check_attention,
     check_linear_attention,
+    check_partial_rotary,
     check_rope_scaling,
 )
 from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
@@ -34,6 +35,7 @@ def value_checks(cfg: Config) -> None:
     check_rope_scaling(cfg)
     check_attention(cfg)
     check_linear_attention(cfg)
+    check_partial_rotary(cfg)
     _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(
@@ -223,6 +225,11 @@ def check_moe_values(cfg: Config) -> None:
     require(
         moe.capacity_factor is None or moe.capacity_factor > 0,
         f"model.moe.capacity_factor: {moe.capacity_factor} must be > 0, or null (dropless)",
+    )
+    require(
+        not moe.shared_expert_gate or moe.shared_expert or moe.n_shared_experts > 0,
+        "model.moe.shared_expert_gate: true gates the shared experts, and there are none; set "
+        "model.moe.shared_expert=true or model.moe.shared_expert_gate=false",
     )
     check_deepseek_moe(cfg)
 

@@ -6,7 +6,7 @@ builds and costs it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Positions = Literal["learned", "rope"]
@@ -32,7 +32,14 @@ class BlockComponents:
     ModelConfig.block_attention). mlp: gelu (up, GELU, down) or swiglu (gate and up,
     SiLU(gate) * up, down). biases: all (every linear layer), qkv (the query, key and value
     projections only) or none. output: the output layer where model.tie_embeddings is null,
-    tied (the token embedding's transpose) or separate (a weight of its own)."""
+    tied (the token embedding's transpose) or separate (a weight of its own).
+
+    norm_offset: what each norm adds to its learned weight before scaling, 0 (the weight is the
+    scale, initialized to 1) or 1 (the scale is 1 + weight, the weight zero-initialized: Qwen3.5
+    and Qwen3-Next); every norm of the model, the blocks', the final one and the q/k norms.
+    attention_gate: the query projection also gives an output gate per head, and attention's
+    output is multiplied by sigmoid(gate) before the output projection (Qwen3.5's full
+    attention)."""
 
     positions: Positions
     norm: NormKind
@@ -41,6 +48,8 @@ class BlockComponents:
     mlp: Activation
     biases: Biases
     output: Output
+    norm_offset: float = 0.0
+    attention_gate: bool = False
 
     @property
     def rope(self) -> bool:
@@ -100,3 +109,7 @@ ROPE = BlockComponents(
 )
 """The RoPE, RMSNorm and SwiGLU blocks every other family composes, with a separate output layer
 (model.attention, qkv_bias choose the rest)."""
+
+QWEN3_5 = replace(ROPE, norm_offset=1.0, attention_gate=True)
+"""Qwen3.5's blocks: the RoPE blocks with zero-centered norms (scale 1 + weight) and a sigmoid
+output gate on the full attention."""

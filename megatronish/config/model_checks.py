@@ -73,6 +73,28 @@ def check_rope_scaling(cfg: Config) -> None:
 MLA_REQUIRED = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
+def check_partial_rotary(cfg: Config) -> None:
+    """model.partial_rotary_factor: in (0, 1], rotating an even number of each head's dims."""
+    model = cfg.model
+    factor = model.partial_rotary_factor
+    key = "model.partial_rotary_factor"
+    require(0 < factor <= 1, f"{key}: {factor} is not valid; must be > 0 and <= 1")
+    if factor == 1:
+        return
+    require(
+        model.components.rope and model.attention == "mha",
+        f"{key}: {factor} needs RoPE attention of whole heads (model.attention mha, not gpt2); "
+        "set it to 1",
+    )
+    head_dim = model.head_dim or model.d_model // model.n_head
+    rotary = int(head_dim * factor)
+    require(
+        rotary >= 2 and rotary % 2 == 0,
+        f"{key}: {factor} rotates {rotary} of head_dim {head_dim}; must rotate an even number "
+        "of dims, at least 2",
+    )
+
+
 def check_attention(cfg: Config) -> None:
     """model.attention and model.mla: the latent sizes only with mla (all but q_lora_rank
     required then, each positive, the rotary dim even), mla only on the llama block, and none

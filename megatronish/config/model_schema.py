@@ -64,6 +64,10 @@ class MoEConfig:
     expert d_ff on every token, added to the routed output (DeepSeek). 0: none."""
     shared_expert: bool = False
     """One shared expert: the same as n_shared_experts=1 (set one or the other)."""
+    shared_expert_gate: bool = False
+    """The shared experts' output multiplied by sigmoid(w . x) per token before it is added (w
+    one learned vector of d_model per MoE layer, replicated over tp: Qwen3.5-MoE's
+    shared_expert_gate); needs shared experts."""
     first_k_dense: int = 0
     """The first this-many blocks have dense MLPs (model.d_ff); MoE blocks are then those at
     index i >= first_k_dense with i a multiple of model.moe.every."""
@@ -90,7 +94,9 @@ class MLAConfig:
 
 @dataclass
 class ModelConfig:
-    arch: Literal["gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"] = "gpt2"
+    arch: Literal[
+        "gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3"
+    ] = "gpt2"
     """A family's preset. gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings.
     Every other family has RoPE, RMSNorm, SwiGLU, grouped-query attention and an untied output
     layer, and its preset fills the defaults of the component keys a config leaves unset (a key
@@ -102,7 +108,9 @@ class ModelConfig:
     positions, mscale and mscale_all_dim 1) and the sigmoid router's model.moe keys (n_group 8,
     topk_group 4, routed_scaling_factor 2.5, seq_aux_loss_coef 0.001, n_shared_experts 1,
     first_k_dense 3, aux_loss_coef and z_loss_coef 0; bias_update_speed 0.001, the paper's, as
-    config.json has none)."""
+    config.json has none); qwen3_5 (transformers' Qwen3_5TextConfig) qk_norm, head_dim 256,
+    partial_rotary_factor 0.25, norm_eps 1e-6, rope_theta 1e4, untied, with zero-centered norms
+    (scale 1 + weight) and a sigmoid output gate on attention (megatronish.config.components)."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -133,6 +141,10 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base (llama)."""
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head's dims RoPE rotates (the first head_dim x factor, which must be
+    even; the rest pass unrotated), and the frequencies are those of a head of that many dims
+    (Qwen3.5: 0.25); 0 < factor <= 1, llama only."""
     rope_scaling: RopeScalingConfig | None = None
     """null: plain RoPE. Otherwise the context extension of the family's config.json
     `rope_scaling` (`type` for its `rope_type`), computed as transformers computes it; llama

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from megatronish.config.components import GPT2, ROPE, AttentionKind, BlockComponents
+from megatronish.config.components import GPT2, QWEN3_5, ROPE, AttentionKind, BlockComponents
 
 _QWEN = {"norm_eps": 1e-6, "rope_theta": 1e6}
 
@@ -21,6 +21,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         **_QWEN,
         "qk_norm": True,
         "moe": {"router": "softmax_topk", "aux_loss_coef": 0.001, "z_loss_coef": 0.0},
+    },
+    "qwen3_5": {  # transformers' Qwen3_5TextConfig defaults
+        "norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "qk_norm": True,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "tie_embeddings": False,
+        "moe": {  # with model.moe.num_experts: Qwen3_5MoeTextConfig's experts
+            "router": "softmax_topk",
+            "aux_loss_coef": 0.001,
+            "z_loss_coef": 0.0,
+            "shared_expert": True,
+            "shared_expert_gate": True,
+        },
     },
     "deepseek_v3": {  # DeepSeek-V3's config.json (bias_update_speed: its paper's)
         "norm_eps": 1e-6,
@@ -57,7 +72,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 """model.* defaults of each model.arch (nested dicts for sub-sections such as model.moe)."""
 
-FAMILY_BLOCKS: dict[str, BlockComponents] = {arch: ROPE for arch in PRESETS} | {"gpt2": GPT2}
+FAMILY_BLOCKS: dict[str, BlockComponents] = {arch: ROPE for arch in PRESETS} | {
+    "gpt2": GPT2,
+    "qwen3_5": QWEN3_5,
+}
 """The components each model.arch builds its blocks from (megatronish.config.components)."""
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from megatronish.config import Config, Derived, MoEConfig
 from megatronish.config.schema import ROPE_SCALING_KEYS, RopeScalingConfig
+from megatronish.errors import UserError
 from megatronish.hf.family import (
     ConfigJson,
     Family,
@@ -164,9 +165,17 @@ def refuse_biases(config: ConfigJson, *keys: str) -> None:
             )
 
 
-def block_json(cfg: Config, derived: Derived, architecture: str, model_type: str) -> dict:
-    """The config.json keys every Llama-block family shares, for our model."""
+def block_json(
+    cfg: Config, derived: Derived, architecture: str, model_type: str, partial_rope: bool = False
+) -> dict:
+    """The config.json keys every Llama-block family shares, for our model; a UserError for a
+    partial RoPE (model.partial_rotary_factor < 1) in a family without it (partial_rope)."""
     model = cfg.model
+    if model.partial_rotary_factor != 1 and not partial_rope:
+        raise UserError(
+            f"model.partial_rotary_factor={model.partial_rotary_factor}: {architecture} (export "
+            "--format hf) rotates whole heads; model.arch qwen3_5 can express it"
+        )
     return {
         "architectures": [architecture],
         "model_type": model_type,

@@ -9,7 +9,18 @@ from typing import Any
 
 from megatronish.config import Config, Derived
 from megatronish.errors import UserError
-from megatronish.hf import deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from megatronish.hf import (
+    deepseek_v3,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+)
 from megatronish.hf.family import ConfigJson, Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -20,6 +31,8 @@ FAMILIES: tuple[Family, ...] = (
     qwen2.FAMILY,
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
+    qwen3_5.FAMILY,
+    qwen3_5_moe.FAMILY,
     deepseek_v3.FAMILY,
 )
 

@@ -40,6 +40,10 @@ class ParamRole:
     """The last stage's copy of a tied embedding: left out of the gradient norm (counted once,
     on the first stage)."""
 
+    init_fill: float | None = None
+    """The value initialization fills the parameter with (a norm's weight); None: the
+    initialization's own rule."""
+
     @property
     def is_expert(self) -> bool:
         return bool(self.expert_ids)

@@ -1,6 +1,9 @@
 """Parallel attention: qkv column-parallel (heads split over tp), core attention (flash
 kernel, torch SDPA, or ring attention over cp; under the block's sliding window, if any),
-output row-parallel; and the cached forward of incremental decoding.
+output row-parallel; and the cached forward of incremental decoding. RoPE rotates each head's
+first rotary dims (all of them unless model.partial_rotary_factor < 1); with the components'
+attention_gate the qkv projection also gives a gate per query head (beside its query), and the
+output is multiplied by sigmoid(gate) before the output projection (Qwen3.5).
 
 Shapes (legend in megatronish.model): b batch, s sequence (this rank's cp shard), h d_model,
 n query heads, k kv heads, d head dim, t tp size.
@@ -9,6 +12,7 @@ n query heads, k kv heads, d head dim, t tp size.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +76,13 @@ def decode_mask(start_pos: int, s: int, keys: int, window: int | None, device) -
     return visible
 
 
+def rotate_leading(x: torch.Tensor, dims: int, rotate) -> torch.Tensor:
+    """x [..., d] with `rotate` applied to its first `dims` of d (the rest pass as they are)."""
+    if dims == x.shape[-1]:
+        return rotate(x)
+    return torch.cat([rotate(x[..., :dims].contiguous()), x[..., dims:]], dim=-1)
+
+
 class Attention(nn.Module):
     """The attention of plan.index's block (the index picks its sliding window)."""
 
@@ -82,13 +93,18 @@ class Attention(nn.Module):
         self.local_heads, self.local_groups = model.n_head // tp, derived.n_kv_head // tp
         self.heads_per_group = model.n_head // derived.n_kv_head
         self.rotary, self.rope = plan.components.rope, rope_spec(model)
+        self.rotary_dims = int(self.head_dim * model.partial_rotary_factor)
+        self.gated = plan.components.attention_gate
+        gates = self.heads_per_group if self.gated else 0  # gate heads per kv group
         self.dropout, self.tracker = model.dropout, plan.tracker
         self.backend = plan.backend
         self.selective_checkpoint = plan.selective_recompute
         self.cp, self.ring = derived.cp, plan.ring()
         self.window = attention_window(model, plan.index)  # None: every earlier position
         sp, group = plan.linear_sequence_parallel, plan.ps.tp_group
-        qkv_out = (model.n_head + 2 * derived.n_kv_head) * self.head_dim
+        qkv_out = (model.n_head + gates * derived.n_kv_head + 2 * derived.n_kv_head) * self.head_dim
+        query = self.heads_per_group * self.head_dim
+        parts = (query, query) if self.gated else (query,)
         self.qkv = ColumnParallelLinear(
             model.d_model,
             qkv_out,
@@ -97,12 +113,13 @@ class Attention(nn.Module):
             tp_group=group,
             init_method=None,
             plan=plan.linear,
-            # per key-value group: its query heads, its key head, its value head
-            out_parts=(self.heads_per_group * self.head_dim, self.head_dim, self.head_dim),
+            # per key-value group: its query heads, (their gates,) its key head, its value head
+            out_parts=(*parts, self.head_dim, self.head_dim),
         )
         self.q_norm = self.k_norm = None
         if model.qk_norm:  # each rank normalizes its own heads: its gradient is summed over tp
-            norm = (self.head_dim, "rmsnorm", model.norm_eps, self.backend, tp > 1)
+            offset = plan.components.norm_offset
+            norm = (self.head_dim, "rmsnorm", model.norm_eps, self.backend, tp > 1, offset)
             self.q_norm, self.k_norm = Norm(*norm), Norm(*norm)
         self.proj = RowParallelLinear(
             model.n_head * self.head_dim,
@@ -122,33 +139,45 @@ class Attention(nn.Module):
         by the positions within it."""
         positions, segments = rope_positions(documents, self.ring, self.cp, q.shape[2], q.device)
         if self.rotary:
-            q = ops.rope(q, self.rope, backend=self.backend, positions=positions)
-            k = ops.rope(k, self.rope, backend=self.backend, positions=positions)
+            rotate = partial(ops.rope, theta=self.rope, backend=self.backend, positions=positions)
+            q = rotate_leading(q, self.rotary_dims, rotate)
+            k = rotate_leading(k, self.rotary_dims, rotate)
         return attend(self, q, k, v, documents, segments)
 
     def split_heads(self, x: torch.Tensor):
-        """x [b, s, h] -> q [b, n/t, s, d], k and v [b, k/t, s, d] of this rank's heads."""
-        qkv = self.qkv(x)  # [b, s, (n + 2k) / t * d]
+        """x [b, s, h] -> q [b, n/t, s, d], k and v [b, k/t, s, d] of this rank's heads, and
+        their gates [b, s, n/t * d] (None without attention_gate)."""
+        qkv = self.qkv(x)  # [b, s, (n (+ n) + 2k) / t * d]
         b, s, _ = qkv.shape
-        qkv = qkv.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        group = self.heads_per_group
+        gates = group if self.gated else 0
+        qkv = qkv.view(b, s, self.local_groups, group + gates + 2, self.head_dim)
         # One split (its backward is one concatenation, not a zero-filled buffer per slice);
         # q is a view when each group has one query head (gpt2), a copy otherwise.
-        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q, gate, k, v = qkv.split([group, gates, 1, 1], dim=3)
         q, k = q.reshape(b, s, self.local_heads, self.head_dim), k.squeeze(3)
         if self.q_norm is not None:  # RMSNorm of each head over d, before RoPE (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.squeeze(3).transpose(1, 2)
+        gate = gate.reshape(b, s, self.local_heads * self.head_dim) if self.gated else None
+        return q.transpose(1, 2), k.transpose(1, 2), v.squeeze(3).transpose(1, 2), gate
+
+    def output(self, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention core's y [b, n/t, s, d] -> [b, s, h]: its heads, times sigmoid(gate)
+        under attention_gate, through the output projection."""
+        b, s = y.shape[0], y.shape[2]
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
+        return self.proj(y)
 
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; documents: this rank's tokens' under document masks."""
-        q, k, v = self.split_heads(x)
-        b, s = q.shape[0], q.shape[2]
+        q, k, v, gate = self.split_heads(x)
         if self.selective_checkpoint and self.training:
             y = checkpoint(self.core, self.tracker, q, k, v, documents)
         else:
             y = self.core(q, k, v, documents)
-        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
-        return self.proj(y)
+        return self.output(y, gate)
 
     def forward_cached(
         self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, start_pos: int
@@ -157,11 +186,12 @@ class Attention(nn.Module):
         (k, v) [b, k/t, start_pos, d] of the earlier positions (None at 0) -> (output [b, s, h],
         the cache extended by these positions). RoPE rotates by the absolute positions; the
         cache keeps every position, and the sliding window masks those out of reach."""
-        q, k, v = self.split_heads(x)
-        b, s = q.shape[0], q.shape[2]
+        q, k, v, gate = self.split_heads(x)
+        s = q.shape[2]
         if self.rotary:
-            q = reference.rope(q, self.rope, start_pos)
-            k = reference.rope(k, self.rope, start_pos)
+            rotate = partial(reference.rope, spec=self.rope, start_pos=start_pos)
+            q = rotate_leading(q, self.rotary_dims, rotate)
+            k = rotate_leading(k, self.rotary_dims, rotate)
         if cache is not None:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         keys, values = k, v  # [b, k/t, start_pos + s, d]
@@ -172,5 +202,4 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=visible, scale=1.0 / math.sqrt(self.head_dim)
         )
-        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, n/t * d]
-        return self.proj(y), (k, v)
+        return self.output(y, gate), (k, v)

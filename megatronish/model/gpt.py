@@ -85,8 +85,9 @@ class GPT(nn.Module):
             {name: Block(model, plan_of(int(name))) for chunk in self.chunks for name in chunk}
         )
         if self.is_last_stage:
-            norm = (model.components.norm, model.norm_eps, self.backend, self.sequence_parallel)
-            self.norm_f = Norm(model.d_model, *norm)
+            parts = model.components
+            norm = (parts.norm, model.norm_eps, self.backend, self.sequence_parallel)
+            self.norm_f = Norm(model.d_model, *norm, parts.norm_offset)
             if not derived.tie_embeddings:
                 self.lm_head = ColumnParallelLinear(
                     model.d_model,

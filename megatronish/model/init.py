@@ -26,17 +26,18 @@ def init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
     rank keeps its block. Matrices and embeddings (and multi-token prediction's eh_proj):
     normal(0, 0.02); residual outputs (attention proj, MLP and expert down, linear attention's
     out_proj): normal(0, 0.02 / sqrt(2 n_layer)); biases 0; norm weights and linear attention's
-    dt_bias 1, its A_log log(U(0.01, 16)) (as transformers' Qwen3.5)."""
+    dt_bias 1 (norm weights 0 where a norm scales by 1 + weight), its A_log log(U(0.01, 16))
+    (as transformers' Qwen3.5)."""
     ps = model.ps
     for name, param, index in stored_tensors(model.named_parameters()):
         target = param if index is None else param[index]
         if name.endswith(".bias"):
             target.zero_()
             continue
-        if "norm" in name or name.endswith("dt_bias"):
-            target.fill_(1.0)
-            continue
         tags = role(param)
+        if tags.init_fill is not None or "norm" in name or name.endswith("dt_bias"):
+            target.fill_(1.0 if tags.init_fill is None else tags.init_fill)
+            continue
         gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
         full = torch.zeros(tags.full_shape)
         if name.endswith("A_log"):  # linear attention's decay rates A ~ U(0.01, 16)

@@ -1,5 +1,6 @@
 """The mixture-of-experts MLP of one block: router -> dispatch -> grouped expert SwiGLU ->
-combine (plus the shared experts' MLP, if any), with its router losses attached to the backward.
+combine (plus the shared experts' MLP, if any, under its sigmoid gate where model.moe has one),
+with its router losses attached to the backward.
 
 Shapes: b batch, s sequence, h d_model, T = b s tokens of this rank, E experts, k top_k.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatronish.config import Derived, ModelConfig
@@ -78,6 +80,20 @@ class Router(nn.Module):
             mark_parallel(self.bias, None, (num_experts,))
 
 
+class SharedGate(nn.Module):
+    """The shared experts' gate: weight [1, h], replicated over tp; sigmoid(x w^T) [b, s, 1]."""
+
+    def __init__(self, d_model: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, d_model))
+        mark_parallel(self.weight, None, (1, d_model))
+        # Under sequence parallelism each tp rank's gradient covers its own tokens.
+        set_role(self.weight, sequence_parallel_grad=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight.to(x.dtype)))
+
+
 class MoELayer(nn.Module):
     def __init__(
         self,
@@ -122,6 +138,8 @@ class MoELayer(nn.Module):
             experts,
         )
         self.shared = shared
+        gated = shared is not None and moe.shared_expert_gate
+        self.shared_gate = SharedGate(model.d_model, sequence_parallel) if gated else None
         self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)
         self.stats = LayerStats(moe.num_experts, self.sequence_parallel, self.router.bias)
 
@@ -156,7 +174,8 @@ class MoELayer(nn.Module):
         else:
             out = mappings.reduce_from_tensor_parallel_region(out, group)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            out = out + (shared if self.shared_gate is None else self.shared_gate(x) * shared)
         if not (self.training and torch.is_grad_enabled()):
             return out
         loss, balance, z, counts = self.router_loss(routing, b)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatronish.config import MoEConfig, derive, load_config
+from megatronish.config.components import QWEN3_5, ROPE
 from megatronish.config.presets import FAMILY_BLOCKS, PRESETS, with_preset
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
@@ -52,7 +53,10 @@ def test_the_last_arch_given_chooses_the_preset(tmp_path):
     assert cfg.model.arch == "llama" and not cfg.model.qk_norm and cfg.model.norm_eps == 1e-5
 
 
-@pytest.mark.parametrize("arch", sorted(set(PRESETS) - {"gpt2", "llama"}))
+LLAMA_BLOCKS = sorted(a for a in PRESETS if FAMILY_BLOCKS[a] == ROPE and a != "llama")
+
+
+@pytest.mark.parametrize("arch", LLAMA_BLOCKS)
 def test_a_family_is_the_llama_block_with_its_presets_components(arch):
     sets = ["train.seq_len=16", "model.max_seq_len=16", "model.vocab_size=64"]
     if arch.endswith("moe"):
@@ -119,3 +123,39 @@ def test_a_familys_output_layer_and_mlp_size_defaults_are_its_components(arch):
     assert derived.tie_embeddings == components.tied_output == (arch == "gpt2")
     gelu_size = 4 * cfg.model.d_model
     assert (derived.d_ff == gelu_size) == (not components.gated_mlp)
+
+
+def test_qwen3_5_fills_transformers_qwen3_5_text_config_defaults_and_its_components():
+    from transformers import Qwen3_5TextConfig
+
+    theirs = Qwen3_5TextConfig()
+    model = load_config(TINY, ["model.arch=qwen3_5"]).model
+    assert (model.norm_eps, model.head_dim) == (theirs.rms_norm_eps, theirs.head_dim)
+    rope = theirs.rope_parameters
+    assert model.rope_theta == rope["rope_theta"]
+    assert model.partial_rotary_factor == rope["partial_rotary_factor"] == 0.25
+    assert model.qk_norm and not model.qkv_bias
+    assert model.tie_embeddings is theirs.tie_word_embeddings is False
+    assert model.components == QWEN3_5
+    assert (QWEN3_5.norm_offset, QWEN3_5.attention_gate) == (1.0, True)
+    assert all(not FAMILY_BLOCKS[a].attention_gate for a in PRESETS if a != "qwen3_5")
+
+
+def test_qwen3_5_is_the_llama_block_with_a_gate_per_query_head_and_zero_centered_norms():
+    """Its tensors are the llama block's with the preset's keys, but for the qkv rows (a gate
+    of head_dim per query head) and its norms' weights (0, scaling by 1 + weight)."""
+    sets = ["train.seq_len=16", "model.max_seq_len=16", "model.vocab_size=64"]
+    sets += ["model.n_kv_head=2", "model.head_dim=16"]
+    family = load_config(TINY, [*sets, "model.arch=qwen3_5"])
+    keys = ["model.qk_norm=true", "model.partial_rotary_factor=0.25", "model.norm_eps=1e-6"]
+    llama = load_config(TINY, ["model.arch=llama", *keys, *sets])
+    ours, theirs = (
+        GPT(cfg, derive(cfg, 1), ParallelState.single()).state_dict() for cfg in (family, llama)
+    )
+    assert sorted(ours) == sorted(theirs)
+    gates = family.model.n_head * 16
+    for name, tensor in ours.items():
+        rows = theirs[name].shape[0] + (gates if name.endswith("attn.qkv.weight") else 0)
+        assert tensor.shape == (rows, *theirs[name].shape[1:]), name
+        if "norm" in name:
+            assert not tensor.any() and theirs[name].eq(1).all(), name

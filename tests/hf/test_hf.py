@@ -323,9 +323,12 @@ def test_export_of_a_model_its_family_cannot_express_exits_2_with_one_line(tmp_p
             ("qwen3_moe", *GQA, *MOE, "model.sliding_window=4", "model.full_attention_layers=1"),
             ("model.full_attention_layers=1", "qwen2, qwen3 can"),
         ),
-        (("llama", "model.qk_norm=true"), ("model.qk_norm=true", "arch llama", "qwen3, qwen3_moe")),
+        (
+            ("llama", "model.qk_norm=true"),
+            ("model.qk_norm=true", "arch llama", "qwen3, qwen3_5, qwen3_moe"),
+        ),
         (("qwen2", *GQA, "model.qkv_bias=false"), ("model.qkv_bias=false", "Qwen2ForCausalLM")),
-        (("qwen3", *GQA, *MOE), ("model.moe.num_experts=4", "llama, qwen3_moe")),
+        (("qwen3", *GQA, *MOE), ("model.moe.num_experts=4", "llama, qwen3_5, qwen3_moe")),
     ],
 )
 def test_export_names_the_setting_a_family_cannot_express_and_the_archs_that_can(args, needles):

@@ -171,9 +171,11 @@ def _random_model(name: str) -> torch.nn.Module:
 
 def random_model(cls: str, keys: dict) -> torch.nn.Module:
     """transformers' model of class `cls` and config keys `keys` (fp32, eager attention), every
-    weight random as _random_model makes them."""
+    weight random as _random_model makes them (the config: the family's text config where it
+    has one, as Qwen3_5ForCausalLM takes Qwen3_5TextConfig)."""
     family = cls.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
-    config_class = getattr(transformers, family + "Config")
+    config_class = getattr(transformers, family + "TextConfig", None)
+    config_class = config_class or getattr(transformers, family + "Config")
     torch.manual_seed(0)
     model = getattr(transformers, cls)(config_class(**keys, attn_implementation="eager")).eval()
     with torch.no_grad():

@@ -88,6 +88,21 @@ FAMILIES = {
         moe_intermediate_size=24,
         norm_topk_prob=True,
     ),
+    # the output gate, RoPE on a quarter of each head's 16 dims, 1 + weight norms; all full
+    # attention (until the Gated DeltaNet layers)
+    "Qwen3_5ForCausalLM": dict(
+        LLAMA_SHAPE, head_dim=16, layer_types=["full_attention"] * LLAMA_SHAPE["num_hidden_layers"]
+    ),
+    # and experts in every block beside the gated shared expert
+    "Qwen3_5MoeForCausalLM": dict(
+        LLAMA_SHAPE,
+        head_dim=16,
+        layer_types=["full_attention"] * LLAMA_SHAPE["num_hidden_layers"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=24,
+    ),
 }
 
 

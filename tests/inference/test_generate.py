@@ -53,6 +53,11 @@ def checkpoints(tmp_path_factory):
     head_dim = tiny_cfg("llama", "model.head_dim=24", yarn)
     paths["llama_head_dim"] = save_single(root / "hd", head_dim)[0]
     paths["mla"] = save_single(root / "mla", tiny_cfg("deepseek_v3", *MLA))[0]
+    # Qwen3.5's gated attention: each head's gate beside its query (split over tp with it),
+    # RoPE on 4 of each head's 16 dims, and zero-centered norms.
+    paths["qwen3_5"] = save_single(
+        root / "q35", tiny_cfg("qwen3_5", "model.head_dim=16", "model.n_kv_head=2")
+    )[0]
     return paths
 
 
@@ -75,7 +80,7 @@ def _cached_and_full(model, sequence):
     return torch.cat(pieces, dim=1), full, cache
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama_head_dim"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama_head_dim", "qwen3_5"])
 def test_cached_decoding_gives_the_logits_of_the_full_forward(checkpoints, arch):
     model = build_model(Checkpoint(checkpoints[arch]), ParallelState.single())
     cached, full, cache = _cached_and_full(model, tokens(2, 24, seed=3))

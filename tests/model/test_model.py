@@ -1,7 +1,7 @@
 """The whole model at tp = 2 and 4 equals tp = 1: the same full weights at init, the same
 logits and loss, the same gradient of every parameter (fp32, relative error < 1e-5); also with
 Qwen-style attention (q, k, v biases, q and k norms, a sliding window after the first block)
-multi-head latent attention and multi-token prediction."""
+multi-head latent attention, multi-token prediction and Qwen3.5's gated attention."""
 
 from __future__ import annotations
 
@@ -48,6 +48,30 @@ ARCH_SETTINGS = {
         "model.sliding_window=5",
         "model.full_attention_layers=1",
         "model.mtp_depth=2",
+    ],
+    # Qwen3.5's gated attention: each query head's output gate in the qkv rows of its kv group
+    # (split over tp with the heads), RoPE on the first 6 of each head's 12 dims, and every
+    # norm (the blocks', the final one, q and k's) scaling by 1 + its zero-initialized weight.
+    "qwen3_5": [
+        "model.arch=qwen3_5",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.d_model=32",
+        "model.head_dim=12",
+        "model.partial_rotary_factor=0.5",
+    ],
+    # Qwen3.5-MoE: the gated attention above, 4 experts (top 2) in every block, and a shared
+    # expert under its sigmoid gate (replicated; each rank's gradient covers its tokens under
+    # sequence parallelism).
+    "qwen3_5_moe": [
+        "model.arch=qwen3_5",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.d_model=32",
+        "model.head_dim=12",
+        "model.partial_rotary_factor=0.5",
+        "model.moe.num_experts=4",
+        "model.moe.d_ff=20",
     ],
     # Multi-head latent attention (DeepSeek-V3): heads split over tp, the replicated
     # down-projections and their norms (each rank's gradient covering its tokens under sequence
@@ -103,12 +127,20 @@ def run_model(model: GPT):
         name: (
             p.detach().clone(),
             p.grad.detach().clone(),
-            role(p).tp_split_dim,
+            split_dim(p),
             role(p).sequence_parallel_grad,
         )
         for name, p in model.named_parameters()
     }
     return logits.detach(), float(loss.detach()), params
+
+
+def split_dim(param) -> int | None:
+    """The dim of param that tp splits (stacked experts: one expert's, after the stack's)."""
+    tags = role(param)
+    if tags.tp_split_dim is None:
+        return None
+    return tags.tp_split_dim + param.dim() - len(tags.full_shape)
 
 
 def _parallel_worker(rank, world, arch, sequence_parallel):
@@ -122,6 +154,15 @@ def _parallel_worker(rank, world, arch, sequence_parallel):
 def reference(arch: str):
     cfg = make_config(arch, 1)
     return run_model(GPT(cfg, derive(cfg, 1), ParallelState.single()))
+
+
+def check_parameter_counts(arch: str, tp: int, sequence_parallel: bool, params: dict) -> None:
+    """The accounting counts a tp rank's parameters, and those whose gradients sum over tp."""
+    cfg = make_config(arch, tp, sequence_parallel)
+    local = sum(p[0].numel() for p in params.values())
+    assert local_parameter_count(cfg, derive(cfg, tp)) == local, "a tp rank's parameter count"
+    summed = sum(p[0].numel() for p in params.values() if p[3])
+    assert tp_summed_grad_count(cfg, derive(cfg, tp)) == summed, "gradients summed over tp"
 
 
 def full(shards: list[torch.Tensor], split_dim: int | None, name: str) -> torch.Tensor:
@@ -149,20 +190,26 @@ def test_qwen_and_latent_attention_at_tp_equal_tp1_weights_logits_loss_and_every
     check_tp_parity(arch, tp, sequence_parallel)
 
 
-def check_tp_parity(arch: str, tp: int, sequence_parallel: bool) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True)])
+def test_gated_attention_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(
+    arch, tp, sequence_parallel
+):
+    """The accounting counts neither gate yet: its parameter counts are left out."""
+    check_tp_parity(arch, tp, sequence_parallel, accounted=False)
+
+
+def check_tp_parity(arch: str, tp: int, sequence_parallel: bool, accounted: bool = True) -> None:
     """arch's model at tp (with sequence_parallel) equals tp 1: full weights, logits, loss and
-    every parameter's full gradient."""
+    every parameter's full gradient; and (accounted) the accounting's parameter counts."""
     ref_logits, ref_loss, ref_params = reference(arch)
     results = run_on_ranks(_parallel_worker, tp, arch, sequence_parallel, timeout=180)
     logits = torch.cat([r[0] for r in results], dim=-1)[..., :VOCAB]
     assert rel_err(logits, ref_logits[..., :VOCAB]) < FP32_REORDER
     assert abs(results[0][1] - ref_loss) / ref_loss < FP32_REORDER
     assert all(r[1] == results[0][1] for r in results), "every tp rank reports the same loss"
-    cfg = make_config(arch, tp, sequence_parallel)
-    local = sum(p[0].numel() for p in results[0][2].values())
-    assert local_parameter_count(cfg, derive(cfg, tp)) == local, "a tp rank's parameter count"
-    summed = sum(p[0].numel() for p in results[0][2].values() if p[3])
-    assert tp_summed_grad_count(cfg, derive(cfg, tp)) == summed, "gradients summed over tp"
+    if accounted:
+        check_parameter_counts(arch, tp, sequence_parallel, results[0][2])
     for name, (ref_weight, ref_grad, _, _) in ref_params.items():
         split, partial = results[0][2][name][2:]
         weight = full([r[2][name][0] for r in results], split, name)
