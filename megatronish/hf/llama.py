@@ -166,12 +166,18 @@ def refuse_biases(config: ConfigJson, *keys: str) -> None:
 
 
 def block_json(
-    cfg: Config, derived: Derived, architecture: str, model_type: str, partial_rope: bool = False
+    cfg: Config, derived: Derived, architecture: str, model_type: str, hybrid: bool = False
 ) -> dict:
     """The config.json keys every Llama-block family shares, for our model; a UserError for a
-    partial RoPE (model.partial_rotary_factor < 1) in a family without it (partial_rope)."""
+    partial RoPE (model.partial_rotary_factor < 1) or linear-attention blocks (model.layer_types)
+    in a family without them (hybrid: Qwen3.5's has both)."""
     model = cfg.model
-    if model.partial_rotary_factor != 1 and not partial_rope:
+    if "linear_attention" in (model.layer_types or ()) and not hybrid:
+        raise UserError(
+            f"model.layer_types: linear_attention blocks: {architecture} (export --format hf) has "
+            "full attention only; model.arch qwen3_5 can express them"
+        )
+    if model.partial_rotary_factor != 1 and not hybrid:
         raise UserError(
             f"model.partial_rotary_factor={model.partial_rotary_factor}: {architecture} (export "
             "--format hf) rotates whole heads; model.arch qwen3_5 can express it"

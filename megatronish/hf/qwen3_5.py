@@ -120,7 +120,7 @@ def config_json(
     """config.json's keys of our model as `architecture` (Qwen3.5-MoE's too)."""
     model = cfg.model
     out = dict(
-        llama.block_json(cfg, derived, architecture, model_type, partial_rope=True),
+        llama.block_json(cfg, derived, architecture, model_type, hybrid=True),
         attention_bias=False,
         layer_types=layer_types(model),
     )

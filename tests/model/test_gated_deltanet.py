@@ -9,6 +9,7 @@ sequence parallelism), pp 2 and dp 2 with ZeRO-3; bad settings are one line."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,12 +205,30 @@ def cli_args(out, *sets: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def tp1_losses(tmp_path_factory) -> list[float]:
-    """The losses of the hybrid's CLI run at tp 1, trained once for the layouts' tests."""
+def tp1_run(tmp_path_factory) -> Path:
+    """The run directory of the hybrid's CLI run at tp 1 (its checkpoint in ckpt/), trained once
+    for the layouts' tests and the export's."""
     out = tmp_path_factory.mktemp("hybrid") / "tp1"
-    result = invoke_cli("train", *cli_args(out))
+    saved = ["checkpoint.save=true", f"checkpoint.dir={out / 'ckpt'}"]
+    result = invoke_cli("train", *cli_args(out, *saved))
     assert result.returncode == 0, result.stderr[-3000:]
-    return [x["loss"] for x in read_metrics(out)[0]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1_losses(tp1_run: Path) -> list[float]:
+    return [x["loss"] for x in read_metrics(tp1_run)[0]]
+
+
+def test_export_of_a_hybrid_llama_checkpoint_is_exit_2_in_one_line(tp1_run, tmp_path):
+    out = tmp_path / "hf"
+    args = ["--checkpoint", str(tp1_run / "ckpt"), "--format", "hf", "--output", str(out)]
+    result = invoke_cli("export", *args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "model.layer_types" in lines[0] and "qwen3_5" in lines[0], lines[0]
+    assert not out.exists()
 
 
 LAYOUTS = {
