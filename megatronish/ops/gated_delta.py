@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from megatronish.config.kernel_dims import TRITON_GATED_DELTA_DIMS
 from megatronish.ops import _kernels, resolve_backend
 
 CHUNK = 64
 L2NORM_EPS = 1e-6
-TRITON_DIMS = (16, 32, 64, 128)  # the head dims (d_k and d_v) the Triton kernels take
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -129,12 +129,12 @@ def chunked(q, k, v, g, beta, scale: float, initial_state=None):
 
 def gated_delta_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> str:
     """resolve_backend's, except that "auto" takes torch for head dims the Triton kernels do
-    not take (TRITON_DIMS); an explicit "triton" there raises ValueError."""
+    not take (TRITON_GATED_DELTA_DIMS); an explicit "triton" there raises ValueError."""
     resolved = resolve_backend(backend, q)
-    if resolved == "triton" and not {q.shape[-1], v.shape[-1]} <= set(TRITON_DIMS):
+    if resolved == "triton" and not {q.shape[-1], v.shape[-1]} <= set(TRITON_GATED_DELTA_DIMS):
         if backend == "auto":
             return "torch"
-        raise ValueError(f"the Triton gated delta rule takes head dims {TRITON_DIMS}")
+        raise ValueError(f"the Triton gated delta rule takes head dims {TRITON_GATED_DELTA_DIMS}")
     return resolved
 
 

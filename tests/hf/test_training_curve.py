@@ -34,6 +34,18 @@ from tests.ranks import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
 
+# Qwen3.5's hybrid blocks (transformers' names): the linear heads split over tp 2 (2 key heads
+# of 8 dims, 4 value heads of 12).
+HYBRID = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_conv_kernel_dim=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+)
+
 # transformers class -> its tiny model's sizes (fp32, eager attention, the dataset's vocab of 257,
 # the parity runs' 16 positions, no dropout; 3 layers: 2 and 1 at pp 2); a family that imports
 # joins with its entry.
@@ -88,16 +100,14 @@ FAMILIES = {
         moe_intermediate_size=24,
         norm_topk_prob=True,
     ),
-    # the output gate, RoPE on a quarter of each head's 16 dims, 1 + weight norms; all full
-    # attention (until the Gated DeltaNet layers)
-    "Qwen3_5ForCausalLM": dict(
-        LLAMA_SHAPE, head_dim=16, layer_types=["full_attention"] * LLAMA_SHAPE["num_hidden_layers"]
-    ),
+    # the output gate, RoPE on a quarter of each head's 16 dims, 1 + weight norms, and 3 Gated
+    # DeltaNet blocks to 1 of that full attention (2 and 2 at pp 2)
+    "Qwen3_5ForCausalLM": dict(LLAMA_SHAPE, head_dim=16, **HYBRID),
     # and experts in every block beside the gated shared expert
     "Qwen3_5MoeForCausalLM": dict(
         LLAMA_SHAPE,
         head_dim=16,
-        layer_types=["full_attention"] * LLAMA_SHAPE["num_hidden_layers"],
+        **HYBRID,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=24,
