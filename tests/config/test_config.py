@@ -386,3 +386,27 @@ def test_cli_a_bad_rope_scaling_exits_2_in_one_line_naming_the_key(sets, key, ne
     args = [a for s in ["model.arch=llama", *sets] for a in ("--set", s)]
     result = invoke_cli("check", "--config", str(CONFIGS / "tiny.yaml"), *args)
     one_line_error(result, f"model.rope_scaling{'.' + key if key else ''}", needle)
+
+
+LINEAR_HYBRID = [
+    "model.layer_types=[linear_attention, full_attention]",
+    "model.n_layer=2",
+    "model.head_dim=16",
+    "kernels.backend=triton",
+]
+
+
+@pytest.mark.parametrize(
+    "dims, key",
+    [((8, 16), "model.linear_key_head_dim: 8"), ((16, 12), "model.linear_value_head_dim: 12")],
+)
+def test_triton_backend_refuses_linear_head_dims_the_gated_delta_kernels_do_not_take(
+    dims, key, monkeypatch
+):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels are taken on CPU too
+    sizes = [f"model.linear_key_head_dim={dims[0]}", f"model.linear_value_head_dim={dims[1]}"]
+    sets = [a for s in LINEAR_HYBRID + sizes for a in ("--set", s)]
+    result = invoke_cli("check", "--config", str(CONFIGS / "tiny-qwen3_5.yaml"), *sets)
+    one_line_error(result, key, "kernels.backend=triton", "valid", "16, 32, 64, 128")
+    valid = [a for s in LINEAR_HYBRID for a in ("--set", s)]
+    assert invoke_cli("check", "--config", str(CONFIGS / "tiny-qwen3_5.yaml"), *valid).returncode == 0
