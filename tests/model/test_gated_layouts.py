@@ -3,7 +3,11 @@ losses and gradient norms of one process within 1e-5 relative, for the gated att
 gates split over tp with the heads; RoPE on part of each head at the zigzag chunks' global
 positions under cp, or the positions within each document under document masks) and for
 Qwen3.5-MoE (experts split over ep, the shared expert's gate replicated, ZeRO-3 gathering
-it as any weight)."""
+it as any weight), and for the hybrid of both (3 Gated DeltaNet blocks to 1 gated full
+attention: the linear heads, their projections' rows, the convolution's channels and the decay
+and beta parameters split over tp; the state and the convolution restarting at each document)
+at tp 2 with sequence parallelism, pp 2, dp 2 at ZeRO-3 and, with experts, ep 2, each with
+document masks in one model and without in the other."""
 
 from __future__ import annotations
 
@@ -33,6 +37,18 @@ GATED = [
     "train.micro_batch_size=4",
 ]
 EXPERTS = [*GATED, "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_ff=24"]
+# 3 linear-attention blocks to 1 full, the linear heads split over tp 2 (2 key heads of 8 dims,
+# 4 value heads of 12).
+HYBRID = [
+    "model.n_layer=4",
+    "model.layer_types=[linear_attention, linear_attention, linear_attention, full_attention]",
+    "model.linear_num_key_heads=2",
+    "model.linear_num_value_heads=4",
+    "model.linear_key_head_dim=8",
+    "model.linear_value_head_dim=12",
+    "model.linear_conv_kernel_dim=4",
+]
+ZERO3 = ["optim.zero=3"]
 DOCUMENTS = ["data.document_mask=true", "data.eod_mask_loss=true"]
 
 # name -> (tp, cp, dp, pp, overrides); each one's reference: its model.* and data.* settings at
@@ -45,6 +61,16 @@ VARIANTS = {
     "qwen3_5 experts cp2 pp2": (1, 2, 1, 2, EXPERTS),
     "qwen3_5 experts dp4 ep2 zero3": (
         1, 1, 4, 1, EXPERTS + ["parallel.ep=2", "optim.zero=3", "train.micro_batch_size=2"],
+    ),
+    "hybrid tp2 pp2 sp documents": (2, 1, 1, 2, GATED + HYBRID + SP + DOCUMENTS),
+    "hybrid tp2 dp2 zero3 sp": (2, 1, 2, 1, GATED + HYBRID + SP + ZERO3),
+    "hybrid experts tp2 pp2 sp": (2, 1, 1, 2, EXPERTS + HYBRID + SP),
+    "hybrid experts tp2 dp2 ep2 zero3": (
+        2, 1, 2, 1, EXPERTS + HYBRID + SP + ["parallel.ep=2"] + ZERO3,
+    ),
+    "hybrid experts dp4 ep2 zero3 documents": (
+        1, 1, 4, 1,
+        EXPERTS + HYBRID + DOCUMENTS + ["parallel.ep=2", "train.micro_batch_size=2"] + ZERO3,
     ),
 }  # fmt: skip
 
