@@ -17,6 +17,7 @@ gradient overlap, phases, traces): what they train and how they compare it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from megatronish.config import derive, load_config
@@ -60,6 +61,15 @@ def prepare_code_dataset(root: Path, function: str = CODE_FUNCTION) -> Path:
         (root / f"part{part}.py").write_text(text)
         files.append(str(root / f"part{part}.py"))
     return prepare_dataset(files, str(root / "ds"), val_fraction=0.1)
+
+
+def prepare_short_documents(root: Path) -> Path:
+    """A byte-level dataset in root/ds of 400 documents of 3 to 13 bytes, none for validation:
+    a 16-token sample holds two or three of them, so document masks change every step's loss
+    (prepare_code_dataset's documents are longer than a whole run reads)."""
+    lines = [json.dumps({"text": "x" * (i % 7) + f"={i}\n"}) for i in range(400)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return prepare_dataset([str(root / "docs.jsonl")], str(root / "ds"), val_fraction=0.0)
 
 
 def make_config(

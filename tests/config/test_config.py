@@ -406,7 +406,7 @@ def test_triton_backend_refuses_linear_head_dims_the_gated_delta_kernels_do_not_
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels are taken on CPU too
     sizes = [f"model.linear_key_head_dim={dims[0]}", f"model.linear_value_head_dim={dims[1]}"]
     sets = [a for s in LINEAR_HYBRID + sizes for a in ("--set", s)]
-    result = invoke_cli("check", "--config", str(CONFIGS / "tiny-qwen3_5.yaml"), *sets)
-    one_line_error(result, key, "kernels.backend=triton", "valid", "16, 32, 64, 128")
+    config = ["--config", str(CONFIGS / "tiny-qwen3_5.yaml")]
+    one_line_error(invoke_cli("check", *config, *sets), key, "kernels.backend=triton", "16, 32")
     valid = [a for s in LINEAR_HYBRID for a in ("--set", s)]
-    assert invoke_cli("check", "--config", str(CONFIGS / "tiny-qwen3_5.yaml"), *valid).returncode == 0
+    assert invoke_cli("check", *config, *valid).returncode == 0

@@ -59,9 +59,7 @@ def recorded_gemms(recipe: str, monkeypatch) -> tuple[GPT, dict]:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_linear_attention_projections_take_the_fp8_gemms_of_every_recipe(
-    recipe, monkeypatch
-):
+def test_the_linear_attention_projections_take_the_fp8_gemms_of_every_recipe(recipe, monkeypatch):
     model, calls = recorded_gemms(recipe, monkeypatch)
     layer = model.blocks["0"].attn
     assert type(layer).__name__ == "GatedDeltaNet"

@@ -7,7 +7,9 @@ it as any weight), and for the hybrid of both (3 Gated DeltaNet blocks to 1 gate
 attention: the linear heads, their projections' rows, the convolution's channels and the decay
 and beta parameters split over tp; the state and the convolution restarting at each document)
 at tp 2 with sequence parallelism, pp 2, dp 2 at ZeRO-3 and, with experts, ep 2, each with
-document masks in one model and without in the other."""
+document masks in one model and without in the other. Under document masks the runs read
+documents of 3 to 13 tokens, so every sample holds several: a layout that dropped the masks
+would miss every step's bound."""
 
 from __future__ import annotations
 
@@ -21,10 +23,12 @@ from tests.parity import (
     assert_curves_match,
     make_config,
     make_trainer,
+    prepare_short_documents,
     reference,
     train_counted,
 )
 from tests.ranks import run_on_ranks
+from tests.tolerances import LAYOUT_CURVE_REL
 
 pytestmark = pytest.mark.slow  # a 4-rank training run
 
@@ -75,9 +79,15 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _train_on_ranks(rank: int, world: int, dataset: Path) -> dict:
+def data_of(overrides: list[str], datasets: dict[str, Path]) -> Path:
+    """A variant's dataset: short documents (several in a sample) under document masks."""
+    return datasets["short documents" if DOCUMENTS[0] in overrides else "code"]
+
+
+def _train_on_ranks(rank: int, world: int, datasets: dict[str, Path]) -> dict:
     results = {}
     for name, (tp, cp, dp, pp, overrides) in VARIANTS.items():
+        dataset = data_of(overrides, datasets)
         cfg = make_config(tp, dp, pp, overrides, dataset, cp=cp)
         losses, norms, _ = train_counted(make_trainer(cfg, world, dataset), STEPS)
         results[name] = {"losses": losses, "norms": norms, "mtp_losses": []}
@@ -85,15 +95,29 @@ def _train_on_ranks(rank: int, world: int, dataset: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(dataset):
-    return run_on_ranks(_train_on_ranks, 4, dataset, timeout=400)
+def datasets(dataset, tmp_path_factory) -> dict[str, Path]:
+    short = prepare_short_documents(tmp_path_factory.mktemp("short-documents"))
+    return {"code": dataset, "short documents": short}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(datasets):
+    return run_on_ranks(_train_on_ranks, 4, datasets, timeout=400)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_qwen3_5_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
-    name, four_ranks, dataset
+    name, four_ranks, datasets
 ):
     settings = [o for o in VARIANTS[name][4] if not o.startswith(("parallel.", "train.act"))]
-    ref = reference(settings, dataset)
+    ref = reference(settings, data_of(settings, datasets))
     assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
     assert_curves_match(four_ranks, name, ref)
+
+
+def test_a_layout_without_the_hybrids_document_masks_would_miss_every_steps_bound(datasets):
+    hybrid = GATED + HYBRID
+    short = datasets["short documents"]
+    masked, plain = reference(hybrid + DOCUMENTS, short), reference(hybrid, short)
+    for a, b in zip(masked["losses"], plain["losses"]):
+        assert abs(a - b) > LAYOUT_CURVE_REL * abs(b)
