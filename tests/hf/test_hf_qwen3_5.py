@@ -208,10 +208,25 @@ def test_export_of_a_partial_rope_in_a_family_without_it_is_exit_2_in_one_line(t
     assert "model.arch qwen3_5" in lines[0] and not (tmp_path / "o").exists()
 
 
-def test_the_tiny_qwen3_5_config_trains_from_the_cli_and_exports_as_transformers_class(tmp_path):
-    """configs/tiny-qwen3_5.yaml, shortened, trains 2 steps (its norms leave zero) and its export
-    gives transformers' Qwen3_5ForCausalLM our logits."""
-    sets = ["model.n_layer=2", "train.seq_len=32", "train.micro_batch_size=2"]
+# tiny-qwen3_5.yaml's 4 blocks as the published hybrids: 3 Gated DeltaNet blocks to 1 full
+# attention, 2 key heads of 32 dims and 4 value heads of 32 (whatever the file's layer_types).
+TINY_HYBRID = [
+    "model.layer_types=[linear_attention, linear_attention, linear_attention, full_attention]",
+    "model.linear_num_key_heads=2",
+    "model.linear_num_value_heads=4",
+    "model.linear_key_head_dim=32",
+    "model.linear_value_head_dim=32",
+]
+
+
+@pytest.mark.parametrize("hybrid", [[], TINY_HYBRID], ids=["as written", "hybrid"])
+def test_the_tiny_qwen3_5_config_trains_from_the_cli_and_exports_as_transformers_class(
+    hybrid, tmp_path
+):
+    """configs/tiny-qwen3_5.yaml (its 4 blocks as written, and made hybrid), on shorter
+    sequences, trains 2 steps (its norms leave zero) and its export gives transformers'
+    Qwen3_5ForCausalLM our logits."""
+    sets = [*hybrid, "train.seq_len=32", "train.micro_batch_size=2"]
     sets += ["train.global_batch_size=4", "train.steps=2", "train.eval_every=0"]
     sets += [f"checkpoint.dir={tmp_path / 'ckpt'}", f"run.out_dir={tmp_path / 'run'}"]
     args = [a for s in sets for a in ("--set", s)]
@@ -221,6 +236,8 @@ def test_the_tiny_qwen3_5_config_trains_from_the_cli_and_exports_as_transformers
     _cli("export", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
+    if hybrid:
+        assert loaded.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     norm = loaded.model.layers[0].input_layernorm.weight
     assert norm.abs().max() > 0, "a trained norm's weight"
     ours = load_model(tmp_path / "ckpt")
