@@ -94,8 +94,8 @@ class TrainConfig:
     run stops with exit status 1."""
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     """fp32; bf16 autocast with fp32 weights, gradients and optimizer state; or fp8: the
-    transformer blocks' linear GEMMs (attention qkv and output, the dense MLPs, the MoE
-    layers' routed and shared experts) in fp8 by train.fp8_recipe (emulated on CPU), everything
+    transformer blocks' linear GEMMs (attention qkv and output, the Gated DeltaNet blocks'
+    projections, the dense MLPs, the MoE layers' routed and shared experts) in fp8 by train.fp8_recipe (emulated on CPU), everything
     else in train.fp8_high_precision."""
     fp8_recipe: Literal["tensorwise", "rowwise", "blockwise"] = "tensorwise"
     """With train.precision fp8, how the GEMM operands are scaled: tensorwise (one scale per
@@ -227,7 +227,9 @@ class CheckpointConfig:
 class KernelsConfig:
     backend: Literal["auto", "triton", "torch"] = "auto"
     """auto: Triton kernels on CUDA (attention on torch for a head dim other than 16, 32, 64
-    or 128), torch ops elsewhere; triton (those head dims only); torch."""
+    or 128, the gated delta rule for linear head dims other than those), torch ops elsewhere;
+    triton (those head dims only, model.linear_key_head_dim and linear_value_head_dim too);
+    torch."""
 
 
 @dataclass
