@@ -77,7 +77,6 @@ def test_the_linear_attention_projections_take_the_fp8_gemms_of_every_recipe(rec
         assert (err > summed * plain).any(), f"{name}: an fp32 GEMM's result, not fp8's"
 
 
-@pytest.mark.slow  # three CLI runs
 def test_every_fp8_recipe_trains_a_hybrid_model_from_the_cli(tmp_path, small_dataset):
     for recipe in RECIPES:
         out = tmp_path / recipe
