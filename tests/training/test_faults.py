@@ -710,7 +710,7 @@ def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_r
     dump = json.loads((debug / "rank_0.json").read_text())
     waiting = dump["in_flight"]
     assert waiting is not None and waiting["group"] == "tp[0,1]"
-    result = subprocess.run([*MEGATRONISH, "diagnose", str(out)], capture_output=True, text=True)
+    result = invoke_cli("diagnose", str(out))  # it only reads the dumps: in this process
     assert result.returncode == 0, result.stderr
     first = result.stdout.splitlines()[0]
     assert first.startswith(f"rank 1 never entered {waiting['op']} #{waiting['seq']} on tp[0,1]")
