@@ -13,7 +13,9 @@ In sequence order the pieces visit the ranks 0, 1, .., cp - 1, cp - 1, .., 1, 0,
 - The state is a result: forward it runs 0 -> 1 -> .. -> cp - 1 (A's), then, after cp - 1's B,
   cp - 1 -> .. -> 0 (B's): 2 (cp - 1) sequential hops of one state [b, heads, d_k, d_v] fp32
   each; backward the state's gradient runs the same hops in reverse (`zigzag_recurrence`).
-  Each piece keeps its autograd graph from the forward (no recompute).
+  Backward reruns each piece's recurrence from its saved inputs and initial state (its
+  internals are not kept), so that the passes stay in the same order on every rank under
+  activation recompute.
 Both are counted as "cp_state" (the bytes sent).
 """
 
@@ -65,29 +67,35 @@ def _grads(outputs, inputs, upstream) -> list[torch.Tensor | None]:
 class _Recurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ring, run, zero_state, count, *tensors):
-        ctx.ring, ctx.zero_state = ring, zero_state
+        ctx.ring, ctx.run, ctx.count = ring, run, count
         state = zero_state if ring.rank == 0 else _recv(ring, zero_state, ring.prev_rank)
-        ctx.graphs, outputs = [], []
+        initials, outputs = [], []
         for piece, inputs in enumerate((tensors[:count], tensors[count:])):
-            leaves = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
-            initial = state.detach().requires_grad_()
-            with torch.enable_grad():
-                out, final = run(piece, *leaves, initial)
-            ctx.graphs.append((leaves, initial, out, final))
-            outputs.append(out.detach())
-            state = _pass(ring, final.detach(), zero_state, first=piece == 0)
+            initials.append(state)
+            out, final = run(piece, *inputs, state)
+            outputs.append(out)
+            state = _pass(ring, final, zero_state, first=piece == 0)
+        ctx.save_for_backward(zero_state, *initials, *tensors)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        ring, grads = ctx.ring, {}
-        upstream = ctx.zero_state if ring.rank == 0 else _recv(ring, ctx.zero_state, ring.prev_rank)
+        # The saved tensors first: under activation recompute, reading them reruns the forward
+        # (and its passes) here, before this backward's passes, on every rank alike.
+        saved = ctx.saved_tensors
+        zero_state, initials, tensors = saved[0], saved[1:3], saved[3:]
+        ring, count, grads = ctx.ring, ctx.count, {}
+        wanted = ctx.needs_input_grad[4:]
+        upstream = zero_state if ring.rank == 0 else _recv(ring, zero_state, ring.prev_rank)
         for piece in (1, 0):
-            leaves, initial, out, final = ctx.graphs[piece]
+            part = slice(0, count) if piece == 0 else slice(count, None)
+            leaves = [x.detach().requires_grad_(w) for x, w in zip(tensors[part], wanted[part])]
+            initial = initials[piece].detach().requires_grad_()
+            with torch.enable_grad():  # the piece again, from its saved inputs and state
+                out, final = ctx.run(piece, *leaves, initial)
             found = _grads([out, final], [*leaves, initial], [grad_outputs[piece], upstream])
             grads[piece] = found[:-1]
-            upstream = _pass(ring, found[-1], ctx.zero_state, first=piece == 1)
-        ctx.graphs = None
+            upstream = _pass(ring, found[-1], zero_state, first=piece == 1)
         return None, None, None, None, *grads[0], *grads[1]
 
 

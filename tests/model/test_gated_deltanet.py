@@ -17,6 +17,7 @@ import torch
 from megatronish.config import derive, load_config
 from megatronish.context import documents_of, shard_sequence
 from megatronish.context.zigzag import unshard_sequence
+from megatronish.distributed.bookkeeping import CommCounter
 from megatronish.distributed.layout import ParallelState
 from megatronish.inference.decode import decode_step
 from megatronish.layers.roles import role
@@ -217,7 +218,20 @@ def _cp_worker(rank, world, tp, document_mask):
     sets = [f"parallel.cp={cp}", f"parallel.sequence_parallel={tp > 1}"]
     cfg = hybrid_config(tp, 12, *sets)
     model = GPT(cfg, derive(cfg, world), ParallelState.from_world(tp=tp, dp=1, cp=cp))
-    return run_model(model, document_mask, cp, rank // tp)
+    with CommCounter() as counter:
+        result = run_model(model, document_mask, cp, rank // tp)
+    return (*result, counter.payload_bytes["cp_state"])
+
+
+def cp_state_bytes(tp: int, cp: int, cp_rank: int, batch_size: int = 3) -> int:
+    """The bytes a rank sends per linear layer, forward and backward, to pass the state
+    (batch x its value heads x d_k x d_v fp32) and the convolution tail (batch x its channels x
+    K - 1, fp32 here) to its neighbours in sequence order: one each way per neighbour."""
+    state = batch_size * VALUE_HEADS // tp * KEY_DIM * VALUE_DIM * 4
+    channels = KEY_HEADS * 2 * KEY_DIM + VALUE_HEADS * VALUE_DIM
+    tail = batch_size * channels // tp * (KERNEL - 1) * 4
+    neighbours = (cp_rank > 0) + (cp_rank < cp - 1)
+    return 2 * neighbours * (state + tail)
 
 
 def cp_joined(results: list, tp: int) -> list:
@@ -243,6 +257,9 @@ def test_hybrid_model_at_cp2_passes_the_state_and_equals_tp1_logits_loss_and_eve
 ):
     results = run_on_ranks(_cp_worker, 2 * tp, tp, document_mask, timeout=180)
     assert_equals_tp1(cp_joined(results, tp), document_mask)
+    linear_layers = 3
+    for rank, result in enumerate(results):
+        assert result[3] == linear_layers * cp_state_bytes(tp, 2, rank // tp), rank
 
 
 def cli_args(out, *sets: str) -> list[str]:
@@ -291,6 +308,8 @@ LAYOUTS = {
     "pp2": ["parallel.pp=2"],
     "dp2 zero3": ["parallel.dp=2", "optim.zero=3"],
     "cp2": ["parallel.cp=2"],
+    "cp2 selective": ["parallel.cp=2", "train.activation_checkpointing=selective"],
+    "cp2 full": ["parallel.cp=2", "train.activation_checkpointing=full"],
 }
 
 
