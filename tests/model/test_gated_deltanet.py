@@ -1,10 +1,12 @@
 """Gated DeltaNet, the linear attention of hybrid models (model.layer_types): the layer equals
 transformers' Qwen3_5GatedDeltaNet given the same weights (forward and every gradient, over two
 of the rule's chunks); a hybrid model at tp 2, with sequence parallelism and with document
-masks, equals tp 1 (weights, logits, loss, every gradient); document masks restart the state
-and the convolution at each document; cached decoding keeps a fixed-size state and equals the
-full forward; a hybrid trains from the CLI with tp 1's losses at tp 2 (with and without
-sequence parallelism), pp 2 and dp 2 with ZeRO-3; bad settings are one line."""
+masks, equals tp 1 (weights, logits, loss, every gradient), and so does it at cp 2, tp 2 x cp 2
+and cp 3, the state and the convolution tail passed between the cp ranks (their bytes as the
+sizes say); document masks restart the state and the convolution at each document; cached
+decoding keeps a fixed-size state and equals the full forward; a hybrid trains from the CLI
+with tp 1's losses at tp 2 (with and without sequence parallelism), pp 2, dp 2 with ZeRO-3 and
+cp 2 (with and without recompute); bad settings are one line."""
 
 from __future__ import annotations
 
@@ -169,16 +171,16 @@ def _tp_worker(rank, world, sequence_parallel, document_mask):
 
 
 @functools.cache
-def tp1(document_mask: bool, dtype: torch.dtype = torch.float32):
-    cfg = hybrid_config()
+def tp1(document_mask: bool, dtype: torch.dtype = torch.float32, kernel: int = KERNEL):
+    cfg = hybrid_config(1, 12, f"model.linear_conv_kernel_dim={kernel}")
     model = GPT(cfg, derive(cfg, 1), ParallelState.single()).to(dtype)
     return run_model(model, document_mask)
 
 
-def assert_equals_tp1(results: list, document_mask: bool) -> None:
+def assert_equals_tp1(results: list, document_mask: bool, kernel: int = KERNEL) -> None:
     """results: each tp rank's (logits, loss, params) as run_model gives them (a whole
     sequence's) equal tp 1's: weights bit for bit, logits, loss and every gradient."""
-    ref_logits, ref_loss, ref_params = tp1(document_mask)
+    ref_logits, ref_loss, ref_params = tp1(document_mask, torch.float32, kernel)
     logits = torch.cat([r[0] for r in results], dim=-1)[..., :VOCAB]
     assert rel_err(logits, ref_logits[..., :VOCAB]) < FP32_REORDER
     assert abs(results[0][1] - ref_loss) < FP32_REORDER * ref_loss
@@ -197,7 +199,7 @@ def assert_equals_tp1(results: list, document_mask: bool) -> None:
         # or, where tp 1's fp32 gradient is further from its fp64 one (the judge's own noise),
         # a few times that noise.
         decay = name.endswith(("A_log", "dt_bias", "in_proj_a.weight"))
-        fp64 = tp1(document_mask, torch.float64)[2][name][1][: ref_grad.shape[0]]
+        fp64 = tp1(document_mask, torch.float64, kernel)[2][name][1][: ref_grad.shape[0]]
         noise = rel_err(ref_grad, fp64.float())
         bound = max(GATED_DELTA_REL if decay else FP32_REORDER, 4 * noise)
         assert rel_err(grad, ref_grad) < bound, name
@@ -213,9 +215,10 @@ def test_hybrid_model_at_tp2_equals_tp1_weights_logits_loss_and_every_gradient(
     assert_equals_tp1(results, document_mask)
 
 
-def _cp_worker(rank, world, tp, document_mask):
+def _cp_worker(rank, world, tp, document_mask, kernel):
     cp = world // tp
     sets = [f"parallel.cp={cp}", f"parallel.sequence_parallel={tp > 1}"]
+    sets.append(f"model.linear_conv_kernel_dim={kernel}")
     cfg = hybrid_config(tp, 12, *sets)
     model = GPT(cfg, derive(cfg, world), ParallelState.from_world(tp=tp, dp=1, cp=cp))
     with CommCounter() as counter:
@@ -223,13 +226,13 @@ def _cp_worker(rank, world, tp, document_mask):
     return (*result, counter.payload_bytes["cp_state"])
 
 
-def cp_state_bytes(tp: int, cp: int, cp_rank: int, batch_size: int = 3) -> int:
+def cp_state_bytes(tp: int, cp: int, cp_rank: int, kernel: int, batch_size: int = 3) -> int:
     """The bytes a rank sends per linear layer, forward and backward, to pass the state
     (batch x its value heads x d_k x d_v fp32) and the convolution tail (batch x its channels x
     K - 1, fp32 here) to its neighbours in sequence order: one each way per neighbour."""
     state = batch_size * VALUE_HEADS // tp * KEY_DIM * VALUE_DIM * 4
     channels = KEY_HEADS * 2 * KEY_DIM + VALUE_HEADS * VALUE_DIM
-    tail = batch_size * channels // tp * (KERNEL - 1) * 4
+    tail = batch_size * channels // tp * (kernel - 1) * 4
     neighbours = (cp_rank > 0) + (cp_rank < cp - 1)
     return 2 * neighbours * (state + tail)
 
@@ -251,15 +254,20 @@ def cp_joined(results: list, tp: int) -> list:
     return joined
 
 
-@pytest.mark.parametrize("tp, document_mask", [(1, False), (1, True), (2, False), (2, True)])
-def test_hybrid_model_at_cp2_passes_the_state_and_equals_tp1_logits_loss_and_every_gradient(
-    tp, document_mask
+@pytest.mark.parametrize(
+    "tp, cp, kernel, document_mask",
+    # cp 3 has a rank between two others, its pieces of 2 tokens as long as the kernel's tail
+    [(1, 2, KERNEL, False), (1, 2, KERNEL, True), (2, 2, KERNEL, False), (2, 2, KERNEL, True),
+     (1, 3, 3, True)],
+)  # fmt: skip
+def test_hybrid_model_at_cp_passes_the_state_and_equals_tp1_logits_loss_and_every_gradient(
+    tp, cp, kernel, document_mask
 ):
-    results = run_on_ranks(_cp_worker, 2 * tp, tp, document_mask, timeout=180)
-    assert_equals_tp1(cp_joined(results, tp), document_mask)
+    results = run_on_ranks(_cp_worker, cp * tp, tp, document_mask, kernel, timeout=180)
+    assert_equals_tp1(cp_joined(results, tp), document_mask, kernel)
     linear_layers = 3
     for rank, result in enumerate(results):
-        assert result[3] == linear_layers * cp_state_bytes(tp, 2, rank // tp), rank
+        assert result[3] == linear_layers * cp_state_bytes(tp, cp, rank // tp, kernel), rank
 
 
 def cli_args(out, *sets: str) -> list[str]:
