@@ -42,11 +42,12 @@ def _recv(ring: GroupRing, like: torch.Tensor, peer: int) -> torch.Tensor:
     return buffer
 
 
-def _pass(ring: GroupRing, result: torch.Tensor, like: torch.Tensor, first: bool):
-    """After a piece: hands its result on in the pass's direction and returns the next piece's
-    input (first: after piece A, else after piece B, which returns None)."""
+def _pass(ring: GroupRing, result: torch.Tensor, like: torch.Tensor, outward: bool):
+    """After a piece, hands its result (a state or its gradient) on: outward to rank r + 1 and
+    returns what comes back from it (at r = cp - 1, result itself), the input of this rank's
+    other piece; else to rank r - 1 (none at r = 0), returning None."""
     last = ring.size - 1
-    if first:
+    if outward:
         if ring.rank == last:
             return result
         _send(ring, result.contiguous(), ring.next_rank)
@@ -57,11 +58,10 @@ def _pass(ring: GroupRing, result: torch.Tensor, like: torch.Tensor, first: bool
 
 
 def _grads(outputs, inputs, upstream) -> list[torch.Tensor | None]:
+    """The gradients of inputs (None where one needs none or does not reach the outputs)."""
     wanted = [x for x in inputs if x.requires_grad]
     found = iter(torch.autograd.grad(outputs, wanted, upstream, allow_unused=True))
-    grads = [next(found) if x.requires_grad else None for x in inputs]
-    return [torch.zeros_like(x) if g is None and x.requires_grad else g for x, g in
-            zip(inputs, grads)]  # fmt: skip
+    return [next(found) if x.requires_grad else None for x in inputs]
 
 
 class _Recurrence(torch.autograd.Function):
@@ -74,7 +74,7 @@ class _Recurrence(torch.autograd.Function):
             initials.append(state)
             out, final = run(piece, *inputs, state)
             outputs.append(out)
-            state = _pass(ring, final, zero_state, first=piece == 0)
+            state = _pass(ring, final, zero_state, outward=piece == 0)
         ctx.save_for_backward(zero_state, *initials, *tensors)
         return tuple(outputs)
 
@@ -94,8 +94,9 @@ class _Recurrence(torch.autograd.Function):
             with torch.enable_grad():  # the piece again, from its saved inputs and state
                 out, final = ctx.run(piece, *leaves, initial)
             found = _grads([out, final], [*leaves, initial], [grad_outputs[piece], upstream])
-            grads[piece] = found[:-1]
-            upstream = _pass(ring, found[-1], zero_state, first=piece == 1)
+            grads[piece], state_grad = found[:-1], found[-1]
+            state_grad = torch.zeros_like(initial) if state_grad is None else state_grad
+            upstream = _pass(ring, state_grad, zero_state, outward=piece == 1)
         return None, None, None, None, *grads[0], *grads[1]
 
 
