@@ -22,8 +22,9 @@ def moe_layers(cfg: Config) -> tuple[int, ...]:
 
 
 def check_context_parallel(cfg: Config) -> None:
-    """What parallel.cp > 1 needs of the sequence length and dropout, and of blockwise fp8:
-    whole 128-token tiles in each zigzag chunk, and no experts."""
+    """What parallel.cp > 1 needs of the sequence length (chunks no shorter than the linear
+    attention's convolution tail) and dropout, and of blockwise fp8: whole 128-token tiles in
+    each zigzag chunk, and no experts."""
     cp, seq_len, dropout = cfg.parallel.cp, cfg.train.seq_len, cfg.model.dropout
     require(
         seq_len % (2 * cp) == 0,
@@ -31,6 +32,14 @@ def check_context_parallel(cfg: Config) -> None:
         f"rank holds two chunks of every sequence); valid: a multiple of {2 * cp}",
     )
     chunk = seq_len // (2 * cp)
+    tail = cfg.model.linear_conv_kernel_dim - 1
+    require(
+        "linear_attention" not in (cfg.model.layer_types or ()) or chunk >= tail,
+        f"parallel.cp: {cp} cuts train.seq_len={seq_len} into chunks of {chunk} tokens, shorter "
+        f"than the linear attention's convolution tail (model.linear_conv_kernel_dim - 1 = "
+        f"{tail}), which a chunk takes from the chunk before it; valid: a train.seq_len of at "
+        f"least {2 * cp * tail}, or a smaller parallel.cp",
+    )
     require(
         not (cfg.train.precision == "fp8" and cfg.train.fp8_recipe == "blockwise")
         or chunk % FP8_BLOCK == 0,

@@ -147,8 +147,7 @@ def check_attention(cfg: Config) -> None:
 
 def check_linear_attention(cfg: Config) -> None:
     """model.layer_types (one entry per block) and, where a block runs linear attention, the
-    model.linear_* sizes: positive, the value heads a multiple of the key heads; context
-    parallelism does not pass the recurrent state yet."""
+    model.linear_* sizes: positive, the value heads a multiple of the key heads."""
     model = cfg.model
     types = model.layer_types
     if types is None:
@@ -170,11 +169,6 @@ def check_linear_attention(cfg: Config) -> None:
         values % keys == 0,
         f"model.linear_num_value_heads: {values} is not valid; must be a multiple of "
         f"model.linear_num_key_heads={keys}",
-    )
-    require(
-        cfg.parallel.cp == 1,
-        f"parallel.cp: {cfg.parallel.cp} is not valid with linear_attention in "
-        "model.layer_types (the recurrent state is not passed between cp ranks yet); valid: 1",
     )
 
 

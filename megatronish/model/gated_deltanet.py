@@ -25,12 +25,16 @@ c = k (2 e) + v f the convolution's channels, K the kernel width.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatronish.config import ModelConfig
 from megatronish.context import Documents
+from megatronish.context.state_pass import neighbour_tails, zigzag_recurrence
+from megatronish.distributed.ring import GroupRing
 from megatronish.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -54,16 +58,25 @@ def qkv_rows(key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> 
     return torch.cat([q, k, v + 2 * key_heads * key_dim], dim=1).flatten()
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+def causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    segments: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+    tail_segments: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Depthwise causal convolution: x [b, c/t, s], weight [c/t, K] -> [b, c/t, s], output t
-    the sum over i of weight[:, i] x[t - (K - 1 - i)]; starts [b, s] bool (document starts):
-    no tap reaches an earlier document."""
+    the sum over i of weight[:, i] x[t - (K - 1 - i)], the inputs before x read from tail [b,
+    c/t, K - 1] (zeros if None); segments [b, s] (each token's document number; tail_segments
+    [b, K - 1] the tail's, none of x's if None): no tap reaches another document."""
     width = weight.shape[1]
-    padded = F.pad(x, (width - 1, 0))  # [b, c/t, s + K - 1]
-    if starts is None:
+    tail = x.new_zeros(*x.shape[:2], width - 1) if tail is None else tail
+    padded = torch.cat([tail, x], dim=2)  # [b, c/t, K - 1 + s]
+    if segments is None:
         return F.conv1d(padded, weight.unsqueeze(1), groups=weight.shape[0])
-    document = starts.cumsum(-1)  # [b, s]: a number per document
-    document = F.pad(document, (width - 1, 0), value=-1)
+    if tail_segments is None:
+        tail_segments = segments.new_full((segments.shape[0], width - 1), -1)
+    document = torch.cat([tail_segments, segments], dim=1)  # [b, K - 1 + s]
     seq, out = x.shape[-1], 0
     for tap in range(width):
         same = document[:, None, tap : tap + seq] == document[:, None, width - 1 :]
@@ -79,26 +92,51 @@ def delta_rule(
     beta: torch.Tensor,
     backend: str,
     starts: torch.Tensor | None,
-) -> torch.Tensor:
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.gated_delta_rule (q and k L2-normalized) on q, k [b, k/t, s, e], v [b, v/t, s, f],
-    g and beta [b, v/t, s] -> [b, v/t, s, f]; with starts [b, s] (document starts), run on each
-    document alone, from a zero state."""
+    g and beta [b, v/t, s] from initial_state [b, v/t, e, f] (zeros if None) -> (o [b, v/t, s,
+    f], the final state [b, v/t, e, f] fp32); with starts [b, s] (document starts), each
+    document runs alone from a zero state (the tokens before a row's first start from
+    initial_state)."""
+    rule = functools.partial(
+        gated_delta_rule, output_final_state=True, l2norm_qk=True, backend=backend
+    )
     if starts is None:
-        return gated_delta_rule(q, k, v, g, beta, l2norm_qk=True, backend=backend)[0]
-    rows = []
+        return rule(q, k, v, g, beta, initial_state)
+    rows, finals = [], []
     for row in range(q.shape[0]):
         bounds = [*starts[row].nonzero().flatten().tolist(), q.shape[2]]
+        state = None if initial_state is None or bounds[0] == 0 else initial_state[row : row + 1]
         bounds = [0, *bounds] if bounds[0] != 0 else bounds
-        parts = [
-            gated_delta_rule(
-                *(x[row : row + 1, :, begin:end] for x in (q, k, v, g, beta)),
-                l2norm_qk=True,
-                backend=backend,
-            )[0]
-            for begin, end in zip(bounds[:-1], bounds[1:])
-        ]
+        parts = []
+        for begin, end in zip(bounds[:-1], bounds[1:]):
+            out, final = rule(*(x[row : row + 1, :, begin:end] for x in (q, k, v, g, beta)), state)
+            parts.append(out)
+            state = None  # the next document starts from zeros
         rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows, dim=0)
+        finals.append(final)
+    return torch.cat(rows, dim=0), torch.cat(finals, dim=0)
+
+
+def starts_of(documents: Documents | None) -> torch.Tensor | None:
+    """Where documents start (bool [b, s]), None without document masks."""
+    return None if documents is None else documents.positions == 0
+
+
+def piece_segments(documents: Documents | None, ring: GroupRing, tail: int) -> list[tuple]:
+    """Under cp, (segments [b, c], the tail's [b, tail] or None before the sequence) of this
+    rank's pieces A and B, from every rank's segments (documents.shards [b, cp, 2c]); (None,
+    None) each without document masks."""
+    if documents is None:
+        return [(None, None), (None, None)]
+    shards, rank, last = documents.shards, ring.rank, ring.size - 1
+    piece = shards.shape[-1] // 2
+    end_a = slice(piece - tail, piece)
+    before_a = None if rank == 0 else shards[:, rank - 1, end_a]
+    before_b = shards[:, rank, end_a] if rank == last else shards[:, rank + 1, 2 * piece - tail :]
+    own_a, own_b = documents.segments.chunk(2, dim=1)
+    return [(own_a, before_a), (own_b, before_b)]
 
 
 class GatedNorm(Norm):
@@ -125,6 +163,7 @@ class GatedDeltaNet(nn.Module):
         self.per_key = value_heads // key_heads
         self.backend, self.tracker = plan.backend, plan.tracker
         self.selective_checkpoint = plan.selective_recompute
+        self.ring = plan.ring()
         channels = key_heads * 2 * self.key_dim + value_heads * self.value_dim
         common = dict(
             bias=False,
@@ -162,12 +201,40 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [b, s, v/t]
         return tuple(x.transpose(1, 2) for x in (q, k, v, g, b.sigmoid()))
 
-    def mix(self, qkv, a, b, starts) -> torch.Tensor:
+    def mix(self, qkv, a, b, documents: Documents | None) -> torch.Tensor:
         """The convolution, the decay, beta and the delta rule: qkv [b, s, c/t], a and b [b, s,
-        v/t] -> o [b, s, v/t, f]."""
-        conv = causal_conv(qkv.transpose(1, 2), self.conv_weight.to(qkv.dtype), starts)
+        v/t] -> o [b, s, v/t, f]; under cp, on each of this rank's zigzag pieces from the
+        convolution tail and the state of the piece before it (megatronish.context.state_pass)."""
+        if self.ring is not None:
+            return self.mix_pieces(qkv, a, b, documents)
+        segments = None if documents is None else documents.segments
+        conv = causal_conv(qkv.transpose(1, 2), self.conv_weight.to(qkv.dtype), segments)
         inputs = self.rule_inputs(F.silu(conv).transpose(1, 2), a, b)
-        return delta_rule(*inputs, self.backend, starts).transpose(1, 2)
+        return delta_rule(*inputs, self.backend, starts_of(documents))[0].transpose(1, 2)
+
+    def mix_pieces(self, qkv, a, b, documents: Documents | None) -> torch.Tensor:
+        """mix under cp: qkv [b, 2c, c/t], a and b [b, 2c, v/t] -> o [b, 2c, v/t, f]."""
+        weight = self.conv_weight.to(qkv.dtype)
+        tail = weight.shape[1] - 1
+        x_a, x_b = qkv.transpose(1, 2).chunk(2, dim=2)  # [b, c/t, c] each
+        tails = neighbour_tails(self.ring, x_a, x_b, tail) if tail else (None, None)
+        segments = piece_segments(documents, self.ring, tail)
+        starts = (None, None) if documents is None else starts_of(documents).chunk(2, dim=1)
+        pieces = []
+        for x, piece_tail, (own, before), a_, b_ in zip(
+            (x_a, x_b), tails, segments, a.chunk(2, dim=1), b.chunk(2, dim=1)
+        ):
+            conv = causal_conv(x, weight, own, piece_tail, before)
+            pieces.append(self.rule_inputs(F.silu(conv).transpose(1, 2), a_, b_))
+        dtype = torch.float64 if qkv.dtype == torch.float64 else torch.float32
+        zero = qkv.new_zeros(qkv.shape[0], self.local_value_heads, self.key_dim, self.value_dim,
+                             dtype=dtype)  # fmt: skip
+
+        def run(piece: int, *inputs):
+            return delta_rule(*inputs[:5], self.backend, starts[piece], inputs[5])
+
+        out_a, out_b = zigzag_recurrence(self.ring, run, zero, pieces[0], pieces[1])
+        return torch.cat([out_a, out_b], dim=2).transpose(1, 2)
 
     def projections(self, x: torch.Tensor) -> list[torch.Tensor]:
         """qkv [b, s, c/t], z [b, s, v/t f], b and a [b, s, v/t] of x [b, s(/t), h]."""
@@ -183,11 +250,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """x [b, s(/t), h] -> [b, s(/t), h]; documents: those of the (whole) sequence."""
         qkv, z, b, a = self.projections(x)
-        starts = None if documents is None else documents.positions == 0  # [b, s]
         if self.selective_checkpoint and self.training:
-            o = checkpoint(self.mix, self.tracker, qkv, a, b, starts)
+            o = checkpoint(self.mix, self.tracker, qkv, a, b, documents)
         else:
-            o = self.mix(qkv, a, b, starts)
+            o = self.mix(qkv, a, b, documents)
         return self.output(o, z)
 
     def forward_cached(
