@@ -95,8 +95,8 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     """fp32; bf16 autocast with fp32 weights, gradients and optimizer state; or fp8: the
     transformer blocks' linear GEMMs (attention qkv and output, the Gated DeltaNet blocks'
-    projections, the dense MLPs, the MoE layers' routed and shared experts) in fp8 by train.fp8_recipe (emulated on CPU), everything
-    else in train.fp8_high_precision."""
+    projections, the dense MLPs, the MoE layers' routed and shared experts) in fp8 by
+    train.fp8_recipe (emulated on CPU), everything else in train.fp8_high_precision."""
     fp8_recipe: Literal["tensorwise", "rowwise", "blockwise"] = "tensorwise"
     """With train.precision fp8, how the GEMM operands are scaled: tensorwise (one scale per
     tensor; e4m3 inputs and weights, e5m2 output gradients), rowwise (a scale per row along the
