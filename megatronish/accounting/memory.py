@@ -61,14 +61,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatronish.accounting.collectives import formula_bytes_per_step
-from megatronish.accounting.components import attention_of, mlp, norm
-from megatronish.accounting.components.attention import qk_norm_params
-from megatronish.accounting.components.moe import local_parameters
+from megatronish.accounting.components import attention_at, attention_of, mlp, norm
+from megatronish.accounting.components.moe import local_parameters, router_params
 from megatronish.accounting.parameters import (
     last_stage_mtp,
     local_layer_params,
     local_parameter_count,
     mtp_params,
+    stage_blocks,
     stage_moe_layers,
     tp_summed_grad_count,
 )
@@ -276,14 +276,14 @@ def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
     weights and biases."""
     if cfg.train.precision != "fp8":
         return 0
-    model, h = cfg.model, cfg.model.d_model
-    norms = norm.block_parameters(model) + qk_norm_params(model, derived)
-    moe = stage_moe_layers(derived, pp_rank)
-    dense = local_layer_params(cfg, derived) - norms
-    router = cfg.model.moe.num_experts * h
-    return (derived.stage_layers[pp_rank] - moe) * dense + moe * (
-        local_layer_params(cfg, derived, moe=True) - norms - router
-    )
+    model, norms = cfg.model, norm.block_parameters(cfg.model)
+    dense = sum(
+        local_layer_params(cfg, derived, index=i) - norms
+        - attention_at(model, i).tp_summed(model, derived)  # its norms' weights
+        for i in stage_blocks(derived, pp_rank)
+    )  # fmt: skip
+    moe = local_layer_params(cfg, derived, moe=True) - local_layer_params(cfg, derived)
+    return dense + stage_moe_layers(derived, pp_rank) * (moe - router_params(cfg))
 
 
 def _reduction_bytes(cfg: Config, buffered: float) -> float:
