@@ -86,6 +86,28 @@ def rule_flops_per_token(model: ModelConfig) -> int:
     return rule_gemm_flops_per_token(model) + solves
 
 
+def rule_bytes(model: ModelConfig, derived: Derived, T: int, width: int) -> int:
+    """Bytes the rule's kernel moves forward on T tokens of one tp rank: it reads q and k (of
+    the key heads), v (width bytes each), g and beta (fp32) and writes o (width) and the state
+    at each chunk start (fp32, for backward)."""
+    keys, values = (
+        model.linear_num_key_heads // derived.tp,
+        model.linear_num_value_heads // derived.tp,
+    )
+    e, f = model.linear_key_head_dim, model.linear_value_head_dim
+    streams = T * (width * (2 * keys * e + 2 * values * f) + 2 * STATE_BYTES * values)
+    return streams + STATE_BYTES * values * e * f * -(-T // CHUNK)
+
+
+def stream_elements(model: ModelConfig, derived: Derived, T: int) -> int:
+    """Elements the layer's memory-bound ops read and write forward on T tokens of one tp rank:
+    the convolution and its SiLU (read + write c / t), the L2 norms of q and k (read + write
+    2 k e / t) and the gated norm (read o and z, write: 3 v f / t)."""
+    tp = derived.tp
+    qk = 2 * model.linear_num_key_heads * model.linear_key_head_dim // tp
+    return T * (2 * conv_channels(model) // tp + 2 * qk + 3 * _value_width(model) // tp)
+
+
 def activations(model: ModelConfig) -> tuple[int, float, float, float]:
     """What it keeps per layer in units of 16-bit s b h: (its input and the mask after it,
     whole without sequence parallelism, as attention's; split over tp: the projections'
