@@ -240,9 +240,10 @@ def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[Row]:
     act, keep = _activation_bytes(step), mlp.keeps_gathered(step.cfg.model)
     dense = step.layers - step.moe_layers
     again = qkv - step.linear_layers  # linear attention: one gather for four projections, kept
+    gathers = qkv * (1 + rerun) + again
     if not (step.overlap and step.cfg.train.precision == "fp8"):
         return [
-            Row("qkv input (forward, backward)", "all_gather", act, qkv + rerun * qkv + again, "qkv"),
+            Row("qkv input (forward, backward)", "all_gather", act, gathers, "qkv"),
             *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up", keep),
         ]
     fmt = train_format(step.cfg.train)
