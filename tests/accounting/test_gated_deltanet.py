@@ -45,3 +45,25 @@ def test_linear_attention_flops_equal_the_gemms_of_its_forward():
     full = 2 * cfg.train.seq_len * model.n_head * 2 * derived.head_dim
     linear = 3 * gated_deltanet.rule_flops_per_token(model)
     assert attention_flops_per_token(cfg, derived) == full + linear
+
+
+def test_the_delta_rule_kernel_is_timed_linear_in_the_sequence_unlike_attention():
+    """On an H100 at Qwen3.5-9B's shapes the chunked rule's time (its own roofline kind) grows
+    with s, attention's with s^2: doubling seq_len doubles one and quadruples the other."""
+    from megatronish.accounting.hardware import GPUS
+    from megatronish.accounting.layer_time import layer_time
+    from megatronish.accounting.roofline import GPU_EFFICIENCY
+
+    overhead = GPU_EFFICIENCY.kernel_overhead_s
+    cores = {}
+    for seq in (4096, 8192):
+        cfg = load_config("configs/qwen3_5-9b.yaml", [f"train.seq_len={seq}"])
+        derived = derive(cfg, 8)
+        cores[seq] = [
+            layer_time(cfg, derived, GPUS["H100"], GPU_EFFICIENCY, False, "flash", None, kind)
+            .attention_forward - overhead
+            for kind in ("gated_deltanet", "mha")
+        ]  # fmt: skip
+    linear, full = (cores[8192][i] / cores[4096][i] for i in (0, 1))
+    assert linear == pytest.approx(2, rel=1e-9)
+    assert full == pytest.approx(4, rel=1e-9)
