@@ -92,6 +92,9 @@ TWO_RANKS = {
     "gpt2 dp2 gradients reduced in bf16": (1, 2, GPT2 + REDUCED_IN_BF16),
     "qwen3_5 hybrid tp2 sequence-parallel": (2, 1, QWEN3_5 + SP),
     "qwen3_5 hybrid moe tp2 sequence-parallel": (2, 1, QWEN3_5_MOE + SP),
+    # the linear block's five fp8 layers and the gated attention's four parts of qkv rows
+    "qwen3_5 hybrid tp2 fp8 tensorwise sequence-parallel": (2, 1, QWEN3_5 + FP8 + TENSORWISE + SP),
+    "qwen3_5 hybrid tp2 fp8 rowwise": (2, 1, QWEN3_5 + FP8 + ROWWISE),
     # fp8 with the tp collectives decomposed (the input's fp8 cast on the forward ring), each
     # against the same run without the decomposition (FP8_OVERLAP)
     "llama tp2 fp8 tensorwise overlap": (2, 1, LLAMA + FP8 + TENSORWISE + OVERLAP),

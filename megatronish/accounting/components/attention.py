@@ -12,7 +12,13 @@ from megatronish.config.derive import head_dim_of
 from megatronish.config.schema import ModelConfig
 
 QKV_PARTS = 3
-"""The logical matrices of the qkv weight's rows (q, k and v; megatronish.fp8.parts)."""
+"""The logical matrices of the qkv weight's rows (q, k and v; megatronish.fp8.parts), one more
+with attention_gate (``qkv_parts``)."""
+
+
+def qkv_parts(model: ModelConfig) -> int:
+    """The logical matrices of the qkv weight's rows: q, (its gate,) k and v."""
+    return QKV_PARTS + int(model.components.attention_gate)
 
 
 def qk_norm_params(model: ModelConfig, derived: Derived) -> int:
