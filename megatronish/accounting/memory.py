@@ -281,7 +281,7 @@ def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
     model, norms = cfg.model, norm.block_parameters(cfg.model)
     dense = sum(
         local_layer_params(cfg, derived, index=i) - norms
-        - attention_at(model, i).tp_summed(model, derived)  # its norms' weights
+        - attention_at(model, i).fp8_exempt(model, derived)
         for i in stage_blocks(derived, pp_rank)
     )  # fmt: skip
     moe = local_layer_params(cfg, derived, moe=True) - local_layer_params(cfg, derived)

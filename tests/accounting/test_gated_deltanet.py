@@ -10,10 +10,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatronish.accounting.components import gated_deltanet
 from megatronish.accounting.flops import attention_flops_per_token
+from megatronish.accounting.memory import fp8_layer_params
 from megatronish.accounting.parameters import local_parameter_count, parameter_count
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
+from megatronish.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megatronish.model import GPT
+from megatronish.moe.experts import GroupedExperts
 
 TINY = "configs/tiny-qwen3_5.yaml"
 MOE = ["model.moe.num_experts=4", "model.moe.d_ff=64"]  # the preset's gated shared expert
@@ -21,11 +24,16 @@ MOE = ["model.moe.num_experts=4", "model.moe.d_ff=64"]  # the preset's gated sha
 
 @pytest.mark.parametrize("sets", [[], MOE], ids=["dense", "moe"])
 def test_parameter_counts_equal_the_numel_of_the_tiny_hybrid(sets):
-    cfg = load_config(TINY, ["model.vocab_size=256", *sets])  # 256: no vocab padding
+    """All of them, and under fp8 those of the blocks' fp8 layers (what fp8 casts)."""
+    cfg = load_config(TINY, ["model.vocab_size=256", "train.precision=fp8", *sets])  # unpadded
     derived = derive(cfg, 1)
-    built = sum(p.numel() for p in GPT(cfg, derived, ParallelState.single()).parameters())
+    model = GPT(cfg, derived, ParallelState.single())
+    built = sum(p.numel() for p in model.parameters())
     assert parameter_count(cfg, derived) == built
     assert local_parameter_count(cfg, derived) == built
+    linears = (ColumnParallelLinear, RowParallelLinear, GroupedExperts)
+    fp8 = [m for m in model.blocks.modules() if isinstance(m, linears)]
+    assert fp8_layer_params(cfg, derived, 0) == sum(p.numel() for m in fp8 for p in m.parameters())
 
 
 def test_linear_attention_flops_equal_the_gemms_of_its_forward():

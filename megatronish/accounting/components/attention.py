@@ -57,6 +57,11 @@ def tp_summed(model: ModelConfig, derived: Derived) -> int:
     return qk_norm_params(model, derived)
 
 
+def fp8_exempt(model: ModelConfig, derived: Derived) -> int:
+    """Of one tp rank's ``parameters``, those outside its fp8 layers: the query and key norms."""
+    return qk_norm_params(model, derived)
+
+
 def matmul_params(model: ModelConfig, derived: Derived) -> int:
     """Weights in a matmul per token: qkv and the output projection."""
     h = model.d_model

@@ -57,6 +57,14 @@ def tp_summed(model: ModelConfig, derived: Derived) -> int:
     return model.linear_value_head_dim
 
 
+def fp8_exempt(model: ModelConfig, derived: Derived) -> int:
+    """Of one tp rank's ``parameters``, those outside its fp8 layers: the convolution, A_log
+    and dt_bias (split over tp) and the gated norm's weight."""
+    values, width = model.linear_num_value_heads, model.linear_conv_kernel_dim
+    split = conv_channels(model) * width + 2 * values
+    return split // derived.tp + model.linear_value_head_dim
+
+
 def matmul_params(model: ModelConfig, derived: Derived) -> int:
     """Weights in a matmul per token: the four input projections and out_proj."""
     h, values = model.d_model, model.linear_num_value_heads
