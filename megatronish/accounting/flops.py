@@ -4,7 +4,7 @@ matmul rate (training.metrics.peak_flops)."""
 
 from __future__ import annotations
 
-from megatronish.accounting.components import attention_of, mlp
+from megatronish.accounting.components import attention_at, gated_deltanet, mlp
 from megatronish.accounting.components import moe as moe_cost
 from megatronish.config import Config, Derived, attention_window
 
@@ -16,31 +16,38 @@ def matmul_params(cfg: Config, derived: Derived) -> int:
     config.derive.moe_layers says) and the output layer again (the embedding lookup, norms and
     biases (model.qkv_bias) are not matmuls and not counted)."""
     model, h = cfg.model, cfg.model.d_model
-    attn = attention_of(model).matmul_params(model, derived)
+    blocks = model.n_layer + model.mtp_depth  # MoE among both: config.derive.moe_layers
+    attn = sum(attention_at(model, i).matmul_params(model, derived) for i in range(blocks))
     dense = mlp.matmul_params(model, derived.d_ff)
     moe = len(derived.moe_layers)
     active = moe * moe_cost.parameters(cfg, derived, active=True) if moe else 0
-    blocks = model.n_layer + model.mtp_depth  # MoE among both: config.derive.moe_layers
     mtp = model.mtp_depth * (2 * h * h + h * derived.vocab_size)
-    return blocks * attn + (blocks - moe) * dense + active + h * derived.vocab_size + mtp
+    return attn + (blocks - moe) * dense + active + h * derived.vocab_size + mtp
 
 
 def attention_keys(cfg: Config) -> int:
     """The keys a query's attention scores and values count, summed over the layers: the whole
     sequence, s, in every layer (Narayanan et al. count causal attention unhalved), and under a
     sliding window W the keys it reaches, min(s, W), in the layers that slide; the multi-token
-    prediction blocks (indices n_layer ..) count as layers."""
-    s, layers = cfg.train.seq_len, cfg.model.n_layer + cfg.model.mtp_depth
-    windows = (attention_window(cfg.model, layer) for layer in range(layers))
+    prediction blocks (indices n_layer ..) count as layers; linear-attention blocks
+    (model.layer_types) count none."""
+    s, model = cfg.train.seq_len, cfg.model
+    layers = range(model.n_layer + model.mtp_depth)
+    full = (i for i in layers if model.block_attention(i) != "gated_deltanet")
+    windows = (attention_window(model, layer) for layer in full)
     return sum(s if window is None else min(s, window) for window in windows)
 
 
 def attention_flops_per_token(cfg: Config, derived: Derived) -> int:
     """Forward FLOPs of the attention scores and values per token: 2 a (d + d_v) per key
     counted (q k^T over the query-key head dim d, p v over the value head dim d_v: d but for
-    multi-head latent attention), over attention_keys (4 l s h with no window and a d = h)."""
-    heads = cfg.model.n_head
-    return 2 * attention_keys(cfg) * heads * (derived.head_dim + derived.v_head_dim)
+    multi-head latent attention), over attention_keys (4 l s h with no window and a d = h);
+    plus each linear-attention block's chunked delta rule (accounting.components.gated_deltanet:
+    linear in s)."""
+    heads, model = cfg.model.n_head, cfg.model
+    full = 2 * attention_keys(cfg) * heads * (derived.head_dim + derived.v_head_dim)
+    linear = sum(1 for i in range(model.n_layer) if model.block_attention(i) == "gated_deltanet")
+    return full + linear * gated_deltanet.rule_flops_per_token(model)
 
 
 def model_flops_per_step(cfg: Config, derived: Derived) -> float:

@@ -46,12 +46,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from megatronish.accounting.collectives.fp8 import train_format
-from megatronish.accounting.components import attention_of, embedding, mlp, norm
+from megatronish.accounting.components import ATTENTION, embedding, gated_deltanet, mlp, norm
 from megatronish.accounting.components import moe as moe_cost
 from megatronish.accounting.hardware import Device
 from megatronish.accounting.roofline import (
     Efficiency,
     attention_flops,
+    delta_rule_seconds,
     flash_attention_seconds,
     gemm_time,
     memory_seconds,
@@ -110,9 +111,11 @@ def layer_time(
     moe: bool,
     attention: str,
     window: int | None = None,
+    mixer: str | None = None,
 ) -> LayerTime:
     """One transformer layer (an MoE layer when `moe`, attending through a sliding window when
-    `window` is set) for one micro-batch on one rank."""
+    `window` is set; its attention kind `mixer`, None: the components') for one micro-batch on
+    one rank."""
     model, train, tp = cfg.model, cfg.train, derived.tp
     width = 2 if train.bf16_autocast else 4
     timer = _Timer(device, eff, width, train_format(train))
@@ -121,7 +124,8 @@ def layer_time(
     heads, kv = model.n_head // tp, derived.n_kv_head // tp
     sp = cfg.parallel.sequence_parallel and tp > 1
     N = T // tp if sp else T
-    gemms = attention_of(model).gemms(model, derived, T, N)
+    mixer = mixer or model.components.attention
+    gemms = ATTENTION[mixer].gemms(model, derived, T, N)
     f_local = (derived.moe_d_ff if moe else derived.d_ff) // tp
     if not moe:
         gemms += mlp.gemms(model, T, f_local)
@@ -139,14 +143,19 @@ def layer_time(
         routed = moe_cost.permuted_elements(cfg, T)
         fwd += timer.stream(4 * routed, 4)
         bwd += timer.stream(8 * routed, 8)
-    attn_fwd, attn_bwd = _attention(cfg, derived, timer, device, eff, attention, s, window)
     mask = 1 if model.dropout > 0 else 0
     act = moe_cost.activation_elements if moe else partial(mlp.activation_elements, model)
-    rope = embedding.rope_elements(model, T, heads, kv, hd)
-    heads_copy = 2 * T * (2 * heads + 2 * kv) * hd  # [s, b, n, d] <-> [b, n, s, d], in and out
+    if mixer == "gated_deltanet":
+        attn_fwd, attn_bwd = _delta_rule(cfg, derived, device, eff, T, timer.width)
+        mixing, mixing_kernels = gated_deltanet.stream_elements(model, derived, T), 5
+    else:
+        attn_fwd, attn_bwd = _attention(cfg, derived, timer, device, eff, attention, s, window)
+        mixing = embedding.rope_elements(model, T, heads, kv, hd)
+        mixing += 2 * T * (2 * heads + 2 * kv) * hd  # [s, b, n, d] <-> [b, n, s, d], in and out
+        mixing_kernels = embedding.rope_kernels(model)
     residuals = N * h * (3 + 3)  # bias + dropout + residual twice: read 2 N h, write N h
-    elems = norm.stream_elements(model, N) + residuals + act(T, f_local) + rope + heads_copy
-    kernels = norm.per_block(model) + 4 + embedding.rope_kernels(model)
+    elems = norm.stream_elements(model, N) + residuals + act(T, f_local) + mixing
+    kernels = norm.per_block(model) + 4 + mixing_kernels
     elementwise = timer.stream(elems, kernels, extra_bytes=2 * mask * N * h)
     fwd += attn_fwd + elementwise
     bwd += attn_bwd + 2 * elementwise
@@ -247,6 +256,20 @@ def _attention(
     forward += timer.stream(scores * (2 + (2 if mask else 0)), 2, extra_bytes=mask)
     backward += timer.stream(scores * ((2 if mask else 0) + 3), 2, extra_bytes=mask)
     return forward, backward
+
+
+def _delta_rule(
+    cfg: Config, derived: Derived, device: Device, eff: Efficiency, T: int, width: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one linear-attention layer's chunked delta rule on T
+    tokens of one tp rank (its own kernel kind: roofline.delta_rule_seconds)."""
+    model = cfg.model
+    flops = T * gated_deltanet.rule_flops_per_token(model) / derived.tp
+    nbytes = gated_deltanet.rule_bytes(model, derived, T, width)
+    return (
+        delta_rule_seconds(flops, nbytes, device, eff, backward=False),
+        delta_rule_seconds(flops, nbytes, device, eff, backward=True),
+    )
 
 
 def embedding_time(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> LayerTime:

@@ -59,16 +59,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 from megatronish.accounting.collectives import formula_bytes_per_step
-from megatronish.accounting.components import attention_of, mlp, norm
-from megatronish.accounting.components.attention import qk_norm_params
-from megatronish.accounting.components.moe import local_parameters
+from megatronish.accounting.components import attention_at, attention_of, mlp, norm
+from megatronish.accounting.components.moe import local_parameters, router_params
 from megatronish.accounting.parameters import (
-    last_stage_mtp,
     local_layer_params,
     local_parameter_count,
+    mtp_blocks,
     mtp_params,
+    stage_blocks,
     stage_moe_layers,
     tp_summed_grad_count,
 )
@@ -123,10 +124,11 @@ class Estimate:
 
 
 def activation_bytes_per_layer(
-    cfg: Config, tp: int, sequence_parallel: bool, recompute: str
+    cfg: Config, tp: int, sequence_parallel: bool, recompute: str, index: int = 0
 ) -> float:
-    """Bytes one transformer layer keeps for backward for one micro-batch (see module doc); s is
-    a rank's share of the sequence, seq_len / parallel.cp."""
+    """Bytes transformer block `index` (its attention of its own kind) keeps for backward for
+    one micro-batch (see module doc); s is a rank's share of the sequence, seq_len /
+    parallel.cp."""
     s, b, h = cfg.train.seq_len // cfg.parallel.cp, cfg.train.micro_batch_size, cfg.model.d_model
     sbh = s * b * h
     width = 1.0 if cfg.train.bf16_autocast else 2.0  # the formula counts 16-bit values
@@ -134,7 +136,7 @@ def activation_bytes_per_layer(
         kept = 2 * sbh / (tp if sequence_parallel else 1)
         return kept * width
     model = cfg.model
-    attention, heads, replicated, latents = attention_of(model).activations(model)
+    attention, heads, replicated, latents = attention_at(model, index).activations(model)
     mlp_whole, mlp_split = mlp.activations(model)
     whole = norm.activations(model) + attention + mlp_whole  # 10 s b h, whole on every tp rank
     if sequence_parallel:
@@ -167,7 +169,7 @@ def estimate(
     # The last stage keeps every micro-batch's logits when it runs all its forwards first.
     gpipe = layout.parallel.pp_schedule == "gpipe"
     all_forwards_first = pp > 1 and (gpipe or (virtual > 1 and m == pp))
-    per_layer = activation_bytes_per_layer(layout, tp, sp, recompute)
+    kept = partial(activation_bytes_per_layer, layout, tp, sp)
     logits_one = train.micro_batch_size * train.seq_len // cp * derived.padded_vocab_size / tp * 6
     bubble = (pp - 1) / (virtual * m)
     comm = max(formula_bytes_per_step(layout, derived, r) for r in distinct_stages(derived)) / GB
@@ -175,10 +177,10 @@ def estimate(
     for r in range(pp):
         in_flight = _in_flight(pp, virtual, m, r, layout.parallel.pp_schedule)
         state = model_state_bytes(layout, derived, r)
-        layers = derived.stage_layers[r] + last_stage_mtp(layout, derived, r)
-        act = per_layer * layers * in_flight
+        blocks = stage_blocks(derived, r) + mtp_blocks(layout, derived, r)
+        act = sum(kept(recompute, i) for i in blocks) * in_flight
         if recompute == "full":  # one layer is rebuilt at a time during backward
-            act += activation_bytes_per_layer(layout, tp, sp, "none")
+            act += max(kept("none", i) for i in blocks)
         logits = logits_one * (m if all_forwards_first else 1) if r == pp - 1 else 0.0
         logits *= 1 + layout.model.mtp_depth  # each multi-token prediction module's too
         stages.append(
@@ -276,14 +278,14 @@ def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
     weights and biases."""
     if cfg.train.precision != "fp8":
         return 0
-    model, h = cfg.model, cfg.model.d_model
-    norms = norm.block_parameters(model) + qk_norm_params(model, derived)
-    moe = stage_moe_layers(derived, pp_rank)
-    dense = local_layer_params(cfg, derived) - norms
-    router = cfg.model.moe.num_experts * h
-    return (derived.stage_layers[pp_rank] - moe) * dense + moe * (
-        local_layer_params(cfg, derived, moe=True) - norms - router
-    )
+    model, norms = cfg.model, norm.block_parameters(cfg.model)
+    dense = sum(
+        local_layer_params(cfg, derived, index=i) - norms
+        - attention_at(model, i).fp8_exempt(model, derived)
+        for i in stage_blocks(derived, pp_rank)
+    )  # fmt: skip
+    moe = local_layer_params(cfg, derived, moe=True) - local_layer_params(cfg, derived)
+    return dense + stage_moe_layers(derived, pp_rank) * (moe - router_params(cfg))
 
 
 def _reduction_bytes(cfg: Config, buffered: float) -> float:

@@ -2,20 +2,24 @@
 one tp rank of a pipeline stage holds (the count its data-parallel gradient collectives carry),
 MoE layers per stage, and the replicated parameters whose gradients are summed over tp (under
 sequence parallelism; the query and key norms at any tp): sums over the components' counts
-(accounting.components)."""
+(accounting.components), each block's attention its own kind (model.layer_types)."""
 
 from __future__ import annotations
 
-from megatronish.accounting.components import attention_of, embedding, mlp, norm
+from collections.abc import Iterable
+
+from megatronish.accounting.components import attention_at, embedding, mlp, norm
 from megatronish.accounting.components import moe as moe_cost
 from megatronish.config import Config, Derived
 
 
-def layer_params(cfg: Config, derived: Derived, tp: int = 1, moe: bool = False) -> int:
-    """Parameters of one transformer layer on one of tp ranks (tp 1: all of them, the MLP
+def layer_params(
+    cfg: Config, derived: Derived, tp: int = 1, moe: bool = False, index: int = 0
+) -> int:
+    """Parameters of transformer block `index` on one of tp ranks (tp 1: all of them, the MLP
     dense): its attention, its norms and its MLP (moe: the MoE MLP on one rank)."""
     model = cfg.model
-    attn = attention_of(model).parameters(model, derived, tp)
+    attn = attention_at(model, index).parameters(model, derived, tp)
     ffn = (
         moe_cost.local_parameters(cfg, derived)
         if moe
@@ -29,14 +33,15 @@ def parameter_count(cfg: Config, derived: Derived, active: bool = False) -> int:
     vocab; active: those one token goes through (of each MoE MLP the router, its top_k experts
     and the shared experts; the first_k_dense blocks are dense)."""
     model = cfg.model
-    per_layer = layer_params(cfg, derived)
+    blocks = sum(layer_params(cfg, derived, index=i) for i in range(model.n_layer))
+    mtp_blocks = range(model.n_layer, model.n_layer + model.mtp_depth)
+    mtp = sum(layer_params(cfg, derived, index=i) + mtp_extra_params(cfg) for i in mtp_blocks)
     embed = embedding.parameters(model, derived.vocab_size)
     head = 0 if derived.tie_embeddings else derived.vocab_size * model.d_model
     moe = len(derived.moe_layers)
     dense_mlp = mlp.parameters(model, derived.d_ff)
     experts = moe * (moe_cost.parameters(cfg, derived, active) - dense_mlp)  # MTP's too
-    mtp = model.mtp_depth * (per_layer + mtp_extra_params(cfg))
-    return model.n_layer * per_layer + experts + embed + norm.weights(model) + head + mtp
+    return blocks + experts + embed + norm.weights(model) + head + mtp
 
 
 def mtp_extra_params(cfg: Config) -> int:
@@ -68,28 +73,34 @@ def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> in
     head += vocab_local * h if last and not first and derived.last_stage_embedding else 0
     mtp_moe = mtp_moe_layers(derived, pp_rank)
     blocks = blocks_params(
-        cfg, derived, derived.stage_layers[pp_rank], stage_moe_layers(derived, pp_rank) - mtp_moe
+        cfg, derived, stage_blocks(derived, pp_rank), stage_moe_layers(derived, pp_rank) - mtp_moe
     )
     final_norm = norm.weights(model) if last else 0
     return blocks + embed + final_norm + head + mtp_params(cfg, derived, pp_rank)
 
 
-def blocks_params(cfg: Config, derived: Derived, layers: int, moe: int) -> int:
-    """Parameters of `layers` transformer layers on one tp rank, `moe` of them with a MoE
-    MLP."""
-    dense = (layers - moe) * local_layer_params(cfg, derived)
-    return dense + moe * local_layer_params(cfg, derived, moe=True)
+def stage_blocks(derived: Derived, pp_rank: int) -> list[int]:
+    """The global indices of the transformer blocks on pipeline stage pp_rank (its chunks')."""
+    return [i for span in derived.stage_chunks(pp_rank) for i in span]
 
 
-def local_layer_params(cfg: Config, derived: Derived, moe: bool = False) -> int:
-    """Parameters of one transformer layer on one tp rank (moe: with a MoE MLP)."""
-    return layer_params(cfg, derived, derived.tp, moe)
+def blocks_params(cfg: Config, derived: Derived, blocks: Iterable[int], moe: int) -> int:
+    """Parameters of the transformer blocks of these indices on one tp rank, `moe` of them
+    with a MoE MLP."""
+    dense = sum(local_layer_params(cfg, derived, index=i) for i in blocks)
+    moe_extra = local_layer_params(cfg, derived, moe=True) - local_layer_params(cfg, derived)
+    return dense + moe * moe_extra
+
+
+def local_layer_params(cfg: Config, derived: Derived, moe: bool = False, index: int = 0) -> int:
+    """Parameters of transformer block `index` on one tp rank (moe: with a MoE MLP)."""
+    return layer_params(cfg, derived, derived.tp, moe, index)
 
 
 def stage_moe_layers(derived: Derived, pp_rank: int) -> int:
     """MoE layers on pipeline stage pp_rank, the multi-token prediction blocks' on the last
     among them (mtp_moe_layers)."""
-    layers = {i for span in derived.stage_chunks(pp_rank) for i in span}
+    layers = set(stage_blocks(derived, pp_rank))
     return len(layers.intersection(derived.moe_layers)) + mtp_moe_layers(derived, pp_rank)
 
 
@@ -109,12 +120,13 @@ def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0
     parameters."""
     model = cfg.model
     last = pp_rank == derived.pp - 1
-    routers = stage_moe_layers(derived, pp_rank) * model.moe.num_experts * model.d_model
-    attn = attention_of(model).sp_replicated(model, derived)
-    per_layer = norm.block_parameters(model) + attn + mlp.sp_replicated(model)
-    mtp = cfg.model.mtp_depth * (per_layer + mtp_extra_params(cfg))
-    final_norm = norm.weights(model) + mtp if last else 0
-    return derived.stage_layers[pp_rank] * per_layer + final_norm + routers
+    routers = stage_moe_layers(derived, pp_rank) * moe_cost.router_params(cfg)
+    blocks = stage_blocks(derived, pp_rank) + mtp_blocks(cfg, derived, pp_rank)
+    per_layer = norm.block_parameters(model) + mlp.sp_replicated(model)
+    attn = sum(attention_at(model, i).sp_replicated(model, derived) for i in blocks)
+    mtp = cfg.model.mtp_depth * mtp_extra_params(cfg) if last else 0
+    final_norm = norm.weights(model) if last else 0
+    return len(blocks) * per_layer + attn + mtp + final_norm + routers
 
 
 def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
@@ -126,16 +138,22 @@ def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int
         return 0
     if cfg.parallel.sequence_parallel:
         return sequence_parallel_grad_count(cfg, derived, pp_rank)
-    layers = derived.stage_layers[pp_rank] + last_stage_mtp(cfg, derived, pp_rank)
-    return layers * attention_of(cfg.model).tp_summed(cfg.model, derived)
+    blocks = stage_blocks(derived, pp_rank) + mtp_blocks(cfg, derived, pp_rank)
+    return sum(attention_at(cfg.model, i).tp_summed(cfg.model, derived) for i in blocks)
 
 
 def mtp_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
     """Parameters of the multi-token prediction modules on one tp rank of stage pp_rank (their
     blocks dense or MoE as config.derive.moe_layers says)."""
-    depth = last_stage_mtp(cfg, derived, pp_rank)
-    blocks = blocks_params(cfg, derived, depth, mtp_moe_layers(derived, pp_rank))
-    return blocks + depth * mtp_extra_params(cfg)
+    blocks = mtp_blocks(cfg, derived, pp_rank)
+    params = blocks_params(cfg, derived, blocks, mtp_moe_layers(derived, pp_rank))
+    return params + len(blocks) * mtp_extra_params(cfg)
+
+
+def mtp_blocks(cfg: Config, derived: Derived, pp_rank: int) -> list[int]:
+    """The multi-token prediction blocks' indices on stage pp_rank (n_layer on, on the last)."""
+    first = cfg.model.n_layer
+    return list(range(first, first + last_stage_mtp(cfg, derived, pp_rank)))
 
 
 def last_stage_mtp(cfg: Config, derived: Derived, pp_rank: int) -> int:

@@ -156,6 +156,22 @@ def flash_attention_seconds(
     return flops / (device.peak_flops * fraction) + eff.kernel_overhead_s
 
 
+def delta_rule_seconds(
+    flops_forward: float, bytes_forward: float, device: Device, eff: Efficiency, backward: bool
+) -> float:
+    """Seconds of the chunked gated-delta-rule kernel (Gated DeltaNet) doing flops_forward and
+    moving bytes_forward forward, on the roofline: the slower of its FLOPs at fused attention's
+    share of the peak and its bytes at the memory share of HBM; backward does 2.5 x the FLOPs
+    (it recomputes the chunk terms) and moves twice the bytes."""
+    flops = flops_forward * (2.5 if backward else 1.0)
+    fraction = eff.attention_fraction
+    if fraction is None:
+        fraction = device.attention_backward if backward else device.attention_forward
+    nbytes = bytes_forward * (2 if backward else 1)
+    bandwidth = device.hbm_tb_s * 1e12 * eff.memory_fraction
+    return max(flops / (device.peak_flops * fraction), nbytes / bandwidth) + eff.kernel_overhead_s
+
+
 def memory_seconds(nbytes: float, bandwidth: float, eff: Efficiency, kernels: int = 1) -> float:
     """Seconds of memory-bound kernels moving `nbytes` in all."""
     if nbytes <= 0:

@@ -144,10 +144,12 @@ def flops_per_step(cfg: Config, derived: Derived) -> tuple[float, float]:
 
 
 class LayerKind(NamedTuple):
-    """What sets a layer's time apart: an MoE MLP, and its sliding window (None: none)."""
+    """What sets a layer's time apart: an MoE MLP, its sliding window (None: none) and its
+    attention kind (ModelConfig.block_attention)."""
 
     moe: bool
     window: int | None
+    mixer: str
 
 
 def _kinds(
@@ -155,10 +157,16 @@ def _kinds(
 ) -> tuple[tuple[LayerKind, int], ...]:
     """(LayerKind, how many) of `layers` (global indices), in a fixed order."""
     kinds = Counter(
-        LayerKind(layer in derived.moe_layers, attention_window(cfg.model, layer))
+        LayerKind(
+            layer in derived.moe_layers,
+            attention_window(cfg.model, layer),
+            cfg.model.block_attention(layer),
+        )
         for layer in layers
     )
-    return tuple(sorted(kinds.items(), key=lambda item: (item[0].moe, item[0].window or 0)))
+    return tuple(
+        sorted(kinds.items(), key=lambda item: (item[0].moe, item[0].window or 0, item[0].mixer))
+    )
 
 
 def _stage_kinds(cfg: Config, derived: Derived, r: int) -> tuple[tuple[LayerKind, int], ...]:
@@ -192,7 +200,7 @@ def _stage(
     recompute, last = cfg.train.activation_checkpointing, r == derived.pp - 1
     kinds = _stage_kinds(cfg, derived, r) + (_mtp_kinds(cfg, derived) if last else ())
     parts = [
-        (layer_time(cfg, derived, device, eff, kind.moe, attention, kind.window), n)
+        (layer_time(cfg, derived, device, eff, kind.moe, attention, kind.window, kind.mixer), n)
         for kind, n in kinds
     ]
     compute = sum(lt.total(recompute) * n for lt, n in parts)

@@ -59,9 +59,20 @@ def generate(checkpoint_path, prompt, max_new_tokens, temperature, top_k, top_p,
             "max_seq_len": "the model's max_seq_len (its context is full)",
         }[generation.stop_reason]
         ranks = world_size_from_env()
-        layers = generation.cache_bytes_per_token()
-        cache = f"{sum(layers):,} bytes per token ({layers[0]:,} per layer x {len(layers)})"
-        click.echo(f"[stopped at {why}; tp {ranks}; decode cache per rank {cache}]", err=True)
+        click.echo(f"[stopped at {why}; tp {ranks}; {cache_report(generation)}]", err=True)
+
+
+def cache_report(generation) -> str:
+    """What generate's decode cache holds on a rank: bytes per token of the layers whose cache
+    grows, and the bytes fixed at any length of the linear-attention layers (model.layer_types)."""
+    fixed, growing = generation.cache_bytes()
+    line = f"decode cache per rank {sum(growing):,} bytes per token"
+    if growing:
+        line += f" ({growing[0]:,} per layer x {len(growing)})"
+    if fixed:
+        linear = len(generation.cache) - len(growing)
+        line += f" + {fixed:,} bytes fixed (state and convolution tail; linear layers: {linear})"
+    return line
 
 
 @click.command()

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from megatronish.accounting.collectives import Purpose, Split, collectives_per_step
+from megatronish.accounting.components import gated_deltanet
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.memory import decode_cache_elements, model_state_bytes
@@ -327,13 +328,20 @@ def _heads_line(cfg: Config, derived: Derived) -> str:
 
 
 def _cache_line(cfg: Config, derived: Derived) -> str:
-    """generate's decode cache per token on one tp rank, bf16 (and fp32), over the layers."""
+    """generate's decode cache per token on one tp rank, bf16 (and fp32), over the layers whose
+    cache grows; and per sequence the fixed state and convolution tail of the linear-attention
+    layers (model.layer_types), bf16 tail and fp32 state."""
     held, full = decode_cache_elements(cfg, derived)
-    layers = cfg.model.n_layer
+    model = cfg.model
+    linear = sum(model.block_attention(i) == "gated_deltanet" for i in range(model.n_layer))
+    layers = model.n_layer - linear
     line = (
         f"decode cache per token and tp rank: {2 * held * layers:,} bytes bf16 "
         f"({4 * held * layers:,} fp32; {2 * held:,} bf16 per layer x {layers})"
     )
     if held != full:
         line += f"; full keys and values would be {2 * full * layers:,} bytes bf16"
+    if linear:
+        fixed = linear * gated_deltanet.state_bytes(model, derived, 2)
+        line += f"; fixed per sequence {fixed:,} bytes (state and convolution tail x {linear})"
     return line

@@ -205,16 +205,11 @@ def _derive(cfg: Config, world_size: int, vocab_size: int | None) -> Derived:
 
 
 def layout_notes(cfg: Config, derived: Derived) -> list[str]:
-    """Settings that have no effect at this layout, or that the counts do not cover yet, one
-    line each (train says them once, check prints them)."""
+    """Settings that have no effect at this layout, one line each (train says them once, check
+    prints them)."""
     notes = []
     if cfg.parallel.tp_comm_overlap and derived.tp == 1:
         notes.append("parallel.tp_comm_overlap: no effect at parallel.tp=1 (no tp communication)")
-    if "linear_attention" in (cfg.model.layer_types or ()):
-        notes.append(
-            "model.layer_types: the parameter, FLOP (MFU), memory and time counts take the "
-            "linear_attention blocks as full attention (not covered yet)"
-        )
     return notes
 
 

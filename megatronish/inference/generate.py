@@ -121,7 +121,9 @@ class Generation:
     the model's vocabulary: decodable_mask) allows; the end-of-text token ends it and is not
     yielded. Afterwards stop_reason is "eot", "max_new_tokens" or "max_seq_len", and cache
     holds each layer's decode cache (this rank's: keys and values of its heads, or under multi-head
-    latent attention the latent and the shared rotary key) of the cached_tokens positions."""
+    latent attention the latent and the shared rotary key) of the cached_tokens positions; a
+    linear-attention layer's (model.layer_types) is its convolution tail and recurrent state,
+    the same size at every position."""
 
     def __init__(
         self,
@@ -173,10 +175,19 @@ class Generation:
                 self.cached_tokens = pos
         self.stop_reason = "max_new_tokens"
 
-    def cache_bytes_per_token(self) -> list[int]:
-        """Bytes this rank's decode cache holds per token, of each layer (after iterating)."""
-        tokens = max(self.cached_tokens, 1)
-        return [sum(t.numel() * t.element_size() for t in layer) // tokens for layer in self.cache]
+    def cache_bytes(self) -> tuple[int, list[int]]:
+        """(bytes of this rank's fixed decode cache: the linear-attention layers' recurrent state
+        and convolution tail; bytes per token of each layer whose cache grows: the others')
+        after iterating."""
+        tokens, model = max(self.cached_tokens, 1), self.model.cfg.model
+        fixed, growing = 0, []
+        for index, layer in enumerate(self.cache):
+            held = sum(t.numel() * t.element_size() for t in layer)
+            if model.block_attention(index) == "gated_deltanet":
+                fixed += held
+            else:
+                growing.append(held // tokens)
+        return fixed, growing
 
 
 def generate_text(

@@ -46,6 +46,14 @@ BLOCKWISE += ["model.d_ff=512"]
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every=2", "model.moe.d_ff=48"]
 MOE += ["model.moe.shared_expert=true"]
 REDUCED_IN_BF16 = ["optim.grad_reduce_dtype=bf16"]
+# Qwen3.5's hybrid: a Gated DeltaNet block (its input gathered once for four projections under
+# sequence parallelism, its gated norm's gradient summed over tp), then gated attention; with
+# experts, the shared expert's gate (replicated, its gradient summed over tp under SP).
+QWEN3_5 = ["model.arch=qwen3_5", "model.n_kv_head=2", "model.head_dim=8"]
+QWEN3_5 += ["model.layer_types=[linear_attention, full_attention]"]
+QWEN3_5 += ["model.linear_num_key_heads=2", "model.linear_num_value_heads=4"]
+QWEN3_5 += ["model.linear_key_head_dim=8", "model.linear_value_head_dim=8"]
+QWEN3_5_MOE = QWEN3_5 + ["model.moe.num_experts=4", "model.moe.d_ff=16"]
 
 # name -> (tp, dp, overrides); global batch 4 per data-parallel rank: 2 accumulation steps.
 TWO_RANKS = {
@@ -82,6 +90,11 @@ TWO_RANKS = {
         2, 1, LLAMA + SP + OVERLAP + ["train.precision=bf16"],
     ),
     "gpt2 dp2 gradients reduced in bf16": (1, 2, GPT2 + REDUCED_IN_BF16),
+    "qwen3_5 hybrid tp2 sequence-parallel": (2, 1, QWEN3_5 + SP),
+    "qwen3_5 hybrid moe tp2 sequence-parallel": (2, 1, QWEN3_5_MOE + SP),
+    # the linear block's five fp8 layers and the gated attention's four parts of qkv rows
+    "qwen3_5 hybrid tp2 fp8 tensorwise sequence-parallel": (2, 1, QWEN3_5 + FP8 + TENSORWISE + SP),
+    "qwen3_5 hybrid tp2 fp8 rowwise": (2, 1, QWEN3_5 + FP8 + ROWWISE),
     # fp8 with the tp collectives decomposed (the input's fp8 cast on the forward ring), each
     # against the same run without the decomposition (FP8_OVERLAP)
     "llama tp2 fp8 tensorwise overlap": (2, 1, LLAMA + FP8 + TENSORWISE + OVERLAP),

@@ -58,7 +58,16 @@ def checkpoints(tmp_path_factory):
     paths["qwen3_5"] = save_single(
         root / "q35", tiny_cfg("qwen3_5", "model.head_dim=16", "model.n_kv_head=2")
     )[0]
+    # Qwen3.5's hybrid: a Gated DeltaNet block (2 key heads of 8, 4 value heads of 8, kernel 4)
+    # before the gated attention block.
+    hybrid = ["model.head_dim=16", "model.n_kv_head=2"]
+    hybrid += ["model.layer_types=[linear_attention, full_attention]"]
+    hybrid += [f"model.linear_{name}={n}" for name, n in LINEAR_SIZES.items()]
+    paths["qwen3_5_hybrid"] = save_single(root / "hybrid", tiny_cfg("qwen3_5", *hybrid))[0]
     return paths
+
+
+LINEAR_SIZES = {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8}
 
 
 def generate(model, max_new: int, sampling: Sampling = GREEDY, seed: int = 0, eot=None):
@@ -235,6 +244,13 @@ def test_generate_command_streams_the_continuation_of_the_prompt(checkpoints):
     mla = CliRunner().invoke(cli, [*args[:2], str(checkpoints["mla"]), *args[3:]])
     # 2 layers of an fp32 latent of 16 and rotary key of 8 (keys and values: 4 x (24 + 12))
     assert "decode cache per rank 192 bytes per token (96 per layer x 2)]" in mla.stderr
+    hybrid = CliRunner().invoke(cli, [*args[:2], str(checkpoints["qwen3_5_hybrid"]), *args[3:]])
+    # The full block's fp32 keys and values of 2 kv heads of 16 per token; the linear block's
+    # fp32 state (4 value heads of 8 x 8) and convolution tail (3 x 64 channels), at any length.
+    fixed = 4 * (4 * 8 * 8 + 3 * (2 * 2 * 8 + 4 * 8))
+    assert f"cache per rank 256 bytes per token (256 per layer x 1) + {fixed:,} bytes fixed" in (
+        hybrid.stderr
+    ), hybrid.stderr
     bad = CliRunner().invoke(cli, args + ["--top-p", "0"])
     assert bad.exit_code == 2 and "--top-p 0.0: must be in (0, 1]" in bad.stderr
 

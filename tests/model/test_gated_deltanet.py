@@ -393,12 +393,13 @@ def test_cached_decode_holds_a_fixed_size_state_and_equals_the_full_forward_at_t
     assert rel_err(decoded_tp2, full[..., :VOCAB]) < FP32_REORDER
 
 
-def test_check_says_its_counts_take_the_linear_attention_blocks_as_full_attention():
+def test_check_counts_the_linear_attention_blocks_as_their_own_kind():
     result = invoke_cli("check", *cli_args("unused"))
     assert result.returncode == 0, result.stderr
-    note = "model.layer_types: the parameter, FLOP (MFU), memory and time counts take the"
-    assert note in result.stdout
-    assert note not in invoke_cli("check", *cli_args("unused", "model.layer_types=null")).stdout
+    assert "linear_attention blocks as full attention" not in result.stdout
+    state = VALUE_HEADS * KEY_DIM * VALUE_DIM * 4  # fp32, and the bf16 tail of K - 1 inputs
+    tail = (KERNEL - 1) * (KEY_HEADS * 2 * KEY_DIM + VALUE_HEADS * VALUE_DIM) * 2
+    assert f"fixed per sequence {3 * (state + tail):,} bytes (state and" in result.stdout
 
 
 def test_layer_types_read_from_a_config_file_choose_each_blocks_attention(tmp_path):

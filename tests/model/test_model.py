@@ -1,7 +1,8 @@
 """The whole model at tp = 2 and 4 equals tp = 1: the same full weights at init, the same
 logits and loss, the same gradient of every parameter (fp32, relative error < 1e-5); also with
 Qwen-style attention (q, k, v biases, q and k norms, a sliding window after the first block)
-multi-head latent attention, multi-token prediction and Qwen3.5's gated attention."""
+multi-head latent attention, multi-token prediction and Qwen3.5's hybrid (Gated DeltaNet and
+gated attention, dense and MoE)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ from tests.tolerances import FP32_REORDER
 
 VOCAB = 61
 SEQ = 12
+QWEN3_5 = [
+    "model.arch=qwen3_5",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.d_model=32",
+    "model.head_dim=12",
+    "model.partial_rotary_factor=0.5",
+    "model.layer_types=[linear_attention, full_attention]",
+    "model.linear_num_key_heads=2",
+    "model.linear_num_value_heads=4",
+    "model.linear_key_head_dim=8",
+    "model.linear_value_head_dim=6",
+]
 ARCH_SETTINGS = {
     "gpt2": ["model.arch=gpt2", "model.n_head=4", "model.d_model=24"],
     "llama": ["model.arch=llama", "model.n_head=8", "model.n_kv_head=4", "model.d_model=32"],
@@ -49,27 +63,16 @@ ARCH_SETTINGS = {
         "model.full_attention_layers=1",
         "model.mtp_depth=2",
     ],
-    # Qwen3.5's gated attention: each query head's output gate in the qkv rows of its kv group
+    # Qwen3.5's hybrid: a Gated DeltaNet block (2 query-key heads of 8, 4 value heads of 6),
+    # then gated attention: each query head's output gate in the qkv rows of its kv group
     # (split over tp with the heads), RoPE on the first 6 of each head's 12 dims, and every
     # norm (the blocks', the final one, q and k's) scaling by 1 + its zero-initialized weight.
-    "qwen3_5": [
-        "model.arch=qwen3_5",
-        "model.n_head=4",
-        "model.n_kv_head=2",
-        "model.d_model=32",
-        "model.head_dim=12",
-        "model.partial_rotary_factor=0.5",
-    ],
+    "qwen3_5": QWEN3_5,
     # Qwen3.5-MoE: the gated attention above, 4 experts (top 2) in every block, and a shared
     # expert under its sigmoid gate (replicated; each rank's gradient covers its tokens under
     # sequence parallelism).
     "qwen3_5_moe": [
-        "model.arch=qwen3_5",
-        "model.n_head=4",
-        "model.n_kv_head=2",
-        "model.d_model=32",
-        "model.head_dim=12",
-        "model.partial_rotary_factor=0.5",
+        *QWEN3_5,
         "model.moe.num_experts=4",
         "model.moe.d_ff=20",
     ],
@@ -192,24 +195,22 @@ def test_qwen_and_latent_attention_at_tp_equal_tp1_weights_logits_loss_and_every
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("tp,sequence_parallel", [(2, False), (2, True)])
-def test_gated_attention_at_tp_equals_tp1_weights_logits_loss_and_every_gradient(
+def test_qwen3_5_hybrid_at_tp_equals_tp1_weights_logits_loss_gradients_and_counted_params(
     arch, tp, sequence_parallel
 ):
-    """The accounting counts neither gate yet: its parameter counts are left out."""
-    check_tp_parity(arch, tp, sequence_parallel, accounted=False)
+    check_tp_parity(arch, tp, sequence_parallel)
 
 
-def check_tp_parity(arch: str, tp: int, sequence_parallel: bool, accounted: bool = True) -> None:
+def check_tp_parity(arch: str, tp: int, sequence_parallel: bool) -> None:
     """arch's model at tp (with sequence_parallel) equals tp 1: full weights, logits, loss and
-    every parameter's full gradient; and (accounted) the accounting's parameter counts."""
+    every parameter's full gradient; and the accounting's parameter counts."""
     ref_logits, ref_loss, ref_params = reference(arch)
     results = run_on_ranks(_parallel_worker, tp, arch, sequence_parallel, timeout=180)
     logits = torch.cat([r[0] for r in results], dim=-1)[..., :VOCAB]
     assert rel_err(logits, ref_logits[..., :VOCAB]) < FP32_REORDER
     assert abs(results[0][1] - ref_loss) / ref_loss < FP32_REORDER
     assert all(r[1] == results[0][1] for r in results), "every tp rank reports the same loss"
-    if accounted:
-        check_parameter_counts(arch, tp, sequence_parallel, results[0][2])
+    check_parameter_counts(arch, tp, sequence_parallel, results[0][2])
     for name, (ref_weight, ref_grad, _, _) in ref_params.items():
         split, partial = results[0][2][name][2:]
         weight = full([r[2][name][0] for r in results], split, name)

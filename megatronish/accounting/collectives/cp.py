@@ -8,6 +8,13 @@ their fp32 gradient accumulator backward; attention recompute (selective or full
 forward ring. Per micro-batch and MoE layer the E int64 routed counts of the balancing loss
 (b x E, each sequence's, with the sequence-wise balancing loss).
 
+A linear-attention block (model.layer_types) has no ring: each rank's chunk starts from the
+recurrent state and convolution tail of the chunks before it, passed rank to rank in order
+("p2p" over cp, a chain of cp - 1 hops that serializes the ranks: a middle rank sends once
+forward, once backward (their gradients) and once more per forward rerun by recompute), per
+sequence and layer the state [v/t, e, f] in fp32 and the tail [K - 1, c/t]
+(accounting.components.gated_deltanet.state_bytes).
+
 The loss divides by the tokens it counts: without a loss mask the last stage all-reduces its
 token count (one fp64) over cp per micro-batch; with one it instead all-reduces the counted
 tokens of the global batch (one fp64) over the data-parallel group dp x cp once per step
@@ -26,11 +33,12 @@ from megatronish.accounting.collectives.step import (
     Step,
     moe_count_bytes,
 )
+from megatronish.accounting.components.gated_deltanet import state_bytes
 
 
 def cp_collectives(step: Step) -> list[Collective]:
     """The ring's, the MoE balancing loss's and the loss's token counts (see module doc)."""
-    cp, accum, n = step.cp, step.accum, step.layers
+    cp, accum, n = step.cp, step.accum, step.layers - step.linear_layers
     act, loss = Purpose.ACTIVATION, Purpose.LOSS
     derived = step.derived
     heads = derived.n_kv_head // step.tp
@@ -41,6 +49,11 @@ def cp_collectives(step: Step) -> list[Collective]:
     ops = [Collective(what, "cp_ring", "cp", cp, kv * step.operand_bytes, hops, act)]
     what = "ring attention dk and dv accumulator (backward)"
     ops.append(Collective(what, "cp_ring", "cp", cp, kv * FP32_BYTES, cp * n * accum, act))
+    if step.linear_layers:
+        state = step.b * state_bytes(step.cfg.model, derived, step.operand_bytes)
+        passes = (forward_rings + 1) * step.linear_layers * accum if cp > 1 else 0
+        what = "linear attention state and convolution tail (forward, backward)"
+        ops.append(Collective(what, "p2p", "cp", cp, state, passes, act))
     counts, calls = moe_count_bytes(step), step.moe_layers * accum
     what = "MoE routed counts for the balancing loss"
     ops.append(Collective(what, "all_reduce", "cp", cp, counts, calls, Purpose.ROUTING))

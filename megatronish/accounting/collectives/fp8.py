@@ -4,7 +4,8 @@ split them: tp (a sharded weight, rows split along K), cp (tokens split over the
 ranks) or tp x cp where a GEMM's operands need both (an operand replicated over the other
 reduces to its own amax there).
 
-Per micro-batch, in every block's attention (qkv column-parallel, projection row-parallel),
+Per micro-batch, in every block's attention (qkv column-parallel, projection row-parallel; a
+linear-attention block's four input projections column-parallel, out_proj row-parallel),
 dense MLP or MoE layer's shared experts (up and gate column-parallel; down row-parallel), with
 T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's full sizes:
 
@@ -13,10 +14,9 @@ T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's full sizes
   cp; a row layer's: cp). The weight-gradient GEMM reuses the scales.
 - rowwise: over tp a column layer's output-gradient rows and weight columns (T + in) in the
   input-gradient GEMM, one each per logical matrix of its rows (the qkv's q, k and v: 3 (T +
-  in); megatronish.fp8.parts), and a row layer's input and weight rows (T + out) in the
-  forward; over
-  cp the weight-gradient GEMM's per-feature scales over the tokens (out / t + in, or out +
-  in / t).
+  in), with Qwen3.5's output gate 4; megatronish.fp8.parts), and a row layer's input and weight
+  rows (T + out) in the forward; over cp the weight-gradient GEMM's per-feature scales over the
+  tokens (out / t + in, or out + in / t).
 - blockwise: none (a shard holds whole tiles and blocks: config.derive).
 
 An MoE layer's routed experts (gate and up column-split, down row-split over tp; E_l = E / ep
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Purpose, Step
-from megatronish.accounting.components import attention_of, mlp
+from megatronish.accounting.components import attention, gated_deltanet, mlp
 from megatronish.config import TrainConfig
 from megatronish.fp8 import RECIPES
 from megatronish.layers.plan import Format, numeric_format
@@ -97,7 +97,8 @@ def _layers(step: Step) -> list[AmaxLayer]:
     model, derived, h = step.cfg.model, step.derived, step.h
     dense = step.layers - step.moe_layers
     shared = step.moe_layers if derived.shared_d_ff else 0
-    qkv = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
+    qkv = attention.qkv_heads(model, derived) * derived.head_dim
+    full = step.layers - step.linear_layers
     ring = step.sp and step.overlap
     gates = mlp.first_weights(model)  # weights of the MLP's first projection
     each, weights = (1, gates) if ring else (gates, 1)  # calls of it and weights a call takes
@@ -106,11 +107,12 @@ def _layers(step: Step) -> list[AmaxLayer]:
     linear = Group(1, 1, tokens, ring)
     experts = model.moe.num_experts // derived.ep
     routed = Group(experts * derived.ep, experts, tokens * model.moe.top_k, False)
-    qkv_rows = Group(1, 1, tokens, ring, parts=attention_of(model).QKV_PARTS)
+    qkv_rows = Group(1, 1, tokens, ring, parts=attention.qkv_parts(model))
     proj_in = model.n_head * derived.head_dim
     return [
-        AmaxLayer("qkv", True, qkv, h, step.layers, 1, qkv_rows),
-        AmaxLayer("attention projection", False, h, proj_in, step.layers, 1, linear),
+        AmaxLayer("qkv", True, qkv, h, full, 1, qkv_rows),
+        AmaxLayer("attention projection", False, h, proj_in, full, 1, linear),
+        *_linear_attention_layers(step, linear),
         AmaxLayer(up, True, derived.d_ff, h, each * dense, weights, linear),
         AmaxLayer("MLP down", False, h, derived.d_ff, dense, 1, linear),
         AmaxLayer(
@@ -126,6 +128,24 @@ def _layers(step: Step) -> list[AmaxLayer]:
         AmaxLayer("experts up and gate", True, derived.moe_d_ff, h, 2 * step.moe_layers, 1, routed),
         AmaxLayer("experts down", False, h, derived.moe_d_ff, step.moe_layers, 1, routed),
     ]
+
+
+def _linear_attention_layers(step: Step, linear: Group) -> list[AmaxLayer]:
+    """A linear-attention block's fp8 layers (accounting.components.gated_deltanet): its four
+    column-parallel input projections, one call each (in_proj_qkv's rows of q, k and v per key
+    head), and the row-parallel out_proj."""
+    model, n, h = step.cfg.model, step.linear_layers, step.h
+    values = model.linear_num_value_heads
+    width = values * model.linear_value_head_dim
+    qkv = Group(1, 1, linear.rows, linear.ring, parts=gated_deltanet.QKV_PARTS)
+    return [
+        AmaxLayer("linear attention in_proj_qkv", True, gated_deltanet.conv_channels(model), h, n,
+                  1, qkv),
+        AmaxLayer("linear attention in_proj_z", True, width, h, n, 1, linear),
+        AmaxLayer("linear attention in_proj_b", True, values, h, n, 1, linear),
+        AmaxLayer("linear attention in_proj_a", True, values, h, n, 1, linear),
+        AmaxLayer("linear attention out_proj", False, h, width, n, 1, linear),
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)

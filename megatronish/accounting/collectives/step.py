@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
-from megatronish.accounting.parameters import last_stage_mtp, stage_moe_layers
+from megatronish.accounting.parameters import last_stage_mtp, stage_blocks, stage_moe_layers
 from megatronish.config import Config, Derived
 
 FP32_BYTES = 4
@@ -113,6 +113,9 @@ class Step:
     moe_layers: int
     """Transformer layers (the multi-token prediction blocks of the last stage included) and
     MoE layers of the stage."""
+    linear_layers: int
+    """Of `layers`, the linear-attention blocks (model.layer_types): no ring, their recurrent
+    state and convolution tail passed along the cp ranks instead."""
     mtp: int
     """Multi-token prediction modules of the stage (model.mtp_depth on the last, else 0): each
     looks tokens up, calls the output layer and the loss once more per micro-batch."""
@@ -141,6 +144,9 @@ def step_of(cfg: Config, derived: Derived, pp_rank: int, loss_masked: bool | Non
         overlap=cfg.parallel.tp_comm_overlap and derived.tp > 1,
         layers=derived.stage_layers[pp_rank] + last_stage_mtp(cfg, derived, pp_rank),
         moe_layers=stage_moe_layers(derived, pp_rank),
+        linear_layers=sum(
+            cfg.model.block_attention(i) == "gated_deltanet" for i in stage_blocks(derived, pp_rank)
+        ),
         mtp=last_stage_mtp(cfg, derived, pp_rank),
     )
 

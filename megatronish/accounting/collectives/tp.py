@@ -10,7 +10,8 @@ row-parallel outputs; backward the matching reduce-scatters of the input gradien
 all-gathers of the output gradients, the all-gather of the embedding's gradient, and a second
 all-gather of the input of qkv, of a lone MLP up (gelu) and of the LM head (these recompute
 their gathered input instead of keeping it; swiglu's gate and up keep it:
-accounting.components.mlp.keeps_gathered). Full activation
+accounting.components.mlp.keeps_gathered; so do a linear-attention block's four input
+projections, gathered once for qkv, z, b and a). Full activation
 checkpointing reruns each block's forward, up to the last op that saves a tensor for backward
 (torch.utils.checkpoint stops there): the attention projection's collective, and the MLP
 down's only with dropout after it.
@@ -232,21 +233,24 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
 def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[Row]:
     """The sequence-parallel all-gathers of qkv's and the dense MLP's input (rows for
     ``decomposed``): forward, and once more under full recompute; qkv and a lone MLP up gather
-    again in backward (gate and up keep it). Decomposed under fp8 (module doc) the
-    forward ones carry the input's fp8 cast, and backward gathers the tensorwise cast's payload
-    (kept by gate and up) or the input itself (also for gate and up)."""
+    again in backward (gate and up keep it, as do a linear-attention block's four projections).
+    Decomposed under fp8 (module doc) the forward ones carry the input's fp8 cast, and backward
+    gathers the tensorwise cast's payload (kept by gate and up) or the input itself (also for
+    gate and up)."""
     act, keep = _activation_bytes(step), mlp.keeps_gathered(step.cfg.model)
     dense = step.layers - step.moe_layers
+    again = qkv - step.linear_layers  # linear attention: one gather for four projections, kept
+    gathers = qkv * (1 + rerun) + again
     if not (step.overlap and step.cfg.train.precision == "fp8"):
         return [
-            Row("qkv input (forward, backward)", "all_gather", act, qkv * (2 + rerun), "qkv"),
+            Row("qkv input (forward, backward)", "all_gather", act, gathers, "qkv"),
             *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up", keep),
         ]
     fmt = train_format(step.cfg.train)
     cast = fmt.wire_bytes(step.b * step.s, step.h, step.operand_bytes, False)
     return [
         Row("qkv input, fp8 cast (forward)", "all_gather", cast, qkv * (1 + rerun), "qkv"),
-        Row("qkv input again (backward)", "all_gather", _gathered_again_bytes(step), qkv, "qkv"),
+        Row("qkv input again (backward)", "all_gather", _gathered_again_bytes(step), again, "qkv"),
         *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up", keep),
     ]
 

@@ -1,6 +1,7 @@
 """Multi-head (grouped-query) attention, model.attention mha (megatronish.model.attention): a
 column-parallel qkv projection of n_head + 2 n_kv_head heads of head_dim from the layer input,
-optionally biased (``BlockComponents.qkv_bias``) and with norms of queries and keys
+optionally biased (``BlockComponents.qkv_bias``), with a gate row per query row under
+``BlockComponents.attention_gate`` (Qwen3.5), and with norms of queries and keys
 (model.qk_norm, each rank's over its heads), and the row-parallel output projection (biased
 with ``BlockComponents.linear_bias``)."""
 
@@ -11,7 +12,13 @@ from megatronish.config.derive import head_dim_of
 from megatronish.config.schema import ModelConfig
 
 QKV_PARTS = 3
-"""The logical matrices of the qkv weight's rows (q, k and v; megatronish.fp8.parts)."""
+"""The logical matrices of the qkv weight's rows (q, k and v; megatronish.fp8.parts), one more
+with attention_gate (``qkv_parts``)."""
+
+
+def qkv_parts(model: ModelConfig) -> int:
+    """The logical matrices of the qkv weight's rows: q, (its gate,) k and v."""
+    return QKV_PARTS + int(model.components.attention_gate)
 
 
 def qk_norm_params(model: ModelConfig, derived: Derived) -> int:
@@ -19,12 +26,19 @@ def qk_norm_params(model: ModelConfig, derived: Derived) -> int:
     return 2 * derived.head_dim if model.qk_norm else 0
 
 
+def qkv_heads(model: ModelConfig, derived: Derived) -> int:
+    """Heads of head_dim rows in the qkv projection: the queries, their gates (attention_gate),
+    the keys and the values."""
+    gates = model.n_head if model.components.attention_gate else 0
+    return model.n_head + gates + 2 * derived.n_kv_head
+
+
 def parameters(model: ModelConfig, derived: Derived, tp: int = 1) -> int:
     """Parameters of one layer's attention on one of tp ranks (tp 1: all of them): the
     projections' weights split over tp, the qkv bias split, the output projection's bias and
     the query and key norms whole."""
     h, parts = model.d_model, model.components
-    qkv_out = (model.n_head + 2 * derived.n_kv_head) * derived.head_dim // tp
+    qkv_out = qkv_heads(model, derived) * derived.head_dim // tp
     weights = qkv_out * h + h * (model.n_head * derived.head_dim // tp)
     biases = (qkv_out if parts.qkv_bias else 0) + (h if parts.linear_bias else 0)
     return weights + biases + qk_norm_params(model, derived)
@@ -43,19 +57,23 @@ def tp_summed(model: ModelConfig, derived: Derived) -> int:
     return qk_norm_params(model, derived)
 
 
+def fp8_exempt(model: ModelConfig, derived: Derived) -> int:
+    """Of one tp rank's ``parameters``, those outside its fp8 layers: the query and key norms."""
+    return qk_norm_params(model, derived)
+
+
 def matmul_params(model: ModelConfig, derived: Derived) -> int:
     """Weights in a matmul per token: qkv and the output projection."""
     h = model.d_model
-    qkv = h * (model.n_head + 2 * derived.n_kv_head) * derived.head_dim
+    qkv = h * qkv_heads(model, derived) * derived.head_dim
     return qkv + model.n_head * derived.head_dim * h
 
 
 def gemms(model: ModelConfig, derived: Derived, T: int, N: int) -> list[tuple[int, int, int]]:
     """(rows, columns, inner) of the forward GEMMs of T tokens on one tp rank (N: its share
     under sequence parallelism, unused): qkv and the output projection."""
-    heads, kv = model.n_head // derived.tp, derived.n_kv_head // derived.tp
-    hd, h = derived.head_dim, model.d_model
-    return [(T, (heads + 2 * kv) * hd, h), (T, h, heads * hd)]
+    heads, hd, h = model.n_head // derived.tp, derived.head_dim, model.d_model
+    return [(T, qkv_heads(model, derived) // derived.tp * hd, h), (T, h, heads * hd)]
 
 
 WHOLE_ACTIVATIONS = 3

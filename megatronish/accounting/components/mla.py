@@ -42,6 +42,12 @@ def tp_summed(model: ModelConfig, derived: Derived) -> int:
     return 0
 
 
+def fp8_exempt(model: ModelConfig, derived: Derived) -> int:
+    """Of one tp rank's ``parameters``, those outside its fp8 layers: none counted apart (the
+    latents' norms among them)."""
+    return 0
+
+
 def matmul_params(model: ModelConfig, derived: Derived) -> int:
     """Weights in a matmul per token: every projection, the down-projections among them."""
     return sum(split_params(model)[:2])

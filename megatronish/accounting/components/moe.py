@@ -1,6 +1,7 @@
 """A mixture-of-experts MLP (megatronish.moe.layer): the router (d_model x num_experts,
 replicated), num_experts SwiGLU experts of moe_d_ff split over ep and tp, and the shared
-experts (a SwiGLU MLP of shared_d_ff, split over tp)."""
+experts (a SwiGLU MLP of shared_d_ff, split over tp) with their sigmoid gate where
+model.moe.shared_expert_gate (d_model x 1, replicated)."""
 
 from __future__ import annotations
 
@@ -16,25 +17,33 @@ SHARED_KEEPS_GATHERED = True
 (layers.linear.shared_input_linears)."""
 
 
+def router_params(cfg: Config) -> int:
+    """Parameters replicated on every tp rank of one MoE MLP: the router and the shared
+    experts' gate (model.moe.shared_expert_gate)."""
+    moe, h = cfg.model.moe, cfg.model.d_model
+    return (moe.num_experts + int(moe.shared_expert_gate)) * h
+
+
 def parameters(cfg: Config, derived: Derived, active: bool = False) -> int:
     """Parameters of one MoE MLP: the router, every expert (active: the top_k a token goes
-    through) and the shared experts (the sigmoid router's routing bias is state, not a
+    through), the shared experts and their gate (the sigmoid router's routing bias is state, not a
     trained parameter: not counted)."""
     moe, h, f = cfg.model.moe, cfg.model.d_model, derived.moe_d_ff
     experts = moe.top_k if active else moe.num_experts
     shared = EXPERT_WEIGHTS * h * derived.shared_d_ff
-    return moe.num_experts * h + experts * EXPERT_WEIGHTS * h * f + shared
+    return router_params(cfg) + experts * EXPERT_WEIGHTS * h * f + shared
 
 
 def local_parameters(cfg: Config, derived: Derived, experts_only: bool = False) -> int:
     """Parameters of one MoE MLP on one rank: the router, its num_experts / ep experts (each
-    f / t wide) and the shared experts (experts_only: its experts alone)."""
+    f / t wide), the shared experts and their gate (experts_only: its experts alone)."""
     moe, h = cfg.model.moe, cfg.model.d_model
     f_local = derived.moe_d_ff // derived.tp
     experts = moe.num_experts // derived.ep * EXPERT_WEIGHTS * h * f_local
     if experts_only:
         return experts
-    return moe.num_experts * h + experts + EXPERT_WEIGHTS * h * derived.shared_d_ff // derived.tp
+    shared = EXPERT_WEIGHTS * h * derived.shared_d_ff // derived.tp
+    return router_params(cfg) + experts + shared
 
 
 class Gemm(NamedTuple):

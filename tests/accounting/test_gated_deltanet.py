@@ -1,0 +1,77 @@
+"""The accounting of Qwen3.5's hybrid (model.layer_types: Gated DeltaNet beside gated full
+attention) equals what the model holds and computes: its parameters (the tp 2 counts are held
+in tests/model/test_model.py) and the linear-attention layer's GEMM FLOPs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatronish.accounting.components import gated_deltanet
+from megatronish.accounting.flops import attention_flops_per_token
+from megatronish.accounting.memory import fp8_layer_params
+from megatronish.accounting.parameters import local_parameter_count, parameter_count
+from megatronish.config import derive, load_config
+from megatronish.distributed.layout import ParallelState
+from megatronish.layers.linear import ColumnParallelLinear, RowParallelLinear
+from megatronish.model import GPT
+from megatronish.moe.experts import GroupedExperts
+
+TINY = "configs/tiny-qwen3_5.yaml"
+MOE = ["model.moe.num_experts=4", "model.moe.d_ff=64"]  # the preset's gated shared expert
+
+
+@pytest.mark.parametrize("sets", [[], MOE], ids=["dense", "moe"])
+def test_parameter_counts_equal_the_numel_of_the_tiny_hybrid(sets):
+    """All of them, and under fp8 those of the blocks' fp8 layers (what fp8 casts)."""
+    cfg = load_config(TINY, ["model.vocab_size=256", "train.precision=fp8", *sets])  # unpadded
+    derived = derive(cfg, 1)
+    model = GPT(cfg, derived, ParallelState.single())
+    built = sum(p.numel() for p in model.parameters())
+    assert parameter_count(cfg, derived) == built
+    assert local_parameter_count(cfg, derived) == built
+    linears = (ColumnParallelLinear, RowParallelLinear, GroupedExperts)
+    fp8 = [m for m in model.blocks.modules() if isinstance(m, linears)]
+    assert fp8_layer_params(cfg, derived, 0) == sum(p.numel() for m in fp8 for p in m.parameters())
+
+
+def test_linear_attention_flops_equal_the_gemms_of_its_forward():
+    """The projections (mm) and the chunked rule (bmm) as torch's flop counter counts them, on
+    two chunks of 64 tokens; the convolution is not a matmul and not counted."""
+    cfg = load_config(TINY, ["model.vocab_size=256"])
+    derived, model = derive(cfg, 1), cfg.model
+    layer = GPT(cfg, derived, ParallelState.single()).blocks["0"].attn
+    batch, seq = 2, 128
+    with FlopCounterMode(display=False) as counter:
+        layer(torch.randn(batch, seq, model.d_model))
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    tokens = batch * seq
+    assert counts["aten.mm"] == 2 * tokens * gated_deltanet.matmul_params(model, derived)
+    assert counts["aten.bmm"] == tokens * gated_deltanet.rule_gemm_flops_per_token(model)
+    # Only the one full-attention block counts attention's s^2 terms.
+    full = 2 * cfg.train.seq_len * model.n_head * 2 * derived.head_dim
+    linear = 3 * gated_deltanet.rule_flops_per_token(model)
+    assert attention_flops_per_token(cfg, derived) == full + linear
+
+
+def test_the_delta_rule_kernel_is_timed_linear_in_the_sequence_unlike_attention():
+    """On an H100 at Qwen3.5-9B's shapes the chunked rule's time (its own roofline kind) grows
+    with s, attention's with s^2: doubling seq_len doubles one and quadruples the other."""
+    from megatronish.accounting.hardware import GPUS
+    from megatronish.accounting.layer_time import layer_time
+    from megatronish.accounting.roofline import GPU_EFFICIENCY
+
+    overhead = GPU_EFFICIENCY.kernel_overhead_s
+    cores = {}
+    for seq in (4096, 8192):
+        cfg = load_config("configs/qwen3_5-9b.yaml", [f"train.seq_len={seq}"])
+        derived = derive(cfg, 8)
+        cores[seq] = [
+            layer_time(cfg, derived, GPUS["H100"], GPU_EFFICIENCY, False, "flash", None, kind)
+            .attention_forward - overhead
+            for kind in ("gated_deltanet", "mha")
+        ]  # fmt: skip
+    linear, full = (cores[8192][i] / cores[4096][i] for i in (0, 1))
+    assert linear == pytest.approx(2, rel=1e-9)
+    assert full == pytest.approx(4, rel=1e-9)
