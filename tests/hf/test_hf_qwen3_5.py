@@ -265,10 +265,11 @@ def test_export_of_experts_qwen3_5_moe_cannot_express_names_the_setting(sets, ne
 
     cfg = load_config(CONFIGS / "tiny.yaml", [*EXPERTS, *sets, "model.vocab_size=64"])
     derived = derive(cfg, 1)
-    family = family_of_model(cfg, derived)
-    assert family.architecture == "Qwen3_5MoeForCausalLM"
+    dense_blocks = "every" in needle  # export writes those as Qwen3NextForCausalLM
+    if not dense_blocks:
+        assert family_of_model(cfg, derived) is qwen3_5_moe.FAMILY
     with pytest.raises(UserError) as error:
-        family.config_json(cfg, derived)
+        qwen3_5_moe.FAMILY.config_json(cfg, derived)
     assert needle in str(error.value) and "Qwen3_5MoeForCausalLM" in str(error.value)
 
 
