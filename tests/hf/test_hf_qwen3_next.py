@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megatronish import load_model
 from tests.conftest import CONFIGS, invoke_cli
-from tests.hf.test_hf_qwen3_5 import HYBRID, _build, check_round_trip
+from tests.hf.test_hf_families import random_model
+from tests.hf.test_hf_qwen3_5 import HYBRID, _build, _tokens, check_round_trip, relative
+from tests.tolerances import PARITY_REL
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,3 +86,26 @@ def test_export_writes_a_qwen3_5_model_with_dense_blocks_beside_experts_as_qwen3
     experts = ["model.arch=qwen3_5", "model.moe.num_experts=4", "model.moe.d_ff=16"]
     cfg = load_config(CONFIGS / "tiny.yaml", [*experts, *sets, "model.vocab_size=64"])
     assert family_of_model(cfg, derive(cfg, 1)).architecture == architecture
+
+
+def test_a_qwen3_next_model_with_experts_in_every_block_exports_as_qwen3_5_moe_with_its_logits(
+    tmp_path,
+):
+    """The published shape (decoder_sparse_step 1, mlp_only_layers []), its config.json giving
+    full_attention_interval in place of layer_types: the same model as Qwen3_5MoeForCausalLM."""
+    model = random_model("Qwen3NextForCausalLM", dict(NEXT, mlp_only_layers=[]))
+    hf, ours, back = tmp_path / "hf", tmp_path / "ours", tmp_path / "back"
+    model.save_pretrained(hf)
+    config = json.loads((hf / "config.json").read_text())
+    del config["layer_types"]
+    (hf / "config.json").write_text(json.dumps(dict(config, full_attention_interval=4)))
+    for args in (("import", "--hf", hf), ("export", "--checkpoint", ours)):
+        output = ours if args[0] == "import" else back
+        result = invoke_cli(*map(str, args), "--output", str(output))
+        assert result.returncode == 0, result.stderr
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager")
+    assert type(loaded).__name__ == "Qwen3_5MoeForCausalLM"
+    with torch.no_grad():
+        want, got = model(_tokens()).logits, load_model(ours)(_tokens())
+        assert relative(got, want) < PARITY_REL
+        assert relative(loaded.eval()(_tokens()).logits, got) < PARITY_REL
