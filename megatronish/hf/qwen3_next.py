@@ -42,7 +42,13 @@ def sparse_blocks(config: ConfigJson, n_layer: int) -> tuple[int, int]:
     such pair places them."""
     step = config.get("decoder_sparse_step", 1)
     dense = config.get("mlp_only_layers") or []
-    valid = isinstance(step, int) and step >= 1 and config.get("num_experts", EXPERTS[0]) > 0
+    experts = config.get("num_experts", EXPERTS[0])
+    if not isinstance(experts, int) or experts < 1:
+        raise config.refuse(
+            f"num_experts {experts!r} is not supported; supported: an integer >= 1 (a model "
+            "without experts is Qwen3_5ForCausalLM's)"
+        )
+    valid = isinstance(step, int) and step >= 1 and isinstance(dense, list)
     sparse = [i for i in range(n_layer) if i not in dense and (i + 1) % step == 0] if valid else []
     for every in range(1, n_layer + 1):
         if sparse and sparse == [i for i in range(sparse[0], n_layer) if i % every == 0]:

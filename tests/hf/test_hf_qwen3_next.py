@@ -56,6 +56,7 @@ def test_the_qwen3_next_export_writes_its_dense_blocks_as_mlp_only_layers(built)
         (dict(decoder_sparse_step=2), "decoder_sparse_step"),
         (dict(norm_topk_prob=False), "norm_topk_prob"),
         (dict(attention_bias=True), "attention_bias"),
+        (dict(num_experts=0), "num_experts"),
     ],
 )
 def test_a_qwen3_next_setting_we_cannot_express_is_exit_2_in_one_line(
