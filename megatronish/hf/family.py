@@ -60,8 +60,9 @@ class Family:
     arch: str
     """The model.arch export writes as this family (with `components`)."""
     components: dict[str, bool]
-    """What the family's class always has or never has, by component: qkv_bias, qk_norm and
-    experts (a mixture-of-experts MLP in some block); a component it leaves out can be either.
+    """What the family's class always has or never has, by component: qkv_bias, qk_norm,
+    experts (a mixture-of-experts MLP in some block) and dense_blocks (experts, and a dense MLP
+    in some other block); a component it leaves out can be either.
     Export refuses a model whose components differ; import sets them."""
     model_fields: Callable[[ConfigJson], dict[str, Any]]
     """config.json -> our model.* settings (arch first, every component explicit); a UserError

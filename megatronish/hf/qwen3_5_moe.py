@@ -30,8 +30,9 @@ SHARED: Names = (
 )
 
 
-def model_fields(config: ConfigJson) -> dict[str, Any]:
-    """Our model.* settings: Qwen3.5's blocks, every MLP experts and a gated shared expert."""
+def model_fields(config: ConfigJson, experts: tuple[int, int] = (256, 8)) -> dict[str, Any]:
+    """Our model.* settings: Qwen3.5's blocks, every MLP experts and a gated shared expert
+    (experts: the class's defaults of num_experts and num_experts_per_tok)."""
     d_ff = config.get("moe_intermediate_size", D_FF)
     shared = config.get("shared_expert_intermediate_size", D_FF)
     if not shared or shared % d_ff:
@@ -42,8 +43,8 @@ def model_fields(config: ConfigJson) -> dict[str, Any]:
     blocks = ConfigJson(dict(config.raw, intermediate_size=d_ff), config.path)
     fields = qwen3_5.model_fields(blocks, DEFAULTS)
     moe = MoEConfig(
-        num_experts=config.get("num_experts", 256),
-        top_k=config.get("num_experts_per_tok", 8),
+        num_experts=config.get("num_experts", experts[0]),
+        top_k=config.get("num_experts_per_tok", experts[1]),
         d_ff=d_ff,
         aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
         z_loss_coef=0.0,  # Qwen3.5-MoE has none
@@ -56,23 +57,31 @@ def model_fields(config: ConfigJson) -> dict[str, Any]:
     return dict(fields, moe=moe)
 
 
-def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
-    """Qwen3.5's keys with the experts'; a UserError for a model the class cannot express."""
+def experts_json(
+    cfg: Config, derived: Derived, architecture: str, model_type: str, dense_blocks: bool
+) -> dict[str, Any]:
+    """Qwen3.5's keys with the experts' as `architecture` (Qwen3-Next's too: dense_blocks, its
+    class has dense MLPs beside the experts); a UserError for a model the class cannot
+    express."""
     moe = cfg.model.moe
     dense = [i for i in range(cfg.model.n_layer) if i not in moe_layers(cfg)]
+    every = "experts and a gated shared expert" + ("" if dense_blocks else " in every block")
     for refused, setting, valid in (
-        (dense, f"model.moe.every={moe.every}, first_k_dense={moe.first_k_dense}", "1 and 0"),
+        (
+            dense and not dense_blocks,
+            f"model.moe.every={moe.every}, first_k_dense={moe.first_k_dense}",
+            "1 and 0",
+        ),
         (not derived.shared_d_ff, "model.moe.shared_expert=false", "true"),
         (not moe.shared_expert_gate, "model.moe.shared_expert_gate=false", "true"),
         (moe.router == "sigmoid", "model.moe.router=sigmoid", "softmax_topk or topk_softmax"),
     ):
         if refused:
             raise UserError(
-                f"{setting}: Qwen3_5MoeForCausalLM (export --format hf) has experts and a gated "
-                f"shared expert in every block, routed by softmax top-k; valid for export: {valid}"
+                f"{setting}: {architecture} (export --format hf) has {every}, routed by "
+                f"softmax top-k; valid for export: {valid}"
             )
-    out = qwen3_5.config_json(cfg, derived, "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")
-    del out["intermediate_size"]  # the class has no dense MLP
+    out = qwen3_5.config_json(cfg, derived, architecture, model_type)
     return dict(
         out,
         moe_intermediate_size=derived.moe_d_ff,
@@ -82,6 +91,12 @@ def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
         router_aux_loss_coef=moe.aux_loss_coef,
         output_router_logits=False,
     )
+
+
+def config_json(cfg: Config, derived: Derived) -> dict[str, Any]:
+    out = experts_json(cfg, derived, "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False)
+    del out["intermediate_size"]  # the class has no dense MLP
+    return out
 
 
 def mlp_names(num_experts: int) -> llama.MlpNames:
@@ -106,7 +121,7 @@ FAMILY = Family(
     architectures=("Qwen3_5MoeForCausalLM",),
     model_type="qwen3_5_moe_text",
     arch="qwen3_5",
-    components={**qwen3_5.FAMILY.components, "experts": True},
+    components={**qwen3_5.FAMILY.components, "experts": True, "dense_blocks": False},
     model_fields=model_fields,
     config_json=config_json,
     to_hf=to_hf,

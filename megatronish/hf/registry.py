@@ -20,6 +20,7 @@ from megatronish.hf import (
     qwen3_5,
     qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )
 from megatronish.hf.family import ConfigJson, Family
 
@@ -33,6 +34,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_moe.FAMILY,
     qwen3_5.FAMILY,
     qwen3_5_moe.FAMILY,
+    qwen3_next.FAMILY,
     deepseek_v3.FAMILY,
 )
 
@@ -59,6 +61,9 @@ def family_of_config_json(config: ConfigJson) -> Family:
 def _components(cfg: Config, derived: Derived) -> dict[str, tuple[bool, str]]:
     """The model's components: name -> (whether it has it, the setting that says so)."""
     model = cfg.model
+    moe = model.moe
+    sparse = derived.moe_layers
+    dense_blocks = bool(sparse) and len(sparse) < model.n_layer + model.mtp_depth
     return {
         "qkv_bias": (model.qkv_bias, f"model.qkv_bias={str(model.qkv_bias).lower()}"),
         "qk_norm": (model.qk_norm, f"model.qk_norm={str(model.qk_norm).lower()}"),
@@ -70,6 +75,10 @@ def _components(cfg: Config, derived: Derived) -> dict[str, tuple[bool, str]]:
         "full_attention_layers": (
             model.sliding_window is not None and model.full_attention_layers > 0,
             f"model.full_attention_layers={model.full_attention_layers}",
+        ),
+        "dense_blocks": (
+            dense_blocks,
+            f"model.moe.every={moe.every}, first_k_dense={moe.first_k_dense}",
         ),
     }
 
