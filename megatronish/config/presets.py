@@ -4,6 +4,7 @@ megatronish.hf), never a branch through the model."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -79,9 +80,11 @@ FAMILY_BLOCKS: dict[str, BlockComponents] = {arch: ROPE for arch in PRESETS} | {
 """The components each model.arch builds its blocks from (megatronish.config.components)."""
 
 
+@functools.cache
 def components_of(arch: str, attention: AttentionKind, qkv_bias: bool) -> BlockComponents:
     """The components of model.arch's blocks, with model.attention's attention and, in a RoPE
-    family, biases on the qkv projection where model.qkv_bias sets them."""
+    family, biases on the qkv projection where model.qkv_bias sets them (built once for each
+    choice: the planner asks millions of times)."""
     base = FAMILY_BLOCKS[arch]
     if base.rope and qkv_bias:
         base = replace(base, biases="qkv")
