@@ -50,7 +50,7 @@ from megatronish.config import Config, Derived, attention_window
 # ring_ratio's block compute: a rough rate, this fraction of the peak (the step-time model's
 # attention time is accounting.layer_time's).
 ASSUMED_MFU = 0.40
-ONE_STEP = ("p2p", "cp_ring", "tp_ring")
+ONE_STEP = ("p2p", "cp_ring", "tp_ring", "cp_state")
 
 
 @dataclass(frozen=True)

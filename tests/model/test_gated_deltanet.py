@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatronish.accounting.collectives import formula_payload_by_kind
 from megatronish.config import derive, load_config
 from megatronish.context import documents_of, shard_sequence
 from megatronish.context.zigzag import unshard_sequence
@@ -268,6 +269,12 @@ def test_hybrid_model_at_cp_passes_the_state_and_equals_tp1_logits_loss_and_ever
     linear_layers = 3
     for rank, result in enumerate(results):
         assert result[3] == linear_layers * cp_state_bytes(tp, cp, rank // tp, kernel), rank
+    # check and plan count the busiest rank's, one micro-batch of the same 3 sequences a step
+    sets = [f"parallel.cp={cp}", f"parallel.sequence_parallel={tp > 1}"]
+    sets += [f"model.linear_conv_kernel_dim={kernel}", "train.micro_batch_size=3"]
+    cfg = hybrid_config(tp, 12, *sets, "train.global_batch_size=3")
+    formula = formula_payload_by_kind(cfg, derive(cfg, cp * tp))["cp_state"]
+    assert formula == max(result[3] for result in results)
 
 
 def cli_args(out, *sets: str) -> list[str]:

@@ -8,12 +8,13 @@ their fp32 gradient accumulator backward; attention recompute (selective or full
 forward ring. Per micro-batch and MoE layer the E int64 routed counts of the balancing loss
 (b x E, each sequence's, with the sequence-wise balancing loss).
 
-A linear-attention block (model.layer_types) has no ring: each rank's chunk starts from the
-recurrent state and convolution tail of the chunks before it, passed rank to rank in order
-("p2p" over cp, a chain of cp - 1 hops that serializes the ranks: a middle rank sends once
-forward, once backward (their gradients) and once more per forward rerun by recompute), per
-sequence and layer the state [v/t, e, f] in fp32 and the tail [K - 1, c/t]
-(accounting.components.gated_deltanet.state_bytes).
+A linear-attention block (model.layer_types) has no ring: each piece of the sequence starts
+from the recurrent state and convolution tail of the piece before it, passed rank to rank in
+sequence order ("cp_state": the zigzag's pieces visit ranks 0, 1, ..., cp - 1, cp - 1, ..., 0,
+so the chain serializes the ranks and a rank sends to each neighbour it has, two at cp > 2 for
+all but the ends), forward, backward (their gradients) and once more per forward rerun by
+recompute; per sequence and layer the state [v/t, e, f] in fp32 and the tail [K - 1, c/t]
+(accounting.components.gated_deltanet.state_bytes). The busiest rank's are counted.
 
 The loss divides by the tokens it counts: without a loss mask the last stage all-reduces its
 token count (one fp64) over cp per micro-batch; with one it instead all-reduces the counted
@@ -51,9 +52,10 @@ def cp_collectives(step: Step) -> list[Collective]:
     ops.append(Collective(what, "cp_ring", "cp", cp, kv * FP32_BYTES, cp * n * accum, act))
     if step.linear_layers:
         state = step.b * state_bytes(step.cfg.model, derived, step.operand_bytes)
-        passes = (forward_rings + 1) * step.linear_layers * accum if cp > 1 else 0
+        neighbours = min(2, cp - 1)
+        passes = neighbours * (forward_rings + 1) * step.linear_layers * accum
         what = "linear attention state and convolution tail (forward, backward)"
-        ops.append(Collective(what, "p2p", "cp", cp, state, passes, act))
+        ops.append(Collective(what, "cp_state", "cp", cp, state, passes, act))
     counts, calls = moe_count_bytes(step), step.moe_layers * accum
     what = "MoE routed counts for the balancing loss"
     ops.append(Collective(what, "all_reduce", "cp", cp, counts, calls, Purpose.ROUTING))

@@ -20,7 +20,7 @@ STEP_FLAGS = 4  # faults.agree_on_step: loss and grad_norm non-finite, stop, wri
 
 Kind = Literal[
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p", "cp_ring",
-    "tp_ring",
+    "tp_ring", "cp_state",
 ]  # fmt: skip
 """The call on the wire, as ``comm.CommCounter`` keys it."""
 GroupName = Literal["tp", "cp", "tp_cp", "dp", "ep", "pp", "embedding", "world"]
@@ -73,7 +73,7 @@ class Collective:
         """Bytes this rank sends for all `count` calls: ring all-reduce 2 (n-1)/n x payload,
         all-gather, reduce-scatter and broadcast (n-1)/n x payload, a point-to-point send or
         ring hop its payload."""
-        if self.kind in ("p2p", "cp_ring", "tp_ring"):
+        if self.kind in ("p2p", "cp_ring", "tp_ring", "cp_state"):
             return self.count * self.payload
         factor = (2 if self.kind == "all_reduce" else 1) * (self.size - 1) / self.size
         return self.count * self.payload * factor
