@@ -99,16 +99,33 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):
     return reference.layer_norm(x, weight, bias, eps)
 
 
-def attention(q, k, v, causal: bool = True, backend: str = "auto", segments=None, window=None):
-    """Scaled dot-product attention, scale 1/sqrt(d): q [b, n_head, s, d], k [b, n_kv_head, s, d]
-    and v [b, n_kv_head, s, dv] -> [b, n_head, s, dv]. With segments [b, s] int (each position's
-    document, non-decreasing along the sequence: megatronish.context.documents) a query sees the
-    keys of its own document only; with a sliding window W (int), the query at i sees the keys
-    at j with i - j < W only. The Triton kernels skip the blocks of keys that lie wholly in
-    other documents or outside the window."""
-    if attention_backend(backend, q, v) == "triton":
+def attention(
+    q,
+    k,
+    v,
+    causal: bool = True,
+    backend: str = "auto",
+    segments=None,
+    window=None,
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+):
+    """Scaled dot-product attention, scale 1/sqrt(d) unless given: q [b, n_head, s, d], k [b,
+    n_kv_head, s, d] and v [b, n_kv_head, s, dv] -> [b, n_head, s, dv]. With segments [b, s]
+    int (each position's document, non-decreasing along the sequence:
+    megatronish.context.documents) a query sees the keys of its own document only; with a
+    sliding window W (int), the query at i sees the keys at j with i - j < W only. The Triton
+    kernels skip the blocks of keys that lie wholly in other documents or outside the window.
+    softcap (logit soft-capping) and sinks [n_head] (a learned logit per head in every
+    softmax's denominator): reference.attention."""
+    plain = scale is None and sinks is None and softcap is None
+    if plain and attention_backend(backend, q, v) == "triton":
         return _kernels().attention(q, k, v, causal, segments, window)
-    return reference.attention(q, k, v, causal, segments, window)
+    return reference.attention(
+        q, k, v, causal, segments, window, scale=scale, sinks=sinks, softcap=softcap
+    )
 
 
 def rope(x, theta: float | RopeSpec = PLAIN, backend: str = "auto", positions=None):

@@ -54,22 +54,62 @@ def attention(
     causal: bool = True,
     segments: torch.Tensor | None = None,
     window: int | None = None,
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [b, n_head, s, d], k [b, n_kv_head, s, d], v [b, n_kv_head, s, d_v] -> [b, n_head, s,
-    d_v]; scale 1/sqrt(d).
+    d_v]; scores q.k times scale (None: 1/sqrt(d)).
     With segments [b, s] (each position's document, megatronish.context.documents) a query
     sees the keys of its own document only; with a window W, the query at i sees the keys at
-    j with i - j < W only (itself and the W - 1 before it when causal)."""
+    j with i - j < W only (itself and the W - 1 before it when causal).
+    softcap c: the scores become c * tanh(score / c) before the masks (Gemma 2's logit
+    soft-capping). sinks [n_head]: one learned logit per head that joins every query's softmax
+    denominator and gives no value (GPT-OSS's attention sinks)."""
     n_head, n_kv_head = q.shape[1], k.shape[1]
     if n_head != n_kv_head:
         group = n_head // n_kv_head
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    if segments is None and window is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    mask = attention_mask(q.shape[2], q.device, causal, segments, window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = None
+    if segments is not None or window is not None:
+        mask = attention_mask(q.shape[2], q.device, causal, segments, window)
+    if sinks is None and softcap is None:
+        is_causal = causal and mask is None
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale
+        )
+    if mask is None:
+        mask = attention_mask(q.shape[2], q.device, causal, None, None)
+    return explicit_attention(q, k, v, mask, scale, sinks, softcap)
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention with the scores written out: q [b, n, s_q, d], k [b, n, s_k, d] and v [b, n,
+    s_k, d_v] (as many heads each), visible bool broadcasting to [b, n, s_q, s_k]; the scores
+    soft-capped by softcap (if any), and sinks [n] (if any) joining each row's softmax as one
+    more logit that gives no value. Computed in fp32, returned in q's dtype."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return (probs @ v.float()).to(q.dtype)
 
 
 def attention_mask(
