@@ -47,10 +47,14 @@ def rope_positions(
 
 def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tensor:
     """The attention core after RoPE of an attention module (its ring, backend, window, dropout
-    and RNG tracker): q [b, n/t, s, d], k [b, k/t, s, d], v [b, k/t, s, d_v] -> [b, n/t, s,
-    d_v]; ring attention over cp, SDPA with dropout on a per-rank stream, or ops.attention."""
+    and RNG tracker, and its score options: scale, sinks, softcap, None where it has none):
+    q [b, n/t, s, d], k [b, k/t, s, d], v [b, k/t, s, d_v] -> [b, n/t, s, d_v]; ring attention
+    over cp, SDPA with dropout on a per-rank stream, or ops.attention."""
+    options = score_options(module)
     if module.ring is not None:
         shards = None if documents is None else documents.shards
+        if any(value is not None for value in options.values()):
+            raise NotImplementedError("ring attention with a scale, sinks or a soft-cap")
         return ring_attention(q, k, v, module.ring, module.backend, shards, module.window)
     if module.dropout > 0 and module.training:
         group = q.shape[1] // k.shape[1]
@@ -60,9 +64,21 @@ def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tens
             mask = reference.attention_mask(q.shape[2], q.device, True, segments, module.window)
         with module.tracker.fork():  # heads differ per tp rank: a per-rank stream
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=module.dropout, is_causal=mask is None
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=module.dropout,
+                is_causal=mask is None,
+                scale=options["scale"],
             )
-    return ops.attention(q, k, v, True, module.backend, segments, module.window)
+    return ops.attention(q, k, v, True, module.backend, segments, module.window, **options)
+
+
+def score_options(module) -> dict:
+    """An attention module's options on its scores, as ops.attention takes them: scale (None:
+    1/sqrt(d)), sinks (this rank's heads' sink logits, or None) and softcap (or None)."""
+    return {"scale": module.scale, "sinks": module.sinks, "softcap": module.softcap}
 
 
 def decode_mask(start_pos: int, s: int, keys: int, window: int | None, device) -> torch.Tensor:
@@ -101,6 +117,8 @@ class Attention(nn.Module):
         self.selective_checkpoint = plan.selective_recompute
         self.cp, self.ring = derived.cp, plan.ring()
         self.window = attention_window(model, plan.index)  # None: every earlier position
+        self.scale = self.softcap = None  # the scores' scale (None: 1/sqrt(d)) and soft-cap
+        self.register_parameter("sinks", None)  # this rank's heads' sink logits
         sp, group = plan.linear_sequence_parallel, plan.ps.tp_group
         qkv_out = (model.n_head + gates * derived.n_kv_head + 2 * derived.n_kv_head) * self.head_dim
         query = self.heads_per_group * self.head_dim
@@ -199,7 +217,12 @@ class Attention(nn.Module):
             keys = k.repeat_interleave(self.heads_per_group, dim=1)
             values = v.repeat_interleave(self.heads_per_group, dim=1)
         visible = decode_mask(start_pos, s, keys.shape[2], self.window, x.device)
-        y = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=visible, scale=1.0 / math.sqrt(self.head_dim)
-        )
+        options = score_options(self)
+        scale = options["scale"] or 1.0 / math.sqrt(self.head_dim)
+        if options["sinks"] is None and options["softcap"] is None:
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+        else:
+            y = reference.explicit_attention(
+                q, keys, values, visible, scale, options["sinks"], options["softcap"]
+            )
         return self.output(y, gate), (k, v)

@@ -103,6 +103,7 @@ class LatentAttention(nn.Module):
         self.selective_checkpoint = plan.selective_recompute
         self.cp, self.ring = plan.derived.cp, plan.ring()
         self.window = attention_window(model, plan.index)
+        self.scale = self.softcap = self.sinks = None  # the plain scores (attention.attend)
         self.group = plan.ps.tp_group
         self.sequence_parallel = sp = plan.sequence_parallel
         shapes = mla_shapes(model)
