@@ -8,7 +8,7 @@ from pathlib import Path
 from megatronish.config.degrees import with_valid_values
 from megatronish.config.model_checks import (
     check_attention,
-    check_linear_attention,
+    check_layer_types,
     check_partial_rotary,
     check_rope_scaling,
 )
@@ -34,7 +34,7 @@ def value_checks(cfg: Config) -> None:
     check_moe_values(cfg)
     check_rope_scaling(cfg)
     check_attention(cfg)
-    check_linear_attention(cfg)
+    check_layer_types(cfg)
     check_partial_rotary(cfg)
     _check_fp8_keys(cfg.train)
     observe = cfg.observe

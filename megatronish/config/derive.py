@@ -18,9 +18,12 @@ VOCAB_PAD_MULTIPLE = 128
 
 
 def attention_window(model: ModelConfig, layer: int) -> int | None:
-    """The sliding window of block `layer` (its global index): model.sliding_window for the
-    blocks after the first model.full_attention_layers, None (every earlier position) for
-    those and without a window."""
+    """The sliding window of block `layer` (its global index), None for every earlier
+    position: with model.layer_types, model.sliding_window where it says sliding_attention;
+    without, model.sliding_window for the blocks after the first model.full_attention_layers."""
+    types = model.layer_types
+    if types is not None and layer < len(types):
+        return model.sliding_window if types[layer] == "sliding_attention" else None
     if model.sliding_window is None or layer < model.full_attention_layers:
         return None
     return model.sliding_window

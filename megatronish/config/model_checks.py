@@ -145,8 +145,9 @@ def check_attention(cfg: Config) -> None:
         )
 
 
-def check_linear_attention(cfg: Config) -> None:
-    """model.layer_types (one entry per block) and, where a block runs linear attention, the
+def check_layer_types(cfg: Config) -> None:
+    """model.layer_types (one entry per block, sliding ones with a window, no
+    model.full_attention_layers beside it) and, where a block runs linear attention, the
     model.linear_* sizes: positive, the value heads a multiple of the key heads."""
     model = cfg.model
     types = model.layer_types
@@ -155,7 +156,18 @@ def check_linear_attention(cfg: Config) -> None:
     require(
         len(types) == model.n_layer,
         f"model.layer_types: {len(types)} entries is not valid; one per block, "
-        f"model.n_layer={model.n_layer} of linear_attention | full_attention",
+        f"model.n_layer={model.n_layer} of linear_attention | full_attention | "
+        "sliding_attention",
+    )
+    require(
+        "sliding_attention" not in types or model.sliding_window is not None,
+        "model.layer_types: sliding_attention needs model.sliding_window (the positions a "
+        "query of those blocks sees); set model.sliding_window",
+    )
+    require(
+        model.full_attention_layers == 0,
+        f"model.full_attention_layers: {model.full_attention_layers} is not used with "
+        "model.layer_types (which names each block's kind); set it to 0",
     )
     if "linear_attention" not in types:
         return

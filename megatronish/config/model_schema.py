@@ -186,12 +186,16 @@ class ModelConfig:
     masks its heads as it masks mha's)."""
     mla: MLAConfig = field(default_factory=MLAConfig)
     """Multi-head latent attention's sizes (with model.attention mla only); see model.mla.*."""
-    layer_types: list[Literal["linear_attention", "full_attention"]] | None = None
-    """Each block's token mixer, as transformers' Qwen3.5 config names them (a list of
-    model.n_layer entries): full_attention (model.attention's heads) or linear_attention (Gated
-    DeltaNet: a causal depthwise convolution, then the gated delta rule's recurrent state per
-    value head, sized by model.linear_*). null: every block full attention. Multi-token
-    prediction blocks are full attention."""
+    layer_types: list[Literal["linear_attention", "full_attention", "sliding_attention"]] | None = (
+        None
+    )
+    """Each block's token mixer, as transformers' configs name them (a list of model.n_layer
+    entries): full_attention (model.attention's heads over every earlier position),
+    sliding_attention (the same heads through model.sliding_window: Gemma 3's local layers,
+    GPT-OSS's alternate ones) or linear_attention (Qwen3.5's Gated DeltaNet: a causal depthwise
+    convolution, then the gated delta rule's recurrent state per value head, sized by
+    model.linear_*). null: every block model.attention, sliding as model.sliding_window and
+    model.full_attention_layers say. Multi-token prediction blocks are full attention."""
     linear_conv_kernel_dim: int = 4
     """Width of linear attention's causal depthwise convolution over q, k and v (>= 1)."""
     linear_key_head_dim: int = 128

@@ -292,6 +292,17 @@ def test_cli_a_qwen_attention_option_on_gpt2_exits_2_in_one_line_naming_the_key(
         ),
         (["model.sliding_window=8", "model.full_attention_layers=-1"], "full_attention", "0 to"),
         (["model.full_attention_layers=1"], "model.full_attention_layers", "model.sliding_window"),
+        (
+            ["model.layer_types=[sliding_attention, full_attention]"],
+            "model.layer_types",
+            "needs model.sliding_window",
+        ),
+        (
+            ["model.layer_types=[sliding_attention, full_attention]", "model.sliding_window=4"]
+            + ["model.full_attention_layers=1"],
+            "model.full_attention_layers",
+            "not used with model.layer_types",
+        ),
     ],
 )
 def test_cli_a_bad_sliding_window_exits_2_in_one_line_naming_the_key(sets, key, needle):
@@ -300,7 +311,7 @@ def test_cli_a_bad_sliding_window_exits_2_in_one_line_naming_the_key(sets, key, 
     one_line_error(result, key, needle)
 
 
-def test_the_sliding_window_follows_the_global_block_index_after_the_full_attention_layers():
+def test_the_sliding_window_follows_the_global_block_index_and_the_named_layer_types():
     from megatronish.config import attention_window
 
     sets = ["model.arch=llama", "model.n_layer=4", "model.sliding_window=6"]
@@ -308,6 +319,11 @@ def test_the_sliding_window_follows_the_global_block_index_after_the_full_attent
     assert [attention_window(pattern, i) for i in range(4)] == [None, 6, 6, 6]
     assert [attention_window(load_config(None, sets).model, i) for i in range(4)] == [6] * 4
     assert attention_window(load_config(None, sets[:2]).model, 3) is None
+    types = (
+        "model.layer_types=[sliding_attention, full_attention, sliding_attention, full_attention]"
+    )
+    named = load_config(None, [*sets, types]).model
+    assert [attention_window(named, i) for i in range(4)] == [6, None, 6, None]
 
 
 def test_a_head_dim_the_triton_attention_kernels_do_not_compile_for_is_a_user_error():
