@@ -1,4 +1,5 @@
-"""SwiGLU and bias + GELU (tanh), forward and backward, as flat elementwise Triton kernels.
+"""SwiGLU, GeGLU (the tanh GELU of the gate) and bias + GELU (tanh), forward and backward, as flat
+elementwise Triton kernels.
 
 Shapes: gate, up, x [..., f] are viewed as flat arrays of n elements; bias [f] is broadcast over
 the last dim (element i uses bias[i % f]).
@@ -22,28 +23,36 @@ _SQRT_2_OVER_PI = 0.7978845608028654
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, OUT, n, BLOCK: tl.constexpr):
+def _gate_activation(gate, k, GELU: tl.constexpr):
+    """(act(gate), d act / d gate) in fp32: silu, or with GELU the tanh GELU (k: sqrt(2/pi))."""
+    if GELU:
+        s = tl.sigmoid(2.0 * k * (gate + 0.044715 * gate * gate * gate))
+        return gate * s, s + gate * s * (1.0 - s) * 2.0 * k * (1.0 + 0.134145 * gate * gate)
+    sig = tl.sigmoid(gate)
+    # d silu / d gate = sig * (1 + gate * (1 - sig))
+    return gate * sig, sig * (1.0 + gate * (1.0 - sig))
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, OUT, n, k, GELU: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=mask)
+    act, _ = _gate_activation(gate, k, GELU)
+    tl.store(OUT + offs, (act * up).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(G, U, DOUT, DG, DU, n, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(G, U, DOUT, DG, DU, n, k, GELU: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    # d silu / d gate = sig * (1 + gate * (1 - sig))
-    dgate = dout * up * sig * (1.0 + gate * (1.0 - sig))
-    tl.store(DG + offs, dgate.to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + offs, (dout * silu).to(DU.dtype.element_ty), mask=mask)
+    act, dact = _gate_activation(gate, k, GELU)
+    tl.store(DG + offs, (dout * up * dact).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + offs, (dout * act).to(DU.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -80,14 +89,22 @@ def _grid(n: int) -> tuple[int]:
 
 
 def swiglu_launch(
-    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, grads: tuple | None = None
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    out: torch.Tensor,
+    grads: tuple | None = None,
+    gelu: bool = False,
 ) -> Launch:
-    """The forward launch (grads None: out = silu(gate) * up) or, with dout as `out` and grads
-    = (dgate, dup), the backward launch; all contiguous, of one shape."""
+    """The forward launch (grads None: out = silu(gate) * up, or with gelu the tanh GELU's
+    GeGLU) or, with dout as `out` and grads = (dgate, dup), the backward launch; all
+    contiguous, of one shape."""
     n = gate.numel()
+    constexprs = dict(GELU=gelu, BLOCK=_BLOCK)
     if grads is None:
-        return Launch(_swiglu_fwd_kernel, _grid(n), (gate, up, out, n), dict(BLOCK=_BLOCK))
-    return Launch(_swiglu_bwd_kernel, _grid(n), (gate, up, out, *grads, n), dict(BLOCK=_BLOCK))
+        args = (gate, up, out, n, _SQRT_2_OVER_PI)
+        return Launch(_swiglu_fwd_kernel, _grid(n), args, constexprs)
+    args = (gate, up, out, *grads, n, _SQRT_2_OVER_PI)
+    return Launch(_swiglu_bwd_kernel, _grid(n), args, constexprs)
 
 
 def bias_gelu_launch(
@@ -108,17 +125,19 @@ def bias_gelu_launch(
 
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, gelu=False):
         check_device(gate, up)
+        name = "geglu" if gelu else "swiglu"
         if gate.shape != up.shape:
-            raise ValueError(f"swiglu: gate {list(gate.shape)} and up {list(up.shape)} differ")
+            raise ValueError(f"{name}: gate {list(gate.shape)} and up {list(up.shape)} differ")
         if gate.dtype != up.dtype:
-            raise ValueError(f"swiglu: gate is {gate.dtype} and up is {up.dtype}; use one dtype")
+            raise ValueError(f"{name}: gate is {gate.dtype} and up is {up.dtype}; use one dtype")
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         if gate.numel() > 0:
-            swiglu_launch(gate, up, out).run()
+            swiglu_launch(gate, up, out, gelu=gelu).run()
         ctx.save_for_backward(gate, up)
+        ctx.gelu = gelu
         return out
 
     @staticmethod
@@ -128,8 +147,8 @@ class _SwiGLUFunction(torch.autograd.Function):
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n > 0:
-            swiglu_launch(gate, up, dout, (dgate, dup)).run()
-        return dgate, dup
+            swiglu_launch(gate, up, dout, (dgate, dup), gelu=ctx.gelu).run()
+        return dgate, dup, None
 
 
 class _BiasGeluFunction(torch.autograd.Function):
@@ -164,6 +183,12 @@ class _BiasGeluFunction(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate, up of one shape and dtype; fp32 math, output in their dtype."""
     return _SwiGLUFunction.apply(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up (tanh approximation) for gate, up of one shape and dtype; fp32 math,
+    output in their dtype."""
+    return _SwiGLUFunction.apply(gate, up, True)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -22,7 +22,7 @@ combine does the collectives (megatronish.ops builds it on megatronish.distribut
 from .attention import attention
 from .attention_ring import attention_block_backward, attention_block_forward
 from .cross_entropy import VocabSplit, cross_entropy
-from .elementwise import bias_gelu, swiglu
+from .elementwise import bias_gelu, geglu, swiglu
 from .fp8_cast import fp8_amax, fp8_cast
 from .fp8_gemm import fp8_gemm
 from .gated_delta import gated_delta_rule
@@ -41,6 +41,7 @@ __all__ = [
     "fp8_cast",
     "fp8_gemm",
     "gated_delta_rule",
+    "geglu",
     "grouped_mm",
     "layer_norm",
     "rms_norm",

@@ -11,6 +11,7 @@ from megatronish.config.model_checks import (
     check_layer_types,
     check_partial_rotary,
     check_rope_scaling,
+    check_score_options,
 )
 from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
 from megatronish.config.schema import Config, TrainConfig
@@ -36,6 +37,7 @@ def value_checks(cfg: Config) -> None:
     check_attention(cfg)
     check_layer_types(cfg)
     check_partial_rotary(cfg)
+    check_score_options(cfg)
     _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(
@@ -211,9 +213,10 @@ def check_moe_values(cfg: Config) -> None:
     if moe.num_experts == 0:
         return
     require(
-        cfg.model.components.gated_mlp,
-        "model.moe: experts are SwiGLU; model.arch 'gpt2' has GELU MLPs; set model.arch to a "
-        "RoPE family (llama, qwen3_moe, ...) or model.moe.num_experts=0",
+        cfg.model.components.mlp == "swiglu",
+        f"model.moe: experts are SwiGLU; model.arch '{cfg.model.arch}' has "
+        f"{cfg.model.components.mlp} MLPs; set model.arch to a SwiGLU family (llama, qwen3_moe, "
+        "...) or model.moe.num_experts=0",
     )
     require(
         moe.top_k <= moe.num_experts,

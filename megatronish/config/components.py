@@ -11,9 +11,9 @@ from typing import Literal
 
 Positions = Literal["learned", "rope"]
 NormKind = Literal["layernorm", "rmsnorm"]
-NormPlacement = Literal["pre"]
+NormPlacement = Literal["pre", "sandwich"]
 AttentionKind = Literal["mha", "mla", "gated_deltanet"]
-Activation = Literal["gelu", "swiglu"]
+Activation = Literal["gelu", "swiglu", "geglu"]
 Biases = Literal["all", "qkv", "none"]
 Output = Literal["tied", "separate"]
 
@@ -26,8 +26,9 @@ class BlockComponents:
 
     positions: learned (a position table beside the token embedding) or rope (rotary, inside
     attention). norm: the norm's kind; norm_placement: pre (each sublayer reads the norm of the
-    residual stream and adds its output to it, with one final norm). attention: mha (multi-head,
-    grouped-query) or mla (multi-head latent), the full attention of the blocks that
+    residual stream and adds its output to it, with one final norm) or sandwich (the sublayer's
+    output is normed too before it is added: Gemma 3's four norms per block). attention: mha
+    (multi-head, grouped-query) or mla (multi-head latent), the full attention of the blocks that
     model.layer_types leaves as such (the others run gated_deltanet, linear attention:
     ModelConfig.block_attention). mlp: gelu (up, GELU, down) or swiglu (gate and up,
     SiLU(gate) * up, down). biases: all (every linear layer), qkv (the query, key and value
@@ -39,7 +40,8 @@ class BlockComponents:
     and Qwen3-Next); every norm of the model, the blocks', the final one and the q/k norms.
     attention_gate: the query projection also gives an output gate per head, and attention's
     output is multiplied by sigmoid(gate) before the output projection (Qwen3.5's full
-    attention)."""
+    attention). embedding_scale: the token embeddings are multiplied by sqrt(d_model), the
+    factor cast to their dtype (Gemma 3)."""
 
     positions: Positions
     norm: NormKind
@@ -50,6 +52,7 @@ class BlockComponents:
     output: Output
     norm_offset: float = 0.0
     attention_gate: bool = False
+    embedding_scale: bool = False
 
     @property
     def rope(self) -> bool:
@@ -74,7 +77,12 @@ class BlockComponents:
     @property
     def gated_mlp(self) -> bool:
         """The MLP's first projection is two (gate and up) rather than one."""
-        return self.mlp == "swiglu"
+        return self.mlp in ("swiglu", "geglu")
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Each sublayer's output normed before the residual add (two more norms per block)."""
+        return self.norm_placement == "sandwich"
 
     @property
     def norm_weights(self) -> int:
@@ -113,3 +121,14 @@ ROPE = BlockComponents(
 QWEN3_5 = replace(ROPE, norm_offset=1.0, attention_gate=True)
 """Qwen3.5's blocks: the RoPE blocks with zero-centered norms (scale 1 + weight) and a sigmoid
 output gate on the full attention."""
+
+GEMMA3 = replace(
+    ROPE,
+    norm_placement="sandwich",
+    mlp="geglu",
+    output="tied",
+    norm_offset=1.0,
+    embedding_scale=True,
+)
+"""Gemma 3's blocks: the RoPE blocks with sandwich norms of scale 1 + weight, GeGLU, embeddings
+scaled by sqrt(d_model) and a tied output layer."""

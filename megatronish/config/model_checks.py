@@ -33,7 +33,7 @@ def check_rope_scaling(cfg: Config) -> None:
                 f"{key}.{name}: not a key of type {scaling.type}; its keys: type, "
                 + ", ".join(keys),
             )
-    needed = ["factor", "original_max_position_embeddings"]
+    needed = ["factor"] + ([] if scaling.type == "linear" else ["original_max_position_embeddings"])
     needed += ["low_freq_factor", "high_freq_factor"] if scaling.type == "llama3" else []
     for name in needed:
         require(
@@ -41,6 +41,8 @@ def check_rope_scaling(cfg: Config) -> None:
             f"{key}.{name}: missing; type {scaling.type} needs {', '.join(needed)}",
         )
     require(scaling.factor >= 1, f"{key}.factor: {scaling.factor} is not valid; must be >= 1")
+    if scaling.type == "linear":
+        return
     original = scaling.original_max_position_embeddings
     require(
         original >= 1,
@@ -93,6 +95,32 @@ def check_partial_rotary(cfg: Config) -> None:
         f"{key}: {factor} rotates {rotary} of head_dim {head_dim}; must rotate an even number "
         "of dims, at least 2",
     )
+
+
+POSITIVE_SCORE_KEYS = (
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope_local_base_freq",
+)
+
+
+def check_score_options(cfg: Config) -> None:
+    """model.query_pre_attn_scalar, the soft-caps and model.rope_local_base_freq: > 0 or null;
+    the attention's on multi-head attention (mha) only."""
+    model = cfg.model
+    for name in POSITIVE_SCORE_KEYS:
+        value = getattr(model, name)
+        require(
+            value is None or value > 0,
+            f"model.{name}: {value} is not valid; must be > 0, or null (off)",
+        )
+    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "rope_local_base_freq"):
+        require(
+            getattr(model, name) is None or (model.components.rope and model.attention == "mha"),
+            f"model.{name}: needs RoPE attention of whole heads (model.attention mha, not "
+            "gpt2); set it to null",
+        )
 
 
 def check_attention(cfg: Config) -> None:

@@ -95,7 +95,15 @@ class MLAConfig:
 @dataclass
 class ModelConfig:
     arch: Literal[
-        "gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3"
+        "gpt2",
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_5",
+        "deepseek_v3",
+        "gemma3",
     ] = "gpt2"
     """A family's preset. gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings.
     Every other family has RoPE, RMSNorm, SwiGLU, grouped-query attention and an untied output
@@ -110,7 +118,10 @@ class ModelConfig:
     first_k_dense 3, aux_loss_coef and z_loss_coef 0; bias_update_speed 0.001, the paper's, as
     config.json has none); qwen3_5 (transformers' Qwen3_5TextConfig) qk_norm, head_dim 256,
     partial_rotary_factor 0.25, norm_eps 1e-6, rope_theta 1e4, untied, with zero-centered norms
-    (scale 1 + weight) and a sigmoid output gate on attention (megatronish.config.components)."""
+    (scale 1 + weight) and a sigmoid output gate on attention (megatronish.config.components);
+    gemma3 (transformers' Gemma3TextConfig) qk_norm, head_dim 256, query_pre_attn_scalar 256,
+    norm_eps 1e-6, rope_theta 1e6, rope_local_base_freq 1e4, tied, with sandwich norms of scale
+    1 + weight, GeGLU and embeddings scaled by sqrt(d_model)."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -141,6 +152,18 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     rope_theta: float = 10000.0
     """RoPE base (llama)."""
+    rope_local_base_freq: float | None = None
+    """RoPE base of the sliding-window blocks, which then rotate without model.rope_scaling
+    (Gemma 3's local layers: 1e4); null: every block rotates by rope_theta and rope_scaling."""
+    query_pre_attn_scalar: float | None = None
+    """The attention scores are scaled by query_pre_attn_scalar^-0.5 (Gemma 3), > 0; null:
+    1/sqrt(head_dim)."""
+    attn_logit_softcapping: float | None = None
+    """Soft-cap of the attention scores, c tanh(score / c) after the scale and before the
+    masks (Gemma 2), > 0; null: none."""
+    final_logit_softcapping: float | None = None
+    """Soft-cap of the output logits, c tanh(logit / c), in training, evaluation and generate
+    (Gemma 2), > 0; null: none."""
     partial_rotary_factor: float = 1.0
     """The fraction of each head's dims RoPE rotates (the first head_dim x factor, which must be
     even; the rest pass unrotated), and the frequencies are those of a head of that many dims
@@ -227,6 +250,7 @@ class ModelConfig:
 # The keys of model.rope_scaling each type reads (besides `type`); a key of another type is an
 # error unless left at its default.
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": (
         "factor",
@@ -243,15 +267,15 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class RopeScalingConfig:
-    type: Literal["llama3", "yarn"] | None = None
-    """llama3 (Llama 3.1+: keys factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings) or yarn (Qwen long context: factor,
-    original_max_position_embeddings and the optional beta_fast, beta_slow, attention_factor,
-    mscale, mscale_all_dim, truncate). Required."""
+    type: Literal["linear", "llama3", "yarn"] | None = None
+    """linear (every frequency divided by factor: Gemma 3's global layers), llama3 (Llama 3.1+:
+    keys factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or yarn
+    (Qwen long context: factor, original_max_position_embeddings and the optional beta_fast,
+    beta_slow, attention_factor, mscale, mscale_all_dim, truncate). Required."""
     factor: float | None = None
     """Context extension factor, >= 1. Required."""
     original_max_position_embeddings: int | None = None
-    """The context the model was pretrained with. Required."""
+    """The context the model was pretrained with. Required but for linear."""
     low_freq_factor: float | None = None
     """llama3 (required): wavelengths longer than original_max_position_embeddings /
     low_freq_factor are slowed by factor."""

@@ -8,7 +8,14 @@ import functools
 from dataclasses import replace
 from typing import Any
 
-from megatronish.config.components import GPT2, QWEN3_5, ROPE, AttentionKind, BlockComponents
+from megatronish.config.components import (
+    GEMMA3,
+    GPT2,
+    QWEN3_5,
+    ROPE,
+    AttentionKind,
+    BlockComponents,
+)
 
 _QWEN = {"norm_eps": 1e-6, "rope_theta": 1e6}
 
@@ -37,6 +44,14 @@ PRESETS: dict[str, dict[str, Any]] = {
             "shared_expert": True,
             "shared_expert_gate": True,
         },
+    },
+    "gemma3": {  # transformers' Gemma3TextConfig defaults
+        "norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "qk_norm": True,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
     },
     "deepseek_v3": {  # DeepSeek-V3's config.json (bias_update_speed: its paper's)
         "norm_eps": 1e-6,
@@ -76,6 +91,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 FAMILY_BLOCKS: dict[str, BlockComponents] = {arch: ROPE for arch in PRESETS} | {
     "gpt2": GPT2,
     "qwen3_5": QWEN3_5,
+    "gemma3": GEMMA3,
 }
 """The components each model.arch builds its blocks from (megatronish.config.components)."""
 

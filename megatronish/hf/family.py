@@ -83,6 +83,9 @@ class Family:
     training_only: tuple[tuple[str, float], ...] = ()
     """config.json keys (with the class's default) that transformers applies in training alone,
     dropout and router noise: no weight depends on them, and import notes a non-zero one."""
+    unapplied: tuple[str, ...] = ()
+    """config.json keys the class reads but its forward does not apply (Gemma3ForCausalLM's
+    attn_logit_softcapping): import notes a set one and leaves it out, as transformers runs."""
 
     @property
     def architecture(self) -> str:

@@ -42,6 +42,7 @@ def read_hf(
     fields = family.model_fields(config)
     hf = {k: v for k, v in read_tensors(hf_dir).items() if not k.endswith(family.buffers)}
     found = [_untied_head(family, config, fields, hf), _training_only(family, config)]
+    found += [_unapplied(config, key) for key in family.unapplied]
     if notes is not None:
         notes.extend(note for note in found if note)
     try:
@@ -97,6 +98,16 @@ def _training_only(family: Family, config: ConfigJson) -> str | None:
     return (
         f"note: {config.path}: {listed} {verb} training-time noise that megatronish does not "
         f"apply (the weights are the model's{dropout})"
+    )
+
+
+def _unapplied(config: ConfigJson, key: str) -> str | None:
+    """The note for a config.json key that the family's class leaves out of its forward."""
+    if config.get(key) is None:
+        return None
+    return (
+        f"note: {config.path}: {key} {config.get(key)} is not applied by transformers' model of "
+        "this class; imported without it, as transformers runs it"
     )
 
 

@@ -11,6 +11,7 @@ from megatronish.config import Config, Derived
 from megatronish.errors import UserError
 from megatronish.hf import (
     deepseek_v3,
+    gemma3,
     gpt2,
     llama,
     mistral,
@@ -36,6 +37,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_5_moe.FAMILY,
     qwen3_next.FAMILY,
     deepseek_v3.FAMILY,
+    gemma3.FAMILY,
 )
 
 

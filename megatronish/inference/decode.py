@@ -22,7 +22,7 @@ def decode_step(model: GPT, tokens: torch.Tensor, cache: list, start_pos: int) -
     s = tokens.shape[1]
     if start_pos + s > model.cfg.model.max_seq_len:
         raise ValueError(f"positions up to {start_pos + s} > max_seq_len")
-    x = model.tok_emb(tokens)  # [b, s, h]
+    x = model.scaled(model.tok_emb(tokens))  # [b, s, h]
     if model.pos_emb is not None:
         x = x + model.pos_emb(torch.arange(start_pos, start_pos + s, device=tokens.device))
     for index, block in enumerate(model.blocks.values()):

@@ -110,7 +110,9 @@ class Attention(nn.Module):
         self.head_dim = derived.head_dim
         self.local_heads, self.local_groups = model.n_head // tp, derived.n_kv_head // tp
         self.heads_per_group = model.n_head // derived.n_kv_head
-        self.rotary, self.rope = plan.components.rope, rope_spec(model)
+        self.window = attention_window(model, plan.index)  # None: every earlier position
+        self.rotary = plan.components.rope
+        self.rope = rope_spec(model, sliding=self.window is not None)
         self.rotary_dims = int(self.head_dim * model.partial_rotary_factor)
         self.gated = plan.components.attention_gate
         gates = self.heads_per_group if self.gated else 0  # gate heads per kv group
@@ -118,8 +120,8 @@ class Attention(nn.Module):
         self.backend = plan.backend
         self.selective_checkpoint = plan.selective_recompute
         self.cp, self.ring = derived.cp, plan.ring()
-        self.window = attention_window(model, plan.index)  # None: every earlier position
-        self.scale = self.softcap = None  # the scores' scale (None: 1/sqrt(d)) and soft-cap
+        scalar, self.softcap = model.query_pre_attn_scalar, model.attn_logit_softcapping
+        self.scale = None if scalar is None else scalar**-0.5  # None: 1/sqrt(d)
         self.register_parameter("sinks", None)  # this rank's heads' sink logits
         sp, group = plan.linear_sequence_parallel, plan.ps.tp_group
         qkv_out = (model.n_head + gates * derived.n_kv_head + 2 * derived.n_kv_head) * self.head_dim

@@ -36,13 +36,15 @@ ATTENTION: dict[str, type[nn.Module]] = {
 
 class MLP(nn.Module):
     """The dense MLP of plan's block (d_ff: derived.d_ff unless given, e.g. an MoE layer's
-    shared expert): gated (SwiGLU) or GELU, with biases where plan.components has them."""
+    shared expert): gated (SwiGLU or GeGLU) or GELU, with biases where plan.components has
+    them."""
 
     def __init__(self, model: ModelConfig, plan: BlockPlan, d_ff: int | None = None):
         super().__init__()
         sp, group = plan.linear_sequence_parallel, plan.ps.tp_group
         d_ff = plan.derived.d_ff if d_ff is None else d_ff
         self.gated, self.backend = plan.components.gated_mlp, plan.backend
+        self.activation = ops.geglu if plan.components.mlp == "geglu" else ops.swiglu
         bias = plan.components.linear_bias
         common = dict(sequence_parallel=sp, tp_group=group, init_method=None, plan=plan.linear)
         if self.gated:
@@ -57,7 +59,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = shared_input_linears(x, [self.gate, self.up])  # [b, s, f/t] each
-            hidden = ops.swiglu(gate, up, backend=self.backend)
+            hidden = self.activation(gate, up, backend=self.backend)
         elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
             hidden = ops.bias_gelu(self.up(x), self.up.bias, backend="triton")
         else:  # torch adds the bias inside the matmul (addmm), as nn.Linear does
@@ -67,13 +69,18 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Transformer block plan.index (megatronish.model.plan): attention, then a dense MLP, or a
-    mixture of experts where plan.moe."""
+    mixture of experts where plan.moe; under sandwich norms each sublayer's output is normed
+    (attn_out_norm, mlp_out_norm) before the residual add."""
 
     def __init__(self, model: ModelConfig, plan: BlockPlan):
         super().__init__()
         self.norm1 = hidden_norm(model, plan)
         self.attn = ATTENTION[plan.attention](model, plan)
         self.norm2 = hidden_norm(model, plan)
+        self.attn_out_norm = self.mlp_out_norm = None
+        if plan.components.sandwich_norms:  # the sublayers' outputs normed too (Gemma 3)
+            self.attn_out_norm = hidden_norm(model, plan)
+            self.mlp_out_norm = hidden_norm(model, plan)
         if plan.moe:
             d_ff = plan.derived.shared_d_ff
             shared = MLP(model, plan, d_ff) if d_ff else None
@@ -92,10 +99,18 @@ class Block(nn.Module):
                 return F.dropout(x, self.dropout, training=True)
         return F.dropout(x, self.dropout, training=True)
 
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's branch of x [b, s, h]: norm, MLP (and its output's norm if sandwiched)."""
+        out = self.mlp(self.norm2(x))
+        return out if self.mlp_out_norm is None else self.mlp_out_norm(out)
+
+    def _attention_out(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.attn_out_norm is None else self.attn_out_norm(out)
+
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; documents: this rank's tokens' under document masks."""
-        x = x + self._drop(self.attn(self.norm1(x), documents))
-        return x + self._drop(self.mlp(self.norm2(x)))
+        x = x + self._drop(self._attention_out(self.attn(self.norm1(x), documents)))
+        return x + self._drop(self._mlp(x))
 
     def forward_cached(
         self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, start_pos: int
@@ -103,5 +118,5 @@ class Block(nn.Module):
         """forward for incremental decoding (eval: no dropout); see Attention.forward_cached
         (the cache: its keys and values) and LatentAttention.forward_cached (its latents)."""
         attn, cache = self.attn.forward_cached(self.norm1(x), cache, start_pos)
-        x = x + attn
-        return x + self.mlp(self.norm2(x)), cache
+        x = x + self._attention_out(attn)
+        return x + self._mlp(x), cache

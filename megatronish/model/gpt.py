@@ -150,11 +150,18 @@ class GPT(nn.Module):
             local //= self.derived.tp
         return (micro_batch_size, local, self.cfg.model.d_model)
 
+    def scaled(self, embedded: torch.Tensor) -> torch.Tensor:
+        """Token embeddings times sqrt(d_model) (cast to their dtype) where the components
+        scale them (Gemma 3), else as they are."""
+        if not self.cfg.model.components.embedding_scale:
+            return embedded
+        return embedded * torch.tensor(self.cfg.model.d_model**0.5, dtype=embedded.dtype)
+
     def embed(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """The first stage's input layers: tokens [b, s] -> hidden [b, s, h] ([b, s/t, h] with
         sequence parallelism). Under cp, tokens are this rank's shard, at global positions;
         under document masks, at their positions within their documents."""
-        x = self.tok_emb(tokens)  # [b, s, h]
+        x = self.scaled(self.tok_emb(tokens))  # [b, s, h]
         if self.pos_emb is not None:
             if documents is not None:
                 positions = documents.positions  # [b, s]
@@ -212,7 +219,8 @@ class GPT(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output layer, column-parallel over the vocab: x [b, s, h] (or [b, s/t, h] with
-        sequence parallelism) -> this rank's logits [b, s, V/t], padding ids at -inf."""
+        sequence parallelism) -> this rank's logits [b, s, V/t], soft-capped where
+        model.final_logit_softcapping says, padding ids at -inf."""
         weight = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
         logits = column_parallel_linear(
             x,
@@ -222,6 +230,9 @@ class GPT(nn.Module):
             self.sequence_parallel,
             self.logits_plan,
         )
+        cap = self.cfg.model.final_logit_softcapping
+        if cap is not None:  # elementwise on this rank's vocab shard, as transformers orders it
+            logits = torch.tanh(logits / cap) * cap
         if self.has_padding:
             logits = logits.masked_fill(self.vocab_padding, float("-inf"))
         return logits
@@ -245,7 +256,7 @@ class GPT(nn.Module):
         shard)."""
         # forward, not the module's call: its ZeRO-3 hooks are the first lookup's; the final
         # norm's gathered this embedding again (forward_param_uses)
-        embedded = self.tok_emb.forward(future_tokens)  # [b, D, s, h]
+        embedded = self.scaled(self.tok_emb.forward(future_tokens))  # [b, D, s, h]
         recompute = self.tracker if self.full_checkpoint and self.training else None
         with annotate("mtp"):
             return self.mtp(normed, embedded, documents, recompute)

@@ -148,6 +148,13 @@ def swiglu(gate, up, backend: str = "auto"):
     return reference.swiglu(gate, up)
 
 
+def geglu(gate, up, backend: str = "auto"):
+    """gelu(gate) * up, tanh approximation (Gemma's gelu_pytorch_tanh)."""
+    if resolve_backend(backend, gate) == "triton":
+        return _kernels().geglu(gate, up)
+    return reference.geglu(gate, up)
+
+
 def bias_gelu(x, bias, backend: str = "auto"):
     """gelu(x + bias), tanh approximation; bias may be None."""
     if resolve_backend(backend, x) == "triton":

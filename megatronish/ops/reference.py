@@ -156,6 +156,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up, tanh approximation (Gemma)."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """gelu(x + bias), tanh approximation (GPT-2)."""
     if bias is not None:

@@ -1,8 +1,8 @@
 """RoPE's frequencies: the one place that computes the inverse frequencies and the attention
-factor of a rotary embedding, plain or scaled for a longer context (model.rope_scaling: Llama
-3.1's llama3 and YaRN, as transformers computes them), and the cos / sin table built from them.
-The torch rotation (ops.reference.rope) and the Triton kernel (which reads the table) both take
-their table from `rope_table`.
+factor of a rotary embedding, plain or scaled for a longer context (model.rope_scaling: linear,
+Llama 3.1's llama3 and YaRN, as transformers computes them), and the cos / sin table built from
+them. The torch rotation (ops.reference.rope) and the Triton kernel (which reads the table)
+both take their table from `rope_table`.
 
 Shapes: s positions, d head dim; the table is [s, d/2] (dim i pairs with dim i + d/2).
 """
@@ -15,6 +15,20 @@ from dataclasses import dataclass, fields
 import torch
 
 from megatronish.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class LinearScaling:
+    """Position interpolation: every frequency divided by factor (Gemma 3's global layers)."""
+
+    factor: float
+
+    def inverse_frequencies(self, powers: torch.Tensor, theta: float) -> torch.Tensor:
+        """fp32 [d/2] from powers = theta^(2i/d) [d/2]: the plain ones over factor."""
+        return 1.0 / powers / self.factor
+
+    def cos_sin_factor(self) -> float:
+        return 1.0
 
 
 @dataclass(frozen=True)
@@ -106,7 +120,7 @@ class RopeSpec:
     RoPE, inverse frequency theta^(-2i/d) of dim pair i)."""
 
     theta: float = 10000.0
-    scaling: Llama3Scaling | YarnScaling | None = None
+    scaling: LinearScaling | Llama3Scaling | YarnScaling | None = None
 
     def inverse_frequencies(self, head_dim: int, device: torch.device) -> torch.Tensor:
         """fp32 [d/2]: the angle per position of each dim pair."""
@@ -122,12 +136,15 @@ class RopeSpec:
 
 
 PLAIN = RopeSpec()
-_SCALINGS = {"llama3": Llama3Scaling, "yarn": YarnScaling}
+_SCALINGS = {"linear": LinearScaling, "llama3": Llama3Scaling, "yarn": YarnScaling}
 
 
-def rope_spec(model: ModelConfig) -> RopeSpec:
-    """The RoPE of a model config: model.rope_theta and model.rope_scaling."""
+def rope_spec(model: ModelConfig, sliding: bool = False) -> RopeSpec:
+    """The RoPE of a model config's blocks: model.rope_theta and model.rope_scaling, or for a
+    sliding-window block (`sliding`) model.rope_local_base_freq unscaled where it is set."""
     config = model.rope_scaling
+    if sliding and model.rope_local_base_freq is not None:
+        return RopeSpec(model.rope_local_base_freq)
     if config is None:
         return RopeSpec(model.rope_theta)
     kind = _SCALINGS[config.type]

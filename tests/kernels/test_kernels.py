@@ -208,6 +208,11 @@ def test_swiglu_matches_reference_and_float64():
     check_op(kernels.swiglu, reference.swiglu, reference.swiglu, [gate, up])
 
 
+def test_geglu_matches_reference_and_float64():
+    gate, up = randn(3, 5, 37, seed=14, scale=3.0), randn(3, 5, 37, seed=15)
+    check_op(kernels.geglu, reference.geglu, reference.geglu, [gate, up])
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_bias_gelu_matches_reference_and_float64(with_bias):
     x = randn(4, 3, 37, seed=14, scale=3.0)
@@ -446,6 +451,7 @@ def _check_bf16(kernel, ref, make_inputs, floor=2e-2):
         "layer_norm",
         "rope",
         "swiglu",
+        "geglu",
         "bias_gelu",
         "attention",
         "attention_nc",
@@ -482,6 +488,7 @@ def test_bf16_kernels_on_cuda_are_as_accurate_as_torch(name):
             lambda dt: [randn(2, 4, s, 128, seed=55, dtype=dt)],
         ),
         "swiglu": (kernels.swiglu, reference.swiglu, pair),
+        "geglu": (kernels.geglu, reference.geglu, pair),
         "bias_gelu": (
             kernels.bias_gelu,
             reference.bias_gelu,

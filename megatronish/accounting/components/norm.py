@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from megatronish.config.schema import ModelConfig
 
-PER_BLOCK = {"pre": 2}
-"""Norms in one block by placement: pre, one before attention and one before the MLP (the final
-norm after the last block is the model's, ``weights``)."""
+PER_BLOCK = {"pre": 2, "sandwich": 4}
+"""Norms in one block by placement: pre, one before attention and one before the MLP; sandwich,
+those and one after each (the final norm after the last block is the model's, ``weights``)."""
 
 
 def weights(model: ModelConfig) -> int:
