@@ -113,6 +113,22 @@ FAMILIES = {
         moe_intermediate_size=24,
         shared_expert_intermediate_size=24,
     ),
+    # sandwich norms of 1 + weight, GeGLU, scaled and tied embeddings, 2 sliding blocks of
+    # window 5 (their own RoPE base) and a global one (linear RoPE scaling), the scores scaled
+    # by query_pre_attn_scalar^-0.5 and the logits soft-capped
+    "Gemma3ForCausalLM": dict(
+        LLAMA_SHAPE,
+        tie_word_embeddings=True,
+        head_dim=12,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=5,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        final_logit_softcapping=5.0,
+    ),
 }
 
 
