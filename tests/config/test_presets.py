@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatronish.config import MoEConfig, derive, load_config
-from megatronish.config.components import QWEN3_5, ROPE
+from megatronish.config.components import GEMMA3, QWEN3_5, ROPE
 from megatronish.config.presets import FAMILY_BLOCKS, PRESETS, with_preset
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
@@ -139,6 +139,23 @@ def test_qwen3_5_fills_transformers_qwen3_5_text_config_defaults_and_its_compone
     assert model.components == QWEN3_5
     assert (QWEN3_5.norm_offset, QWEN3_5.attention_gate) == (1.0, True)
     assert all(not FAMILY_BLOCKS[a].attention_gate for a in PRESETS if a != "qwen3_5")
+
+
+def test_gemma3_fills_transformers_gemma3_text_config_defaults_and_its_components():
+    from transformers import Gemma3TextConfig
+
+    theirs = Gemma3TextConfig()
+    model = load_config(TINY, ["model.arch=gemma3"]).model
+    assert (model.norm_eps, model.head_dim) == (theirs.rms_norm_eps, theirs.head_dim)
+    assert model.query_pre_attn_scalar == theirs.query_pre_attn_scalar
+    rope = theirs.rope_parameters
+    assert model.rope_theta == rope["full_attention"]["rope_theta"]
+    assert model.rope_local_base_freq == rope["sliding_attention"]["rope_theta"]
+    assert model.attn_logit_softcapping is theirs.attn_logit_softcapping is None
+    assert model.final_logit_softcapping is theirs.final_logit_softcapping is None
+    assert model.qk_norm and model.components == GEMMA3 and GEMMA3.tied_output
+    assert (GEMMA3.norm_placement, GEMMA3.mlp, GEMMA3.norm_offset) == ("sandwich", "geglu", 1.0)
+    assert all(not FAMILY_BLOCKS[a].embedding_scale for a in PRESETS if a != "gemma3")
 
 
 def test_qwen3_5_is_the_llama_block_with_a_gate_per_query_head_and_zero_centered_norms():
