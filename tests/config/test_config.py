@@ -385,7 +385,7 @@ def test_rope_scaling_round_trips_through_a_saved_config_with_only_its_types_key
 
 
 BAD_ROPE_SCALING = [  # (--set values, the key the line names, what it says)
-    (["model.rope_scaling={type: ntk, factor: 2}"], "type", "valid: llama3 | yarn"),
+    (["model.rope_scaling={type: ntk, factor: 2}"], "type", "valid: linear | llama3 | yarn"),
     (["model.rope_scaling.factor=2"], "type", "missing"),
     (["model.rope_scaling={type: yarn}"], "factor", "missing; type yarn needs factor"),
     ([YARN, "model.rope_scaling.factor=0.5"], "factor", "must be >= 1"),
