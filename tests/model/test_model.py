@@ -76,6 +76,23 @@ ARCH_SETTINGS = {
         "model.moe.num_experts=4",
         "model.moe.d_ff=20",
     ],
+    # Gemma 3: sandwich norms of 1 + weight (four a block, replicated; each rank's gradient
+    # covering its tokens under sequence parallelism), GeGLU, scaled and tied embeddings, a
+    # sliding block (its own RoPE base) then a global one (linear RoPE), the scores scaled by
+    # query_pre_attn_scalar^-0.5 and soft-capped, the logits soft-capped on each vocab shard.
+    "gemma3": [
+        "model.arch=gemma3",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.d_model=32",
+        "model.head_dim=12",
+        "model.query_pre_attn_scalar=10",
+        "model.sliding_window=5",
+        "model.layer_types=[sliding_attention, full_attention]",
+        "model.rope_scaling={type: linear, factor: 4}",
+        "model.attn_logit_softcapping=2",
+        "model.final_logit_softcapping=3",
+    ],
     # Multi-head latent attention (DeepSeek-V3): heads split over tp, the replicated
     # down-projections and their norms (each rank's gradient covering its tokens under sequence
     # parallelism), YaRN with its softmax scale, a sliding window in the second block, and its
@@ -199,6 +216,10 @@ def test_qwen3_5_hybrid_at_tp_equals_tp1_weights_logits_loss_gradients_and_count
     arch, tp, sequence_parallel
 ):
     check_tp_parity(arch, tp, sequence_parallel)
+
+
+def test_gemma3_at_tp2_with_sequence_parallelism_equals_tp1_and_its_counted_params():
+    check_tp_parity("gemma3", 2, True)
 
 
 def check_tp_parity(arch: str, tp: int, sequence_parallel: bool) -> None:
