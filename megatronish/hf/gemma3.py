@@ -5,7 +5,8 @@ Its blocks are the Llama block's with the components of the gemma3 preset: four 
 post_feedforward_layernorm: our norm1, attn_out_norm, norm2, mlp_out_norm), each scaling by
 1 + weight (the tensors are copied as they are), q and k norms, GeGLU (gate_proj, up_proj,
 down_proj with gelu_pytorch_tanh), the embeddings scaled by sqrt(hidden_size), the scores by
-query_pre_attn_scalar^-0.5, and the soft-caps of the attention scores and the output logits.
+query_pre_attn_scalar^-0.5, and the output logits' soft-cap (final_logit_softcapping; the class
+reads attn_logit_softcapping but its attention does not apply it, and neither does import).
 layer_types marks each block full_attention or sliding_attention (through sliding_window);
 rope_parameters holds one RoPE per kind: the global blocks' (rope_theta, with a linear scaling
 in the published configs) and the local blocks' (our model.rope_local_base_freq, unscaled).
