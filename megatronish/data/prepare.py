@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from megatronish.data.chat_template import TEMPLATE_FILE, ChatTemplate
 from megatronish.data.corpus import Corpus
 from megatronish.data.dataset import (
     FORMAT,
@@ -38,6 +39,7 @@ from megatronish.data.dataset import (
 )
 from megatronish.data.encode import encode_corpus
 from megatronish.data.sft import SFTCorpus
+from megatronish.data.template_sft import encode_conversations, load_tokenizer_dir
 from megatronish.data.tokenizer import (
     DEFAULT_BPE_VOCAB,
     MIN_BPE_VOCAB,
@@ -56,12 +58,16 @@ SKIPPED_SHOWN = 3  # of them, named in prepare's note
 
 @dataclass(frozen=True)
 class TokenizerChoice:
-    """What --tokenizer resolved to: kind byte | bpe | file, and for file the loaded tokenizer."""
+    """What --tokenizer resolved to: kind byte | bpe | file, and for file the loaded tokenizer
+    (from a tokenizer directory: with its chat template, if it has one, and the vocabulary of
+    the model its config.json describes, if it has one)."""
 
     kind: str
     bpe_vocab_size: int | None = None
     path: Path | None = None
     loaded: HFTokenizer | None = None
+    template: ChatTemplate | None = None
+    model_vocab_size: int | None = None
 
 
 def prepare_dataset(
@@ -77,7 +83,8 @@ def prepare_dataset(
 ) -> Path:
     """Tokenizes `inputs` (files, directories, *.jsonl files; none: the built-in corpus) into a
     new dataset directory `output` and returns its path. tokenizer is "byte", "bpe" (trained on
-    the corpus with vocab_size ids, default 8192) or the path of a tokenizer.json. Whole
+    the corpus with vocab_size ids, default 8192), the path of a tokenizer.json or of a Hugging
+    Face tokenizer directory (with sft, its chat template renders the records). Whole
     documents form the validation split: round(n_docs * val_fraction) of them (at least one
     when val_fraction > 0 and there are two or more), drawn by `seed`. sft: every input is SFT
     JSON Lines (sft.py), and the dataset gets a loss mask. UserError, with nothing left at
@@ -123,10 +130,17 @@ def resolve_tokenizer(tokenizer: str, vocab_size: int | None) -> TokenizerChoice
         check_bpe_vocab_size(size)
         return TokenizerChoice("bpe", bpe_vocab_size=size)
     path = Path(tokenizer).expanduser()
-    if not path.is_file():
-        raise UserError(f"--tokenizer {tokenizer}: not byte, bpe or an existing tokenizer.json")
+    if not path.exists():
+        raise UserError(
+            f"--tokenizer {tokenizer}: not byte, bpe, an existing tokenizer.json or a tokenizer "
+            "directory"
+        )
     if vocab_size is not None:
         raise UserError(f"--vocab-size: a tokenizer file ({path}) brings its own vocabulary")
+    if path.is_dir():
+        loaded, template, model_vocab = load_tokenizer_dir(path)
+        file = (path / TOKENIZER_FILE).resolve()
+        return TokenizerChoice("file", None, file, loaded, template, model_vocab)
     return TokenizerChoice("file", path=path.resolve(), loaded=load_tokenizer_file(path))
 
 
@@ -142,9 +156,18 @@ def write_dataset(
     dtype = token_dtype(tok.vocab_size)
     sft = isinstance(corpus, SFTCorpus)
     mask_path = directory / LOSS_MASK_FILE if sft else None
-    offsets, max_id, digest, counted = encode_corpus(
-        corpus, tok, directory / TOKENS_FILE, dtype, mask_path
-    )
+    template = choice.template if sft else None
+    cut = 0
+    if template is not None:
+        assert isinstance(corpus, SFTCorpus) and isinstance(tok, HFTokenizer) and mask_path
+        (offsets, max_id, digest, counted), cut = encode_conversations(
+            corpus, template, tok, directory / TOKENS_FILE, dtype, mask_path
+        )
+        (directory / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    else:
+        offsets, max_id, digest, counted = encode_corpus(
+            corpus, tok, directory / TOKENS_FILE, dtype, mask_path
+        )
     encoding_s = time.perf_counter() - encoding_started
     n_docs = len(offsets) - 1
     if n_docs == 0:
@@ -161,6 +184,7 @@ def write_dataset(
             "file": TOKENIZER_FILE if choice.kind != "byte" else None,
             "source": str(choice.path) if choice.path else None,
             "requested_vocab_size": choice.bpe_vocab_size,
+            "model_vocab_size": choice.model_vocab_size,
         },
         "vocab_size": int(tok.vocab_size),
         "eot_id": int(tok.eot_id),
@@ -171,6 +195,9 @@ def write_dataset(
         "sft": sft,
         "loss_mask": LOSS_MASK_FILE if sft else None,
         "counted_tokens": counted,
+        "chat_template": TEMPLATE_FILE if template is not None else None,
+        "chat_template_source": template.name if template is not None else None,
+        "template_cut_records": cut,
         "builtin": corpus.is_builtin,
         "sources": corpus.description,
         "n_files": len(corpus.sources),
@@ -210,7 +237,8 @@ def _dataset_tokenizer(
 
 def prepare_notes(meta: dict[str, Any]) -> list[str]:
     """One line each for what a user would not expect of the dataset `meta` describes: a BPE
-    vocabulary smaller than asked for, and the binary files skipped (the first few named)."""
+    vocabulary smaller than asked for, a chat template that writes the end-of-text token inside
+    conversations, and the binary files skipped (the first few named)."""
     notes = []
     asked, got = meta["tokenizer"].get("requested_vocab_size"), meta["vocab_size"]
     if asked is not None and got < asked:
@@ -218,6 +246,13 @@ def prepare_notes(meta: dict[str, Any]) -> list[str]:
             f"note: bpe vocabulary {got:,}, not the {asked:,} asked for: after "
             f"{got - MIN_BPE_VOCAB:,} merges every word of the corpus is a single token, so "
             "nothing is left to merge (a larger corpus gives more)"
+        )
+    cut = meta.get("template_cut_records", 0)
+    if cut:
+        notes.append(
+            f"note: in {cut:,} records the chat template writes the end-of-text token (id "
+            f"{meta['eot_id']}) inside the conversation; document masks, always on for SFT, "
+            "end a document after it, so the turns after it do not see the turns before"
         )
     skipped, names = meta.get("skipped_files", 0), meta.get("skipped_file_names", [])
     if skipped:

@@ -20,7 +20,7 @@ from megatronish.errors import UserError
 
 EOT_TOKEN = "<|endoftext|>"
 # End-of-text tokens recognised in an existing tokenizer.json, in order of preference.
-EOT_CANDIDATES = (EOT_TOKEN, "</s>", "<eos>")
+EOT_CANDIDATES = (EOT_TOKEN, "</s>", "<eos>", "<|end_of_text|>")
 DEFAULT_BPE_VOCAB = 8192
 MIN_BPE_VOCAB = 257  # the 256 byte symbols of the ByteLevel alphabet plus <|endoftext|>
 MAX_VOCAB = 2**31
@@ -138,7 +138,8 @@ def check_bpe_vocab_size(vocab_size: int) -> None:
 
 def load_tokenizer_file(path: str | Path, name: str = "file") -> HFTokenizer:
     """Loads a Hugging Face tokenizer.json; its end-of-text token is the first of
-    <|endoftext|>, </s>, <eos> that it has. UserError naming the file otherwise."""
+    <|endoftext|>, </s>, <eos>, <|end_of_text|> (Llama 3) that it has. UserError naming the file
+    otherwise."""
     from tokenizers import Tokenizer as HFCore
 
     path = Path(path)
