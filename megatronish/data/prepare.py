@@ -68,6 +68,7 @@ class TokenizerChoice:
     loaded: HFTokenizer | None = None
     template: ChatTemplate | None = None
     model_vocab_size: int | None = None
+    directory: Path | None = None
 
 
 def prepare_dataset(
@@ -140,7 +141,7 @@ def resolve_tokenizer(tokenizer: str, vocab_size: int | None) -> TokenizerChoice
     if path.is_dir():
         loaded, template, model_vocab = load_tokenizer_dir(path)
         file = (path / TOKENIZER_FILE).resolve()
-        return TokenizerChoice("file", None, file, loaded, template, model_vocab)
+        return TokenizerChoice("file", None, file, loaded, template, model_vocab, path.resolve())
     return TokenizerChoice("file", path=path.resolve(), loaded=load_tokenizer_file(path))
 
 
@@ -184,7 +185,11 @@ def write_dataset(
             "file": TOKENIZER_FILE if choice.kind != "byte" else None,
             "source": str(choice.path) if choice.path else None,
             "requested_vocab_size": choice.bpe_vocab_size,
-            "model_vocab_size": choice.model_vocab_size,
+            **(
+                {"directory": str(choice.directory), "model_vocab_size": choice.model_vocab_size}
+                if choice.directory
+                else {}
+            ),
         },
         "vocab_size": int(tok.vocab_size),
         "eot_id": int(tok.eot_id),

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from megatronish.data.chat_template import (
     ChatTemplate,
@@ -33,21 +34,35 @@ from megatronish.data.sft import SFTCorpus
 from megatronish.data.tokenizer import HFTokenizer, load_tokenizer_file
 from megatronish.errors import UserError
 
-MODEL_CONFIG = "config.json"  # the model's config beside its tokenizer (a model directory)
+MODEL_CONFIG = "config.json"  # a Hugging Face model directory's config, beside its tokenizer
+CHECKPOINT_CONFIG = "config.yaml"  # a checkpoint step directory's (`import` puts one there)
 
 
 def load_tokenizer_dir(directory: Path) -> tuple[HFTokenizer, ChatTemplate | None, int | None]:
     """(the tokenizer of a Hugging Face tokenizer directory, its chat template or None, the
-    vocab_size of its config.json or None): a model directory's embedding may have more rows
-    than its tokenizer has tokens. UserError naming the directory without a tokenizer.json."""
+    vocab_size of the model beside it or None): a model's embedding may have more rows than its
+    tokenizer has tokens. The model is a Hugging Face directory's config.json or a checkpoint
+    step directory's config.yaml. UserError naming the directory without a tokenizer.json."""
     if not (directory / TOKENIZER_FILE).is_file():
         raise UserError(
             f"--tokenizer {directory}: a tokenizer directory needs {TOKENIZER_FILE} (and, for "
             "its chat template, chat_template.jinja or tokenizer_config.json)"
         )
     tok = load_tokenizer_file(directory / TOKENIZER_FILE)
-    model_vocab = read_json_object_or_none(directory / MODEL_CONFIG).get("vocab_size")
-    return tok, load_chat_template(directory), model_vocab if isinstance(model_vocab, int) else None
+    return tok, load_chat_template(directory), _model_vocab_size(directory)
+
+
+def _model_vocab_size(directory: Path) -> int | None:
+    size = read_json_object_or_none(directory / MODEL_CONFIG).get("vocab_size")
+    checkpoint_config = directory / CHECKPOINT_CONFIG
+    if size is None and checkpoint_config.is_file():
+        try:
+            config = yaml.safe_load(checkpoint_config.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError):
+            config = None
+        model = config.get("model") if isinstance(config, dict) else None
+        size = model.get("vocab_size") if isinstance(model, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def conversation_ids(

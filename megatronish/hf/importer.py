@@ -23,7 +23,7 @@ from megatronish.files import nothing_left_on_failure
 from megatronish.hf.family import HEAD, ConfigJson, Family, Tensors
 from megatronish.hf.files import CONFIG_JSON, read_config_json, read_tensors
 from megatronish.hf.registry import family_of_config_json
-from megatronish.hf.tokenizer import read_tokenizer
+from megatronish.hf.tokenizer import copy_tokenizer_companions, read_tokenizer
 from megatronish.paths import require_new_output_dir
 
 
@@ -211,7 +211,8 @@ def init_from_hf(
 def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tuple[Path, bool]:
     """Writes the weights of a Hugging Face directory as checkpoint `output` (step 0, tp 1;
     model.* from config.json, other keys from the defaults and overrides: a model.* override is
-    a UserError). Returns (step directory, whether a tokenizer was found). A write the system
+    a UserError). Returns (step directory, whether a tokenizer was found: its tokenizer.json and
+    companion files, the chat template among them, are copied there). A write the system
     refuses leaves no `output` behind (one that existed before is kept)."""
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT
@@ -231,6 +232,8 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
         step_dir = save_checkpoint(
             out, 0, cfg=cfg, derived=derived, ps=model.ps, model=model, tokenizer=tokenizer
         )
+        if tokenizer is not None and tokenizer.file is not None:
+            copy_tokenizer_companions(hf_path, step_dir)
     _print_notes(notes)
     return step_dir, tokenizer is not None
 

@@ -1,6 +1,7 @@
 """The tokenizer that travels with a model. Export writes a file tokenizer (BPE, tokenizer.json)
 with a tokenizer_config.json that transformers' AutoTokenizer reads, or marks a byte-level
-model in config.json (transformers has no byte tokenizer class); import takes either back."""
+model in config.json (transformers has no byte tokenizer class); import takes either back, a
+tokenizer.json with its companion files (tokenizer_config.json, the chat template...)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from megatronish.files import write_file
 from megatronish.hf.files import CONFIG_JSON, json_bytes, read_config_json
 
 BYTE_TOKENIZER_KEY = "megatronish_tokenizer"  # config.json marker of the byte-level tokenizer
+# The files that travel with tokenizer.json: its settings, special tokens and chat template.
+TOKENIZER_COMPANIONS = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 def write_tokenizer(ckpt: Checkpoint, out: Path, config: dict, max_seq_len: int) -> str:
@@ -55,3 +63,13 @@ def read_tokenizer(hf_dir: Path) -> TokenizerInfo | None:
         return TokenizerInfo("file", load_tokenizer_file(path).eot_id, path)
     except UserError:
         return None
+
+
+def copy_tokenizer_companions(hf_dir: Path, step_dir: Path) -> list[str]:
+    """Copies the files of TOKENIZER_COMPANIONS that `hf_dir` has into the checkpoint step
+    directory beside its tokenizer.json (so `prepare --sft --tokenizer STEP_DIR` renders the
+    model's own chat template); returns their names."""
+    copied = [name for name in TOKENIZER_COMPANIONS if (hf_dir / name).is_file()]
+    for name in copied:
+        write_file(step_dir / name, (hf_dir / name).read_bytes())
+    return copied

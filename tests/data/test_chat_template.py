@@ -1,0 +1,175 @@
+"""`prepare --sft --tokenizer DIR` renders each record with the directory's own chat template:
+the token ids and the counted positions are transformers' apply_chat_template's and the rule
+(for each assistant message i, the tokens of render(messages[:i+1]) past those of
+render(messages[:i], add_generation_prompt=True)), for Qwen2.5's ChatML, Llama 3.1's and
+Mistral's templates, with system messages and multi-turn conversations. A template that reaches
+outside its sandbox is exit 2 naming it; one that fails on a record, or is not prefix-stable,
+exit 2 naming the record; nothing is left behind. A directory without a template keeps the
+built-in one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatronish.data.dataset import LOSS_MASK_FILE, TOKENS_FILE
+from tests.conftest import invoke_cli
+from tests.data.chat_dirs import tokenizer_dir
+
+SYSTEM = {"role": "system", "content": "be brief"}
+RECORDS = [
+    {"messages": [SYSTEM, {"role": "user", "content": "hello there"}]
+     + [{"role": "assistant", "content": "the fox says hi"}]
+     + [{"role": "user", "content": "again?"}, {"role": "assistant", "content": " quick brown\n"}]},
+    {"prompt": "say hello", "response": "hello to the user"},
+    {"messages": [SYSTEM, {"role": "user", "content": "the user"}]
+     + [{"role": "assistant", "content": "and the assistant"}]},
+]  # fmt: skip
+PREPARED = ("qwen2_5", "llama3_1", "mistral_v0_2")
+
+
+def messages_of(record: dict) -> list[dict]:
+    if "messages" in record:
+        return record["messages"]
+    return [
+        {"role": "user", "content": record["prompt"]},
+        {"role": "assistant", "content": record["response"]},
+    ]
+
+
+def write_records(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def prepare(tokenizer: Path, records: Path, output: Path):
+    return invoke_cli(
+        "prepare", "--sft", "--input", str(records), "--tokenizer", str(tokenizer),
+        "--val-fraction", "0", "--output", str(output),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> dict:
+    """family -> (tokenizer directory, dataset directory, prepare's stdout)."""
+    root = tmp_path_factory.mktemp("chat")
+    records = write_records(root / "chats.jsonl", RECORDS)
+    out = {}
+    for family in PREPARED:
+        directory = tokenizer_dir(root / family, family)
+        result = prepare(directory, records, root / f"{family}-data")
+        assert result.returncode == 0, result.stderr
+        out[family] = (directory, root / f"{family}-data", result.stdout)
+    return out
+
+
+def transformers_example(directory: Path, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(apply_chat_template's ids of the conversation, the counted positions by the rule)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory))
+
+    def ids(conversation: list[dict], generation: bool = False) -> list[int]:
+        encoded = tok.apply_chat_template(
+            conversation, tokenize=True, add_generation_prompt=generation
+        )
+        return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+
+    counted = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            counted += range(len(ids(messages[:i], True)), len(ids(messages[: i + 1])))
+    return ids(messages), counted
+
+
+@pytest.mark.parametrize("family", PREPARED)
+def test_ids_and_counted_positions_are_apply_chat_templates(prepared, family):
+    directory, data, stdout = prepared[family]
+    meta = json.loads((data / "metadata.json").read_text())
+    tokens = np.fromfile(data / TOKENS_FILE, dtype=meta["dtype"])
+    mask = np.fromfile(data / LOSS_MASK_FILE, dtype=np.uint8)
+    offsets = np.load(data / "offsets.npy")
+    assert meta["chat_template"] == "chat_template.jinja" and meta["n_docs"] == len(RECORDS)
+    for d, record in enumerate(RECORDS):
+        ids, counted = transformers_example(directory, messages_of(record))
+        document = tokens[offsets[d] : offsets[d + 1]].tolist()
+        if ids[-1] != meta["eot_id"]:  # the uncounted end-of-document token
+            assert document[-1] == meta["eot_id"] and mask[offsets[d + 1] - 1] == 0
+            document = document[:-1]
+        assert document == ids
+        assert np.flatnonzero(mask[offsets[d] : offsets[d] + len(ids)]).tolist() == counted
+    assert f"count in the loss" in stdout and int(mask.sum()) == meta["counted_tokens"]
+
+
+def test_a_template_writing_the_end_of_text_inside_a_conversation_is_noted(prepared):
+    """Mistral's </s> ends every assistant message: document masks cut the two-turn record."""
+    *_, stdout = prepared["mistral_v0_2"]
+    assert "note: in 1 records the chat template writes the end-of-text token (id 2)" in stdout
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__ }}",
+        "{% import 'os' as os %}{{ os }}",
+        "{% set ns = namespace() %}{% set ns._x = 1 %}",
+    ],
+    ids=["class", "globals", "import", "namespace"],
+)
+def test_a_template_reaching_outside_its_sandbox_exits_2_naming_the_template(tmp_path, template):
+    directory = tokenizer_dir(tmp_path / "tok", "qwen2_5", template=template)
+    records = write_records(tmp_path / "chats.jsonl", RECORDS)
+    result = prepare(directory, records, tmp_path / "out")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {directory / 'tokenizer_config.json'} (chat_template): ")
+    assert "reaches outside its sandbox" in lines[0]
+    assert not (tmp_path / "out").exists() and sorted(tmp_path.iterdir()) == [
+        tmp_path / "chats.jsonl",
+        tmp_path / "tok",
+    ]
+
+
+def test_a_template_failing_on_a_record_exits_2_naming_the_record_and_the_error(tmp_path):
+    directory = tokenizer_dir(tmp_path / "tok", "mistral_v0_2")
+    turns = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+    bad = {"messages": [*turns, {"role": "assistant", "content": "the fox"}]}
+    records = write_records(tmp_path / "chats.jsonl", [RECORDS[1], bad])
+    result = prepare(directory, records, tmp_path / "out")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0] == (
+        f"error: {records}:2: the chat template {directory / 'tokenizer_config.json'} "
+        "(chat_template) fails on this record: After the optional system message, conversation "
+        "roles must alternate user/assistant/user/assistant/..."
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_template_that_is_not_prefix_stable_exits_2_naming_the_record(tmp_path):
+    """Mistral v0.3 puts the system message into the last user message: rendering the
+    assistant's reply moves it."""
+    directory = tokenizer_dir(tmp_path / "tok", "mistral_v0_3")
+    records = write_records(tmp_path / "chats.jsonl", [RECORDS[1], RECORDS[2]])
+    result = prepare(directory, records, tmp_path / "out")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {records}:2: the chat template ")
+    assert "is not prefix-stable: rendering message 3 (the assistant's)" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_directory_without_a_template_keeps_the_built_in_one(tmp_path, prepared):
+    directory = tokenizer_dir(tmp_path / "tok", "qwen2_5", template="")
+    records = write_records(tmp_path / "chats.jsonl", RECORDS)
+    by_dir = prepare(directory, records, tmp_path / "dir")
+    by_file = prepare(directory / "tokenizer.json", records, tmp_path / "file")
+    assert by_dir.returncode == by_file.returncode == 0, by_dir.stderr + by_file.stderr
+    meta = json.loads((tmp_path / "dir" / "metadata.json").read_text())
+    assert meta["chat_template"] is None and meta["tokenizer"]["directory"] == str(directory)
+    for name in (TOKENS_FILE, LOSS_MASK_FILE):
+        assert (tmp_path / "dir" / name).read_bytes() == (tmp_path / "file" / name).read_bytes()
