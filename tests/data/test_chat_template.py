@@ -101,7 +101,7 @@ def test_ids_and_counted_positions_are_apply_chat_templates(prepared, family):
             document = document[:-1]
         assert document == ids
         assert np.flatnonzero(mask[offsets[d] : offsets[d] + len(ids)]).tolist() == counted
-    assert f"count in the loss" in stdout and int(mask.sum()) == meta["counted_tokens"]
+    assert "count in the loss" in stdout and int(mask.sum()) == meta["counted_tokens"]
 
 
 def test_a_template_writing_the_end_of_text_inside_a_conversation_is_noted(prepared):
