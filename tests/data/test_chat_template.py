@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from megatronish.data.dataset import LOSS_MASK_FILE, TOKENS_FILE
-from tests.conftest import invoke_cli
+from tests.conftest import CONFIGS, invoke_cli
 from tests.data.chat_dirs import tokenizer_dir
 
 SYSTEM = {"role": "system", "content": "be brief"}
@@ -173,3 +173,24 @@ def test_a_tokenizer_directory_without_a_template_keeps_the_built_in_one(tmp_pat
     assert meta["chat_template"] is None and meta["tokenizer"]["directory"] == str(directory)
     for name in (TOKENS_FILE, LOSS_MASK_FILE):
         assert (tmp_path / "dir" / name).read_bytes() == (tmp_path / "file" / name).read_bytes()
+
+
+def test_train_refuses_a_model_vocab_other_than_the_tokenizer_directorys_naming_both(
+    prepared, tmp_path
+):
+    """The data's tokenizer directory has 300 ids (and no config.json of a model with more)."""
+    _, data, _ = prepared["qwen2_5"]
+    sets = ["model.arch=gpt2", "model.n_layer=1", "model.n_head=2", "model.d_model=32"]
+    sets += ["model.max_seq_len=32", "model.vocab_size=320", f"data.path={data}"]
+    sets += ["train.seq_len=16", "train.steps=1", "train.eval_every=0"]
+    sets += [f"run.out_dir={tmp_path / 'out'}", f"checkpoint.dir={tmp_path / 'ck'}"]
+    result = invoke_cli(
+        "train", "--config", str(CONFIGS / "tiny.yaml"), *(a for s in sets for a in ("--set", s))
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(
+        "error: model.vocab_size: 320 differs from the vocabulary of the tokenizer directory "
+        f"{prepared['qwen2_5'][0]} (300) that prepared {data}; set model.vocab_size=300"
+    )
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

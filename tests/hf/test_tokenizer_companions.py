@@ -1,0 +1,51 @@
+"""`import` copies a Hugging Face directory's tokenizer files, its chat template included, into
+the checkpoint beside tokenizer.json, so the tokenizer travels with the model: `prepare --sft
+--tokenizer STEP_DIR` then renders the model's own template, and records the model's vocabulary
+(an embedding padded past the tokenizer's ids) for train's check."""
+
+from __future__ import annotations
+
+import json
+
+from megatronish.checkpoint.save import TokenizerInfo
+from megatronish.hf.exporter import export_hf
+from megatronish.hf.importer import import_hf
+from megatronish.hf.tokenizer import TOKENIZER_COMPANIONS
+from tests.checkpoints import save_single, tiny_cfg
+from tests.conftest import invoke_cli
+from tests.data.chat_dirs import tokenizer_dir
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_import_copies_the_tokenizer_files_and_the_template_travels(tmp_path):
+    tok = tokenizer_dir(tmp_path / "tok", "qwen2_5")
+    eot = json.loads((tok / "tokenizer.json").read_text())["added_tokens"][0]["id"]
+    cfg = tiny_cfg("gpt2", "model.vocab_size=320")
+    save_single(
+        tmp_path / "ckpt", cfg, tokenizer=TokenizerInfo("file", eot, tok / "tokenizer.json")
+    )
+    hf = tmp_path / "hf"
+    export_hf(str(tmp_path / "ckpt"), str(hf))
+    (hf / "tokenizer_config.json").write_bytes((tok / "tokenizer_config.json").read_bytes())
+    (hf / "chat_template.jinja").write_text(CHATML, encoding="utf-8")
+    (hf / "special_tokens_map.json").write_text('{"eos_token": "<|im_end|>"}', encoding="utf-8")
+    step_dir, has_tokenizer = import_hf(str(hf), str(tmp_path / "imported"))
+    assert has_tokenizer
+    for name in (*TOKENIZER_COMPANIONS[:2], TOKENIZER_COMPANIONS[3], "tokenizer.json"):
+        assert (step_dir / name).read_bytes() == (hf / name).read_bytes(), name
+
+    records = tmp_path / "chats.jsonl"
+    records.write_text(json.dumps({"prompt": "hi", "response": "the fox"}) + "\n")
+    result = invoke_cli(
+        "prepare", "--sft", "--input", str(records), "--tokenizer", str(step_dir),
+        "--val-fraction", "0", "--output", str(tmp_path / "data"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    meta = json.loads((tmp_path / "data" / "metadata.json").read_text())
+    assert meta["chat_template_source"] == str(step_dir / "chat_template.jinja")
+    assert (tmp_path / "data" / "chat_template.jinja").read_text() == CHATML
+    assert meta["tokenizer"]["model_vocab_size"] == 320 and meta["vocab_size"] == 300
