@@ -113,14 +113,18 @@ def prepare(
         f"vocab {meta['vocab_size']:,}"
     )
     if meta.get("sft"):
-        counted = (
-            f"the assistant messages as {meta['chat_template_source']} writes them"
-            if meta.get("chat_template")
-            else "the responses and their end-of-text tokens"
-        )
-        click.echo(
-            f"sft: {meta['counted_tokens']:,} of the {meta['n_tokens']:,} tokens ({counted}) "
-            "count in the loss"
-        )
+        click.echo(_sft_line(meta))
     for note in prepare_notes(meta):
         click.echo(note)
+
+
+def _sft_line(meta: dict) -> str:
+    counted = (
+        f"the assistant messages as {meta['chat_template_source']} writes them"
+        if meta.get("chat_template")
+        else "the responses and their end-of-text tokens"
+    )
+    return (
+        f"sft: {meta['counted_tokens']:,} of the {meta['n_tokens']:,} tokens ({counted}) count "
+        "in the loss"
+    )

@@ -156,19 +156,8 @@ def write_dataset(
     encoding_started = time.perf_counter()
     dtype = token_dtype(tok.vocab_size)
     sft = isinstance(corpus, SFTCorpus)
-    mask_path = directory / LOSS_MASK_FILE if sft else None
     template = choice.template if sft else None
-    cut = 0
-    if template is not None:
-        assert isinstance(corpus, SFTCorpus) and isinstance(tok, HFTokenizer) and mask_path
-        (offsets, max_id, digest, counted), cut = encode_conversations(
-            corpus, template, tok, directory / TOKENS_FILE, dtype, mask_path
-        )
-        (directory / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
-    else:
-        offsets, max_id, digest, counted = encode_corpus(
-            corpus, tok, directory / TOKENS_FILE, dtype, mask_path
-        )
+    (offsets, max_id, digest, counted), cut = _encode(corpus, tok, directory, dtype, template)
     encoding_s = time.perf_counter() - encoding_started
     n_docs = len(offsets) - 1
     if n_docs == 0:
@@ -180,17 +169,7 @@ def write_dataset(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "created_by": f"megatronish {_version()}",
-        "tokenizer": {
-            "kind": choice.kind,
-            "file": TOKENIZER_FILE if choice.kind != "byte" else None,
-            "source": str(choice.path) if choice.path else None,
-            "requested_vocab_size": choice.bpe_vocab_size,
-            **(
-                {"directory": str(choice.directory), "model_vocab_size": choice.model_vocab_size}
-                if choice.directory
-                else {}
-            ),
-        },
+        "tokenizer": _tokenizer_meta(choice),
         "vocab_size": int(tok.vocab_size),
         "eot_id": int(tok.eot_id),
         "dtype": dtype.name,
@@ -217,6 +196,39 @@ def write_dataset(
         handle.flush()
         os.fsync(handle.fileno())
     return meta
+
+
+def _tokenizer_meta(choice: TokenizerChoice) -> dict[str, Any]:
+    """metadata.json's "tokenizer": kind, file, source, requested_vocab_size; from a tokenizer
+    directory also the directory and the vocab_size of the model beside it (or None)."""
+    meta = {
+        "kind": choice.kind,
+        "file": TOKENIZER_FILE if choice.kind != "byte" else None,
+        "source": str(choice.path) if choice.path else None,
+        "requested_vocab_size": choice.bpe_vocab_size,
+    }
+    if choice.directory is not None:
+        meta.update(directory=str(choice.directory), model_vocab_size=choice.model_vocab_size)
+    return meta
+
+
+def _encode(
+    corpus: Corpus,
+    tok: ByteTokenizer | HFTokenizer,
+    directory: Path,
+    dtype: np.dtype,
+    template: ChatTemplate | None,
+) -> tuple[tuple[np.ndarray, int, str, int], int]:
+    """Writes the tokens (and an SFT corpus's loss mask; with a chat template, the template too)
+    into `directory`: ((offsets, the largest id, sha256, tokens counted), records whose template
+    writes the end-of-text token inside the conversation)."""
+    mask_path = directory / LOSS_MASK_FILE if isinstance(corpus, SFTCorpus) else None
+    if template is None:
+        return encode_corpus(corpus, tok, directory / TOKENS_FILE, dtype, mask_path), 0
+    assert isinstance(corpus, SFTCorpus) and isinstance(tok, HFTokenizer) and mask_path
+    encoded = encode_conversations(corpus, template, tok, directory / TOKENS_FILE, dtype, mask_path)
+    (directory / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    return encoded
 
 
 def _dataset_tokenizer(
