@@ -194,3 +194,31 @@ def test_train_refuses_a_model_vocab_other_than_the_tokenizer_directorys_naming_
         f"{prepared['qwen2_5'][0]} (300) that prepared {data}; set model.vocab_size=300"
     )
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_the_template_environment_is_apply_chat_templates(tmp_path):
+    """Generation blocks, tojson without HTML escaping, loop controls, dict(), strftime_now and
+    the special tokens render as in transformers; of a list of named templates, 'default'."""
+    from transformers import AutoTokenizer
+
+    from megatronish.data.chat_template import load_chat_template
+
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A: {{ m.content }}"
+        "{{ eos_token }}{% endgeneration %}{% else %}U: {{ m.content }}\n{% endif %}{% endfor %}"
+        "{{ {'a': '<b>'} | tojson }}{% for x in [1, 2, 3] %}{% if x == 2 %}{% break %}{% endif %}"
+        "{{ x }}{% endfor %}{{ dict(a=1).a }}{{ strftime_now('%Y')[:0] }}"
+    )
+    directory = tokenizer_dir(tmp_path / "tok", "qwen2_5", template=template)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "unused"},
+        {"name": "default", "template": template},
+    ]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = messages_of(RECORDS[0])
+    ours = load_chat_template(directory).render(messages, add_generation_prompt=False)
+    theirs = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
+        messages, tokenize=False
+    )
+    assert ours == theirs and '{"a": "<b>"}1' in ours
