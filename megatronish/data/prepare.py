@@ -50,7 +50,7 @@ from megatronish.data.tokenizer import (
     train_bpe,
 )
 from megatronish.errors import UserError
-from megatronish.files import follow_umask
+from megatronish.files import follow_umask, write_file
 
 SKIPPED_NAMES = 20  # skipped files named in metadata.json (all are counted)
 SKIPPED_SHOWN = 3  # of them, named in prepare's note
@@ -59,8 +59,8 @@ SKIPPED_SHOWN = 3  # of them, named in prepare's note
 @dataclass(frozen=True)
 class TokenizerChoice:
     """What --tokenizer resolved to: kind byte | bpe | file, and for file the loaded tokenizer
-    (from a tokenizer directory: with its chat template, if it has one, and the vocabulary of
-    the model its config.json describes, if it has one)."""
+    (from a tokenizer directory: the directory, its chat template if it has one, and the
+    vocab_size of the model beside it if it names one)."""
 
     kind: str
     bpe_vocab_size: int | None = None
@@ -227,7 +227,7 @@ def _encode(
         return encode_corpus(corpus, tok, directory / TOKENS_FILE, dtype, mask_path), 0
     assert isinstance(corpus, SFTCorpus) and isinstance(tok, HFTokenizer) and mask_path
     encoded = encode_conversations(corpus, template, tok, directory / TOKENS_FILE, dtype, mask_path)
-    (directory / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    write_file(directory / TEMPLATE_FILE, template.source.encode("utf-8"))
     return encoded
 
 

@@ -13,6 +13,9 @@ Only the assistant messages' content and that closing end-of-text token count in
 tags, separators, system and user content do not. Each segment is tokenized on its own, so the
 loss mask follows the segments exactly (a token never straddles a counted and an uncounted
 segment).
+
+`prepare --sft --tokenizer DIR` renders with DIR's own chat template instead, where it has one
+(template_sft.py); this template stays for the byte tokenizer and tokenizers without one.
 """
 
 from __future__ import annotations

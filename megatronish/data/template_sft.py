@@ -77,7 +77,9 @@ def conversation_ids(
             _render(template, messages[:i], True, where),
             _render(template, messages[: i + 1], False, where),
         ]
-    encoded = tok.encode_batch(texts)
+    unique = list(dict.fromkeys(texts))  # the last turn's render is the conversation's
+    by_text = dict(zip(unique, tok.encode_batch(unique), strict=True))
+    encoded = [by_text[text] for text in texts]
     ids = encoded[0]
     mask = np.zeros(len(ids), dtype=np.uint8)
     for number, i in enumerate(turns):
