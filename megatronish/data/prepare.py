@@ -157,7 +157,7 @@ def write_dataset(
     dtype = token_dtype(tok.vocab_size)
     sft = isinstance(corpus, SFTCorpus)
     template = choice.template if sft else None
-    (offsets, max_id, digest, counted), cut = _encode(corpus, tok, directory, dtype, template)
+    offsets, max_id, digest, counted = _encode(corpus, tok, directory, dtype, template)
     encoding_s = time.perf_counter() - encoding_started
     n_docs = len(offsets) - 1
     if n_docs == 0:
@@ -181,7 +181,6 @@ def write_dataset(
         "counted_tokens": counted,
         "chat_template": TEMPLATE_FILE if template is not None else None,
         "chat_template_source": template.name if template is not None else None,
-        "template_cut_records": cut,
         "builtin": corpus.is_builtin,
         "sources": corpus.description,
         "n_files": len(corpus.sources),
@@ -218,13 +217,12 @@ def _encode(
     directory: Path,
     dtype: np.dtype,
     template: ChatTemplate | None,
-) -> tuple[tuple[np.ndarray, int, str, int], int]:
+) -> tuple[np.ndarray, int, str, int]:
     """Writes the tokens (and an SFT corpus's loss mask; with a chat template, the template too)
-    into `directory`: ((offsets, the largest id, sha256, tokens counted), records whose template
-    writes the end-of-text token inside the conversation)."""
+    into `directory`: (offsets, the largest id, sha256, tokens counted)."""
     mask_path = directory / LOSS_MASK_FILE if isinstance(corpus, SFTCorpus) else None
     if template is None:
-        return encode_corpus(corpus, tok, directory / TOKENS_FILE, dtype, mask_path), 0
+        return encode_corpus(corpus, tok, directory / TOKENS_FILE, dtype, mask_path)
     assert isinstance(corpus, SFTCorpus) and isinstance(tok, HFTokenizer) and mask_path
     encoded = encode_conversations(corpus, template, tok, directory / TOKENS_FILE, dtype, mask_path)
     write_file(directory / TEMPLATE_FILE, template.source.encode("utf-8"))
@@ -254,8 +252,7 @@ def _dataset_tokenizer(
 
 def prepare_notes(meta: dict[str, Any]) -> list[str]:
     """One line each for what a user would not expect of the dataset `meta` describes: a BPE
-    vocabulary smaller than asked for, a chat template that writes the end-of-text token inside
-    conversations, and the binary files skipped (the first few named)."""
+    vocabulary smaller than asked for and the binary files skipped (the first few named)."""
     notes = []
     asked, got = meta["tokenizer"].get("requested_vocab_size"), meta["vocab_size"]
     if asked is not None and got < asked:
@@ -263,13 +260,6 @@ def prepare_notes(meta: dict[str, Any]) -> list[str]:
             f"note: bpe vocabulary {got:,}, not the {asked:,} asked for: after "
             f"{got - MIN_BPE_VOCAB:,} merges every word of the corpus is a single token, so "
             "nothing is left to merge (a larger corpus gives more)"
-        )
-    cut = meta.get("template_cut_records", 0)
-    if cut:
-        notes.append(
-            f"note: in {cut:,} records the chat template writes the end-of-text token (id "
-            f"{meta['eot_id']}) inside the conversation; document masks, always on for SFT, "
-            "end a document after it, so the turns after it do not see the turns before"
         )
     skipped, names = meta.get("skipped_files", 0), meta.get("skipped_file_names", [])
     if skipped:

@@ -63,6 +63,13 @@ class TokenSource:
     def docs_in(self, split: str) -> int:
         return int(np.count_nonzero(np.asarray(self.split) == SPLIT_NAMES.index(split)))
 
+    @property
+    def records_are_documents(self) -> bool:
+        """Whether document masks take the documents from the offsets (an SFT dataset: a chat
+        template may write the end-of-text token inside a conversation) rather than end them
+        after each end-of-text token, as Megatron does."""
+        return self.loss_mask is not None
+
     def tokenizer_words(self) -> str:
         """What the dataset's ids are tokens of, as a message says it after the path."""
         if self.tokenizer is not None:

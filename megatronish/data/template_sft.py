@@ -9,10 +9,10 @@ the end-of-turn tokens the template puts after it. Nothing else counts. Each pro
 begin its turn's, and each turn's the whole conversation's: a template that is not prefix-stable
 is a UserError naming the record.
 
-The tokenizer's end-of-text token ends every document (data.document_mask finds documents by
-it): it is appended, uncounted, unless the template's ids already end with it. A template that
-writes it inside a conversation (Mistral's </s> after every assistant message) makes document
-masks cut the conversation there: `cut` counts those records, and prepare says so.
+The tokenizer's end-of-text token ends every document: it is appended, uncounted, unless the
+template's ids already end with it. A template may write it inside a conversation too (Mistral's
+</s> after every assistant message): document masks take an SFT dataset's documents from its
+offsets, so the conversation stays one document.
 """
 
 from __future__ import annotations
@@ -111,12 +111,10 @@ def encode_conversations(
     path: Path,
     dtype: np.dtype,
     mask_path: Path,
-) -> tuple[tuple[np.ndarray, int, str, int], int]:
+) -> tuple[np.ndarray, int, str, int]:
     """Writes every record's ids to `path` and their loss mask to `mask_path`, each document
-    ended by the end-of-text token (see the module docstring); returns ((offsets int64
-    [n_docs + 1], the largest id, sha256 of the ids, tokens counted), records whose template
-    ids hold the end-of-text token before their end). Sets corpus.text_bytes."""
-    cut = 0
+    ended by the end-of-text token (see the module docstring); returns (offsets int64
+    [n_docs + 1], the largest id, sha256 of the ids, tokens counted). Sets corpus.text_bytes."""
     corpus.text_bytes = 0
     with TokenOutput.open(path, mask_path, tok) as out:
         parts: list[np.ndarray] = []
@@ -127,7 +125,6 @@ def encode_conversations(
             if not ids:
                 raise UserError(f"{where}: the chat template {template.name} renders nothing")
             corpus.text_bytes += sum(len(m["content"].encode("utf-8")) for m in messages)
-            cut += tok.eot_id in ids[:-1]
             if ids[-1] != tok.eot_id:
                 ids, mask = [*ids, tok.eot_id], np.append(mask, np.uint8(0))
             parts.append(np.array(ids, dtype=dtype))
@@ -139,4 +136,4 @@ def encode_conversations(
                 parts, masks = [], []
         if parts:
             out.append(np.concatenate(parts), masks)
-    return out.result(), cut
+    return out.result()

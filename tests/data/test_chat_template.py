@@ -104,10 +104,25 @@ def test_ids_and_counted_positions_are_apply_chat_templates(prepared, family):
     assert "count in the loss" in stdout and int(mask.sum()) == meta["counted_tokens"]
 
 
-def test_a_template_writing_the_end_of_text_inside_a_conversation_is_noted(prepared):
-    """Mistral's </s> ends every assistant message: document masks cut the two-turn record."""
-    *_, stdout = prepared["mistral_v0_2"]
-    assert "note: in 1 records the chat template writes the end-of-text token (id 2)" in stdout
+def test_document_masks_keep_each_conversation_one_document_though_it_holds_end_of_text(prepared):
+    """Mistral's </s> ends every assistant message: the two-turn record holds it inside, and
+    still the segments of the batch that training computes are one per record."""
+    from megatronish.data import BatchLoader
+    from megatronish.distributed.layout import ParallelState
+    from megatronish.training.batches import next_batch
+
+    _, data, stdout = prepared["mistral_v0_2"]
+    meta = json.loads((data / "metadata.json").read_text())
+    offsets = np.load(data / "offsets.npy")
+    tokens = np.fromfile(data / TOKENS_FILE, dtype=meta["dtype"])
+    assert (tokens == meta["eot_id"]).sum() > len(RECORDS), "an end-of-text inside a record"
+    seq_len = meta["n_tokens"] - 1  # one sample: every record, in order
+    loader = BatchLoader(data, "train", seq_len, 1, 1, 0, 1, seed=0)
+    _, _, documents, _ = next_batch(loader, ParallelState.single(), document_mask=True)
+    record = np.searchsorted(offsets, np.arange(seq_len), side="right") - 1
+    assert documents.segments.flatten().tolist() == record.tolist()
+    assert documents.positions.flatten().tolist() == (np.arange(seq_len) - offsets[record]).tolist()
+    assert "note:" not in stdout
 
 
 @pytest.mark.parametrize(
