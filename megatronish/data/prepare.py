@@ -46,6 +46,7 @@ from megatronish.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     check_bpe_vocab_size,
+    companion_files,
     load_tokenizer_file,
     train_bpe,
 )
@@ -234,7 +235,7 @@ def _dataset_tokenizer(
 ) -> tuple[ByteTokenizer | HFTokenizer, float]:
     """(the dataset's tokenizer, the seconds its training took): the byte tokenizer, a BPE
     tokenizer trained on the corpus, or the chosen file; the latter two written into
-    `directory` as tokenizer.json."""
+    `directory` as tokenizer.json (a tokenizer directory's companion files beside it)."""
     started = time.perf_counter()
     training_s = 0.0
     if choice.kind == "byte":
@@ -247,6 +248,9 @@ def _dataset_tokenizer(
         assert choice.loaded is not None and choice.path is not None
         tok = choice.loaded
         shutil.copyfile(choice.path, directory / TOKENIZER_FILE)
+        if choice.directory is not None:  # its settings and chat template travel with it
+            for path in companion_files(choice.directory):
+                shutil.copyfile(path, directory / path.name)
     return tok, training_s
 
 

@@ -23,7 +23,7 @@ from megatronish.files import nothing_left_on_failure
 from megatronish.hf.family import HEAD, ConfigJson, Family, Tensors
 from megatronish.hf.files import CONFIG_JSON, read_config_json, read_tensors
 from megatronish.hf.registry import family_of_config_json
-from megatronish.hf.tokenizer import copy_tokenizer_companions, read_tokenizer
+from megatronish.hf.tokenizer import read_tokenizer
 from megatronish.paths import require_new_output_dir
 
 
@@ -232,8 +232,6 @@ def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tupl
         step_dir = save_checkpoint(
             out, 0, cfg=cfg, derived=derived, ps=model.ps, model=model, tokenizer=tokenizer
         )
-        if tokenizer is not None and tokenizer.file is not None:
-            copy_tokenizer_companions(hf_path, step_dir)
     _print_notes(notes)
     return step_dir, tokenizer is not None
 
