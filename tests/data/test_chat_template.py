@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megatronish.data.dataset import LOSS_MASK_FILE, TOKENS_FILE
 from tests.conftest import CONFIGS, invoke_cli
@@ -123,6 +124,34 @@ def test_document_masks_keep_each_conversation_one_document_though_it_holds_end_
     assert documents.segments.flatten().tolist() == record.tolist()
     assert documents.positions.flatten().tolist() == (np.arange(seq_len) - offsets[record]).tolist()
     assert "note:" not in stdout
+
+
+def test_a_blend_takes_the_sft_datasets_documents_from_its_records_and_the_others_at_eot(
+    prepared, tmp_path
+):
+    """A blend of the Mistral dataset (each record begins with <s>, id 1, and holds </s>, id 2,
+    inside) and a Megatron prefix whose documents begin with an id the Mistral dataset never
+    uses and end with id 2: a document starts exactly at each <s> and at each such id, never
+    after an inner </s>."""
+    from megatronish.data.blend import BlendLoader
+    from megatronish.data.indexed import write_indexed
+    from megatronish.data.sources import open_megatron, open_prepared
+
+    _, data, _ = prepared["mistral_v0_2"]
+    sft = open_prepared(data)
+    first = max(set(range(3, 300)) - set(np.asarray(sft.tokens).tolist()))
+    rng = np.random.default_rng(0)
+    bodies = [rng.integers(3, first, rng.integers(3, 12)) for _ in range(9)]
+    write_indexed(tmp_path / "plain", [np.concatenate(([first], b, [2])) for b in bodies], 300)
+    plain = open_megatron(tmp_path / "plain", 300, 2, None)
+    loader = BlendLoader([sft, plain], [0.5, 0.5], "train", 16, 16, 16, 0, 1, seed=0)
+    step = loader.next_step_batch()
+    inputs = step.tokens[..., :-1]
+    begins = (inputs == 1) | (inputs == first)
+    begins[..., 0] = False
+    assert torch.equal(step.starts, begins)
+    assert ((inputs[..., :-1] == 2) & ~begins[..., 1:]).any(), "an inner </s> ends no document"
+    assert (inputs == first).any() and (inputs == 1).any(), "rows of both datasets"
 
 
 @pytest.mark.parametrize(
