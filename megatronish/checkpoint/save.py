@@ -52,7 +52,7 @@ from megatronish.checkpoint.format import (
 from megatronish.checkpoint.integrity import CHECKSUM_KEY, first_message_of_ranks
 from megatronish.checkpoint.rank_files import rank_files, whole_params, write_safetensors
 from megatronish.config import Config, Derived
-from megatronish.data.tokenizer import tokenizer_id
+from megatronish.data.tokenizer import companion_files, tokenizer_id
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import ReportedError, RunFailure
@@ -61,11 +61,13 @@ from megatronish.files import fsync_path, write_failures, write_file, write_text
 
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """The tokenizer to record: kind (byte, bpe, file), end-of-text id, tokenizer.json or None."""
+    """The tokenizer to record: kind (byte, bpe, file), end-of-text id, tokenizer.json or None,
+    and the companion files that travel with tokenizer.json (data.tokenizer.companion_files)."""
 
     kind: str
     eot_id: int
     file: Path | None = None
+    companions: tuple[Path, ...] = ()
 
 
 def tokenizer_identity(tokenizer: TokenizerInfo | None) -> str | None:
@@ -76,12 +78,11 @@ def tokenizer_identity(tokenizer: TokenizerInfo | None) -> str | None:
 
 def tokenizer_of_checkpoint(step_dir: Path, meta: dict[str, Any]) -> TokenizerInfo | None:
     """The tokenizer a checkpoint (its step directory and metadata.json) records, with its
-    tokenizer.json when it has one; None when it records none."""
+    tokenizer.json and companion files when it has them; None when it records none."""
     info = meta.get("tokenizer")
     if info is None:
         return None
-    path = step_dir / TOKENIZER_FILE
-    return TokenizerInfo(info["kind"], info["eot_id"], path if path.is_file() else None)
+    return _tokenizer_in(step_dir, info["kind"], info["eot_id"])
 
 
 def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo | None:
@@ -92,10 +93,15 @@ def tokenizer_of_dataset(dataset_dir: Path) -> TokenizerInfo | None:
     if not Path(dataset_dir).is_dir():
         return None
     meta = read_metadata(dataset_dir)
-    path = Path(dataset_dir) / TOKENIZER_FILE
-    return TokenizerInfo(
-        meta["tokenizer"]["kind"], meta["eot_id"], path if path.is_file() else None
-    )
+    return _tokenizer_in(Path(dataset_dir), meta["tokenizer"]["kind"], meta["eot_id"])
+
+
+def _tokenizer_in(directory: Path, kind: str, eot_id: int) -> TokenizerInfo:
+    """The tokenizer of a directory that holds it as a checkpoint or a dataset does."""
+    path = directory / TOKENIZER_FILE
+    if not path.is_file():
+        return TokenizerInfo(kind, eot_id)
+    return TokenizerInfo(kind, eot_id, path, companion_files(directory))
 
 
 def base_metadata(
@@ -158,10 +164,12 @@ def finalize(
             info[CHECKSUM_KEY] = checksums[child.name]
             meta["files"][child.name] = info
     if tokenizer is not None and tokenizer.file is not None:
-        needed = tokenizer.file.stat().st_size if tokenizer.file.is_file() else None
-        with write_failures(tmp / TOKENIZER_FILE, needed):
-            shutil.copyfile(tokenizer.file, tmp / TOKENIZER_FILE)
-            fsync_path(tmp / TOKENIZER_FILE)
+        files = [(tokenizer.file, TOKENIZER_FILE), *((p, p.name) for p in tokenizer.companions)]
+        for source, name in files:
+            needed = source.stat().st_size if source.is_file() else None
+            with write_failures(tmp / name, needed):
+                shutil.copyfile(source, tmp / name)
+                fsync_path(tmp / name)
     for name, text in (
         (CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False)),
         (METADATA_FILE, metadata_json(meta)),

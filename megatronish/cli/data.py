@@ -13,7 +13,11 @@ from megatronish.cli.shared import user_errors
     "--input", "inputs", multiple=True, help="File, directory or .jsonl file (repeatable)."
 )
 @click.option(
-    "--tokenizer", default="byte", show_default=True, help="byte | bpe | path to a tokenizer.json."
+    "--tokenizer",
+    default="byte",
+    show_default=True,
+    help="byte | bpe | a tokenizer.json | a Hugging Face tokenizer directory (--sft: its chat "
+    "template renders the records).",
 )
 @click.option(
     "--vocab-size",
@@ -109,9 +113,18 @@ def prepare(
         f"vocab {meta['vocab_size']:,}"
     )
     if meta.get("sft"):
-        click.echo(
-            f"sft: {meta['counted_tokens']:,} of the {meta['n_tokens']:,} tokens (the responses "
-            "and their end-of-text tokens) count in the loss"
-        )
+        click.echo(_sft_line(meta))
     for note in prepare_notes(meta):
         click.echo(note)
+
+
+def _sft_line(meta: dict) -> str:
+    counted = (
+        f"the assistant messages as {meta['chat_template_source']} writes them"
+        if meta.get("chat_template")
+        else "the responses and their end-of-text tokens"
+    )
+    return (
+        f"sft: {meta['counted_tokens']:,} of the {meta['n_tokens']:,} tokens ({counted}) count "
+        "in the loss"
+    )

@@ -191,7 +191,8 @@ class DataConfig:
     document_mask: bool = False
     """Attention never crosses an end-of-document token, and positions (learned or RoPE)
     restart at each document, as Megatron's reset_attention_mask and reset_position_ids: each
-    document of a packed sequence is computed as if it were alone. Always on for SFT data."""
+    document of a packed sequence is computed as if it were alone. Always on for SFT data,
+    whose documents are its records (a chat template may write that token inside one)."""
     eod_mask_loss: bool = False
     """As Megatron's --eod-mask-loss: the position whose input is the end-of-document token
     (its target, the next document's first token, has nothing of its document to go on) does

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatronish.data.loader import BatchLoader, step_tensors
+from megatronish.data.loader import BatchLoader, StepBatch, step_tensors
 from megatronish.data.sources import DataPlan, TokenSource, shared_eod_id
 from megatronish.errors import UserError
 
@@ -64,11 +64,11 @@ def open_loader(
 
 
 class BlendLoader:
-    """BatchLoader's interface (next_step, next_masked_step, masks_loss, reset, state_dict,
-    load_state_dict) over a blend of datasets. Only the datasets with documents in `split` take
-    part (weights renormalized). The blend masks the loss when one of them does; every target
-    of a dataset without a mask counts (but, with eod_mask_loss, the one whose input is the
-    end-of-text)."""
+    """BatchLoader's interface (next_step, next_masked_step, next_step_batch, masks_loss,
+    knows_records, reset, state_dict, load_state_dict) over a blend of datasets. Only the
+    datasets with documents in `split` take part (weights renormalized). The blend masks the
+    loss when one of them does; every target of a dataset without a mask counts (but, with
+    eod_mask_loss, the one whose input is the end-of-text)."""
 
     def __init__(
         self,
@@ -103,6 +103,7 @@ class BlendLoader:
             part.seed_key = [seed, index]
             self.parts.append(part)
         self.masks_loss = any(part.masks_loss for part in self.parts)
+        self.knows_records = any(part.knows_records for part in self.parts)
         total = sum(weights[i] for i in chosen)
         self.weights = [weights[i] / total for i in chosen]
         self.bounds = np.cumsum(self.weights)
@@ -141,11 +142,17 @@ class BlendLoader:
 
     def next_step(self) -> torch.Tensor:
         """This dp rank's share of the next global batch: int64 [accum, m, s + 1]."""
-        return self.next_masked_step()[0]
+        return self.next_step_batch().tokens
 
     def next_masked_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """next_step()'s batch and its targets' loss mask, bool [accum, m, s] (None when every
         target counts)."""
+        step = self.next_step_batch()
+        return step.tokens, step.loss_mask
+
+    def next_step_batch(self) -> StepBatch:
+        """next_masked_step()'s batch and mask, with the document starts of every sample when a
+        dataset of the blend knows its records (BatchLoader.read_starts)."""
         first, size = self.consumed_samples, self.global_batch_size
         which = assign(np.arange(first, first + size, dtype=np.int64), self.bounds, self.phase)
         index = np.empty(size, dtype=np.int64)  # each sample's place in its dataset's sequence
@@ -156,15 +163,18 @@ class BlendLoader:
         rows = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
         batch = np.empty((share, self.seq_len + 1), dtype=np.int64)
         mask = np.ones((share, self.seq_len), dtype=bool) if self.masks_loss else None
+        starts = np.zeros((share, self.seq_len), dtype=bool) if self.knows_records else None
         for k, part in enumerate(self.parts):
             mine = which[rows] == k
             if mine.any():
                 batch[mine], counted = part.read_samples(index[rows][mine])
                 if counted is not None:
                     mask[mine] = counted
+                if starts is not None:
+                    starts[mine] = part.read_starts(index[rows][mine], batch[mine])
         self._counts += np.bincount(which, minlength=len(self.parts))
         self.consumed_samples += size
-        return step_tensors(batch, mask, self.accum, self.micro_batch_size)
+        return step_tensors(batch, mask, starts, self.accum, self.micro_batch_size)
 
     def reset(self) -> None:
         self.consumed_samples = 0

@@ -11,7 +11,9 @@ Layout of a dataset directory:
                     token, as a target, counts in the loss (a response token or the end-of-text
                     that closes the response), 0 elsewhere
     tokenizer.json  the Hugging Face tokenizer (BPE and file tokenizers only; a dataset
-                    converted from a Megatron prefix has tokenizer kind "none" and no file)
+                    converted from a Megatron prefix has tokenizer kind "none" and no file),
+                    with, from a tokenizer directory, its companion files
+                    (tokenizer.TOKENIZER_COMPANIONS: tokenizer_config.json, the chat template...)
 """
 
 from __future__ import annotations

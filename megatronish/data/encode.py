@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -34,51 +35,80 @@ def encode_corpus(
     returns (offsets int64 [n_docs + 1], the largest id, sha256 of the file, tokens counted in
     the loss: all of them without a mask)."""
     eot = np.array([tok.eot_id], dtype=dtype)
-    offsets = array("q", [0])
-    position = 0  # tokens written so far, including the current batch
     doc_len = 0  # tokens of the document in progress
-    max_id = -1
-    counted_tokens = 0
-    digest = hashlib.sha256()
-    with contextlib.ExitStack() as files:
-        handle = files.enter_context(open(path, "wb"))
-        masks = files.enter_context(open(mask_path, "wb")) if mask_path is not None else None
+    masked = mask_path is not None
+    with TokenOutput.open(path, mask_path, tok) as out:
         for batch, arrays in _encoded_batches(corpus, tok):
             parts, mask_parts = [], []
+            end = out.position  # where the batch's ids so far end
             for ids, (_, ends_document, counted) in zip(arrays, batch, strict=True):
                 if len(ids):
                     parts.append(ids)
-                    if masks is not None:
+                    if masked:
                         mask_parts.append(np.full(len(ids), counted, dtype=np.uint8))
                     doc_len += len(ids)
-                    position += len(ids)
+                    end += len(ids)
                 if ends_document and doc_len:
                     parts.append(eot)
-                    if masks is not None:
+                    if masked:
                         mask_parts.append(np.ones(1, dtype=np.uint8))
-                    position += 1
-                    offsets.append(position)
+                    end += 1
+                    out.document_ends.append(end)
                     doc_len = 0
-            if not parts:
-                continue
-            chunk = np.concatenate(parts)
-            max_id = max(max_id, int(chunk.max()))
-            if max_id >= tok.vocab_size:
-                raise RuntimeError(f"tokenizer {tok.name} produced id {max_id} >= {tok.vocab_size}")
-            chunk = chunk.astype(dtype, copy=False)
-            handle.write(memoryview(chunk))
-            digest.update(memoryview(chunk))
-            if masks is None:
-                counted_tokens += len(chunk)
-            else:
-                mask = np.concatenate(mask_parts)
-                masks.write(memoryview(mask))
-                counted_tokens += int(mask.sum(dtype=np.int64))
-        for opened in (handle, masks):
-            if opened is not None:
-                opened.flush()
-                os.fsync(opened.fileno())
-    return np.frombuffer(offsets, dtype=np.int64).copy(), max_id, digest.hexdigest(), counted_tokens
+            if parts:
+                out.append(np.concatenate(parts).astype(dtype, copy=False), mask_parts)
+    return out.result()
+
+
+class TokenOutput:
+    """tokens.bin (and loss_mask.bin) being written: chunks of ids appended in order, with the
+    largest id, the file's sha256 and the counted tokens kept as they pass; document_ends holds
+    the offsets, the caller appending each document's end as a token count."""
+
+    def __init__(self, handle: BinaryIO, masks: BinaryIO | None, tok: ByteTokenizer | HFTokenizer):
+        self.handle, self.masks, self.tok = handle, masks, tok
+        self.document_ends = array("q", [0])
+        self.position = 0  # tokens written so far
+        self.max_id = -1
+        self.counted = 0
+        self.digest = hashlib.sha256()
+
+    @classmethod
+    @contextlib.contextmanager
+    def open(
+        cls, path: Path, mask_path: Path | None, tok: ByteTokenizer | HFTokenizer
+    ) -> Iterator[TokenOutput]:
+        """The output over new files at path (and mask_path), flushed to disk on leaving."""
+        with contextlib.ExitStack() as files:
+            handle = files.enter_context(open(path, "wb"))
+            masks = files.enter_context(open(mask_path, "wb")) if mask_path is not None else None
+            yield cls(handle, masks, tok)
+            for opened in (handle, masks):
+                if opened is not None:
+                    opened.flush()
+                    os.fsync(opened.fileno())
+
+    def append(self, chunk: np.ndarray, mask_parts: list[np.ndarray]) -> None:
+        """Appends the ids `chunk` and, with a mask file, the concatenated mask_parts."""
+        self.max_id = max(self.max_id, int(chunk.max()))
+        if self.max_id >= self.tok.vocab_size:
+            raise RuntimeError(
+                f"tokenizer {self.tok.name} produced id {self.max_id} >= {self.tok.vocab_size}"
+            )
+        self.handle.write(memoryview(chunk))
+        self.digest.update(memoryview(chunk))
+        self.position += len(chunk)
+        if self.masks is None:
+            self.counted += len(chunk)
+        else:
+            mask = np.concatenate(mask_parts)
+            self.masks.write(memoryview(mask))
+            self.counted += int(mask.sum(dtype=np.int64))
+
+    def result(self) -> tuple[np.ndarray, int, str, int]:
+        """(offsets int64 [n_docs + 1], the largest id, sha256 of the ids, tokens counted)."""
+        offsets = np.frombuffer(self.document_ends, dtype=np.int64).copy()
+        return offsets, self.max_id, self.digest.hexdigest(), self.counted
 
 
 def _encoded_batches(

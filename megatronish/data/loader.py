@@ -19,12 +19,18 @@ loss: the dataset's mask of that token (all ones without one), and with eod_mask
 the input is the end-of-text token, so no target is predicted across a document boundary (as
 Megatron's --eod-mask-loss, which masks the positions whose input is the end-of-document id).
 
+Documents (data.document_mask): a dataset whose records are its documents (an SFT dataset,
+whose chat template may write the end-of-text token inside a conversation) gives, with
+next_step_batch(), where its records start among the inputs; any other is cut into documents
+after each end-of-text token (megatronish.context.documents).
+
 The documents come through a TokenSource (sources.py): a prepared directory or a Megatron
 prefix read in place; a blend of several is blend.py's BlendLoader, built on this one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,16 +47,32 @@ STATE_VERSION = 1
 _MATCHING_KEYS = ("split", "seq_len", "global_batch_size", "seed", "dataset_sha256", "n_samples")
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """A dp rank's share of a global batch: tokens int64 [accum, m, s + 1]; loss_mask bool
+    [accum, m, s], whether each target counts (None: every one does); starts bool
+    [accum, m, s], where a record of the dataset starts among the inputs (never at 0; None:
+    documents end after each end-of-text token)."""
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor | None
+    starts: torch.Tensor | None
+
+
 def step_tensors(
-    tokens: np.ndarray, mask: np.ndarray | None, accum: int, micro_batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A dp rank's samples [share, s + 1] and their targets' mask [share, s] (or None) as the
-    tensors of a step: [accum, m, s + 1] and [accum, m, s]."""
+    tokens: np.ndarray,
+    mask: np.ndarray | None,
+    starts: np.ndarray | None,
+    accum: int,
+    micro_batch_size: int,
+) -> StepBatch:
+    """A dp rank's samples [share, s + 1], their targets' mask and their record starts
+    [share, s] (or None) as the tensors of a step."""
     import torch
 
     shape = (accum, micro_batch_size, -1)
-    masks = None if mask is None else torch.from_numpy(mask.reshape(shape))
-    return torch.from_numpy(tokens.reshape(shape)), masks
+    tensors = [None if a is None else torch.from_numpy(a.reshape(shape)) for a in (mask, starts)]
+    return StepBatch(torch.from_numpy(tokens.reshape(shape)), *tensors)
 
 
 class BatchLoader:
@@ -105,6 +127,7 @@ class BatchLoader:
         self._tokens = self.source.tokens
         self.eod_mask_loss = eod_mask_loss
         self.masks_loss = self.source.loss_mask is not None or eod_mask_loss
+        self.knows_records = self.source.records_are_documents  # next_step_batch's starts
         self._build_runs()
         self.n_samples = (self.stream_len - 1) // seq_len
         if self.n_samples < 1:
@@ -124,6 +147,8 @@ class BatchLoader:
         chosen = np.flatnonzero(np.asarray(flags) == SPLIT_NAMES.index(self.split))
         starts = np.asarray(offsets[chosen], dtype=np.int64)
         ends = np.asarray(offsets[chosen + 1], dtype=np.int64)
+        doc_lengths = ends - starts
+        self._doc_stream_start = np.cumsum(doc_lengths) - doc_lengths  # each document's
         if len(chosen):
             breaks = starts[1:] != ends[:-1]
             starts = starts[np.concatenate(([True], breaks))]
@@ -198,18 +223,41 @@ class BatchLoader:
             counted &= batch[:, :-1] != self.source.eot_id
         return batch, counted
 
+    def read_starts(self, positions: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """Where a document starts among the inputs of the samples at these global positions,
+        bool [len(positions), s], never at 0 (batch: their tokens, from read_samples): at the
+        first token of each record of a dataset whose records are its documents
+        (TokenSource.records_are_documents), else after each end-of-text token."""
+        starts = np.zeros((len(positions), self.seq_len), dtype=bool)
+        if not self.source.records_are_documents:
+            starts[:, 1:] = batch[:, :-2] == self.source.eot_id
+            return starts
+        for row, sample in enumerate(self.ids_at(positions)):
+            first = int(sample) * self.seq_len
+            within = np.searchsorted(self._doc_stream_start, [first + 1, first + self.seq_len])
+            starts[row, self._doc_stream_start[slice(*within)] - first] = True
+        return starts
+
     def next_step(self) -> torch.Tensor:
         """This dp rank's share of the next global batch: int64 [accum, m, s + 1]."""
-        return self.next_masked_step()[0]
+        return self.next_step_batch().tokens
 
     def next_masked_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """next_step()'s batch and its targets' loss mask, bool [accum, m, s] (None when every
         target counts: masks_loss is false)."""
+        step = self.next_step_batch()
+        return step.tokens, step.loss_mask
+
+    def next_step_batch(self) -> StepBatch:
+        """next_masked_step()'s batch and mask, with the record starts of a dataset whose
+        records are its documents."""
         share = self.global_batch_size // self.dp_size
         first = self.consumed_samples + self.dp_rank * share
-        batch, mask = self.read_samples(np.arange(first, first + share, dtype=np.int64))
+        positions = np.arange(first, first + share, dtype=np.int64)
+        batch, mask = self.read_samples(positions)
+        starts = self.read_starts(positions, batch) if self.knows_records else None
         self.consumed_samples += self.global_batch_size
-        return step_tensors(batch, mask, self.accum, self.micro_batch_size)
+        return step_tensors(batch, mask, starts, self.accum, self.micro_batch_size)
 
     def reset(self) -> None:
         """Back to the first sample of epoch 0 (evaluation runs the same batches every time)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from megatronish.data.chat_template import TEMPLATE_FILE, ChatTemplate
 from megatronish.data.corpus import Corpus
 from megatronish.data.dataset import (
     FORMAT,
@@ -38,17 +39,19 @@ from megatronish.data.dataset import (
 )
 from megatronish.data.encode import encode_corpus
 from megatronish.data.sft import SFTCorpus
+from megatronish.data.template_sft import encode_conversations, load_tokenizer_dir
 from megatronish.data.tokenizer import (
     DEFAULT_BPE_VOCAB,
     MIN_BPE_VOCAB,
     ByteTokenizer,
     HFTokenizer,
     check_bpe_vocab_size,
+    companion_files,
     load_tokenizer_file,
     train_bpe,
 )
 from megatronish.errors import UserError
-from megatronish.files import follow_umask
+from megatronish.files import follow_umask, write_file
 
 SKIPPED_NAMES = 20  # skipped files named in metadata.json (all are counted)
 SKIPPED_SHOWN = 3  # of them, named in prepare's note
@@ -56,12 +59,17 @@ SKIPPED_SHOWN = 3  # of them, named in prepare's note
 
 @dataclass(frozen=True)
 class TokenizerChoice:
-    """What --tokenizer resolved to: kind byte | bpe | file, and for file the loaded tokenizer."""
+    """What --tokenizer resolved to: kind byte | bpe | file, and for file the loaded tokenizer
+    (from a tokenizer directory: the directory, its chat template if it has one, and the
+    vocab_size of the model beside it if it names one)."""
 
     kind: str
     bpe_vocab_size: int | None = None
     path: Path | None = None
     loaded: HFTokenizer | None = None
+    template: ChatTemplate | None = None
+    model_vocab_size: int | None = None
+    directory: Path | None = None
 
 
 def prepare_dataset(
@@ -77,7 +85,8 @@ def prepare_dataset(
 ) -> Path:
     """Tokenizes `inputs` (files, directories, *.jsonl files; none: the built-in corpus) into a
     new dataset directory `output` and returns its path. tokenizer is "byte", "bpe" (trained on
-    the corpus with vocab_size ids, default 8192) or the path of a tokenizer.json. Whole
+    the corpus with vocab_size ids, default 8192), the path of a tokenizer.json or of a Hugging
+    Face tokenizer directory (with sft, its chat template renders the records). Whole
     documents form the validation split: round(n_docs * val_fraction) of them (at least one
     when val_fraction > 0 and there are two or more), drawn by `seed`. sft: every input is SFT
     JSON Lines (sft.py), and the dataset gets a loss mask. UserError, with nothing left at
@@ -123,10 +132,17 @@ def resolve_tokenizer(tokenizer: str, vocab_size: int | None) -> TokenizerChoice
         check_bpe_vocab_size(size)
         return TokenizerChoice("bpe", bpe_vocab_size=size)
     path = Path(tokenizer).expanduser()
-    if not path.is_file():
-        raise UserError(f"--tokenizer {tokenizer}: not byte, bpe or an existing tokenizer.json")
+    if not path.exists():
+        raise UserError(
+            f"--tokenizer {tokenizer}: not byte, bpe, an existing tokenizer.json or a tokenizer "
+            "directory"
+        )
     if vocab_size is not None:
         raise UserError(f"--vocab-size: a tokenizer file ({path}) brings its own vocabulary")
+    if path.is_dir():
+        loaded, template, model_vocab = load_tokenizer_dir(path)
+        file = (path / TOKENIZER_FILE).resolve()
+        return TokenizerChoice("file", None, file, loaded, template, model_vocab, path.resolve())
     return TokenizerChoice("file", path=path.resolve(), loaded=load_tokenizer_file(path))
 
 
@@ -141,10 +157,8 @@ def write_dataset(
     encoding_started = time.perf_counter()
     dtype = token_dtype(tok.vocab_size)
     sft = isinstance(corpus, SFTCorpus)
-    mask_path = directory / LOSS_MASK_FILE if sft else None
-    offsets, max_id, digest, counted = encode_corpus(
-        corpus, tok, directory / TOKENS_FILE, dtype, mask_path
-    )
+    template = choice.template if sft else None
+    offsets, max_id, digest, counted = _encode(corpus, tok, directory, dtype, template)
     encoding_s = time.perf_counter() - encoding_started
     n_docs = len(offsets) - 1
     if n_docs == 0:
@@ -156,12 +170,7 @@ def write_dataset(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "created_by": f"megatronish {_version()}",
-        "tokenizer": {
-            "kind": choice.kind,
-            "file": TOKENIZER_FILE if choice.kind != "byte" else None,
-            "source": str(choice.path) if choice.path else None,
-            "requested_vocab_size": choice.bpe_vocab_size,
-        },
+        "tokenizer": _tokenizer_meta(choice),
         "vocab_size": int(tok.vocab_size),
         "eot_id": int(tok.eot_id),
         "dtype": dtype.name,
@@ -171,6 +180,8 @@ def write_dataset(
         "sft": sft,
         "loss_mask": LOSS_MASK_FILE if sft else None,
         "counted_tokens": counted,
+        "chat_template": TEMPLATE_FILE if template is not None else None,
+        "chat_template_source": template.name if template is not None else None,
         "builtin": corpus.is_builtin,
         "sources": corpus.description,
         "n_files": len(corpus.sources),
@@ -187,12 +198,44 @@ def write_dataset(
     return meta
 
 
+def _tokenizer_meta(choice: TokenizerChoice) -> dict[str, Any]:
+    """metadata.json's "tokenizer": kind, file, source, requested_vocab_size; from a tokenizer
+    directory also the directory and the vocab_size of the model beside it (or None)."""
+    meta = {
+        "kind": choice.kind,
+        "file": TOKENIZER_FILE if choice.kind != "byte" else None,
+        "source": str(choice.path) if choice.path else None,
+        "requested_vocab_size": choice.bpe_vocab_size,
+    }
+    if choice.directory is not None:
+        meta.update(directory=str(choice.directory), model_vocab_size=choice.model_vocab_size)
+    return meta
+
+
+def _encode(
+    corpus: Corpus,
+    tok: ByteTokenizer | HFTokenizer,
+    directory: Path,
+    dtype: np.dtype,
+    template: ChatTemplate | None,
+) -> tuple[np.ndarray, int, str, int]:
+    """Writes the tokens (and an SFT corpus's loss mask; with a chat template, the template too)
+    into `directory`: (offsets, the largest id, sha256, tokens counted)."""
+    mask_path = directory / LOSS_MASK_FILE if isinstance(corpus, SFTCorpus) else None
+    if template is None:
+        return encode_corpus(corpus, tok, directory / TOKENS_FILE, dtype, mask_path)
+    assert isinstance(corpus, SFTCorpus) and isinstance(tok, HFTokenizer) and mask_path
+    encoded = encode_conversations(corpus, template, tok, directory / TOKENS_FILE, dtype, mask_path)
+    write_file(directory / TEMPLATE_FILE, template.source.encode("utf-8"))
+    return encoded
+
+
 def _dataset_tokenizer(
     corpus: Corpus, directory: Path, choice: TokenizerChoice
 ) -> tuple[ByteTokenizer | HFTokenizer, float]:
     """(the dataset's tokenizer, the seconds its training took): the byte tokenizer, a BPE
     tokenizer trained on the corpus, or the chosen file; the latter two written into
-    `directory` as tokenizer.json."""
+    `directory` as tokenizer.json (a tokenizer directory's companion files beside it)."""
     started = time.perf_counter()
     training_s = 0.0
     if choice.kind == "byte":
@@ -205,12 +248,15 @@ def _dataset_tokenizer(
         assert choice.loaded is not None and choice.path is not None
         tok = choice.loaded
         shutil.copyfile(choice.path, directory / TOKENIZER_FILE)
+        if choice.directory is not None:  # its settings and chat template travel with it
+            for path in companion_files(choice.directory):
+                shutil.copyfile(path, directory / path.name)
     return tok, training_s
 
 
 def prepare_notes(meta: dict[str, Any]) -> list[str]:
     """One line each for what a user would not expect of the dataset `meta` describes: a BPE
-    vocabulary smaller than asked for, and the binary files skipped (the first few named)."""
+    vocabulary smaller than asked for and the binary files skipped (the first few named)."""
     notes = []
     asked, got = meta["tokenizer"].get("requested_vocab_size"), meta["vocab_size"]
     if asked is not None and got < asked:

@@ -13,6 +13,9 @@ Only the assistant messages' content and that closing end-of-text token count in
 tags, separators, system and user content do not. Each segment is tokenized on its own, so the
 loss mask follows the segments exactly (a token never straddles a counted and an uncounted
 segment).
+
+`prepare --sft --tokenizer DIR` renders with DIR's own chat template instead, where it has one
+(template_sft.py); this template stays for the byte tokenizer and tokenizers without one.
 """
 
 from __future__ import annotations
@@ -96,12 +99,18 @@ class SFTCorpus(Corpus):
     """A corpus of SFT JSON Lines files (every input file is read as JSON Lines): each record
     is one document, its pieces the template's segments, (text, ends_document, counted)."""
 
-    def pieces(self) -> Iterator[tuple[str, bool, bool]]:
-        self.text_bytes = 0
+    def conversations(self) -> Iterator[tuple[str, list[dict[str, str]]]]:
+        """(where: file:line, the record's messages) for every record, in order."""
         self.skipped_files = []
         for source in self.sources:
             for lineno, record in jsonl_records(source.path):
-                segments = render(messages_of(record, f"{source.path}:{lineno}"))
-                for index, (text, counted) in enumerate(segments):
-                    self.text_bytes += len(text.encode("utf-8"))
-                    yield text, index == len(segments) - 1, counted
+                where = f"{source.path}:{lineno}"
+                yield where, messages_of(record, where)
+
+    def pieces(self) -> Iterator[tuple[str, bool, bool]]:
+        self.text_bytes = 0
+        for _, messages in self.conversations():
+            segments = render(messages)
+            for index, (text, counted) in enumerate(segments):
+                self.text_bytes += len(text.encode("utf-8"))
+                yield text, index == len(segments) - 1, counted

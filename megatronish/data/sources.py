@@ -63,6 +63,13 @@ class TokenSource:
     def docs_in(self, split: str) -> int:
         return int(np.count_nonzero(np.asarray(self.split) == SPLIT_NAMES.index(split)))
 
+    @property
+    def records_are_documents(self) -> bool:
+        """Whether document masks take the documents from the offsets (an SFT dataset: a chat
+        template may write the end-of-text token inside a conversation) rather than end them
+        after each end-of-text token, as Megatron does."""
+        return self.loss_mask is not None
+
     def tokenizer_words(self) -> str:
         """What the dataset's ids are tokens of, as a message says it after the path."""
         if self.tokenizer is not None:
@@ -224,9 +231,30 @@ def run_data(cfg: Config, vocab_size: int | None = None) -> tuple[Config, DataPl
     data = cfg.data
     vocab_size = vocab_size if vocab_size is not None else cfg.model.vocab_size
     plan = resolve_data(data.path, data.blend, data.split, vocab_size, data.eod_id)
+    for source in plan.sources:
+        check_tokenizer_dir_vocab(source, cfg.model.vocab_size)
     if plan.sft and not data.document_mask:
         cfg = replace(cfg, data=replace(data, document_mask=True))
     return cfg, plan
+
+
+def check_tokenizer_dir_vocab(source: TokenSource, model_vocab: int | None) -> None:
+    """UserError naming both sizes when a dataset prepared with a Hugging Face tokenizer
+    directory meets a model.vocab_size that is neither the tokenizer's vocabulary nor the one
+    of the model the directory's config.json describes (an embedding padded past the
+    tokenizer's last id)."""
+    tokenizer = (source.meta or {}).get("tokenizer") or {}
+    if model_vocab is None or "directory" not in tokenizer:
+        return
+    sizes = {source.vocab_size, tokenizer.get("model_vocab_size") or source.vocab_size}
+    if model_vocab not in sizes:
+        valid = " or ".join(str(size) for size in sorted(sizes))
+        raise UserError(
+            f"model.vocab_size: {model_vocab} differs from the vocabulary of the tokenizer "
+            f"directory {tokenizer['directory']} ({valid}) that prepared {source.path}; set "
+            f"model.vocab_size={max(sizes)} (null takes {source.vocab_size}), or prepare the "
+            "data with the model's own tokenizer directory"
+        )
 
 
 def shared_eod_id(sources: list[TokenSource]) -> int:

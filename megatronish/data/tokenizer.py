@@ -20,10 +20,19 @@ from megatronish.errors import UserError
 
 EOT_TOKEN = "<|endoftext|>"
 # End-of-text tokens recognised in an existing tokenizer.json, in order of preference.
-EOT_CANDIDATES = (EOT_TOKEN, "</s>", "<eos>")
+EOT_CANDIDATES = (EOT_TOKEN, "</s>", "<eos>", "<|end_of_text|>")
 DEFAULT_BPE_VOCAB = 8192
 MIN_BPE_VOCAB = 257  # the 256 byte symbols of the ByteLevel alphabet plus <|endoftext|>
 MAX_VOCAB = 2**31
+# The files of a Hugging Face tokenizer directory that travel with its tokenizer.json (settings,
+# special tokens, chat template): import, prepare --tokenizer DIR, checkpoints and export copy
+# those a directory holds.
+TOKENIZER_COMPANIONS = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 class ByteTokenizer:
@@ -138,7 +147,8 @@ def check_bpe_vocab_size(vocab_size: int) -> None:
 
 def load_tokenizer_file(path: str | Path, name: str = "file") -> HFTokenizer:
     """Loads a Hugging Face tokenizer.json; its end-of-text token is the first of
-    <|endoftext|>, </s>, <eos> that it has. UserError naming the file otherwise."""
+    <|endoftext|>, </s>, <eos>, <|end_of_text|> (Llama 3) that it has. UserError naming the file
+    otherwise."""
     from tokenizers import Tokenizer as HFCore
 
     path = Path(path)
@@ -155,6 +165,11 @@ def load_tokenizer_file(path: str | Path, name: str = "file") -> HFTokenizer:
             return HFTokenizer(core, eot_id, name=name)
     candidates = ", ".join(EOT_CANDIDATES)
     raise UserError(f"{path}: the tokenizer has no end-of-text token; it needs one of {candidates}")
+
+
+def companion_files(directory: Path) -> tuple[Path, ...]:
+    """The files of TOKENIZER_COMPANIONS that `directory` holds."""
+    return tuple(directory / name for name in TOKENIZER_COMPANIONS if (directory / name).is_file())
 
 
 def tokenizer_id(kind: str, file: Path | None) -> str | None:

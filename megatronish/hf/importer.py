@@ -222,7 +222,8 @@ def init_from_hf(
 def import_hf(hf_dir: str, output: str, overrides: tuple[str, ...] = ()) -> tuple[Path, bool]:
     """Writes the weights of a Hugging Face directory as checkpoint `output` (step 0, tp 1;
     model.* from config.json, other keys from the defaults and overrides: a model.* override is
-    a UserError). Returns (step directory, whether a tokenizer was found). A write the system
+    a UserError). Returns (step directory, whether a tokenizer was found: its tokenizer.json and
+    companion files, the chat template among them, are copied there). A write the system
     refuses leaves no `output` behind (one that existed before is kept)."""
     from megatronish.distributed.layout import ParallelState
     from megatronish.model import GPT

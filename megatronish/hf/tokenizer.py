@@ -1,6 +1,9 @@
 """The tokenizer that travels with a model. Export writes a file tokenizer (BPE, tokenizer.json)
 with a tokenizer_config.json that transformers' AutoTokenizer reads, or marks a byte-level
-model in config.json (transformers has no byte tokenizer class); import takes either back."""
+model in config.json (transformers has no byte tokenizer class); import takes either back, a
+tokenizer.json with its companion files (data.tokenizer.TOKENIZER_COMPANIONS: tokenizer_config.json,
+the chat template...). The companions travel through prepare, training's checkpoints and export,
+so transformers' AutoTokenizer on an export renders the model's own chat template."""
 
 from __future__ import annotations
 
@@ -9,16 +12,20 @@ from pathlib import Path
 from megatronish.checkpoint.format import TOKENIZER_FILE
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import TokenizerInfo
+from megatronish.data.tokenizer import companion_files
 from megatronish.errors import UserError
 from megatronish.files import write_file
 from megatronish.hf.files import CONFIG_JSON, json_bytes, read_config_json
 
 BYTE_TOKENIZER_KEY = "megatronish_tokenizer"  # config.json marker of the byte-level tokenizer
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def write_tokenizer(ckpt: Checkpoint, out: Path, config: dict, max_seq_len: int) -> str:
     """Writes the checkpoint's tokenizer into the export directory `out` (or marks `config`,
-    the config.json to write, byte-level); returns the line saying what was written."""
+    the config.json to write, byte-level): tokenizer.json, its companion files, and a
+    tokenizer_config.json that names the end-of-text token where the checkpoint has none of
+    its own; returns the line saying what was written."""
     info = ckpt.meta.get("tokenizer")
     if info is not None and info["kind"] == "byte":
         config[BYTE_TOKENIZER_KEY] = "byte"
@@ -28,21 +35,25 @@ def write_tokenizer(ckpt: Checkpoint, out: Path, config: dict, max_seq_len: int)
         )
     if info is None or not (ckpt.dir / TOKENIZER_FILE).is_file():
         return "no tokenizer written: the checkpoint records none"
-    write_file(out / TOKENIZER_FILE, (ckpt.dir / TOKENIZER_FILE).read_bytes())
+    companions = companion_files(ckpt.dir)
+    for path in (ckpt.dir / TOKENIZER_FILE, *companions):
+        write_file(out / path.name, path.read_bytes())
     eot = ckpt.tokenizer().tokenizer.id_to_token(info["eot_id"])
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": max_seq_len,
-        "bos_token": eot,
-        "eos_token": eot,
-    }
-    write_file(out / "tokenizer_config.json", json_bytes(tokenizer_config))
-    return f"tokenizer: {TOKENIZER_FILE} (end of text {eot!r})"
+    if not (ckpt.dir / TOKENIZER_CONFIG).is_file():
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": max_seq_len,
+            "bos_token": eot,
+            "eos_token": eot,
+        }
+        write_file(out / TOKENIZER_CONFIG, json_bytes(tokenizer_config))
+    names = ", ".join(path.name for path in (ckpt.dir / TOKENIZER_FILE, *companions))
+    return f"tokenizer: {names} (end of text {eot!r})"
 
 
 def read_tokenizer(hf_dir: Path) -> TokenizerInfo | None:
     """The tokenizer of a Hugging Face directory: the byte-level mark of its config.json, or its
-    tokenizer.json; None when it has none we read."""
+    tokenizer.json with its companion files; None when it has none we read."""
     from megatronish.data import load_tokenizer_file
 
     has_config = (hf_dir / CONFIG_JSON).is_file()
@@ -52,6 +63,8 @@ def read_tokenizer(hf_dir: Path) -> TokenizerInfo | None:
     if not path.is_file():
         return None
     try:
-        return TokenizerInfo("file", load_tokenizer_file(path).eot_id, path)
+        return TokenizerInfo(
+            "file", load_tokenizer_file(path).eot_id, path, companion_files(hf_dir)
+        )
     except UserError:
         return None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatronish.config import Config
-from megatronish.context import Documents, documents_of, split_batch
+from megatronish.context import Documents, documents_at, documents_of, split_batch
 from megatronish.data import BatchLoader
 from megatronish.distributed.layout import ParallelState
 from megatronish.model.mtp import future_tokens_of, shard_future_tokens
@@ -34,13 +34,16 @@ def next_batch(
     """The next global batch's inputs and targets for this rank, [accum, micro, s / cp] each:
     the loader's samples of this dp rank, this cp rank's zigzag shard of them (targets that do
     not count in the loss are -100); with document_mask (data.document_mask) their documents
-    (found in the whole sequences, then split like them); with mtp_depth D > 0 the tokens and
+    (the dataset's records where the loader gives their starts, else found at the end-of-text
+    tokens of the whole sequences; then split like them); with mtp_depth D > 0 the tokens and
     targets ahead (model.mtp.future_tokens_of of the whole sequences, then split like them)
     [accum, micro, 2, D, s / cp], else None."""
-    batch, loss_mask = loader.next_masked_step()  # [accum, micro, s + 1], [..., s]
-    batch = batch.to(ps.device)
+    step = loader.next_step_batch()
+    batch, loss_mask = step.tokens.to(ps.device), step.loss_mask  # [accum, micro, s + 1], [..., s]
     documents = future_tokens = None
-    if document_mask:
+    if document_mask and step.starts is not None:  # the dataset's records
+        documents = documents_at(step.starts.to(ps.device)).shard(ps.cp, ps.cp_rank)
+    elif document_mask:
         documents = documents_of(batch[..., :-1], loader.eod_id).shard(ps.cp, ps.cp_rank)
     if mtp_depth > 0:
         whole = split_batch(batch, 1, 0, loss_mask)
