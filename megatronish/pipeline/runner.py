@@ -135,10 +135,14 @@ class Pipeline:
             assert output.dtype == torch.float32, "hidden states between stages are fp32"
             self._exchange([(output.detach(), self.next)], [])
 
-    def _send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor | None:
+    def _send_forward_recv_backward(
+        self, output: torch.Tensor, oldest: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Sends output on and receives the gradient of `oldest`, the output whose backward
+        comes next (its micro-batch may be of another length)."""
         if self.ps.is_last_stage:
             return None
-        grad = torch.empty_like(output)
+        grad = torch.empty_like(oldest)
         self._exchange([(output.detach(), self.next)], [(grad, self.next)])
         return grad
 
@@ -287,8 +291,8 @@ class Pipeline:
         for index in range(warmup, m):
             output = self._forward(inputs, batch[index], scale, autocast)
             self._hold(held, (inputs, output))
-            grad = self._send_forward_recv_backward(output)
             oldest_inputs, oldest_output = held.pop(0)
+            grad = self._send_forward_recv_backward(output, oldest_output)
             grad_in = self._backward(oldest_inputs, oldest_output, grad)
             if index + 1 < m:
                 inputs = self._send_backward_recv_forward(grad_in, batch[index + 1])

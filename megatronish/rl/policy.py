@@ -97,12 +97,46 @@ class Policy:
         max_completion_length: int | None = None,
     ) -> dict[str, float]:
         """One optimizer step of `loss` (rl.losses: grpo | dr_grpo | dapo | gspo) on these
-        rollouts: only completion tokens (positions >= prompt_len) count; old_logprobs None
-        takes the policy's own (detached: the first ratio is 1); a k3 KL to ref_logprobs when
-        kl_coef > 0; dr_grpo divides by max_completion_length (default: the longest completion
-        given). Log-probabilities come as logprobs() gives them. Returns loss, clip_fraction,
-        kl (0 without ref_logprobs), entropy (means over the completion tokens; gspo's clip
-        fraction over sequences) and grad_norm (before clipping)."""
+        rollouts, at train.lr's schedule for the policy's step count: the gradients of
+        `gradients` with the same arguments, then the update. Returns its metrics."""
+        metrics = self.gradients(
+            seqs,
+            prompt_lens,
+            advantages,
+            loss,
+            clip_low,
+            clip_high,
+            kl_coef,
+            ref_logprobs,
+            old_logprobs,
+            max_completion_length,
+        )
+        self.steps += 1
+        self.data_parallel.step(lr_at(self.steps, self.cfg))
+        self.data_parallel.after_step()
+        return metrics
+
+    def gradients(
+        self,
+        seqs: list[list[int]],
+        prompt_lens: list[int],
+        advantages: list[float],
+        loss: str = "grpo",
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        kl_coef: float = 0.0,
+        ref_logprobs: list[torch.Tensor] | None = None,
+        old_logprobs: list[torch.Tensor] | None = None,
+        max_completion_length: int | None = None,
+    ) -> dict[str, float]:
+        """The gradients of `loss` on these rollouts, accumulated over the packed rows, reduced
+        and clipped (train.grad_clip) in the parameters' .grad, without the update. Only
+        completion tokens (positions >= prompt_len) count; old_logprobs None takes the
+        policy's own (detached: the first ratio is 1); a k3 KL to ref_logprobs when kl_coef > 0;
+        dr_grpo divides by max_completion_length (default: the longest completion given).
+        Log-probabilities come as logprobs() gives them. Returns loss, clip_fraction, kl (0
+        without ref_logprobs), entropy (means over the completion tokens; gspo's clip fraction
+        over sequences) and grad_norm (before clipping)."""
         check_seqs(seqs, self.derived.vocab_size, self.cfg.model.max_seq_len)
         settings = LossSettings(loss, clip_low, clip_high, kl_coef)
         if kl_coef != 0.0 and ref_logprobs is None:
@@ -120,9 +154,6 @@ class Policy:
         self._run(batch, objective, forward_only=False)
         self.data_parallel.after_backward()
         grad_norm = self.data_parallel.clip_grads(self.cfg.train.grad_clip)
-        self.steps += 1
-        self.data_parallel.step(lr_at(self.steps, self.cfg))
-        self.data_parallel.after_step()
         metrics = RowResults(self.ps, rows, [len(s) for s in seqs]).metrics(objective)
         return dict(metrics, grad_norm=grad_norm)
 

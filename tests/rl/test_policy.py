@@ -1,0 +1,161 @@
+"""The RL backend's Policy on a tiny transformers Llama (checkpoint.init_from_hf): its
+log-probabilities equal transformers' log_softmax gathered at the tokens at tp 1, tp 2 with
+sequence parallelism, tp 2 x pp 2 and cp 2, on packed sequences of different lengths, the
+same on every rank; its entropies are transformers'; a step's gradients do not depend on the
+packing budget, and its loss and gradient norm do not depend on the layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.hf.curve import run_settings
+from tests.ranks import run_on_ranks
+from tests.tolerances import RL_GRAD_REL, RL_LOGPROB_ABS
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = [5, 17, 9, 12, 3, 20, 8]
+PROMPTS = [2, 6, 4, 1, 2, 10, 3]
+LAYOUTS = {  # four ranks each; the dp replicas run every row
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2_pp2": ["parallel.tp=2", "parallel.pp=2"],
+    "cp2": ["parallel.cp=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny Llama (GQA 4/2, vocab 101: padded at tp 2) with every weight random."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(1.0 if param.dim() == 1 else 0.0, 0.2 if param.dim() == 1 else 0.15)
+    path = tmp_path_factory.mktemp("rl") / "hf"
+    model.save_pretrained(path)
+    return path
+
+
+def _seqs() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 101, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def _settings(hf_dir: Path, tmp: Path) -> list[str]:
+    return run_settings(hf_dir) + [
+        "train.seq_len=32",
+        "train.micro_batch_size=1",
+        "train.grad_clip=0",
+        "checkpoint.resume=never",
+        f"run.out_dir={tmp}",
+        "rl.tokens_per_micro_batch=24",
+    ]
+
+
+def _step_args(seqs):
+    gen = torch.Generator().manual_seed(9)
+    advantages = torch.randn(len(seqs), generator=gen).tolist()
+    return dict(prompt_lens=PROMPTS, advantages=advantages, loss="gspo")
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dir) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """transformers' log-probabilities and entropies of each sequence alone."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    logprobs, entropies = [], []
+    with torch.no_grad():
+        for seq in _seqs():
+            logits = model(torch.tensor([seq])).logits[0, :-1].float()
+            log_softmax = torch.log_softmax(logits, -1)
+            logprobs.append(log_softmax.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0])
+            entropies.append(-(log_softmax.exp() * log_softmax).sum(-1))
+    return logprobs, entropies
+
+
+@pytest.fixture(scope="module")
+def single(hf_dir, tmp_path_factory) -> dict:
+    """At tp 1 in this process: log-probabilities and entropies, the gradients of one step at
+    two packing budgets, and that step's metrics."""
+    from megatronish.rl import Policy
+
+    policy = Policy(None, _settings(hf_dir, tmp_path_factory.mktemp("run")))
+    seqs = _seqs()
+    out = {"logprobs": policy.logprobs(seqs), "entropies": policy.entropies(seqs)}
+    grads = {}
+    for budget in (1, 64):  # one sequence a row; several a row
+        policy.cfg.rl.tokens_per_micro_batch = budget
+        out[f"metrics_{budget}"] = policy.gradients(seqs, **_step_args(seqs))
+        grads[budget] = [p.grad.clone() for p in policy.model.parameters()]
+        policy.data_parallel.after_step()
+    out["grads"] = grads
+    return out
+
+
+def _on_layouts(rank: int, world: int, hf_dir: Path, tmp: Path) -> dict:
+    from megatronish.distributed import comm
+    from megatronish.rl import Policy
+
+    out = {}
+    seqs = _seqs()
+    for name, layout in LAYOUTS.items():
+        comm.disable_shared_memory()  # the last layout's groups
+        policy = Policy(None, _settings(hf_dir, tmp) + layout)
+        out[name] = {
+            "logprobs": policy.logprobs(seqs),
+            "metrics": policy.gradients(seqs, **_step_args(seqs)),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts(hf_dir, tmp_path_factory) -> list[dict]:
+    return run_on_ranks(_on_layouts, 4, hf_dir, tmp_path_factory.mktemp("runs"), timeout=300)
+
+
+def test_logprobs_at_tp1_equal_transformers_log_softmax_at_the_tokens(single, reference):
+    for ours, theirs in zip(single["logprobs"], reference[0], strict=True):
+        assert ours.dtype == torch.float32 and ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=RL_LOGPROB_ABS)
+
+
+def test_entropies_equal_transformers_distributions_entropies(single, reference):
+    for ours, theirs in zip(single["entropies"], reference[1], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=RL_LOGPROB_ABS)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_logprobs_at_each_layout_equal_transformers_on_every_rank(layout, layouts, reference):
+    for rank_results in layouts:
+        for ours, theirs in zip(rank_results[layout]["logprobs"], reference[0], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=RL_LOGPROB_ABS)
+
+
+def test_step_gradients_do_not_depend_on_the_packing_budget(single):
+    for one, packed in zip(single["grads"][1], single["grads"][64], strict=True):
+        scale = one.abs().max().item()
+        torch.testing.assert_close(packed, one, rtol=0, atol=RL_GRAD_REL * scale)
+    assert single["metrics_64"]["loss"] == pytest.approx(
+        single["metrics_1"]["loss"], rel=RL_GRAD_REL
+    )
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_step_loss_and_grad_norm_at_each_layout_equal_tp1(layout, layouts, single):
+    want = single["metrics_64"]
+    for rank_results in layouts:
+        got = rank_results[layout]["metrics"]
+        for key in ("loss", "grad_norm", "entropy", "clip_fraction"):
+            assert got[key] == pytest.approx(want[key], rel=RL_GRAD_REL, abs=RL_GRAD_REL), key
