@@ -44,6 +44,13 @@ def read_hf(
     found = [_untied_head(family, config, fields, hf), _training_only(family, config)]
     if notes is not None:
         notes.extend(note for note in found if note)
+    return fields, FullTensors(ours_of_hf(family, fields, hf, str(hf_dir)), hf_dir)
+
+
+def ours_of_hf(family: Family, fields: dict[str, Any], hf: Tensors, where: str) -> Tensors:
+    """Our full tensors of a Hugging Face model's (`hf`, emptied on the way) with its model.*
+    settings `fields`; a UserError that names `where` for a missing, misshapen or unexpected
+    tensor."""
     try:
         ours = family.from_hf(hf, fields)
         head = hf.pop(HEAD, None)
@@ -52,14 +59,14 @@ def read_hf(
                 raise KeyError(HEAD)
             ours[HEAD] = head
     except KeyError as exc:
-        raise UserError(f"{hf_dir}: tensor {exc} is missing from the weights") from None
+        raise UserError(f"{where}: tensor {exc} is missing from the weights") from None
     except RuntimeError as exc:
-        raise UserError(f"{hf_dir}: tensor shapes do not fit config.json ({exc})") from None
+        raise UserError(f"{where}: tensor shapes do not fit config.json ({exc})") from None
     if hf:
         raise UserError(
-            f"{hf_dir}: unexpected tensors {sorted(hf)[:5]}; not a plain {fields['arch']}"
+            f"{where}: unexpected tensors {sorted(hf)[:5]}; not a plain {fields['arch']}"
         )
-    return fields, FullTensors(ours, hf_dir)
+    return ours
 
 
 def _untied_head(

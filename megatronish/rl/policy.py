@@ -11,6 +11,7 @@ pp); every dp replica runs every row, so the dp ranks hold the same results and 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from megatronish.rl.losses import LossSettings
 from megatronish.rl.objective import PolicyObjective
 from megatronish.rl.packing import pack, row_tensors, shard_row
 from megatronish.rl.rollouts import Rollouts, check_seqs, completion_counts, shard_terms
-from megatronish.rl.weights import load_start
+from megatronish.rl.weights import hf_weights, load_hf_weights, load_start
 
 
 class Policy:
@@ -156,6 +157,19 @@ class Policy:
         grad_norm = self.data_parallel.clip_grads(self.cfg.train.grad_clip)
         metrics = RowResults(self.ps, rows, [len(s) for s in seqs]).metrics(objective)
         return dict(metrics, grad_norm=grad_norm)
+
+    # ---- weights
+
+    def hf_weights(self, bucket_mb: float = 512.0) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, fp32 CPU tensor) of every weight, bitwise those `megatronish
+        export` writes, gathered from this layout over the ranks in rounds of about bucket_mb;
+        rank 0 yields them, and every rank must iterate (the gathering is collective)."""
+        return hf_weights(self.model, self.cfg, self.derived, self.data_parallel, bucket_mb)
+
+    def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads the whole model's (Hugging Face name, tensor) pairs, as hf_weights gives them;
+        every rank calls it with the same tensors. The optimizer state is kept."""
+        load_hf_weights(self.model, self.cfg, self.derived, self.data_parallel, tensors)
 
     # ---- micro-batches
 

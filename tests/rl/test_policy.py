@@ -1,8 +1,10 @@
 """The RL backend's Policy on a tiny transformers Llama (checkpoint.init_from_hf): its
 log-probabilities equal transformers' log_softmax gathered at the tokens at tp 1, tp 2 with
-sequence parallelism, tp 2 x pp 2 and cp 2, on packed sequences of different lengths, the
-same on every rank; its entropies are transformers'; a step's gradients do not depend on the
-packing budget, and its loss and gradient norm do not depend on the layout."""
+sequence parallelism (and ZeRO-3 over dp 2), tp 2 x pp 2 and cp 2 (dp 2), on packed sequences
+of different lengths, the same on every rank; its entropies are transformers'; a step's
+gradients do not depend on the packing budget, and its loss and gradient norm do not depend
+on the layout; the weights it streams are transformers' state_dict() bitwise at each layout,
+and it streams back what it loads. One four-rank run holds every layout."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.hf.curve import run_settings
 from tests.ranks import run_on_ranks
@@ -20,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 LENGTHS = [5, 17, 9, 12, 3, 20, 8]
 PROMPTS = [2, 6, 4, 1, 2, 10, 3]
 LAYOUTS = {  # four ranks each; the dp replicas run every row
-    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2_sp_zero3": ["parallel.tp=2", "parallel.sequence_parallel=true", "optim.zero=3"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2"],
     "cp2": ["parallel.cp=2"],
 }
@@ -116,7 +119,12 @@ def _on_layouts(rank: int, world: int, hf_dir: Path, tmp: Path) -> dict:
         out[name] = {
             "logprobs": policy.logprobs(seqs),
             "metrics": policy.gradients(seqs, **_step_args(seqs)),
+            "streamed": dict(policy.hf_weights(bucket_mb=0.01)),  # several rounds
         }
+        policy.data_parallel.after_step()
+        halved = {k: v * 0.5 for k, v in load_file(hf_dir / "model.safetensors").items()}
+        policy.load_hf_weights(halved.items())
+        out[name]["reloaded"] = dict(policy.hf_weights(bucket_mb=0.01))
     return out
 
 
@@ -159,3 +167,24 @@ def test_step_loss_and_grad_norm_at_each_layout_equal_tp1(layout, layouts, singl
         got = rank_results[layout]["metrics"]
         for key in ("loss", "grad_norm", "entropy", "clip_fraction"):
             assert got[key] == pytest.approx(want[key], rel=RL_GRAD_REL, abs=RL_GRAD_REL), key
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hf_weights_at_each_layout_are_transformers_state_dict_bitwise_on_rank0(
+    layout, layouts, hf_dir
+):
+    want = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
+    streamed = layouts[0][layout]["streamed"]
+    assert sorted(streamed) == sorted(want)
+    for name, tensor in want.items():
+        assert streamed[name].shape == tensor.shape and torch.equal(streamed[name], tensor), name
+    assert all(not rank_results[layout]["streamed"] for rank_results in layouts[1:])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_load_hf_weights_at_each_layout_streams_back_what_it_loaded(layout, layouts, hf_dir):
+    halved = {k: v * 0.5 for k, v in load_file(hf_dir / "model.safetensors").items()}
+    reloaded = layouts[0][layout]["reloaded"]
+    assert sorted(reloaded) == sorted(halved)
+    for name, tensor in halved.items():
+        assert torch.equal(reloaded[name], tensor), name
