@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.hf.curve import run_settings
 from tests.ranks import run_on_ranks
-from tests.tolerances import RL_GRAD_REL, RL_LOGPROB_ABS
+from tests.tolerances import EXACT, RL_GRAD_REL, RL_LOGPROB_ABS
 
 transformers = pytest.importorskip("transformers")
 
@@ -136,25 +136,25 @@ def layouts(hf_dir, tmp_path_factory) -> list[dict]:
 def test_logprobs_at_tp1_equal_transformers_log_softmax_at_the_tokens(single, reference):
     for ours, theirs in zip(single["logprobs"], reference[0], strict=True):
         assert ours.dtype == torch.float32 and ours.shape == theirs.shape
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=RL_LOGPROB_ABS)
+        torch.testing.assert_close(ours, theirs, rtol=EXACT, atol=RL_LOGPROB_ABS)
 
 
 def test_entropies_equal_transformers_distributions_entropies(single, reference):
     for ours, theirs in zip(single["entropies"], reference[1], strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=RL_LOGPROB_ABS)
+        torch.testing.assert_close(ours, theirs, rtol=EXACT, atol=RL_LOGPROB_ABS)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_logprobs_at_each_layout_equal_transformers_on_every_rank(layout, layouts, reference):
     for rank_results in layouts:
         for ours, theirs in zip(rank_results[layout]["logprobs"], reference[0], strict=True):
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=RL_LOGPROB_ABS)
+            torch.testing.assert_close(ours, theirs, rtol=EXACT, atol=RL_LOGPROB_ABS)
 
 
 def test_step_gradients_do_not_depend_on_the_packing_budget(single):
     for one, packed in zip(single["grads"][1], single["grads"][64], strict=True):
         scale = one.abs().max().item()
-        torch.testing.assert_close(packed, one, rtol=0, atol=RL_GRAD_REL * scale)
+        torch.testing.assert_close(packed, one, rtol=EXACT, atol=RL_GRAD_REL * scale)
     assert single["metrics_64"]["loss"] == pytest.approx(
         single["metrics_1"]["loss"], rel=RL_GRAD_REL
     )
