@@ -164,12 +164,12 @@ class Policy:
         """(Hugging Face name, fp32 CPU tensor) of every weight, bitwise those `megatronish
         export` writes, gathered from this layout over the ranks in rounds of about bucket_mb;
         rank 0 yields them, and every rank must iterate (the gathering is collective)."""
-        return hf_weights(self.model, self.cfg, self.derived, self.data_parallel, bucket_mb)
+        return hf_weights(self.model, self.cfg, self.data_parallel, bucket_mb)
 
     def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads the whole model's (Hugging Face name, tensor) pairs, as hf_weights gives them;
         every rank calls it with the same tensors. The optimizer state is kept."""
-        load_hf_weights(self.model, self.cfg, self.derived, self.data_parallel, tensors)
+        load_hf_weights(self.model, self.data_parallel, tensors)
 
     # ---- micro-batches
 

@@ -7,29 +7,26 @@ vocab padding dropped) and, under ZeRO-3, over dp (the level's whole_params); th
 ep ranks' tensors then reach rank 0 (all_gather_object over the ep group, then the pp group,
 in rounds of about bucket_mb each), which maps them as `megatronish export` does
 (hf.exporter.hf_tensors): bitwise the export's tensors. In (load_hf_weights): the family's
-mapping back (hf.importer.ours_of_hf), each rank keeping its blocks as a checkpoint load does.
+mapping back (hf.importer.load_hf_tensors), each rank keeping its blocks as a checkpoint load does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatronish.checkpoint.format import saved_tensors
-from megatronish.checkpoint.load import inference_config, restore_model
-from megatronish.checkpoint.reader import Checkpoint, FullTensors
-from megatronish.config import Config, Derived, derive
+from megatronish.checkpoint.load import restore_model
+from megatronish.checkpoint.reader import Checkpoint
+from megatronish.config import Config, Derived
 from megatronish.data_parallel import DataParallel
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.hf.exporter import hf_tensors
-from megatronish.hf.family import ConfigJson
-from megatronish.hf.importer import ours_of_hf
-from megatronish.hf.registry import family_of_model
+from megatronish.hf.importer import load_hf_tensors, one_process
 from megatronish.layers.roles import role
 from megatronish.training.resume import resume_path
 
@@ -53,14 +50,8 @@ def load_start(
             restore_model(Checkpoint(path), model)
 
 
-def one_process(cfg: Config, derived: Derived) -> tuple[Config, Derived]:
-    """The config and sizes of the same model in one process (the export's)."""
-    single = inference_config(cfg, derived.vocab_size, 1)
-    return single, derive(single, 1, vocab_size=derived.vocab_size)
-
-
 def hf_weights(
-    model: nn.Module, cfg: Config, derived: Derived, optimizer: DataParallel, bucket_mb: float
+    model: nn.Module, cfg: Config, optimizer: DataParallel, bucket_mb: float
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, fp32 CPU tensor) of every weight, on rank 0; every rank iterates
     (the others get nothing) since the gathering is collective."""
@@ -68,27 +59,16 @@ def hf_weights(
     ours = _whole_on_rank0(model, ps, optimizer, int(bucket_mb * 2**20))
     if not ps.is_main:
         return
-    yield from hf_tensors(*one_process(cfg, derived), ours).items()
+    yield from hf_tensors(*one_process(cfg), ours).items()
 
 
 def load_hf_weights(
-    model: nn.Module,
-    cfg: Config,
-    derived: Derived,
-    optimizer: DataParallel,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    model: nn.Module, optimizer: DataParallel, tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> None:
     """Loads (Hugging Face name, tensor) pairs, the whole model's, into model; every rank calls
     it with the same tensors. A missing, misshapen or unexpected tensor is a UserError."""
-    single, single_derived = one_process(cfg, derived)
-    family = family_of_model(single, single_derived)
-    config = ConfigJson(family.config_json(single, single_derived), Path("load_hf_weights"))
-    fields = family.model_fields(config)
-    fields["tie_embeddings"] = single_derived.tie_embeddings
-    hf = {name: t.detach().to("cpu", torch.float32) for name, t in tensors}
-    ours = ours_of_hf(family, fields, hf, "load_hf_weights")
-    with torch.no_grad(), optimizer.whole_params(write_back=True):
-        restore_model(FullTensors(ours, "load_hf_weights"), model)
+    with optimizer.whole_params(write_back=True):
+        load_hf_tensors(model, tensors, "load_hf_weights")
 
 
 @torch.no_grad()

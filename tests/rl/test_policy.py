@@ -4,7 +4,8 @@ sequence parallelism (and ZeRO-3 over dp 2), tp 2 x pp 2 and cp 2 (dp 2), on pac
 of different lengths, the same on every rank; its entropies are transformers'; a step's
 gradients do not depend on the packing budget, and its loss and gradient norm do not depend
 on the layout; the weights it streams are transformers' state_dict() bitwise at each layout,
-and it streams back what it loads. One four-rank run holds every layout."""
+it streams back what it loads, and an inference model refit at tp 1 from the tp 2 x pp 2
+stream gives the tp 1 policy's logits bitwise. One four-rank run holds every layout."""
 
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def single(hf_dir, tmp_path_factory) -> dict:
         grads[budget] = [p.grad.clone() for p in policy.model.parameters()]
         policy.data_parallel.after_step()
     out["grads"] = grads
+    out["policy"] = policy
     return out
 
 
@@ -188,3 +190,17 @@ def test_load_hf_weights_at_each_layout_streams_back_what_it_loaded(layout, layo
     assert sorted(reloaded) == sorted(halved)
     for name, tensor in halved.items():
         assert torch.equal(reloaded[name], tensor), name
+
+
+def test_refit_at_tp1_from_the_tp2_pp2_stream_gives_the_tp1_policys_logits_bitwise(layouts, single):
+    from megatronish.distributed.layout import ParallelState
+    from megatronish.inference.model import inference_model, refit
+
+    policy = single["policy"]
+    engine = inference_model(
+        policy.cfg, policy.derived.vocab_size, ParallelState.single(torch.device("cpu"))
+    )
+    refit(engine, layouts[0]["tp2_pp2"]["streamed"].items())
+    tokens = torch.tensor(_seqs()[:1])
+    with torch.no_grad():
+        assert torch.equal(engine(tokens), policy.model(tokens))
