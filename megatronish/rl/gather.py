@@ -3,8 +3,9 @@ packed rows (log-probabilities, entropies) made whole and split back into sequen
 step's metrics summed over the rows.
 
 Collectives: one all-gather over cp of the rows' shards (a zigzag shard per row), one
-all-reduce over cp of the metrics' sums, and one broadcast over pp from the last stage; tp
-ranks computed the same values, dp replicas the same rows.
+broadcast over pp from the last stage, then one all-gather over dp (each dp rank ran its share
+of the rows); the metrics' sums take one all-reduce over dp x cp. The tp ranks computed the
+same values.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ METRICS = ("loss", "clip_fraction", "kl", "entropy")
 
 
 class RowResults:
-    """The results of one call's rows, on every rank."""
+    """The results of one call's rows (every row; dp rank r ran rows[r::dp]), on every rank."""
 
     def __init__(self, ps: ParallelState, rows: list[Row], lengths: list[int]):
         self.ps, self.rows, self.lengths = ps, rows, lengths
@@ -31,12 +32,14 @@ class RowResults:
         self, objective: PolicyObjective, batch: list[MicroBatch]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(log-probabilities, entropies) of each sequence, float32 [n_i - 1], in the caller's
-        order."""
+        order; batch: this rank's micro-batches, its rows' first."""
         ps = self.ps
-        local = [row.length // ps.cp for row in self.rows]
+        mine = self.rows[ps.dp_rank :: ps.dp]
+        local = [row.length // ps.cp for row in mine]
         if ps.is_last_stage:
             pieces = [
-                torch.stack([objective.logprobs[id(m)], objective.entropies[id(m)]]) for m in batch
+                torch.stack([objective.logprobs[id(m)], objective.entropies[id(m)]])
+                for m in batch[: len(mine)]
             ]
             flat = torch.cat(pieces, dim=1).float()  # [2, sum L / cp]
         else:
@@ -44,14 +47,16 @@ class RowResults:
         flat = self._from_last_stage(self._whole_rows(flat.contiguous(), local))
         logprobs: list = [None] * len(self.lengths)
         entropies: list = [None] * len(self.lengths)
-        for row, values in zip(self.rows, flat.split([r.length for r in self.rows], 1)):
-            for index, lp, ent in zip(
-                row.members,
-                split_row(row, values[0], self.lengths),
-                split_row(row, values[1], self.lengths),
-                strict=True,
-            ):
-                logprobs[index], entropies[index] = lp.cpu().clone(), ent.cpu().clone()
+        for dp_rank, values in enumerate(self._of_dp_ranks(flat)):
+            rows = self.rows[dp_rank :: ps.dp]
+            for row, row_values in zip(rows, values.split([r.length for r in rows], 1)):
+                for index, lp, ent in zip(
+                    row.members,
+                    split_row(row, row_values[0], self.lengths),
+                    split_row(row, row_values[1], self.lengths),
+                    strict=True,
+                ):
+                    logprobs[index], entropies[index] = lp.cpu().clone(), ent.cpu().clone()
         return logprobs, entropies
 
     def metrics(self, objective: PolicyObjective) -> dict[str, float]:
@@ -63,10 +68,23 @@ class RowResults:
                 for k, name in enumerate(METRICS):
                     if name in row_metrics:
                         sums[k] += row_metrics[name].double()
-        if ps.cp > 1:
-            comm.all_reduce(sums, ps.cp_group)
+        if ps.dp_cp > 1:
+            comm.all_reduce(sums, ps.dp_cp_group)
         sums = self._from_last_stage(sums)
         return dict(zip(METRICS, sums.tolist(), strict=True))
+
+    def _of_dp_ranks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each dp rank's whole rows [2, sum of its L], from this rank's (one all-gather over
+        dp, each padded to the longest)."""
+        ps = self.ps
+        if ps.dp == 1:
+            return [flat]
+        sizes = [sum(row.length for row in self.rows[r :: ps.dp]) for r in range(ps.dp)]
+        padded = flat.new_zeros(2, max(sizes))
+        padded[:, : flat.shape[1]] = flat
+        gathered = padded.new_empty(ps.dp * 2, max(sizes))
+        comm.all_gather_into(gathered, padded, ps.dp_group)
+        return [part[:, :size] for part, size in zip(gathered.view(ps.dp, 2, -1), sizes)]
 
     def _whole_rows(self, flat: torch.Tensor, local: list[int]) -> torch.Tensor:
         """[2, sum L]: every row whole, from each cp rank's shards [2, sum L / cp]."""

@@ -32,7 +32,8 @@ class PolicyObjective(Objective):
 
     def __init__(self, ps: ParallelState, backend: str, settings: LossSettings | None = None):
         self.ps, self.backend, self.settings = ps, backend, settings
-        self.scale = float(ps.cp)  # the gradient reduction averages the cp shards' sums
+        # the gradient reduction averages over dp x cp what are parts of one sum
+        self.scale = float(ps.dp_cp)
         self.terms: dict[int, TokenTerms] = {}  # id(micro) -> its loss terms
         self.logprobs: dict[int, torch.Tensor] = {}  # id(micro) -> [s] fp32
         self.entropies: dict[int, torch.Tensor] = {}

@@ -5,7 +5,7 @@ optimizer step of a policy-gradient loss on rollouts.
 Every rank of the layout calls each method with the same arguments and gets the same results.
 Each call packs its sequences into rows of at most rl.tokens_per_micro_batch tokens
 (rl.packing) and runs them as the step loop runs micro-batches (through the pipeline under
-pp); every dp replica runs every row, so the dp ranks hold the same results and gradients.
+pp); the rows are shared out over the dp ranks, and the results gathered back.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from megatronish.rl.gather import RowResults
 from megatronish.rl.losses import LossSettings
 from megatronish.rl.objective import PolicyObjective
 from megatronish.rl.packing import pack, row_tensors, shard_row
-from megatronish.rl.rollouts import Rollouts, check_seqs, completion_counts, shard_terms
+from megatronish.rl.rollouts import (
+    Rollouts,
+    check_seqs,
+    completion_counts,
+    shard_terms,
+    weightless,
+)
 from megatronish.rl.weights import hf_weights, load_hf_weights, load_start
 
 
@@ -147,9 +153,13 @@ class Policy:
         longest = max_completion_length or max(max(counts), 1)
         objective = PolicyObjective(self.ps, self.cfg.kernels.backend, settings)
         rows, batch = self._batch(seqs)
-        for row, micro in zip(rows, batch, strict=True):
-            terms = rollouts.terms(row, loss, longest, self.ps.device)
-            objective.terms[id(micro)] = shard_terms(terms, self.ps.cp, self.ps.cp_rank)
+        mine = rows[self.ps.dp_rank :: self.ps.dp]
+        for index, micro in enumerate(batch):
+            terms = rollouts.terms(mine[index] if index < len(mine) else rows[0], loss, longest)
+            if index >= len(mine):  # a filler: runs for the collectives, weighs nothing
+                terms = weightless(terms)
+            on_device = shard_terms(terms, self.ps.cp, self.ps.cp_rank, self.ps.device)
+            objective.terms[id(micro)] = on_device
         self.data_parallel.start_of_step(len(batch))
         self.model.set_moe_loss_scale(1.0 / len(batch))
         self._run(batch, objective, forward_only=False)
@@ -174,14 +184,19 @@ class Policy:
     # ---- micro-batches
 
     def _batch(self, seqs: list[list[int]]) -> tuple[list, list[MicroBatch]]:
-        """The packed rows of seqs and their micro-batches (this cp rank's shards)."""
+        """(every packed row of seqs, this rank's micro-batches): the micro-batches of this dp
+        rank's rows (rows[dp_rank::dp]) as this cp rank's shards, then as many fillers (row 0
+        again) as make every dp rank's count the same (the gradient reduction and ZeRO-3's
+        gathers are collective per micro-batch)."""
         ps = self.ps
         multiple = 2 * ps.cp if ps.cp > 1 else 1
         if self.model.sequence_parallel:
             multiple *= ps.tp
         rows = pack([len(s) for s in seqs], self.cfg.rl.tokens_per_micro_batch, multiple)
+        mine = rows[ps.dp_rank :: ps.dp]
+        fillers = -(-len(rows) // ps.dp) - len(mine)
         batch = []
-        for row in rows:
+        for row in mine + [rows[0]] * fillers:
             tokens, targets, documents = row_tensors(row, seqs, ps.device)
             batch.append(
                 MicroBatch(

@@ -66,9 +66,9 @@ class Rollouts:
             if not 0 <= p <= len(seq):
                 raise UserError(f"prompt_lens[{index}]: {p} is not in 0 .. {len(seq)}")
 
-    def terms(self, row: Row, kind: str, longest: int, device: torch.device) -> TokenTerms:
+    def terms(self, row: Row, kind: str, longest: int) -> TokenTerms:
         """The loss terms of a whole packed row's tokens [L] (the filler: mask 0, segment
-        len(row.members))."""
+        len(row.members)), on the CPU."""
         counts = completion_counts(self.seqs, self.prompt_lens)
         weights = sequence_weights(kind, counts, longest)
         total = max(sum(counts), 1)
@@ -89,7 +89,7 @@ class Rollouts:
         for segment, (offset, n) in enumerate(zip(row.offsets, lengths, strict=True)):
             segments[offset : offset + n] = segment
         row_counts = [float(counts[i]) for i in row.members] + [0.0]
-        terms = TokenTerms(
+        return TokenTerms(
             advantages=laid(each(self.advantages)),
             weights=mask * laid(each(weights)),
             shares=mask / total,
@@ -99,27 +99,23 @@ class Rollouts:
             old=None if self.old is None else laid([self.old[i] for i in row.members]),
             ref=None if self.ref is None else laid([self.ref[i] for i in row.members]),
         )
-        return _as(terms, device)
 
 
-def shard_terms(terms: TokenTerms, cp: int, cp_rank: int) -> TokenTerms:
-    """The terms of this cp rank's zigzag shard of the row (counts stay whole)."""
-    if cp == 1:
-        return terms
-    changed = {
-        f.name: shard_row(getattr(terms, f.name)[None], cp, cp_rank)[0]
-        for f in fields(terms)
-        if f.name != "counts" and getattr(terms, f.name) is not None
-    }
-    return replace(terms, **changed)
+def weightless(terms: TokenTerms) -> TokenTerms:
+    """terms that add nothing to the loss or the metrics (a filler micro-batch's)."""
+    return replace(terms, weights=terms.weights * 0, shares=terms.shares * 0)
 
 
-def _as(terms: TokenTerms, device: torch.device) -> TokenTerms:
-    """terms on device, the floating ones in fp32 (as the log-probabilities they meet)."""
-    moved = {}
+def shard_terms(terms: TokenTerms, cp: int, cp_rank: int, device: torch.device) -> TokenTerms:
+    """The terms of this cp rank's zigzag shard of the row (counts stay whole) on device, the
+    floating ones in fp32 (as the log-probabilities they meet)."""
+    changed = {}
     for f in fields(terms):
         value = getattr(terms, f.name)
-        if value is not None:
-            value = value.to(device)
-            moved[f.name] = value.float() if value.is_floating_point() else value
-    return replace(terms, **moved)
+        if value is None:
+            continue
+        if f.name != "counts":
+            value = shard_row(value[None], cp, cp_rank)[0]
+        value = value.to(device)
+        changed[f.name] = value.float() if value.is_floating_point() else value
+    return replace(terms, **changed)

@@ -21,8 +21,8 @@ from tests.tolerances import EXACT, RL_GRAD_REL, RL_LOGPROB_ABS
 
 transformers = pytest.importorskip("transformers")
 
-LENGTHS = [5, 17, 9, 12, 3, 20, 8]
-PROMPTS = [2, 6, 4, 1, 2, 10, 3]
+LENGTHS = [5, 17, 9, 12, 3, 20, 8, 22]  # 5 rows at 24 tokens: dp 2 runs a filler
+PROMPTS = [2, 6, 4, 1, 2, 10, 3, 7]
 LAYOUTS = {  # four ranks each; the dp replicas run every row
     "tp2_sp_zero3": ["parallel.tp=2", "parallel.sequence_parallel=true", "optim.zero=3"],
     "tp2_pp2": ["parallel.tp=2", "parallel.pp=2"],
