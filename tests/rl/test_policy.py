@@ -9,6 +9,7 @@ stream gives the tp 1 policy's logits bitwise. One four-rank run holds every lay
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,26 @@ def test_refit_at_tp1_from_the_tp2_pp2_stream_gives_the_tp1_policys_logits_bitwi
     tokens = torch.tensor(_seqs()[:1])
     with torch.no_grad():
         assert torch.equal(engine(tokens), policy.model(tokens))
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda p, s: p.logprobs([[1]]), "seqs[0]: 1 tokens"),
+        (lambda p, s: p.logprobs([[1, 101]]), "seqs[0]: a token id outside 0 .. 100"),
+        (lambda p, s: p.gradients(s, PROMPTS, [0.0] * len(s), loss="ppo"), "loss: 'ppo'"),
+        (lambda p, s: p.gradients(s, PROMPTS[:2], [0.0] * len(s)), "prompt_lens: 2 entries"),
+        (lambda p, s: p.gradients(s, PROMPTS, [0.0] * len(s), kl_coef=0.1), "ref_logprobs"),
+        (
+            lambda p, s: p.gradients(s, PROMPTS, [0.0] * len(s), old_logprobs=[[0.0]] * len(s)),
+            "old_logprobs[0]: 1 values",
+        ),
+    ],
+)
+def test_a_bad_argument_is_a_user_error_naming_it_before_any_work(call, named, single):
+    from megatronish.errors import UserError
+
+    policy = single["policy"]
+    with pytest.raises(UserError, match=re.escape(named)):
+        call(policy, _seqs())
+    assert all(p.grad is None for p in policy.model.parameters())
