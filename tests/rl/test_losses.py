@@ -11,7 +11,7 @@ import torch
 
 from megatronish.rl.losses import LossSettings, policy_loss
 from megatronish.rl.packing import pack
-from megatronish.rl.rollouts import Rollouts, completion_counts
+from megatronish.rl.rollouts import Rollouts, completion_counts, shard_terms
 from tests.rl.trl_loss import trl_loss
 from tests.tolerances import EXACT, FP32_FEW_OPS_REL
 
@@ -36,7 +36,7 @@ def _ours(kind, logps, rollouts, settings, budget, longest):
     rows = pack(LENGTHS, budget)
     total = torch.zeros(())
     for row in rows:
-        terms = rollouts.terms(row, kind, longest, torch.device("cpu"))
+        terms = shard_terms(rollouts.terms(row, kind, longest), 1, 0, torch.device("cpu"))
         pieces = []
         for index in row.members:
             pieces += [logps[index], torch.zeros(1)]  # a sequence's last token: no target
