@@ -3,9 +3,8 @@ and reference log-probabilities), checked, and laid out on a packed row's tokens
 takes them (rl.losses.TokenTerms).
 
 Legend: n_i sequence i's length, p_i its prompt length, L a row's length. Row position j of
-sequence i (at offset o) predicts its token j - o + 1, a completion token when j - o + 1 >= p_i:
-sequence i has n_i - max(p_i, 1) completion tokens, the last n_i - 1 - ... of its targets.
-"""
+sequence i (at offset o) predicts its token t = j - o + 1, a completion token when t >= p_i:
+sequence i has n_i - max(p_i, 1) completion tokens (its first token is never predicted)."""
 
 from __future__ import annotations
 
