@@ -29,6 +29,7 @@ SECTIONS = {
     "KernelsConfig": "kernels",
     "ObserveConfig": "observe",
     "RunConfig": "run",
+    "RLConfig": "rl",
 }
 
 

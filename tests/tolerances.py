@@ -211,3 +211,14 @@ GATED_DELTA_REL = 1e-4
 # other; the projections (32 terms), the convolution (4 taps) and the gated norm around it add
 # FP32_REORDER-sized terms, far below: 2e-4.
 GATED_DELTANET_REL = 2 * GATED_DELTA_REL
+
+# RL log-probabilities (tests/rl) against transformers' log_softmax gathered at the tokens: the
+# issue's bound. A log-probability is logit - max - log sum exp of fp32 logits ~1 from a few
+# hundred-term fp32 GEMMs (reordered_sum_bound(200) = 2.4e-5 relative to the terms' magnitudes,
+# in practice ~1e-6): 1e-5 absolute holds it at every layout.
+RL_LOGPROB_ABS = 1e-5
+# A step's gradients at another packing or layout against one sequence a row at tp 1: the same
+# per-token terms summed in another order over rows and ranks, each gradient a sum of ~1e2
+# token terms: reordered_sum_bound(100) = 1.2e-5 relative to its magnitude; the grad norm, a
+# sum of squares of those, moves by no more.
+RL_GRAD_REL = reordered_sum_bound(100)

@@ -73,6 +73,7 @@ def _check_sizes(cfg: Config) -> None:
         ("train.seq_len", train.seq_len),
         ("train.log_every", train.log_every),
         ("train.max_skipped_steps", train.max_skipped_steps),
+        ("rl.tokens_per_micro_batch", cfg.rl.tokens_per_micro_batch),
     ]:
         require(value >= 1, f"{key}: {value} is not valid; must be a positive integer")
     for key, value in [

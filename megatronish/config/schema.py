@@ -261,6 +261,14 @@ class RunConfig:
 
 
 @dataclass
+class RLConfig:
+    tokens_per_micro_batch: int = 4096
+    """The token budget of a micro-batch of the RL backend (megatronish.rl.Policy): its
+    variable-length sequences are packed, whole, into micro-batches of at most this many tokens
+    (a longer sequence alone in one), with document masks and no padding."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -271,6 +279,7 @@ class Config:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """The config by its keys (a field named after a Python keyword, `async_`, as the key

@@ -14,7 +14,7 @@ import torch
 
 from megatronish.checkpoint.load import inference_config
 from megatronish.checkpoint.reader import Checkpoint
-from megatronish.config import derive
+from megatronish.config import Config, Derived, derive
 from megatronish.files import follow_umask, nothing_left_on_failure, write_failures, write_file
 from megatronish.hf.family import HEAD
 from megatronish.hf.files import CONFIG_JSON, WEIGHTS, json_bytes
@@ -35,10 +35,7 @@ def export_hf(checkpoint: str, output: str) -> list[str]:
     ckpt.check_in_background()  # every file, while the tensors are read
     ours = {name: ckpt.full(name).float() for name in ckpt.specs}
     ckpt.verify()
-    tensors = family.to_hf(cfg, derived, ours)
-    if not derived.tie_embeddings:
-        tensors[HEAD] = ours[HEAD]
-    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    tensors = hf_tensors(cfg, derived, ours)
     config["tie_word_embeddings"] = derived.tie_embeddings
     eot_id = info["eot_id"] if info else None
     if eot_id is not None:
@@ -56,6 +53,18 @@ def export_hf(checkpoint: str, output: str) -> list[str]:
         os.rename(tmp, out)  # replaces an empty `out` (rename(2))
     lines[0] += f" to {out}"
     return lines
+
+
+def hf_tensors(
+    cfg: Config, derived: Derived, ours: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors (names and shapes of the family's class) of our whole, unpadded
+    tensors `ours` (a one-process cfg and derived): the family's mapping, and the output layer
+    of an untied model."""
+    tensors = family_of_model(cfg, derived).to_hf(cfg, derived, ours)
+    if not derived.tie_embeddings:
+        tensors[HEAD] = ours[HEAD]
+    return {name: t.contiguous() for name, t in tensors.items()}
 
 
 def _write_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import shlex
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from megatronish.errors import UserError
 from megatronish.files import nothing_left_on_failure
 from megatronish.hf.family import HEAD, ConfigJson, Family, Tensors
 from megatronish.hf.files import CONFIG_JSON, read_config_json, read_tensors
-from megatronish.hf.registry import family_of_config_json
+from megatronish.hf.registry import family_of_config_json, family_of_model
 from megatronish.hf.tokenizer import read_tokenizer
 from megatronish.paths import require_new_output_dir
 
@@ -45,6 +46,13 @@ def read_hf(
     found += [_unapplied(config, key) for key in family.unapplied]
     if notes is not None:
         notes.extend(note for note in found if note)
+    return fields, FullTensors(ours_of_hf(family, fields, hf, str(hf_dir)), hf_dir)
+
+
+def ours_of_hf(family: Family, fields: dict[str, Any], hf: Tensors, where: str) -> Tensors:
+    """Our full tensors of a Hugging Face model's (`hf`, emptied on the way) with its model.*
+    settings `fields`; a UserError that names `where` for a missing, misshapen or unexpected
+    tensor."""
     try:
         ours = family.from_hf(hf, fields)
         head = hf.pop(HEAD, None)
@@ -53,14 +61,27 @@ def read_hf(
                 raise KeyError(HEAD)
             ours[HEAD] = head
     except KeyError as exc:
-        raise UserError(f"{hf_dir}: tensor {exc} is missing from the weights") from None
+        raise UserError(f"{where}: tensor {exc} is missing from the weights") from None
     except RuntimeError as exc:
-        raise UserError(f"{hf_dir}: tensor shapes do not fit config.json ({exc})") from None
+        raise UserError(f"{where}: tensor shapes do not fit config.json ({exc})") from None
     if hf:
         raise UserError(
-            f"{hf_dir}: unexpected tensors {sorted(hf)[:5]}; not a plain {fields['arch']}"
+            f"{where}: unexpected tensors {sorted(hf)[:5]}; not a plain {fields['arch']}"
         )
-    return fields, FullTensors(ours, hf_dir)
+    return ours
+
+
+def load_hf_tensors(model, tensors: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
+    """Copies a whole model's Hugging Face tensors, (name, tensor) pairs as export writes them,
+    into model (a GPT at any layout: each rank keeps its blocks), through its family's mapping;
+    a UserError naming `where` for a missing, misshapen or unexpected tensor."""
+    cfg, derived = one_process(model.cfg)
+    family = family_of_model(cfg, derived)
+    fields = family.model_fields(ConfigJson(family.config_json(cfg, derived), Path(where)))
+    fields["tie_embeddings"] = derived.tie_embeddings
+    hf = {name: t.detach().to("cpu", torch.float32) for name, t in tensors}
+    with torch.no_grad():
+        restore_model(FullTensors(ours_of_hf(family, fields, hf, where), where), model)
 
 
 def _untied_head(

@@ -1,9 +1,11 @@
-"""A checkpoint's model for inference: `build_model` at any tp degree (eval and generate), and
-`load_model`, the public one-process model over the real vocabulary."""
+"""A checkpoint's model for inference: `build_model` at any tp degree (eval and generate),
+`refit` (streamed weights loaded in memory), and `load_model`, the public one-process model
+over the real vocabulary."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -17,14 +19,29 @@ from megatronish.distributed.layout import ParallelState
 def build_model(ckpt: Checkpoint, ps: ParallelState, cfg: Config | None = None):
     """A GPT holding the checkpoint's weights at ps's tp degree, in eval mode (in the autocast
     precision alone: no fp8 GEMMs). cfg defaults to the checkpoint's own config."""
+    model = inference_model(cfg if cfg is not None else ckpt.config, ckpt.vocab_size, ps)
+    restore_model(ckpt, model)
+    return model
+
+
+def inference_model(cfg: Config, vocab_size: int, ps: ParallelState):
+    """The GPT of cfg's model for inference at ps's tp degree (inference_config), in eval mode,
+    at its seeded init until weights are restored or refit into it."""
     from megatronish.model import GPT
     from megatronish.model.plan import model_plan
 
-    cfg = inference_config(cfg if cfg is not None else ckpt.config, ckpt.vocab_size, ps.tp)
-    derived = derive(cfg, ps.tp, vocab_size=ckpt.vocab_size)
-    model = GPT(cfg, derived, ps, model_plan(cfg, derived, ps, fp8=False))
-    restore_model(ckpt, model)
-    return model.eval()
+    cfg = inference_config(cfg, vocab_size, ps.tp)
+    derived = derive(cfg, ps.tp, vocab_size=vocab_size)
+    return GPT(cfg, derived, ps, model_plan(cfg, derived, ps, fp8=False)).eval()
+
+
+def refit(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Loads streamed weights into an inference model at its own tp (a build_model GPT, every
+    rank with the same tensors): the whole model's (Hugging Face name, tensor) pairs, as a
+    trainer's megatronish.rl.Policy.hf_weights gives them, in memory."""
+    from megatronish.hf.importer import load_hf_tensors
+
+    load_hf_tensors(model, tensors, "refit")
 
 
 class CheckpointModel(nn.Module):

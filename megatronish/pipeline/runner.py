@@ -95,11 +95,10 @@ class Pipeline:
         model,
         ps: ParallelState,
         schedule: str,
-        seq_len: int,
         measure_memory: bool = False,
         timer: PhaseTimer | None = None,
     ):
-        self.model, self.ps, self.schedule, self.seq_len = model, ps, schedule, seq_len
+        self.model, self.ps, self.schedule = model, ps, schedule
         # The run's phase timer: forward, backward, and the waits for neighbours as "bubble".
         self.timer = timer if timer is not None else PhaseTimer(False, ps.device)
         self.prev = ps.global_rank(ps.tp_rank, ps.dp_rank, ps.pp_rank - 1)
@@ -110,8 +109,10 @@ class Pipeline:
 
     # ---- communication with the neighbouring stages
 
-    def _buffer(self, micro_batch_size: int) -> torch.Tensor:
-        shape = self.model.activation_shape(micro_batch_size, self.seq_len)
+    def _buffer(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A buffer for the hidden states of the micro-batch of `tokens` [b, s / cp]: the
+        micro-batches of a step may differ in length (packed sequences)."""
+        shape = self.model.activation_shape(tokens.shape[0], tokens.shape[1] * self.ps.cp)
         return torch.empty(shape, dtype=torch.float32, device=self.ps.device)
 
     def _exchange(self, sends, recvs) -> None:
@@ -125,7 +126,7 @@ class Pipeline:
         stage's hidden states (a leaf that collects their gradient)."""
         if self.ps.is_first_stage:
             return micro.tokens
-        buffer = self._buffer(micro.tokens.shape[0])
+        buffer = self._buffer(micro.tokens)
         self._exchange([], [(buffer, self.prev)])
         return buffer.requires_grad_(True)
 
@@ -134,10 +135,14 @@ class Pipeline:
             assert output.dtype == torch.float32, "hidden states between stages are fp32"
             self._exchange([(output.detach(), self.next)], [])
 
-    def _send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor | None:
+    def _send_forward_recv_backward(
+        self, output: torch.Tensor, oldest: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Sends output on and receives the gradient of `oldest`, the output whose backward
+        comes next (its micro-batch may be of another length)."""
         if self.ps.is_last_stage:
             return None
-        grad = torch.empty_like(output)
+        grad = torch.empty_like(oldest)
         self._exchange([(output.detach(), self.next)], [(grad, self.next)])
         return grad
 
@@ -155,7 +160,7 @@ class Pipeline:
     def _send_backward_recv_forward(self, grad, micro: MicroBatch) -> torch.Tensor:
         if self.ps.is_first_stage:
             return micro.tokens
-        buffer = self._buffer(micro.tokens.shape[0])
+        buffer = self._buffer(micro.tokens)
         self._exchange([(grad, self.prev)], [(buffer, self.prev)])
         return buffer.requires_grad_(True)
 
@@ -286,8 +291,8 @@ class Pipeline:
         for index in range(warmup, m):
             output = self._forward(inputs, batch[index], scale, autocast)
             self._hold(held, (inputs, output))
-            grad = self._send_forward_recv_backward(output)
             oldest_inputs, oldest_output = held.pop(0)
+            grad = self._send_forward_recv_backward(output, oldest_output)
             grad_in = self._backward(oldest_inputs, oldest_output, grad)
             if index + 1 < m:
                 inputs = self._send_backward_recv_forward(grad_in, batch[index + 1])
@@ -302,7 +307,7 @@ class Pipeline:
         sends and receives, posted without waiting. A receive is waited for when its operation
         runs; every batch at the latest 2 pp ticks later (its peers are past that tick by then;
         waiting releases the tensors it holds), the last ones after the last tick."""
-        ps, micro_batch_size = self.ps, batch[0].tokens.shape[0]
+        ps = self.ps
         ticks = interleaved_ticks(ps.pp, self.virtual, len(batch), self.schedule, forward_only)
         inbox: dict[Op, tuple[torch.Tensor, object]] = {}  # received (buffer, batch handle)
         # (micro-batch, chunk) -> (inputs, output) until its backward; None: forward only
@@ -312,7 +317,7 @@ class Pipeline:
             sent = None
             if tick.op is not None:
                 sent = self._run_op(tick.op, batch, inbox, held, scale, autocast)
-            handle = self._post_tick(tick, sent, inbox, micro_batch_size)
+            handle = self._post_tick(tick, sent, inbox, batch)
             if handle is not None:
                 posted.append((tick.at, handle))
             while posted and posted[0][0] < tick.at - 2 * ps.pp:
@@ -320,12 +325,12 @@ class Pipeline:
         for _, handle in posted:
             self._wait(handle)
 
-    def _post_tick(self, tick: Tick, sent, inbox: dict, micro_batch_size: int):
+    def _post_tick(self, tick: Tick, sent, inbox: dict, batch: list[MicroBatch]):
         """Posts the tick's send (of `sent`) and receives as one batch without waiting; each
         receive's buffer goes into inbox under its key, with the batch's handle. Returns the
         handle (None: nothing to post)."""
         sends = [] if tick.send is None else [(sent, self._peer(tick.send))]
-        recvs = [(key, self._buffer(micro_batch_size), peer) for key, peer in tick.recvs]
+        recvs = [(key, self._buffer(batch[key[1]].tokens), peer) for key, peer in tick.recvs]
         if not (sends or recvs):
             return None
         start = time.perf_counter()

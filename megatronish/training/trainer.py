@@ -75,7 +75,6 @@ class Trainer:
                 self.model,
                 setup.ps,
                 setup.cfg.parallel.pp_schedule,
-                setup.cfg.train.seq_len,
                 timer=self.timer,
             )
             if setup.derived.pp > 1

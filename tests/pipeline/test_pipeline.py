@@ -150,9 +150,7 @@ def _schedule_memory(rank, world, dataset, micro_batches):
             [f"train.global_batch_size={2 * micro_batches}", f"parallel.pp_schedule={schedule}"],
         )  # fmt: skip
         trainer = make_trainer(cfg, world, dataset, ps)
-        trainer.pipeline = Pipeline(
-            trainer.model, ps, schedule, cfg.train.seq_len, measure_memory=True
-        )
+        trainer.pipeline = Pipeline(trainer.model, ps, schedule, measure_memory=True)
         trainer.train_step()
         stats = trainer.pipeline.stats
         out[schedule] = (stats.max_in_flight, stats.peak_saved_bytes)
