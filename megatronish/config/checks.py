@@ -134,6 +134,10 @@ def _check_ranges(cfg: Config) -> None:
         components.rope or not model.qk_norm,
         "model.qk_norm: gpt2 has no norm of queries and keys (only with RoPE families)",
     )
+    require(
+        model.swiglu_limit > 0,
+        f"model.swiglu_limit: {model.swiglu_limit} is not valid; must be > 0 (gpt_oss: 7.0)",
+    )
     _check_sliding_window(cfg)
     _check_mtp(cfg)
 

@@ -13,7 +13,7 @@ Positions = Literal["learned", "rope"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre"]
 AttentionKind = Literal["mha", "mla", "gated_deltanet"]
-Activation = Literal["gelu", "swiglu"]
+Activation = Literal["gelu", "swiglu", "clamped_swiglu"]
 Biases = Literal["all", "qkv", "none"]
 Output = Literal["tied", "separate"]
 
@@ -30,16 +30,22 @@ class BlockComponents:
     grouped-query) or mla (multi-head latent), the full attention of the blocks that
     model.layer_types leaves as such (the others run gated_deltanet, linear attention:
     ModelConfig.block_attention). mlp: gelu (up, GELU, down) or swiglu (gate and up,
-    SiLU(gate) * up, down). biases: all (every linear layer), qkv (the query, key and value
-    projections only) or none. output: the output layer where model.tie_embeddings is null,
-    tied (the token embedding's transpose) or separate (a weight of its own).
+    SiLU(gate) * up, down) or clamped_swiglu (GPT-OSS: gate clamped above and up on both sides
+    at model.swiglu_limit, then gate * sigmoid(1.702 gate) * (up + 1)). biases: all (every
+    linear layer), qkv (the query, key and value projections only) or none. output: the output
+    layer where model.tie_embeddings is null, tied (the token embedding's transpose) or
+    separate (a weight of its own).
 
     norm_offset: what each norm adds to its learned weight before scaling, 0 (the weight is the
     scale, initialized to 1) or 1 (the scale is 1 + weight, the weight zero-initialized: Qwen3.5
     and Qwen3-Next); every norm of the model, the blocks', the final one and the q/k norms.
     attention_gate: the query projection also gives an output gate per head, and attention's
     output is multiplied by sigmoid(gate) before the output projection (Qwen3.5's full
-    attention)."""
+    attention).
+    attention_sinks: a learned logit per query head joins each softmax's denominator, with no
+    value (GPT-OSS); split over tp with its head.
+    biased_experts: the router's logits and each expert's gate, up and down projections have
+    biases (GPT-OSS)."""
 
     positions: Positions
     norm: NormKind
@@ -50,6 +56,8 @@ class BlockComponents:
     output: Output
     norm_offset: float = 0.0
     attention_gate: bool = False
+    attention_sinks: bool = False
+    biased_experts: bool = False
 
     @property
     def rope(self) -> bool:
@@ -74,7 +82,7 @@ class BlockComponents:
     @property
     def gated_mlp(self) -> bool:
         """The MLP's first projection is two (gate and up) rather than one."""
-        return self.mlp == "swiglu"
+        return self.mlp != "gelu"
 
     @property
     def norm_weights(self) -> int:
@@ -113,3 +121,9 @@ ROPE = BlockComponents(
 QWEN3_5 = replace(ROPE, norm_offset=1.0, attention_gate=True)
 """Qwen3.5's blocks: the RoPE blocks with zero-centered norms (scale 1 + weight) and a sigmoid
 output gate on the full attention."""
+
+GPT_OSS = replace(
+    ROPE, biases="all", mlp="clamped_swiglu", attention_sinks=True, biased_experts=True
+)
+"""GPT-OSS's blocks: the RoPE blocks with biases on every projection, attention sinks, the
+clamped SwiGLU, and biased experts and router."""

@@ -148,6 +148,14 @@ def swiglu(gate, up, backend: str = "auto"):
     return reference.swiglu(gate, up)
 
 
+def activate(gate, up, limit: float | None, backend: str = "auto"):
+    """A gated MLP's activation: swiglu, or with a limit GPT-OSS's clamped SwiGLU (torch ops on
+    every backend)."""
+    if limit is None:
+        return swiglu(gate, up, backend)
+    return reference.clamped_swiglu(gate, up, limit)
+
+
 def bias_gelu(x, bias, backend: str = "auto"):
     """gelu(x + bias), tanh approximation; bias may be None."""
     if resolve_backend(backend, x) == "triton":
