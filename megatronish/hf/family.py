@@ -83,6 +83,9 @@ class Family:
     training_only: tuple[tuple[str, float], ...] = ()
     """config.json keys (with the class's default) that transformers applies in training alone,
     dropout and router noise: no weight depends on them, and import notes a non-zero one."""
+    export_note: str | None = None
+    """A line export prints after writing the family's directory (what it writes otherwise
+    than the published checkpoints), or None."""
 
     @property
     def architecture(self) -> str:

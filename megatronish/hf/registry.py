@@ -12,6 +12,7 @@ from megatronish.errors import UserError
 from megatronish.hf import (
     deepseek_v3,
     gpt2,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -36,6 +37,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_5_moe.FAMILY,
     qwen3_next.FAMILY,
     deepseek_v3.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 
