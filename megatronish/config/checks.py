@@ -220,6 +220,11 @@ def check_moe_values(cfg: Config) -> None:
         "RoPE family (llama, qwen3_moe, ...) or model.moe.num_experts=0",
     )
     require(
+        not cfg.model.components.biased_experts or cfg.model.d_model % cfg.parallel.tp == 0,
+        f"model.d_model: {cfg.model.d_model} is not divisible by parallel.tp={cfg.parallel.tp} "
+        "(the experts' down biases split over tp)",
+    )
+    require(
         moe.top_k <= moe.num_experts,
         f"model.moe.top_k: {moe.top_k} is more than model.moe.num_experts={moe.num_experts}; "
         f"valid: 1 to {moe.num_experts}",

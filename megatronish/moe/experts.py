@@ -12,8 +12,8 @@ grouped GEMMs take fp8 operands, scaled per (expert, source) run of rows
 (megatronish.fp8.grouped): the caller passes the dispatch's per-source counts.
 
 With biases (GPT-OSS: biased=True) each expert also has gate and up biases [E_l, f/t] (split
-with their rows) and a down bias [E_l, h], replicated over tp and added by tp rank 0 alone, so
-the partial sums still add up to the output (its gradient, rank 0's, is summed over tp). With a
+with their rows) and a down bias [E_l, h/t], split over tp along h: each rank adds its columns'
+part to its partial sum, so the sum over tp adds each bias once. With a
 limit the activation is GPT-OSS's clamped SwiGLU (ops.activate).
 
 Each weight's role (mark_experts) holds its per-expert full shape and tp split dim (those of
@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatronish import ops
@@ -82,12 +83,11 @@ class GroupedExperts(nn.Module):
         if biased:
             self.gate_bias = nn.Parameter(torch.zeros(num_local, local_ff))
             self.up_bias = nn.Parameter(torch.zeros(num_local, local_ff))
-            self.down_bias = nn.Parameter(torch.zeros(num_local, d_model))
+            self.down_bias = nn.Parameter(torch.zeros(num_local, d_model // tp))
             mark_experts(self.gate_bias, 0, (d_ff,), first)
             mark_experts(self.up_bias, 0, (d_ff,), first)
-            mark_experts(self.down_bias, None, (d_model,), first)
-            set_role(self.down_bias, sequence_parallel_grad=True)
-        self.adds_down_bias = tp == 1 or comm.group_rank(tp_group) == 0
+            mark_experts(self.down_bias, 0, (d_model,), first)
+        self.first_column = (d_model // tp) * (comm.group_rank(tp_group) if tp > 1 else 0)
         self.recipe, tokens = plan.recipe, plan.tokens
         self.fp8_splits = (Split(tp_group, "out", tokens), Split(tp_group, "in", tokens))
 
@@ -107,8 +107,7 @@ class GroupedExperts(nn.Module):
         g = self._biased(matmul(x, "gate"), self.gate_bias, offsets)  # [R, f/t]
         u = self._biased(matmul(x, "up"), self.up_bias, offsets)
         hidden = ops.activate(g, u, self.limit, backend=self.backend)
-        down_bias = self.down_bias if self.adds_down_bias else None
-        return self._biased(matmul(hidden, "down"), down_bias, offsets)  # [R, h]
+        return self._biased(matmul(hidden, "down"), self.down_bias, offsets)  # [R, h]
 
     def _matmul(
         self, rows: torch.Tensor, name: str, offsets: torch.Tensor, counts: list | None
@@ -123,12 +122,18 @@ class GroupedExperts(nn.Module):
         weight = to_autocast_dtype(weight).transpose(1, 2)
         return ops.grouped_mm(rows, weight, offsets, backend=self.backend)
 
-    @staticmethod
-    def _biased(y: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor) -> torch.Tensor:
-        """y [R, n] plus each row's expert's bias (none where bias is None)."""
+    def _biased(
+        self, y: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """y [R, n] plus each row's expert's bias (none where bias is None); the down bias
+        [E_l, h/t] on this rank's columns of h."""
         if bias is None:
             return y
-        return y + row_bias(to_autocast_dtype(bias), offsets, y.shape[0])
+        rows = row_bias(to_autocast_dtype(bias), offsets, y.shape[0])
+        if rows.shape[1] != y.shape[1]:
+            first = self.first_column
+            rows = F.pad(rows, (first, y.shape[1] - first - rows.shape[1]))
+        return y + rows
 
 
 def stored_tensors(named_parameters) -> list[tuple[str, nn.Parameter, int | None]]:
