@@ -1,11 +1,10 @@
 """GPT-OSS's parameters as counted: the tiny model's numel (sinks, the router's logit bias and
-the experts' biases included), of its fp8 layers too, and gpt-oss-20b's as transformers counts
-a GptOssForCausalLM of its config.json's shapes; FLOPs with each block's window."""
+the experts' biases included), of its fp8 layers too (gpt-oss-20b's against transformers' count:
+tests/hf/test_hf_gpt_oss.py); FLOPs with each block's window."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatronish.accounting.flops import attention_flops_per_token
 from megatronish.accounting.memory import fp8_layer_params
@@ -31,15 +30,6 @@ def test_parameter_counts_equal_the_numel_of_the_tiny_gpt_oss():
     linears = (ColumnParallelLinear, RowParallelLinear, GroupedExperts)
     fp8 = [m for m in model.blocks.modules() if isinstance(m, linears)]
     assert fp8_layer_params(cfg, derived, 0) == sum(p.numel() for m in fp8 for p in m.parameters())
-
-
-def test_gpt_oss_20b_has_the_parameters_transformers_counts_of_its_shapes():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32)
-    with torch.device("meta"):
-        theirs = sum(p.numel() for p in transformers.GptOssForCausalLM(config).parameters())
-    cfg = load_config(CONFIGS / "gpt-oss-20b.yaml")
-    assert parameter_count(cfg, derive(cfg, 8)) == theirs == 20_914_757_184
 
 
 def test_attention_flops_count_each_sliding_block_through_its_window():

@@ -3,7 +3,8 @@ attention, every weight random, sinks and biases too; sliding blocks of window 4
 ones on 17 tokens, YaRN) imported with our CLI gives transformers' logits; exporting the import
 gives back save_pretrained's tensors bit for bit, which transformers loads with our logits. A
 checkpoint whose experts are MXFP4 blocks and scales, in the published layout, imports as
-transformers dequantizes it, bit for bit.
+transformers dequantizes it, bit for bit. The clamped SwiGLU is GptOssExperts' gate, bit for bit
+forward and backward.
 
 transformers' own MXFP4 quantizer (quantize_to_mxfp4) needs the triton_kernels hub package,
 which is GPU-only and not installed here: the packed tensors are built directly from random
@@ -18,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatronish import load_model
+from megatronish import load_model, ops
+from megatronish.accounting.parameters import parameter_count
+from megatronish.config import derive, load_config
 from megatronish.hf.gpt_oss import dequantize_mxfp4
-from tests.conftest import invoke_cli
+from tests.conftest import CONFIGS, invoke_cli
 from tests.hf.test_hf_families import random_model
 from tests.hf.test_hf_qwen3_5 import relative
 from tests.tolerances import PARITY_REL
@@ -115,6 +118,33 @@ def test_import_export_and_load_back_of_a_gpt_oss_model_agree_with_transformers(
 def test_export_of_gpt_oss_says_in_one_line_that_the_experts_are_unquantized(built):
     notes = [line for line in built[4].splitlines() if "unquantized" in line]
     assert notes == ["note: the experts are written unquantized (float32, not MXFP4)"]
+
+
+@pytest.mark.parametrize("limit", [7.0, 0.5])  # the published limit, and one that binds often
+def test_the_clamped_swiglu_is_transformers_gpt_oss_gate_bit_for_bit(limit):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = transformers.GptOssConfig(
+        hidden_size=8, intermediate_size=6, num_local_experts=2, swiglu_limit=limit
+    )
+    experts = GptOssExperts(config)
+    gate_up = (torch.randn(5, 12, generator=torch.Generator().manual_seed(0)) * 4).requires_grad_()
+    want = experts._apply_gate(gate_up)
+    gate, up = gate_up[:, ::2], gate_up[:, 1::2]  # transformers interleaves them
+    got = ops.activate(gate, up, limit)
+    assert torch.equal(got, want)
+    grad = torch.randn_like(want)
+    (theirs,) = torch.autograd.grad(want, gate_up, grad)
+    (ours,) = torch.autograd.grad(got, gate_up, grad)
+    assert torch.equal(ours, theirs)
+
+
+def test_gpt_oss_20b_has_the_parameters_transformers_counts_of_its_shapes():
+    config = transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.GptOssForCausalLM(config).parameters())
+    cfg = load_config(CONFIGS / "gpt-oss-20b.yaml")
+    assert parameter_count(cfg, derive(cfg, 8)) == theirs == 20_914_757_184
 
 
 def _packed(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
