@@ -3,8 +3,9 @@ give the losses and gradient norms of one process within 1e-5 relative, and each
 sends the bytes the accounting counts. The sinks split over tp with their heads; the experts
 over ep, their gate and up biases over tp with their rows and their down bias along d_model;
 the router's logit bias replicated, its gradient summed over tp under sequence parallelism;
-ZeRO-1 shards their optimizer state. The swiglu_limit of 0.1 binds on many of the tiny model's activations, so the clamps' zero
-gradients are exercised too; sliding (window 4) and full blocks alternate under YaRN."""
+ZeRO-1 shards their optimizer state. The swiglu_limit of 0.1 binds on many of the tiny model's
+activations, so the clamps' zero gradients are exercised too; sliding (window 4) and full
+blocks alternate under YaRN."""
 
 from __future__ import annotations
 
