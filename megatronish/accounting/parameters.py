@@ -114,19 +114,23 @@ def mtp_moe_layers(derived: Derived, pp_rank: int) -> int:
 
 def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Elements of the replicated parameters whose gradients the trainer sums over the tp group
-    under sequence parallelism on stage pp_rank: every norm, the row-parallel biases (biases all),
+    under sequence parallelism on stage pp_rank: every norm, the row-parallel biases (biases all:
+    attention's output projection, the dense MLPs' and shared experts' down projections),
     the MoE routers (each tp rank routes its own tokens), multi-head latent attention's
     down-projections and their norms, and the multi-token prediction modules' replicated
     parameters."""
     model = cfg.model
     last = pp_rank == derived.pp - 1
-    routers = stage_moe_layers(derived, pp_rank) * moe_cost.router_params(cfg)
+    moe_layers = stage_moe_layers(derived, pp_rank)
+    routers = moe_layers * moe_cost.router_params(cfg)
     blocks = stage_blocks(derived, pp_rank) + mtp_blocks(cfg, derived, pp_rank)
-    per_layer = norm.block_parameters(model) + mlp.sp_replicated(model)
+    # The dense MLPs' down biases: the MoE blocks have one only in their shared experts.
+    mlps = len(blocks) - (0 if derived.shared_d_ff else moe_layers)
+    norms = len(blocks) * norm.block_parameters(model) + mlps * mlp.sp_replicated(model)
     attn = sum(attention_at(model, i).sp_replicated(model, derived) for i in blocks)
     mtp = cfg.model.mtp_depth * mtp_extra_params(cfg) if last else 0
     final_norm = norm.weights(model) if last else 0
-    return len(blocks) * per_layer + attn + mtp + final_norm + routers
+    return norms + attn + mtp + final_norm + routers
 
 
 def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:

@@ -95,7 +95,7 @@ def convert(checkpoint_path, tp, output):
 def export(checkpoint_path, fmt, output):
     """A Hugging Face directory (config.json + model.safetensors) that transformers loads as the
     model's family: GPT-2, Llama 2/3.x, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE, Qwen3.5,
-    Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3 or Gemma 3."""
+    Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3, Gemma 3 or GPT-OSS (its experts unquantized)."""
     from megatronish.hf.exporter import export_hf
 
     for line in export_hf(checkpoint_path, output):
@@ -108,7 +108,8 @@ def export(checkpoint_path, fmt, output):
     "hf_dir",
     required=True,
     help="Hugging Face directory (GPT-2, Llama 2/3.x, Mistral, Mixtral, Qwen2/2.5, Qwen3, "
-    "Qwen3-MoE, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3, Gemma 3).",
+    "Qwen3-MoE, Qwen3.5, Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3, Gemma 3, GPT-OSS with MXFP4 or "
+    "plain experts).",
 )
 @click.option("--output", required=True, help="Checkpoint directory to write.")
 @set_option

@@ -137,6 +137,10 @@ def _check_ranges(cfg: Config) -> None:
         components.rope or not model.qk_norm,
         "model.qk_norm: gpt2 has no norm of queries and keys (only with RoPE families)",
     )
+    require(
+        model.swiglu_limit > 0,
+        f"model.swiglu_limit: {model.swiglu_limit} is not valid; must be > 0 (gpt_oss: 7.0)",
+    )
     _check_sliding_window(cfg)
     _check_mtp(cfg)
 
@@ -218,6 +222,11 @@ def check_moe_values(cfg: Config) -> None:
         f"model.moe: experts are SwiGLU; model.arch '{cfg.model.arch}' has "
         f"{cfg.model.components.mlp} MLPs; set model.arch to a SwiGLU family (llama, qwen3_moe, "
         "...) or model.moe.num_experts=0",
+    )
+    require(
+        not cfg.model.components.biased_experts or cfg.model.d_model % cfg.parallel.tp == 0,
+        f"model.d_model: {cfg.model.d_model} is not divisible by parallel.tp={cfg.parallel.tp} "
+        "(the experts' down biases split over tp)",
     )
     require(
         moe.top_k <= moe.num_experts,

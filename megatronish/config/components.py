@@ -13,7 +13,7 @@ Positions = Literal["learned", "rope"]
 NormKind = Literal["layernorm", "rmsnorm"]
 NormPlacement = Literal["pre", "sandwich"]
 AttentionKind = Literal["mha", "mla", "gated_deltanet"]
-Activation = Literal["gelu", "swiglu", "geglu"]
+Activation = Literal["gelu", "swiglu", "geglu", "clamped_swiglu"]
 Biases = Literal["all", "qkv", "none"]
 Output = Literal["tied", "separate"]
 
@@ -30,10 +30,13 @@ class BlockComponents:
     output is normed too before it is added: Gemma 3's four norms per block). attention: mha
     (multi-head, grouped-query) or mla (multi-head latent), the full attention of the blocks that
     model.layer_types leaves as such (the others run gated_deltanet, linear attention:
-    ModelConfig.block_attention). mlp: gelu (up, GELU, down) or swiglu (gate and up,
-    SiLU(gate) * up, down). biases: all (every linear layer), qkv (the query, key and value
-    projections only) or none. output: the output layer where model.tie_embeddings is null,
-    tied (the token embedding's transpose) or separate (a weight of its own).
+    ModelConfig.block_attention). mlp: gelu (up, GELU, down), swiglu (gate and up,
+    SiLU(gate) * up, down), geglu (the same with the tanh GELU: Gemma 3) or clamped_swiglu
+    (GPT-OSS: gate clamped above and up on both sides at model.swiglu_limit, then
+    gate * sigmoid(1.702 gate) * (up + 1)). biases: all (every linear layer), qkv (the query,
+    key and value projections only) or none. output: the output layer where
+    model.tie_embeddings is null, tied (the token embedding's transpose) or
+    separate (a weight of its own).
 
     norm_offset: what each norm adds to its learned weight before scaling, 0 (the weight is the
     scale, initialized to 1) or 1 (the scale is 1 + weight, the weight zero-initialized: Qwen3.5
@@ -41,7 +44,11 @@ class BlockComponents:
     attention_gate: the query projection also gives an output gate per head, and attention's
     output is multiplied by sigmoid(gate) before the output projection (Qwen3.5's full
     attention). embedding_scale: the token embeddings are multiplied by sqrt(d_model), the
-    factor cast to their dtype (Gemma 3)."""
+    factor cast to their dtype (Gemma 3).
+    attention_sinks: a learned logit per query head joins each softmax's denominator, with no
+    value (GPT-OSS); split over tp with its head.
+    biased_experts: the router's logits and each expert's gate, up and down projections have
+    biases (GPT-OSS)."""
 
     positions: Positions
     norm: NormKind
@@ -53,6 +60,8 @@ class BlockComponents:
     norm_offset: float = 0.0
     attention_gate: bool = False
     embedding_scale: bool = False
+    attention_sinks: bool = False
+    biased_experts: bool = False
 
     @property
     def rope(self) -> bool:
@@ -77,7 +86,7 @@ class BlockComponents:
     @property
     def gated_mlp(self) -> bool:
         """The MLP's first projection is two (gate and up) rather than one."""
-        return self.mlp in ("swiglu", "geglu")
+        return self.mlp != "gelu"
 
     @property
     def sandwich_norms(self) -> bool:
@@ -132,3 +141,9 @@ GEMMA3 = replace(
 )
 """Gemma 3's blocks: the RoPE blocks with sandwich norms of scale 1 + weight, GeGLU, embeddings
 scaled by sqrt(d_model) and a tied output layer."""
+
+GPT_OSS = replace(
+    ROPE, biases="all", mlp="clamped_swiglu", attention_sinks=True, biased_experts=True
+)
+"""GPT-OSS's blocks: the RoPE blocks with biases on every projection, attention sinks, the
+clamped SwiGLU, and biased experts and router."""

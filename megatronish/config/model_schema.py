@@ -104,6 +104,7 @@ class ModelConfig:
         "qwen3_5",
         "deepseek_v3",
         "gemma3",
+        "gpt_oss",
     ] = "gpt2"
     """A family's preset. gpt2: learned positions, LayerNorm, GELU, biases, tied embeddings.
     Every other family has RoPE, RMSNorm, SwiGLU, grouped-query attention and an untied output
@@ -118,10 +119,13 @@ class ModelConfig:
     first_k_dense 3, aux_loss_coef and z_loss_coef 0; bias_update_speed 0.001, the paper's, as
     config.json has none); qwen3_5 (transformers' Qwen3_5TextConfig) qk_norm, head_dim 256,
     partial_rotary_factor 0.25, norm_eps 1e-6, rope_theta 1e4, untied, with zero-centered norms
-    (scale 1 + weight) and a sigmoid output gate on attention (megatronish.config.components);
-    gemma3 (transformers' Gemma3TextConfig) qk_norm, head_dim 256, query_pre_attn_scalar 256,
-    norm_eps 1e-6, rope_theta 1e6, rope_local_base_freq 1e4, tied, with sandwich norms of scale
-    1 + weight, GeGLU and embeddings scaled by sqrt(d_model)."""
+    (scale 1 + weight) and a sigmoid output gate on attention; gemma3 (transformers'
+    Gemma3TextConfig) qk_norm, head_dim 256, query_pre_attn_scalar 256, norm_eps 1e-6,
+    rope_theta 1e6, rope_local_base_freq 1e4, tied, with sandwich norms of scale 1 + weight,
+    GeGLU and embeddings scaled by sqrt(d_model); gpt_oss (transformers' GptOssConfig) biases on
+    every projection, attention sinks, the clamped SwiGLU (model.swiglu_limit), biased experts
+    and router, model.moe.router topk_softmax with no router losses, head_dim 64, rope_theta
+    150000, YaRN (factor 32 over 4096, truncate false), untied (megatronish.config.components)."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -173,6 +177,9 @@ class ModelConfig:
     `rope_scaling` (`type` for its `rope_type`), computed as transformers computes it; llama
     only. Its keys are model.rope_scaling.*, those of its type only; --set takes one key at a
     time or a YAML mapping ("model.rope_scaling={type: yarn, factor: 4, ...}")."""
+    swiglu_limit: float = 7.0
+    """The clamped SwiGLU's limit (gpt_oss, its dense MLPs and experts): the gate is clamped to
+    at most this, the up projection to [-limit, limit]; > 0."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections only (Qwen2); llama only (gpt2 has biases
     everywhere). The bias splits over tp with the heads, as the qkv weight's rows."""
@@ -237,6 +244,12 @@ class ModelConfig:
         """The components the blocks are built from (megatronish.config.components): the
         family's choice (megatronish.config.presets), with model.attention and model.qkv_bias."""
         return components_of(self.arch, self.attention, self.qkv_bias)
+
+    @property
+    def activation_limit(self) -> float | None:
+        """The clamped SwiGLU's limit (model.swiglu_limit) where the components clamp, else
+        None (plain SwiGLU or GELU)."""
+        return self.swiglu_limit if self.components.mlp == "clamped_swiglu" else None
 
     def block_attention(self, index: int) -> AttentionKind:
         """The attention block `index` (its global index) runs: gated_deltanet where

@@ -11,6 +11,7 @@ from typing import Any
 from megatronish.config.components import (
     GEMMA3,
     GPT2,
+    GPT_OSS,
     QWEN3_5,
     ROPE,
     AttentionKind,
@@ -85,6 +86,21 @@ PRESETS: dict[str, dict[str, Any]] = {
             "z_loss_coef": 0.0,
         },
     },
+    "gpt_oss": {  # transformers' GptOssConfig defaults
+        "norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "head_dim": 64,
+        "tie_embeddings": False,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        "moe": {"router": "topk_softmax", "aux_loss_coef": 0.0, "z_loss_coef": 0.0},
+    },
 }
 """model.* defaults of each model.arch (nested dicts for sub-sections such as model.moe)."""
 
@@ -92,6 +108,7 @@ FAMILY_BLOCKS: dict[str, BlockComponents] = {arch: ROPE for arch in PRESETS} | {
     "gpt2": GPT2,
     "qwen3_5": QWEN3_5,
     "gemma3": GEMMA3,
+    "gpt_oss": GPT_OSS,
 }
 """The components each model.arch builds its blocks from (megatronish.config.components)."""
 
@@ -102,7 +119,7 @@ def components_of(arch: str, attention: AttentionKind, qkv_bias: bool) -> BlockC
     family, biases on the qkv projection where model.qkv_bias sets them (built once for each
     choice: the planner asks millions of times)."""
     base = FAMILY_BLOCKS[arch]
-    if base.rope and qkv_bias:
+    if base.rope and qkv_bias and base.biases == "none":
         base = replace(base, biases="qkv")
     return replace(base, attention=attention)
 

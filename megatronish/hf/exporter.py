@@ -52,7 +52,7 @@ def export_hf(checkpoint: str, output: str) -> list[str]:
         write_file(tmp / CONFIG_JSON, json_bytes(config))
         os.rename(tmp, out)  # replaces an empty `out` (rename(2))
     lines[0] += f" to {out}"
-    return lines
+    return lines + ([family.export_note] if family.export_note else [])
 
 
 def hf_tensors(

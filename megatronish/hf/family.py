@@ -86,6 +86,9 @@ class Family:
     unapplied: tuple[str, ...] = ()
     """config.json keys the class reads but its forward does not apply (Gemma3ForCausalLM's
     attn_logit_softcapping): import notes a set one and leaves it out, as transformers runs."""
+    export_note: str | None = None
+    """A line export prints after writing the family's directory (what it writes otherwise
+    than the published checkpoints), or None."""
 
     @property
     def architecture(self) -> str:

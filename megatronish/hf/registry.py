@@ -13,6 +13,7 @@ from megatronish.hf import (
     deepseek_v3,
     gemma3,
     gpt2,
+    gpt_oss,
     llama,
     mistral,
     mixtral,
@@ -38,6 +39,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen3_next.FAMILY,
     deepseek_v3.FAMILY,
     gemma3.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 

@@ -24,6 +24,7 @@ from megatronish.context import Documents, Ring, ring_attention, zigzag_position
 from megatronish.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
+    mark_parallel,
 )
 from megatronish.model.norm import Norm
 from megatronish.model.plan import BlockPlan
@@ -123,6 +124,9 @@ class Attention(nn.Module):
         scalar, self.softcap = model.query_pre_attn_scalar, model.attn_logit_softcapping
         self.scale = None if scalar is None else scalar**-0.5  # None: 1/sqrt(d)
         self.register_parameter("sinks", None)  # this rank's heads' sink logits
+        if plan.components.attention_sinks:  # normal(0, 0.02) as every matrix, as transformers
+            self.sinks = nn.Parameter(torch.empty(self.local_heads))
+            mark_parallel(self.sinks, 0, (model.n_head,))
         sp, group = plan.linear_sequence_parallel, plan.ps.tp_group
         qkv_out = (model.n_head + gates * derived.n_kv_head + 2 * derived.n_kv_head) * self.head_dim
         query = self.heads_per_group * self.head_dim

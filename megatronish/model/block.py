@@ -36,15 +36,15 @@ ATTENTION: dict[str, type[nn.Module]] = {
 
 class MLP(nn.Module):
     """The dense MLP of plan's block (d_ff: derived.d_ff unless given, e.g. an MoE layer's
-    shared expert): gated (SwiGLU or GeGLU) or GELU, with biases where plan.components has
-    them."""
+    shared expert): gated (SwiGLU, GeGLU or GPT-OSS's clamped SwiGLU) or GELU, with biases
+    where plan.components has them."""
 
     def __init__(self, model: ModelConfig, plan: BlockPlan, d_ff: int | None = None):
         super().__init__()
         sp, group = plan.linear_sequence_parallel, plan.ps.tp_group
         d_ff = plan.derived.d_ff if d_ff is None else d_ff
         self.gated, self.backend = plan.components.gated_mlp, plan.backend
-        self.activation = ops.geglu if plan.components.mlp == "geglu" else ops.swiglu
+        self.activation, self.limit = plan.components.mlp, model.activation_limit
         bias = plan.components.linear_bias
         common = dict(sequence_parallel=sp, tp_group=group, init_method=None, plan=plan.linear)
         if self.gated:
@@ -59,7 +59,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = shared_input_linears(x, [self.gate, self.up])  # [b, s, f/t] each
-            hidden = self.activation(gate, up, backend=self.backend)
+            hidden = ops.activate(self.activation, gate, up, self.limit, backend=self.backend)
         elif ops.resolve_backend(self.backend, x) == "triton":  # the kernel adds the bias
             hidden = ops.bias_gelu(self.up(x), self.up.bias, backend="triton")
         else:  # torch adds the bias inside the matmul (addmm), as nn.Linear does

@@ -11,17 +11,26 @@ Under train.precision fp8 (a plan with an fp8 recipe, given when it is built) th
 grouped GEMMs take fp8 operands, scaled per (expert, source) run of rows
 (megatronish.fp8.grouped): the caller passes the dispatch's per-source counts.
 
+With biases (GPT-OSS: biased=True) each expert also has gate and up biases [E_l, f/t] (split
+with their rows) and a down bias [E_l, h/t], split over tp along h: each rank adds its columns'
+part to its partial sum, so the sum over tp adds each bias once. With a
+limit the activation is GPT-OSS's clamped SwiGLU (ops.activate).
+
 Each weight's role (mark_experts) holds its per-expert full shape and tp split dim (those of
 one expert's 2-D weight) and its global expert ids: checkpoints store every expert by global
-id (blocks.<i>.mlp.experts.<e>.gate.weight, ...), the same at every tp and ep.
+id (blocks.<i>.mlp.experts.<e>.gate.weight, ... .gate.bias), the same at every tp and ep.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatronish import ops
+from megatronish.distributed import comm
 from megatronish.fp8 import Split, fp8_experts
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
 from megatronish.layers.plan import PLAIN, LinearPlan
@@ -29,17 +38,24 @@ from megatronish.layers.roles import is_expert, role, set_role
 
 
 def mark_experts(
-    param: nn.Parameter, split_dim: int, full_shape: tuple[int, int], first: int
+    param: nn.Parameter, split_dim: int | None, full_shape: tuple[int, ...], first: int
 ) -> None:
-    """Tags a stacked expert weight [E_l, ...]: one expert's tp split dim and full 2-D shape,
-    and the global ids of its experts."""
+    """Tags a stacked expert weight [E_l, ...]: one expert's tp split dim and full shape, and
+    the global ids of its experts."""
     mark_parallel(param, split_dim, full_shape)
     set_role(param, expert_ids=tuple(range(first, first + param.shape[0])))
 
 
+def row_bias(bias: torch.Tensor, offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """bias [E_l, n] repeated for each expert's rows (offsets [E_l] cumulative ends) -> [R, n]."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return bias.repeat_interleave(counts, dim=0, output_size=rows)
+
+
 class GroupedExperts(nn.Module):
     """plan: its numeric format (plan.recipe; plan.tokens the groups a micro-batch's tokens
-    are split over); tp_group splits gate and up's outputs and down's inputs."""
+    are split over); tp_group splits gate and up's outputs and down's inputs. limit: the
+    clamped SwiGLU's (None: SwiGLU); biased: the experts' biases."""
 
     def __init__(
         self,
@@ -51,16 +67,27 @@ class GroupedExperts(nn.Module):
         backend,
         tp_group=None,
         plan: LinearPlan = PLAIN,
+        limit: float | None = None,
+        biased: bool = False,
     ):
         super().__init__()
         local_ff = d_ff // tp
-        self.backend = backend
+        self.backend, self.limit = backend, limit
         self.gate = nn.Parameter(torch.empty(num_local, local_ff, d_model))
         self.up = nn.Parameter(torch.empty(num_local, local_ff, d_model))
         self.down = nn.Parameter(torch.empty(num_local, d_model, local_ff))
         mark_experts(self.gate, 0, (d_ff, d_model), first)
         mark_experts(self.up, 0, (d_ff, d_model), first)
         mark_experts(self.down, 1, (d_model, d_ff), first)
+        self.gate_bias = self.up_bias = self.down_bias = None
+        if biased:
+            self.gate_bias = nn.Parameter(torch.zeros(num_local, local_ff))
+            self.up_bias = nn.Parameter(torch.zeros(num_local, local_ff))
+            self.down_bias = nn.Parameter(torch.zeros(num_local, d_model // tp))
+            mark_experts(self.gate_bias, 0, (d_ff,), first)
+            mark_experts(self.up_bias, 0, (d_ff,), first)
+            mark_experts(self.down_bias, 0, (d_model,), first)
+        self.first_column = (d_model // tp) * (comm.group_rank(tp_group) if tp > 1 else 0)
         self.recipe, tokens = plan.recipe, plan.tokens
         self.fp8_splits = (Split(tp_group, "out", tokens), Split(tp_group, "in", tokens))
 
@@ -71,36 +98,59 @@ class GroupedExperts(nn.Module):
         (this tp rank's partial sum). sources [E_l, S]: the rows of each expert from each
         source rank (needed under fp8)."""
         x = to_autocast_dtype(x)
+        counts = None
         if self.recipe is not None:
             if sources is None:
                 raise ValueError("fp8 experts scale per source rank: pass `sources`")
-            return self._fp8(x, sources.tolist())
-        gate, up, down = (to_autocast_dtype(w) for w in (self.gate, self.up, self.down))
-        backend = self.backend
-        g = ops.grouped_mm(x, gate.transpose(1, 2), offsets, backend=backend)  # [R, f/t]
-        u = ops.grouped_mm(x, up.transpose(1, 2), offsets, backend=backend)
-        hidden = ops.swiglu(g, u, backend=backend)
-        return ops.grouped_mm(hidden, down.transpose(1, 2), offsets, backend=backend)
+            counts = sources.tolist()
+        matmul = partial(self._matmul, offsets=offsets, counts=counts)
+        g = self._biased(matmul(x, "gate"), self.gate_bias, offsets)  # [R, f/t]
+        u = self._biased(matmul(x, "up"), self.up_bias, offsets)
+        kind = "swiglu" if self.limit is None else "clamped_swiglu"
+        hidden = ops.activate(kind, g, u, self.limit, backend=self.backend)
+        return self._biased(matmul(hidden, "down"), self.down_bias, offsets)  # [R, h]
 
-    def _fp8(self, x: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
-        """The forward's GEMMs in fp8 on the fp32 weights (their casts kept for the step)."""
-        recipe, (column, row) = self.recipe, self.fp8_splits
-        g = fp8_experts(x, self.gate, counts, recipe, column)  # [R, f/t]
-        u = fp8_experts(x, self.up, counts, recipe, column)
-        hidden = ops.swiglu(g, u, backend=self.backend)
-        return fp8_experts(hidden, self.down, counts, recipe, row)
+    def _matmul(
+        self, rows: torch.Tensor, name: str, offsets: torch.Tensor, counts: list | None
+    ) -> torch.Tensor:
+        """rows times each row's expert's weight `name` (gate, up or down): grouped GEMMs, or
+        under fp8 (counts: the rows per expert and source) fp8 ones on the fp32 weight (its
+        cast kept for the step)."""
+        weight = getattr(self, name)
+        if counts is not None:
+            split = self.fp8_splits[name == "down"]
+            return fp8_experts(rows, weight, counts, self.recipe, split)
+        weight = to_autocast_dtype(weight).transpose(1, 2)
+        return ops.grouped_mm(rows, weight, offsets, backend=self.backend)
+
+    def _biased(
+        self, y: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """y [R, n] plus each row's expert's bias (none where bias is None); the down bias
+        [E_l, h/t] on this rank's columns of h."""
+        if bias is None:
+            return y
+        rows = row_bias(to_autocast_dtype(bias), offsets, y.shape[0])
+        if rows.shape[1] != y.shape[1]:
+            first = self.first_column
+            rows = F.pad(rows, (first, y.shape[1] - first - rows.shape[1]))
+        return y + rows
 
 
 def stored_tensors(named_parameters) -> list[tuple[str, nn.Parameter, int | None]]:
     """Every tensor a checkpoint stores, from (name, parameter) pairs: (name, param, None) for
-    a plain parameter, and for stacked experts one (blocks.<i>.mlp.experts.<e>.<w>.weight,
-    param, j) per local expert j of global id e; the tensor is param[j]."""
+    a plain parameter, and for stacked experts one (blocks.<i>.mlp.experts.<e>.<w>.weight, or
+    .<w>.bias for <w>_bias, param, j) per local expert j of global id e; the tensor is
+    param[j]."""
     out: list[tuple[str, nn.Parameter, int | None]] = []
     for name, param in named_parameters:
         if not is_expert(param):
             out.append((name, param, None))
             continue
         module, _, weight = name.rpartition(".")
+        weight, kind = (
+            (weight[: -len("_bias")], "bias") if weight.endswith("_bias") else (weight, "weight")
+        )
         for j, expert in enumerate(role(param).expert_ids):
-            out.append((f"{module}.{expert}.{weight}.weight", param, j))
+            out.append((f"{module}.{expert}.{weight}.{kind}", param, j))
     return out

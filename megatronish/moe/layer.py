@@ -68,12 +68,28 @@ class AttachLoss(torch.autograd.Function):
 class Router(nn.Module):
     """The router weight [E, h], replicated over tp; with the sigmoid router also its routing
     bias [E] (fp32, replicated everywhere): model state that checkpoints store, moved by
-    moe.balance after each step, never by the optimizer (requires_grad False)."""
+    moe.balance after each step, never by the optimizer (requires_grad False). With
+    logit_bias (GPT-OSS) a trained bias [E] added to the logits, replicated over tp."""
 
-    def __init__(self, num_experts: int, d_model: int, biased: bool = False):
+    def __init__(
+        self,
+        num_experts: int,
+        d_model: int,
+        biased: bool = False,
+        logit_bias: bool = False,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         mark_parallel(self.weight, None, (num_experts, d_model))
+        self.logit_bias = None
+        if logit_bias:  # initialized as the weight: normal(0, 0.02), as transformers does
+            self.logit_bias = nn.Parameter(torch.empty(num_experts))
+            mark_parallel(self.logit_bias, None, (num_experts,))
+        # Under sequence parallelism each tp rank's gradient covers its own tokens.
+        for param in (self.weight, self.logit_bias):
+            if param is not None:
+                set_role(param, sequence_parallel_grad=sequence_parallel)
         self.bias = None
         if biased:
             self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
@@ -121,12 +137,18 @@ class MoELayer(nn.Module):
         # parallelism: the router losses count every tp rank's share.
         self.token_shards = self.cp * (derived.tp if self.sequence_parallel else 1)
         local = moe.num_experts // derived.ep
-        self.router = Router(moe.num_experts, model.d_model, moe.router == "sigmoid")
+        parts = model.components
+        self.router = Router(
+            moe.num_experts,
+            model.d_model,
+            moe.router == "sigmoid",
+            parts.biased_experts,
+            self.sequence_parallel,
+        )
         self.grouping = Grouping(moe.n_group, moe.topk_group, moe.routed_scaling_factor)
         self.seq_coef = moe.seq_aux_loss_coef
         # Routed assignments per expert since the last bias update (moe.balance), this rank's.
         self.load = torch.zeros(moe.num_experts, dtype=torch.int64)
-        set_role(self.router.weight, sequence_parallel_grad=self.sequence_parallel)
         self.experts = GroupedExperts(
             local,
             ps.ep_rank * local,
@@ -136,6 +158,8 @@ class MoELayer(nn.Module):
             backend,
             ps.tp_group,
             experts,
+            model.activation_limit,
+            parts.biased_experts,
         )
         self.shared = shared
         gated = shared is not None and moe.shared_expert_gate
@@ -147,7 +171,8 @@ class MoELayer(nn.Module):
         """x [b, s, h] (replicated over tp; [b, s / t, h] under sequence parallelism) -> the
         same shape."""
         b, s, h = x.shape
-        logits = router_logits(x.reshape(b * s, h), self.router.weight)  # [T, E] fp32
+        router = self.router
+        logits = router_logits(x.reshape(b * s, h), router.weight, router.logit_bias)  # [T, E]
         routing = route(logits, self.top_k, self.kind, self.router.bias, self.grouping)
         group = self.tp_group
         # In the matmul dtype (bf16 under autocast) before the collectives, as the dense MLP.

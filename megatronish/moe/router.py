@@ -34,11 +34,14 @@ class Routing:
     logits: torch.Tensor  # [T, E] fp32
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, h] times the router weight [E, h], in fp32 (float64 for float64 inputs) -> [T, E]."""
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, h] times the router weight [E, h] (plus the logits' bias [E], GPT-OSS's), in fp32
+    (float64 for float64 inputs) -> [T, E]."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return F.linear(x.to(dtype), weight.to(dtype))
+        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,16 @@ def geglu(gate, up, backend: str = "auto"):
     return reference.geglu(gate, up)
 
 
+def activate(kind: str, gate, up, limit: float | None = None, backend: str = "auto"):
+    """A gated MLP's activation (config.components' mlp): swiglu, geglu, or GPT-OSS's
+    clamped_swiglu at `limit` (torch ops on every backend)."""
+    if kind == "geglu":
+        return geglu(gate, up, backend)
+    if kind == "clamped_swiglu":
+        return reference.clamped_swiglu(gate, up, limit)
+    return swiglu(gate, up, backend)
+
+
 def bias_gelu(x, bias, backend: str = "auto"):
     """gelu(x + bias), tanh approximation; bias may be None."""
     if resolve_backend(backend, x) == "triton":

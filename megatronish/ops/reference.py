@@ -161,6 +161,17 @@ def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+SWIGLU_ALPHA = 1.702  # GPT-OSS's sigmoid gain: gate * sigmoid(1.702 gate) ~ gelu(gate)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """GPT-OSS: g * sigmoid(1.702 g) * (u + 1), g = gate clamped to <= limit, u = up clamped to
+    [-limit, limit] (the clamps pass no gradient where they bind)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
+
+
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """gelu(x + bias), tanh approximation (GPT-2)."""
     if bias is not None:

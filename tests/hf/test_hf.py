@@ -270,7 +270,7 @@ def test_a_window_exports_only_as_a_family_whose_class_has_that_window():
         family_of_model(cfg, derive(cfg, 1))
     assert str(error.value) == (
         "model.sliding_window=8: LlamaForCausalLM (model.arch llama, export --format hf) cannot "
-        "express it; model.arch gemma3, mistral, qwen2, qwen3, qwen3_moe can"
+        "express it; model.arch gemma3, gpt_oss, mistral, qwen2, qwen3, qwen3_moe can"
     )
     cfg = tiny_cfg("mistral", "model.sliding_window=8", "model.full_attention_layers=1")
     with pytest.raises(UserError, match="model.full_attention_layers=1: MistralForCausalLM .*"):

@@ -129,6 +129,25 @@ FAMILIES = {
         },
         final_logit_softcapping=5.0,
     ),
+    # sinks, biases everywhere, a window of 4 in the first and last blocks, YaRN, and biased
+    # experts behind a clamped SwiGLU whose limit of 0.1 binds on many of the tiny activations
+    "GptOssForCausalLM": dict(
+        LLAMA_SHAPE,
+        head_dim=12,
+        intermediate_size=24,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        swiglu_limit=0.1,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=4.0,
+            original_max_position_embeddings=8,
+            truncate=False,
+        ),
+    ),
 }
 
 

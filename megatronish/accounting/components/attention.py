@@ -36,12 +36,17 @@ def qkv_heads(model: ModelConfig, derived: Derived) -> int:
 def parameters(model: ModelConfig, derived: Derived, tp: int = 1) -> int:
     """Parameters of one layer's attention on one of tp ranks (tp 1: all of them): the
     projections' weights split over tp, the qkv bias split, the output projection's bias and
-    the query and key norms whole."""
+    the query and key norms whole, the sinks (attention_sinks: one per head) split."""
     h, parts = model.d_model, model.components
     qkv_out = qkv_heads(model, derived) * derived.head_dim // tp
     weights = qkv_out * h + h * (model.n_head * derived.head_dim // tp)
     biases = (qkv_out if parts.qkv_bias else 0) + (h if parts.linear_bias else 0)
-    return weights + biases + qk_norm_params(model, derived)
+    return weights + biases + qk_norm_params(model, derived) + sink_params(model, tp)
+
+
+def sink_params(model: ModelConfig, tp: int = 1) -> int:
+    """The sink logits of one layer on one of tp ranks: one per query head (attention_sinks)."""
+    return model.n_head // tp if model.components.attention_sinks else 0
 
 
 def sp_replicated(model: ModelConfig, derived: Derived) -> int:
@@ -58,8 +63,9 @@ def tp_summed(model: ModelConfig, derived: Derived) -> int:
 
 
 def fp8_exempt(model: ModelConfig, derived: Derived) -> int:
-    """Of one tp rank's ``parameters``, those outside its fp8 layers: the query and key norms."""
-    return qk_norm_params(model, derived)
+    """Of one tp rank's ``parameters``, those outside its fp8 layers: the query and key norms
+    and the sinks."""
+    return qk_norm_params(model, derived) + sink_params(model, derived.tp)
 
 
 def matmul_params(model: ModelConfig, derived: Derived) -> int:

@@ -1,7 +1,9 @@
 """A mixture-of-experts MLP (megatronish.moe.layer): the router (d_model x num_experts,
-replicated), num_experts SwiGLU experts of moe_d_ff split over ep and tp, and the shared
-experts (a SwiGLU MLP of shared_d_ff, split over tp) with their sigmoid gate where
-model.moe.shared_expert_gate (d_model x 1, replicated)."""
+replicated, and its logits' bias with biased_experts), num_experts SwiGLU experts of moe_d_ff
+split over ep and tp (with biased_experts each with gate and up biases of moe_d_ff and a down
+bias of d_model, all split over tp), and the shared experts (a SwiGLU MLP of shared_d_ff, split
+over tp) with their sigmoid gate where model.moe.shared_expert_gate (d_model x 1,
+replicated)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,17 @@ SHARED_KEEPS_GATHERED = True
 
 def router_params(cfg: Config) -> int:
     """Parameters replicated on every tp rank of one MoE MLP: the router and the shared
-    experts' gate (model.moe.shared_expert_gate)."""
+    experts' gate (model.moe.shared_expert_gate), and the router's logit bias (biased_experts)."""
     moe, h = cfg.model.moe, cfg.model.d_model
-    return (moe.num_experts + int(moe.shared_expert_gate)) * h
+    bias = moe.num_experts if cfg.model.components.biased_experts else 0
+    return (moe.num_experts + int(moe.shared_expert_gate)) * h + bias
+
+
+def expert_params(cfg: Config, h: int, f: int, tp: int = 1) -> int:
+    """Parameters of one expert of f on one of tp ranks: its three weights (f / t wide) and,
+    with biased_experts, its gate and up biases (f / t) and its down bias (h / t)."""
+    biases = 2 * f // tp + h // tp if cfg.model.components.biased_experts else 0
+    return EXPERT_WEIGHTS * h * (f // tp) + biases
 
 
 def parameters(cfg: Config, derived: Derived, active: bool = False) -> int:
@@ -31,15 +41,15 @@ def parameters(cfg: Config, derived: Derived, active: bool = False) -> int:
     moe, h, f = cfg.model.moe, cfg.model.d_model, derived.moe_d_ff
     experts = moe.top_k if active else moe.num_experts
     shared = EXPERT_WEIGHTS * h * derived.shared_d_ff
-    return router_params(cfg) + experts * EXPERT_WEIGHTS * h * f + shared
+    return router_params(cfg) + experts * expert_params(cfg, h, f) + shared
 
 
 def local_parameters(cfg: Config, derived: Derived, experts_only: bool = False) -> int:
     """Parameters of one MoE MLP on one rank: the router, its num_experts / ep experts (each
     f / t wide), the shared experts and their gate (experts_only: its experts alone)."""
     moe, h = cfg.model.moe, cfg.model.d_model
-    f_local = derived.moe_d_ff // derived.tp
-    experts = moe.num_experts // derived.ep * EXPERT_WEIGHTS * h * f_local
+    local = moe.num_experts // derived.ep
+    experts = local * expert_params(cfg, h, derived.moe_d_ff, derived.tp)
     if experts_only:
         return experts
     shared = EXPERT_WEIGHTS * h * derived.shared_d_ff // derived.tp
