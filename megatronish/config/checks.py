@@ -218,7 +218,7 @@ def check_moe_values(cfg: Config) -> None:
     if moe.num_experts == 0:
         return
     require(
-        cfg.model.components.mlp == "swiglu",
+        cfg.model.components.mlp in ("swiglu", "clamped_swiglu"),
         f"model.moe: experts are SwiGLU; model.arch '{cfg.model.arch}' has "
         f"{cfg.model.components.mlp} MLPs; set model.arch to a SwiGLU family (llama, qwen3_moe, "
         "...) or model.moe.num_experts=0",

@@ -131,7 +131,7 @@ def test_the_clamped_swiglu_is_transformers_gpt_oss_gate_bit_for_bit(limit):
     gate_up = (torch.randn(5, 12, generator=torch.Generator().manual_seed(0)) * 4).requires_grad_()
     want = experts._apply_gate(gate_up)
     gate, up = gate_up[:, ::2], gate_up[:, 1::2]  # transformers interleaves them
-    got = ops.activate(gate, up, limit)
+    got = ops.activate("clamped_swiglu", gate, up, limit)
     assert torch.equal(got, want)
     grad = torch.randn_like(want)
     (theirs,) = torch.autograd.grad(want, gate_up, grad)
