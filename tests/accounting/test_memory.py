@@ -12,6 +12,7 @@ import functools
 import pytest
 import torch
 
+from megatronish.accounting.components import attention, gated_deltanet
 from megatronish.accounting.memory import (
     activation_bytes_per_layer,
     estimate,
@@ -25,6 +26,8 @@ from megatronish.model import GPT
 from megatronish.model.precision import autocast, fp8_layers, fp8_moe_layers
 from megatronish.objectives.registry import sequence_losses
 from tests.conftest import CONFIGS
+from tests.ranks import run_on_ranks
+from tests.tolerances import FP64_REORDER
 
 DEEPSEEK_MOE = [
     "model.moe.num_experts=8", "model.moe.router=sigmoid",
@@ -147,3 +150,79 @@ def test_zero3_gathers_at_pp1_what_the_last_module_keeps_from_forward_to_backwar
         cfg = _config("tiny.yaml", [*sets, "parallel.dp=2", f"optim.zero={zero}"])
         gathered[zero] = model_state_bytes(cfg, derive(cfg, 2), 0)["gathered"]
     assert gathered[3] - gathered[2] == 4 * (2 * local_layer_params(one, derive(one, 1)) + head)
+
+
+QWEN3_5 = ["model.linear_value_head_dim=16", "model.max_seq_len=128"]  # e 32, f 16: told apart
+HYBRID_BATCH, HYBRID_SEQ = 3, 100  # two chunks of the rule, the second padded
+
+
+def _linear_attention_kept(rank: int, tp: int, sets: tuple[str, ...]) -> tuple[int, int]:
+    """(bytes the graph of tiny-qwen3_5's first (Gated DeltaNet) block's layer still holds after
+    its forward on one tp rank, parameters and autocast's copies of its weights left out (model
+    state); the layer's input cast to 16 bits, its own count in the accounting's ``WHOLE``)."""
+    import gc
+    import weakref
+
+    cfg = _config("tiny-qwen3_5.yaml", [*QWEN3_5, f"parallel.tp={tp}", *sets])
+    ps = ParallelState.from_world(tp=tp, dp=1) if tp > 1 else ParallelState.single()
+    layer = GPT(cfg, derive(cfg, tp), ps).train().blocks["0"].attn
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    linears = [layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj]
+    copied = [m.weight for m in linears if m.plan.recipe is None]
+    if not layer.selective_checkpoint:  # else the checkpoint casts it again in backward
+        copied.append(layer.conv_weight)
+    held: list[weakref.ref] = []
+
+    class Saved:
+        def __init__(self, tensor):
+            self.tensor = tensor
+            held.append(weakref.ref(self))
+
+    x = torch.randn(HYBRID_BATCH, HYBRID_SEQ, cfg.model.d_model, requires_grad=True)
+    hooks = torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor)
+    with hooks, autocast(cfg, torch.device("cpu")):
+        out = layer(x)
+    gc.collect()  # what only the discarded final state's graph saved is gone
+    storages = {}
+    for ref in held:
+        if (saved := ref()) is not None:
+            storage = saved.tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    del out
+    kept = sum(n for ptr, n in storages.items() if ptr not in params)
+    return kept - 2 * sum(p.numel() for p in copied), x.numel() * 2
+
+
+@pytest.mark.parametrize(
+    "tp,sets",
+    [
+        (1, ("train.precision=bf16",)),
+        (1, ("train.precision=fp8",)),
+        (1, ("train.precision=bf16", "train.activation_checkpointing=selective")),
+        (2, ("train.precision=bf16",)),
+    ],
+    ids=["bf16", "fp8", "selective", "tp2"],
+)
+def test_a_gated_deltanet_layer_keeps_what_the_estimate_counts(tp, sets):
+    """What the linear-attention layer's autograd graph holds after its forward (the
+    projections' outputs it reads, the convolution's input and output, q and k after their L2
+    norms, g and beta, the chunked rule's saved tensors, the gated norm, out_proj's input; under
+    selective recompute the checkpoint's inputs) equals the accounting's count, byte for byte,
+    and the estimate of the block adds it to the block's norms, input and MLP."""
+    if tp == 1:
+        kept, layer_input = _linear_attention_kept(0, 1, sets)
+    else:
+        kept, layer_input = run_on_ranks(_linear_attention_kept, tp, sets, timeout=120)[0]
+    cfg = _config("tiny-qwen3_5.yaml", [*QWEN3_5, f"parallel.tp={tp}", *sets])
+    recompute = cfg.train.activation_checkpointing
+    selective = recompute == "selective"
+    counted = gated_deltanet.kept_bytes(
+        cfg.model, tp, 1, HYBRID_BATCH, HYBRID_SEQ, 2, selective
+    )  # fmt: skip
+    assert kept == layer_input + counted
+    long = _config("tiny-qwen3_5.yaml", [f"parallel.tp={tp}", *sets])  # 128 tokens: the config's
+    linear, full = (activation_bytes_per_layer(long, tp, False, recompute, i) for i in (0, 3))
+    b, s = long.train.micro_batch_size, long.train.seq_len
+    mine = gated_deltanet.kept_bytes(long.model, tp, 1, b, s, 2, selective)
+    heads = attention.activations(long.model)[1] * b * s * long.model.d_model / tp
+    assert linear - mine == pytest.approx(full - heads, rel=FP64_REORDER)

@@ -117,15 +117,60 @@ def stream_elements(model: ModelConfig, derived: Derived, T: int) -> int:
 
 
 def activations(model: ModelConfig) -> tuple[int, float, float, float]:
-    """What it keeps per layer in units of 16-bit s b h: (its input and the mask after it,
-    whole without sequence parallelism, as attention's; split over tp: the projections'
-    outputs (c + v f + 2 v), the convolution's output (c), the rule's output and the gated
-    norm's output (v f each) in 16 bits, and the fp32 state at each chunk start (v e f / C per
-    token); nothing replicated; no latents)."""
-    vf, values = _value_width(model), model.linear_num_value_heads
-    sixteen_bit = 2 * (2 * conv_channels(model) + 3 * vf + 2 * values)
-    states = STATE_BYTES * values * model.linear_key_head_dim * model.linear_value_head_dim / CHUNK
-    return WHOLE_ACTIVATIONS, (sixteen_bit + states) / model.d_model, 0.0, 0.0
+    """What it keeps per layer in units of 16-bit s b h, beside ``kept_bytes``: (its input and
+    the mask after it, whole without sequence parallelism, as attention's; the rest is
+    ``kept_bytes``'s: none split, replicated or latent here)."""
+    return WHOLE_ACTIVATIONS, 0.0, 0.0, 0.0
+
+
+def kept_bytes(
+    model: ModelConfig, tp: int, cp: int, batch: int, seq: int, width: int, selective: bool
+) -> int:
+    """Bytes one tp rank's layer keeps for backward beyond its input (``activations``) for
+    `batch` sequences of `seq` tokens (a cp rank's share), `width` bytes a 16-bit value under
+    autocast: the projections' outputs it reads (z, b) and the gated norm's (fp32 input and
+    normed values, its per-head rsqrt, the 16-bit normed and gate values) and out_proj's input,
+    then either (selective recompute) the inputs of the recomputed convolution and rule (qkv, a,
+    b) or what they save: per cp piece the convolution's padded input and its output, each
+    head's q and k L2-normalized (fp32, with their rsqrt), the decay's softplus input and output,
+    beta, and the chunked rule's saved tensors (``rule_kept_bytes``). Exact under 16-bit
+    autocast (bf16, fp8) at cp 1; in fp32 (width 4) an upper bound (the matmuls then save views
+    of tensors already counted, not copies)."""
+    f = model.linear_value_head_dim
+    heads, c = model.linear_num_value_heads // tp, conv_channels(model) // tp
+    tokens = batch * seq
+    gate = tokens * heads * (f * (4 * 2 + 3 * width) + 4)  # norm's fp32 x, y, rsqrt; o, silu, z
+    out = gate + tokens * heads * f * width + tokens * heads * width  # out_proj's input, b
+    if selective:
+        return out + tokens * (c + heads) * width  # qkv and a, kept by the checkpoint
+    pieces = 2 if cp > 1 else 1
+    piece = seq // pieces
+    conv = batch * c * (model.linear_conv_kernel_dim - 1 + piece) * width * pieces
+    conv += tokens * c * width  # SiLU's input
+    norms = 2 * tokens * heads * (model.linear_key_head_dim + 1) * 4
+    decay = 2 * tokens * heads * 4 + 2 * heads * 4 * pieces  # softplus in, out; exp(A_log), -
+    rule = pieces * rule_kept_bytes(model, heads, batch, piece, width)
+    return out + conv + norms + decay + rule
+
+
+def rule_kept_bytes(model: ModelConfig, heads: int, batch: int, seq: int, width: int) -> int:
+    """Bytes ops.gated_delta's chunked rule keeps for backward on `heads` value heads of `batch`
+    sequences of `seq` tokens padded to n chunks of C, P = batch n C, under autocast (its
+    matmuls take `width`-byte copies of their operands): C-wide, the decays and A (fp32), K K^T
+    and Q K^T before and P after the decays (16-bit); e-wide, q, k, k beta and W (fp32) and the
+    four copies of k beta, q and k for K K^T and Q K^T; f-wide v and U (fp32); V' twice a chunk
+    but the last's update; per token five fp32 factors (beta, e^G, its scaled copy, the decay to
+    the chunk's end and e^G in W); per chunk its decay and the state twice (16-bit); after the
+    first (whose zero state needs no gradient) W and Q S's operands (16-bit), and but the last the
+    state (fp32) and K^T (16-bit); the causal mask."""
+    e, f, C = model.linear_key_head_dim, model.linear_value_head_dim, CHUNK
+    chunks = -(-seq // C)
+    P = batch * chunks * C * heads
+    per_token = P * (C * (2 * 4 + 3 * width) + e * (4 * 4 + 4 * width) + f * 2 * 4 + 5 * 4)
+    v_new = (2 * chunks - 1) * batch * heads * C * f * width
+    state = batch * heads * (2 * chunks * e * f * width + (chunks - 1) * e * f * 4)
+    later = 3 * (chunks - 1) * batch * heads * C * e * width  # W, Q and K^T after the first
+    return per_token + v_new + state + later + batch * heads * chunks * 4 + C * C
 
 
 def tp_inputs(model: ModelConfig, tokens: int, operand_bytes: int) -> tuple[bool, int]:
