@@ -162,9 +162,11 @@ def layer_time(
     return LayerTime(forward=fwd, backward=bwd, attention_forward=attn_fwd)
 
 
-FP8_LINEARS = {"qkv", "proj", "up", "down", "shared_up", "shared_down"}
+FP8_LINEARS = {"qkv", "proj", "up", "down", "shared_up", "shared_down", "kv_up"} | {
+    f"linear_{name}" for name in ("qkv", "z", "b", "a", "out")
+}
 """The linears of ``linear_shapes`` whose GEMMs are fp8 under train.precision fp8 (not the output
-layer, "head")."""
+layer, "head", nor multi-head latent attention's replicated down-projections)."""
 
 
 def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> dict:
@@ -186,22 +188,20 @@ def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency)
 
 
 def linear_shapes(cfg: Config, derived: Derived) -> dict[str, tuple[int, int, int]]:
-    """(m, n, k) of the forward GEMM of each tensor-parallel linear of one micro-batch on one
-    rank, named as ``linear_gemms`` names them."""
+    """(m, n, k) of the forward GEMM of each linear of one micro-batch on one rank, named as
+    ``linear_gemms`` names them: each attention kind's among the blocks (its component's
+    ``gemm_names``: a hybrid's full-attention blocks' qkv and proj, its linear-attention
+    blocks' linear_*), the dense MLP's, the output layer's and the shared expert's."""
     model, train, tp = cfg.model, cfg.train, derived.tp
-    T, h, hd = train.micro_batch_size * train.seq_len // derived.cp, model.d_model, derived.head_dim
-    heads, kv = model.n_head // tp, derived.n_kv_head // tp
-    f, shared = derived.d_ff // tp, derived.moe_d_ff // tp
-    up, down = mlp.gemms(model, T, f)
-    shapes = {
-        "qkv": (T, (heads + 2 * kv) * hd, h),
-        "proj": (T, h, heads * derived.v_head_dim),
-        "up": up,
-        "down": down,
-        "head": (T, derived.padded_vocab_size // tp, h),
-    }
-    if shared:
-        shapes.update(shared_up=(T, 2 * shared, h), shared_down=(T, h, shared))
+    T, h = train.micro_batch_size * train.seq_len // derived.cp, model.d_model
+    N = T // tp if cfg.parallel.sequence_parallel and tp > 1 else T
+    shapes = {}
+    for kind in dict.fromkeys(model.block_attention(i) for i in range(model.n_layer)):
+        cost = ATTENTION[kind]
+        shapes.update(zip(cost.gemm_names(model), cost.gemms(model, derived, T, N)))
+    up, down = mlp.gemms(model, T, derived.d_ff // tp)
+    shapes.update(up=up, down=down, head=(T, derived.padded_vocab_size // tp, h))
+    shapes.update(zip(("shared_up", "shared_down"), moe_cost.shared_gemms(cfg, derived, T)))
     return shapes
 
 

@@ -226,3 +226,13 @@ def test_a_gated_deltanet_layer_keeps_what_the_estimate_counts(tp, sets):
     mine = gated_deltanet.kept_bytes(long.model, tp, 1, b, s, 2, selective)
     heads = attention.activations(long.model)[1] * b * s * long.model.d_model / tp
     assert linear - mine == pytest.approx(full - heads, rel=FP64_REORDER)
+
+
+def test_fp8_layer_params_of_latent_attention_are_those_its_fp8_layers_hold():
+    """Multi-head latent attention's replicated down-projections and latent norms stay out of
+    the fp8 layers (megatronish.model.precision.fp8_layers), and out of the count."""
+    cfg = _config("tiny-deepseek-v3.yaml", ["train.precision=fp8"])
+    model, derived = _model(cfg)
+    in_fp8 = sum(p.numel() for layer in fp8_layers(model) for p in layer.parameters())
+    in_fp8 += sum(p.numel() for moe in fp8_moe_layers(model) for p in moe.experts.parameters())
+    assert fp8_layer_params(cfg, derived, 0) == in_fp8

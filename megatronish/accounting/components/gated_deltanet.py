@@ -71,6 +71,11 @@ def matmul_params(model: ModelConfig, derived: Derived) -> int:
     return h * (conv_channels(model) + 2 * _value_width(model) + 2 * values)
 
 
+def gemm_names(model: ModelConfig) -> tuple[str, ...]:
+    """``gemms``' names, in order (those of the linear-attention blocks' projections)."""
+    return ("linear_qkv", "linear_z", "linear_b", "linear_a", "linear_out")
+
+
 def gemms(model: ModelConfig, derived: Derived, T: int, N: int) -> list[tuple[int, int, int]]:
     """(rows, columns, inner) of the projections' forward GEMMs of T tokens on one tp rank (N:
     its share under sequence parallelism, unused): qkv, z, b, a and out_proj."""
