@@ -172,16 +172,19 @@ layer, "head", nor multi-head latent attention's replicated down-projections).""
 def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> dict:
     """Seconds of the tensor-parallel linears' GEMMs of one micro-batch on one rank, the GEMMs
     a decomposed tp collective runs under (accounting.tp_overlap): forward, one call each, of
-    qkv, proj (attention projection), up (gpt2's up, llama's gate and up), down, head (the
-    output layer), shared_up and shared_down (an MoE layer's shared expert, when the model has
-    experts); and the backward
-    pair (input and weight gradient) of proj, down and shared_down, which the all-gather of
-    their output gradient runs under."""
+    each of ``linear_shapes``' (the attention's, up: gpt2's up, llama's gate and up, down, head:
+    the output layer, shared_up and shared_down: an MoE layer's shared expert, when it has
+    one), and linear_in, a linear-attention block's four input projections together (they
+    share one gathered input); and the backward pair (input and weight gradient) of proj,
+    down, shared_down and linear_out, which the all-gather of their output gradient runs
+    under."""
     train = cfg.train
     timer = _Timer(device, eff, 2 if train.bf16_autocast else 4, train_format(train))
     shapes = linear_shapes(cfg, derived)
     gemms = {name: timer.gemm(*shape, fp8=name in FP8_LINEARS) for name, shape in shapes.items()}
-    for name in ("proj", "down", "shared_down"):
+    if "linear_out" in shapes:  # one gathered input, four projections run on it chunk by chunk
+        gemms["linear_in"] = sum(gemms[f"linear_{name}"] for name in ("qkv", "z", "b", "a"))
+    for name in ("proj", "down", "shared_down", "linear_out"):
         if name in shapes:
             gemms[f"{name}_backward"] = timer.gemm(*shapes[name], True, fp8=name in FP8_LINEARS)
     return gemms

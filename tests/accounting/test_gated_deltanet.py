@@ -144,3 +144,39 @@ def test_the_plans_gemm_shapes_are_those_of_the_weights_the_model_builds(case, t
     assert gemms == weights
     plain = load_config(CONFIGS / "tiny-moe.yaml", ["model.vocab_size=256"])
     assert not {"shared_up", "shared_down"} & set(linear_shapes(plain, derive(plain, 1)))
+
+
+@pytest.mark.parametrize("sequence_parallel", ["true", "false"])
+def test_a_hybrids_decomposed_tp_collectives_run_under_their_own_blocks_gemms(sequence_parallel):
+    """With parallel.tp_comm_overlap, the three linear-attention blocks' collectives of
+    tiny-qwen3_5 run under their own GEMMs (the input's under the four input projections, which
+    share it, out_proj's under out_proj), the full-attention block's under qkv and proj: per
+    block and micro-batch, each reduce-scatter and all-gather in t - 1 ring hops, each
+    all-reduce in t chunks."""
+    from megatronish.accounting.collectives import collectives_per_step
+    from megatronish.accounting.hardware import GPUS
+    from megatronish.accounting.layer_time import linear_gemms
+    from megatronish.accounting.roofline import GPU_EFFICIENCY
+
+    sets = ["parallel.tp=2", "parallel.tp_comm_overlap=true"]
+    sets.append(f"parallel.sequence_parallel={sequence_parallel}")
+    cfg = load_config(TINY, ["model.vocab_size=256", *sets])
+    derived = derive(cfg, 2)
+    gemms = linear_gemms(cfg, derived, GPUS["H100"], GPU_EFFICIENCY)
+    inputs = [gemms[f"linear_{name}"] for name in ("qkv", "z", "b", "a")]
+    assert gemms["linear_in"] == sum(inputs)
+    calls: dict[str, int] = {}
+    for op in collectives_per_step(cfg, derived):
+        if op.group == "tp" and op.under:
+            calls[op.under] = calls.get(op.under, 0) + op.count
+    assert set(calls) <= set(gemms)
+    m, tp = derived.grad_accum_steps, derived.tp
+    pieces = tp - 1 if sequence_parallel == "true" else tp  # ring hops, or all-reduce chunks
+    if sequence_parallel == "true":  # qkv's gather (again in backward) and reduce-scatter
+        per_block = {"qkv": 3, "proj": 1, "proj_backward": 1}
+        per_block |= {"linear_in": 2, "linear_out": 1, "linear_out_backward": 1}
+    else:  # the projections' forward all-reduces alone
+        per_block = {"proj": 1, "linear_out": 1}
+    blocks = {name: 3 if name.startswith("linear") else 1 for name in per_block}
+    attention = {name: n for name, n in calls.items() if name in per_block}
+    assert attention == {n: c * blocks[n] * m * pieces for n, c in per_block.items()}
