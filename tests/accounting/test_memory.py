@@ -156,21 +156,29 @@ QWEN3_5 = ["model.linear_value_head_dim=16", "model.max_seq_len=128"]  # e 32, f
 HYBRID_BATCH, HYBRID_SEQ = 3, 100  # two chunks of the rule, the second padded
 
 
-def _linear_attention_kept(rank: int, tp: int, sets: tuple[str, ...]) -> tuple[int, int]:
+def _hybrid(tp: int, cp: int, sets: tuple[str, ...]):
+    parallel = [f"parallel.tp={tp}", f"parallel.cp={cp}"]
+    return _config("tiny-qwen3_5.yaml", [*QWEN3_5, *parallel, *sets])
+
+
+def _linear_attention_kept(rank: int, world: int, cp: int, sets: tuple[str, ...]) -> tuple:
     """(bytes the graph of tiny-qwen3_5's first (Gated DeltaNet) block's layer still holds after
-    its forward on one tp rank, parameters and autocast's copies of its weights left out (model
-    state); the layer's input cast to 16 bits, its own count in the accounting's ``WHOLE``)."""
+    its forward on one of world tp x cp ranks, parameters and autocast's copies of its weights
+    left out (model state); those of the layer's input as the linears take it, its own count in
+    the accounting's ``WHOLE``)."""
     import gc
     import weakref
 
-    cfg = _config("tiny-qwen3_5.yaml", [*QWEN3_5, f"parallel.tp={tp}", *sets])
-    ps = ParallelState.from_world(tp=tp, dp=1) if tp > 1 else ParallelState.single()
-    layer = GPT(cfg, derive(cfg, tp), ps).train().blocks["0"].attn
+    tp = world // cp
+    cfg = _hybrid(tp, cp, sets)
+    ps = ParallelState.from_world(tp=tp, dp=1, cp=cp) if world > 1 else ParallelState.single()
+    layer = GPT(cfg, derive(cfg, world), ps).train().blocks["0"].attn
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     linears = [layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj]
     copied = [m.weight for m in linears if m.plan.recipe is None]
     if not layer.selective_checkpoint:  # else the checkpoint casts it again in backward
         copied.append(layer.conv_weight)
+    copied = copied if cfg.train.bf16_autocast else []
     held: list[weakref.ref] = []
 
     class Saved:
@@ -178,7 +186,7 @@ def _linear_attention_kept(rank: int, tp: int, sets: tuple[str, ...]) -> tuple[i
             self.tensor = tensor
             held.append(weakref.ref(self))
 
-    x = torch.randn(HYBRID_BATCH, HYBRID_SEQ, cfg.model.d_model, requires_grad=True)
+    x = torch.randn(HYBRID_BATCH, HYBRID_SEQ // cp, cfg.model.d_model, requires_grad=True)
     hooks = torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor)
     with hooks, autocast(cfg, torch.device("cpu")):
         out = layer(x)
@@ -190,41 +198,45 @@ def _linear_attention_kept(rank: int, tp: int, sets: tuple[str, ...]) -> tuple[i
             storages[storage.data_ptr()] = storage.nbytes()
     del out
     kept = sum(n for ptr, n in storages.items() if ptr not in params)
-    return kept - 2 * sum(p.numel() for p in copied), x.numel() * 2
+    width = 2 if cfg.train.bf16_autocast else 4
+    return kept - 2 * sum(p.numel() for p in copied), x.numel() * width
 
 
 @pytest.mark.parametrize(
-    "tp,sets",
+    "tp,cp,sets",
     [
-        (1, ("train.precision=bf16",)),
-        (1, ("train.precision=fp8",)),
-        (1, ("train.precision=bf16", "train.activation_checkpointing=selective")),
-        (2, ("train.precision=bf16",)),
+        (1, 1, ("train.precision=bf16",)),
+        (1, 1, ("train.precision=fp8",)),
+        (1, 1, ("train.precision=bf16", "train.activation_checkpointing=selective")),
+        (1, 1, ("train.precision=fp32",)),
+        (2, 1, ("train.precision=bf16",)),
+        (1, 2, ("train.precision=bf16",)),
     ],
-    ids=["bf16", "fp8", "selective", "tp2"],
+    ids=["bf16", "fp8", "selective", "fp32", "tp2", "cp2"],
 )
-def test_a_gated_deltanet_layer_keeps_what_the_estimate_counts(tp, sets):
+def test_a_gated_deltanet_layer_keeps_what_the_estimate_counts(tp, cp, sets):
     """What the linear-attention layer's autograd graph holds after its forward (the
     projections' outputs it reads, the convolution's input and output, q and k after their L2
     norms, g and beta, the chunked rule's saved tensors, the gated norm, out_proj's input; under
-    selective recompute the checkpoint's inputs) equals the accounting's count, byte for byte,
-    and the estimate of the block adds it to the block's norms, input and MLP."""
-    if tp == 1:
-        kept, layer_input = _linear_attention_kept(0, 1, sets)
+    selective recompute the checkpoint's inputs; under cp the state pass's inputs and states)
+    equals the accounting's count, byte for byte (under cp on the busiest rank, the last: the
+    first's initial state is the zero state), and the estimate of the block adds it to the
+    block's norms, input and MLP."""
+    world = tp * cp
+    if world == 1:
+        kept, layer_input = _linear_attention_kept(0, 1, 1, sets)
     else:
-        kept, layer_input = run_on_ranks(_linear_attention_kept, tp, sets, timeout=120)[0]
-    cfg = _config("tiny-qwen3_5.yaml", [*QWEN3_5, f"parallel.tp={tp}", *sets])
-    recompute = cfg.train.activation_checkpointing
-    selective = recompute == "selective"
-    counted = gated_deltanet.kept_bytes(
-        cfg.model, tp, 1, HYBRID_BATCH, HYBRID_SEQ, 2, selective
-    )  # fmt: skip
+        kept, layer_input = run_on_ranks(_linear_attention_kept, world, cp, sets)[-1]
+    cfg = _hybrid(tp, cp, sets)
+    recompute, width = cfg.train.activation_checkpointing, 2 if cfg.train.bf16_autocast else 4
+    selective, seq = recompute == "selective", HYBRID_SEQ // cp
+    counted = gated_deltanet.kept_bytes(cfg.model, tp, cp, HYBRID_BATCH, seq, width, selective)
     assert kept == layer_input + counted
-    long = _config("tiny-qwen3_5.yaml", [f"parallel.tp={tp}", *sets])  # 128 tokens: the config's
+    long = _config("tiny-qwen3_5.yaml", [f"parallel.tp={tp}", f"parallel.cp={cp}", *sets])
     linear, full = (activation_bytes_per_layer(long, tp, False, recompute, i) for i in (0, 3))
-    b, s = long.train.micro_batch_size, long.train.seq_len
-    mine = gated_deltanet.kept_bytes(long.model, tp, 1, b, s, 2, selective)
-    heads = attention.activations(long.model)[1] * b * s * long.model.d_model / tp
+    b, s = long.train.micro_batch_size, long.train.seq_len // cp  # the config's 128 tokens
+    mine = gated_deltanet.kept_bytes(long.model, tp, cp, b, s, width, selective)
+    heads = attention.activations(long.model)[1] * b * s * long.model.d_model / tp * width / 2
     assert linear - mine == pytest.approx(full - heads, rel=FP64_REORDER)
 
 
