@@ -101,7 +101,6 @@ TWO_RANKS = {
     "qwen3_5 hybrid tp2 fp8 tensorwise sequence-parallel": (2, 1, QWEN3_5 + FP8 + TENSORWISE + SP),
     "qwen3_5 hybrid tp2 fp8 rowwise": (2, 1, QWEN3_5 + FP8 + ROWWISE),
     "mla tp2 fp8 rowwise": (2, 1, MLA + FP8 + ROWWISE),
-    "mla tp2 fp8 tensorwise sequence-parallel": (2, 1, MLA + FP8 + TENSORWISE + SP),
     # fp8 with the tp collectives decomposed (the input's fp8 cast on the forward ring), each
     # against the same run without the decomposition (FP8_OVERLAP)
     "llama tp2 fp8 tensorwise overlap": (2, 1, LLAMA + FP8 + TENSORWISE + OVERLAP),
