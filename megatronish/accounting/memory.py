@@ -32,7 +32,8 @@ dp x cp / ep ranks that hold the same experts):
   dims, and its latents; each attention kind's ``activations`` in accounting.components; a
   Gated DeltaNet block instead of attention's heads what its code saves, counted tensor by
   tensor, selective recompute keeping only the inputs of its convolution and delta rule:
-  accounting.components.gated_deltanet.kept_bytes),
+  accounting.components.gated_deltanet.kept_bytes, and its input whole under sequence
+  parallelism too: its four projections keep what they gather),
   times 2 for fp32 activations; plus the logits and the loss's softmax, b s V / t x 6 bytes
   (bf16 logits, fp32 softmax). Llama's SwiGLU MLP and GQA move these by a few percent.
   Multi-token prediction (model.mtp_depth D) adds D layers and D logits to the last stage.

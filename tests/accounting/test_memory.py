@@ -157,22 +157,28 @@ HYBRID_BATCH, HYBRID_SEQ = 3, 100  # two chunks of the rule, the second padded
 
 
 def _hybrid(tp: int, cp: int, sets: tuple[str, ...]):
+    """tiny-qwen3_5 at HYBRID_BATCH sequences of HYBRID_SEQ tokens, tp, cp and sets."""
     parallel = [f"parallel.tp={tp}", f"parallel.cp={cp}"]
-    return _config("tiny-qwen3_5.yaml", [*QWEN3_5, *parallel, *sets])
+    batch = [f"train.micro_batch_size={HYBRID_BATCH}", f"train.global_batch_size={HYBRID_BATCH}"]
+    batch.append(f"train.seq_len={HYBRID_SEQ}")
+    return _config("tiny-qwen3_5.yaml", [*QWEN3_5, *parallel, *batch, *sets])
 
 
-def _linear_attention_kept(rank: int, world: int, cp: int, sets: tuple[str, ...]) -> tuple:
-    """(bytes the graph of tiny-qwen3_5's first (Gated DeltaNet) block's layer still holds after
-    its forward on one of world tp x cp ranks, parameters and autocast's copies of its weights
-    left out (model state); those of the layer's input as the linears take it, its own count in
-    the accounting's ``WHOLE``)."""
+def _linear_attention_kept(rank: int, world: int, cp: int, *variants: tuple[str, ...]) -> list:
+    """For each variant's settings, the bytes the graph of tiny-qwen3_5's first (Gated
+    DeltaNet) block's layer still holds after its forward on one of world tp x cp ranks,
+    parameters and autocast's copies of its weights left out (model state)."""
+    return [_layer_kept(world // cp, cp, sets) for sets in variants]
+
+
+def _layer_kept(tp: int, cp: int, sets: tuple[str, ...]) -> int:
     import gc
     import weakref
 
-    tp = world // cp
     cfg = _hybrid(tp, cp, sets)
-    ps = ParallelState.from_world(tp=tp, dp=1, cp=cp) if world > 1 else ParallelState.single()
-    layer = GPT(cfg, derive(cfg, world), ps).train().blocks["0"].attn
+    one = tp * cp == 1
+    ps = ParallelState.single() if one else ParallelState.from_world(tp=tp, dp=1, cp=cp)
+    layer = GPT(cfg, derive(cfg, tp * cp), ps).train().blocks["0"].attn
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     linears = [layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj]
     copied = [m.weight for m in linears if m.plan.recipe is None]
@@ -186,7 +192,8 @@ def _linear_attention_kept(rank: int, world: int, cp: int, sets: tuple[str, ...]
             self.tensor = tensor
             held.append(weakref.ref(self))
 
-    x = torch.randn(HYBRID_BATCH, HYBRID_SEQ // cp, cfg.model.d_model, requires_grad=True)
+    seq = HYBRID_SEQ // cp // (tp if cfg.parallel.sequence_parallel else 1)
+    x = torch.randn(HYBRID_BATCH, seq, cfg.model.d_model, requires_grad=True)
     hooks = torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor)
     with hooks, autocast(cfg, torch.device("cpu")):
         out = layer(x)
@@ -198,46 +205,53 @@ def _linear_attention_kept(rank: int, world: int, cp: int, sets: tuple[str, ...]
             storages[storage.data_ptr()] = storage.nbytes()
     del out
     kept = sum(n for ptr, n in storages.items() if ptr not in params)
-    width = 2 if cfg.train.bf16_autocast else 4
-    return kept - 2 * sum(p.numel() for p in copied), x.numel() * width
+    return kept - 2 * sum(p.numel() for p in copied)
+
+
+BF16 = ("train.precision=bf16",)
+SP = (*BF16, "parallel.sequence_parallel=true")
 
 
 @pytest.mark.parametrize(
-    "tp,cp,sets",
+    "tp,cp,variants",
     [
-        (1, 1, ("train.precision=bf16",)),
-        (1, 1, ("train.precision=fp8",)),
-        (1, 1, ("train.precision=bf16", "train.activation_checkpointing=selective")),
-        (1, 1, ("train.precision=fp32",)),
-        (2, 1, ("train.precision=bf16",)),
-        (1, 2, ("train.precision=bf16",)),
+        (1, 1, [BF16, ("train.precision=fp8",), ("train.precision=fp32",)]),
+        (1, 1, [(*BF16, "train.activation_checkpointing=selective")]),
+        (2, 1, [BF16, SP]),
+        (1, 2, [BF16]),
     ],
-    ids=["bf16", "fp8", "selective", "fp32", "tp2", "cp2"],
+    ids=["precisions", "selective", "tp2", "cp2"],
 )
-def test_a_gated_deltanet_layer_keeps_what_the_estimate_counts(tp, cp, sets):
-    """What the linear-attention layer's autograd graph holds after its forward (the
-    projections' outputs it reads, the convolution's input and output, q and k after their L2
-    norms, g and beta, the chunked rule's saved tensors, the gated norm, out_proj's input; under
-    selective recompute the checkpoint's inputs; under cp the state pass's inputs and states)
-    equals the accounting's count, byte for byte (under cp on the busiest rank, the last: the
-    first's initial state is the zero state), and the estimate of the block adds it to the
-    block's norms, input and MLP."""
-    world = tp * cp
-    if world == 1:
-        kept, layer_input = _linear_attention_kept(0, 1, 1, sets)
+def test_a_gated_deltanet_layer_keeps_what_the_estimate_counts(tp, cp, variants):
+    """What the linear-attention layer's autograd graph holds after its forward (its input as
+    its four projections take it, gathered under sequence parallelism; the projections'
+    outputs it reads, the convolution's input and output, q and k after their L2 norms, g and
+    beta, the chunked rule's saved tensors, the gated norm, out_proj's input; under selective
+    recompute the checkpoint's inputs; under cp the state pass's inputs and states) equals the
+    accounting's count, byte for byte (under cp on the busiest rank, the last: the first's
+    initial state is the zero state), and the block's estimate adds it to the block's norms,
+    MLP and the mask after the layer as it adds them to attention."""
+    if tp * cp == 1:
+        measured = _linear_attention_kept(0, 1, 1, *variants)
     else:
-        kept, layer_input = run_on_ranks(_linear_attention_kept, world, cp, sets)[-1]
-    cfg = _hybrid(tp, cp, sets)
-    recompute, width = cfg.train.activation_checkpointing, 2 if cfg.train.bf16_autocast else 4
-    selective, seq = recompute == "selective", HYBRID_SEQ // cp
-    counted = gated_deltanet.kept_bytes(cfg.model, tp, cp, HYBRID_BATCH, seq, width, selective)
-    assert kept == layer_input + counted
-    long = _config("tiny-qwen3_5.yaml", [f"parallel.tp={tp}", f"parallel.cp={cp}", *sets])
-    linear, full = (activation_bytes_per_layer(long, tp, False, recompute, i) for i in (0, 3))
-    b, s = long.train.micro_batch_size, long.train.seq_len // cp  # the config's 128 tokens
-    mine = gated_deltanet.kept_bytes(long.model, tp, cp, b, s, width, selective)
-    heads = attention.activations(long.model)[1] * b * s * long.model.d_model / tp * width / 2
-    assert linear - mine == pytest.approx(full - heads, rel=FP64_REORDER)
+        measured = run_on_ranks(_linear_attention_kept, tp * cp, cp, *variants)[-1]
+    for sets, kept in zip(variants, measured):
+        cfg = _hybrid(tp, cp, sets)
+        recompute, width = cfg.train.activation_checkpointing, 2 if cfg.train.bf16_autocast else 4
+        selective, sp, seq = (
+            recompute == "selective",
+            cfg.parallel.sequence_parallel,
+            HYBRID_SEQ // cp,
+        )
+        counted = gated_deltanet.kept_bytes(cfg.model, tp, cp, HYBRID_BATCH, seq, width, selective)
+        sbh = HYBRID_BATCH * seq * cfg.model.d_model
+        assert kept == sbh * width + counted, sets  # the input, whole at any tp
+        full = activation_bytes_per_layer(cfg, tp, sp, recompute, 3)
+        heads, input_and_mask = attention.activations(cfg.model)[1], attention.WHOLE_ACTIVATIONS
+        shared = full - sbh * (heads / tp + input_and_mask / (tp if sp else 1)) * width / 2
+        mask = sbh * width / 2 / (tp if sp else 1)
+        linear = activation_bytes_per_layer(cfg, tp, sp, recompute, 0)
+        assert linear == pytest.approx(shared + kept + mask, rel=FP64_REORDER), sets
 
 
 def test_fp8_layer_params_of_latent_attention_are_those_its_fp8_layers_hold():

@@ -24,6 +24,9 @@ QKV_PARTS = 3
 STATE_BYTES = 4
 """The recurrent state is fp32 (the rule runs in fp32 whatever the autocast)."""
 
+INPUT = 2
+"""Of ``WHOLE_ACTIVATIONS``, the layer's input (16 bits a value)."""
+
 
 def conv_channels(model: ModelConfig) -> int:
     """The convolution's channels (in_proj_qkv's rows): q and k of every key head, v of every
@@ -122,10 +125,11 @@ def stream_elements(model: ModelConfig, derived: Derived, T: int) -> int:
 
 
 def activations(model: ModelConfig) -> tuple[int, float, float, float]:
-    """What it keeps per layer in units of 16-bit s b h, beside ``kept_bytes``: (its input and
-    the mask after it, whole without sequence parallelism, as attention's; the rest is
-    ``kept_bytes``'s: none split, replicated or latent here)."""
-    return WHOLE_ACTIVATIONS, 0.0, 0.0, 0.0
+    """What it keeps per layer in units of 16-bit s b h, beside ``kept_bytes``: (the mask after
+    it, whole without sequence parallelism, as attention's; nothing split or replicated; its
+    input, whole at any tp: the four projections keep the input they gather under sequence
+    parallelism, where attention's qkv gathers it again in backward)."""
+    return WHOLE_ACTIVATIONS - INPUT, 0.0, 0.0, float(INPUT)
 
 
 def kept_bytes(
