@@ -8,11 +8,12 @@ f d_ff, V the padded vocab, c bytes a 16-bit (bf16) or fp32 activation element. 
 [m, k] x [k, n] forward has two of the same FLOPs backward: the input gradient [m, n] x [n, k]
 and the weight gradient [k, m] x [m, n].
 
-GEMMs a layer forward: qkv [T, h] x [h, (a + 2k) d / t], projection [T, a d / t] x [a d / t, h],
-MLP up [T, h] x [h, f / t] (llama: gate and up, 2 f / t wide), down [T, f / t] x [f / t, h]; an
-MoE MLP instead its router [T, h] x [h, E] and the T top_k routed rows through its E / ep
-experts (each [rows, h] x [h, f / t] three times: gate, up, down), a shared expert as a dense
-MLP of moe_d_ff.
+GEMMs a layer forward: qkv [T, h] x [h, (a + 2k) d / t] (a more with Qwen3.5's query gate),
+projection [T, a d / t] x [a d / t, h] (multi-head latent attention and a linear-attention block
+their own: each attention kind's ``gemms`` in accounting.components), MLP up [T, h] x [h, f / t]
+(llama: gate and up, 2 f / t wide), down [T, f / t] x [f / t, h]; an MoE MLP instead its router
+[T, h] x [h, E] and the T top_k routed rows through its E / ep experts (each [rows, h] x [h, f /
+t] three times: gate, up, down), a shared expert as a SwiGLU MLP of its own size.
 
 Attention: flash-style (what megatronish runs): 2 b (a / t) (s / cp) s (d + d_v) FLOPs forward
 (d_v the value head dim: d but for multi-head latent attention), half
