@@ -8,11 +8,12 @@ f d_ff, V the padded vocab, c bytes a 16-bit (bf16) or fp32 activation element. 
 [m, k] x [k, n] forward has two of the same FLOPs backward: the input gradient [m, n] x [n, k]
 and the weight gradient [k, m] x [m, n].
 
-GEMMs a layer forward: qkv [T, h] x [h, (a + 2k) d / t], projection [T, a d / t] x [a d / t, h],
-MLP up [T, h] x [h, f / t] (llama: gate and up, 2 f / t wide), down [T, f / t] x [f / t, h]; an
-MoE MLP instead its router [T, h] x [h, E] and the T top_k routed rows through its E / ep
-experts (each [rows, h] x [h, f / t] three times: gate, up, down), a shared expert as a dense
-MLP of moe_d_ff.
+GEMMs a layer forward: qkv [T, h] x [h, (a + 2k) d / t] (a more with Qwen3.5's query gate),
+projection [T, a d / t] x [a d / t, h] (multi-head latent attention and a linear-attention block
+their own: each attention kind's ``gemms`` in accounting.components), MLP up [T, h] x [h, f / t]
+(llama: gate and up, 2 f / t wide), down [T, f / t] x [f / t, h]; an MoE MLP instead its router
+[T, h] x [h, E] and the T top_k routed rows through its E / ep experts (each [rows, h] x [h, f /
+t] three times: gate, up, down), a shared expert as a SwiGLU MLP of its own size.
 
 Attention: flash-style (what megatronish runs): 2 b (a / t) (s / cp) s (d + d_v) FLOPs forward
 (d_v the value head dim: d but for multi-head latent attention), half
@@ -162,46 +163,49 @@ def layer_time(
     return LayerTime(forward=fwd, backward=bwd, attention_forward=attn_fwd)
 
 
-FP8_LINEARS = {"qkv", "proj", "up", "down", "shared_up", "shared_down"}
+FP8_LINEARS = {"qkv", "proj", "up", "down", "shared_up", "shared_down", "kv_up"} | {
+    f"linear_{name}" for name in ("qkv", "z", "b", "a", "out")
+}
 """The linears of ``linear_shapes`` whose GEMMs are fp8 under train.precision fp8 (not the output
-layer, "head")."""
+layer, "head", nor multi-head latent attention's replicated down-projections)."""
 
 
 def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> dict:
     """Seconds of the tensor-parallel linears' GEMMs of one micro-batch on one rank, the GEMMs
     a decomposed tp collective runs under (accounting.tp_overlap): forward, one call each, of
-    qkv, proj (attention projection), up (gpt2's up, llama's gate and up), down, head (the
-    output layer), shared_up and shared_down (an MoE layer's shared expert, when the model has
-    experts); and the backward
-    pair (input and weight gradient) of proj, down and shared_down, which the all-gather of
-    their output gradient runs under."""
+    each of ``linear_shapes``' (the attention's, up: gpt2's up, llama's gate and up, down, head:
+    the output layer, shared_up and shared_down: an MoE layer's shared expert, when it has
+    one), and linear_in, a linear-attention block's four input projections together (they
+    share one gathered input); and the backward pair (input and weight gradient) of proj,
+    down, shared_down and linear_out, which the all-gather of their output gradient runs
+    under."""
     train = cfg.train
     timer = _Timer(device, eff, 2 if train.bf16_autocast else 4, train_format(train))
     shapes = linear_shapes(cfg, derived)
     gemms = {name: timer.gemm(*shape, fp8=name in FP8_LINEARS) for name, shape in shapes.items()}
-    for name in ("proj", "down", "shared_down"):
+    if "linear_out" in shapes:  # one gathered input, four projections run on it chunk by chunk
+        gemms["linear_in"] = sum(gemms[f"linear_{name}"] for name in ("qkv", "z", "b", "a"))
+    for name in ("proj", "down", "shared_down", "linear_out"):
         if name in shapes:
             gemms[f"{name}_backward"] = timer.gemm(*shapes[name], True, fp8=name in FP8_LINEARS)
     return gemms
 
 
 def linear_shapes(cfg: Config, derived: Derived) -> dict[str, tuple[int, int, int]]:
-    """(m, n, k) of the forward GEMM of each tensor-parallel linear of one micro-batch on one
-    rank, named as ``linear_gemms`` names them."""
+    """(m, n, k) of the forward GEMM of each linear of one micro-batch on one rank, named as
+    ``linear_gemms`` names them: each attention kind's among the blocks (its component's
+    ``gemm_names``: a hybrid's full-attention blocks' qkv and proj, its linear-attention
+    blocks' linear_*), the dense MLP's, the output layer's and the shared expert's."""
     model, train, tp = cfg.model, cfg.train, derived.tp
-    T, h, hd = train.micro_batch_size * train.seq_len // derived.cp, model.d_model, derived.head_dim
-    heads, kv = model.n_head // tp, derived.n_kv_head // tp
-    f, shared = derived.d_ff // tp, derived.moe_d_ff // tp
-    up, down = mlp.gemms(model, T, f)
-    shapes = {
-        "qkv": (T, (heads + 2 * kv) * hd, h),
-        "proj": (T, h, heads * derived.v_head_dim),
-        "up": up,
-        "down": down,
-        "head": (T, derived.padded_vocab_size // tp, h),
-    }
-    if shared:
-        shapes.update(shared_up=(T, 2 * shared, h), shared_down=(T, h, shared))
+    T, h = train.micro_batch_size * train.seq_len // derived.cp, model.d_model
+    N = T // tp if cfg.parallel.sequence_parallel and tp > 1 else T
+    shapes = {}
+    for kind in dict.fromkeys(model.block_attention(i) for i in range(model.n_layer)):
+        cost = ATTENTION[kind]
+        shapes.update(zip(cost.gemm_names(model), cost.gemms(model, derived, T, N)))
+    up, down = mlp.gemms(model, T, derived.d_ff // tp)
+    shapes.update(up=up, down=down, head=(T, derived.padded_vocab_size // tp, h))
+    shapes.update(zip(("shared_up", "shared_down"), moe_cost.shared_gemms(cfg, derived, T)))
     return shapes
 
 

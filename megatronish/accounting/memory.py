@@ -29,7 +29,11 @@ dp x cp / ep ranks that hold the same experts):
     full recompute         2 s b h (/ t with sequence parallel) kept per layer, plus one layer's
                            working set during its backward
   (multi-head latent attention: its heads' q, k, v and output over the query-key and value head
-  dims, and its latents; each attention kind's ``activations`` in accounting.components),
+  dims, and its latents; each attention kind's ``activations`` in accounting.components; a
+  Gated DeltaNet block instead of attention's heads what its code saves, counted tensor by
+  tensor, selective recompute keeping only the inputs of its convolution and delta rule:
+  accounting.components.gated_deltanet.kept_bytes, and its input whole under sequence
+  parallelism too: its four projections keep what they gather),
   times 2 for fp32 activations; plus the logits and the loss's softmax, b s V / t x 6 bytes
   (bf16 logits, fp32 softmax). Llama's SwiGLU MLP and GQA move these by a few percent.
   Multi-token prediction (model.mtp_depth D) adds D layers and D logits to the last stage.
@@ -62,7 +66,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from megatronish.accounting.collectives import formula_bytes_per_step
-from megatronish.accounting.components import attention_at, attention_of, mlp, norm
+from megatronish.accounting.components import (
+    attention_at,
+    attention_of,
+    gated_deltanet,
+    mlp,
+    norm,
+)
 from megatronish.accounting.components.moe import local_parameters, router_params
 from megatronish.accounting.parameters import (
     local_layer_params,
@@ -137,6 +147,10 @@ def activation_bytes_per_layer(
         return kept * width
     model = cfg.model
     attention, heads, replicated, latents = attention_at(model, index).activations(model)
+    mixer = 0  # Gated DeltaNet's own count, in bytes
+    if model.block_attention(index) == "gated_deltanet":
+        selective, cp, bytes_16 = recompute == "selective", cfg.parallel.cp, int(2 * width)
+        mixer = gated_deltanet.kept_bytes(model, tp, cp, b, s, bytes_16, selective)
     mlp_whole, mlp_split = mlp.activations(model)
     whole = norm.activations(model) + attention + mlp_whole  # 10 s b h, whole on every tp rank
     if sequence_parallel:
@@ -144,7 +158,7 @@ def activation_bytes_per_layer(
     else:
         per = whole + (mlp_split + heads) / tp
         per += replicated
-    return sbh * (per + latents) * width
+    return sbh * (per + latents) * width + mixer
 
 
 def decode_cache_elements(cfg: Config, derived: Derived) -> tuple[int, int]:

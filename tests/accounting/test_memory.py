@@ -12,6 +12,7 @@ import functools
 import pytest
 import torch
 
+from megatronish.accounting.components import attention, gated_deltanet
 from megatronish.accounting.memory import (
     activation_bytes_per_layer,
     estimate,
@@ -25,6 +26,8 @@ from megatronish.model import GPT
 from megatronish.model.precision import autocast, fp8_layers, fp8_moe_layers
 from megatronish.objectives.registry import sequence_losses
 from tests.conftest import CONFIGS
+from tests.ranks import run_on_ranks
+from tests.tolerances import FP64_REORDER
 
 DEEPSEEK_MOE = [
     "model.moe.num_experts=8", "model.moe.router=sigmoid",
@@ -147,3 +150,115 @@ def test_zero3_gathers_at_pp1_what_the_last_module_keeps_from_forward_to_backwar
         cfg = _config("tiny.yaml", [*sets, "parallel.dp=2", f"optim.zero={zero}"])
         gathered[zero] = model_state_bytes(cfg, derive(cfg, 2), 0)["gathered"]
     assert gathered[3] - gathered[2] == 4 * (2 * local_layer_params(one, derive(one, 1)) + head)
+
+
+QWEN3_5 = ["model.linear_value_head_dim=16", "model.max_seq_len=128"]  # e 32, f 16: told apart
+HYBRID_BATCH, HYBRID_SEQ = 3, 100  # two chunks of the rule, the second padded
+
+
+def _hybrid(tp: int, cp: int, sets: tuple[str, ...]):
+    """tiny-qwen3_5 at HYBRID_BATCH sequences of HYBRID_SEQ tokens, tp, cp and sets."""
+    parallel = [f"parallel.tp={tp}", f"parallel.cp={cp}"]
+    batch = [f"train.micro_batch_size={HYBRID_BATCH}", f"train.global_batch_size={HYBRID_BATCH}"]
+    batch.append(f"train.seq_len={HYBRID_SEQ}")
+    return _config("tiny-qwen3_5.yaml", [*QWEN3_5, *parallel, *batch, *sets])
+
+
+def _linear_attention_kept(rank: int, world: int, cp: int, *variants: tuple[str, ...]) -> list:
+    """For each variant's settings, the bytes the graph of tiny-qwen3_5's first (Gated
+    DeltaNet) block's layer still holds after its forward on one of world tp x cp ranks,
+    parameters and autocast's copies of its weights left out (model state)."""
+    return [_layer_kept(world // cp, cp, sets) for sets in variants]
+
+
+def _layer_kept(tp: int, cp: int, sets: tuple[str, ...]) -> int:
+    import gc
+    import weakref
+
+    cfg = _hybrid(tp, cp, sets)
+    one = tp * cp == 1
+    ps = ParallelState.single() if one else ParallelState.from_world(tp=tp, dp=1, cp=cp)
+    layer = GPT(cfg, derive(cfg, tp * cp), ps).train().blocks["0"].attn
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    linears = [layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj]
+    copied = [m.weight for m in linears if m.plan.recipe is None]
+    if not layer.selective_checkpoint:  # else the checkpoint casts it again in backward
+        copied.append(layer.conv_weight)
+    copied = copied if cfg.train.bf16_autocast else []
+    held: list[weakref.ref] = []
+
+    class Saved:
+        def __init__(self, tensor):
+            self.tensor = tensor
+            held.append(weakref.ref(self))
+
+    seq = HYBRID_SEQ // cp // (tp if cfg.parallel.sequence_parallel else 1)
+    x = torch.randn(HYBRID_BATCH, seq, cfg.model.d_model, requires_grad=True)
+    hooks = torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor)
+    with hooks, autocast(cfg, torch.device("cpu")):
+        out = layer(x)
+    gc.collect()  # what only the discarded final state's graph saved is gone
+    storages = {}
+    for ref in held:
+        if (saved := ref()) is not None:
+            storage = saved.tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    del out
+    kept = sum(n for ptr, n in storages.items() if ptr not in params)
+    return kept - 2 * sum(p.numel() for p in copied)
+
+
+BF16 = ("train.precision=bf16",)
+SP = (*BF16, "parallel.sequence_parallel=true")
+
+
+@pytest.mark.parametrize(
+    "tp,cp,variants",
+    [
+        (1, 1, [BF16, ("train.precision=fp8",), ("train.precision=fp32",)]),
+        (1, 1, [(*BF16, "train.activation_checkpointing=selective")]),
+        (2, 1, [BF16, SP]),
+        (1, 2, [BF16]),
+    ],
+    ids=["precisions", "selective", "tp2", "cp2"],
+)
+def test_a_gated_deltanet_layer_keeps_what_the_estimate_counts(tp, cp, variants):
+    """What the linear-attention layer's autograd graph holds after its forward (its input as
+    its four projections take it, gathered under sequence parallelism; the projections'
+    outputs it reads, the convolution's input and output, q and k after their L2 norms, g and
+    beta, the chunked rule's saved tensors, the gated norm, out_proj's input; under selective
+    recompute the checkpoint's inputs; under cp the state pass's inputs and states) equals the
+    accounting's count, byte for byte (under cp on the busiest rank, the last: the first's
+    initial state is the zero state), and the block's estimate adds it to the block's norms,
+    MLP and the mask after the layer as it adds them to attention."""
+    if tp * cp == 1:
+        measured = _linear_attention_kept(0, 1, 1, *variants)
+    else:
+        measured = run_on_ranks(_linear_attention_kept, tp * cp, cp, *variants)[-1]
+    for sets, kept in zip(variants, measured):
+        cfg = _hybrid(tp, cp, sets)
+        recompute, width = cfg.train.activation_checkpointing, 2 if cfg.train.bf16_autocast else 4
+        selective, sp, seq = (
+            recompute == "selective",
+            cfg.parallel.sequence_parallel,
+            HYBRID_SEQ // cp,
+        )
+        counted = gated_deltanet.kept_bytes(cfg.model, tp, cp, HYBRID_BATCH, seq, width, selective)
+        sbh = HYBRID_BATCH * seq * cfg.model.d_model
+        assert kept == sbh * width + counted, sets  # the input, whole at any tp
+        full = activation_bytes_per_layer(cfg, tp, sp, recompute, 3)
+        heads, input_and_mask = attention.activations(cfg.model)[1], attention.WHOLE_ACTIVATIONS
+        shared = full - sbh * (heads / tp + input_and_mask / (tp if sp else 1)) * width / 2
+        mask = sbh * width / 2 / (tp if sp else 1)
+        linear = activation_bytes_per_layer(cfg, tp, sp, recompute, 0)
+        assert linear == pytest.approx(shared + kept + mask, rel=FP64_REORDER), sets
+
+
+def test_fp8_layer_params_of_latent_attention_are_those_its_fp8_layers_hold():
+    """Multi-head latent attention's replicated down-projections and latent norms stay out of
+    the fp8 layers (megatronish.model.precision.fp8_layers), and out of the count."""
+    cfg = _config("tiny-deepseek-v3.yaml", ["train.precision=fp8"])
+    model, derived = _model(cfg)
+    in_fp8 = sum(p.numel() for layer in fp8_layers(model) for p in layer.parameters())
+    in_fp8 += sum(p.numel() for moe in fp8_moe_layers(model) for p in moe.experts.parameters())
+    assert fp8_layer_params(cfg, derived, 0) == in_fp8

@@ -54,6 +54,11 @@ QWEN3_5 += ["model.layer_types=[linear_attention, full_attention]"]
 QWEN3_5 += ["model.linear_num_key_heads=2", "model.linear_num_value_heads=4"]
 QWEN3_5 += ["model.linear_key_head_dim=8", "model.linear_value_head_dim=8"]
 QWEN3_5_MOE = QWEN3_5 + ["model.moe.num_experts=4", "model.moe.d_ff=16"]
+# Multi-head latent attention, dense: fp8 q_b and kv_b (on the query and key-value latents) and
+# the projection of 4 value heads of 6; the replicated down-projections not fp8.
+MLA = ["model.arch=deepseek_v3", "model.moe.num_experts=0", "model.mla.q_lora_rank=24"]
+MLA += ["model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8"]
+MLA += ["model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6"]
 
 # name -> (tp, dp, overrides); global batch 4 per data-parallel rank: 2 accumulation steps.
 TWO_RANKS = {
@@ -95,6 +100,7 @@ TWO_RANKS = {
     # the linear block's five fp8 layers and the gated attention's four parts of qkv rows
     "qwen3_5 hybrid tp2 fp8 tensorwise sequence-parallel": (2, 1, QWEN3_5 + FP8 + TENSORWISE + SP),
     "qwen3_5 hybrid tp2 fp8 rowwise": (2, 1, QWEN3_5 + FP8 + ROWWISE),
+    "mla tp2 fp8 rowwise": (2, 1, MLA + FP8 + ROWWISE),
     # fp8 with the tp collectives decomposed (the input's fp8 cast on the forward ring), each
     # against the same run without the decomposition (FP8_OVERLAP)
     "llama tp2 fp8 tensorwise overlap": (2, 1, LLAMA + FP8 + TENSORWISE + OVERLAP),

@@ -4,7 +4,8 @@ split them: tp (a sharded weight, rows split along K), cp (tokens split over the
 ranks) or tp x cp where a GEMM's operands need both (an operand replicated over the other
 reduces to its own amax there).
 
-Per micro-batch, in every block's attention (qkv column-parallel, projection row-parallel; a
+Per micro-batch, in every block's attention (qkv column-parallel, projection row-parallel;
+multi-head latent attention's q or q_b and kv_b column-parallel, its down-projections not fp8; a
 linear-attention block's four input projections column-parallel, out_proj row-parallel),
 dense MLP or MoE layer's shared experts (up and gate column-parallel; down row-parallel), with
 T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's full sizes:
@@ -48,6 +49,7 @@ from typing import NamedTuple
 from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Purpose, Step
 from megatronish.accounting.components import attention, gated_deltanet, mlp
 from megatronish.config import TrainConfig
+from megatronish.config.mla_shapes import mla_shapes
 from megatronish.fp8 import RECIPES
 from megatronish.layers.plan import Format, numeric_format
 
@@ -97,8 +99,6 @@ def _layers(step: Step) -> list[AmaxLayer]:
     model, derived, h = step.cfg.model, step.derived, step.h
     dense = step.layers - step.moe_layers
     shared = step.moe_layers if derived.shared_d_ff else 0
-    qkv = attention.qkv_heads(model, derived) * derived.head_dim
-    full = step.layers - step.linear_layers
     ring = step.sp and step.overlap
     gates = mlp.first_weights(model)  # weights of the MLP's first projection
     each, weights = (1, gates) if ring else (gates, 1)  # calls of it and weights a call takes
@@ -107,11 +107,8 @@ def _layers(step: Step) -> list[AmaxLayer]:
     linear = Group(1, 1, tokens, ring)
     experts = model.moe.num_experts // derived.ep
     routed = Group(experts * derived.ep, experts, tokens * model.moe.top_k, False)
-    qkv_rows = Group(1, 1, tokens, ring, parts=attention.qkv_parts(model))
-    proj_in = model.n_head * derived.head_dim
     return [
-        AmaxLayer("qkv", True, qkv, h, full, 1, qkv_rows),
-        AmaxLayer("attention projection", False, h, proj_in, full, 1, linear),
+        *_attention_layers(step, linear),
         *_linear_attention_layers(step, linear),
         AmaxLayer(up, True, derived.d_ff, h, each * dense, weights, linear),
         AmaxLayer("MLP down", False, h, derived.d_ff, dense, 1, linear),
@@ -128,6 +125,27 @@ def _layers(step: Step) -> list[AmaxLayer]:
         AmaxLayer("experts up and gate", True, derived.moe_d_ff, h, 2 * step.moe_layers, 1, routed),
         AmaxLayer("experts down", False, h, derived.moe_d_ff, step.moe_layers, 1, routed),
     ]
+
+
+def _attention_layers(step: Step, linear: Group) -> list[AmaxLayer]:
+    """The full-attention blocks' fp8 layers: the column-parallel qkv (its rows' q, (gate,) k
+    and v) or, under multi-head latent attention, q (q_b after the query latent) and kv_b (the
+    latents' replicated down-projections are not fp8; q_b and kv_b take them whole, off the
+    ring); and the row-parallel projection of the heads' values."""
+    model, derived, h = step.cfg.model, step.derived, step.h
+    full = step.layers - step.linear_layers
+    proj = AmaxLayer("attention projection", False, h, model.n_head * derived.v_head_dim, full,
+                     1, linear)  # fmt: skip
+    if model.components.attention != "mla":
+        qkv = attention.qkv_heads(model, derived) * derived.head_dim
+        rows = Group(1, 1, linear.rows, linear.ring, parts=attention.qkv_parts(model))
+        return [AmaxLayer("qkv", True, qkv, h, full, 1, rows), proj]
+    shapes, whole = mla_shapes(model), Group(1, 1, linear.rows, False)
+    if shapes.q_rank is None:
+        q = AmaxLayer("q", True, shapes.q_out, h, full, 1, linear)
+    else:
+        q = AmaxLayer("q_b", True, shapes.q_out, shapes.q_rank, full, 1, whole)
+    return [q, AmaxLayer("kv_b", True, shapes.kv_b_out, shapes.kv_rank, full, 1, whole), proj]
 
 
 def _linear_attention_layers(step: Step, linear: Group) -> list[AmaxLayer]:

@@ -47,7 +47,9 @@ decomposed (``decomposed``): under sequence parallelism each all-gather and redu
 qkv, the MLP (a shared expert's too), the attention projection and the LM head becomes t - 1
 ring hops ("tp_ring") of one sequence chunk, payload / t each, the same bytes sent; without
 it the attention projection's and the MLP down's forward all-reduce (a shared expert's too)
-become t all-reduces of a chunk, payload / t each. The embedding's, the loss's, the routing's
+become t all-reduces of a chunk, payload / t each (a linear-attention block's run under its own
+GEMMs: its input's under its four input projections together, "linear_in", its out_proj's
+under "linear_out"). The embedding's, the loss's, the routing's
 and the backward all-reduces stay whole. The decomposed row-parallel layer saves its tensors
 for backward only after its reduction, so full recompute reruns the MLP down's with or
 without dropout. Under train.precision fp8 (megatronish.layers.fp8_format) the forward
@@ -77,6 +79,8 @@ from megatronish.accounting.collectives.step import (
 from megatronish.accounting.components import attention_of, mlp
 from megatronish.accounting.components import moe as moe_cost
 from megatronish.accounting.parameters import tp_summed_grad_count
+
+LINEAR = "linear attention"  # how a linear-attention (Gated DeltaNet) block's rows are named
 
 
 class Row(NamedTuple):
@@ -171,7 +175,7 @@ def _blocks(step: Step) -> list[Collective]:
     moe, (attn_runs, down_runs) = step.moe_layers, _forward_runs(step, step.overlap)
     qkv, latents = _attention_inputs(step)
     forward = [
-        Row("attention projection output (forward)", "all_reduce", act, n * attn_runs, "proj"),
+        *_projection_outputs(step, "all_reduce", attn_runs),
         Row("MLP down output (forward)", "all_reduce", act, (n - moe) * down_runs, "down"),
     ]
     return _over_tp(
@@ -200,7 +204,7 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
     moe_runs = _moe_runs(step)
     ag, rs = "all_gather", "reduce_scatter"
     qkv, latents = _attention_inputs(step)
-    mla = n if latents else 0
+    mla, linear = (n if latents else 0), step.linear_layers
     return _over_tp(
         step,
         [
@@ -218,16 +222,20 @@ def _sequence_parallel_blocks(step: Step) -> list[Collective]:
             [
                 *_gathered_inputs(step, qkv, rerun),
                 Row("LM head input (forward, backward)", ag, act, 2 * head, "head"),
-                Row("qkv input gradient (backward)", rs, act, qkv, "qkv"),
+                Row("qkv input gradient (backward)", rs, act, qkv - linear, "qkv"),
+                Row(f"{LINEAR} input gradient (backward)", rs, act, linear, "linear_in"),
                 Row("MLP first projection input gradient (backward)", rs, act, dense, "up"),
                 Row("LM head input gradient (backward)", rs, act, head, "head"),
-                Row("attention projection output (forward)", rs, act, n * attn_runs, "proj"),
+                *_projection_outputs(step, rs, attn_runs),
                 Row("MLP down output (forward)", rs, act, dense * down_runs, "down"),
-                Row("attention projection output gradient (backward)", ag, act, n, "proj_backward"),
+                Row("attention projection output gradient (backward)", ag, act, n - linear,
+                    "proj_backward"),
+                Row(f"{LINEAR} out_proj output gradient (backward)", ag, act, linear,
+                    "linear_out_backward"),
                 Row("MLP down output gradient (backward)", ag, act, dense, "down_backward"),
             ],
         ),
-    )
+    )  # fmt: skip
 
 
 def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[Row]:
@@ -238,21 +246,35 @@ def _gathered_inputs(step: Step, qkv: int, rerun: int) -> list[Row]:
     gathers the tensorwise cast's payload (kept by gate and up) or the input itself (also for
     gate and up)."""
     act, keep = _activation_bytes(step), mlp.keeps_gathered(step.cfg.model)
-    dense = step.layers - step.moe_layers
-    again = qkv - step.linear_layers  # linear attention: one gather for four projections, kept
-    gathers = qkv * (1 + rerun) + again
+    dense, linear = step.layers - step.moe_layers, step.linear_layers
+    full = qkv - linear  # linear attention: one gather for four projections, kept
     if not (step.overlap and step.cfg.train.precision == "fp8"):
         return [
-            Row("qkv input (forward, backward)", "all_gather", act, gathers, "qkv"),
+            Row("qkv input (forward, backward)", "all_gather", act, full * (2 + rerun), "qkv"),
+            Row(f"{LINEAR} input (forward)", "all_gather", act, linear * (1 + rerun), "linear_in"),
             *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up", keep),
         ]
     fmt = train_format(step.cfg.train)
     cast = fmt.wire_bytes(step.b * step.s, step.h, step.operand_bytes, False)
     return [
-        Row("qkv input, fp8 cast (forward)", "all_gather", cast, qkv * (1 + rerun), "qkv"),
-        Row("qkv input again (backward)", "all_gather", _gathered_again_bytes(step), again, "qkv"),
+        Row("qkv input, fp8 cast (forward)", "all_gather", cast, full * (1 + rerun), "qkv"),
+        Row(f"{LINEAR} input, fp8 cast (forward)", "all_gather", cast, linear * (1 + rerun),
+            "linear_in"),
+        Row("qkv input again (backward)", "all_gather", _gathered_again_bytes(step), full, "qkv"),
         *mlp_input_gathers(step, "MLP input", dense, 1 + rerun, "up", keep),
-    ]
+    ]  # fmt: skip
+
+
+def _projection_outputs(step: Step, kind: Kind, runs: int) -> list[Row]:
+    """The row-parallel attention projections' forward reductions (rows for ``decomposed``),
+    each run `runs` times: the full-attention blocks' under proj, the linear-attention blocks'
+    under their out_proj."""
+    act, linear = _activation_bytes(step), step.linear_layers
+    return [
+        Row("attention projection output (forward)", kind, act, (step.layers - linear) * runs,
+            "proj"),
+        Row(f"{LINEAR} out_proj output (forward)", kind, act, linear * runs, "linear_out"),
+    ]  # fmt: skip
 
 
 def _gathered_again_bytes(step: Step) -> int:

@@ -17,7 +17,8 @@ from megatronish.config.schema import ModelConfig
 
 ATTENTION: dict[str, ModuleType] = {"mha": attention, "mla": mla, "gated_deltanet": gated_deltanet}
 """The module that costs each attention kind (megatronish.config.components.AttentionKind): each
-has parameters, sp_replicated, tp_summed, fp8_exempt, matmul_params, gemms, activations,
+has parameters, sp_replicated, tp_summed, fp8_exempt, matmul_params, gemm_names, gemms,
+activations,
 tp_inputs and cache_elements."""
 
 

@@ -75,6 +75,11 @@ def matmul_params(model: ModelConfig, derived: Derived) -> int:
     return qkv + model.n_head * derived.head_dim * h
 
 
+def gemm_names(model: ModelConfig) -> tuple[str, ...]:
+    """``gemms``' names, in order."""
+    return ("qkv", "proj")
+
+
 def gemms(model: ModelConfig, derived: Derived, T: int, N: int) -> list[tuple[int, int, int]]:
     """(rows, columns, inner) of the forward GEMMs of T tokens on one tp rank (N: its share
     under sequence parallelism, unused): qkv and the output projection."""

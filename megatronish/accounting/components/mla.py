@@ -43,14 +43,20 @@ def tp_summed(model: ModelConfig, derived: Derived) -> int:
 
 
 def fp8_exempt(model: ModelConfig, derived: Derived) -> int:
-    """Of one tp rank's ``parameters``, those outside its fp8 layers: none counted apart (the
-    latents' norms among them)."""
-    return 0
+    """Of one tp rank's ``parameters``, those outside its fp8 layers: the replicated
+    down-projections and their latents' norms (``sp_replicated``)."""
+    return sp_replicated(model, derived)
 
 
 def matmul_params(model: ModelConfig, derived: Derived) -> int:
     """Weights in a matmul per token: every projection, the down-projections among them."""
     return sum(split_params(model)[:2])
+
+
+def gemm_names(model: ModelConfig) -> tuple[str, ...]:
+    """``gemms``' names, in order (the column-parallel one the queries take, "qkv")."""
+    rest = ("kv_down", "kv_up", "proj")
+    return ("qkv", *rest) if model.mla.q_lora_rank is None else ("q_down", "qkv", *rest)
 
 
 def gemms(model: ModelConfig, derived: Derived, T: int, N: int) -> list[tuple[int, int, int]]:
