@@ -30,8 +30,6 @@ may see no key in a block (or in a ring block) as under document masks.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +42,7 @@ from .attention_tiles import (
     check_shapes,
     load_rows,
     query_block_keys,
+    score_args,
     segment_bounds,
     split_qk_dim,
     window_args,
@@ -68,12 +67,14 @@ def _fwd_inner(
     hi,
     seq_len,
     qk_scale,
+    cap_in,
     window,
     offset,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_REST: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -90,6 +91,8 @@ def _fwd_inner(
         scores = tl.dot(q, tl.trans(k), input_precision=PREC)
         if QK_REST > 0:
             scores = tl.dot(q_rest, tl.trans(k_rest), scores, input_precision=PREC)
+        if SOFTCAP:  # c tanh(s / c) = c (2 sigmoid(2 s / c) - 1); qk_scale carries c
+            scores = 2.0 * tl.sigmoid(scores * cap_in) - 1.0
         scores = scores * qk_scale  # [M, N], log2 units
         if MASKED:
             valid = col_ok[None, :]
@@ -125,21 +128,25 @@ def _attn_fwd_kernel(
     QSEG,
     KSEG,
     BOUNDS,
+    SINKS,
     seq_len,
     n_head,
     group,
     qk_scale,
+    cap_in,
     window,
     offset,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_REST: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Causal: the last query blocks have the most keys; launch them first for a balanced tail.
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -200,12 +207,14 @@ def _attn_fwd_kernel(
             band_hi,
             seq_len,
             qk_scale,
+            cap_in,
             window,
             offset,
             True,
             CAUSAL,
             DOCS,
             WINDOW,
+            SOFTCAP,
             HEAD_DIM,
             QK_REST,
             V_DIM,
@@ -229,12 +238,14 @@ def _attn_fwd_kernel(
         free_hi,
         seq_len,
         qk_scale,
+        cap_in,
         window,
         offset,
         False,
         CAUSAL,
         DOCS,
         WINDOW,
+        SOFTCAP,
         HEAD_DIM,
         QK_REST,
         V_DIM,
@@ -258,12 +269,14 @@ def _attn_fwd_kernel(
         hi,
         seq_len,
         qk_scale,
+        cap_in,
         window,
         offset,
         True,
         CAUSAL,
         DOCS,
         WINDOW,
+        SOFTCAP,
         HEAD_DIM,
         QK_REST,
         V_DIM,
@@ -273,10 +286,17 @@ def _attn_fwd_kernel(
     if DOCS or WINDOW:  # a row that saw no key (m_i -inf): output 0, lse -inf
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
+    lse = m_i + tl.log2(l_i)
+    if HAS_SINKS:  # the head's sink (base 2) joins the denominator: lse' = logaddexp2(lse, sink)
+        sink = tl.load(SINKS + bh % n_head)
+        top = tl.maximum(lse, sink)
+        lse_all = top + tl.log2(tl.exp2(lse - top) + tl.exp2(sink - top))
+        out = out * tl.exp2(lse - lse_all)[:, None]
+        lse = lse_all
     o_offs = offs_m[:, None] * V_DIM + tl.arange(0, V_DIM)[None, :]
     o_base = bh.to(tl.int64) * seq_len * V_DIM
     tl.store(O + o_base + o_offs, out.to(O.dtype.element_ty), mask=row_mask[:, None])
-    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i), mask=row_mask)
+    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, lse, mask=row_mask)
 
 
 def forward_launch(
@@ -290,17 +310,24 @@ def forward_launch(
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
     offset: int = 0,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Launch:
     """The forward kernel's launch on contiguous q, k, v into out (any float dtype) and the
     base-2 lse, with the tiles attention_blocks picks for GPU arch `arch` (device_arch); with
     segments (the queries' and the keys', contiguous int32 [b, s]) under document masks; with
-    a sliding window (None: none) over queries `offset` positions after the keys."""
+    a sliding window (None: none) over queries `offset` positions after the keys; scale and
+    softcap as attention_tiles.score_args takes them; sinks: fp32 [n_head] in base 2 (a sink
+    times log2(e)), joined to every row's lse, or None."""
     b, n_head, seq_len, head_dim = q.shape
     first, rest = split_qk_dim(head_dim)
     blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v.shape[-1])
     tile = blocks.fwd
     windowed, window, offset = window_args(window, offset, seq_len)
-    scalars = (seq_len, n_head, n_head // k.shape[1], LOG2_E / math.sqrt(head_dim), window, offset)
+    capped, _, qk_scale, cap_in = score_args(head_dim, scale, softcap)
+    scalars = (seq_len, n_head, n_head // k.shape[1], qk_scale, cap_in, window, offset)
     docs = (None, None, None)
     if segments is not None:
         docs = (*segments, segment_bounds(segments[0], segments[1], tile.block_m))
@@ -308,17 +335,19 @@ def forward_launch(
         CAUSAL=causal,
         DOCS=segments is not None,
         WINDOW=windowed,
+        SOFTCAP=capped,
         HEAD_DIM=first,
         QK_REST=rest,
         V_DIM=v.shape[-1],
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         PREC=dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None,
     )
     return Launch(
         _attn_fwd_kernel,
         grid=(triton.cdiv(seq_len, tile.block_m), b * n_head),
-        args=(q, k, v, out, lse, *docs, *scalars),
+        args=(q, k, v, out, lse, *docs, sinks, *scalars),
         constexprs=constexprs,
         num_warps=tile.num_warps,
         num_stages=blocks.num_stages,
@@ -326,39 +355,84 @@ def forward_launch(
 
 
 def forward_pass(
-    q, k, v, causal: bool, segments, out_dtype=None, window=None, offset: int = 0
+    q,
+    k,
+    v,
+    causal: bool,
+    segments,
+    out_dtype=None,
+    window=None,
+    offset: int = 0,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n_head, s, dv] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
-    contiguous q, k, v (and segments, checked, or None; a sliding window or None)."""
+    contiguous q, k, v (and segments, checked, or None; a sliding window or None; scale,
+    softcap and base-2 sinks as forward_launch takes them)."""
     b, n_head, seq_len, _ = q.shape
     out = q.new_empty(b, n_head, seq_len, v.shape[-1], dtype=out_dtype or q.dtype)
     lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
     if out.numel() > 0:
         arch = device_arch(q.device)
-        forward_launch(q, k, v, out, lse, causal, arch, segments, window, offset).run()
+        options = dict(scale=scale, softcap=softcap, sinks=sinks)
+        forward_launch(q, k, v, out, lse, causal, arch, segments, window, offset, **options).run()
     return out, lse
+
+
+def base2_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The sink logits [n_head] as the forward kernel takes them: fp32, base 2, contiguous;
+    raises ValueError unless they are one per query head of q."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(
+            f"attention: sinks must be [n_head] = [{q.shape[1]}], got {list(sinks.shape)}"
+        )
+    return (sinks.detach().float() * LOG2_E).contiguous()
+
+
+def sink_grad(sinks2: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink [n_head] in fp32 from the base-2 sinks, the final base-2 lse and delta =
+    rowsum(dout * out) [b, n_head, s]: the sink's probability in each row times its
+    d loss / d logit, p_sink (0 - delta) (the sink gives no value), summed over the rows."""
+    p_sink = torch.exp2(sinks2.view(1, -1, 1) - lse.float())
+    return -(p_sink * delta.float()).sum(dim=(0, 2))
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, segments, window):
-        check_device(q, k, v, segments)
+    def forward(ctx, q, k, v, causal: bool, segments, window, scale, sinks, softcap):
+        check_device(q, k, v, segments, sinks)
         check_shapes(q, k, v)
-        window_args(window, 0, q.shape[2])  # a bad window fails before any work
+        window_args(window, 0, q.shape[2])  # bad options fail before any work
+        score_args(q.shape[-1], scale, softcap)
+        sinks2 = base2_sinks(sinks, q)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         segments = check_segments(q, None if segments is None else (segments, segments))
-        out, lse = forward_pass(q, k, v, causal, segments, window=window)
-        ctx.save_for_backward(q, k, v, out, lse)
+        options = dict(scale=scale, softcap=softcap, sinks=sinks2)
+        out, lse = forward_pass(q, k, v, causal, segments, window=window, **options)
+        ctx.save_for_backward(q, k, v, out, lse, sinks2)
         ctx.causal, ctx.segments, ctx.window = causal, segments, window
+        ctx.scale, ctx.softcap, ctx.sinks_dtype = (
+            scale,
+            softcap,
+            None if sinks is None else sinks.dtype,
+        )
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            q, k, v, out, lse, dout, ctx.causal, ctx.segments, ctx.window
-        )
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sinks2 = ctx.saved_tensors
+        dq, dk, dv, delta = attention_backward(
+            q, k, v, out, lse, dout, ctx.causal, ctx.segments, ctx.window,
+            scale=ctx.scale, softcap=ctx.softcap,
+        )  # fmt: skip
+        dsinks = None
+        if sinks2 is not None and ctx.needs_input_grad[7]:
+            dsinks = sink_grad(sinks2, lse, delta).to(ctx.sinks_dtype)
+        return dq, dk, dv, None, None, None, None, dsinks, None
 
 
 def attention(
@@ -368,8 +442,13 @@ def attention(
     causal: bool,
     segments: torch.Tensor | None = None,
     window: int | None = None,
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), causal mask optional) v -> [b, n_head, s, dv] in q's dtype.
+    """softmax(q k^T * scale, causal mask optional) v -> [b, n_head, s, dv] in q's dtype; scale
+    1/sqrt(d) unless given.
 
     q [b, n_head, s, d], k [b, n_kv_head, s, d], v [b, n_kv_head, s, dv] with n_kv_head
     dividing n_head (grouped-query: each kv head serves n_head / n_kv_head consecutive query
@@ -377,7 +456,10 @@ def attention(
     segments [b, s] int (each position's document, non-decreasing along the sequence): a
     query sees the keys of its own document only, and the key blocks of other documents are
     skipped. window W (a sliding window): the query at i sees the keys at j with i - j < W
-    only, and the key blocks out of every window are skipped. Raises ValueError for head dims
-    the kernels cannot tile (attention_tiles.check_shapes), and for a window below 1.
+    only, and the key blocks out of every window are skipped. softcap c: the scores become
+    c tanh(score / c) before the masks. sinks [n_head]: one logit per query head that joins
+    every row's softmax denominator and gives no value (its gradient flows). Raises ValueError
+    for head dims the kernels cannot tile (attention_tiles.check_shapes), for a window below
+    1, a soft-cap not above 0 and sinks of another shape.
     """
-    return _AttentionFunction.apply(q, k, v, bool(causal), segments, window)
+    return _AttentionFunction.apply(q, k, v, bool(causal), segments, window, scale, sinks, softcap)

@@ -32,13 +32,14 @@ leaves out no pair.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreting
+from ._utils import LOG2_E, interpreting
 
 HEAD_DIMS = (16, 32, 64, 128)  # the value head dims, and the query-key dims' first part
 
@@ -201,6 +202,20 @@ def window_args(
     if window is None or window > seq_len - 1 + offset:
         return False, None, None
     return True, window, offset
+
+
+def score_args(head_dim: int, scale: float | None, softcap: float | None):
+    """The kernels' (SOFTCAP, sm_scale, qk_scale, cap_in) for softmax scale `scale` (None:
+    1 / sqrt(head_dim)) and logit soft-cap `softcap` (None: none): the kernels take the scores
+    s = q.k sm_scale to base-2 logits as s qk_scale, or, capped, as (2 sigmoid(q.k cap_in) - 1)
+    qk_scale = c tanh(s / c) log2(e) (tanh(x) = 2 sigmoid(2 x) - 1, so cap_in = 2 sm_scale / c);
+    cap_in None without a soft-cap. Raises ValueError for a soft-cap that is not positive."""
+    sm_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if softcap is None:
+        return False, sm_scale, sm_scale * LOG2_E, None
+    if not softcap > 0:
+        raise ValueError(f"attention: the soft-cap must be > 0, got {softcap}")
+    return True, sm_scale, softcap * LOG2_E, 2.0 * sm_scale / softcap
 
 
 def check_segments(q: torch.Tensor, segments: tuple[torch.Tensor, torch.Tensor] | None):
