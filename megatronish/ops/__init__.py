@@ -85,11 +85,17 @@ def _kernels() -> Any:
     return _KERNELS or None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto"):
-    """RMSNorm of x [..., h] with weight [h]."""
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    backend: str = "auto",
+    offset: float = 0.0,
+):
+    """RMSNorm of x [..., h] with weight [h], scaled by offset + weight (added in fp32)."""
     if resolve_backend(backend, x) == "triton":
-        return _kernels().rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return _kernels().rms_norm(x, weight, eps, offset)
+    return reference.rms_norm(x, weight, eps, offset)
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):

@@ -13,11 +13,14 @@ import torch.nn.functional as F
 from megatronish.ops.rope import PLAIN, RopeSpec, rope_table
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., h] * rsqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """x [..., h] * rsqrt(mean(x^2) + eps) * (offset + weight), computed in fp32 (the offset
+    too, as transformers' Gemma 3 and Qwen3.5 norms add their 1), returned in x's dtype."""
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return (y * (offset + weight.float())).to(x.dtype)
 
 
 def layer_norm(
