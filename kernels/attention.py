@@ -323,7 +323,7 @@ def forward_launch(
     times log2(e)), joined to every row's lse, or None."""
     b, n_head, seq_len, head_dim = q.shape
     first, rest = split_qk_dim(head_dim)
-    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v.shape[-1])
+    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v.shape[-1], softcap is not None)
     tile = blocks.fwd
     windowed, window, offset = window_args(window, offset, seq_len)
     capped, _, qk_scale, cap_in = score_args(head_dim, scale, softcap)

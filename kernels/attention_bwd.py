@@ -108,10 +108,10 @@ def _dq_inner(
         if DOCS:
             k_seg = tl.load(KSEG + seg_base + cols, mask=col_ok, other=-1)
             p = tl.where(q_seg[:, None] == k_seg[None, :], p, 0.0)
+        if SOFTCAP:  # ds's factor 1 - t^2 folded into p now, so t need not stay live
+            p = p * (1.0 - scores * scores)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - scores * scores)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
         if QK_REST > 0:
             dq_rest += tl.dot(ds.to(k.dtype), k_rest, input_precision=PREC)
@@ -324,7 +324,7 @@ def backward_launches(
     b, n_head, seq_len, head_dim = q.shape
     n_kv, v_dim = k.shape[1], v.shape[-1]
     first, rest = split_qk_dim(head_dim)
-    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v_dim)
+    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v_dim, softcap is not None)
     dq, dk, dv = grads
     n_rows = b * n_head * seq_len
     rows_per_program = 32 if v_dim >= 128 else 64

@@ -86,10 +86,10 @@ def _dkdv_inner(
             q_seg = tl.load(QSEG + seg_base + rows, mask=rows < seq_len, other=-1)
             p_t = tl.where(k_seg[:, None] == q_seg[None, :], p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        if SOFTCAP:  # ds's factor 1 - t^2 folded into p now, so t need not stay live
+            p_t = p_t * (1.0 - scores_t * scores_t)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:
-            ds_t = ds_t * (1.0 - scores_t * scores_t)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
         if QK_REST > 0:
             dk_rest += tl.dot(ds_t.to(q.dtype), q_rest, input_precision=PREC)

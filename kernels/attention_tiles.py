@@ -82,11 +82,16 @@ class AttentionBlocks:
 
 
 def attention_blocks(
-    seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, v_dim: int | None = None
+    seq_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    arch: int,
+    v_dim: int | None = None,
+    softcap: bool = False,
 ) -> AttentionBlocks:
     """The tiles for sequence length seq_len, query-key head dim head_dim, value head dim v_dim
     (None: head_dim), input dtype and GPU arch (the compute capability as one number, 80 or 90:
-    _utils.device_arch).
+    _utils.device_arch), with soft-capped scores or not.
 
     Under the interpreter the tiles are small (16 and 32) so that tiny CPU tests cross several
     tiles and exercise every loop. On CUDA they were chosen with scripts/kernel_report.py so
@@ -98,11 +103,16 @@ def attention_blocks(
     """
     if interpreting():
         return AttentionBlocks(Tile(32, 16, 4), Tile(16, 32, 4), Tile(32, 16, 4), num_stages=1)
-    return gpu_attention_blocks(seq_len, head_dim, dtype, arch, v_dim)
+    return gpu_attention_blocks(seq_len, head_dim, dtype, arch, v_dim, softcap)
 
 
 def gpu_attention_blocks(
-    seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, v_dim: int | None = None
+    seq_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    arch: int,
+    v_dim: int | None = None,
+    softcap: bool = False,
 ) -> AttentionBlocks:
     """The tiles a GPU of arch `arch` launches with (attention_blocks off the interpreter),
     wherever this runs: what scripts/bench_packed_attention.py counts block pairs with."""
@@ -124,6 +134,9 @@ def gpu_attention_blocks(
     # blocks of 32: at 32 x 64 (d = 128) or 32 x 128 (d <= 64) its mixed accumulators spill,
     # 192 / 128 under four query heads a kv head by 80 bytes on sm_90 (32 x 32: 231 registers).
     mixed = v_dim is not None and v_dim != head_dim
+    # A soft-cap keeps each score's tanh live into dS: at d = 128 on sm_80 the 32 x 64 dK/dV
+    # tile then spills 8 bytes under document masks and a window (255 registers).
+    narrow = mixed or (softcap and width >= 128 and arch < 90)
     if width > 128:
         # A query-key dim past 128 (192 with values of 128) holds up to 320 columns of q, k,
         # dq, dk, v, dv per row where d = 128 holds 256. sm_90's wgmma reads the second operand
@@ -144,7 +157,7 @@ def gpu_attention_blocks(
     fwd_n = 32 if wide and arch < 90 else 64
     return AttentionBlocks(
         fwd=tile(128, fwd_n, 8),
-        dkdv=tile(32, 32 if mixed else 64 if wide else 128, 8),
+        dkdv=tile(32, 32 if narrow else 64 if wide else 128, 8),
         dq=tile(128, 32, 8),
         num_stages=2,
     )
