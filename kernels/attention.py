@@ -1,19 +1,21 @@
-"""Fused scaled-dot-product attention, FlashAttention-2 style: forward kernel and autograd wrapper.
+"""Fused scaled-dot-product attention, FlashAttention-2 style: the forward kernel and its launch.
 
 Shapes: b batch, n_head query heads, n_kv key/value heads (n_head % n_kv == 0; query head
 h reads kv head h // (n_head / n_kv)), s sequence (queries and keys alike), d query-key head
 dim, dv value head dim (attention_tiles: d a power of two 16..128, or one plus a smaller
 power-of-two rest, as DeepSeek's 192 = 128 + 64; dv a power of two 16..128). q [b, n_head, s,
-d], k [b, n_kv, s, d], v [b, n_kv, s, dv], o [b, n_head, s, dv]; scale 1/sqrt(d);
-lse [b, n_head, s] fp32 in base 2: lse = log2(sum_j 2^(q.k_j * scale * log2(e))).
+d], k [b, n_kv, s, d], v [b, n_kv, s, dv], o [b, n_head, s, dv]; scale 1/sqrt(d) unless
+given; lse [b, n_head, s] fp32 in base 2: lse = log2(sum_j 2^(s_j * log2(e))) with the scores
+s_j = q.k_j * scale, or c tanh(q.k_j * scale / c) under a soft-cap c (SOFTCAP), and with
+sinks (HAS_SINKS) one more term 2^(sink * log2(e)) per row, which gives no value.
 
 Forward: one program per (BLOCK_M queries, batch * head). It walks the key blocks with an online
 softmax (running max m, running sum l, fp32 accumulator), so no s x s matrix exists. Key
 blocks that need no mask (all keys valid, none past the diagonal) run first without one; the
 rest (the diagonal band when causal, the sequence tail) run with the mask. The tiles are
 chosen in attention_tiles.py; the backward kernels are in attention_bwd.py and
-attention_dkdv.py (imported here, and importing nothing from here); one block of ring
-attention runs both through attention_ring.py.
+attention_dkdv.py; the autograd function joining both is attention_autograd.py; one block of
+ring attention runs both through attention_ring.py.
 
 Document masks (DOCS, segments [b, s] of the queries and of the keys): every key block also
 masks the keys of other documents, and a query block walks only the key blocks that hold keys
@@ -34,12 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import LOG2_E, Launch, check_device, device_arch, dot_precision
-from .attention_bwd import attention_backward
+from ._utils import Launch, device_arch, dot_precision
 from .attention_tiles import (
     attention_blocks,
-    check_segments,
-    check_shapes,
     load_rows,
     query_block_keys,
     score_args,
@@ -379,87 +378,3 @@ def forward_pass(
         options = dict(scale=scale, softcap=softcap, sinks=sinks)
         forward_launch(q, k, v, out, lse, causal, arch, segments, window, offset, **options).run()
     return out, lse
-
-
-def base2_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """The sink logits [n_head] as the forward kernel takes them: fp32, base 2, contiguous;
-    raises ValueError unless they are one per query head of q."""
-    if sinks is None:
-        return None
-    if tuple(sinks.shape) != (q.shape[1],):
-        raise ValueError(
-            f"attention: sinks must be [n_head] = [{q.shape[1]}], got {list(sinks.shape)}"
-        )
-    return (sinks.detach().float() * LOG2_E).contiguous()
-
-
-def sink_grad(sinks2: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """d loss / d sink [n_head] in fp32 from the base-2 sinks, the final base-2 lse and delta =
-    rowsum(dout * out) [b, n_head, s]: the sink's probability in each row times its
-    d loss / d logit, p_sink (0 - delta) (the sink gives no value), summed over the rows."""
-    p_sink = torch.exp2(sinks2.view(1, -1, 1) - lse.float())
-    return -(p_sink * delta.float()).sum(dim=(0, 2))
-
-
-class _AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, segments, window, scale, sinks, softcap):
-        check_device(q, k, v, segments, sinks)
-        check_shapes(q, k, v)
-        window_args(window, 0, q.shape[2])  # bad options fail before any work
-        score_args(q.shape[-1], scale, softcap)
-        sinks2 = base2_sinks(sinks, q)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        segments = check_segments(q, None if segments is None else (segments, segments))
-        options = dict(scale=scale, softcap=softcap, sinks=sinks2)
-        out, lse = forward_pass(q, k, v, causal, segments, window=window, **options)
-        ctx.save_for_backward(q, k, v, out, lse, sinks2)
-        ctx.causal, ctx.segments, ctx.window = causal, segments, window
-        ctx.scale, ctx.softcap, ctx.sinks_dtype = (
-            scale,
-            softcap,
-            None if sinks is None else sinks.dtype,
-        )
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, sinks2 = ctx.saved_tensors
-        dq, dk, dv, delta = attention_backward(
-            q, k, v, out, lse, dout, ctx.causal, ctx.segments, ctx.window,
-            scale=ctx.scale, softcap=ctx.softcap,
-        )  # fmt: skip
-        dsinks = None
-        if sinks2 is not None and ctx.needs_input_grad[7]:
-            dsinks = sink_grad(sinks2, lse, delta).to(ctx.sinks_dtype)
-        return dq, dk, dv, None, None, None, None, dsinks, None
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    segments: torch.Tensor | None = None,
-    window: int | None = None,
-    *,
-    scale: float | None = None,
-    sinks: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """softmax(q k^T * scale, causal mask optional) v -> [b, n_head, s, dv] in q's dtype; scale
-    1/sqrt(d) unless given.
-
-    q [b, n_head, s, d], k [b, n_kv_head, s, d], v [b, n_kv_head, s, dv] with n_kv_head
-    dividing n_head (grouped-query: each kv head serves n_head / n_kv_head consecutive query
-    heads).
-    segments [b, s] int (each position's document, non-decreasing along the sequence): a
-    query sees the keys of its own document only, and the key blocks of other documents are
-    skipped. window W (a sliding window): the query at i sees the keys at j with i - j < W
-    only, and the key blocks out of every window are skipped. softcap c: the scores become
-    c tanh(score / c) before the masks. sinks [n_head]: one logit per query head that joins
-    every row's softmax denominator and gives no value (its gradient flows). Raises ValueError
-    for head dims the kernels cannot tile (attention_tiles.check_shapes), for a window below
-    1, a soft-cap not above 0 and sinks of another shape.
-    """
-    return _AttentionFunction.apply(q, k, v, bool(causal), segments, window, scale, sinks, softcap)

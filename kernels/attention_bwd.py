@@ -1,13 +1,15 @@
 """Backward of the fused attention in attention.py: delta preprocess, dK/dV kernel, dQ kernel.
 
 Its tiles come from attention_tiles.py, its dK/dV kernel from attention_dkdv.py; nothing here
-imports the forward module.
+imports the forward module (attention_autograd.py runs both).
 
 Shapes (as in attention.py): q, o, do, dq [b, n_head, s, d]; k, v, dk, dv [b, n_kv, s, d];
 lse, delta [b, n_head, s] fp32 (lse in base 2). group = n_head / n_kv query heads per kv head.
 
 With p = softmax(q k^T * scale) recomputed from lse, and delta_i = sum_d o_id do_id:
     dv = p^T do,   ds = p * (do v^T - delta),   dq = scale * ds k,   dk = scale * ds^T q.
+Under a soft-cap (SOFTCAP) p comes from the capped scores c t, t = tanh(q k^T * scale / c), and
+ds takes the cap's derivative 1 - t^2. Sinks sit in the lse (they give no value): nothing here.
 
 1. _delta_kernel: delta per query row.
 2. _dkdv_kernel (attention_dkdv.py): one program per (key block, batch * kv head); it sums
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import Launch, device_arch, dot_precision
+from ._utils import Launch, dot_precision
 from .attention_dkdv import _dkdv_kernel
 from .attention_tiles import (
     attention_blocks,
@@ -372,37 +374,3 @@ def backward_launches(
             num_stages=blocks.num_stages,
         ),
     ]
-
-
-def attention_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    causal: bool,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
-    window: int | None = None,
-    offset: int = 0,
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq [b, n_head, s, d], dk and dv [b, n_kv, s, d] in the inputs' dtype, delta =
-    rowsum(dout * out) [b, n_head, s] fp32), from the saved contiguous q, k, v, out, the
-    base-2 lse [b, n_head, s] and the output gradient dout (and the checked segments under
-    document masks, the sliding window and offset or None, scale and softcap or None)."""
-    dout = dout.contiguous()
-    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    delta = torch.zeros_like(lse)
-    if q.numel() == 0:
-        return (*grads, delta)
-    arch = device_arch(q.device)
-    launches = backward_launches(
-        q, k, v, out, lse, dout, delta, grads, causal, arch, segments, window, offset,
-        scale=scale, softcap=softcap,
-    )  # fmt: skip
-    for launch in launches:
-        launch.run()
-    return (*grads, delta)

@@ -10,7 +10,7 @@ import torch
 
 from ._utils import LOG2_E, check_device
 from .attention import forward_pass
-from .attention_bwd import attention_backward
+from .attention_autograd import attention_backward
 from .attention_tiles import check_segments, check_shapes
 
 
