@@ -1,19 +1,21 @@
-"""Fused scaled-dot-product attention, FlashAttention-2 style: forward kernel and autograd wrapper.
+"""Fused scaled-dot-product attention, FlashAttention-2 style: the forward kernel and its launch.
 
 Shapes: b batch, n_head query heads, n_kv key/value heads (n_head % n_kv == 0; query head
 h reads kv head h // (n_head / n_kv)), s sequence (queries and keys alike), d query-key head
 dim, dv value head dim (attention_tiles: d a power of two 16..128, or one plus a smaller
 power-of-two rest, as DeepSeek's 192 = 128 + 64; dv a power of two 16..128). q [b, n_head, s,
-d], k [b, n_kv, s, d], v [b, n_kv, s, dv], o [b, n_head, s, dv]; scale 1/sqrt(d);
-lse [b, n_head, s] fp32 in base 2: lse = log2(sum_j 2^(q.k_j * scale * log2(e))).
+d], k [b, n_kv, s, d], v [b, n_kv, s, dv], o [b, n_head, s, dv]; scale 1/sqrt(d) unless
+given; lse [b, n_head, s] fp32 in base 2: lse = log2(sum_j 2^(s_j * log2(e))) with the scores
+s_j = q.k_j * scale, or c tanh(q.k_j * scale / c) under a soft-cap c (SOFTCAP), and with
+sinks (HAS_SINKS) one more term 2^(sink * log2(e)) per row, which gives no value.
 
 Forward: one program per (BLOCK_M queries, batch * head). It walks the key blocks with an online
 softmax (running max m, running sum l, fp32 accumulator), so no s x s matrix exists. Key
 blocks that need no mask (all keys valid, none past the diagonal) run first without one; the
 rest (the diagonal band when causal, the sequence tail) run with the mask. The tiles are
 chosen in attention_tiles.py; the backward kernels are in attention_bwd.py and
-attention_dkdv.py (imported here, and importing nothing from here); one block of ring
-attention runs both through attention_ring.py.
+attention_dkdv.py; the autograd function joining both is attention_autograd.py; one block of
+ring attention runs both through attention_ring.py.
 
 Document masks (DOCS, segments [b, s] of the queries and of the keys): every key block also
 masks the keys of other documents, and a query block walks only the key blocks that hold keys
@@ -30,20 +32,16 @@ may see no key in a block (or in a ring block) as under document masks.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import LOG2_E, Launch, check_device, device_arch, dot_precision
-from .attention_bwd import attention_backward
+from ._utils import Launch, device_arch, dot_precision
 from .attention_tiles import (
     attention_blocks,
-    check_segments,
-    check_shapes,
     load_rows,
     query_block_keys,
+    score_args,
     segment_bounds,
     split_qk_dim,
     window_args,
@@ -68,12 +66,14 @@ def _fwd_inner(
     hi,
     seq_len,
     qk_scale,
+    cap_in,
     window,
     offset,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_REST: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -90,6 +90,8 @@ def _fwd_inner(
         scores = tl.dot(q, tl.trans(k), input_precision=PREC)
         if QK_REST > 0:
             scores = tl.dot(q_rest, tl.trans(k_rest), scores, input_precision=PREC)
+        if SOFTCAP:  # c tanh(s / c) = c (2 sigmoid(2 s / c) - 1); qk_scale carries c
+            scores = 2.0 * tl.sigmoid(scores * cap_in) - 1.0
         scores = scores * qk_scale  # [M, N], log2 units
         if MASKED:
             valid = col_ok[None, :]
@@ -125,21 +127,25 @@ def _attn_fwd_kernel(
     QSEG,
     KSEG,
     BOUNDS,
+    SINKS,
     seq_len,
     n_head,
     group,
     qk_scale,
+    cap_in,
     window,
     offset,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_REST: tl.constexpr,
     V_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Causal: the last query blocks have the most keys; launch them first for a balanced tail.
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -200,12 +206,14 @@ def _attn_fwd_kernel(
             band_hi,
             seq_len,
             qk_scale,
+            cap_in,
             window,
             offset,
             True,
             CAUSAL,
             DOCS,
             WINDOW,
+            SOFTCAP,
             HEAD_DIM,
             QK_REST,
             V_DIM,
@@ -229,12 +237,14 @@ def _attn_fwd_kernel(
         free_hi,
         seq_len,
         qk_scale,
+        cap_in,
         window,
         offset,
         False,
         CAUSAL,
         DOCS,
         WINDOW,
+        SOFTCAP,
         HEAD_DIM,
         QK_REST,
         V_DIM,
@@ -258,12 +268,14 @@ def _attn_fwd_kernel(
         hi,
         seq_len,
         qk_scale,
+        cap_in,
         window,
         offset,
         True,
         CAUSAL,
         DOCS,
         WINDOW,
+        SOFTCAP,
         HEAD_DIM,
         QK_REST,
         V_DIM,
@@ -273,10 +285,17 @@ def _attn_fwd_kernel(
     if DOCS or WINDOW:  # a row that saw no key (m_i -inf): output 0, lse -inf
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
+    lse = m_i + tl.log2(l_i)
+    if HAS_SINKS:  # the head's sink (base 2) joins the denominator: lse' = logaddexp2(lse, sink)
+        sink = tl.load(SINKS + bh % n_head)
+        top = tl.maximum(lse, sink)
+        lse_all = top + tl.log2(tl.exp2(lse - top) + tl.exp2(sink - top))
+        out = out * tl.exp2(lse - lse_all)[:, None]
+        lse = lse_all
     o_offs = offs_m[:, None] * V_DIM + tl.arange(0, V_DIM)[None, :]
     o_base = bh.to(tl.int64) * seq_len * V_DIM
     tl.store(O + o_base + o_offs, out.to(O.dtype.element_ty), mask=row_mask[:, None])
-    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, m_i + tl.log2(l_i), mask=row_mask)
+    tl.store(LSE + bh.to(tl.int64) * seq_len + offs_m, lse, mask=row_mask)
 
 
 def forward_launch(
@@ -290,17 +309,24 @@ def forward_launch(
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
     offset: int = 0,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Launch:
     """The forward kernel's launch on contiguous q, k, v into out (any float dtype) and the
     base-2 lse, with the tiles attention_blocks picks for GPU arch `arch` (device_arch); with
     segments (the queries' and the keys', contiguous int32 [b, s]) under document masks; with
-    a sliding window (None: none) over queries `offset` positions after the keys."""
+    a sliding window (None: none) over queries `offset` positions after the keys; scale and
+    softcap as attention_tiles.score_args takes them; sinks: fp32 [n_head] in base 2 (a sink
+    times log2(e)), joined to every row's lse, or None."""
     b, n_head, seq_len, head_dim = q.shape
     first, rest = split_qk_dim(head_dim)
-    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v.shape[-1])
+    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v.shape[-1], softcap is not None)
     tile = blocks.fwd
     windowed, window, offset = window_args(window, offset, seq_len)
-    scalars = (seq_len, n_head, n_head // k.shape[1], LOG2_E / math.sqrt(head_dim), window, offset)
+    capped, _, qk_scale, cap_in = score_args(head_dim, scale, softcap)
+    scalars = (seq_len, n_head, n_head // k.shape[1], qk_scale, cap_in, window, offset)
     docs = (None, None, None)
     if segments is not None:
         docs = (*segments, segment_bounds(segments[0], segments[1], tile.block_m))
@@ -308,17 +334,19 @@ def forward_launch(
         CAUSAL=causal,
         DOCS=segments is not None,
         WINDOW=windowed,
+        SOFTCAP=capped,
         HEAD_DIM=first,
         QK_REST=rest,
         V_DIM=v.shape[-1],
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         PREC=dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None,
     )
     return Launch(
         _attn_fwd_kernel,
         grid=(triton.cdiv(seq_len, tile.block_m), b * n_head),
-        args=(q, k, v, out, lse, *docs, *scalars),
+        args=(q, k, v, out, lse, *docs, sinks, *scalars),
         constexprs=constexprs,
         num_warps=tile.num_warps,
         num_stages=blocks.num_stages,
@@ -326,58 +354,27 @@ def forward_launch(
 
 
 def forward_pass(
-    q, k, v, causal: bool, segments, out_dtype=None, window=None, offset: int = 0
+    q,
+    k,
+    v,
+    causal: bool,
+    segments,
+    out_dtype=None,
+    window=None,
+    offset: int = 0,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n_head, s, dv] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
-    contiguous q, k, v (and segments, checked, or None; a sliding window or None)."""
+    contiguous q, k, v (and segments, checked, or None; a sliding window or None; scale,
+    softcap and base-2 sinks as forward_launch takes them)."""
     b, n_head, seq_len, _ = q.shape
     out = q.new_empty(b, n_head, seq_len, v.shape[-1], dtype=out_dtype or q.dtype)
     lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
     if out.numel() > 0:
         arch = device_arch(q.device)
-        forward_launch(q, k, v, out, lse, causal, arch, segments, window, offset).run()
+        options = dict(scale=scale, softcap=softcap, sinks=sinks)
+        forward_launch(q, k, v, out, lse, causal, arch, segments, window, offset, **options).run()
     return out, lse
-
-
-class _AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, segments, window):
-        check_device(q, k, v, segments)
-        check_shapes(q, k, v)
-        window_args(window, 0, q.shape[2])  # a bad window fails before any work
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        segments = check_segments(q, None if segments is None else (segments, segments))
-        out, lse = forward_pass(q, k, v, causal, segments, window=window)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.segments, ctx.window = causal, segments, window
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            q, k, v, out, lse, dout, ctx.causal, ctx.segments, ctx.window
-        )
-        return dq, dk, dv, None, None, None
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    segments: torch.Tensor | None = None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), causal mask optional) v -> [b, n_head, s, dv] in q's dtype.
-
-    q [b, n_head, s, d], k [b, n_kv_head, s, d], v [b, n_kv_head, s, dv] with n_kv_head
-    dividing n_head (grouped-query: each kv head serves n_head / n_kv_head consecutive query
-    heads).
-    segments [b, s] int (each position's document, non-decreasing along the sequence): a
-    query sees the keys of its own document only, and the key blocks of other documents are
-    skipped. window W (a sliding window): the query at i sees the keys at j with i - j < W
-    only, and the key blocks out of every window are skipped. Raises ValueError for head dims
-    the kernels cannot tile (attention_tiles.check_shapes), and for a window below 1.
-    """
-    return _AttentionFunction.apply(q, k, v, bool(causal), segments, window)

@@ -1,13 +1,15 @@
 """Backward of the fused attention in attention.py: delta preprocess, dK/dV kernel, dQ kernel.
 
 Its tiles come from attention_tiles.py, its dK/dV kernel from attention_dkdv.py; nothing here
-imports the forward module.
+imports the forward module (attention_autograd.py runs both).
 
 Shapes (as in attention.py): q, o, do, dq [b, n_head, s, d]; k, v, dk, dv [b, n_kv, s, d];
 lse, delta [b, n_head, s] fp32 (lse in base 2). group = n_head / n_kv query heads per kv head.
 
 With p = softmax(q k^T * scale) recomputed from lse, and delta_i = sum_d o_id do_id:
     dv = p^T do,   ds = p * (do v^T - delta),   dq = scale * ds k,   dk = scale * ds^T q.
+Under a soft-cap (SOFTCAP) p comes from the capped scores c t, t = tanh(q k^T * scale / c), and
+ds takes the cap's derivative 1 - t^2. Sinks sit in the lse (they give no value): nothing here.
 
 1. _delta_kernel: delta per query row.
 2. _dkdv_kernel (attention_dkdv.py): one program per (key block, batch * kv head); it sums
@@ -23,18 +25,17 @@ of each key block for dK/dV, the key range of each query block for dQ). Under a 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import LOG2_E, Launch, device_arch, dot_precision
+from ._utils import Launch, dot_precision
 from .attention_dkdv import _dkdv_kernel
 from .attention_tiles import (
     attention_blocks,
     load_rows,
     query_block_keys,
+    score_args,
     segment_bounds,
     split_qk_dim,
     window_args,
@@ -72,12 +73,14 @@ def _dq_inner(
     hi,
     seq_len,
     qk_scale,
+    cap_in,
     window,
     offset,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_REST: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -94,6 +97,8 @@ def _dq_inner(
         scores = tl.dot(q, tl.trans(k), input_precision=PREC)
         if QK_REST > 0:
             scores = tl.dot(q_rest, tl.trans(k_rest), scores, input_precision=PREC)
+        if SOFTCAP:  # t = tanh(s / c); the capped scores c t, d(c t)/ds = 1 - t^2
+            scores = 2.0 * tl.sigmoid(scores * cap_in) - 1.0
         p = tl.exp2(scores * qk_scale - lse[:, None])
         if MASKED:
             valid = col_ok[None, :]
@@ -105,6 +110,8 @@ def _dq_inner(
         if DOCS:
             k_seg = tl.load(KSEG + seg_base + cols, mask=col_ok, other=-1)
             p = tl.where(q_seg[:, None] == k_seg[None, :], p, 0.0)
+        if SOFTCAP:  # ds's factor 1 - t^2 folded into p now, so t need not stay live
+            p = p * (1.0 - scores * scores)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
@@ -130,11 +137,13 @@ def _dq_kernel(
     group,
     qk_scale,
     sm_scale,
+    cap_in,
     window,
     offset,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_REST: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -202,12 +211,14 @@ def _dq_kernel(
             band_hi,
             seq_len,
             qk_scale,
+            cap_in,
             window,
             offset,
             True,
             CAUSAL,
             DOCS,
             WINDOW,
+            SOFTCAP,
             HEAD_DIM,
             QK_REST,
             V_DIM,
@@ -233,12 +244,14 @@ def _dq_kernel(
         free_hi,
         seq_len,
         qk_scale,
+        cap_in,
         window,
         offset,
         False,
         CAUSAL,
         DOCS,
         WINDOW,
+        SOFTCAP,
         HEAD_DIM,
         QK_REST,
         V_DIM,
@@ -264,12 +277,14 @@ def _dq_kernel(
         hi,
         seq_len,
         qk_scale,
+        cap_in,
         window,
         offset,
         True,
         CAUSAL,
         DOCS,
         WINDOW,
+        SOFTCAP,
         HEAD_DIM,
         QK_REST,
         V_DIM,
@@ -298,16 +313,20 @@ def backward_launches(
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
     offset: int = 0,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> list[Launch]:
     """The three launches of the backward, in order (delta, dK/dV, dQ), on contiguous q, k, v,
     out, dout and the base-2 lse, into delta [b, n_head, s] fp32 and grads = (dq, dk, dv), with
     the tiles attention_blocks picks for GPU arch `arch` (device_arch); with segments (the
     queries' and the keys', contiguous int32 [b, s]) under document masks; with a sliding
-    window (None: none) over queries `offset` positions after the keys."""
+    window (None: none) over queries `offset` positions after the keys; scale and softcap as
+    attention_tiles.score_args takes them. Sinks need nothing here: the lse holds them."""
     b, n_head, seq_len, head_dim = q.shape
     n_kv, v_dim = k.shape[1], v.shape[-1]
     first, rest = split_qk_dim(head_dim)
-    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v_dim)
+    blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v_dim, softcap is not None)
     dq, dk, dv = grads
     n_rows = b * n_head * seq_len
     rows_per_program = 32 if v_dim >= 128 else 64
@@ -317,13 +336,14 @@ def backward_launches(
         args=(out, dout, delta, n_rows),
         constexprs=dict(V_DIM=v_dim, BLOCK=rows_per_program),
     )
-    sm_scale = 1.0 / math.sqrt(head_dim)
+    capped, sm_scale, qk_scale, cap_in = score_args(head_dim, scale, softcap)
     windowed, window, offset = window_args(window, offset, seq_len)
-    scalars = (seq_len, n_head, n_head // n_kv, sm_scale * LOG2_E, sm_scale, window, offset)
+    scalars = (seq_len, n_head, n_head // n_kv, qk_scale, sm_scale, cap_in, window, offset)
     common = dict(
         CAUSAL=causal,
         DOCS=segments is not None,
         WINDOW=windowed,
+        SOFTCAP=capped,
         HEAD_DIM=first,
         QK_REST=rest,
         V_DIM=v_dim,
@@ -354,32 +374,3 @@ def backward_launches(
             num_stages=blocks.num_stages,
         ),
     ]
-
-
-def attention_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    causal: bool,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
-    window: int | None = None,
-    offset: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq [b, n_head, s, d], dk and dv [b, n_kv, s, d] in the inputs' dtype, from the saved
-    contiguous q, k, v, out, the base-2 lse [b, n_head, s] and the output gradient dout (and
-    the checked segments under document masks, the sliding window and offset or None)."""
-    dout = dout.contiguous()
-    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    if q.numel() == 0:
-        return grads
-    delta = torch.empty_like(lse)
-    arch = device_arch(q.device)
-    launches = backward_launches(
-        q, k, v, out, lse, dout, delta, grads, causal, arch, segments, window, offset
-    )
-    for launch in launches:
-        launch.run()
-    return grads

@@ -41,12 +41,14 @@ def _dkdv_inner(
     hi,
     seq_len,
     qk_scale,
+    cap_in,
     window,
     offset,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_REST: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -70,6 +72,8 @@ def _dkdv_inner(
         scores_t = tl.dot(k, tl.trans(q), input_precision=PREC)
         if QK_REST > 0:
             scores_t = tl.dot(k_rest, tl.trans(q_rest), scores_t, input_precision=PREC)
+        if SOFTCAP:  # t = tanh(s / c); the capped scores c t, d(c t)/ds = 1 - t^2
+            scores_t = 2.0 * tl.sigmoid(scores_t * cap_in) - 1.0
         p_t = tl.exp2(scores_t * qk_scale - lse[None, :])
         if MASKED:
             valid = row_ok[None, :] & (offs_n < seq_len)[:, None]
@@ -82,6 +86,8 @@ def _dkdv_inner(
             q_seg = tl.load(QSEG + seg_base + rows, mask=rows < seq_len, other=-1)
             p_t = tl.where(k_seg[:, None] == q_seg[None, :], p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        if SOFTCAP:  # ds's factor 1 - t^2 folded into p now, so t need not stay live
+            p_t = p_t * (1.0 - scores_t * scores_t)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
@@ -108,11 +114,13 @@ def _dkdv_kernel(
     group,
     qk_scale,
     sm_scale,
+    cap_in,
     window,
     offset,
     CAUSAL: tl.constexpr,
     DOCS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_REST: tl.constexpr,
     V_DIM: tl.constexpr,
@@ -196,12 +204,14 @@ def _dkdv_kernel(
             diag_hi,
             seq_len,
             qk_scale,
+            cap_in,
             window,
             offset,
             True,
             CAUSAL,
             DOCS,
             WINDOW,
+            SOFTCAP,
             HEAD_DIM,
             QK_REST,
             V_DIM,
@@ -228,12 +238,14 @@ def _dkdv_kernel(
             mid_hi,
             seq_len,
             qk_scale,
+            cap_in,
             window,
             offset,
             False,
             CAUSAL,
             DOCS,
             WINDOW,
+            SOFTCAP,
             HEAD_DIM,
             QK_REST,
             V_DIM,
@@ -260,12 +272,14 @@ def _dkdv_kernel(
             tail_hi,
             seq_len,
             qk_scale,
+            cap_in,
             window,
             offset,
             True,
             CAUSAL,
             DOCS,
             WINDOW,
+            SOFTCAP,
             HEAD_DIM,
             QK_REST,
             V_DIM,

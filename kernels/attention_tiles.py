@@ -32,13 +32,14 @@ leaves out no pair.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreting
+from ._utils import LOG2_E, interpreting
 
 HEAD_DIMS = (16, 32, 64, 128)  # the value head dims, and the query-key dims' first part
 
@@ -81,11 +82,16 @@ class AttentionBlocks:
 
 
 def attention_blocks(
-    seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, v_dim: int | None = None
+    seq_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    arch: int,
+    v_dim: int | None = None,
+    softcap: bool = False,
 ) -> AttentionBlocks:
     """The tiles for sequence length seq_len, query-key head dim head_dim, value head dim v_dim
     (None: head_dim), input dtype and GPU arch (the compute capability as one number, 80 or 90:
-    _utils.device_arch).
+    _utils.device_arch), with soft-capped scores or not.
 
     Under the interpreter the tiles are small (16 and 32) so that tiny CPU tests cross several
     tiles and exercise every loop. On CUDA they were chosen with scripts/kernel_report.py so
@@ -97,11 +103,16 @@ def attention_blocks(
     """
     if interpreting():
         return AttentionBlocks(Tile(32, 16, 4), Tile(16, 32, 4), Tile(32, 16, 4), num_stages=1)
-    return gpu_attention_blocks(seq_len, head_dim, dtype, arch, v_dim)
+    return gpu_attention_blocks(seq_len, head_dim, dtype, arch, v_dim, softcap)
 
 
 def gpu_attention_blocks(
-    seq_len: int, head_dim: int, dtype: torch.dtype, arch: int, v_dim: int | None = None
+    seq_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    arch: int,
+    v_dim: int | None = None,
+    softcap: bool = False,
 ) -> AttentionBlocks:
     """The tiles a GPU of arch `arch` launches with (attention_blocks off the interpreter),
     wherever this runs: what scripts/bench_packed_attention.py counts block pairs with."""
@@ -123,6 +134,9 @@ def gpu_attention_blocks(
     # blocks of 32: at 32 x 64 (d = 128) or 32 x 128 (d <= 64) its mixed accumulators spill,
     # 192 / 128 under four query heads a kv head by 80 bytes on sm_90 (32 x 32: 231 registers).
     mixed = v_dim is not None and v_dim != head_dim
+    # A soft-cap keeps each score's tanh live into dS: at d = 128 on sm_80 the 32 x 64 dK/dV
+    # tile then spills 8 bytes under document masks and a window (255 registers).
+    narrow = mixed or (softcap and width >= 128 and arch < 90)
     if width > 128:
         # A query-key dim past 128 (192 with values of 128) holds up to 320 columns of q, k,
         # dq, dk, v, dv per row where d = 128 holds 256. sm_90's wgmma reads the second operand
@@ -143,7 +157,7 @@ def gpu_attention_blocks(
     fwd_n = 32 if wide and arch < 90 else 64
     return AttentionBlocks(
         fwd=tile(128, fwd_n, 8),
-        dkdv=tile(32, 32 if mixed else 64 if wide else 128, 8),
+        dkdv=tile(32, 32 if narrow else 64 if wide else 128, 8),
         dq=tile(128, 32, 8),
         num_stages=2,
     )
@@ -201,6 +215,20 @@ def window_args(
     if window is None or window > seq_len - 1 + offset:
         return False, None, None
     return True, window, offset
+
+
+def score_args(head_dim: int, scale: float | None, softcap: float | None):
+    """The kernels' (SOFTCAP, sm_scale, qk_scale, cap_in) for softmax scale `scale` (None:
+    1 / sqrt(head_dim)) and logit soft-cap `softcap` (None: none): the kernels take the scores
+    s = q.k sm_scale to base-2 logits as s qk_scale, or, capped, as (2 sigmoid(q.k cap_in) - 1)
+    qk_scale = c tanh(s / c) log2(e) (tanh(x) = 2 sigmoid(2 x) - 1, so cap_in = 2 sm_scale / c);
+    cap_in None without a soft-cap. Raises ValueError for a soft-cap that is not positive."""
+    sm_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if softcap is None:
+        return False, sm_scale, sm_scale * LOG2_E, None
+    if not softcap > 0:
+        raise ValueError(f"attention: the soft-cap must be > 0, got {softcap}")
+    return True, sm_scale, softcap * LOG2_E, 2.0 * sm_scale / softcap
 
 
 def check_segments(q: torch.Tensor, segments: tuple[torch.Tensor, torch.Tensor] | None):

@@ -82,7 +82,7 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _attention(
+def attention_pass(
     m: ModelShapes,
     dtype: torch.dtype,
     arch: int,
@@ -91,11 +91,14 @@ def _attention(
     ring: bool,
     documents: bool,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    sinks: bool = False,
 ) -> list[Launch]:
     """Forward and backward of attention at sequence (or ring block) length seq_len; a ring
     block's forward writes fp32 (attention_block_forward); documents: under document masks
     (data.document_mask: segments and the per-block ranges); window: (W, offset) under a
-    sliding window of W over queries offset positions after the keys, or None."""
+    sliding window of W over queries offset positions after the keys, or None; softcap: the
+    logits' soft-cap, or None; sinks: with a sink logit per head (compile_scores)."""
     v_dim = m.v_head_dim or m.head_dim
     q = _meta(m.batch, m.n_head, seq_len, m.head_dim, dtype=dtype)
     k = _meta(m.batch, m.n_kv_head, seq_len, m.head_dim, dtype=dtype)
@@ -108,8 +111,11 @@ def _attention(
     if documents:
         segments = (_meta(m.batch, seq_len, dtype=torch.int32),) * 2
     sliding = window or (None, 0)
-    backward = backward_launches(q, k, v, do, lse, do, lse, grads, causal, arch, segments, *sliding)
-    return [forward_launch(q, k, v, out, lse, causal, arch, segments, *sliding), *backward]
+    head_sinks = _meta(m.n_head, dtype=torch.float32) if sinks else None
+    args = (q, k, v, do, lse, do, lse, grads, causal, arch, segments, *sliding)
+    backward = backward_launches(*args, softcap=softcap)
+    forward_args = (q, k, v, out, lse, causal, arch, segments, *sliding)
+    return [forward_launch(*forward_args, softcap=softcap, sinks=head_sinks), *backward]
 
 
 def _norms(m: ModelShapes, dtype: torch.dtype) -> list[Launch]:
@@ -188,14 +194,14 @@ def _attention_launches(
     block = m.seq_len // 4
     window = max(1, block // 2)
     whole_window = (window, 0) if sliding else None
-    whole = _attention(m, dtype, arch, m.seq_len, True, False, documents, whole_window)
+    whole = attention_pass(m, dtype, arch, m.seq_len, True, False, documents, whole_window)
     launches = [(launch, tag.strip()) for launch in whole]
     ring_blocks = [(2 * block, True, None), (block, False, None)]
     if sliding:
         ring_blocks = [(block, True, (window, 0)), (block, False, (window, block))]
     if block >= 16:
         for length, causal, ring_window in ring_blocks:
-            ring = _attention(m, dtype, arch, length, causal, True, documents, ring_window)
+            ring = attention_pass(m, dtype, arch, length, causal, True, documents, ring_window)
             launches += [(launch, "ring" + tag) for launch in ring]
     return launches
 

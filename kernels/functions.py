@@ -19,7 +19,7 @@ Tensor-parallel communication comes in from the caller: cross_entropy takes a Vo
 combine does the collectives (megatronish.ops builds it on megatronish.distributed.comm).
 """
 
-from .attention import attention
+from .attention_autograd import attention
 from .attention_ring import attention_block_backward, attention_block_forward
 from .cross_entropy import VocabSplit, cross_entropy
 from .elementwise import bias_gelu, geglu, swiglu

@@ -28,6 +28,7 @@ def _norm_fwd_kernel(
     RSTD,
     h,
     eps,
+    w_offset,
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -36,7 +37,7 @@ def _norm_fwd_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < h
     x = tl.load(X + row * h + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
     if IS_RMS:
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / h + eps)
         y = x * rstd * w
@@ -64,6 +65,7 @@ def _norm_bwd_kernel(
     DB_PART,
     n_rows,
     h,
+    w_offset,
     IS_RMS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -72,7 +74,7 @@ def _norm_bwd_kernel(
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < h
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + w_offset
     dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK], dtype=tl.float32)
     for row in range(pid, n_rows, n_programs):
@@ -108,14 +110,16 @@ def norm_forward_launch(
     rstd: torch.Tensor,
     eps: float,
     is_rms: bool,
+    offset: float = 0.0,
 ) -> Launch:
-    """The forward kernel's launch on contiguous x2d [rows, h] into y, mean and rstd [rows]."""
+    """The forward kernel's launch on contiguous x2d [rows, h] into y, mean and rstd [rows];
+    the rows scaled by offset + weight (in fp32)."""
     n_rows, h = x2d.shape
     block = row_block(h, "rms_norm" if is_rms else "layer_norm")
     return Launch(
         _norm_fwd_kernel,
         grid=(n_rows,),
-        args=(x2d, weight, bias if bias is not None else weight, y, mean, rstd, h, eps),
+        args=(x2d, weight, bias if bias is not None else weight, y, mean, rstd, h, eps, offset),
         constexprs=dict(IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK=block),
         num_warps=row_warps(block),
     )
@@ -131,16 +135,18 @@ def norm_backward_launch(
     dw_part: torch.Tensor,
     db_part: torch.Tensor | None,
     is_rms: bool,
+    offset: float = 0.0,
 ) -> Launch:
     """The backward kernel's launch: dx [rows, h] and the [programs, h] fp32 partials of
-    dweight (and dbias, when db_part is given) from the saved x2d, mean and rstd."""
+    dweight (and dbias, when db_part is given) from the saved x2d, mean and rstd; offset as in
+    norm_forward_launch (dweight does not depend on it)."""
     n_rows, h = x2d.shape
     block = row_block(h, "norm backward")
     db_arg = db_part if db_part is not None else dw_part
     return Launch(
         _norm_bwd_kernel,
         grid=(dw_part.shape[0],),
-        args=(x2d, weight, dy2d, dx, mean, rstd, dw_part, db_arg, n_rows, h),
+        args=(x2d, weight, dy2d, dx, mean, rstd, dw_part, db_arg, n_rows, h, offset),
         constexprs=dict(IS_RMS=is_rms, HAS_BIAS=db_part is not None, BLOCK=block),
         num_warps=row_warps(block),
     )
@@ -157,7 +163,7 @@ class _NormFunction(torch.autograd.Function):
     """Shared autograd wrapper: RMSNorm when is_rms, otherwise LayerNorm."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, is_rms: bool):
+    def forward(ctx, x, weight, bias, eps: float, is_rms: bool, offset: float = 0.0):
         check_device(x, weight, bias)
         h = x.shape[-1]
         what = "rms_norm" if is_rms else "layer_norm"
@@ -172,9 +178,9 @@ class _NormFunction(torch.autograd.Function):
         rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
         mean = rstd if is_rms else torch.empty_like(rstd)
         if n_rows > 0:
-            norm_forward_launch(x2d, weight, bias, y, mean, rstd, eps, is_rms).run()
+            norm_forward_launch(x2d, weight, bias, y, mean, rstd, eps, is_rms, offset).run()
         ctx.save_for_backward(x2d, weight, bias, mean, rstd)
-        ctx.is_rms = is_rms
+        ctx.is_rms, ctx.offset = is_rms, offset
         ctx.x_shape = x.shape
         return y.view(x.shape)
 
@@ -189,17 +195,20 @@ class _NormFunction(torch.autograd.Function):
         db_part = torch.zeros_like(dw_part) if bias is not None else None
         if n_rows > 0:
             launch = norm_backward_launch(
-                x2d, weight, dy2d, dx, mean, rstd, dw_part, db_part, ctx.is_rms
+                x2d, weight, dy2d, dx, mean, rstd, dw_part, db_part, ctx.is_rms, ctx.offset
             )
             launch.run()
         dweight = dw_part.sum(0).to(weight.dtype)
         dbias = db_part.sum(0).to(bias.dtype) if db_part is not None else None
-        return dx.view(ctx.x_shape), dweight, dbias, None, None
+        return dx.view(ctx.x_shape), dweight, dbias, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., h] * rsqrt(mean(x^2) + eps) * weight [h]; fp32 math, output in x's dtype."""
-    return _NormFunction.apply(x, weight, None, float(eps), True)
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """x [..., h] * rsqrt(mean(x^2) + eps) * (offset + weight [h]); fp32 math (the offset
+    added to the weight in fp32: Gemma's and Qwen3.5's 1 + w), output in x's dtype."""
+    return _NormFunction.apply(x, weight, None, float(eps), True, float(offset))
 
 
 def layer_norm(

@@ -13,7 +13,9 @@ launches of one training step as the launchers make them
 attention blocks, both again under document masks and (llama) under a sliding window, norms, RoPE,
 SwiGLU or bias-GELU, cross entropy, the expert GEMMs, and for sm_89 and sm_90 the fp8 casts and
 GEMMs, which sm_80 lacks; those also at the shapes of llama3-8b, mistral-7b and qwen3-30b-a3b; and
-the gated delta rule's nine forward and backward kernels at Qwen3.5's linear attention, QWEN35_GDN),
+the gated delta rule's nine forward and backward kernels at Qwen3.5's linear attention, QWEN35_GDN;
+and attention with sinks at gpt-oss-20b's shapes and with soft-capped scores at gemma-3-27b's,
+whole, under their sliding window and under it with document masks: compile_scores),
 compiles each distinct one for each arch with the ptxas Triton ships, and prints one table: kernel,
 configuration (constexprs, arguments specialized to 1, warps w and stages s), arch, dtype,
 registers, spill bytes, shared memory / the arch's limit per block, the estimated occupancy (warps
@@ -48,6 +50,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # before the kernels are defined: compile,
 from megatronish_kernels import compile_check  # noqa: E402
 from megatronish_kernels.compile_check import ARCHS, Compiled, Launch, ModelShapes  # noqa: E402
 from megatronish_kernels.compile_gdn import GatedDeltaShapes, gated_delta_launches  # noqa: E402
+from megatronish_kernels.compile_scores import SCORE_SHAPES, score_launches  # noqa: E402
 
 from megatronish.config import derive, load_config  # noqa: E402
 from megatronish.errors import UserError  # noqa: E402
@@ -137,6 +140,22 @@ def _gated_delta_runs(arch_names: list[str], only: list[str] | None) -> list:
     return runs
 
 
+def _score_runs(arch_names: list[str], only: list[str] | None) -> list:
+    """(arch name, launch, user) of the attention launches with sinks or a soft-cap
+    (compile_scores.SCORE_SHAPES), bf16 and fp32, whose kernel name and origin hold the words
+    of only (None: all)."""
+    runs = []
+    for arch_name in arch_names:
+        for dtype in ("bf16", "fp32"):
+            for shapes in SCORE_SHAPES:
+                torch_dtype, capability = compile_check.DTYPES[dtype], ARCHS[arch_name].capability
+                for launch, where in score_launches(shapes, torch_dtype, capability):
+                    user = f"{shapes.model.name} {where}"
+                    if not only or all(w in f"{launch.name} {user}" for w in only):
+                        runs.append((arch_name, launch, user))
+    return runs
+
+
 def shipped_shapes(names: tuple[str, ...] = CONFIGS) -> list[ModelShapes]:
     """Every shipped config of `names` at every tp degree it splits over (1, 2, 8 and its own),
     then (for CONFIGS) the head-dim-128 shape of the benchmarks and DeepSeek-V3's latent
@@ -201,7 +220,8 @@ def plan(
                 jobs.setdefault(key, (arch_name, launch))
                 users.setdefault(key, []).append(f"{shapes.name} {where}".strip())
     if not representative:
-        for arch_name, launch, user in _gated_delta_runs(arch_names, only):
+        extra = _gated_delta_runs(arch_names, only) + _score_runs(arch_names, only)
+        for arch_name, launch, user in extra:
             key = _key(launch, arch_name)
             jobs.setdefault(key, (arch_name, launch))
             users.setdefault(key, []).append(user)

@@ -30,10 +30,18 @@ documents with the local queries' and the source rank's keys' segments, and the 
 skip the key blocks of other documents (a whole block, when all its keys precede the queries'
 documents). A document may span chunks, cp ranks and ring steps.
 
+Scores: a softmax scale (None: 1/sqrt(d)) and a soft-cap c (the scores become c tanh(s / c))
+apply within every block. Attention sinks (a logit per query head in every softmax's
+denominator, with no value) join each query's merged lse once, after the last block:
+lse' = logaddexp(lse, sink), o = o e^(lse - lse'); they do not travel (they are every rank's).
+
 Backward: the keys and values go around again, and with them an fp32 accumulator of dk, dv
 that belongs to the block's owner: each rank adds its blocks' dk, dv (flash backward from the
 final output and log-sum-exp, so rowsum(do * o) uses the global o) and passes it on; after cp
-hops it is back with its owner. dq accumulates locally in fp32.
+hops it is back with its owner. dq accumulates locally in fp32. The blocks' backward reads
+the final lse, which holds the sinks; a sink's gradient is -sum over the rows of
+e^(sink - lse') rowsum(do * o), over this rank's rows (summed over cp with the other
+replicated parameters' gradients).
 """
 
 from __future__ import annotations
@@ -175,12 +183,26 @@ def _merge(out, lse, rows: slice, out_b, lse_b) -> None:
     lse[:, :, rows] = lse_new
 
 
+def _join_sinks(out, lse, sinks: torch.Tensor):
+    """(out, lse) with the sinks [n] joined to every row's denominator (no value)."""
+    lse_new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return out * torch.exp(lse - lse_new).unsqueeze(-1), lse_new
+
+
+def _sink_grad(sinks: torch.Tensor, out, lse, dout) -> torch.Tensor:
+    """d loss / d sinks [n] in the sinks' dtype from the final out and lse of this rank's
+    rows: each row's sink probability times (0 - rowsum(dout * out))."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1)
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 def ring_forward(
-    q, k, v, ring: Ring, forward, shards=None, window: int | None = None
+    q, k, v, ring: Ring, forward, shards=None, window: int | None = None, **scores
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) in the accumulation dtype for local q, k, v; `forward` is a block forward;
     shards: every cp rank's segments [b, cp, 2c] under document masks, else None; window: the
-    sliding window, or None."""
+    sliding window, or None; scores: the blocks' scale and softcap (None: none), as keywords."""
     c = q.shape[2] // 2
     dtype = accumulation_dtype(q.dtype)
     out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=dtype)  # merged into: o 0, lse -inf
@@ -195,7 +217,9 @@ def ring_forward(
             _count(q_block, causal, pairs, v.shape[-1])
             segments = _segments(shards, step, ring, q_part, kv_part, c)
             keys, values = (_part(x, kv_part, c) for x in _unpack(kv, k, v))
-            out_b, lse_b = forward(q_block, keys, values, causal, segments, window, offset)
+            out_b, lse_b = forward(
+                q_block, keys, values, causal, segments, window, offset, **scores
+            )
             _merge(out, lse, _rows(q_part, c), out_b, lse_b.to(dtype))
         if pending is not None:
             pending.wait()
@@ -203,9 +227,11 @@ def ring_forward(
     return out, lse
 
 
-def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None, window=None):
-    """(dq, dk, dv) in the inputs' dtypes; `backward` is a block backward; shards and window as
-    in ring_forward."""
+def ring_backward(
+    q, k, v, out, lse, dout, ring: Ring, backward, shards=None, window=None, **scores
+):
+    """(dq, dk, dv) in the inputs' dtypes; `backward` is a block backward; shards, window and
+    scores as in ring_forward (lse: the final one, sinks joined)."""
     c = q.shape[2] // 2
     dtype = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -230,6 +256,7 @@ def ring_backward(q, k, v, out, lse, dout, ring: Ring, backward, shards=None, wi
                 _segments(shards, step, ring, q_part, kv_part, c),
                 window,
                 offset,
+                **scores,
             )
             dq[:, :, rows] += dq_b
             grads.append((_rows(kv_part, c), dk_b, dv_b))
@@ -258,23 +285,27 @@ class _RingAttention(torch.autograd.Function):
     """Autocast is off inside: the blocks choose their own precision (fp32 accumulation)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, backend: str, shards, window):
+    def forward(ctx, q, k, v, ring: Ring, backend: str, shards, window, scale, sinks, softcap):
         forward, backward = block_ops(backend)
+        scores = dict(scale=scale, softcap=softcap)
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = ring_forward(q, k, v, ring, forward, shards, window)
+            out, lse = ring_forward(q, k, v, ring, forward, shards, window, **scores)
+            if sinks is not None:
+                out, lse = _join_sinks(out, lse, sinks.detach())
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.block_backward, ctx.shards, ctx.window = ring, backward, shards, window
+        ctx.scores = scores
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        args = (ctx.ring, ctx.block_backward, ctx.shards, ctx.window)
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = ring_backward(
-                q, k, v, out, lse, dout, ctx.ring, ctx.block_backward, ctx.shards, ctx.window
-            )
-        return dq, dk, dv, None, None, None, None
+            dq, dk, dv = ring_backward(q, k, v, out, lse, dout, *args, **ctx.scores)
+            dsinks = None if sinks is None else _sink_grad(sinks, out, lse, dout)
+        return dq, dk, dv, None, None, None, None, None, dsinks, None
 
 
 def ring_attention(
@@ -285,6 +316,10 @@ def ring_attention(
     backend: str = "auto",
     shards: torch.Tensor | None = None,
     window: int | None = None,
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the full sequence, computed on this cp rank's zigzag shard:
     q [b, n, 2c, d], k [b, k, 2c, d] and v [b, k, 2c, e] -> [b, n, 2c, e] in q's dtype; the keys
@@ -292,11 +327,13 @@ def ring_attention(
     of the other cp ranks' shards come around the ring. Every cp rank calls it together. Under
     document masks, shards [b, cp, 2c] holds the segments of every cp rank's shard; under a
     sliding window W (None: none) a query sees only the keys less than W positions before it,
-    itself included, by global position."""
+    itself included, by global position. scale (None: 1/sqrt(d)), softcap and sinks [n] as
+    ops.attention takes them."""
     from megatronish.ops import attention_backend
 
     if q.shape[2] % 2:
         raise ValueError(f"ring attention: local sequence {q.shape[2]} must be two equal chunks")
     if window is not None and window >= q.shape[2] * ring.size:  # it leaves out no pair
         window = None
-    return _RingAttention.apply(q, k, v, ring, attention_backend(backend, q, v), shards, window)
+    backend = attention_backend(backend, q, v)
+    return _RingAttention.apply(q, k, v, ring, backend, shards, window, scale, sinks, softcap)

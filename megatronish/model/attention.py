@@ -54,11 +54,9 @@ def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tens
     options = score_options(module)
     if module.ring is not None:
         shards = None if documents is None else documents.shards
-        if options["sinks"] is not None or options["softcap"] is not None:
-            raise NotImplementedError("ring attention with sinks or a soft-cap")
-        if options["scale"] is not None:  # the ring's blocks scale by 1/sqrt(d)
-            q = q * (options["scale"] * math.sqrt(q.shape[-1]))
-        return ring_attention(q, k, v, module.ring, module.backend, shards, module.window)
+        return ring_attention(
+            q, k, v, module.ring, module.backend, shards, module.window, **options
+        )
     if module.dropout > 0 and module.training:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -1,6 +1,7 @@
 """The norms: LayerNorm (gpt2) or RMSNorm (llama) over the hidden size, and (model.qk_norm) the
 RMSNorm of each attention head's query and key over the head dim; each scales by its weight, or
-by 1 + its weight (zero-initialized) where the components' norm_offset is 1 (Qwen3.5)."""
+by 1 + its weight (zero-initialized) where the components' norm_offset is 1 (Qwen3.5, Gemma 3),
+the 1 added in fp32 inside ops.rms_norm as transformers does."""
 
 from __future__ import annotations
 
@@ -41,8 +42,7 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "layernorm":
             return ops.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
-        scale = self.weight + self.offset if self.offset else self.weight
-        return ops.rms_norm(x, scale, self.eps, backend=self.backend)
+        return ops.rms_norm(x, self.weight, self.eps, backend=self.backend, offset=self.offset)
 
 
 def hidden_norm(model: ModelConfig, plan: BlockPlan) -> Norm:

@@ -85,11 +85,17 @@ def _kernels() -> Any:
     return _KERNELS or None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto"):
-    """RMSNorm of x [..., h] with weight [h]."""
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    backend: str = "auto",
+    offset: float = 0.0,
+):
+    """RMSNorm of x [..., h] with weight [h], scaled by offset + weight (added in fp32)."""
     if resolve_backend(backend, x) == "triton":
-        return _kernels().rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return _kernels().rms_norm(x, weight, eps, offset)
+    return reference.rms_norm(x, weight, eps, offset)
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, backend: str = "auto"):
@@ -119,10 +125,10 @@ def attention(
     sliding window W (int), the query at i sees the keys at j with i - j < W only. The Triton
     kernels skip the blocks of keys that lie wholly in other documents or outside the window.
     softcap (logit soft-capping) and sinks [n_head] (a learned logit per head in every
-    softmax's denominator): reference.attention."""
-    plain = scale is None and sinks is None and softcap is None
-    if plain and attention_backend(backend, q, v) == "triton":
-        return _kernels().attention(q, k, v, causal, segments, window)
+    softmax's denominator): reference.attention; the kernels take them too."""
+    options = dict(scale=scale, sinks=sinks, softcap=softcap)
+    if attention_backend(backend, q, v) == "triton":
+        return _kernels().attention(q, k, v, causal, segments, window, **options)
     return reference.attention(
         q, k, v, causal, segments, window, scale=scale, sinks=sinks, softcap=softcap
     )

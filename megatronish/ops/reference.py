@@ -13,11 +13,14 @@ import torch.nn.functional as F
 from megatronish.ops.rope import PLAIN, RopeSpec, rope_table
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., h] * rsqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor:
+    """x [..., h] * rsqrt(mean(x^2) + eps) * (offset + weight), computed in fp32 (the offset
+    too, as transformers' Gemma 3 and Qwen3.5 norms add their 1), returned in x's dtype."""
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return (y * (offset + weight.float())).to(x.dtype)
 
 
 def layer_norm(
@@ -98,18 +101,20 @@ def explicit_attention(
     """Attention with the scores written out: q [b, n, s_q, d], k [b, n, s_k, d] and v [b, n,
     s_k, d_v] (as many heads each), visible bool broadcasting to [b, n, s_q, s_k]; the scores
     soft-capped by softcap (if any), and sinks [n] (if any) joining each row's softmax as one
-    more logit that gives no value. Computed in fp32, returned in q's dtype."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    more logit that gives no value. Computed in fp32 (fp64 for fp64 inputs), returned in q's
+    dtype."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
-        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        sink = sinks.to(dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(scores, dim=-1)
     if sinks is not None:
         probs = probs[..., :-1]
-    return (probs @ v.float()).to(q.dtype)
+    return (probs @ v.to(dtype)).to(q.dtype)
 
 
 def attention_mask(

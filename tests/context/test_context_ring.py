@@ -2,8 +2,10 @@
 every gradient, in float64 (torch blocks) and under Triton's interpreter (flash blocks), also
 under document masks with documents that span chunks and cp ranks, and under a sliding window
 (by global position; blocks wholly outside it are not computed, their keys still travel) with
-and without documents; only the kv heads travel (grouped-query attention), the ring sends
-exactly the analytic bytes, and every cp rank scores the same number of query-key pairs."""
+and without documents, and with a softmax scale, soft-capped scores and attention sinks (each
+joining a query's denominator once; their gradient too); only the kv heads travel (grouped-query
+attention; no sinks), the ring sends exactly the analytic bytes, and every cp rank scores the
+same number of query-key pairs."""
 
 from __future__ import annotations
 
@@ -55,7 +57,15 @@ VARIANTS = {
     "documents": (True, None),
     "window": (False, WINDOW),
     "window documents": (True, WINDOW),
+    "scores": (True, WINDOW),  # and SCORES, with sinks
 }
+# The "scores" variant's options: a soft-cap of 2 against scores of about 2 (q at twice the
+# unit scale there), so most scores are bent by it; and the sinks of _sinks().
+SCORES = dict(scale=0.4, softcap=2.0)
+
+
+def _sinks() -> torch.Tensor:
+    return torch.randn(N_HEAD, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
 
 
 def _ring_rank(rank, world, backend, dtype, variants):
@@ -72,8 +82,13 @@ def _ring_rank(rank, world, backend, dtype, variants):
         masked, window = VARIANTS[name]
         shards = _documents(world, batch).shard(world, rank).shards if masked else None
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        options = {}
+        if name == "scores":
+            leaves[0] = (2 * q).requires_grad_(True)
+            leaves.append(_sinks().requires_grad_(True))
+            options = dict(SCORES, sinks=leaves[3])
         with comm.CommCounter() as counter, RingCounter() as work:
-            out = ring_attention(*leaves, Ring.of(ps), backend, shards, window)
+            out = ring_attention(*leaves[:3], Ring.of(ps), backend, shards, window, **options)
             out.backward(dout)
         results[name] = [out.detach()] + [x.grad for x in leaves]
         results[f"{name} sent"], results[f"{name} pairs"] = dict(counter.sent_bytes), work.pairs
@@ -91,6 +106,19 @@ def _full_causal(cp: int, masked: bool = False, window: int | None = None, batch
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+def _full_scores(cp: int, batch: int):
+    """The "scores" variant in one process: out, dq, dk, dv and dsinks, float64."""
+    from megatronish.ops import reference
+
+    q, k, v, dout = _inputs(cp, torch.float64, batch)
+    q, k, v, sinks = ((2 * q), k, v, _sinks())
+    q, k, v, sinks = (x.requires_grad_(True) for x in (q, k, v, sinks))
+    segments = _documents(cp, batch).segments
+    out = reference.attention(q, k, v, True, segments, WINDOW, sinks=sinks, **SCORES)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad, sinks.grad]
+
+
 _RUNS: dict = {}
 
 
@@ -102,7 +130,7 @@ def ring_run(cp: int, backend: str = "torch"):
     if key not in _RUNS:
         variants = list(VARIANTS)
         if backend == "triton":
-            variants = ["grads", "documents"]
+            variants = ["grads", "documents"] + (["scores"] if cp == 2 else [])
         _RUNS[key] = run_on_ranks(_ring_rank, cp, backend, torch.float64, variants, timeout=120)
     return _RUNS[key]
 
@@ -156,6 +184,34 @@ def test_every_cp_rank_scores_the_same_query_key_pairs(cp):
     # The forward blocks of all ranks together score the causal triangle of the full sequence.
     s = 6 * cp
     assert sum(pairs) == B * N_HEAD * s * (s + 1) // 2
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_with_a_scale_softcap_and_sinks_equals_one_process_with_every_gradient_float64(cp):
+    # Under a window and documents that span ranks; each rank's sink gradient covers its own
+    # queries, and summed over cp they are the whole sequence's.
+    per_rank = ring_run(cp)
+    want = _full_scores(cp, B)
+    for index, name in enumerate(["out", "dq", "dk", "dv"]):
+        got = unshard_sequence([r["scores"][index] for r in per_rank], dim=2)
+        torch.testing.assert_close(got, want[index], rtol=EXACT, atol=FP32_RING_ABS, msg=name)
+    dsinks = sum(r["scores"][4] for r in per_rank)
+    torch.testing.assert_close(dsinks, want[4], rtol=EXACT, atol=FP32_RING_ABS, msg="dsinks")
+    for result in per_rank:  # the sinks do not travel: the same bytes as without them
+        assert result["scores sent"] == result["grads sent"]
+
+
+@pytest.mark.slow  # Triton flash blocks under the interpreter
+def test_ring_with_a_scale_softcap_and_sinks_on_triton_flash_blocks_equals_one_process(
+    monkeypatch,
+):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    per_rank = ring_run(2, "triton")
+    want = _full_scores(2, _batch(2, "triton"))
+    for index, name in enumerate(["out", "dq", "dk", "dv", "dsinks"]):
+        got = [r["scores"][index] for r in per_rank]
+        got = sum(got) if name == "dsinks" else unshard_sequence(got, dim=2)
+        torch.testing.assert_close(got, want[index], rtol=EXACT, atol=FP32_RING_ABS, msg=name)
 
 
 def test_zigzag_shards_hold_chunks_r_and_2cp_minus_1_minus_r_at_their_global_positions():

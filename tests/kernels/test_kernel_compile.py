@@ -174,8 +174,8 @@ def test_the_signature_specializes_the_arguments_as_tritons_launcher_does():
     q = torch.empty(2, 4, 100, 32, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(2, 4, 100, device="meta")
     consts = dict(CAUSAL=True, DOCS=False, WINDOW=False, HEAD_DIM=32, QK_REST=0, V_DIM=32)
-    consts |= dict(BLOCK_M=64, BLOCK_N=32, PREC="tf32")
-    args = (q, q, q, q, lse, lse, q, None, None, None, 100, 4, 1, 0.25, 0.5, None, None)
+    consts |= dict(SOFTCAP=False, BLOCK_M=64, BLOCK_N=32, PREC="tf32")
+    args = (q, q, q, q, lse, lse, q, None, None, None, 100, 4, 1, 0.25, 0.5, None, None, None)
     signature, constexprs, attrs = check.specialization(
         check.Launch(attention_bwd._dq_kernel, (1,), args, consts)
     )
@@ -185,8 +185,9 @@ def test_the_signature_specializes_the_arguments_as_tritons_launcher_does():
     assert scalars == ["i32", "i32", "fp32", "fp32"]
     assert signature["group"] == "constexpr" and constexprs["group"] == 1  # 1 is specialized
     assert signature["HEAD_DIM"] == "constexpr" and constexprs["HEAD_DIM"] == 32
-    # No document masks and no window: the segment pointers and the window are absent, None.
-    for name in ("QSEG", "window", "offset"):
+    # No document masks, no window, no soft-cap: the segment pointers, the window and the
+    # soft-cap's scale are absent, None.
+    for name in ("QSEG", "window", "offset", "cap_in"):
         assert signature[name] == "constexpr" and constexprs[name] is None
     # Pointers are 16-byte aligned; 100 and 4 are not multiples of 16.
     assert {names[i] for (i,) in attrs} == {"Q", "K", "V", "DO", "LSE", "DELTA", "DQ"}

@@ -73,8 +73,8 @@ def check_op(kernel, ref32, ref64, inputs, atol=KERNEL_ABS, rtol=KERNEL_REL):
 # float64 references, written out from the definitions.
 
 
-def rms_norm64(x, weight, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+def rms_norm64(x, weight, eps, offset=0.0):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + weight)
 
 
 def layer_norm64(x, weight, bias, eps):
@@ -133,6 +133,18 @@ def few_backward_programs(monkeypatch):
 def test_rms_norm_matches_reference_and_float64(shape):
     x, w = randn(*shape, seed=1), randn(shape[-1], seed=2)
     check_op(kernels.rms_norm, reference.rms_norm, rms_norm64, [x, w, 1e-5])
+
+
+def test_rms_norm_with_an_offset_scales_by_offset_plus_weight_in_fp32_and_matches_float64():
+    # Gemma 3's and Qwen3.5's 1 + w, w near 0: forward, dx and dw against float64.
+    x, w = randn(3, 5, 37, seed=1), randn(37, seed=2, scale=0.1)
+    check_op(kernels.rms_norm, reference.rms_norm, rms_norm64, [x, w, 1e-6, 1.0])
+    # A bf16 weight: 1 + w is taken in fp32 (as transformers does), not rounded to bf16.
+    w16 = w.detach().bfloat16()
+    with torch.no_grad():
+        got = ops.rms_norm(x, w16, 1e-6, "triton", offset=1.0)
+        want = rms_norm64(x.double(), w16.double(), 1e-6, 1.0)
+    torch.testing.assert_close(got.double(), want, atol=KERNEL_ABS, rtol=KERNEL_REL)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
