@@ -7,7 +7,9 @@ replicated over tp and see this rank's tokens under sequence parallelism. The tp
 soft-caps the attention scores and the output logits (on each rank's vocab shard); the cp run
 has Gemma 3's defaults, which have none (the ring's soft-cap is the attention kernels'). With
 the final soft-cap at cp 2 every step's gradient norm is one process's within 5e-8 at a
-learning rate of 1e-9, but AdamW's first steps amplify that rounding past 1e-5 by step 6."""
+learning rate of 1e-9, but AdamW's first steps amplify that rounding past 1e-5 by step 6; the
+same holds without caps at the harness's learning rate of 3e-3 once the ring applies the
+scale in its blocks (1.2e-5 by step 7), so the cp run takes 2e-3, where it still learns."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ SOFTCAPS = ["model.attn_logit_softcapping=2", "model.final_logit_softcapping=5"]
 # name -> (tp, cp, pp, overrides); each one's reference: its model.* settings at one rank.
 VARIANTS = {
     "gemma3 tp2 pp2 sp softcaps": (2, 1, 2, GEMMA3 + SP + SOFTCAPS),
-    "gemma3 tp2 cp2 sp": (2, 2, 1, GEMMA3 + SP),
+    "gemma3 tp2 cp2 sp": (2, 2, 1, GEMMA3 + SP + ["train.lr=2e-3"]),
 }
 
 
