@@ -239,6 +239,10 @@ class CheckpointConfig:
     or the path of a checkpoint to continue from."""
     save: bool = True
     """Write checkpoints at all."""
+    reset_optimizer: bool = False
+    """Resume the weights (and the data position and RNG) with a fresh optimizer state: the
+    way to continue a checkpoint under another optim.name (without it, a resume whose optim.name
+    differs from the checkpoint's is an error)."""
     init_from_hf: str | None = None
     """A Hugging Face model directory (config.json + model.safetensors) to start from."""
     async_: bool = False
