@@ -3,7 +3,8 @@ gathered in bf16), so where the gradients are bitwise those of one process, so a
 and the gathers are counted as what they send; and training runs at tp 2 with sequence
 parallelism x dp 2, tp 2 x pp 2 interleaved, tp 2 x ep 2 with experts, and cp 2 x dp 2 give
 one process's losses and gradient norms within the reference's noise floor x 10
-(MUON_CURVE_REL, MUON_NORM_REL: Newton-Schulz in bf16 passes fp32 reorderings on amplified)."""
+(MUON_CURVE_REL, MUON_NORM_REL: Newton-Schulz in bf16 passes fp32 reorderings on amplified),
+their all-gathers' bytes those accounting.collectives counts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatronish.accounting.collectives import formula_payload_by_kind
 from megatronish.config import load_config
 from megatronish.distributed import comm
 from megatronish.fp8.parts import Parts
@@ -122,8 +124,12 @@ def _train_on_ranks(rank: int, world: int, dataset) -> dict:
     results = {}
     for name, (tp, dp, pp, overrides, cp) in VARIANTS.items():
         cfg = make_config(tp, dp, pp, overrides + MUON, dataset, cp=cp)
-        losses, norms, _ = train_counted(make_trainer(cfg, world, dataset), STEPS)
-        results[name] = {"losses": losses, "norms": norms}
+        trainer = make_trainer(cfg, world, dataset)
+        losses, norms, counter = train_counted(trainer, STEPS)
+        setup = trainer.setup
+        formula = formula_payload_by_kind(cfg, setup.derived, setup.ps.pp_rank)
+        gathered = (counter.payload_bytes.get("all_gather", 0), formula.get("all_gather", 0))
+        results[name] = {"losses": losses, "norms": norms, "gathered": gathered}
     return results
 
 
@@ -143,3 +149,5 @@ def test_muon_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
     for rank_results in four_ranks:
         assert_close(rank_results[name]["losses"], ref["losses"], rel=MUON_CURVE_REL)
         assert_close(rank_results[name]["norms"], ref["norms"], rel=MUON_NORM_REL)
+        counted, formula = rank_results[name]["gathered"]
+        assert counted == formula  # Muon's tp gathers (and SP's) as accounting counts them
