@@ -100,14 +100,15 @@ class Muon:
 
     def _apply(self, matrix: Matrix, update: torch.Tensor, lr: float, tp_group) -> None:
         """W <- W - lr' NS(update) on the matrix's block of its parameter."""
-        whole = gather_whole(matrix.local(update).bfloat16(), matrix.split_dim, tp_group)
+        view = matrix.block(update)
+        local = view.bfloat16().reshape(-1, view.shape[-1])  # the cast NS begins with
+        whole = gather_whole(local, matrix.split_dim, tp_group)
         settings = self.settings
         coefficients = tuple(settings.ns_coefficients)
         ortho = newton_schulz(whole, coefficients, settings.ns_steps, settings.eps)
-        mine = own_block(ortho, matrix.split_dim, tp_group)
-        block = matrix.local(matrix.param)
-        block.add_(mine, alpha=-adjusted_lr(lr, settings.lr_adjust, whole.shape))
-        matrix.write(matrix.param, block)
+        target = matrix.block(matrix.param)
+        mine = own_block(ortho, matrix.split_dim, tp_group).reshape(target.shape)
+        target.add_(mine, alpha=-adjusted_lr(lr, settings.lr_adjust, whole.shape))
 
 
 def gather_whole(block: torch.Tensor, split_dim: int | None, group) -> torch.Tensor:

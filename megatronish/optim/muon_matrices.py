@@ -33,27 +33,20 @@ class Matrix:
     parts: Parts | None
     split_dim: int | None
 
-    def rows(self) -> torch.Tensor | None:
-        """This rank's rows of the matrix among its 2-D tensor's (None: all of them)."""
+    def block(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A view of the matrix's local block of `tensor` (param-shaped): [rows, cols], or of a
+        fused layer's part [units, rows per unit, cols] (its rows in order)."""
+        block = tensor if self.expert is None else tensor[self.expert]
         if self.part is None:
-            return None
-        rows = self.param.shape[-2]
-        return self.parts.index(rows, self.param.device)[self.part]
+            return block
+        sizes, cols = self.parts.sizes, block.shape[-1]
+        start = sum(sizes[: self.part])
+        return block.view(-1, sum(sizes), cols)[:, start : start + sizes[self.part]]
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The matrix's local block of `tensor` (param-shaped): a copy where its rows are
-        scattered among a fused layer's."""
-        block = tensor if self.expert is None else tensor[self.expert]
-        rows = self.rows()
-        return block if rows is None else block.index_select(0, rows)
-
-    def write(self, tensor: torch.Tensor, block: torch.Tensor) -> None:
-        """Writes the matrix's local `block` (as local() gives it) back into `tensor`."""
-        rows = self.rows()
-        if rows is None:
-            return  # local() gave a view: written in place
-        target = tensor if self.expert is None else tensor[self.expert]
-        target.index_copy_(0, rows, block)
+        """The matrix's local block of `tensor` as [rows, cols] (a copy for a fused part)."""
+        block = self.block(tensor)
+        return block.reshape(-1, block.shape[-1])
 
 
 def muon_matrices(model: nn.Module) -> list[Matrix]:
