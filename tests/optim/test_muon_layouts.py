@@ -24,7 +24,6 @@ from tests.parity import (
     LLAMA,
     MTP,
     SP,
-    STEPS,
     assert_close,
     make_config,
     make_trainer,
@@ -35,6 +34,8 @@ from tests.ranks import run_on_ranks
 from tests.tolerances import MUON_CURVE_REL, MUON_NORM_REL
 
 MUON = ["optim.name=muon", "train.weight_decay=0.1"]
+LAYOUT_STEPS = 5  # the layouts' runs and their references: half the parity harness's
+SHORT = [f"train.steps={LAYOUT_STEPS}"]
 # A fused layer's repeating unit of rows (4 query rows, a key's 2 and a value's 2) and a
 # row-parallel matrix [6, 10]: full shapes, split over tp 2 on dims 0 and 1.
 PARTS = Parts((4, 2, 2))
@@ -123,9 +124,9 @@ VARIANTS = {
 def _train_on_ranks(rank: int, world: int, dataset) -> dict:
     results = {}
     for name, (tp, dp, pp, overrides, cp) in VARIANTS.items():
-        cfg = make_config(tp, dp, pp, overrides + MUON, dataset, cp=cp)
+        cfg = make_config(tp, dp, pp, overrides + MUON + SHORT, dataset, cp=cp)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, STEPS)
+        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS)
         setup = trainer.setup
         formula = formula_payload_by_kind(cfg, setup.derived, setup.ps.pp_rank)
         gathered = (counter.payload_bytes.get("all_gather", 0), formula.get("all_gather", 0))
@@ -144,10 +145,12 @@ def test_muon_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
     name, four_ranks, dataset
 ):
     settings = [o for o in VARIANTS[name][3] if not o.startswith(("parallel.", "train.micro"))]
-    ref = run_reference(settings + MUON, dataset)
-    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
+    ref = run_reference(settings + MUON + SHORT, dataset)
+    losses, norms = ref["losses"][:LAYOUT_STEPS], ref["norms"][:LAYOUT_STEPS]
+    assert losses[-1] < losses[0] - 0.2  # the runs really learn
     for rank_results in four_ranks:
-        assert_close(rank_results[name]["losses"], ref["losses"], rel=MUON_CURVE_REL)
-        assert_close(rank_results[name]["norms"], ref["norms"], rel=MUON_NORM_REL)
+        got = rank_results[name]
+        assert_close(got["losses"], losses, rel=MUON_CURVE_REL, steps=LAYOUT_STEPS)
+        assert_close(got["norms"], norms, rel=MUON_NORM_REL, steps=LAYOUT_STEPS)
         counted, formula = rank_results[name]["gathered"]
         assert counted == formula  # Muon's tp gathers (and SP's) as accounting counts them
