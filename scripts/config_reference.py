@@ -24,6 +24,7 @@ SECTIONS = {
     "ParallelConfig": "parallel",
     "TrainConfig": "train",
     "OptimConfig": "optim",
+    "MuonConfig": "optim.muon",
     "DataConfig": "data",
     "CheckpointConfig": "checkpoint",
     "KernelsConfig": "kernels",

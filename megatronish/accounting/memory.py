@@ -3,7 +3,8 @@ formulas without starting anything.
 
 Memory per rank (bytes), P the parameters one tp rank holds, D = dp x cp (expert weights: the
 dp x cp / ep ranks that hold the same experts):
-  weights 4P, gradients 4P, AdamW state 8P, the bf16 copies autocast makes of the weights 2P
+  weights 4P, gradients 4P, AdamW state 8P (optim.name muon: 4 bytes for each element of a
+  Muon matrix, its momentum, accounting.muon), the bf16 copies autocast makes of the weights 2P
   (bf16; with train.precision fp8 and bf16 around it, 2 bytes for each weight outside the fp8
   layers only: fp8 quantizes the fp32 weights of the blocks' attention projections, dense
   MLPs, shared and routed experts, model.precision.fp8_layers and fp8_moe_layers, and saves
@@ -74,6 +75,7 @@ from megatronish.accounting.components import (
     norm,
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
+from megatronish.accounting.muon import local_elements, stage_matrices
 from megatronish.accounting.parameters import (
     local_layer_params,
     local_parameter_count,
@@ -269,6 +271,7 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         head = vocab + mtp_params(cfg, derived, pp_rank) + lookups if last else 0
         gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
     fp8_params = fp8_layer_params(cfg, derived, pp_rank)
+    muon = local_elements(stage_matrices(cfg, derived, pp_rank), derived.tp)
     copies = 2 * (params - fp8_params) if bf16 else 0
     casts = 2 * fp8_params  # megatronish.fp8.gemm keeps them for the step (module doc)
     fp8 = cfg.train.precision == "fp8"
@@ -276,11 +279,11 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     return {
         "weights": weights * 4 + copies + casts,
         "grads": grads * 4,
-        "optimizer": state * 8,
+        "optimizer": state * 8 - muon * 4,  # Muon: one fp32 momentum, AdamW two moments
         "buffers": stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * 4 * biased,
         "gathered": gathered * 4,
         "experts": (expert_weights + expert_grads) * 4
-        + expert_state * 8
+        + expert_state * (4 if cfg.optim.name == "muon" else 8)
         + (2 * experts if bf16 or fp8 else 0),  # their bf16 copies, or their fp8 casts
     }
 

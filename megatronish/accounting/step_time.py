@@ -31,7 +31,9 @@ accounting.comm_time and split by what hides them:
   slowest stage, i.e. (pp - 1) / v of its time for one micro-batch.
 - optimizer: AdamW streams the fp32 parameters, gradients and moments of the state it holds
   (28 bytes a parameter: read 16, write 12; ZeRO: its 1 / (dp cp) share) and the gradient
-  norm reads every local gradient (4 bytes), at the memory bandwidth.
+  norm reads every local gradient (4 bytes), at the memory bandwidth; under optim.name muon
+  (an overestimate of AdamW's share, which Muon's matrices leave) each Muon matrix's
+  Newton-Schulz GEMMs in bf16 (accounting.muon), its tp all-gathers exposed with tp's.
 
 Step time = m x (stage compute + exposed tp + cp + ep per micro-batch) of the slowest stage
 + bubble + sends + exposed dp + optimizer.
@@ -68,6 +70,7 @@ from megatronish.accounting.layer_time import (
     mtp_projection_time,
     output_time,
 )
+from megatronish.accounting.muon import newton_schulz_seconds
 from megatronish.accounting.parameters import (
     local_parameter_count,
     stage_moe_layers,
@@ -240,7 +243,8 @@ def _optimizer_seconds(
         )
     else:
         state = params
-    return memory_seconds(28 * state + 4 * params, device.hbm_tb_s * 1e12, eff, kernels=4)
+    adamw = memory_seconds(28 * state + 4 * params, device.hbm_tb_s * 1e12, eff, kernels=4)
+    return adamw + newton_schulz_seconds(cfg, derived, r, device, eff)
 
 
 def _comm(

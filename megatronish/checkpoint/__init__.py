@@ -12,8 +12,10 @@ pointer to the newest complete one:
                                       checksums, the train loader's position, the tokenizer
         config.yaml                   the resolved config of the run
         model_tp00.safetensors        tp rank 0's parameter shards (replicated ones only here)
-        optim_tp00_dp000.safetensors  AdamW exp_avg / exp_avg_sq / step of the parameters whose
-                                      state dp rank 0 of tp rank 0 holds (all, without ZeRO)
+        optim_tp00_dp000.safetensors  the optimizer state of the parameters whose state dp rank
+                                      0 of tp rank 0 holds (all, without ZeRO): AdamW's
+                                      exp_avg / exp_avg_sq / step, Muon's matrices'
+                                      momentum_buffer
         rng_rank00000.safetensors     global rank 0's CPU / CUDA / RNG-tracker states
         tokenizer.json                the dataset's tokenizer (BPE and file tokenizers)
     <dir>/step_000030.tmp-1234/       a save in progress (or interrupted): always ignored

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatronish.checkpoint.format import (
-    OPTIM_STATE,
+    OPTIM_SCALARS,
     TensorSpec,
     model_file,
     optim_file,
@@ -45,7 +45,8 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
         else replace(spec, full_shape=(derived.padded_vocab_size,) + spec.full_shape[1:])
         for name, spec in ckpt.specs.items()
     }
-    has_optimizer = ckpt.meta.get("optimizer") is not None
+    optimizer_name = (ckpt.meta.get("optimizer") or {}).get("kind")
+    has_optimizer = optimizer_name is not None
     tmp = out / f"{step_dir_name(ckpt.step)}.tmp-{os.getpid()}"
     checksums: dict[str, str] = {}
     with nothing_left_on_failure(out, tmp):
@@ -63,7 +64,7 @@ def convert_checkpoint(source: str, tp: int, output: str) -> Path:
             ckpt.vocab_size,
             derived.padded_vocab_size,
             cfg.model.arch,
-            has_optimizer,
+            optimizer_name,
             ckpt.loader_state,
             tokenizer,
         )
@@ -88,10 +89,11 @@ def _write_rank(
     )
     state = {}
     for name in (n for n in mine if has_optimizer and ckpt.has_optimizer_state(n)):
-        for kind in OPTIM_STATE.moments:
-            state[f"{name}.{kind}"] = ckpt.block(name, kind, specs[name], tp, tp_rank)
-        for kind in OPTIM_STATE.scalars:
-            state[f"{name}.{kind}"] = ckpt.scalar(name, kind)
+        for kind in ckpt.optimizer_kinds(name):
+            if kind in OPTIM_SCALARS:
+                state[f"{name}.{kind}"] = ckpt.scalar(name, kind)
+            else:
+                state[f"{name}.{kind}"] = ckpt.block(name, kind, specs[name], tp, tp_rank)
     if state:
         checksums[optim_file(tp_rank, 0)] = write_safetensors(tmp / optim_file(tp_rank, 0), state)
     rng = rng_states_for(ckpt, tp, 1, tp_rank)

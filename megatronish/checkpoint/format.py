@@ -19,7 +19,7 @@ from megatronish.checkpoint.integrity import CHECKSUM_KEY, is_checksum
 from megatronish.errors import UserError, read_json_object
 from megatronish.layers.roles import role
 from megatronish.moe.experts import stored_tensors
-from megatronish.optim.registry import optimizer_named
+from megatronish.optim.registry import OPTIMIZERS
 
 FORMAT = "megatronish-checkpoint"
 FORMAT_VERSION = 1
@@ -28,10 +28,12 @@ CONFIG_FILE = "config.yaml"
 LATEST_FILE = "latest"
 TOKENIZER_FILE = "tokenizer.json"
 STEP_RE = re.compile(r"step_(\d+)")
-OPTIMIZER = optimizer_named("adamw")
-"""The optimizer whose state a checkpoint holds (metadata's optimizer.kind)."""
-OPTIM_STATE = OPTIMIZER.state
-OPTIM_KINDS = OPTIM_STATE.kinds
+OPTIM_KINDS = tuple(dict.fromkeys(k for opt in OPTIMIZERS.values() for k in opt.state.kinds))
+"""Every kind of optimizer state an optim file may hold: each parameter's are those of the
+optimizer that updates it (metadata's optimizer.kind names the run's: AdamW keeps exp_avg,
+exp_avg_sq and step; Muon a momentum_buffer for its matrices, AdamW's for the rest)."""
+OPTIM_SCALARS = frozenset(k for opt in OPTIMIZERS.values() for k in opt.state.scalars)
+"""The kinds that are one fp32 scalar per saved tensor."""
 FILE_KINDS = ("model", "optim", "rng")
 DTYPES = ("float32", "bfloat16", "float16")
 

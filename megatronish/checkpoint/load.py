@@ -12,6 +12,7 @@ from megatronish.checkpoint.format import all_stage_specs, model_specs
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import Config
 from megatronish.distributed.layout import ParallelState
+from megatronish.errors import UserError
 from megatronish.moe.experts import is_expert, stored_tensors
 
 
@@ -55,12 +56,29 @@ def restore_optimizer(ckpt: Checkpoint, optimizer, model: nn.Module) -> None:
         def scalar(kind: str) -> torch.Tensor:
             return ckpt.scalar(names[0], kind).to(param.device, torch.float32, copy=True)
 
+        kinds = ckpt.optimizer_kinds(names[0])
         return {
-            **{kind: scalar(kind) for kind in spec.scalars},
-            **{kind: moment(kind) for kind in spec.moments},
+            **{kind: scalar(kind) for kind in spec.scalars if kind in kinds},
+            **{kind: moment(kind) for kind in spec.moments if kind in kinds},
         }
 
     optimizer.load_states(read)
+
+
+def takes_optimizer_state(ckpt: Checkpoint, cfg: Config) -> bool:
+    """Whether a resume under cfg loads ckpt's optimizer state: not under
+    checkpoint.reset_optimizer; a UserError where ckpt's optimizer is not optim.name."""
+    saved = (ckpt.meta.get("optimizer") or {}).get("kind")
+    if cfg.checkpoint.reset_optimizer or saved is None:
+        return False
+    if saved != cfg.optim.name:
+        raise UserError(
+            f"optim.name: {ckpt.dir} holds the {saved} optimizer's state and optim.name is "
+            f"{cfg.optim.name}; valid: optim.name {saved}, or checkpoint.reset_optimizer: true "
+            "(the weights resumed, the optimizer state fresh)",
+            rank0_prints=True,
+        )
+    return True
 
 
 def rng_states_for(

@@ -35,8 +35,8 @@ def optimizer_tensors(
     model, optimizer, include_replicated: bool, experts_only: bool = False
 ) -> dict[str, torch.Tensor]:
     """This rank's optimizer state as '<name>.<kind>' tensors, by the names its StateSpec gives
-    (AdamW: exp_avg, exp_avg_sq, step), moments then scalars (a stacked expert weight's state
-    by each expert's name)."""
+    (AdamW: exp_avg, exp_avg_sq, step), moments then scalars, those its state holds (Muon's
+    matrices: momentum_buffer; a stacked expert weight's state by each expert's name)."""
     out: dict[str, torch.Tensor] = {}
     states, spec = optimizer.states_to_save(), optimizer.optim.state
     for name, param, index in saved_tensors(model):
@@ -45,9 +45,9 @@ def optimizer_tensors(
             continue
         if experts_only and index is None:
             continue
-        for kind in spec.moments:
+        for kind in (k for k in spec.moments if k in state):
             out[f"{name}.{kind}"] = _part(state[kind], index)
-        for kind in spec.scalars:
+        for kind in (k for k in spec.scalars if k in state):
             scalar = torch.as_tensor(state[kind], dtype=torch.float32).reshape(())
             out[f"{name}.{kind}"] = scalar if index is None else scalar.clone()  # one per expert
     return out

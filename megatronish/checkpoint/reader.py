@@ -26,7 +26,7 @@ from megatronish.checkpoint.format import (
     CONFIG_FILE,
     METADATA_FILE,
     OPTIM_KINDS,
-    OPTIM_STATE,
+    OPTIM_SCALARS,
     TOKENIZER_FILE,
     TensorSpec,
     model_file,
@@ -221,7 +221,7 @@ class Checkpoint:
                     raise UserError(f"{path}: tensor '{key}' is not in {METADATA_FILE}")
                 view = handle.get_slice(key)
                 shape = tuple(view.get_shape())
-                expected = () if kind in OPTIM_STATE.scalars else spec.local_shape(self.tp)
+                expected = () if kind in OPTIM_SCALARS else spec.local_shape(self.tp)
                 if shape != expected:
                     raise UserError(
                         f"{path}: tensor '{key}' is {_shape_text(shape)}, but {METADATA_FILE} "
@@ -244,10 +244,11 @@ class Checkpoint:
                 if tp_rank not in have:
                     path = self.dir / model_file(tp_rank)
                     raise UserError(f"{path}: missing, or lacks its shard of tensor '{name}'")
-            saved = [self._index.get((kind, name), {}) for kind in OPTIM_KINDS]
-            if self.meta.get("optimizer") is None or not any(saved):
+            kinds = self.optimizer_kinds(name)
+            if self.meta.get("optimizer") is None or not kinds:
                 continue  # no optimizer state, or none for this parameter (it starts fresh)
-            for kind, have in zip(OPTIM_KINDS, saved):
+            for kind in kinds:
+                have = self._index[(kind, name)]
                 if any(r not in have for r in needed):
                     raise UserError(
                         f"{self.dir}: the optimizer state '{kind}' of '{name}' lacks tp ranks "
@@ -289,8 +290,11 @@ class Checkpoint:
         check_specs(self.specs, wanted, str(self.meta_path))
 
     def has_optimizer_state(self, name: str) -> bool:
-        first = OPTIM_STATE.moments[0]
-        return self.meta.get("optimizer") is not None and (first, name) in self._index
+        return self.meta.get("optimizer") is not None and bool(self.optimizer_kinds(name))
+
+    def optimizer_kinds(self, name: str) -> tuple[str, ...]:
+        """The kinds of optimizer state saved for tensor `name` (OPTIM_KINDS' order)."""
+        return tuple(kind for kind in OPTIM_KINDS if (kind, name) in self._index)
 
     def scalar(self, name: str, kind: str = "step") -> torch.Tensor:
         owners = self._index[(kind, name)]

@@ -40,7 +40,6 @@ from megatronish.checkpoint.format import (
     FORMAT_VERSION,
     LATEST_FILE,
     METADATA_FILE,
-    OPTIMIZER,
     TOKENIZER_FILE,
     TensorSpec,
     all_stage_specs,
@@ -111,7 +110,7 @@ def base_metadata(
     vocab_size: int,
     padded_vocab_size: int,
     arch: str,
-    has_optimizer: bool,
+    optimizer_name: str | None,
     loader_state: dict | None,
     tokenizer: TokenizerInfo | None,
 ) -> dict[str, Any]:
@@ -131,7 +130,7 @@ def base_metadata(
         "vocab_size": vocab_size,
         "padded_vocab_size": padded_vocab_size,
         "tensors": specs,
-        "optimizer": {"kind": OPTIMIZER.name} if has_optimizer else None,
+        "optimizer": {"kind": optimizer_name} if optimizer_name is not None else None,
         "loader": loader_state,
         "tokenizer": None
         if tokenizer is None
@@ -340,7 +339,7 @@ def complete_save(
             derived.vocab_size,
             derived.padded_vocab_size,
             cfg.model.arch,
-            optimizer is not None,
+            None if optimizer is None else optimizer.optim.name,
             loader_state,
             tokenizer,
         )

@@ -12,6 +12,13 @@ from megatronish.accounting.components import gated_deltanet
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.flops import model_flops_per_step
 from megatronish.accounting.memory import decode_cache_elements, model_state_bytes
+from megatronish.accounting.muon import (
+    STATE_LABEL,
+    gather_payload,
+    local_elements,
+    stage_matrices,
+    step_flops,
+)
 from megatronish.accounting.parameters import (
     approx_tp_rank_parameters,
     local_parameter_count,
@@ -104,7 +111,7 @@ def check_config(
         "",
         *derived_lines(cfg, derived, params),
     ]
-    lines += zero_lines(cfg, derived, loss_masked)
+    lines += zero_lines(cfg, derived, loss_masked) + optimizer_lines(cfg, derived)
     if fp8_note is not None:
         lines += fp8_lines(cfg, derived, fp8_note)
     lines += layout_notes(cfg, derived) + tp_overlap_lines(cfg, derived, loss_masked)
@@ -148,7 +155,8 @@ def zero_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[str]:
     mib = 2**20
     line = (
         f"model state per rank (optim.zero={cfg.optim.zero}, fullest stage): weights "
-        f"{st['weights'] / mib:.2f} MiB, gradients {st['grads'] / mib:.2f} MiB, AdamW "
+        f"{st['weights'] / mib:.2f} MiB, gradients {st['grads'] / mib:.2f} MiB, "
+        f"{STATE_LABEL[cfg.optim.name]} "
         f"{st['optimizer'] / mib:.2f} MiB"
     )
     if st["buffers"]:
@@ -163,6 +171,28 @@ def zero_lines(cfg: Config, derived: Derived, loss_masked: bool) -> list[str]:
             kinds[op.kind] = kinds.get(op.kind, 0) + op.payload * op.count
     traffic = ", ".join(f"{kind} {size / mib:.2f} MiB" for kind, size in sorted(kinds.items()))
     return [line, f"data-parallel payload per step and rank (stage 0): {traffic or 'none'}"]
+
+
+def optimizer_lines(cfg: Config, derived: Derived) -> list[str]:
+    """Under optim.name muon, which parameters each optimizer takes and Muon's costs on the
+    rank of the stage with the most Muon matrices (accounting.muon)."""
+    if cfg.optim.name != "muon":
+        return []
+    stages = [stage_matrices(cfg, derived, r) for r in range(derived.pp)]
+    fullest = max(range(derived.pp), key=lambda r: local_elements(stages[r], derived.tp))
+    matrices, tp = stages[fullest], derived.tp
+    shapes = dict.fromkeys(f"{m.name} [{m.rows}, {m.cols}]" for s in stages for m in s)
+    elements = local_elements(matrices, tp)
+    rest = local_parameter_count(cfg, derived, fullest) - elements
+    return [
+        f"muon: {', '.join(shapes)} (each block's and each expert's apart); "
+        f"{sum(m.count for m in matrices)} matrices, {elements:,} elements per rank (momentum "
+        f"{4 * elements / 2**20:.2f} MiB); Newton-Schulz {step_flops(cfg, matrices):.3e} FLOP "
+        f"per step and rank; tp all-gathers {gather_payload(matrices, tp) / 2**20:.2f} MiB "
+        "per step",
+        "adamw: the token embedding, the output layer, norms, biases, routers and the rest: "
+        f"{rest:,} parameters per rank",
+    ]
 
 
 FP8_RECIPES = {

@@ -14,7 +14,8 @@ pipeline degrees up to 64 with a layer for every stage; ep dividing dp and the e
 micro-batch sizes 1, 2, 4, 8 (and the config's) that divide the global batch over dp;
 interleaving v of 1, 2, 3, 4 where each stage's layers split evenly into v chunks and the
 micro-batches are a multiple of pp; recompute none, selective, full. Sequence parallelism is on
-at tp > 1 (without experts) and ZeRO always (the config's optim.zero, 1 at least); a layout
+at tp > 1 (without experts) and ZeRO always (the config's optim.zero, 1 at least; under optim.name
+muon, which does not take ZeRO 1 to 3 yet, 0); a layout
 fits when its fullest stage stays under HEADROOM of the device memory.
 """
 
@@ -207,7 +208,7 @@ def search(cfg: Config, world: int, tgt: Target) -> tuple[list[Row], list[Row]]:
     """(the config's own micro-batch, v and recompute at every (tp, cp, pp, ep): the memory
     table; every layout of the search that fits, fastest first)."""
     budget = tgt.memory_gib * HEADROOM
-    zero = max(1, cfg.optim.zero)  # ZeRO-1 at least: its state sharding costs no traffic
+    zero = plan_report.searched_zero(cfg)
     layouts = [
         candidate._replace(ep=ep)
         for candidate in candidate_layouts(cfg, world)

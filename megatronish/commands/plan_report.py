@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from megatronish.accounting.muon import STATE_LABEL
 from megatronish.accounting.step_time import PARTS, StepTime
 from megatronish.config import Config
 
@@ -96,6 +97,12 @@ TIME_LEGEND = (
 )
 
 
+def searched_zero(cfg: Config) -> int:
+    """The ZeRO level plan searches at: the config's, 1 at least (its state sharding costs no
+    traffic); under optim.name muon, which does not take ZeRO 1 to 3 yet, the config's (0)."""
+    return cfg.optim.zero if cfg.optim.name == "muon" else max(1, cfg.optim.zero)
+
+
 def one_layout(row, title: str, budget: float, explain: list[str]) -> str:
     """One layout as text: memory per rank, the predicted step and `explain`
     (commands.plan_explain)."""
@@ -110,7 +117,8 @@ def one_layout(row, title: str, budget: float, explain: list[str]) -> str:
             + f", micro-batch {lay['micro_batch_size']}, recompute "
             f"{lay['activation_checkpointing']}",
             f"memory per rank (GiB = 2^30 bytes, fullest stage): {memory.total_gb:.2f} ({fits}): "
-            f"weights {memory.weights_gb:.2f}, gradients {memory.grads_gb:.2f}, AdamW "
+            f"weights {memory.weights_gb:.2f}, gradients {memory.grads_gb:.2f}, "
+            f"{STATE_LABEL[row.cfg.optim.name]} "
             f"{memory.optimizer_gb:.2f}"
             + (f", gathered in a step {memory.gathered_gb:.2f}" if memory.gathered_gb else "")
             + f" (optim.zero={lay['zero']}), activations {memory.activations_gb:.2f}, logits "
@@ -136,7 +144,7 @@ def report(
     """The search's report (see module doc), with `explain` (commands.plan_explain) before the
     recommendation."""
     moe = cfg.model.moe.num_experts > 0
-    zero = max(1, cfg.optim.zero)  # plan's ZeRO level (search)
+    zero = searched_zero(cfg)
     lines = [title, "", *_table_lines(cfg, table, budget, moe, zero)]
     lines += _fastest_lines(fits, budget, show, zero, moe)
     if not fits:

@@ -13,6 +13,7 @@ from megatronish.config.model_checks import (
     check_rope_scaling,
     check_score_options,
 )
+from megatronish.config.optim_checks import check_optimizer
 from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
 from megatronish.config.schema import Config, TrainConfig
 from megatronish.errors import UserError
@@ -38,6 +39,7 @@ def value_checks(cfg: Config) -> None:
     check_layer_types(cfg)
     check_partial_rotary(cfg)
     check_score_options(cfg)
+    check_optimizer(cfg)
     _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(

@@ -129,6 +129,13 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw; or muon: Muon (optim.muon) updates every 2-D weight matrix inside the blocks
+    (fused q, k, v taken apart; each expert's matrices; the multi-token prediction modules'),
+    AdamW (optim.beta1, beta2, eps) the rest: embeddings, the output layer, norms, biases and
+    routers. train.lr and its schedule drive both; train.weight_decay is decoupled in both."""
+    muon: MuonConfig | None = None
+    """Muon's settings (only with optim.name muon; null: the defaults below)."""
     zero: Literal[0, 1, 2, 3] = 0
     """0: every data-parallel rank holds the whole optimizer state; 1: the state is sharded
     across data-parallel ranks (ZeRO stage 1: gradients reduce-scattered, each rank updates
@@ -167,6 +174,26 @@ class OptimConfig:
     """With optim.zero = 3 and the overlap: start the all-gather of the next module's
     parameters when a module's own are ready (its forward, or its backward), so the gather
     runs under that module's compute; false holds one module's parameters less at a time."""
+
+
+@dataclass
+class MuonConfig:
+    momentum: float = 0.95
+    """Muon's momentum mu (torch.optim.Muon's arithmetic: B <- B + (1 - mu)(g - B))."""
+    nesterov: bool = True
+    """Orthogonalize g + mu (B - g) instead of B."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations, in (0, 100)."""
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    """The quintic Newton-Schulz iteration's (a, b, c): three numbers."""
+    eps: float = 1e-7
+    """The floor of the norm each matrix is divided by before Newton-Schulz."""
+    lr_adjust: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """How a matrix's lr is scaled by its shape (A, B), as torch.optim.Muon's adjust_lr_fn:
+    match_rms_adamw 0.2 sqrt(max(A, B)) (Moonlight: AdamW's lr and weight decay carry over),
+    original sqrt(max(1, A / B))."""
+    qk_clip_tau: float | None = None
+    """MuonClip's logit bound (null: off). Not supported yet: only null is valid."""
 
 
 @dataclass
@@ -213,6 +240,10 @@ class CheckpointConfig:
     or the path of a checkpoint to continue from."""
     save: bool = True
     """Write checkpoints at all."""
+    reset_optimizer: bool = False
+    """Resume the weights (and the data position and RNG) with a fresh optimizer state: the
+    way to continue a checkpoint under another optim.name (without it, a resume whose optim.name
+    differs from the checkpoint's is an error)."""
     init_from_hf: str | None = None
     """A Hugging Face model directory (config.json + model.safetensors) to start from."""
     async_: bool = False

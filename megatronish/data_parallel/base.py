@@ -63,7 +63,7 @@ class DataParallel(ABC):
         self.calls: dict[nn.Parameter, int] = {}  # micro-batch gradients this step
         self._hooks: list = []
         self._lay_out(uses)
-        self.optim: Optimizer = optimizer_named("adamw")
+        self.optim: Optimizer = optimizer_named(optim.name)
         self.update = self._make_update(self.optim.param_groups(model, cfg.train.weight_decay))
         hook = self._on_grad
         self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in self.layout.members]

@@ -16,7 +16,12 @@ from tqdm import tqdm
 from megatronish.checkpoint.async_save import AsyncSaver
 from megatronish.checkpoint.format import complete_steps, find_latest
 from megatronish.checkpoint.integrity import CorruptCheckpoint, first_message_of_ranks
-from megatronish.checkpoint.load import restore_model, restore_optimizer, restore_rng
+from megatronish.checkpoint.load import (
+    restore_model,
+    restore_optimizer,
+    restore_rng,
+    takes_optimizer_state,
+)
 from megatronish.checkpoint.reader import Checkpoint
 from megatronish.checkpoint.save import save_checkpoint, tokenizer_of_dataset
 from megatronish.config import Config
@@ -94,6 +99,22 @@ def warn_if_short_of_space(directory: Path, last: Path | None) -> None:
         )
 
 
+def _restore_optimizer(
+    setup: Setup, ckpt: Checkpoint, model: nn.Module, optimizer: DataParallel
+) -> None:
+    """The checkpoint's optimizer state into optimizer, unless checkpoint.reset_optimizer (one
+    line from rank 0 says it starts fresh); a UserError where the checkpoint's optimizer is
+    not optim.name."""
+    if takes_optimizer_state(ckpt, setup.cfg):
+        restore_optimizer(ckpt, optimizer, model)
+    elif setup.cfg.checkpoint.reset_optimizer and setup.ps.is_main:
+        print(
+            f"{ckpt.dir}: the weights resume, the {setup.cfg.optim.name} optimizer's state "
+            "starts fresh (checkpoint.reset_optimizer)",
+            flush=True,
+        )
+
+
 def _restore(setup: Setup, path: Path, model: nn.Module, optimizer: DataParallel) -> Checkpoint:
     """Restores model, optimizer and RNGs from `path`, each rank checking the files it reads
     and its share of the others; a corrupt file found by any rank stops every rank (before a
@@ -105,7 +126,7 @@ def _restore(setup: Setup, path: Path, model: nn.Module, optimizer: DataParallel
         ckpt.check_in_background(ckpt.share(ps.rank, ps.world_size))
         with optimizer.whole_params(write_back=True):
             restore_model(ckpt, model)
-        restore_optimizer(ckpt, optimizer, model)
+        _restore_optimizer(setup, ckpt, model, optimizer)
         restore_rng(ckpt, model, ps)
         ckpt.verify(ckpt.share(ps.rank, ps.world_size))
     except CorruptCheckpoint as exc:

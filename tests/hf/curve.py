@@ -1,7 +1,7 @@
 """The harness of tests/hf/test_training_curve.py: a run of ours started from a Hugging Face
 directory (checkpoint.init_from_hf) on the parity harness (tests/parity.py), and the reference:
-the transformers model itself trained with torch.optim.AdamW on the same global batches, under
-our settings.
+the transformers model itself trained with torch.optim.AdamW (and under optim.name muon
+torch.optim.Muon on the blocks' projections) on the same global batches, under our settings.
 
 The reference takes from megatronish only what the run is defined by, not how it computes it:
 the batches (our loader at dp 1 with the global batch as one micro-batch: the loader gives the
@@ -106,23 +106,66 @@ def _one_flag(name: str, flags: torch.Tensor) -> float:
     return float(flags.all())
 
 
-def reference_curve(
-    model: nn.Module, decay: dict[str, bool], cfg: Config, dataset: Path
-) -> tuple[list[float], list[float]]:
-    """The losses and gradient norms (before clipping) of training `model` (a transformers
-    causal LM, train mode) for train.steps steps with torch.optim.AdamW at cfg's betas, eps and
-    weight decay (where `decay` says), lr lr_at(step), gradients clipped by clip_grad_norm_ at
-    train.grad_clip; each step's loss the mean token cross entropy over the global batch, in
-    one forward."""
+# The matrices the Muon reference updates: the blocks' projections as transformers stores them.
+MUON_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def reference_optimizers(
+    named: dict[str, nn.Parameter], decay: dict[str, bool], cfg: Config
+) -> list[torch.optim.Optimizer]:
+    """torch.optim.AdamW at cfg's betas, eps and weight decay (where `decay` says); under
+    optim.name muon, torch.optim.Muon (optim.muon's settings, train.weight_decay) takes the
+    MUON_PROJECTIONS' weights out of AdamW's groups."""
+    from megatronish.config.optim_checks import muon_settings
+
     train, optim = cfg.train, cfg.optim
-    named = dict(model.named_parameters())
-    assert set(decay) == set(named), sorted(set(decay) ^ set(named))
+    muon = [n for n in named if optim.name == "muon" and n.endswith(_muon_suffixes())]
+    rest = [n for n in named if n not in muon]
     groups = [
-        {"params": [p for n, p in named.items() if decay[n]], "weight_decay": train.weight_decay},
-        {"params": [p for n, p in named.items() if not decay[n]], "weight_decay": 0.0},
+        {"params": [named[n] for n in rest if decay[n]], "weight_decay": train.weight_decay},
+        {"params": [named[n] for n in rest if not decay[n]], "weight_decay": 0.0},
     ]
     betas = (optim.beta1, optim.beta2)
-    adamw = torch.optim.AdamW(groups, lr=train.lr, betas=betas, eps=optim.eps)
+    optimizers = [torch.optim.AdamW(groups, lr=train.lr, betas=betas, eps=optim.eps)]
+    if muon:
+        settings = muon_settings(cfg)
+        optimizers.append(
+            torch.optim.Muon(
+                [named[n] for n in muon],
+                lr=train.lr,
+                weight_decay=train.weight_decay,
+                momentum=settings.momentum,
+                nesterov=settings.nesterov,
+                ns_coefficients=tuple(settings.ns_coefficients),
+                eps=settings.eps,
+                ns_steps=settings.ns_steps,
+                adjust_lr_fn=settings.lr_adjust,
+            )
+        )
+    return optimizers
+
+
+def _muon_suffixes() -> tuple[str, ...]:
+    return tuple(f"{proj}.weight" for proj in MUON_PROJECTIONS)
+
+
+def reference_curve(
+    model: nn.Module,
+    decay: dict[str, bool],
+    cfg: Config,
+    dataset: Path,
+    perturb: float = 0.0,
+) -> tuple[list[float], list[float]]:
+    """The losses and gradient norms (before clipping) of training `model` (a transformers
+    causal LM, train mode) for train.steps steps with reference_optimizers (torch.optim.AdamW,
+    and torch.optim.Muon under optim.name muon) at lr lr_at(step), gradients clipped by
+    clip_grad_norm_ at train.grad_clip; each step's loss the mean token cross entropy over the
+    global batch, in one forward. perturb: every gradient multiplied by (1 + perturb u), u
+    uniform in [-1, 1) elementwise (a fixed seed), to measure the reference's noise floor."""
+    train = cfg.train
+    named = dict(model.named_parameters())
+    assert set(decay) == set(named), sorted(set(decay) ^ set(named))
+    optimizers = reference_optimizers(named, decay, cfg)
     batch_size = train.global_batch_size
     loader = BatchLoader(
         dataset,
@@ -136,17 +179,24 @@ def reference_curve(
     )
     assert not loader.masks_loss  # every target counts: the loss is the plain mean
     model.train()
+    noise = torch.Generator().manual_seed(1234)
     losses, norms = [], []
     for step in range(1, train.steps + 1):
         batch = loader.next_step()[0]  # [global batch, s + 1]
         logits = model(batch[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        adamw.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         loss.backward()
+        if perturb:
+            for p in named.values():
+                u = torch.rand(p.shape, generator=noise) * 2 - 1
+                p.grad.mul_(1 + perturb * u)
         norms.append(nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip).item())
-        for group in adamw.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        adamw.step()
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            optimizer.step()
         losses.append(loss.item())
     return losses, norms
 

@@ -27,7 +27,8 @@ class _NeedsMatricesWhole(AdamWOptimizer):
 def test_adamw_is_registered_by_name_and_declares_the_state_a_checkpoint_stores():
     adamw = optimizer_named("adamw")
     assert isinstance(adamw, AdamWOptimizer)
-    assert adamw.state.kinds == OPTIM_KINDS == ("exp_avg", "exp_avg_sq", "step")
+    assert adamw.state.kinds == ("exp_avg", "exp_avg_sq", "step")
+    assert set(adamw.state.kinds) <= set(OPTIM_KINDS)  # what an optim file may hold
     param = nn.Parameter(torch.ones(3, 2))
     assert not adamw.needs_whole(param)
     cfg = SimpleNamespace(

@@ -38,6 +38,7 @@ class Purpose(Enum):
     LOSS = "the loss's statistics, token counts and reported value"
     GRADIENT_NORM = "gradient norms' partial sums"
     AGREEMENT = "the step agreement's flags"
+    OPTIMIZER = "Muon's matrices gathered whole over tp for Newton-Schulz"
 
 
 class Split(Enum):

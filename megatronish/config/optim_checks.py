@@ -1,0 +1,47 @@
+"""Checks of the optimizer's settings (optim.name and optim.muon), each failing with a UserError
+that names the key and what is valid."""
+
+from __future__ import annotations
+
+from megatronish.config.rules import require
+from megatronish.config.schema import Config, MuonConfig
+
+
+def muon_settings(cfg: Config) -> MuonConfig:
+    """optim.muon, or its defaults where the config leaves it null."""
+    return cfg.optim.muon if cfg.optim.muon is not None else MuonConfig()
+
+
+def check_optimizer(cfg: Config) -> None:
+    """optim.muon only with optim.name muon, and its values in range."""
+    optim = cfg.optim
+    if optim.name != "muon":
+        require(
+            optim.muon is None,
+            f"optim.muon: Muon's settings need optim.name muon (optim.name is {optim.name}); "
+            "valid: optim.name muon, or no optim.muon keys",
+        )
+        return
+    muon = muon_settings(cfg)
+    require(muon.momentum >= 0, f"optim.muon.momentum: {muon.momentum} must be >= 0")
+    require(
+        0 < muon.ns_steps < 100,
+        f"optim.muon.ns_steps: {muon.ns_steps} is not valid; must be in 1 .. 99",
+    )
+    require(
+        len(muon.ns_coefficients) == 3,
+        f"optim.muon.ns_coefficients: {muon.ns_coefficients} is not valid; must be three "
+        "numbers [a, b, c]",
+    )
+    require(muon.eps > 0, f"optim.muon.eps: {muon.eps} must be > 0")
+    tau = muon.qk_clip_tau
+    require(tau is None or tau > 0, f"optim.muon.qk_clip_tau: {tau} must be > 0 (null: off)")
+    require(
+        tau is None,
+        f"optim.muon.qk_clip_tau: {tau}: QK-clip is not supported yet; valid: null",
+    )
+    require(
+        optim.zero == 0,
+        f"optim.zero: {optim.zero}: Muon needs each matrix's whole momentum on one rank, and "
+        "ZeRO 1 to 3 shard it (not supported yet); valid: optim.zero 0",
+    )

@@ -1,0 +1,156 @@
+"""Muon at every layout: a matrix split over tp is orthogonalized whole (its ranks' blocks
+gathered in bf16), so where the gradients are bitwise those of one process, so are the updates,
+and the gathers are counted as what they send; and training runs at tp 2 with sequence
+parallelism x dp 2, tp 2 x pp 2 interleaved, tp 2 x ep 2 with experts, and cp 2 x dp 2 give
+one process's losses and gradient norms within the reference's noise floor x 10
+(MUON_CURVE_REL, MUON_NORM_REL: Newton-Schulz in bf16 passes fp32 reorderings on amplified),
+their all-gathers' bytes those accounting.collectives counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatronish.accounting.collectives import formula_payload_by_kind
+from megatronish.config import load_config
+from megatronish.distributed import comm
+from megatronish.fp8.parts import Parts
+from megatronish.layers.linear import mark_parallel
+from megatronish.optim.muon import MuonOptimizer
+from megatronish.optim.muon_matrices import Matrix
+from tests.parity import (
+    LLAMA,
+    MTP,
+    SP,
+    assert_close,
+    make_config,
+    make_trainer,
+    run_reference,
+    train_counted,
+)
+from tests.ranks import run_on_ranks
+from tests.tolerances import MUON_CURVE_REL, MUON_NORM_REL
+
+MUON = ["optim.name=muon", "train.weight_decay=0.1"]
+LAYOUT_STEPS = 5  # the layouts' runs and their references: half the parity harness's
+SHORT = [f"train.steps={LAYOUT_STEPS}"]
+# A fused layer's repeating unit of rows (4 query rows, a key's 2 and a value's 2) and a
+# row-parallel matrix [6, 10]: full shapes, split over tp 2 on dims 0 and 1.
+PARTS = Parts((4, 2, 2))
+FUSED, ROW = (16, 6), (6, 10)
+
+
+def _muon_update(fused: nn.Parameter, row: nn.Parameter, group):
+    matrices = [Matrix(fused, None, k, PARTS, 0) for k in range(3)]
+    matrices.append(Matrix(row, None, None, None, 1))
+    cfg = load_config(None, [*MUON, "train.lr=0.02"])
+    groups = [
+        {
+            "params": [fused, row],
+            "weight_decay": 0.1,
+            "muon": True,
+            "matrices": matrices,
+            "tp_group": group,
+        }
+    ]
+    return MuonOptimizer().build(groups, cfg)
+
+
+def _steps(fused: nn.Parameter, row: nn.Parameter, grads: list, group, blocks) -> dict:
+    """Three Muon steps of the two parameters (each rank's blocks of the full gradients),
+    the weights after them and the collectives of the steps."""
+    update = _muon_update(fused, row, group)
+    with comm.CommCounter() as counter:
+        for fused_grad, row_grad in grads:
+            fused.grad, row.grad = blocks(fused_grad, 0), blocks(row_grad, 1)
+            update.step()
+    return {"fused": fused.detach().clone(), "row": row.detach().clone(), "counter": counter}
+
+
+def _full_weights_and_grads():
+    torch.manual_seed(0)
+    weights = torch.randn(FUSED), torch.randn(ROW)
+    grads = [(torch.randn(FUSED), torch.randn(ROW)) for _ in range(3)]
+    return weights, grads
+
+
+def _split_muon_rank(rank: int, world: int) -> dict:
+    (fused, row), grads = _full_weights_and_grads()
+    fused, row = nn.Parameter(fused.chunk(world, 0)[rank]), nn.Parameter(row.chunk(world, 1)[rank])
+    mark_parallel(fused, 0, FUSED)
+    mark_parallel(row, 1, ROW)
+    result = _steps(fused, row, grads, dist.group.WORLD, lambda t, dim: t.chunk(world, dim)[rank])
+    counter = result.pop("counter")
+    result["gathered"] = (counter.calls["all_gather"], counter.payload_bytes["all_gather"])
+    result["sent"] = counter.sent_bytes["all_gather"]
+    return result
+
+
+def test_a_matrix_split_over_tp_gets_one_processs_update_bit_for_bit_and_its_gathers_counted():
+    (fused, row), grads = _full_weights_and_grads()
+    fused, row = nn.Parameter(fused), nn.Parameter(row)
+    whole = _steps(fused, row, grads, None, lambda t, dim: t.clone())
+    assert whole["counter"].calls == {}  # one rank: nothing gathered
+    ranks = run_on_ranks(_split_muon_rank, 2, timeout=60)
+    for rank, got in enumerate(ranks):
+        assert torch.equal(got["fused"], whole["fused"].chunk(2, 0)[rank])
+        assert torch.equal(got["row"], whole["row"].chunk(2, 1)[rank])
+        # per step one bf16 gather of each whole matrix: q [8, 6], k and v [4, 6], the row's
+        payload = 3 * (8 * 6 + 4 * 6 + 4 * 6 + 6 * 10) * 2
+        assert got["gathered"] == (3 * 4, payload)
+        assert got["sent"] == payload / 2  # (n - 1) / n of each gathered matrix
+
+
+EXPERTS = [
+    *LLAMA,
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.d_ff=24",
+    "model.moe.aux_loss_coef=0",
+]
+# name -> (tp, dp, pp, overrides, cp): each against its one-process run of the same settings
+VARIANTS = {
+    "llama mtp tp2 sp dp2": (2, 2, 1, LLAMA + MTP + SP, None),
+    "llama tp2 pp2 interleaved": (
+        2, 1, 2, LLAMA + ["parallel.pp_virtual=2", "train.micro_batch_size=2"], None,
+    ),
+    "experts tp2 dp2 ep2 sp": (2, 2, 1, EXPERTS + SP + ["parallel.ep=2"], None),
+    "llama cp2 dp2": (1, 2, 1, LLAMA, 2),
+}  # fmt: skip
+
+
+def _train_on_ranks(rank: int, world: int, dataset) -> dict:
+    results = {}
+    for name, (tp, dp, pp, overrides, cp) in VARIANTS.items():
+        cfg = make_config(tp, dp, pp, overrides + MUON + SHORT, dataset, cp=cp)
+        trainer = make_trainer(cfg, world, dataset)
+        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS)
+        setup = trainer.setup
+        formula = formula_payload_by_kind(cfg, setup.derived, setup.ps.pp_rank)
+        gathered = (counter.payload_bytes.get("all_gather", 0), formula.get("all_gather", 0))
+        results[name] = {"losses": losses, "norms": norms, "gathered": gathered}
+    return results
+
+
+@pytest.fixture(scope="module")
+def four_ranks(dataset):
+    return run_on_ranks(_train_on_ranks, 4, dataset, timeout=400)
+
+
+@pytest.mark.slow  # a 4-rank training run
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_muon_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
+    name, four_ranks, dataset
+):
+    settings = [o for o in VARIANTS[name][3] if not o.startswith(("parallel.", "train.micro"))]
+    ref = run_reference(settings + MUON + SHORT, dataset)
+    losses, norms = ref["losses"][:LAYOUT_STEPS], ref["norms"][:LAYOUT_STEPS]
+    assert losses[-1] < losses[0] - 0.2  # the runs really learn
+    for rank_results in four_ranks:
+        got = rank_results[name]
+        assert_close(got["losses"], losses, rel=MUON_CURVE_REL, steps=LAYOUT_STEPS)
+        assert_close(got["norms"], norms, rel=MUON_NORM_REL, steps=LAYOUT_STEPS)
+        counted, formula = rank_results[name]["gathered"]
+        assert counted == formula  # Muon's tp gathers (and SP's) as accounting counts them
