@@ -20,7 +20,8 @@ def rms_norm(
     too, as transformers' Gemma 3 and Qwen3.5 norms add their 1), returned in x's dtype."""
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (offset + weight.float())).to(x.dtype)
+    scale = offset + weight.float() if offset else weight.float()  # no copy of an fp32 weight
+    return (y * scale).to(x.dtype)
 
 
 def layer_norm(

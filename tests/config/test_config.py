@@ -340,7 +340,7 @@ def test_auto_backend_runs_attention_on_torch_for_a_head_dim_the_kernels_do_not_
 
     monkeypatch.setattr(ops, "resolve_backend", lambda backend, x: "triton")  # as on a GPU
     called = []
-    kernels = type("Kernels", (), {"attention": staticmethod(lambda *a: called.append(a))})
+    kernels = type("Kernels", (), {"attention": staticmethod(lambda *a, **k: called.append(a))})
     monkeypatch.setattr(ops, "_kernels", lambda: kernels)
     q = torch.randn(1, 2, 4, 24)
     torch.testing.assert_close(ops.attention(q, q, q), ops.reference.attention(q, q, q, True))

@@ -154,7 +154,7 @@ def test_auto_backend_runs_attention_on_torch_for_head_dims_the_kernels_cannot_t
 ):
     monkeypatch.setattr(ops, "resolve_backend", lambda backend, x: "triton")  # as on a GPU
     called = []
-    fake = type("Kernels", (), {"attention": staticmethod(lambda *a: called.append(a))})
+    fake = type("Kernels", (), {"attention": staticmethod(lambda *a, **k: called.append(a))})
     monkeypatch.setattr(ops, "_kernels", lambda: fake)
     q, v = torch.randn(1, 2, 4, 192), torch.randn(1, 2, 4, 192)
     torch.testing.assert_close(ops.attention(q, q, v), ops.reference.attention(q, q, v, True))
