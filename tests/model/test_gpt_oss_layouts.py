@@ -7,8 +7,8 @@ their down bias along d_model; the router's logit bias replicated, its gradient 
 under sequence parallelism; ZeRO-3 shards the parameters (the untied
 output layer's kept from its forward to its backward, though the final norm's weight is outside
 its bucket). The swiglu_limit of 0.1 binds on many of the tiny model's activations, so the
-clamps' zero gradients are exercised too; sliding (window 4) and full blocks alternate
-under YaRN."""
+clamps' zero gradients are exercised too; a dense block (its gate, up and down biases) then an
+MoE one, sliding (window 4) then full, under YaRN."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ GPT_OSS = [
     "model.swiglu_limit=0.1",
     "model.moe.num_experts=4",
     "model.moe.top_k=2",
+    "model.moe.first_k_dense=1",
     "model.moe.d_ff=24",
     "train.micro_batch_size=4",
 ]
