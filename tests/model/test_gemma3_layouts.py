@@ -1,14 +1,14 @@
-"""Gemma 3's blocks at tp 2 x pp 2 with sequence parallelism and at tp 2 x cp 2 (the parity
-harness, tests/parity.py): 10 fp32 steps give the losses and gradient norms of one process
-within 1e-5 relative, in one 4-rank run, and each collective sends the bytes the accounting
-counts. Three sliding blocks of window 5 (their own RoPE base) then a global one (linearly
-scaled RoPE): at pp 2 the second stage holds a sliding block and the global one, so each block's kind and RoPE follow its global index; the sandwich norms are
-replicated over tp and see this rank's tokens under sequence parallelism. The tp x pp run
-soft-caps the attention scores and the output logits (on each rank's vocab shard); the cp run
-the attention scores alone, in each of the ring's blocks (the attention kernels' soft-cap). With
-the final soft-cap at cp 2 every step's gradient norm is one process's within 5e-8 at a
-learning rate of 1e-9, but AdamW's first steps amplify that rounding past 1e-5 by step 6; the
-same holds without caps at the harness's learning rate of 3e-3 once the ring applies the
+"""Gemma 3's blocks at tp 2 x pp 2 with sequence parallelism and at tp 2 x cp 2 (the parity harness,
+tests/parity.py): 10 fp32 steps give the losses and gradient norms of one process within 1e-5
+relative, in one 4-rank run, and each collective sends the bytes the accounting counts. Three
+sliding blocks of window 5 (their own RoPE base) then a global one (linearly scaled RoPE): at pp 2
+the second stage holds a sliding block and the global one, so each block's kind and RoPE follow its
+global index; the sandwich norms are replicated over tp and see this rank's tokens under sequence
+parallelism. The tp x pp run soft-caps the attention scores and the output logits (on each rank's
+vocab shard); the cp run the attention scores alone, in each of the ring's blocks (the attention
+kernels' soft-cap). With the final soft-cap at cp 2 every step's gradient norm is one process's
+within 5e-8 at a learning rate of 1e-9, but AdamW's first steps amplify that rounding past 1e-5 by
+step 6; the same holds without caps at the harness's learning rate of 3e-3 once the ring applies the
 scale in its blocks (1.2e-5 by step 7), so the cp run takes 2e-3, where it still learns."""
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """GPT-OSS's blocks at tp 2 x dp 2 x ep 2 with ZeRO-3 and at tp 2 x cp 2, both with sequence
-parallelism (the parity harness, tests/parity.py): 10 fp32 steps give the losses and gradient
-norms of one process within 1e-5 relative, in one 4-rank run, and each collective sends the
-bytes the accounting counts. The sinks split over tp with their heads, and at cp 2 enter the
-ring's softmax; the experts over ep, their gate and up biases over tp with their rows and
-their down bias along d_model; the router's logit bias replicated, its gradient summed over tp
-under sequence parallelism; ZeRO-3 shards the parameters (the untied
-output layer's kept from its forward to its backward, though the final norm's weight is outside
-its bucket). The swiglu_limit of 0.1 binds on many of the tiny model's activations, so the
-clamps' zero gradients are exercised too; a dense block (its gate, up and down biases) then an
-MoE one, sliding (window 4) then full, under YaRN."""
+parallelism (the parity harness, tests/parity.py): 10 fp32 steps give the losses and gradient norms
+of one process within 1e-5 relative, in one 4-rank run, and each collective sends the bytes the
+accounting counts. The sinks split over tp with their heads, and at cp 2 enter the ring's softmax;
+the experts over ep, their gate and up biases over tp with their rows and their down bias along
+d_model; the router's logit bias replicated, its gradient summed over tp under sequence parallelism;
+ZeRO-3 shards the parameters (the untied output layer's kept from its forward to its backward,
+though the final norm's weight is outside its bucket). The swiglu_limit of 0.1 binds on many of the
+tiny model's activations, so the clamps' zero gradients are exercised too; a dense block (its gate,
+up and down biases) then an MoE one, sliding (window 4) then full, under YaRN."""
 
 from __future__ import annotations
 
