@@ -203,13 +203,17 @@ class ParamShards:
             output.register_hook(lambda grad: self._before_backward(use))
 
     def _before_backward(self, use: _Use) -> None:
-        for bucket in use.own:
+        # The last module's buckets stay from its forward until their reduce-scatter, after
+        # which no backward reads them (under sequence parallelism the final norm's weight is
+        # outside them, so the output layer's bucket may be done before the norm's backward).
+        own = [] if use.keep else use.own
+        for bucket in own:
             bucket.held = True
             self._start(bucket)
         if self.prefetch:
             for bucket in use.behind:
                 self._start(bucket)
-        self._ready(use.own)
+        self._ready(own)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -30,9 +30,10 @@ def matmul_params(model: ModelConfig, f: int) -> int:
 
 
 def parameters(model: ModelConfig, f: int) -> int:
-    """Parameters of an MLP f wide: its weights, and the up and down biases."""
-    h = model.d_model
-    return matmul_params(model, f) + (f + h if model.components.linear_bias else 0)
+    """Parameters of an MLP f wide: its weights, and the first projection's biases (gate and
+    up, or up) and the down one."""
+    biases = first_weights(model) * f + model.d_model if model.components.linear_bias else 0
+    return matmul_params(model, f) + biases
 
 
 def sp_replicated(model: ModelConfig) -> int:
