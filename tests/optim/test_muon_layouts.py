@@ -126,18 +126,32 @@ ZERO_VARIANTS = {
 }
 
 
-def _train_on_ranks(rank: int, world: int, dataset) -> dict:
+SAVED = "llama tp2 sp dp2 zero2"  # saves at SAVED_AT, resumed at two layouts
+SAVED_AT = 3
+RESUMED = {"tp2 sp dp2 zero2": (2, 2, LLAMA + SP, 2), "tp1 dp4 zero1": (1, 4, LLAMA, 1)}
+
+
+def _train_on_ranks(rank: int, world: int, dataset, ckpt_dir) -> dict:
     results = {}
     for name, (tp, dp, pp, overrides, cp) in {**VARIANTS, **ZERO_VARIANTS}.items():
-        cfg = make_config(tp, dp, pp, overrides + MUON + SHORT, dataset, cp=cp)
+        save = [f"checkpoint.dir={ckpt_dir}", "checkpoint.save=true"] if name == SAVED else []
+        cfg = make_config(tp, dp, pp, overrides + MUON + SHORT, dataset, save, cp=cp)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS)
+        every = SAVED_AT if name == SAVED else 0
+        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS, save_every=every)
+        trainer.saver.finish()
         setup = trainer.setup
         formula = formula_payload_by_kind(cfg, setup.derived, setup.ps.pp_rank)
         gathered = (counter.payload_bytes.get("all_gather", 0), formula.get("all_gather", 0))
         results[name] = {"losses": losses, "norms": norms, "gathered": gathered}
         if name in ZERO_VARIANTS:
             results[name].update(_zero_facts(trainer, counter, formula))
+    resume = f"checkpoint.resume={ckpt_dir / f'step_{SAVED_AT:06d}'}"
+    for name, (tp, dp, overrides, zero) in RESUMED.items():
+        sets = overrides + MUON + SHORT + [f"optim.zero={zero}", resume]
+        trainer = make_trainer(make_config(tp, dp, 1, sets, dataset), world, dataset)
+        steps = [trainer.train_step() for _ in range(LAYOUT_STEPS - SAVED_AT)]
+        results[f"resumed at {name}"] = [s.loss for s in steps]
     return results
 
 
@@ -164,8 +178,9 @@ def _zero_facts(trainer, counter, formula: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(dataset):
-    return run_on_ranks(_train_on_ranks, 4, dataset, timeout=400)
+def four_ranks(dataset, tmp_path_factory):
+    ckpt_dir = tmp_path_factory.mktemp("muon-zero")
+    return run_on_ranks(_train_on_ranks, 4, dataset, ckpt_dir, timeout=400)
 
 
 @pytest.mark.slow  # a 4-rank training run
@@ -218,3 +233,12 @@ def test_muon_under_zero_owns_matrices_whole_per_rank_and_gives_one_processs_cur
         # a rank gathers over tp only the matrices it owns: accounting counts the dp
         # group's average, so the pair's gathers are twice its count
         assert pair[0][2][0] + pair[1][2][0] == 2 * pair[0][2][1]
+
+
+@pytest.mark.slow  # the 4-rank training run
+def test_a_muon_zero2_checkpoint_resumes_bit_for_bit_and_reshards_to_tp1_dp4_zero1(four_ranks):
+    for rank_results in four_ranks:
+        after = rank_results[SAVED]["losses"][SAVED_AT:]
+        assert rank_results["resumed at tp2 sp dp2 zero2"] == after
+        resharded = rank_results["resumed at tp1 dp4 zero1"]
+        assert_close(resharded, after, rel=MUON_CURVE_REL, steps=LAYOUT_STEPS - SAVED_AT)
