@@ -15,8 +15,8 @@ ranks of this host: its step, and the bf16 all-gathers of its split matrices alo
 The ZeRO arithmetic, per step and dp rank of the model of --zero-config at --dp: Distributed
 Muon (Moonlight: each matrix's momentum shards all-gathered in bf16 over dp, Newton-Schulz on
 every rank for every matrix, each keeping its shard of the result) against the layer-wise one
-(Megatron: whole matrices dealt to the dp ranks, each orthogonalizing its own and the updated
-matrices all-gathered, which ZeRO-1's parameter all-gather already does): bytes sent, the
+(Megatron: whole matrices dealt to the dp ranks, each orthogonalizing its own; as built, their
+gradients all-reduced and the updated matrices broadcast by their owners): bytes sent, the
 buffer a rank holds for the gathered matrices, and Newton-Schulz FLOPs. Prints a table and one
 JSON line.
 """
@@ -157,8 +157,10 @@ def zero_arithmetic(config: str, dp: int) -> dict:
         "distributed_extra_bytes_sent": 2 * elements * share,
         "distributed_buffer_bytes": 2 * largest,  # one matrix gathered at a time
         "distributed_ns_flops": flops,
-        # whole matrices per rank: nothing beyond ZeRO-1's gathers, NS on 1/dp of the matrices
-        "layerwise_extra_bytes_sent": 0.0,
+        # whole matrices per rank, as built (data_parallel.zero1): the matrices' fp32 gradients
+        # all-reduced and the owners' broadcasts in place of ZeRO-1's reduce-scatter and
+        # all-gather, one more fp32 gradient pass; NS on 1/dp of the matrices
+        "layerwise_extra_bytes_sent": 4 * elements * share,
         "layerwise_buffer_bytes": 4 * largest,  # the fp32 momentum of a whole matrix at most
         "layerwise_ns_flops": flops / dp,
     }

@@ -13,7 +13,8 @@ dp x cp / ep ranks that hold the same experts):
   router's routing bias, experts x fp32 per MoE layer, a buffer without gradient or AdamW state
   ("buffers"); optim.zero = 1 divides the AdamW state by D, 2 the gradients too, 3 the weights
   too (``model_state_bytes``; ZeRO-2 and 3 keep the parameters outside the gradient buffer,
-  the sequence-parallel replicated ones and the pipeline's tied embedding copy, whole). What
+  the sequence-parallel replicated ones, the pipeline's tied embedding copy and Muon's
+  matrices, whole; a Muon matrix's momentum lives on the one rank that owns it). What
   a step holds only while it runs ("gathered"): at ZeRO-2 and 3 the bucket-sized gradients of
   up to IN_FLIGHT + 1 buckets whose reduce-scatter has not finished (with
   optim.grad_reduce_dtype bf16 their bf16 copies and the fp32 bucket being filled; ZeRO-0 and 1
@@ -75,7 +76,7 @@ from megatronish.accounting.components import (
     norm,
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
-from megatronish.accounting.muon import local_elements, stage_matrices
+from megatronish.accounting.muon import local_elements, stage_matrices, whole_under_zero
 from megatronish.accounting.parameters import (
     local_layer_params,
     local_parameter_count,
@@ -250,6 +251,8 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     vocab = derived.padded_vocab_size // derived.tp * cfg.model.d_model
     if derived.pp > 1 and derived.last_stage_embedding and (first or last):
         outside += vocab
+    dense_whole, expert_whole = whole_under_zero(cfg, derived, pp_rank)  # Muon's, under ZeRO
+    outside += dense_whole
     buffered = params - experts - outside
 
     def kept(level: int, whole_outside: bool = True) -> tuple[float, float]:
@@ -257,12 +260,14 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         if zero < level:
             return params, experts
         rest = outside if whole_outside else outside / dp
-        return buffered / dp + rest + experts / edp, experts / edp
+        mine = (experts - expert_whole) / edp + expert_whole / (1 if whole_outside else edp)
+        return buffered / dp + rest + mine, mine
 
     weights, expert_weights = kept(3)
     grads, expert_grads = kept(2)
     state, expert_state = kept(1, whole_outside=False)
-    gathered = _reduction_bytes(cfg, buffered + experts) / 4 if dp > 1 else 0.0
+    reduced = buffered + experts - expert_whole
+    gathered = _reduction_bytes(cfg, reduced) / 4 if dp > 1 else 0.0
     if zero == 3 and dp > 1:
         layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
         # kept from forward to backward: the output layer, the MTP modules and (untied) the
@@ -272,6 +277,8 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
     fp8_params = fp8_layer_params(cfg, derived, pp_rank)
     muon = local_elements(stage_matrices(cfg, derived, pp_rank), derived.tp)
+    if zero:  # each rank keeps the momentum of the matrices it owns
+        muon = dense_whole / dp + expert_whole / edp
     copies = 2 * (params - fp8_params) if bf16 else 0
     casts = 2 * fp8_params  # megatronish.fp8.gemm keeps them for the step (module doc)
     fp8 = cfg.train.precision == "fp8"

@@ -28,13 +28,14 @@ STATE_LABEL = {"adamw": "AdamW", "muon": "Muon + AdamW"}
 
 class MuonMatrix(NamedTuple):
     """`count` logical matrices of full shape [rows, cols] on one rank (named by the module
-    that holds them), split over tp (gathered whole each step) or replicated."""
+    that holds them), split over tp (gathered whole each step) or replicated; `count` is an
+    average over the ranks where it varies (``owned_matrices``)."""
 
     name: str
     rows: int
     cols: int
     split: bool
-    count: int = 1
+    count: float = 1
 
 
 def block_matrices(cfg: Config, derived: Derived, index: int) -> list[MuonMatrix]:
@@ -103,6 +104,32 @@ def local_elements(matrices: list[MuonMatrix], tp: int) -> int:
     return sum(m.count * m.rows * m.cols // (tp if m.split else 1) for m in matrices)
 
 
+def whole_under_zero(cfg: Config, derived: Derived, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) elements of stage pp_rank's Muon matrices on one rank that ZeRO 1 to 3
+    leave out of its buffer (0, 0 at optim.zero 0): each parameter whole, its gradient
+    all-reduced, owned by one rank of its group (the expert-data-parallel group for the
+    experts), which keeps its momentum and broadcasts it after the step (data_parallel.zero1,
+    the layer-wise way)."""
+    if cfg.optim.zero == 0:
+        return 0, 0
+    matrices = stage_matrices(cfg, derived, pp_rank)
+    experts = local_elements([m for m in matrices if m.name.startswith("experts.")], derived.tp)
+    return local_elements(matrices, derived.tp) - experts, experts
+
+
+def owned_matrices(cfg: Config, derived: Derived, pp_rank: int) -> list[MuonMatrix]:
+    """The matrices one rank of stage pp_rank updates: every one at optim.zero 0; under ZeRO the
+    share it owns (data_parallel.zero1: each parameter whole on one rank of its group, balanced
+    by size), counted as the group's average (count / dp x cp, the experts' / their group)."""
+    matrices = stage_matrices(cfg, derived, pp_rank)
+    dp = derived.dp * derived.cp
+    if cfg.optim.zero == 0 or dp == 1:
+        return matrices
+    edp = max(1, dp // derived.ep)
+    share = {True: edp, False: dp}
+    return [m._replace(count=m.count / share[m.name.startswith("experts.")]) for m in matrices]
+
+
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
     """FLOPs of `steps` Newton-Schulz iterations on a [rows, cols] matrix (module doc)."""
     m, n = min(rows, cols), max(rows, cols)
@@ -127,10 +154,11 @@ def newton_schulz_seconds(
     cfg: Config, derived: Derived, pp_rank: int, device: Device, eff: Efficiency
 ) -> float:
     """The step-time model's Newton-Schulz on one rank of stage pp_rank: each matrix's
-    iterations as bf16 GEMMs (accounting.roofline.gemm_time); the gathers are tp collectives
+    iterations as bf16 GEMMs (accounting.roofline.gemm_time) on the matrices it owns
+    (``owned_matrices``); the gathers are tp collectives
     (accounting.collectives.muon)."""
     steps, seconds = muon_settings(cfg).ns_steps, 0.0
-    for matrix in stage_matrices(cfg, derived, pp_rank):
+    for matrix in owned_matrices(cfg, derived, pp_rank):
         m, n = min(matrix.rows, matrix.cols), max(matrix.rows, matrix.cols)
         gemms = [(m, m, n), (m, m, m), (m, n, m)]  # X X^T, A A, B X
         once = sum(gemm_time(*g, device, BF16_BYTES, eff)[0] for g in gemms)

@@ -99,8 +99,8 @@ TIME_LEGEND = (
 
 def searched_zero(cfg: Config) -> int:
     """The ZeRO level plan searches at: the config's, 1 at least (its state sharding costs no
-    traffic); under optim.name muon, which does not take ZeRO 1 to 3 yet, the config's (0)."""
-    return cfg.optim.zero if cfg.optim.name == "muon" else max(1, cfg.optim.zero)
+    traffic; Muon's matrices owned whole, by one rank each)."""
+    return max(1, cfg.optim.zero)
 
 
 def one_layout(row, title: str, budget: float, explain: list[str]) -> str:

@@ -40,8 +40,3 @@ def check_optimizer(cfg: Config) -> None:
         tau is None,
         f"optim.muon.qk_clip_tau: {tau}: QK-clip is not supported yet; valid: null",
     )
-    require(
-        optim.zero == 0,
-        f"optim.zero: {optim.zero}: Muon needs each matrix's whole momentum on one rank, and "
-        "ZeRO 1 to 3 shard it (not supported yet); valid: optim.zero 0",
-    )

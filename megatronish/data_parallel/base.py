@@ -41,7 +41,9 @@ class DataParallel(ABC):
 
     `model` is a GPT (forward_param_uses places the hooks of the levels that gather parameters
     for a module); with buckets=False every gradient takes the plain reduction and, under
-    ZeRO, every parameter is owned whole (the reference the buckets are held to)."""
+    ZeRO, every parameter is owned whole (the reference the buckets are held to), as under ZeRO
+    are those the optimizer needs whole (optim.needs_whole: Muon's matrices, the layer-wise
+    way: each updated by the one rank that owns it and broadcast)."""
 
     zero = False
     """Whether the optimizer state is split over the group (each rank saves its part)."""
@@ -54,7 +56,9 @@ class DataParallel(ABC):
         self.overlap = optim.overlap_grad_reduce
         self.reduce_dtype = REDUCE_DTYPES[optim.grad_reduce_dtype]
         uses = model.forward_param_uses()
-        members = self.params if buckets else []
+        self.optim: Optimizer = optimizer_named(optim.name)
+        whole = {id(p) for p in self.optim.needs_whole(model)} if self.zero else set()
+        members = [p for p in self.params if id(p) not in whole] if buckets else []
         parts = self._parts(uses)
         self.layout = BucketLayout(members, ps, self.bucket_bytes, padded=self.zero, part_of=parts)
         self.buckets = self.layout.buckets
@@ -63,7 +67,6 @@ class DataParallel(ABC):
         self.calls: dict[nn.Parameter, int] = {}  # micro-batch gradients this step
         self._hooks: list = []
         self._lay_out(uses)
-        self.optim: Optimizer = optimizer_named(optim.name)
         self.update = self._make_update(self.optim.param_groups(model, cfg.train.weight_decay))
         hook = self._on_grad
         self._hooks += [p.register_post_accumulate_grad_hook(hook) for p in self.layout.members]

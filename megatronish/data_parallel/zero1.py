@@ -13,7 +13,6 @@ from megatronish.data_parallel.buckets import Bucket
 from megatronish.data_parallel.outside import WholeOwners
 from megatronish.data_parallel.zero0 import Zero0
 from megatronish.distributed import comm
-from megatronish.errors import UserError
 from megatronish.layers.roles import role
 from megatronish.optim.clip import Squares, squares
 from megatronish.optim.interface import Update
@@ -152,7 +151,6 @@ class Zero1(Zero0):
     def _make_update(self, groups: list[dict]) -> Update:
         """The optimizer over the parameters this rank owns whole and the pieces of its shards,
         the pieces' moments views of one tensor per bucket's shard (`shard_state`)."""
-        self._refuse_split_wholes()
         owned = {id(p) for p in self.owners.owned}
         shares = []
         for group in groups:
@@ -164,7 +162,7 @@ class Zero1(Zero0):
         spec = self.optim.state
         self.shard_state = []
         for bucket in self.buckets:
-            moments = {k: torch.zeros_like(bucket.grad_shard) for k in spec.moments}
+            moments = {k: torch.zeros_like(bucket.grad_shard) for k in spec.sharded}
             self.shard_state.append(moments)
             for piece in bucket.pieces:
                 lo = piece.at - bucket.shard_start
@@ -175,17 +173,6 @@ class Zero1(Zero0):
                     **{k: v[at] for k, v in moments.items()},
                 }
         return update
-
-    def _refuse_split_wholes(self) -> None:
-        """A parameter the optimizer needs whole (optim.needs_whole) may not be split over the
-        ranks' shards of its bucket, which this level does not gather for the update yet."""
-        for param in self.layout.members:
-            if self.optim.needs_whole(param):
-                raise UserError(
-                    f"optim.zero: the {self.optim.name} optimizer needs whole parameters "
-                    f"(e.g. one of shape {tuple(param.shape)}), and optim.zero "
-                    f"{self.cfg.optim.zero} shards them (not supported yet); valid: optim.zero 0"
-                )
 
     def held(self) -> list[nn.Parameter]:
         held = {id(p) for p in self.owners.owned} | {id(piece.param) for piece in self.pieces}
@@ -233,7 +220,7 @@ class Zero1(Zero0):
             part = slice(piece.lo, piece.lo + piece.data.numel())
             for kind in spec.scalars:
                 mine[kind].copy_(saved[kind] if saved is not None else 0.0)
-            for kind in spec.moments:
+            for kind in spec.sharded:
                 if saved is None:
                     mine[kind].zero_()
                 else:

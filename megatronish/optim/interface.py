@@ -25,6 +25,13 @@ class StateSpec:
 
     moments: tuple[str, ...]
     scalars: tuple[str, ...]
+    whole_only: tuple[str, ...] = ()
+    """The moments only the parameters the optimizer needs whole have (never a ZeRO shard's)."""
+
+    @property
+    def sharded(self) -> tuple[str, ...]:
+        """The moments of a piece of a ZeRO bucket's shard."""
+        return tuple(k for k in self.moments if k not in self.whole_only)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -59,7 +66,8 @@ class Optimizer(ABC):
         """The update over groups: the model's, or a rank's share of them (ZeRO-1, 2 and 3
         give it pieces of bucket shards, flat views of parts of parameters)."""
 
-    def needs_whole(self, param: nn.Parameter) -> bool:
-        """Whether the update of param needs all of it on one rank (an elementwise optimizer:
-        never); a ZeRO level that would shard such a parameter refuses it."""
-        return False
+    def needs_whole(self, model: nn.Module) -> list[nn.Parameter]:
+        """The parameters of model whose update needs all of each on one rank (an elementwise
+        optimizer: none); the ZeRO levels keep them out of their buckets, each owned whole by
+        one rank of its group (data_parallel.outside.WholeOwners)."""
+        return []

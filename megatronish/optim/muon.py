@@ -33,7 +33,11 @@ class MuonOptimizer(Optimizer):
     group), AdamW's groups for the rest."""
 
     name = "muon"
-    state = StateSpec(moments=("momentum_buffer", "exp_avg", "exp_avg_sq"), scalars=("step",))
+    state = StateSpec(
+        moments=("momentum_buffer", "exp_avg", "exp_avg_sq"),
+        scalars=("step",),
+        whole_only=("momentum_buffer",),
+    )
 
     def param_groups(self, model: nn.Module, weight_decay: float) -> list[dict]:
         matrices = muon_matrices(model)
@@ -58,8 +62,8 @@ class MuonOptimizer(Optimizer):
         betas = (optim.beta1, optim.beta2)
         return Muon(groups, cfg.train.lr, muon_settings(cfg), betas, optim.eps)
 
-    def needs_whole(self, param: nn.Parameter) -> bool:
-        return param.dim() >= 2
+    def needs_whole(self, model: nn.Module) -> list[nn.Parameter]:
+        return list(dict.fromkeys(m.param for m in muon_matrices(model)))
 
 
 class Muon:

@@ -44,7 +44,6 @@ MUON = ["optim.name=muon", "train.weight_decay=0.1"]
         (["optim.name=muon", "optim.muon.qk_clip_tau=0"], "optim.muon.qk_clip_tau"),
         (["optim.name=muon", "optim.muon.ns_coefficients=[1,2]"], "optim.muon.ns_coefficients"),
         (["optim.name=muon", "optim.muon.ns_coefficients=[1,2,x]"], "optim.muon.ns_coefficients"),
-        (["optim.name=muon", "optim.zero=1"], "optim.zero"),
     ],
 )
 def test_a_bad_muon_setting_is_one_line_naming_its_key(sets, key):

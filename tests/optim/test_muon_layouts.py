@@ -119,24 +119,68 @@ VARIANTS = {
     "experts tp2 dp2 ep2 sp": (2, 2, 1, EXPERTS + SP + ["parallel.ep=2"], None),
     "llama cp2 dp2": (1, 2, 1, LLAMA, 2),
 }  # fmt: skip
+# ZeRO level -> tp 2 + SP x dp 2 at it, each against one process of LLAMA (one reference)
+ZERO_VARIANTS = {
+    f"llama tp2 sp dp2 zero{z}": (2, 2, 1, LLAMA + SP + [f"optim.zero={z}"], None)
+    for z in (1, 2, 3)
+}
 
 
-def _train_on_ranks(rank: int, world: int, dataset) -> dict:
+SAVED = "llama tp2 sp dp2 zero2"  # saves at SAVED_AT, resumed at two layouts
+SAVED_AT = 3
+RESUMED = {"tp2 sp dp2 zero2": (2, 2, LLAMA + SP, 2), "tp1 dp4 zero1": (1, 4, LLAMA, 1)}
+
+
+def _train_on_ranks(rank: int, world: int, dataset, ckpt_dir) -> dict:
     results = {}
-    for name, (tp, dp, pp, overrides, cp) in VARIANTS.items():
-        cfg = make_config(tp, dp, pp, overrides + MUON + SHORT, dataset, cp=cp)
+    for name, (tp, dp, pp, overrides, cp) in {**VARIANTS, **ZERO_VARIANTS}.items():
+        save = [f"checkpoint.dir={ckpt_dir}", "checkpoint.save=true"] if name == SAVED else []
+        cfg = make_config(tp, dp, pp, overrides + MUON + SHORT, dataset, save, cp=cp)
         trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS)
+        every = SAVED_AT if name == SAVED else 0
+        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS, save_every=every)
+        trainer.saver.finish()
         setup = trainer.setup
         formula = formula_payload_by_kind(cfg, setup.derived, setup.ps.pp_rank)
         gathered = (counter.payload_bytes.get("all_gather", 0), formula.get("all_gather", 0))
         results[name] = {"losses": losses, "norms": norms, "gathered": gathered}
+        if name in ZERO_VARIANTS:
+            results[name].update(_zero_facts(trainer, counter, formula))
+    resume = f"checkpoint.resume={ckpt_dir / f'step_{SAVED_AT:06d}'}"
+    for name, (tp, dp, overrides, zero) in RESUMED.items():
+        sets = overrides + MUON + SHORT + [f"optim.zero={zero}", resume]
+        trainer = make_trainer(make_config(tp, dp, 1, sets, dataset), world, dataset)
+        steps = [trainer.train_step() for _ in range(LAYOUT_STEPS - SAVED_AT)]
+        results[f"resumed at {name}"] = [s.loss for s in steps]
     return results
 
 
+def _zero_facts(trainer, counter, formula: dict) -> dict:
+    """What a ZeRO run shows of Muon's layer-wise ownership: the elements of the momentum this
+    rank keeps and of every Muon matrix it holds a block of, and the broadcasts' bytes (counted,
+    the accounting's and sent)."""
+    update = trainer.data_parallel.update
+    muon = [p for g in update.param_groups if g.get("muon") for p in g["params"]]
+    every = {
+        id(m.param): m.param for m in MuonOptimizer().param_groups(trainer.model, 0)[0]["matrices"]
+    }
+    kept = sum(
+        s["momentum_buffer"].numel() for s in update.state.values() if "momentum_buffer" in s
+    )
+    return {
+        "momentum": (kept, sum(p.numel() for p in muon), sum(p.numel() for p in every.values())),
+        "broadcast": (
+            counter.payload_bytes.get("broadcast", 0),
+            formula.get("broadcast", 0),
+            counter.sent_bytes.get("broadcast", 0),
+        ),
+    }
+
+
 @pytest.fixture(scope="module")
-def four_ranks(dataset):
-    return run_on_ranks(_train_on_ranks, 4, dataset, timeout=400)
+def four_ranks(dataset, tmp_path_factory):
+    ckpt_dir = tmp_path_factory.mktemp("muon-zero")
+    return run_on_ranks(_train_on_ranks, 4, dataset, ckpt_dir, timeout=400)
 
 
 @pytest.mark.slow  # a 4-rank training run
@@ -154,3 +198,47 @@ def test_muon_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
         assert_close(got["norms"], norms, rel=MUON_NORM_REL, steps=LAYOUT_STEPS)
         counted, formula = rank_results[name]["gathered"]
         assert counted == formula  # Muon's tp gathers (and SP's) as accounting counts them
+
+
+@pytest.fixture(scope="module")
+def llama_reference(dataset):
+    ref = run_reference(LLAMA + MUON + SHORT, dataset)
+    return ref["losses"][:LAYOUT_STEPS], ref["norms"][:LAYOUT_STEPS]
+
+
+@pytest.mark.slow  # the 4-rank training run
+@pytest.mark.parametrize("name", list(ZERO_VARIANTS))
+def test_muon_under_zero_owns_matrices_whole_per_rank_and_gives_one_processs_curves(
+    name, four_ranks, llama_reference
+):
+    losses, norms = llama_reference
+    momenta = []
+    for rank_results in four_ranks:
+        got = rank_results[name]
+        assert_close(got["losses"], losses, rel=MUON_CURVE_REL, steps=LAYOUT_STEPS)
+        assert_close(got["norms"], norms, rel=MUON_NORM_REL, steps=LAYOUT_STEPS)
+        # the owners' updated matrices (and SP's norms) broadcast as accounting counts them,
+        # of which (n - 1) / n is sent
+        counted, formula, sent = got["broadcast"]
+        assert counted == formula > 0
+        assert sent == counted / 2
+        kept, owned, every = got["momentum"]
+        assert kept == owned < every  # momentum for the matrices this rank owns only
+        momenta.append((kept, every, got["gathered"]))
+    # ranks 0, 2 are the dp ranks of tp rank 0 (1, 3 of tp rank 1): together they own each
+    # matrix once
+    for tp_rank in (0, 1):
+        pair = [momenta[r] for r in range(4) if r % 2 == tp_rank]
+        assert pair[0][0] + pair[1][0] == pair[0][1]
+        # a rank gathers over tp only the matrices it owns: accounting counts the dp
+        # group's average, so the pair's gathers are twice its count
+        assert pair[0][2][0] + pair[1][2][0] == 2 * pair[0][2][1]
+
+
+@pytest.mark.slow  # the 4-rank training run
+def test_a_muon_zero2_checkpoint_resumes_bit_for_bit_and_reshards_to_tp1_dp4_zero1(four_ranks):
+    for rank_results in four_ranks:
+        after = rank_results[SAVED]["losses"][SAVED_AT:]
+        assert rank_results["resumed at tp2 sp dp2 zero2"] == after
+        resharded = rank_results["resumed at tp1 dp4 zero1"]
+        assert_close(resharded, after, rel=MUON_CURVE_REL, steps=LAYOUT_STEPS - SAVED_AT)

@@ -7,8 +7,9 @@ Per step at optim.zero = 0 (or dp x cp = 1): the all-reduce of every local gradi
 the experts' over their group). With optim.zero >= 1 instead a reduce-scatter of the gradient
 buffer (ZeRO-2 and 3: one after each of the A micro-batches) and an all-gather of the updated
 parameters (ZeRO-3: the modules' gathers before forward and backward, ``zero3_gathers``), 4 P
-bytes each, less the parameters outside the buffer (the sequence-parallel replicated ones and
-the pipeline's tied embedding copies, which are all-reduced and broadcast by their owners),
+bytes each, less the parameters outside the buffer (the sequence-parallel replicated ones,
+the pipeline's tied embedding copies and Muon's matrices, which are all-reduced and broadcast
+by their owners, the experts' over their group),
 and the shards' grad-norm partial sums (two fp64; one more over the experts' group); the
 buckets are padded to a multiple of dp, which adds nothing when dp divides every bucket's size,
 as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
@@ -36,6 +37,7 @@ from megatronish.accounting.collectives.step import (
 from megatronish.accounting.components.embedding import position_params
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.components.norm import weights as norm_weights
+from megatronish.accounting.muon import whole_under_zero
 from megatronish.accounting.parameters import (
     local_parameter_count,
     tp_summed_grad_count,
@@ -88,11 +90,20 @@ def _expert_bytes(step: Step) -> int:
     return step.moe_layers * local_parameters(step.cfg, step.derived, True) * FP32_BYTES
 
 
+def _bucketed_expert_bytes(step: Step) -> int:
+    """The stage's expert parameters in ZeRO's expert buffer, fp32 (not Muon's, kept whole)."""
+    return (
+        _expert_bytes(step) - whole_under_zero(step.cfg, step.derived, step.pp_rank)[1] * FP32_BYTES
+    )
+
+
 def _outside_bytes(step: Step) -> int:
     """The parameters outside ZeRO's gradient buffer (summed over tp or the embedding group
-    first), fp32: whole parameters, all-reduced and broadcast by their owners."""
+    first, and Muon's dense matrices), fp32: whole parameters, all-reduced and broadcast by their
+    owners."""
     derived = step.derived
     outside = tp_summed_grad_count(step.cfg, derived, step.pp_rank) * FP32_BYTES
+    outside += whole_under_zero(step.cfg, derived, step.pp_rank)[0] * FP32_BYTES
     if derived.pp > 1 and derived.last_stage_embedding and (step.first or step.last):
         outside += derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
     return outside
@@ -103,18 +114,22 @@ def _zero(step: Step) -> list[Collective]:
     after every micro-batch) and their updated shards all-gathered (ZeRO-3: by each module,
     ``zero3_gathers``); the parameters outside it all-reduced and broadcast; the shards' norms."""
     zero, dp, edp = step.cfg.optim.zero, step.dp_cp, _edp(step)
-    experts, outside = _expert_bytes(step), _outside_bytes(step)
+    experts, outside = _bucketed_expert_bytes(step), _outside_bytes(step)
+    whole_experts = _expert_bytes(step) - experts
     dense = (
-        local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts - outside
+        local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
+        - _expert_bytes(step)
+        - outside
     )
     ops = []
-    if outside:
-        what = "gradients outside the buffer: average"
-        broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
-        ops += [
-            _dp(what, "all_reduce", dp, _wire(step, outside), 1, GRAD),
-            _dp(broadcast, "broadcast", dp, outside, 1, PARAMS),
-        ]
+    broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
+    for size, whole, whose in ((dp, outside, ""), (edp, whole_experts, "expert ")):
+        if whole:
+            what = f"{whose}gradients outside the buffer: average"
+            ops += [
+                _dp(what, "all_reduce", size, _wire(step, whole), 1, GRAD),
+                _dp(f"{broadcast} ({whose or 'dense'})", "broadcast", size, whole, 1, PARAMS),
+            ]
     passes = step.accum if zero >= 2 else 1  # reductions per step
     scatter = f"ZeRO-{zero} gradient reduce-scatter"
     expert_scatter = f"ZeRO-{zero} expert gradient reduce-scatter"
@@ -149,6 +164,7 @@ def _mtp_bytes(step: Step) -> int:
     bare = replace(derived, moe_layers=main)
     local = local_parameter_count(cfg, derived, last) - local_parameter_count(plain, bare, last)
     outside = tp_summed_grad_count(cfg, derived, last) - tp_summed_grad_count(plain, bare, last)
+    outside += whole_under_zero(cfg, derived, last)[0] - whole_under_zero(plain, bare, last)[0]
     experts = (len(derived.moe_layers) - len(main)) * local_parameters(cfg, derived, True)
     return (local - outside - experts) * FP32_BYTES
 
@@ -162,7 +178,7 @@ def zero3_gathers(step: Step, dense: int) -> list[Collective]:
     embedding's, which stay from their forward, and the embeddings', whose backward reads
     no weight; at pp > 1 each bucket once a step (kept to its end)."""
     model, derived, dp, accum = step.cfg.model, step.derived, step.dp_cp, step.accum
-    experts, edp = _expert_bytes(step), _edp(step)
+    experts, edp = _bucketed_expert_bytes(step), _edp(step)
     if derived.pp > 1:
         return [
             _dp(
