@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatronish.config.degrees import with_valid_values
+from megatronish.config.lora import check_lora
 from megatronish.config.model_checks import (
     check_attention,
     check_layer_types,
@@ -36,6 +37,9 @@ def value_checks(cfg: Config) -> None:
     check_attention(cfg)
     check_layer_types(cfg)
     check_partial_rotary(cfg)
+    moe = cfg.model.moe
+    all_experts = bool(moe.num_experts) and moe.every == 1 and not moe.first_k_dense
+    check_lora(cfg.model.lora, cfg.model.components, all_experts)
     _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(

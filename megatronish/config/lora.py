@@ -1,0 +1,57 @@
+"""model.lora (LoraConfig): low-rank adapters on the blocks' linear layers, the base frozen, and
+its checks, each failing with a UserError that names the key and what is valid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatronish.config.components import BlockComponents
+from megatronish.config.rules import require
+
+# The projections an adapter may target, as Hugging Face (and peft) name them.
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8
+    """r, the adapters' inner size (> 0)."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank (> 0)."""
+    dropout: float = 0.0
+    """Dropout probability on the adapters' input (0 <= dropout < 1)."""
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """The projections that get an adapter, as Hugging Face names them: q_proj, k_proj, v_proj,
+    o_proj, gate_proj, up_proj, down_proj (q, k and v each get their own adapter, also where
+    the base projection is fused). Every other weight is frozen."""
+
+
+def check_lora(lora: LoraConfig | None, components: BlockComponents, all_experts: bool) -> None:
+    """model.lora: its sizes in range and its targets projections the model has (the dense
+    attention's, the gated MLP's; not multi-head latent attention's nor experts'). all_experts:
+    every block's MLP is a mixture of experts."""
+    if lora is None:
+        return
+    key = "model.lora"
+    require(lora.rank > 0, f"{key}.rank: {lora.rank} is not valid; must be > 0")
+    require(lora.alpha > 0, f"{key}.alpha: {lora.alpha} is not valid; must be > 0")
+    require(0 <= lora.dropout < 1, f"{key}.dropout: {lora.dropout} is not valid; must be in [0, 1)")
+    require(lora.targets, f"{key}.targets: empty; valid: {', '.join(TARGETS)}")
+    valid = ", ".join(TARGETS)
+    for target in lora.targets:
+        require(target in TARGETS, f"{key}.targets: unknown {target!r}; valid: {valid}")
+    lacks = []
+    if components.attention != "mha":
+        lacks += ATTENTION_TARGETS
+    if not components.gated_mlp:
+        lacks += ("gate_proj",)
+    if all_experts:
+        lacks += MLP_TARGETS
+    for target in lora.targets:
+        require(
+            target not in lacks,
+            f"{key}.targets: the model has no {target} to adapt; it has "
+            + ", ".join(t for t in TARGETS if t not in lacks),
+        )
