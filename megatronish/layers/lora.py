@@ -39,6 +39,14 @@ class Lora:
         return self.alpha / self.rank
 
 
+ADAPTER_PARAMS = ("lora_A", "lora_B")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter (or stored tensor) `name` is an adapter's A or B."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
+
+
 def _adapter_params(rank: int, d_in: int, d_out: int, device, dtype) -> nn.ParameterDict:
     """lora_A [r, d_in] (peft's init: see init_adapter) and lora_B [d_out, r] zero: local
     shapes; the caller sets their roles."""

@@ -6,10 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from megatronish.config import ModelConfig
-from megatronish.layers.lora import ColumnAdapters, Lora, RowAdapter
+from megatronish.layers.lora import ColumnAdapters, Lora, RowAdapter, is_adapter
 from megatronish.model.plan import BlockPlan
-
-ADAPTER_PARAMS = ("lora_A", "lora_B")
 
 
 def _lora(model: ModelConfig) -> Lora | None:
@@ -46,4 +44,4 @@ def freeze_base(model: nn.Module) -> None:
     """Every parameter but the adapters' frozen: no gradient, so no optimizer state and no
     data-parallel reduction (both take the parameters that require a gradient)."""
     for name, param in model.named_parameters():
-        param.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTER_PARAMS)
+        param.requires_grad_(is_adapter(name))

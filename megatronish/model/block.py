@@ -49,7 +49,8 @@ class MLP(nn.Module):
         d_model = model.d_model
 
         def adapted(name: str) -> dict:
-            return dict(lora=column_adapters(model, plan, d_model, {name: d_ff}), **common)
+            # one logical matrix: d_ff units of one row
+            return dict(lora=column_adapters(model, plan, d_model, {name: 1}, d_ff), **common)
 
         if self.gated:
             self.gate = ColumnParallelLinear(d_model, d_ff, bias=bias, **adapted("gate_proj"))

@@ -1,0 +1,103 @@
+"""LoRA against peft: from the same tiny Llama (checkpoint.init_from_hf) and the same adapter
+initialization, a LoRA run (model.lora on every projection, the base frozen) follows the loss
+curve and gradient norms of transformers + peft trained by torch.optim.AdamW (adapters
+trainable, everything else frozen) on the same batches (tests/hf/curve.py), and the run at tp 2
+equals the one at tp 1. Both within the parity harness's 1e-5 relative per step
+(tests/tolerances.py: the same fp32 arithmetic in another order; the adapters add two GEMMs of
+at most 72 terms per projection, and Adam's normalized update passes their rounding on
+unamplified)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronish.data import dataset_vocab_size
+from megatronish.distributed.layout import ParallelState
+from megatronish.moe.experts import stored_tensors
+from tests.hf.curve import (
+    CURVE_STEPS,
+    LLAMA_SHAPE,
+    peft_reference,
+    reference_curve,
+    run_settings,
+    train_runs,
+)
+from tests.parity import assert_close, make_config, make_trainer, train_counted
+from tests.ranks import run_on_ranks
+from tests.tolerances import LAYOUT_CURVE_REL
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
+LORA_SETTINGS = [
+    f"model.lora.rank={LORA['rank']}",
+    f"model.lora.alpha={LORA['alpha']}",
+    f"model.lora.targets=[{','.join(TARGETS)}]",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(dataset, tmp_path_factory) -> Path:
+    """A tiny random Llama (fp32), saved with save_pretrained."""
+    path = tmp_path_factory.mktemp("lora-curve") / "llama"
+    config = transformers.LlamaConfig(
+        vocab_size=dataset_vocab_size(dataset), attn_implementation="eager", **LLAMA_SHAPE
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def curves(hf_dir, dataset) -> dict:
+    """Our tp 1 LoRA run's curve and peft's from our initial adapters (one thread each) and our
+    tp 2 run's on two ranks."""
+    settings = run_settings(hf_dir) + LORA_SETTINGS
+    cfg = make_config(1, 1, 1, settings, dataset)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+        model = trainer.model
+        adapters = {
+            name: p.detach().clone()
+            for name, p, _ in stored_tensors(model.named_parameters())
+            if p.requires_grad
+        }
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        losses, norms, _ = train_counted(trainer, CURVE_STEPS)
+        theirs = peft_reference(hf_dir, LORA, adapters)
+        decay = {name: True for name, _ in theirs.named_parameters()}  # the adapters' matrices
+        ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
+    finally:
+        torch.set_num_threads(threads)
+    tp2 = run_on_ranks(train_runs, 2, {"tp2": (2, 1, settings)}, dataset, timeout=300)
+    return dict(
+        tp1={"losses": losses, "norms": norms},
+        reference={"losses": ref_losses, "norms": ref_norms},
+        tp2=[ranks["tp2"] for ranks in tp2],
+        adapters=adapters,
+        frozen=frozen,
+    )
+
+
+def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
+    reference, ours = curves["reference"], curves["tp1"]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.1  # the adapters learn
+    assert curves["frozen"] > 0 and all(
+        n.endswith(("lora_A", "lora_B")) for n in curves["adapters"]
+    )
+    assert_close(ours["losses"], reference["losses"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+    assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+
+
+def test_a_lora_run_at_tp2_equals_the_run_at_tp1(curves):
+    for ranks in curves["tp2"]:
+        for key in ("losses", "norms"):
+            assert_close(ranks[key], curves["tp1"][key], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
