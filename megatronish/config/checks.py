@@ -40,6 +40,10 @@ def value_checks(cfg: Config) -> None:
     moe = cfg.model.moe
     all_experts = bool(moe.num_experts) and moe.every == 1 and not moe.first_k_dense
     check_lora(cfg.model.lora, cfg.model.components, all_experts)
+    require(
+        cfg.checkpoint.init_lora_from is None or cfg.model.lora is not None,
+        "checkpoint.init_lora_from: a LoRA adapter needs model.lora (its rank, alpha, targets)",
+    )
     _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(
