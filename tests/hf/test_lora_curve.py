@@ -41,10 +41,8 @@ LORA_SETTINGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_dir(dataset, tmp_path_factory) -> Path:
-    """A tiny random Llama (fp32), saved with save_pretrained."""
-    path = tmp_path_factory.mktemp("lora-curve") / "llama"
+def tiny_llama(dataset: Path, path: Path) -> Path:
+    """A tiny random Llama (fp32) on the dataset's vocabulary, saved with save_pretrained."""
     config = transformers.LlamaConfig(
         vocab_size=dataset_vocab_size(dataset), attn_implementation="eager", **LLAMA_SHAPE
     )
@@ -52,6 +50,11 @@ def hf_dir(dataset, tmp_path_factory) -> Path:
         torch.manual_seed(7)
         transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(dataset, tmp_path_factory) -> Path:
+    return tiny_llama(dataset, tmp_path_factory.mktemp("lora-curve") / "llama")
 
 
 @pytest.fixture(scope="module")
