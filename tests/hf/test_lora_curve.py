@@ -1,11 +1,11 @@
 """LoRA against peft: from the same tiny Llama (checkpoint.init_from_hf) and the same adapter
 initialization, a LoRA run (model.lora on every projection, the base frozen) follows the loss
 curve and gradient norms of transformers + peft trained by torch.optim.AdamW (adapters
-trainable, everything else frozen) on the same batches (tests/hf/curve.py), and the run at tp 2
-equals the one at tp 1. Both within the parity harness's 1e-5 relative per step
-(tests/tolerances.py: the same fp32 arithmetic in another order; the adapters add two GEMMs of
-at most 72 terms per projection, and Adam's normalized update passes their rounding on
-unamplified)."""
+trainable, everything else frozen) on the same batches (tests/hf/curve.py), and the runs at
+tp 2 and at dp 2 (ZeRO 1, 2, 3: the frozen base neither reduced nor sharded) equal the one at
+tp 1. All within the parity harness's 1e-5 relative per step (tests/tolerances.py: the same
+fp32 arithmetic in another order; the adapters add two GEMMs of at most 72 terms per
+projection, and Adam's normalized update passes their rounding on unamplified)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from tests.hf.curve import (
     peft_reference,
     reference_curve,
     run_settings,
-    train_runs,
 )
 from tests.parity import assert_close, make_config, make_trainer, train_counted
 from tests.ranks import run_on_ranks
@@ -80,11 +79,13 @@ def curves(hf_dir, dataset) -> dict:
         ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
     finally:
         torch.set_num_threads(threads)
-    tp2 = run_on_ranks(train_runs, 2, {"tp2": (2, 1, settings)}, dataset, timeout=300)
+    runs = {"tp2": (2, 1, settings)}
+    runs |= {f"dp2-zero{z}": (1, 2, settings + [f"optim.zero={z}"]) for z in (1, 2, 3)}
+    layouts = run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
     return dict(
         tp1={"losses": losses, "norms": norms},
         reference={"losses": ref_losses, "norms": ref_norms},
-        tp2=[ranks["tp2"] for ranks in tp2],
+        layouts=layouts,
         adapters=adapters,
         frozen=frozen,
     )
@@ -100,7 +101,19 @@ def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
     assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
 
 
-def test_a_lora_run_at_tp2_equals_the_run_at_tp1(curves):
-    for ranks in curves["tp2"]:
+@pytest.mark.parametrize("layout", ["tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3"])
+def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(curves, layout):
+    for ranks in curves["layouts"]:
         for key in ("losses", "norms"):
-            assert_close(ranks[key], curves["tp1"][key], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+            ours, tp1 = ranks[layout][key], curves["tp1"][key]
+            assert_close(ours, tp1, rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+
+
+def train_layouts(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
+    """The losses and gradient norms of each run {name: (tp, dp, settings)} on these ranks."""
+    curves = {}
+    for name, (tp, dp, settings) in runs.items():
+        trainer = make_trainer(make_config(tp, dp, 1, settings, dataset), world, dataset)
+        losses, norms, _ = train_counted(trainer, trainer.cfg.train.steps)
+        curves[name] = {"losses": losses, "norms": norms}
+    return curves
