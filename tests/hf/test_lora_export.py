@@ -1,6 +1,7 @@
-"""A LoRA run's adapter leaves as peft reads it and comes back: `export --format peft` gives a
-directory peft.PeftModel.from_pretrained loads over the base model with our logits, `export
---format hf --merge-lora` a merged model transformers loads with our logits, and
+"""A LoRA run resumes bit for bit, and its adapter leaves as peft reads it and comes back:
+`export --format peft` gives a directory peft.PeftModel.from_pretrained loads over the base
+model with our logits, `export --format hf --merge-lora` a merged model transformers loads with
+our logits, and
 checkpoint.init_lora_from starts a run from that adapter (its adapters equal the checkpoint's).
 Exporting a LoRA checkpoint as a plain hf model (which would drop the adapters) exits 2."""
 
@@ -21,25 +22,25 @@ from tests.tolerances import PARITY_LOGITS_ABS
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-STEPS = 2
+STEPS = 3  # saved at steps 2 and 3
 
 
 @pytest.fixture(scope="module")
 def run(dataset, tmp_path_factory) -> dict:
-    """A 2-step LoRA run from a tiny Llama, its checkpoint and its peft and merged exports."""
+    """A 3-step LoRA run from a tiny Llama, its checkpoint and its peft and merged exports."""
     root = tmp_path_factory.mktemp("lora-export")
     hf_dir = tiny_llama(dataset, root / "llama")
     sets = run_settings(hf_dir) + LORA_SETTINGS
     sets += [f"train.steps={STEPS}", f"checkpoint.dir={root / 'ckpt'}", "train.lr=0.05"]
     trainer = make_trainer(make_config(1, 1, 1, sets, dataset), 1, dataset, ParallelState.single())
-    train_counted(trainer, STEPS, save_every=STEPS)
+    losses, norms, _ = train_counted(trainer, STEPS, save_every=1)
     for args in (["--format", "peft"], ["--format", "hf", "--merge-lora"]):
         out = root / args[1]
         result = invoke_cli(
             "export", "--checkpoint", str(root / "ckpt"), "--output", str(out), *args
         )
         assert result.returncode == 0, result.stderr
-    return dict(root=root, hf=hf_dir, ckpt=root / "ckpt", sets=sets, dataset=dataset)
+    return dict(root=root, hf=hf_dir, ckpt=root / "ckpt", sets=sets, dataset=dataset, losses=losses)
 
 
 def tokens(vocab: int) -> torch.Tensor:
@@ -77,3 +78,20 @@ def test_a_plain_hf_export_of_a_lora_checkpoint_exits_2_in_one_line(run, tmp_pat
     assert result.returncode == 2
     (line,) = result.stderr.splitlines()
     assert "--merge-lora" in line and "--format peft" in line and not out.exists()
+
+
+def test_a_lora_run_resumes_bit_for_bit(run):
+    """From step 2's checkpoint (adapters, their AdamW moments and the frozen base), step 3
+    gives the same loss and the same weights as the run that went straight on."""
+    sets = run["sets"] + [
+        f"checkpoint.resume={run['ckpt'] / 'step_000002'}",
+        "checkpoint.save=false",
+    ]
+    cfg = make_config(1, 1, 1, sets, run["dataset"])
+    trainer = make_trainer(cfg, 1, run["dataset"], ParallelState.single())
+    assert trainer.step == 2
+    losses, _, _ = train_counted(trainer, STEPS)
+    assert losses == run["losses"][2:]
+    saved = load_model(run["ckpt"]).gpt.state_dict()
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param.detach(), saved[name]), name
