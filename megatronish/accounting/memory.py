@@ -64,6 +64,7 @@ from functools import partial
 from megatronish.accounting.collectives import formula_bytes_per_step
 from megatronish.accounting.components import attention_at, attention_of, mlp, norm
 from megatronish.accounting.components.moe import local_parameters, router_params
+from megatronish.accounting.lora import adapter_counts
 from megatronish.accounting.parameters import (
     local_layer_params,
     local_parameter_count,
@@ -234,6 +235,9 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     vocab = derived.padded_vocab_size // derived.tp * cfg.model.d_model
     if derived.pp > 1 and derived.last_stage_embedding and (first or last):
         outside += vocab
+    frozen = 0
+    if cfg.model.lora is not None:  # the adapters train; the frozen base is weights alone
+        frozen, (params, outside), experts = params, adapter_counts(cfg, derived, pp_rank), 0
     buffered = params - experts - outside
 
     def kept(level: int, whole_outside: bool = True) -> tuple[float, float]:
@@ -255,12 +259,12 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         head = vocab + mtp_params(cfg, derived, pp_rank) + lookups if last else 0
         gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
     fp8_params = fp8_layer_params(cfg, derived, pp_rank)
-    copies = 2 * (params - fp8_params) if bf16 else 0
+    copies = 2 * (params + frozen - fp8_params) if bf16 else 0
     casts = 2 * fp8_params  # megatronish.fp8.gemm keeps them for the step (module doc)
     fp8 = cfg.train.precision == "fp8"
     biased = cfg.model.moe.router == "sigmoid"
     return {
-        "weights": weights * 4 + copies + casts,
+        "weights": (weights + frozen) * 4 + copies + casts,
         "grads": grads * 4,
         "optimizer": state * 8,
         "buffers": stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * 4 * biased,

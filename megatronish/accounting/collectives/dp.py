@@ -36,6 +36,7 @@ from megatronish.accounting.collectives.step import (
 from megatronish.accounting.components.embedding import position_params
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.components.norm import weights as norm_weights
+from megatronish.accounting.lora import adapter_counts
 from megatronish.accounting.parameters import (
     local_parameter_count,
     tp_summed_grad_count,
@@ -51,7 +52,7 @@ def dp_collectives(step: Step) -> list[Collective]:
         ops = _zero(step)
     else:
         experts, edp = _expert_bytes(step), _edp(step)
-        dense = local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts
+        dense = _trained_bytes(step) - experts
         ops = [
             _dp("data-parallel gradient average", "all_reduce", dp, _wire(step, dense), 1, GRAD),
             _dp(
@@ -83,8 +84,18 @@ def _edp(step: Step) -> int:
     return step.dp_cp // step.derived.ep
 
 
+def _trained_bytes(step: Step) -> int:
+    """The stage's parameters on this rank that train, fp32: under model.lora its adapters
+    alone (accounting.lora: the frozen base sends nothing), else all."""
+    if step.cfg.model.lora is not None:
+        return adapter_counts(step.cfg, step.derived, step.pp_rank)[0] * FP32_BYTES
+    return local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
+
+
 def _expert_bytes(step: Step) -> int:
-    """The stage's expert parameters on this rank, fp32."""
+    """The stage's trained expert parameters on this rank, fp32 (none under model.lora)."""
+    if step.cfg.model.lora is not None:
+        return 0
     return step.moe_layers * local_parameters(step.cfg, step.derived, True) * FP32_BYTES
 
 
@@ -92,6 +103,8 @@ def _outside_bytes(step: Step) -> int:
     """The parameters outside ZeRO's gradient buffer (summed over tp or the embedding group
     first), fp32: whole parameters, all-reduced and broadcast by their owners."""
     derived = step.derived
+    if step.cfg.model.lora is not None:  # the adapters summed over tp first
+        return adapter_counts(step.cfg, derived, step.pp_rank)[1] * FP32_BYTES
     outside = tp_summed_grad_count(step.cfg, derived, step.pp_rank) * FP32_BYTES
     if derived.pp > 1 and derived.last_stage_embedding and (step.first or step.last):
         outside += derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
@@ -104,9 +117,7 @@ def _zero(step: Step) -> list[Collective]:
     ``zero3_gathers``); the parameters outside it all-reduced and broadcast; the shards' norms."""
     zero, dp, edp = step.cfg.optim.zero, step.dp_cp, _edp(step)
     experts, outside = _expert_bytes(step), _outside_bytes(step)
-    dense = (
-        local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts - outside
-    )
+    dense = _trained_bytes(step) - experts - outside
     ops = []
     if outside:
         what = "gradients outside the buffer: average"
