@@ -117,7 +117,9 @@ class ColumnAdapters(nn.Module):
 
 
 class RowAdapter(nn.Module):
-    """The adapter of a row-parallel layer [out, in]: A split with the base columns, B whole."""
+    """The adapter of a row-parallel layer [out, in]: A split with the base columns, B whole.
+    Its input dropout draws from `tracker`'s tensor-parallel stream (the input differs per tp
+    rank; a column layer's adapters take the default stream, their input being replicated)."""
 
     def __init__(
         self,
@@ -126,12 +128,14 @@ class RowAdapter(nn.Module):
         d_out: int,
         group,
         sequence_parallel: bool,
+        tracker=None,
         *,
         device=None,
         dtype=None,
     ):
         super().__init__()
         self.lora, self.group, self.sequence_parallel = lora, group, sequence_parallel
+        self.tracker = tracker
         tp, rank = comm.group_size(group), lora.rank
         self.adapter = _adapter_params(rank, d_in // tp, d_out, device, dtype)
         set_role(self.adapter["lora_A"], tp_split_dim=1, full_shape=(rank, d_in))
@@ -140,8 +144,13 @@ class RowAdapter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in / t] -> [b, s(/t), out]: A x summed over the group, then B."""
-        hidden = _down(x, self.adapter["lora_A"], self.lora, self.training)  # partial [b, s, r]
-        if comm.group_size(self.group) > 1:
+        parallel = comm.group_size(self.group) > 1
+        if parallel and self.lora.dropout and self.training and self.tracker is not None:
+            with self.tracker.fork():
+                hidden = _down(x, self.adapter["lora_A"], self.lora, self.training)
+        else:
+            hidden = _down(x, self.adapter["lora_A"], self.lora, self.training)  # [b, s, r] partial
+        if parallel:
             if self.sequence_parallel:
                 hidden = mappings.reduce_scatter_to_sequence_parallel_region(hidden, self.group)
             else:

@@ -37,7 +37,8 @@ def row_adapter(
     lora = _lora(model)
     if lora is None or name not in model.lora.targets:
         return None
-    return RowAdapter(lora, d_in, d_out, plan.ps.tp_group, plan.linear_sequence_parallel)
+    group, sp = plan.ps.tp_group, plan.linear_sequence_parallel
+    return RowAdapter(lora, d_in, d_out, group, sp, plan.tracker)
 
 
 def freeze_base(model: nn.Module) -> None:

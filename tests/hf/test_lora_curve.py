@@ -33,6 +33,7 @@ pytest.importorskip("peft")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
+ZERO_STEPS = 5
 LORA_SETTINGS = [
     f"model.lora.rank={LORA['rank']}",
     f"model.lora.alpha={LORA['alpha']}",
@@ -79,8 +80,10 @@ def curves(hf_dir, dataset) -> dict:
         ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
     finally:
         torch.set_num_threads(threads)
-    runs = {"tp2": (2, 1, settings)}
-    runs |= {f"dp2-zero{z}": (1, 2, settings + [f"optim.zero={z}"]) for z in (1, 2, 3)}
+    runs = {"tp2": (2, 1, settings, CURVE_STEPS)}
+    # the first steps of the 20-step schedule: a ZeRO level that mishandles the frozen base
+    # differs from the first step on
+    runs |= {f"dp2-zero{z}": (1, 2, settings + [f"optim.zero={z}"], ZERO_STEPS) for z in (1, 2, 3)}
     layouts = run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
     return dict(
         tp1={"losses": losses, "norms": norms},
@@ -105,15 +108,17 @@ def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
 def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(curves, layout):
     for ranks in curves["layouts"]:
         for key in ("losses", "norms"):
-            ours, tp1 = ranks[layout][key], curves["tp1"][key]
-            assert_close(ours, tp1, rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+            ours = ranks[layout][key]
+            tp1 = curves["tp1"][key][: len(ours)]
+            assert_close(ours, tp1, rel=LAYOUT_CURVE_REL, steps=len(tp1))
 
 
 def train_layouts(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
-    """The losses and gradient norms of each run {name: (tp, dp, settings)} on these ranks."""
+    """The losses and gradient norms of each run {name: (tp, dp, settings, steps to train)} on
+    these ranks."""
     curves = {}
-    for name, (tp, dp, settings) in runs.items():
+    for name, (tp, dp, settings, steps) in runs.items():
         trainer = make_trainer(make_config(tp, dp, 1, settings, dataset), world, dataset)
-        losses, norms, _ = train_counted(trainer, trainer.cfg.train.steps)
+        losses, norms, _ = train_counted(trainer, steps)
         curves[name] = {"losses": losses, "norms": norms}
     return curves
