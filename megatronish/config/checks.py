@@ -37,9 +37,7 @@ def value_checks(cfg: Config) -> None:
     check_attention(cfg)
     check_layer_types(cfg)
     check_partial_rotary(cfg)
-    moe = cfg.model.moe
-    all_experts = bool(moe.num_experts) and moe.every == 1 and not moe.first_k_dense
-    check_lora(cfg.model.lora, cfg.model.components, all_experts)
+    check_lora(cfg.model.lora, cfg.model.components, cfg.model.moe.num_experts > 0)
     require(
         cfg.checkpoint.init_lora_from is None or cfg.model.lora is not None,
         "checkpoint.init_lora_from: a LoRA adapter needs model.lora (its rank, alpha, targets)",

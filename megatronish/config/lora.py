@@ -28,13 +28,19 @@ class LoraConfig:
     the base projection is fused). Every other weight is frozen."""
 
 
-def check_lora(lora: LoraConfig | None, components: BlockComponents, all_experts: bool) -> None:
-    """model.lora: its sizes in range and its targets projections the model has (the dense
-    attention's, the gated MLP's; not multi-head latent attention's nor experts'). all_experts:
-    every block's MLP is a mixture of experts."""
+def check_lora(lora: LoraConfig | None, components: BlockComponents, experts: bool) -> None:
+    """model.lora: a llama-style family (gpt2 names its projections otherwise), its sizes in
+    range and its targets projections the model adapts as peft does: the dense attention's (not
+    a query projection that also gives output gates, nor latent attention's) and the dense
+    gated MLP's (not in a model with experts: peft's targets would take the experts' too)."""
     if lora is None:
         return
     key = "model.lora"
+    require(
+        components.positions == "rope",
+        f"{key}: gpt2's projections are c_attn, c_proj and c_fc; LoRA takes the llama-style "
+        "families (llama, mistral, qwen2, qwen3 ...)",
+    )
     require(lora.rank > 0, f"{key}.rank: {lora.rank} is not valid; must be > 0")
     require(lora.alpha > 0, f"{key}.alpha: {lora.alpha} is not valid; must be > 0")
     require(0 <= lora.dropout < 1, f"{key}.dropout: {lora.dropout} is not valid; must be in [0, 1)")
@@ -45,13 +51,13 @@ def check_lora(lora: LoraConfig | None, components: BlockComponents, all_experts
     lacks = []
     if components.attention != "mha":
         lacks += ATTENTION_TARGETS
-    if not components.gated_mlp:
-        lacks += ("gate_proj",)
-    if all_experts:
+    if components.attention_gate:
+        lacks += ("q_proj",)
+    if experts or not components.gated_mlp:
         lacks += MLP_TARGETS
     for target in lora.targets:
         require(
             target not in lacks,
-            f"{key}.targets: the model has no {target} to adapt; it has "
+            f"{key}.targets: {target} is not a projection LoRA adapts in this model; valid: "
             + ", ".join(t for t in TARGETS if t not in lacks),
         )

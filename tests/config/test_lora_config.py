@@ -8,6 +8,7 @@ from tests.conftest import CONFIGS, invoke_cli
 
 LLAMA = str(CONFIGS / "tiny-qwen3.yaml")
 GPT2 = str(CONFIGS / "tiny.yaml")
+MOE = str(CONFIGS / "tiny-qwen3-moe.yaml")
 
 
 @pytest.mark.parametrize(
@@ -16,10 +17,15 @@ GPT2 = str(CONFIGS / "tiny.yaml")
         (LLAMA, ["model.lora.rank=0"], "model.lora.rank: 0 is not valid; must be > 0"),
         (LLAMA, ["model.lora.alpha=0"], "model.lora.alpha: 0.0 is not valid; must be > 0"),
         (LLAMA, ["model.lora.targets=[q_proj,c_attn]"], "unknown 'c_attn'; valid: q_proj"),
-        (GPT2, ["model.lora.targets=[gate_proj]"], "the model has no gate_proj to adapt"),
+        (
+            MOE,
+            ["model.lora.targets=[gate_proj]"],
+            "gate_proj is not a projection LoRA adapts in this model",
+        ),
+        (GPT2, ["model.lora.rank=8"], "model.lora: gpt2's projections are c_attn"),
         (LLAMA, ["checkpoint.init_lora_from=adapter"], "checkpoint.init_lora_from: a LoRA"),
     ],
-    ids=["rank", "alpha", "unknown-target", "target-the-model-lacks", "adapter-without-lora"],
+    ids=["rank", "alpha", "unknown-target", "target-the-model-lacks", "gpt2", "adapter-no-lora"],
 )
 def test_a_bad_lora_setting_exits_2_in_one_line_naming_the_key(config, settings, needle):
     sets = [arg for setting in settings for arg in ("--set", setting)]
