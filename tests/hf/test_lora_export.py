@@ -95,3 +95,14 @@ def test_a_lora_run_resumes_bit_for_bit(run):
     saved = load_model(run["ckpt"]).gpt.state_dict()
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param.detach(), saved[name]), name
+
+
+def test_an_adapter_of_another_rank_is_a_user_error_naming_both(run):
+    from megatronish.errors import UserError
+
+    adapter = run["root"] / "peft"
+    sets = run["sets"][:-3] + [f"checkpoint.init_lora_from={adapter}", "model.lora.rank=8"]
+    sets += [f"checkpoint.dir={run['root'] / 'other-rank'}"]
+    cfg = make_config(1, 1, 1, sets, run["dataset"])
+    with pytest.raises(UserError, match="checkpoint.init_lora_from: .* has r 4, model.lora 8"):
+        make_trainer(cfg, 1, run["dataset"], ParallelState.single())
