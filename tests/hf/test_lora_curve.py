@@ -2,10 +2,11 @@
 initialization, a LoRA run (model.lora on every projection, the base frozen) follows the loss
 curve and gradient norms of transformers + peft trained by torch.optim.AdamW (adapters
 trainable, everything else frozen) on the same batches (tests/hf/curve.py), and the runs at
-tp 2 and at dp 2 (ZeRO 1, 2, 3: the frozen base neither reduced nor sharded) equal the one at
-tp 1. All within the parity harness's 1e-5 relative per step (tests/tolerances.py: the same
-fp32 arithmetic in another order; the adapters add two GEMMs of at most 72 terms per
-projection, and Adam's normalized update passes their rounding on unamplified)."""
+tp 2 and at dp 2 (ZeRO 1, 2, 3: the frozen base neither reduced nor sharded), and at tp 2 from
+the tp 1 run's checkpoint of step 10, equal the one at tp 1. All within the parity harness's
+1e-5 relative per step (tests/tolerances.py: the same fp32 arithmetic in another order; the
+adapters add two GEMMs of at most 72 terms per projection, and Adam's normalized update passes
+their rounding on unamplified)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ pytest.importorskip("peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
 ZERO_STEPS = 5
+RESUME_AT = 10
 LORA_SETTINGS = [
     f"model.lora.rank={LORA['rank']}",
     f"model.lora.alpha={LORA['alpha']}",
@@ -58,11 +60,12 @@ def hf_dir(dataset, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def curves(hf_dir, dataset) -> dict:
+def curves(hf_dir, dataset, tmp_path_factory) -> dict:
     """Our tp 1 LoRA run's curve and peft's from our initial adapters (one thread each) and our
     tp 2 run's on two ranks."""
     settings = run_settings(hf_dir) + LORA_SETTINGS
-    cfg = make_config(1, 1, 1, settings, dataset)
+    saved = tmp_path_factory.mktemp("lora-ckpt")
+    cfg = make_config(1, 1, 1, settings + [f"checkpoint.dir={saved}"], dataset)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -74,13 +77,17 @@ def curves(hf_dir, dataset) -> dict:
             if p.requires_grad
         }
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        losses, norms, _ = train_counted(trainer, CURVE_STEPS)
+        losses, norms, _ = train_counted(trainer, CURVE_STEPS, save_every=RESUME_AT)
         theirs = peft_reference(hf_dir, LORA, adapters)
         decay = {name: True for name, _ in theirs.named_parameters()}  # the adapters' matrices
         ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
     finally:
         torch.set_num_threads(threads)
     runs = {"tp2": (2, 1, settings, CURVE_STEPS)}
+    # the tp 1 checkpoint of step RESUME_AT (adapters, their AdamW state, the frozen base)
+    # resharded to tp 2 and trained on
+    resume = [f"checkpoint.resume={saved / f'step_{RESUME_AT:06d}'}", "checkpoint.save=false"]
+    runs["tp2-resumed"] = (2, 1, settings + resume, CURVE_STEPS)
     # the first steps of the 20-step schedule: a ZeRO level that mishandles the frozen base
     # differs from the first step on
     runs |= {f"dp2-zero{z}": (1, 2, settings + [f"optim.zero={z}"], ZERO_STEPS) for z in (1, 2, 3)}
@@ -104,12 +111,13 @@ def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
     assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2-resumed"])
 def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(curves, layout):
     for ranks in curves["layouts"]:
         for key in ("losses", "norms"):
             ours = ranks[layout][key]
-            tp1 = curves["tp1"][key][: len(ours)]
+            start = RESUME_AT if layout.endswith("resumed") else 0
+            tp1 = curves["tp1"][key][start : start + len(ours)]
             assert_close(ours, tp1, rel=LAYOUT_CURVE_REL, steps=len(tp1))
 
 
