@@ -61,8 +61,8 @@ def hf_dir(dataset, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def curves(hf_dir, dataset, tmp_path_factory) -> dict:
-    """Our tp 1 LoRA run's curve and peft's from our initial adapters (one thread each) and our
-    tp 2 run's on two ranks."""
+    """Our tp 1 LoRA run's curve (its checkpoint of step RESUME_AT kept) and peft's from our
+    initial adapters, one thread each."""
     settings = run_settings(hf_dir) + LORA_SETTINGS
     saved = tmp_path_factory.mktemp("lora-ckpt")
     cfg = make_config(1, 1, 1, settings + [f"checkpoint.dir={saved}"], dataset)
@@ -83,6 +83,20 @@ def curves(hf_dir, dataset, tmp_path_factory) -> dict:
         ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
     finally:
         torch.set_num_threads(threads)
+    return dict(
+        tp1={"losses": losses, "norms": norms},
+        reference={"losses": ref_losses, "norms": ref_norms},
+        adapters=adapters,
+        frozen=frozen,
+        settings=settings,
+        saved=saved,
+    )
+
+
+@pytest.fixture(scope="module")
+def layouts(curves, dataset) -> list[dict]:
+    """Each rank's curves of the other layouts, in one 2-rank run."""
+    settings, saved = curves["settings"], curves["saved"]
     runs = {"tp2": (2, 1, settings, CURVE_STEPS)}
     # the tp 1 checkpoint of step RESUME_AT (adapters, their AdamW state, the frozen base)
     # resharded to tp 2 and trained on
@@ -91,14 +105,7 @@ def curves(hf_dir, dataset, tmp_path_factory) -> dict:
     # the first steps of the 20-step schedule: a ZeRO level that mishandles the frozen base
     # differs from the first step on
     runs |= {f"dp2-zero{z}": (1, 2, settings + [f"optim.zero={z}"], ZERO_STEPS) for z in (1, 2, 3)}
-    layouts = run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
-    return dict(
-        tp1={"losses": losses, "norms": norms},
-        reference={"losses": ref_losses, "norms": ref_norms},
-        layouts=layouts,
-        adapters=adapters,
-        frozen=frozen,
-    )
+    return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
 
 
 def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
@@ -111,9 +118,12 @@ def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
     assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
 
 
+@pytest.mark.slow  # a 2-rank run
 @pytest.mark.parametrize("layout", ["tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2-resumed"])
-def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(curves, layout):
-    for ranks in curves["layouts"]:
+def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
+    curves, layouts, layout
+):
+    for ranks in layouts:
         for key in ("losses", "norms"):
             ours = ranks[layout][key]
             start = RESUME_AT if layout.endswith("resumed") else 0
