@@ -1,5 +1,5 @@
 """Prints the config reference of docs/config.md (a Markdown table per section) from the field
-declarations and docstrings in megatronish/config/ (model_schema.py, schema.py), so the two
+declarations and docstrings in megatronish/config/ (model_schema.py, lora.py, schema.py), so the two
 never disagree; `--write` puts it into docs/config.md between its markers.
 
     python scripts/config_reference.py [--write]
@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "megatronish" / "config" / name for name in ("model_schema.py", "schema.py")]
+SOURCES = [
+    ROOT / "megatronish" / "config" / name for name in ("model_schema.py", "lora.py", "schema.py")
+]
 DOCS = ROOT / "docs" / "config.md"
 START, END = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
 SECTIONS = {
@@ -21,6 +23,7 @@ SECTIONS = {
     "RopeScalingConfig": "model.rope_scaling",
     "MoEConfig": "model.moe",
     "MLAConfig": "model.mla",
+    "LoraConfig": "model.lora",
     "ParallelConfig": "parallel",
     "TrainConfig": "train",
     "OptimConfig": "optim",

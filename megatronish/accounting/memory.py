@@ -76,6 +76,7 @@ from megatronish.accounting.components import (
     norm,
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
+from megatronish.accounting.lora import adapter_counts
 from megatronish.accounting.muon import local_elements, stage_matrices, whole_under_zero
 from megatronish.accounting.parameters import (
     local_layer_params,
@@ -253,6 +254,9 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         outside += vocab
     dense_whole, expert_whole = whole_under_zero(cfg, derived, pp_rank)  # Muon's, under ZeRO
     outside += dense_whole
+    frozen = 0
+    if cfg.model.lora is not None:  # the adapters train; the frozen base is weights alone
+        frozen, (params, outside), experts = params, adapter_counts(cfg, derived, pp_rank), 0
     buffered = params - experts - outside
 
     def kept(level: int, whole_outside: bool = True) -> tuple[float, float]:
@@ -279,12 +283,12 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     muon = local_elements(stage_matrices(cfg, derived, pp_rank), derived.tp)
     if zero:  # each rank keeps the momentum of the matrices it owns
         muon = dense_whole / dp + expert_whole / edp
-    copies = 2 * (params - fp8_params) if bf16 else 0
+    copies = 2 * (params + frozen - fp8_params) if bf16 else 0
     casts = 2 * fp8_params  # megatronish.fp8.gemm keeps them for the step (module doc)
     fp8 = cfg.train.precision == "fp8"
     biased = cfg.model.moe.router == "sigmoid"
     return {
-        "weights": weights * 4 + copies + casts,
+        "weights": (weights + frozen) * 4 + copies + casts,
         "grads": grads * 4,
         "optimizer": state * 8 - muon * 4,  # Muon: one fp32 momentum, AdamW two moments
         "buffers": stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * 4 * biased,

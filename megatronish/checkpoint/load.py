@@ -13,18 +13,28 @@ from megatronish.checkpoint.reader import Checkpoint
 from megatronish.config import Config
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
+from megatronish.layers.lora import is_adapter
 from megatronish.moe.experts import is_expert, stored_tensors
 
 
 @torch.no_grad()
-def restore_model(source, model: nn.Module) -> None:
+def restore_model(source, model: nn.Module, part: str = "all") -> None:
     """Copies every parameter's block for this rank (model.derived.tp, model.ps.tp_rank) from a
     Checkpoint or FullTensors, after checking that the saved shapes fit the model (the whole
-    model: every rank of a pipeline checks every stage's parameters)."""
-    source.check_compatible(all_stage_specs(model, model.ps))
+    model: every rank of a pipeline checks every stage's parameters). part: all, base (the
+    source is a base model: the LoRA adapters, layers.lora, left as they are) or adapters (the
+    source holds the adapters alone)."""
+
+    def wanted_here(name: str) -> bool:
+        return part == "all" or is_adapter(name) == (part == "adapters")
+
+    specs = all_stage_specs(model, model.ps)
+    source.check_compatible({n: s for n, s in specs.items() if wanted_here(n)})
     wanted = model_specs(model)
     tp, tp_rank = model.derived.tp, model.ps.tp_rank
     for name, param, index in stored_tensors(model.named_parameters()):
+        if not wanted_here(name):
+            continue
         target = param if index is None else param[index]
         target.copy_(source.block(name, "param", wanted[name], tp, tp_rank))
 

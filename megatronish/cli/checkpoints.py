@@ -89,16 +89,29 @@ def convert(checkpoint_path, tp, output):
 
 @click.command()
 @checkpoint_option
-@click.option("--format", "fmt", type=click.Choice(["hf"]), default="hf", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["hf", "peft"]), default="hf", show_default=True)
 @click.option("--output", required=True, help="Directory to write.")
+@click.option("--merge-lora", is_flag=True, help="hf: the LoRA adapters merged into the weights.")
 @user_errors
-def export(checkpoint_path, fmt, output):
+def export(checkpoint_path, fmt, output, merge_lora):
     """A Hugging Face directory (config.json + model.safetensors) that transformers loads as the
     model's family: GPT-2, Llama 2/3.x, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE, Qwen3.5,
-    Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3, Gemma 3 or GPT-OSS (its experts unquantized)."""
-    from megatronish.hf.exporter import export_hf
+    Qwen3.5-MoE, Qwen3-Next, DeepSeek-V3, Gemma 3 or GPT-OSS (its experts unquantized); of a
+    LoRA run (model.lora) with --merge-lora, or
+    with --format peft its adapter, which peft.PeftModel.from_pretrained loads."""
+    from megatronish.errors import UserError
 
-    for line in export_hf(checkpoint_path, output):
+    if fmt == "peft":
+        if merge_lora:
+            raise UserError("--merge-lora: only with --format hf (peft writes the adapter alone)")
+        from megatronish.hf.exporter import export_peft
+
+        lines = export_peft(checkpoint_path, output)
+    else:
+        from megatronish.hf.exporter import export_hf
+
+        lines = export_hf(checkpoint_path, output, merge_lora)
+    for line in lines:
         click.echo(line)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatronish.config.degrees import with_valid_values
+from megatronish.config.lora import check_lora
 from megatronish.config.model_checks import (
     check_attention,
     check_layer_types,
@@ -40,6 +41,11 @@ def value_checks(cfg: Config) -> None:
     check_partial_rotary(cfg)
     check_score_options(cfg)
     check_optimizer(cfg)
+    check_lora(cfg.model.lora, cfg.model.components, cfg.model.moe.num_experts > 0)
+    require(
+        cfg.checkpoint.init_lora_from is None or cfg.model.lora is not None,
+        "checkpoint.init_lora_from: a LoRA adapter needs model.lora (its rank, alpha, targets)",
+    )
     _check_fp8_keys(cfg.train)
     observe = cfg.observe
     require(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatronish.config.components import AttentionKind, BlockComponents
+from megatronish.config.lora import LoraConfig
 from megatronish.config.presets import components_of
 
 
@@ -238,6 +239,9 @@ class ModelConfig:
     """Linear-attention value heads (each with its own state, decay and beta): a multiple of
     linear_num_key_heads (each query-key head serves that many consecutive value heads),
     divisible by parallel.tp."""
+    lora: LoraConfig | None = None
+    """null: every weight trains. Otherwise low-rank adapters (LoRA) on the projections of
+    model.lora.targets, every other weight frozen; see model.lora.*."""
 
     @property
     def components(self) -> BlockComponents:

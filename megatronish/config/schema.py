@@ -246,6 +246,10 @@ class CheckpointConfig:
     differs from the checkpoint's is an error)."""
     init_from_hf: str | None = None
     """A Hugging Face model directory (config.json + model.safetensors) to start from."""
+    init_lora_from: str | None = None
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, peft's names)
+    whose adapters a fresh model.lora run starts from (its r, lora_alpha and target_modules
+    those of model.lora)."""
     async_: bool = False
     """Save in the background (the key is `async`): training waits only while the state is
     copied (to pinned host memory on a GPU, a private copy on a CPU, kept for the next save);

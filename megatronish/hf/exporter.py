@@ -18,13 +18,22 @@ from megatronish.config import Config, Derived, derive
 from megatronish.files import follow_umask, nothing_left_on_failure, write_failures, write_file
 from megatronish.hf.family import HEAD
 from megatronish.hf.files import CONFIG_JSON, WEIGHTS, json_bytes
+from megatronish.hf.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_config,
+    lora_adapters,
+    merge_adapters,
+    to_peft_name,
+)
 from megatronish.hf.registry import family_of_model
 from megatronish.hf.tokenizer import write_tokenizer
 from megatronish.paths import require_new_output_dir
 
 
-def export_hf(checkpoint: str, output: str) -> list[str]:
-    """Writes checkpoint `checkpoint` as a Hugging Face directory; returns lines to print."""
+def export_hf(checkpoint: str, output: str, merge_lora: bool = False) -> list[str]:
+    """Writes checkpoint `checkpoint` as a Hugging Face directory, a LoRA run's with its
+    adapters merged (merge_lora, required for one); returns lines to print."""
     out = require_new_output_dir(output, "--output")
     ckpt = Checkpoint(checkpoint)
     cfg = inference_config(ckpt.config, ckpt.vocab_size, 1)
@@ -33,9 +42,12 @@ def export_hf(checkpoint: str, output: str) -> list[str]:
     config = family.config_json(cfg, derived)  # a model the family cannot express fails here
     info = ckpt.meta.get("tokenizer")
     ckpt.check_in_background()  # every file, while the tensors are read
-    ours = {name: ckpt.full(name).float() for name in ckpt.specs}
+    adapters = lora_adapters(ckpt, "--merge-lora" if merge_lora else None)
+    ours = {name: ckpt.full(name).float() for name in ckpt.specs if name not in adapters}
     ckpt.verify()
     tensors = hf_tensors(cfg, derived, ours)
+    if adapters:
+        merge_adapters(tensors, adapters, cfg)
     config["tie_word_embeddings"] = derived.tie_embeddings
     eot_id = info["eot_id"] if info else None
     if eot_id is not None:
@@ -47,7 +59,7 @@ def export_hf(checkpoint: str, output: str) -> list[str]:
     with nothing_left_on_failure(out, tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        _write_weights(tensors, tmp / WEIGHTS)
+        write_weights(tensors, tmp / WEIGHTS)
         lines.append(write_tokenizer(ckpt, tmp, config, cfg.model.max_seq_len))
         write_file(tmp / CONFIG_JSON, json_bytes(config))
         os.rename(tmp, out)  # replaces an empty `out` (rename(2))
@@ -67,7 +79,27 @@ def hf_tensors(
     return {name: t.contiguous() for name, t in tensors.items()}
 
 
-def _write_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def export_peft(checkpoint: str, output: str) -> list[str]:
+    """Writes a LoRA checkpoint's adapters as a PEFT adapter directory, whole or not at all;
+    returns lines to print."""
+    out = require_new_output_dir(output, "--output")
+    ckpt = Checkpoint(checkpoint)
+    cfg = inference_config(ckpt.config, ckpt.vocab_size, 1)
+    adapters = lora_adapters(ckpt, "--format peft")
+    ckpt.verify()
+    tensors = {to_peft_name(name): t.contiguous() for name, t in adapters.items()}
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    with nothing_left_on_failure(out, tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_weights(tensors, tmp / ADAPTER_WEIGHTS)
+        write_file(tmp / ADAPTER_CONFIG, json_bytes(adapter_config(cfg)))
+        os.rename(tmp, out)
+    count = sum(t.numel() for t in tensors.values())
+    return [f"wrote a LoRA adapter ({count:,} parameters, rank {cfg.model.lora.rank}) to {out}"]
+
+
+def write_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """tensors as one safetensors file (save_file writes them from their own memory: no second
     copy of the model), as readable as the user's files. A write the system refuses, which
     safetensors reports as its own error ending "(os error N)", is write_failures' one line

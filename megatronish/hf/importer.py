@@ -235,7 +235,7 @@ def init_from_hf(
     notes: list[str] = []
     fields, source = read_hf(hf_dir, notes)
     check_hf_matches(fields, cfg, derived, Path(hf_dir))
-    restore_model(source, model)
+    restore_model(source, model, part="base")
     if main_process:
         _print_notes(notes)
 

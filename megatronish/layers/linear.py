@@ -30,6 +30,7 @@ from megatronish.fp8 import (
 )
 from megatronish.layers import mappings, overlap
 from megatronish.layers.formats import to_autocast_dtype
+from megatronish.layers.lora import ColumnAdapters, RowAdapter
 from megatronish.layers.plan import PLAIN, LinearPlan, numeric_format
 from megatronish.layers.roles import role, set_role
 
@@ -158,7 +159,8 @@ def shared_input_linears(
     if len(settings) > 1:
         raise ValueError("shared_input_linears: the layers differ in group, sp or plan")
     x, group, plan = to_autocast_dtype(x), first.tp_group, first.plan
-    if first.sequence_parallel and plan.overlap:
+    adapted = any(layer.lora is not None for layer in layers)
+    if first.sequence_parallel and plan.overlap and not adapted:
         weights, biases = [layer.weight for layer in layers], [None] * len(layers)
         recipe, tokens = plan.recipe, plan.tokens
         return list(
@@ -178,7 +180,8 @@ class ColumnParallelLinear(nn.Module):
     format and communication schedule (megatronish.layers.plan). out_parts: the rows of each
     logical matrix fused in the weight, per repeating unit of its rows (the attention's q, k and
     v per key-value group; megatronish.fp8.parts): fp8 scales along the rows are taken per
-    matrix."""
+    matrix. lora: its adapters (megatronish.layers.lora; the base weights frozen): the input is
+    then copied (gathered) into the tp region once for base and adapters, and both run there."""
 
     def __init__(
         self,
@@ -195,6 +198,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
         out_parts: tuple[int, ...] | None = None,
         plan: LinearPlan = PLAIN,
+        lora: ColumnAdapters | None = None,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -218,21 +222,27 @@ class ColumnParallelLinear(nn.Module):
             mark_parallel(self.bias, 0, (out_features,))
         else:
             self.register_parameter("bias", None)
+        self.lora = lora
 
     def forward(self, x: torch.Tensor, add_bias: bool | None = None) -> torch.Tensor:
         """add_bias: whether the bias goes into the matmul (default: unless skip_bias_add)."""
         if add_bias is None:
             add_bias = not self.skip_bias_add
         bias = self.bias if add_bias else None
-        out = column_parallel_linear(
-            x,
-            self.weight,
-            bias,
-            self.tp_group,
-            self.sequence_parallel,
-            self.plan,
-            self.out_parts,
-        )
+        if self.lora is not None:
+            x = mappings.to_tensor_parallel_region(x, self.tp_group, self.sequence_parallel)
+            out = self.local(to_autocast_dtype(x))
+            out = out if bias is None else out + bias
+        else:
+            out = column_parallel_linear(
+                x,
+                self.weight,
+                bias,
+                self.tp_group,
+                self.sequence_parallel,
+                self.plan,
+                self.out_parts,
+            )
         if self.gather_output:
             out = mappings.gather_from_tensor_parallel_region(out, self.tp_group)
         return out
@@ -240,9 +250,10 @@ class ColumnParallelLinear(nn.Module):
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, in], already in the tensor-parallel region (copied or gathered there by the
         caller), times this rank's weight: [b, s, out / t], no bias, no collective of
-        activations."""
+        activations; plus its adapters' output."""
         split = Split(self.tp_group, "out", self.plan.tokens, self.out_parts)
-        return local_linear(x, self.weight, None, self.plan.recipe, split)
+        out = local_linear(x, self.weight, None, self.plan.recipe, split)
+        return out if self.lora is None else out + self.lora(x)
 
     def extra_repr(self) -> str:
         return (
@@ -255,7 +266,8 @@ class RowParallelLinear(nn.Module):
     """Linear layer whose input features are split over the tp group. Forward all-reduces the
     partial outputs (reduce-scatters them along the sequence with sequence_parallel); the bias
     is replicated and added once, after the reduction. plan: its numeric format and
-    communication schedule (megatronish.layers.plan)."""
+    communication schedule (megatronish.layers.plan). lora: its adapter
+    (megatronish.layers.lora; the base weights frozen), added before the bias."""
 
     def __init__(
         self,
@@ -270,6 +282,7 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         plan: LinearPlan = PLAIN,
+        lora: RowAdapter | None = None,
     ):
         super().__init__()
         self.tp_group = tp_group
@@ -293,14 +306,20 @@ class RowParallelLinear(nn.Module):
             set_role(self.bias, sequence_parallel_grad=sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        self.lora = lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1 and not self.input_is_parallel:
+            x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
+        out = self._base(x)
+        return out if self.lora is None else out + self.lora(x)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, in / t] (parallel) times the weight, reduced over the group, plus the bias."""
         recipe, tokens = self.plan.recipe, self.plan.tokens
         split = Split(self.tp_group, "in", tokens)
         if self.tp_size == 1:
             return local_linear(x, self.weight, self.bias, recipe, split)
-        if not self.input_is_parallel:
-            x = mappings.scatter_to_tensor_parallel_region(x, self.tp_group)
         if self.plan.overlap:  # the GEMM decomposed under its reduction (layers.overlap)
             group, sp = self.tp_group, self.sequence_parallel
             out = overlap.reduced_linear(x, self.weight, group, sp, recipe, tokens)

@@ -26,6 +26,7 @@ from megatronish.layers.linear import (
     RowParallelLinear,
     mark_parallel,
 )
+from megatronish.model.adapters import column_adapters, row_adapter
 from megatronish.model.norm import Norm
 from megatronish.model.plan import BlockPlan
 from megatronish.model.recompute import checkpoint
@@ -129,6 +130,9 @@ class Attention(nn.Module):
         qkv_out = (model.n_head + gates * derived.n_kv_head + 2 * derived.n_kv_head) * self.head_dim
         query = self.heads_per_group * self.head_dim
         parts = (query, query) if self.gated else (query,)
+        # the adapters' logical parts per kv group (a gated query's gates get none)
+        named = {"q_proj": query} | ({"q_gate": query} if self.gated else {})
+        named |= {"k_proj": self.head_dim, "v_proj": self.head_dim}
         self.qkv = ColumnParallelLinear(
             model.d_model,
             qkv_out,
@@ -139,6 +143,7 @@ class Attention(nn.Module):
             plan=plan.linear,
             # per key-value group: its query heads, (their gates,) its key head, its value head
             out_parts=(*parts, self.head_dim, self.head_dim),
+            lora=column_adapters(model, plan, model.d_model, named, derived.n_kv_head),
         )
         self.q_norm = self.k_norm = None
         if model.qk_norm:  # each rank normalizes its own heads: its gradient is summed over tp
@@ -153,6 +158,7 @@ class Attention(nn.Module):
             tp_group=group,
             init_method=None,
             plan=plan.linear,
+            lora=row_adapter(model, plan, "o_proj", model.n_head * self.head_dim, model.d_model),
         )
 
     def core(

@@ -19,6 +19,7 @@ from megatronish.layers.linear import (
     RowParallelLinear,
     shared_input_linears,
 )
+from megatronish.model.adapters import column_adapters, row_adapter
 from megatronish.model.attention import Attention
 from megatronish.model.gated_deltanet import GatedDeltaNet
 from megatronish.model.mla import LatentAttention
@@ -47,14 +48,21 @@ class MLP(nn.Module):
         self.activation, self.limit = plan.components.mlp, model.activation_limit
         bias = plan.components.linear_bias
         common = dict(sequence_parallel=sp, tp_group=group, init_method=None, plan=plan.linear)
+        d_model = model.d_model
+
+        def adapted(name: str) -> dict:
+            # one logical matrix: d_ff units of one row
+            return dict(lora=column_adapters(model, plan, d_model, {name: 1}, d_ff), **common)
+
         if self.gated:
-            self.gate = ColumnParallelLinear(model.d_model, d_ff, bias=bias, **common)
-            self.up = ColumnParallelLinear(model.d_model, d_ff, bias=bias, **common)
+            self.gate = ColumnParallelLinear(d_model, d_ff, bias=bias, **adapted("gate_proj"))
+            self.up = ColumnParallelLinear(d_model, d_ff, bias=bias, **adapted("up_proj"))
         else:
             self.up = ColumnParallelLinear(
-                model.d_model, d_ff, bias=bias, skip_bias_add=True, **common
+                d_model, d_ff, bias=bias, skip_bias_add=True, **adapted("up_proj")
             )
-        self.down = RowParallelLinear(d_ff, model.d_model, bias=bias, **common)
+        down = row_adapter(model, plan, "down_proj", d_ff, d_model)
+        self.down = RowParallelLinear(d_ff, d_model, bias=bias, lora=down, **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:

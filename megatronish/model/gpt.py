@@ -25,6 +25,7 @@ from megatronish.layers.linear import (
     mark_parallel,
 )
 from megatronish.layers.roles import set_role
+from megatronish.model.adapters import freeze_base
 from megatronish.model.block import Block
 from megatronish.model.init import init_weights
 from megatronish.model.mtp import MTP
@@ -108,6 +109,8 @@ class GPT(nn.Module):
         self.has_padding = bool(self.vocab_padding.any())
         self.to(ps.device)
         init_weights(self, cfg.train.seed, model.n_layer)
+        if model.lora is not None:
+            freeze_base(self)
 
     def forward_param_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """(module, the parameters used from its call on) in the order a forward calls the

@@ -11,6 +11,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from megatronish.layers.lora import init_adapter_a
 from megatronish.layers.roles import role
 from megatronish.moe.experts import stored_tensors
 
@@ -42,6 +43,8 @@ def init_weights(model: nn.Module, seed: int, n_layer: int) -> None:
         full = torch.zeros(tags.full_shape)
         if name.endswith("A_log"):  # linear attention's decay rates A ~ U(0.01, 16)
             full.uniform_(0.01, 16, generator=gen).log_()
+        elif name.endswith("lora_A"):
+            init_adapter_a(full, gen)
         else:
             residual = name.endswith(("proj.weight", "down.weight")) and "eh_proj" not in name
             std = 0.02 / math.sqrt(2 * n_layer) if residual else 0.02

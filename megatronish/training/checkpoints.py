@@ -65,6 +65,11 @@ def start(
                 init_from_hf(cfg.checkpoint.init_from_hf, model, cfg, setup.derived, ps.is_main)
             if ps.is_main:
                 print(f"initialized from {cfg.checkpoint.init_from_hf}", flush=True)
+        if cfg.checkpoint.init_lora_from:
+            from megatronish.hf.peft import init_lora_from
+
+            with optimizer.whole_params(write_back=True):
+                init_lora_from(cfg.checkpoint.init_lora_from, model, cfg)
         return None
     ckpt = _restore(setup, path, model, optimizer)
     if ckpt.loader_state is not None:

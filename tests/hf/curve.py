@@ -212,3 +212,26 @@ LLAMA_SHAPE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+
+
+def peft_reference(hf_dir: Path, lora: dict, adapters: dict[str, torch.Tensor]) -> nn.Module:
+    """The transformers model of hf_dir (fp32, eager attention) under peft's LoRA of `lora`
+    (rank, alpha, targets), its adapters set to ours ({our name: full tensor}), train mode."""
+    import peft
+    import transformers
+
+    from megatronish.hf.peft import to_peft_name
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
+    config = peft.LoraConfig(
+        r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=0.0, target_modules=lora["targets"]
+    )
+    model = peft.get_peft_model(base, config)
+    named = dict(model.named_parameters())
+    wanted = {n for n, p in named.items() if p.requires_grad}
+    theirs = {to_peft_name(n).replace(".weight", ".default.weight"): t for n, t in adapters.items()}
+    assert set(theirs) == wanted, sorted(set(theirs) ^ wanted)
+    with torch.no_grad():
+        for name, tensor in theirs.items():
+            named[name].copy_(tensor)
+    return model

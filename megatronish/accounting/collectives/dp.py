@@ -37,6 +37,7 @@ from megatronish.accounting.collectives.step import (
 from megatronish.accounting.components.embedding import position_params
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.components.norm import weights as norm_weights
+from megatronish.accounting.lora import adapter_counts
 from megatronish.accounting.muon import whole_under_zero
 from megatronish.accounting.parameters import (
     local_parameter_count,
@@ -53,7 +54,7 @@ def dp_collectives(step: Step) -> list[Collective]:
         ops = _zero(step)
     else:
         experts, edp = _expert_bytes(step), _edp(step)
-        dense = local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES - experts
+        dense = _trained_bytes(step) - experts
         ops = [
             _dp("data-parallel gradient average", "all_reduce", dp, _wire(step, dense), 1, GRAD),
             _dp(
@@ -85,8 +86,18 @@ def _edp(step: Step) -> int:
     return step.dp_cp // step.derived.ep
 
 
+def _trained_bytes(step: Step) -> int:
+    """The stage's parameters on this rank that train, fp32: under model.lora its adapters
+    alone (accounting.lora: the frozen base sends nothing), else all."""
+    if step.cfg.model.lora is not None:
+        return adapter_counts(step.cfg, step.derived, step.pp_rank)[0] * FP32_BYTES
+    return local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
+
+
 def _expert_bytes(step: Step) -> int:
-    """The stage's expert parameters on this rank, fp32."""
+    """The stage's trained expert parameters on this rank, fp32 (none under model.lora)."""
+    if step.cfg.model.lora is not None:
+        return 0
     return step.moe_layers * local_parameters(step.cfg, step.derived, True) * FP32_BYTES
 
 
@@ -102,6 +113,8 @@ def _outside_bytes(step: Step) -> int:
     first, and Muon's dense matrices), fp32: whole parameters, all-reduced and broadcast by their
     owners."""
     derived = step.derived
+    if step.cfg.model.lora is not None:  # the adapters summed over tp first
+        return adapter_counts(step.cfg, derived, step.pp_rank)[1] * FP32_BYTES
     outside = tp_summed_grad_count(step.cfg, derived, step.pp_rank) * FP32_BYTES
     outside += whole_under_zero(step.cfg, derived, step.pp_rank)[0] * FP32_BYTES
     if derived.pp > 1 and derived.last_stage_embedding and (step.first or step.last):
@@ -116,11 +129,7 @@ def _zero(step: Step) -> list[Collective]:
     zero, dp, edp = step.cfg.optim.zero, step.dp_cp, _edp(step)
     experts, outside = _bucketed_expert_bytes(step), _outside_bytes(step)
     whole_experts = _expert_bytes(step) - experts
-    dense = (
-        local_parameter_count(step.cfg, step.derived, step.pp_rank) * FP32_BYTES
-        - _expert_bytes(step)
-        - outside
-    )
+    dense = _trained_bytes(step) - _expert_bytes(step) - outside
     ops = []
     broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
     for size, whole, whose in ((dp, outside, ""), (edp, whole_experts, "expert ")):

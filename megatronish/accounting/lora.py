@@ -1,0 +1,50 @@
+"""The LoRA adapters' parameters on one rank (model.lora: megatronish.layers.lora), what a LoRA
+run trains: its gradients, optimizer state and data-parallel reductions count these alone, the
+frozen base only its weights (accounting.memory, accounting.collectives.dp).
+
+Per target of a block, r the rank, t tp, d d_model: a column-parallel projection of `rows`
+output rows (q_proj n_head x head_dim, k_proj and v_proj n_kv_head x head_dim, gate_proj and
+up_proj d_ff) holds A r x d whole (its gradient summed over tp at t > 1) and B rows / t x r; a
+row-parallel one of `cols` inputs (o_proj n_head x head_dim, down_proj d_ff) holds A r x cols / t
+and B d x r whole (summed over tp under sequence parallelism at t > 1)."""
+
+from __future__ import annotations
+
+from megatronish.accounting.parameters import stage_blocks
+from megatronish.config import Config, Derived
+
+
+def adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int, int]:
+    """(adapter parameters one tp rank of stage pp_rank holds, those of them whose gradient is
+    summed over tp first); (0, 0) without model.lora. Multi-token prediction blocks are not
+    counted."""
+    lora, model = cfg.model.lora, cfg.model
+    if lora is None:
+        return 0, 0
+    t, r, d, head_dim = derived.tp, lora.rank, model.d_model, derived.head_dim
+    row_summed = cfg.parallel.sequence_parallel and t > 1
+    total = summed = 0
+    for index in stage_blocks(derived, pp_rank):
+        moe = index in derived.moe_layers
+        d_ff = derived.shared_d_ff if moe else derived.d_ff
+        columns, rows = {}, {}
+        if model.block_attention(index) == "mha":
+            columns |= {"q_proj": model.n_head * head_dim}
+            columns |= {
+                "k_proj": derived.n_kv_head * head_dim,
+                "v_proj": derived.n_kv_head * head_dim,
+            }
+            rows |= {"o_proj": model.n_head * head_dim}
+        if d_ff:
+            gated = model.components.gated_mlp
+            columns |= {"up_proj": d_ff} | ({"gate_proj": d_ff} if gated else {})
+            rows |= {"down_proj": d_ff}
+        for name, out in columns.items():
+            if name in lora.targets:
+                total += r * d + out // t * r
+                summed += r * d if t > 1 else 0
+        for name, inputs in rows.items():
+            if name in lora.targets:
+                total += r * inputs // t + d * r
+                summed += d * r if row_summed else 0
+    return total, summed

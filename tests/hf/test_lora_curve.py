@@ -1,0 +1,142 @@
+"""LoRA against peft: from the same tiny Llama (checkpoint.init_from_hf) and the same adapter
+initialization, a LoRA run (model.lora on every projection, the base frozen) follows the loss
+curve and gradient norms of transformers + peft trained by torch.optim.AdamW (adapters
+trainable, everything else frozen) on the same batches (tests/hf/curve.py), and the runs at
+tp 2 and at dp 2 (ZeRO 1, 2, 3: the frozen base neither reduced nor sharded), and at tp 2 from
+the tp 1 run's checkpoint of step 10, equal the one at tp 1. All within the parity harness's
+1e-5 relative per step (tests/tolerances.py: the same fp32 arithmetic in another order; the
+adapters add two GEMMs of at most 72 terms per projection, and Adam's normalized update passes
+their rounding on unamplified)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatronish.data import dataset_vocab_size
+from megatronish.distributed.layout import ParallelState
+from megatronish.moe.experts import stored_tensors
+from tests.hf.curve import (
+    CURVE_STEPS,
+    LLAMA_SHAPE,
+    peft_reference,
+    reference_curve,
+    run_settings,
+)
+from tests.parity import assert_close, make_config, make_trainer, train_counted
+from tests.ranks import run_on_ranks
+from tests.tolerances import LAYOUT_CURVE_REL
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
+ZERO_STEPS = 5
+RESUME_AT = 10
+LORA_SETTINGS = [
+    f"model.lora.rank={LORA['rank']}",
+    f"model.lora.alpha={LORA['alpha']}",
+    f"model.lora.targets=[{','.join(TARGETS)}]",
+]
+
+
+def tiny_llama(dataset: Path, path: Path) -> Path:
+    """A tiny random Llama (fp32) on the dataset's vocabulary, saved with save_pretrained."""
+    config = transformers.LlamaConfig(
+        vocab_size=dataset_vocab_size(dataset), attn_implementation="eager", **LLAMA_SHAPE
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(dataset, tmp_path_factory) -> Path:
+    return tiny_llama(dataset, tmp_path_factory.mktemp("lora-curve") / "llama")
+
+
+@pytest.fixture(scope="module")
+def curves(hf_dir, dataset, tmp_path_factory) -> dict:
+    """Our tp 1 LoRA run's curve (its checkpoint of step RESUME_AT kept) and peft's from our
+    initial adapters, one thread each."""
+    settings = run_settings(hf_dir) + LORA_SETTINGS
+    saved = tmp_path_factory.mktemp("lora-ckpt")
+    cfg = make_config(1, 1, 1, settings + [f"checkpoint.dir={saved}"], dataset)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+        model = trainer.model
+        adapters = {
+            name: p.detach().clone()
+            for name, p, _ in stored_tensors(model.named_parameters())
+            if p.requires_grad
+        }
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        losses, norms, _ = train_counted(trainer, CURVE_STEPS, save_every=RESUME_AT)
+        theirs = peft_reference(hf_dir, LORA, adapters)
+        decay = {name: True for name, _ in theirs.named_parameters()}  # the adapters' matrices
+        ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
+    finally:
+        torch.set_num_threads(threads)
+    return dict(
+        tp1={"losses": losses, "norms": norms},
+        reference={"losses": ref_losses, "norms": ref_norms},
+        adapters=adapters,
+        frozen=frozen,
+        settings=settings,
+        saved=saved,
+    )
+
+
+@pytest.fixture(scope="module")
+def layouts(curves, dataset) -> list[dict]:
+    """Each rank's curves of the other layouts, in one 2-rank run."""
+    settings, saved = curves["settings"], curves["saved"]
+    runs = {"tp2": (2, 1, settings, CURVE_STEPS)}
+    # the tp 1 checkpoint of step RESUME_AT (adapters, their AdamW state, the frozen base)
+    # resharded to tp 2 and trained on
+    resume = [f"checkpoint.resume={saved / f'step_{RESUME_AT:06d}'}", "checkpoint.save=false"]
+    runs["tp2-resumed"] = (2, 1, settings + resume, CURVE_STEPS)
+    # the first steps of the 20-step schedule: a ZeRO level that mishandles the frozen base
+    # differs from the first step on
+    runs |= {f"dp2-zero{z}": (1, 2, settings + [f"optim.zero={z}"], ZERO_STEPS) for z in (1, 2, 3)}
+    return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
+
+
+def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
+    reference, ours = curves["reference"], curves["tp1"]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.1  # the adapters learn
+    assert curves["frozen"] > 0 and all(
+        n.endswith(("lora_A", "lora_B")) for n in curves["adapters"]
+    )
+    assert_close(ours["losses"], reference["losses"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+    assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+
+
+@pytest.mark.slow  # a 2-rank run
+@pytest.mark.parametrize("layout", ["tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2-resumed"])
+def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
+    curves, layouts, layout
+):
+    for ranks in layouts:
+        for key in ("losses", "norms"):
+            ours = ranks[layout][key]
+            start = RESUME_AT if layout.endswith("resumed") else 0
+            tp1 = curves["tp1"][key][start : start + len(ours)]
+            assert_close(ours, tp1, rel=LAYOUT_CURVE_REL, steps=len(tp1))
+
+
+def train_layouts(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
+    """The losses and gradient norms of each run {name: (tp, dp, settings, steps to train)} on
+    these ranks."""
+    curves = {}
+    for name, (tp, dp, settings, steps) in runs.items():
+        trainer = make_trainer(make_config(tp, dp, 1, settings, dataset), world, dataset)
+        losses, norms, _ = train_counted(trainer, steps)
+        curves[name] = {"losses": losses, "norms": norms}
+    return curves
