@@ -47,6 +47,7 @@ PRELOAD = [
     "megatronish.checkpoint.load",
     "megatronish.checkpoint.save",
     "megatronish.inference.generate",
+    "megatronish.commands.launch",  # torchrun's modules, for a forked launcher (tests/forked.py)
     "tests.ranks",
     "tests.conftest",  # what test modules import (pytest, click's runner, the CLI)
     "tests.parity",  # the training tests' harness
