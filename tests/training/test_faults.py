@@ -236,13 +236,17 @@ time.sleep(120)
 
 
 def test_the_lock_names_its_holder_and_is_taken_over_once_the_holder_is_killed(tmp_path):
-    directory = tmp_path / "checkpoints"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, text=True,
-        env=environment(), start_new_session=True,
+    directory, said = tmp_path / "checkpoints", tmp_path / "holder.stdout"
+    holder = fork_popen(
+        [sys.executable, "-c", HOLDER, str(directory)], stdout=said, env=environment(),
+        start_new_session=True,
     )  # fmt: skip
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        deadline = time.monotonic() + TIMEOUT
+        while not said.read_text():
+            assert holder.poll() is None and time.monotonic() < deadline, "never locked"
+            time.sleep(0.02)
+        assert said.read_text().strip() == "locked"
         with pytest.raises(UserError) as refused:
             RunLock(directory).acquire()
         assert str(directory) in str(refused.value) and f"pid {holder.pid} " in str(refused.value)
