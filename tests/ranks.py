@@ -56,6 +56,24 @@ _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
 
 
+def _measure_the_cpu_peak() -> None:
+    """The CPU's fp32 matmul rate that a trainer divides by for MFU (training.metrics
+    .peak_flops), measured once per process and thread count, measured here at a rank's one
+    thread: run by the fork server as it imports this module, so that no forked rank measures
+    it again (a fifth of a second of matmuls each, more on a busy host)."""
+    from megatronish.training.metrics import peak_flops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peak_flops(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+_measure_the_cpu_peak()
+
+
 def _port_window() -> range:
     """This test process's own ports: a slice, one per pytest-xdist worker, of the ports below
     the kernel's ephemeral range (or above it). A port the kernel hands out (bind to port 0, or
