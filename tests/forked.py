@@ -7,14 +7,15 @@ interpreter's imports of torch and megatronish each time.
 the command as subprocess.Popen would (``-m MODULE``, ``-c CODE`` or a script;
 ``fork_call(fn, *args, argv=...)``: a function, its return value the exit status) and gives a
 Forked: pid, poll, wait, send_signal, kill, returncode. The
-process is what a started interpreter would be where the tests look: its environment (the
-caller's, with env added), working directory, argv, stdout and stderr (files, written through
-as under PYTHONUNBUFFERED), signal dispositions (SIGINT raises KeyboardInterrupt; SIGPIPE and
-SIGXFSZ ignored), a session of its own if asked, and its exit: non-daemon threads joined, then
-the atexit callbacks, and the status of SystemExit (1 and a traceback for another exception,
-death by SIGINT for an uncaught KeyboardInterrupt). What needs a real exec (the installed
-console script, an interpreter's own start-up, a fresh process's own imports) is left to
-subprocesses.
+process is what a started interpreter would be where the tests look: its environment (env, as
+Popen's: by default the caller's), working directory, argv, stdout and stderr (files, written
+through as under PYTHONUNBUFFERED), signal dispositions (SIGINT raises KeyboardInterrupt;
+SIGPIPE and SIGXFSZ ignored), a session of its own if asked, and its exit: non-daemon threads
+joined, then the atexit callbacks, and the status of SystemExit (1 and a traceback for another
+exception, death by SIGINT for an uncaught KeyboardInterrupt). torch computes on
+OMP_NUM_THREADS threads (one where it is unset). What needs a real exec (the installed console
+script, an interpreter's own start-up or imports, capabilities dropped for the new program) is
+left to subprocesses.
 """
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ def _exit_status(fn: Callable, args: tuple) -> int:
 def _process(fn, args, argv, environ, cwd, stdout, stderr, new_session, preexec_fn) -> None:
     """The forked process: set up as a started interpreter (see the module's docstring), runs
     fn(*args) and exits as the interpreter would."""
+    os.chdir(cwd)  # in Popen's order: the directory, the session, then preexec_fn
     if new_session:
         os.setsid()
     if preexec_fn is not None:
         preexec_fn()
-    os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
     sys.argv = list(argv)
