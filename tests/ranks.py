@@ -48,7 +48,8 @@ PRELOAD = [
     "megatronish.checkpoint.save",
     "megatronish.inference.generate",
     "megatronish.commands.launch",  # torchrun's modules, for a forked launcher (tests/forked.py)
-    "numpy.ma",  # imported by numpy at a loader's first np.unique
+    "numpy.random",  # imported by numpy at a loader's first permutation
+    "numpy.ma",  # and at its first np.unique
     "numpy.ctypeslib",  # and by safetensors at a rank's first save
     "tests.ranks",
     "tests.conftest",  # what test modules import (pytest, click's runner, the CLI)
