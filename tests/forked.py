@@ -13,9 +13,10 @@ through as under PYTHONUNBUFFERED), signal dispositions (SIGINT raises KeyboardI
 SIGPIPE and SIGXFSZ ignored), a session of its own if asked, and its exit: non-daemon threads
 joined, then the atexit callbacks, and the status of SystemExit (1 and a traceback for another
 exception, death by SIGINT for an uncaught KeyboardInterrupt). torch computes on
-OMP_NUM_THREADS threads (one where it is unset). What needs a real exec (the installed console
-script, an interpreter's own start-up or imports, capabilities dropped for the new program) is
-left to subprocesses.
+OMP_NUM_THREADS threads (one where it is unset). The process ends by os._exit after the atexit
+callbacks: the native teardown of a real interpreter's exit (static destructors) does not run.
+What needs a real exec (the installed console script, an interpreter's own start-up, imports
+or teardown, capabilities dropped for the new program) is left to subprocesses.
 """
 
 from __future__ import annotations
