@@ -6,6 +6,7 @@ EFBIG). Either is a real refusal by the kernel, met by the command's own code.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import resource
 import signal
@@ -21,13 +22,14 @@ CAUSE = r"(no space left on device|file too large)"  # the tmpfs's, the file-siz
 
 def file_size_limit(limit: int):
     """A preexec_fn: the child can write no file larger than `limit` bytes (SIGXFSZ ignored, so a
-    write past it fails with EFBIG instead of killing the process)."""
+    write past it fails with EFBIG instead of killing the process). Picklable, for a forked
+    process (tests/forked.py) too."""
+    return functools.partial(_limit_file_size, limit)
 
-    def limited() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    return limited
+def _limit_file_size(limit: int) -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 @contextlib.contextmanager

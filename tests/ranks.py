@@ -47,12 +47,34 @@ PRELOAD = [
     "megatronish.checkpoint.load",
     "megatronish.checkpoint.save",
     "megatronish.inference.generate",
+    "megatronish.commands.launch",  # torchrun's modules, for a forked launcher (tests/forked.py)
+    "numpy.random",  # imported by numpy at a loader's first permutation
+    "numpy.ma",  # and at its first np.unique
+    "numpy.ctypeslib",  # and by safetensors at a rank's first save
     "tests.ranks",
     "tests.conftest",  # what test modules import (pytest, click's runner, the CLI)
     "tests.parity",  # the training tests' harness
 ]
 _context = mp.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
+
+
+def _measure_the_cpu_peak() -> None:
+    """The CPU's fp32 matmul rate that a trainer divides by for MFU (training.metrics
+    .peak_flops), measured once per process and thread count, measured here at a rank's one
+    thread: run by the fork server as it imports this module, so that no forked rank measures
+    it again (a fifth of a second of matmuls each, more on a busy host)."""
+    from megatronish.training.metrics import peak_flops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peak_flops(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+_measure_the_cpu_peak()
 
 
 def _port_window() -> range:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -28,10 +30,12 @@ def _nearest(name: str, options: list[str], prefix: str) -> str:
     return "valid keys: " + ", ".join(full)
 
 
-def _field_types(cls) -> dict[str, Any]:
-    """Config key -> type of each field of cls (schema.key_of: the field `async_` is `async`)."""
+@functools.cache
+def _field_types(cls) -> Mapping[str, Any]:
+    """Config key -> type of each field of cls (schema.key_of: the field `async_` is `async`).
+    Once per class: get_type_hints evaluates every annotation's string again at each call."""
     hints = typing.get_type_hints(cls)
-    return {key_of(f.name): hints[f.name] for f in dataclasses.fields(cls)}
+    return types.MappingProxyType({key_of(f.name): hints[f.name] for f in dataclasses.fields(cls)})
 
 
 def _field_name(cls, key: str) -> str:

@@ -193,7 +193,10 @@ def test_sigterm_with_an_async_save_in_flight_exits_0_after_the_save_completes(
     sets = ("parallel.tp=1", "train.steps=100000", "checkpoint.async=true", "checkpoint.keep=0")
     command = [sys.executable, *faulty(out, small_dataset, *sets)[len(TORCHRUN) :]]
     hold = dict(FAULT_RANK="0", FAULT_HOLD_WRITE_STEP="2", FAULT_HOLD_WRITE_S=str(hold_s))
-    with started(command, out, FAULT_HOLD_MARKER=str(marker), **hold) as run:
+    hold["FAULT_HOLD_MARKER"] = str(marker)
+    # A real interpreter: its exit status includes the native teardown after Python's (static
+    # destructors, where an abort would show), which a forked process skips.
+    with started(command, out, real=True, **hold) as run:
         wait_for(marker, run)
         held_at = time.monotonic()
         run.proc.send_signal(signal.SIGTERM)

@@ -34,6 +34,7 @@ from megatronish.training.checkpoints import warn_if_short_of_space
 from tests.checkpoints import save_single, tiny_cfg
 from tests.conftest import REPO, invoke_cli
 from tests.disk import file_size_limit, mounted_tmpfs
+from tests.forked import fork_run
 from tests.training.test_faults import (
     MEGATRONISH,
     TIMEOUT,
@@ -64,13 +65,12 @@ def tmp_dirs(directory: Path) -> list[str]:
 
 
 def run_train(out: Path, dataset: Path, *sets: str, preexec_fn=None, **env: str):
-    """`megatronish train` on the test config in a subprocess (its own session, killed at the
-    timeout), `preexec_fn` run in the child before it starts."""
+    """`megatronish train` on the test config in a forked process (tests/forked.py: its own
+    session, killed at the timeout), `preexec_fn` run in it before it starts."""
     command = [*MEGATRONISH, "train", *config_args(out, dataset, *BASE, *sets)]
-    return subprocess.run(
-        command, capture_output=True, text=True, env=environment(**env), timeout=TIMEOUT,
-        preexec_fn=preexec_fn, start_new_session=True,
-    )  # fmt: skip
+    return fork_run(
+        command, TIMEOUT, env=environment(**env), preexec_fn=preexec_fn, start_new_session=True
+    )
 
 
 def train_here(out: Path, dataset: Path, *sets: str):

@@ -1,15 +1,20 @@
 """The multi-process test helper: each call runs on fresh ranks that see the caller's environment
-and nothing an earlier call left; a rank's exception, death or hang fails only that call."""
+and nothing an earlier call left; a rank's exception, death or hang fails only that call. A
+command forked from the same server (tests/forked.py) exits as a started interpreter would."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.forked import fork_popen
 from tests.ranks import run_on_ranks
 
 
@@ -78,3 +83,46 @@ def test_a_rank_that_dies_or_hangs_fails_the_call_without_waiting_for_the_others
     with pytest.raises(TimeoutError, match="did not finish within 2 s"):
         run_on_ranks(_hang, 2, timeout=2)
     assert time.monotonic() - started < 45
+
+
+# A program that says where it runs, then ends by sys.exit(3), an uncaught KeyboardInterrupt or
+# a signal (sleeping until it comes); its worker thread and atexit callback say when they ran.
+PROGRAM = """
+import atexit, os, sys, threading, time
+atexit.register(lambda: print("atexit", flush=True))
+print(sys.argv[1:], os.getcwd(), os.environ.get("FORKED_VALUE"))
+print("to stderr", file=sys.stderr)
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread"))).start()
+if sys.argv[1] == "exit":
+    sys.exit(3)
+if sys.argv[1] == "interrupt":
+    raise KeyboardInterrupt
+time.sleep(120)
+"""
+
+
+def test_a_forked_command_exits_as_a_started_interpreter_would(tmp_path):
+    def forked(how: str):
+        files = dict(stdout=tmp_path / f"{how}.out", stderr=tmp_path / f"{how}.err")
+        env = dict(os.environ, FORKED_VALUE="given")
+        command = [sys.executable, "-c", PROGRAM, how]
+        return fork_popen(command, env=env, cwd=tmp_path, **files), *files.values()
+
+    exits, out, err = forked("exit")
+    assert exits.wait(timeout=60) == 3 == exits.returncode
+    said = f"['exit'] {tmp_path} given"
+    assert out.read_text().splitlines() == [said, "thread", "atexit"]  # threads, then atexit
+    assert err.read_text() == "to stderr\n"
+    interrupted, out, err = forked("interrupt")
+    assert interrupted.wait(timeout=60) == -signal.SIGINT
+    assert "KeyboardInterrupt" in err.read_text() and out.read_text().endswith("atexit\n")
+    waiting, out, _ = forked("wait")
+    deadline = time.monotonic() + 60
+    while not out.read_text():  # written through: there before the process ends
+        assert time.monotonic() < deadline, "nothing written within 60 s"
+        time.sleep(0.01)
+    with pytest.raises(subprocess.TimeoutExpired):
+        waiting.wait(timeout=0.1)
+    assert waiting.poll() is None
+    waiting.send_signal(signal.SIGTERM)
+    assert waiting.wait(timeout=60) == -signal.SIGTERM

@@ -35,6 +35,7 @@ from megatronish.errors import RunFailure, UserError
 from megatronish.training.setup import setup
 from megatronish.training.trainer import Trainer
 from tests.conftest import CONFIGS, REPO, invoke_cli
+from tests.forked import fork_popen, fork_run
 from tests.ranks import free_port
 from tests.tolerances import EXACT
 
@@ -100,12 +101,19 @@ def metrics_lines(out_dir: Path) -> list[dict]:
 
 
 class Run:
-    """One command in its own session, its output in files beside its run directory."""
+    """One command in its own session, its output in files beside its run directory: forked
+    from the fork server (tests/forked.py) unless real, a subprocess."""
 
-    def __init__(self, command: list[str], out_dir: Path, name: str, env: dict[str, str]):
+    def __init__(
+        self, command: list[str], out_dir: Path, name: str, env: dict[str, str], real: bool
+    ):
         self.out_dir, self.marker = out_dir, f"run.out_dir={out_dir}"
         self.stdout_path = out_dir.parent / f"{name}.stdout"
         self.stderr_path = out_dir.parent / f"{name}.stderr"
+        files = dict(stdout=self.stdout_path, stderr=self.stderr_path)
+        if not real:
+            self.proc = fork_popen(command, env=env, cwd=REPO, start_new_session=True, **files)
+            return
         with open(self.stdout_path, "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
                 command, stdout=out, stderr=err, env=env, cwd=REPO, start_new_session=True
@@ -153,8 +161,11 @@ class Run:
 
 
 @contextlib.contextmanager
-def started(command: list[str], out_dir: Path, name: str | None = None, **env: str):
-    run = Run(command, out_dir, name or out_dir.name, environment(**env))
+def started(
+    command: list[str], out_dir: Path, name: str | None = None, real: bool = False, **env: str
+):
+    """command's Run (forked unless real), killed with whatever it started on leaving."""
+    run = Run(command, out_dir, name or out_dir.name, environment(**env), real)
     try:
         yield run
     finally:
@@ -225,13 +236,17 @@ time.sleep(120)
 
 
 def test_the_lock_names_its_holder_and_is_taken_over_once_the_holder_is_killed(tmp_path):
-    directory = tmp_path / "checkpoints"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(directory)], stdout=subprocess.PIPE, text=True,
-        env=environment(), start_new_session=True,
+    directory, said = tmp_path / "checkpoints", tmp_path / "holder.stdout"
+    holder = fork_popen(
+        [sys.executable, "-c", HOLDER, str(directory)], stdout=said, env=environment(),
+        start_new_session=True,
     )  # fmt: skip
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        deadline = time.monotonic() + TIMEOUT
+        while not said.read_text():
+            assert holder.poll() is None and time.monotonic() < deadline, "never locked"
+            time.sleep(0.02)
+        assert said.read_text().strip() == "locked"
         with pytest.raises(UserError) as refused:
             RunLock(directory).acquire()
         assert str(directory) in str(refused.value) and f"pid {holder.pid} " in str(refused.value)
@@ -339,9 +354,7 @@ def launch_node_0_of_2(out_dir: Path, dataset: Path, endpoint: str, program=MEGA
     args = config_args(out_dir, dataset, "parallel.tp=1", "parallel.dp=2")
     options = ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint]
     command = [*program, "launch", *args, *options]
-    return subprocess.run(
-        command, capture_output=True, text=True, env=environment(), timeout=TIMEOUT
-    )
+    return fork_run(command, TIMEOUT, env=environment())
 
 
 def port_in_use(endpoint: str, port: int) -> str:
@@ -398,7 +411,9 @@ def killed_torchrun(tmp_path_factory, small_dataset) -> dict:
     out, checkpoints = root / "first", root / "first" / "checkpoints"
     forever = config_args(out, small_dataset, "train.steps=100000", f"checkpoint.dir={checkpoints}")
     seen: dict = {"checkpoints": checkpoints}
-    with started([*TORCHRUN, "-m", "megatronish", "train", *forever], out) as first:
+    # torchrun itself, killed: a real one.
+    command = [*TORCHRUN, "-m", "megatronish", "train", *forever]
+    with started(command, out, real=True) as first:
         first.wait_for_step(2)
         seen["rank0"] = first.rank_pid(0)
         # The second run is refused before it starts a process: it runs in this one.
