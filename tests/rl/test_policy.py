@@ -24,6 +24,7 @@ from tests.tolerances import EXACT, RL_GRAD_REL, RL_LOGPROB_ABS
 
 transformers = pytest.importorskip("transformers")
 
+BUCKET_MB = 0.01  # 10486 bytes: the tiny models' embeddings are larger, a block's others smaller
 LENGTHS = [5, 17, 9, 12, 3, 20, 8, 22]  # 5 rows at 24 tokens: dp 2 runs a filler
 PROMPTS = [2, 6, 4, 1, 2, 10, 3, 7]
 LAYOUTS = {  # four ranks each; the model; dp shares out the rows
@@ -149,6 +150,7 @@ def single(hf_dir, tmp_path_factory) -> dict:
 def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path) -> dict:
     from megatronish.distributed import comm
     from megatronish.rl import Policy
+    from megatronish.rl.stream import hf_buckets
 
     out = {}
     seqs = _seqs()
@@ -159,12 +161,16 @@ def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path) -> d
         out[name] = {
             "logprobs": policy.logprobs(seqs),
             "metrics": policy.gradients(seqs, **_step_args(seqs)),
-            "streamed": dict(policy.hf_weights(bucket_mb=0.01)),  # several rounds
+            "streamed": dict(policy.hf_weights(bucket_mb=BUCKET_MB)),  # several buckets
+            "buckets": [
+                {name: tensor.nbytes for name, tensor in bucket.items()}
+                for bucket in hf_buckets(policy.model, policy.cfg, policy.data_parallel, BUCKET_MB)
+            ],
         }
         policy.data_parallel.after_step()
         halved = {k: v * 0.5 for k, v in load_file(hf_dir / "model.safetensors").items()}
         policy.load_hf_weights(halved.items())
-        out[name]["reloaded"] = dict(policy.hf_weights(bucket_mb=0.01))
+        out[name]["reloaded"] = dict(policy.hf_weights(bucket_mb=BUCKET_MB))
     return out
 
 
@@ -220,6 +226,19 @@ def test_hf_weights_at_each_layout_are_transformers_state_dict_bitwise_on_rank0(
     for name, tensor in want.items():
         assert streamed[name].shape == tensor.shape and torch.equal(streamed[name], tensor), name
     assert all(not rank_results[layout]["streamed"] for rank_results in layouts[1:])
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp2", "moe_tp2_ep2"])
+def test_hf_weights_stream_buckets_of_about_bucket_mb_that_together_are_the_stream(layout, layouts):
+    buckets, streamed = layouts[0][layout]["buckets"], layouts[0][layout]["streamed"]
+    budget = BUCKET_MB * 2**20
+    assert len(buckets) > 2
+    for bucket in buckets:  # a tensor larger than the budget is a bucket alone
+        assert sum(bucket.values()) <= budget or len(bucket) == 1, bucket
+    assert max(sum(b.values()) for b in buckets) < 2 * budget  # the largest tensor: 12928 bytes
+    names = [name for bucket in buckets for name in bucket]
+    assert sorted(names) == sorted(streamed) and len(names) == len(set(names))
+    assert all(not rank_results[layout]["buckets"] for rank_results in layouts[1:])
 
 
 def test_hf_weights_of_a_moe_at_tp2_ep2_are_its_files_tensors_bitwise_on_rank0(layouts, hf_dirs):
