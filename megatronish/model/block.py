@@ -78,7 +78,9 @@ class Block(nn.Module):
             d_ff = plan.derived.shared_d_ff
             shared = MLP(model, plan, d_ff) if d_ff else None
             sp, derived = plan.sequence_parallel, plan.derived
-            self.mlp = MoELayer(model, derived, plan.ps, plan.linear, plan.backend, sp, shared)
+            self.mlp = MoELayer(
+                model, derived, plan.ps, plan.linear, plan.backend, sp, shared, plan.index
+            )
         else:
             self.mlp = MLP(model, plan)
         self.dropout, self.tracker = model.dropout, plan.tracker
@@ -95,6 +97,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; documents: this rank's tokens' under document masks."""
         x = x + self._drop(self.attn(self.norm1(x), documents))
+        if isinstance(self.mlp, MoELayer):  # routing replay reads the documents' routes
+            return x + self._drop(self.mlp(self.norm2(x), documents))
         return x + self._drop(self.mlp(self.norm2(x)))
 
     def forward_cached(

@@ -7,7 +7,10 @@ gradients do not depend on the packing budget, and its loss and gradient norm do
 on the layout; the weights it streams are transformers' state_dict() bitwise at each layout
 (the MoE's: its file's tensors, experts one by one),
 it streams back what it loads, and an inference model refit at tp 1 from the tp 2 x pp 2
-stream gives the tp 1 policy's logits bitwise. One four-rank run holds every layout."""
+stream gives the tp 1 policy's logits bitwise. The stream comes in buckets of about
+bucket_mb. Routing replay: generate records the routes the policy would choose, and foreign
+routes forced at tp 2 x ep 2 and pp 2 x ep 2 with recompute give the training forward the
+forward-only log-probabilities bitwise. One four-rank run holds every layout."""
 
 from __future__ import annotations
 
@@ -32,7 +35,13 @@ LAYOUTS = {  # four ranks each; the model; dp shares out the rows
     "tp2_pp2": ("llama", ["parallel.tp=2", "parallel.pp=2"]),
     "cp2": ("llama", ["parallel.cp=2"]),
     "moe_tp2_ep2": ("qwen3_moe", ["parallel.tp=2", "parallel.ep=2"]),
+    "moe_pp2_ep2_recompute": (
+        "qwen3_moe",
+        ["parallel.pp=2", "parallel.ep=2", "train.activation_checkpointing=full"],
+    ),
 }
+MOE = sorted(name for name, (model, _) in LAYOUTS.items() if model == "qwen3_moe")
+EXPERTS = 4
 DENSE = sorted(name for name, (model, _) in LAYOUTS.items() if model == "llama")
 SHAPE = dict(
     vocab_size=101,  # padded at tp 2
@@ -147,7 +156,56 @@ def single(hf_dir, tmp_path_factory) -> dict:
     return out
 
 
-def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path) -> dict:
+@pytest.fixture(scope="module")
+def moe_rollouts(hf_dirs, tmp_path_factory) -> dict:
+    """Rollouts of the tiny Qwen3-MoE sampled at temperature 1 by generate's engine (tp 1,
+    refit from a tp 1 Policy's stream) with their routes recorded, and that Policy's
+    log-probabilities of them, replaying the routes and not."""
+    from megatronish.distributed.layout import ParallelState
+    from megatronish.inference.generate import Generation, Sampling
+    from megatronish.inference.model import inference_model, refit
+    from megatronish.rl import Policy
+
+    tmp = tmp_path_factory.mktemp("moe")
+    policy = Policy(None, _settings(hf_dirs["qwen3_moe"], tmp))
+    engine = inference_model(policy.cfg, 101, ParallelState.single(torch.device("cpu")))
+    refit(engine, policy.hf_weights())
+    seqs, routes = [], []
+    for index, (seq, prompt_len) in enumerate(zip(_seqs()[:4], PROMPTS[:4])):
+        prompt = seq[: max(prompt_len, 1)]
+        allowed = torch.ones(101, dtype=torch.bool)
+        generation = Generation(engine, prompt, 6, Sampling(1.0), index, None, allowed, True)
+        seqs.append(prompt + list(generation))
+        routes.append(generation.routes)
+    return dict(
+        seqs=seqs,
+        routes=routes,
+        free=policy.logprobs(seqs),
+        replayed=policy.logprobs(seqs, routes),
+    )
+
+
+def _replay(policy, rollouts: dict) -> dict:
+    """A MoE policy's results on the rollouts with foreign routes (each recorded expert
+    shifted by one, so that forcing them changes every token's experts): log-probabilities
+    forward only, and a step's metrics with old_logprobs None (the training forward's own)
+    and with those log-probabilities, with recompute and without."""
+    seqs, prompts = rollouts["seqs"], PROMPTS[: len(rollouts["seqs"])]
+    shifted = [(route + 1) % EXPERTS for route in rollouts["routes"]]
+    out = {"free": policy.logprobs(seqs), "replayed": policy.logprobs(seqs, shifted)}
+    args = dict(prompt_lens=prompts, advantages=[1.0, -0.5, 0.25, -2.0][: len(seqs)])
+    for name, old in (("own", None), ("forward_only", out["replayed"])):
+        out[name] = policy.gradients(seqs, **args, old_logprobs=old, routes=shifted)
+        policy.data_parallel.after_step()
+    recompute = policy.model.full_checkpoint
+    policy.model.full_checkpoint = False
+    out["no_recompute"] = policy.gradients(seqs, **args, routes=shifted)
+    policy.data_parallel.after_step()
+    policy.model.full_checkpoint = recompute
+    return out
+
+
+def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path, rollouts: dict) -> dict:
     from megatronish.distributed import comm
     from megatronish.rl import Policy
     from megatronish.rl.stream import hf_buckets
@@ -168,6 +226,8 @@ def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path) -> d
             ],
         }
         policy.data_parallel.after_step()
+        if model == "qwen3_moe":
+            out[name]["replay"] = _replay(policy, rollouts)
         halved = {k: v * 0.5 for k, v in load_file(hf_dir / "model.safetensors").items()}
         policy.load_hf_weights(halved.items())
         out[name]["reloaded"] = dict(policy.hf_weights(bucket_mb=BUCKET_MB))
@@ -175,8 +235,10 @@ def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path) -> d
 
 
 @pytest.fixture(scope="module")
-def layouts(hf_dirs, tmp_path_factory) -> list[dict]:
-    return run_on_ranks(_on_layouts, 4, hf_dirs, tmp_path_factory.mktemp("runs"), timeout=300)
+def layouts(hf_dirs, tmp_path_factory, moe_rollouts) -> list[dict]:
+    rollouts = {key: moe_rollouts[key] for key in ("seqs", "routes")}
+    tmp = tmp_path_factory.mktemp("runs")
+    return run_on_ranks(_on_layouts, 4, hf_dirs, tmp, rollouts, timeout=300)
 
 
 def test_logprobs_at_tp1_equal_transformers_log_softmax_at_the_tokens(single, reference):
@@ -271,6 +333,29 @@ def test_refit_at_tp1_from_the_tp2_pp2_stream_gives_the_tp1_policys_logits_bitwi
     tokens = torch.tensor(_seqs()[:1])
     with torch.no_grad():
         assert torch.equal(engine(tokens), policy.model(tokens))
+
+
+def test_generate_records_the_routes_the_policy_would_choose(moe_rollouts):
+    for seq, route in zip(moe_rollouts["seqs"], moe_rollouts["routes"], strict=True):
+        assert route.shape == (2, len(seq) - 1, 2)  # 2 MoE layers, the last token not fed
+    for ours, free in zip(moe_rollouts["replayed"], moe_rollouts["free"], strict=True):
+        torch.testing.assert_close(ours, free, rtol=EXACT, atol=RL_LOGPROB_ABS)
+
+
+@pytest.mark.parametrize("layout", MOE)
+def test_routing_replay_forces_the_experts_and_the_training_forward_gives_its_logprobs_bitwise(
+    layout, layouts
+):
+    for rank_results in layouts:
+        replay = rank_results[layout]["replay"]
+        assert not any(
+            torch.equal(a, b) for a, b in zip(replay["replayed"], replay["free"], strict=True)
+        )
+        # old_logprobs None: the training forward's own; equal metrics (bitwise) mean that
+        # forward (train mode, 1F1B, recompute) gave the forward-only logprobs bitwise
+        assert replay["forward_only"] == replay["own"]
+        assert replay["no_recompute"] == replay["own"]
+        assert replay["own"]["clip_fraction"] == 0.0
 
 
 @pytest.mark.parametrize(
