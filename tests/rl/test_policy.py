@@ -182,6 +182,7 @@ def moe_rollouts(hf_dirs, tmp_path_factory) -> dict:
         routes=routes,
         free=policy.logprobs(seqs),
         replayed=policy.logprobs(seqs, routes),
+        policy=policy,
     )
 
 
@@ -342,6 +343,22 @@ def test_generate_records_the_routes_the_policy_would_choose(moe_rollouts):
         torch.testing.assert_close(ours, free, rtol=EXACT, atol=RL_LOGPROB_ABS)
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda r: r[:1], "routes[0]: shape [1, "),
+        (lambda r: r[:, :2], "routes[0]: 2 tokens for a 8-token sequence"),
+        (lambda r: r + EXPERTS, "routes[0]: an expert outside 0 .. 3"),
+    ],
+)
+def test_routes_that_do_not_fit_are_a_user_error_naming_them(change, named, moe_rollouts):
+    from megatronish.errors import UserError
+
+    seqs, routes = moe_rollouts["seqs"], moe_rollouts["routes"]
+    with pytest.raises(UserError, match=re.escape(named)):
+        moe_rollouts["policy"].logprobs(seqs, [change(routes[0]), *routes[1:]])
+
+
 @pytest.mark.parametrize("layout", MOE)
 def test_routing_replay_forces_the_experts_and_the_training_forward_gives_its_logprobs_bitwise(
     layout, layouts
@@ -369,6 +386,10 @@ def test_routing_replay_forces_the_experts_and_the_training_forward_gives_its_lo
         (
             lambda p, s: p.gradients(s, PROMPTS, [0.0] * len(s), old_logprobs=[[0.0]] * len(s)),
             "old_logprobs[0]: 1 values",
+        ),
+        (
+            lambda p, s: p.logprobs(s, routes=[torch.zeros(1, 2, 2)] * len(s)),
+            "routes: the model has no MoE layers",
         ),
     ],
 )
