@@ -23,6 +23,7 @@ def cli() -> None:
 for command in (
     data.prepare,
     training.train,
+    training.rl,
     training.check,
     training.launch,
     training.bench,

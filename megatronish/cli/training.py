@@ -1,4 +1,5 @@
-"""The commands that take a config (--config, --set): train, launch, check, bench and plan."""
+"""The commands that take a config (--config, --set): train, rl, launch, check, bench and
+plan."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ def train(config_path, overrides):
         exc.rank0_prints = True
         raise
     run_training(cfg)
+
+
+@click.command()
+@config_option
+@set_option
+@user_errors
+def rl(config_path, overrides):
+    """The built-in GRPO run (adding two small numbers): SFT, then GRPO with rollouts from
+    generate; metrics.jsonl logs each step's mean reward."""
+    from megatronish.rl.grpo import run_rl
+
+    run_rl(config_path, list(overrides))
 
 
 @click.command()

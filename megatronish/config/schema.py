@@ -301,6 +301,17 @@ class RLConfig:
     """The token budget of a micro-batch of the RL backend (megatronish.rl.Policy): its
     variable-length sequences are packed, whole, into micro-batches of at most this many tokens
     (a longer sequence alone in one), with document masks and no padding."""
+    # `megatronish rl`, the built-in GRPO run (megatronish.rl.grpo); train.steps its GRPO steps
+    sft_steps: int = 0
+    """Supervised steps on right answers before GRPO."""
+    prompts_per_step: int = 8
+    """Problems a step (SFT: examples a step)."""
+    num_generations: int = 8
+    """Completions sampled per prompt (trl's name); their rewards are normalized as a group."""
+    max_completion_length: int = 4
+    """Tokens a completion may have before it is cut (trl's name)."""
+    temperature: float = 1.0
+    """The sampling temperature of the rollouts."""
 
 
 @dataclass

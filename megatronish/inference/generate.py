@@ -8,6 +8,7 @@ the same seeded generator and rank 0's token is broadcast, so all ranks feed the
 from __future__ import annotations
 
 import codecs
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from megatronish.errors import UserError
 from megatronish.inference.decode import decode_step
 from megatronish.inference.model import build_model
 from megatronish.layers import mappings
+from megatronish.moe.replay import Tape, recording
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,9 @@ class Generation:
     holds each layer's decode cache (this rank's: keys and values of its heads, or under multi-head
     latent attention the latent and the shared rotary key) of the cached_tokens positions; a
     linear-attention layer's (model.layer_types) is its convolution tail and recurrent state,
-    the same size at every position."""
+    the same size at every position. With record_routes, routes then holds every fed token's
+    experts per MoE layer (moe.replay: int64 [n_moe, cached_tokens, k]), what the trainer's
+    routing replay forces."""
 
     def __init__(
         self,
@@ -134,8 +138,10 @@ class Generation:
         seed: int,
         eot_id: int | None,
         decodable: torch.Tensor,
+        record_routes: bool = False,
     ):
         self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
+        self.tape = Tape(model.derived.moe_layers) if record_routes else None
         self.sampling, self.seed, self.eot_id, self.decodable = sampling, seed, eot_id, decodable
         self.stop_reason: str | None = None
         self.cache: list = []
@@ -151,9 +157,8 @@ class Generation:
         model, ps = self.model, self.model.ps
         max_len = model.cfg.model.max_seq_len
         generator = torch.Generator().manual_seed(self.seed)
-        cache = self.cache
         prompt = torch.tensor([self.prompt_ids], dtype=torch.int64, device=ps.device)
-        logits = decode_step(model, prompt, cache, 0)[:, -1]  # [1, V / t]
+        logits = self._decode(prompt, 0)  # [1, V / t]
         pos = self.cached_tokens = len(self.prompt_ids)  # the position sampled next
         for produced in range(self.max_new_tokens):
             if pos >= max_len:
@@ -171,9 +176,21 @@ class Generation:
             pos += 1
             if produced + 1 < self.max_new_tokens and pos < max_len:
                 step = torch.tensor([[token]], dtype=torch.int64, device=ps.device)
-                logits = decode_step(model, step, cache, pos - 1)[:, -1]
+                logits = self._decode(step, pos - 1)
                 self.cached_tokens = pos
         self.stop_reason = "max_new_tokens"
+
+    def _decode(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The last position's logits [1, V / t] of decode_step, the routes recorded."""
+        with recording(self.tape) if self.tape is not None else contextlib.nullcontext():
+            return decode_step(self.model, tokens, self.cache, start_pos)[:, -1]
+
+    @property
+    def routes(self) -> torch.Tensor:
+        """int64 [n_moe, cached_tokens, k]: the experts of every token fed (record_routes)."""
+        if self.tape is None:
+            raise RuntimeError("routes are recorded only with record_routes=True")
+        return self.tape.routes()
 
     def cache_bytes(self) -> tuple[int, list[int]]:
         """(bytes of this rank's fixed decode cache: the linear-attention layers' recurrent state

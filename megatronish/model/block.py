@@ -93,7 +93,9 @@ class Block(nn.Module):
             d_ff = plan.derived.shared_d_ff
             shared = MLP(model, plan, d_ff) if d_ff else None
             sp, derived = plan.sequence_parallel, plan.derived
-            self.mlp = MoELayer(model, derived, plan.ps, plan.linear, plan.backend, sp, shared)
+            self.mlp = MoELayer(
+                model, derived, plan.ps, plan.linear, plan.backend, sp, shared, plan.index
+            )
         else:
             self.mlp = MLP(model, plan)
         self.dropout, self.tracker = model.dropout, plan.tracker
@@ -107,9 +109,13 @@ class Block(nn.Module):
                 return F.dropout(x, self.dropout, training=True)
         return F.dropout(x, self.dropout, training=True)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP's branch of x [b, s, h]: norm, MLP (and its output's norm if sandwiched)."""
-        out = self.mlp(self.norm2(x))
+    def _mlp(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """The MLP's branch of x [b, s, h]: norm, MLP (and its output's norm if sandwiched);
+        a mixture of experts reads the documents' routes (routing replay)."""
+        if isinstance(self.mlp, MoELayer):
+            out = self.mlp(self.norm2(x), documents)
+        else:
+            out = self.mlp(self.norm2(x))
         return out if self.mlp_out_norm is None else self.mlp_out_norm(out)
 
     def _attention_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -118,7 +124,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]; documents: this rank's tokens' under document masks."""
         x = x + self._drop(self._attention_out(self.attn(self.norm1(x), documents)))
-        return x + self._drop(self._mlp(x))
+        return x + self._drop(self._mlp(x, documents))
 
     def forward_cached(
         self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None, start_pos: int

@@ -1,6 +1,6 @@
 """Mixture of experts: routing (router), token dispatch over the ep group (dispatch), grouped
-expert FFNs (experts), the layer (layer), its step metrics (stats) and the routing biases'
-balancing (balance)."""
+expert FFNs (experts), the layer (layer), its step metrics (stats), the routing biases'
+balancing (balance) and routing replay (replay)."""
 
 from megatronish.moe.balance import Balancer
 from megatronish.moe.experts import is_expert

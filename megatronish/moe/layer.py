@@ -31,12 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish.config import Derived, ModelConfig
+from megatronish.context.documents import Documents
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.layers import mappings
 from megatronish.layers.linear import mark_parallel, to_autocast_dtype
 from megatronish.layers.plan import LinearPlan
 from megatronish.layers.roles import set_role
+from megatronish.moe import replay
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.router import (
@@ -120,11 +122,15 @@ class MoELayer(nn.Module):
         backend: str,
         sequence_parallel: bool,
         shared: nn.Module | None = None,
+        index: int | None = None,
     ):
         """model: its model.moe and d_model; experts: the routed experts' plan
         (megatronish.layers.plan); sequence_parallel: on at tp > 1 only; shared: the shared
-        experts' MLP, if any (a block's plan gives the rest: megatronish.model.plan)."""
+        experts' MLP, if any (a block's plan gives the rest: megatronish.model.plan); index:
+        the block's layer index (routing replay's key: moe.replay)."""
         super().__init__()
+        self.index, self.tp_rank = index, ps.tp_rank
+        self.moe_index = derived.moe_layers.index(index) if index in derived.moe_layers else None
         moe = model.moe
         self.num_experts, self.top_k, self.kind = moe.num_experts, moe.top_k, moe.router
         self.capacity_factor = moe.capacity_factor
@@ -167,13 +173,23 @@ class MoELayer(nn.Module):
         self.loss_scale = 1.0  # the backward's scale of this micro-batch's loss (1 / accum)
         self.stats = LayerStats(moe.num_experts, self.sequence_parallel, self.router.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """x [b, s, h] (replicated over tp; [b, s / t, h] under sequence parallelism) -> the
-        same shape."""
+        same shape; documents: the micro-batch's, whose routes (moe.replay), if any, force
+        the experts."""
         b, s, h = x.shape
         router = self.router
         logits = router_logits(x.reshape(b * s, h), router.weight, router.logit_bias)  # [T, E]
-        routing = route(logits, self.top_k, self.kind, self.router.bias, self.grouping)
+        forced = replay.forced(documents, self.moe_index)  # [b, s x (t under SP), k]
+        if forced is not None:
+            forced = (
+                forced[:, self.tp_rank * s : (self.tp_rank + 1) * s]
+                if self.sequence_parallel
+                else forced
+            )
+            forced = forced.reshape(b * s, -1).to(logits.device)
+        routing = route(logits, self.top_k, self.kind, self.router.bias, self.grouping, forced)
+        replay.record(self.index, routing.experts)
         group = self.tp_group
         # In the matmul dtype (bf16 under autocast) before the collectives, as the dense MLP.
         tokens, weights, experts = to_autocast_dtype(x), routing.weights, routing.experts

@@ -60,10 +60,30 @@ def route(
     kind: str,
     bias: torch.Tensor | None = None,
     grouping: Grouping = Grouping(),
+    forced: torch.Tensor | None = None,
 ) -> Routing:
     """softmax_topk: softmax over all experts, keep the top_k, renormalize them to sum 1
     (Mixtral). topk_softmax: the top_k logits, softmax over those. sigmoid: see
-    sigmoid_route (bias [E], the routing bias)."""
+    sigmoid_route (bias [E], the routing bias). forced [T, k] (routing replay): each token's
+    experts where its row is >= 0, their weights computed from the scores as for a choice."""
+    routing = _route(logits, top_k, kind, bias, grouping)
+    if forced is None:
+        return routing
+    experts = torch.where(forced[:, :1] >= 0, forced, routing.experts)
+    if kind == "sigmoid":
+        weights = torch.sigmoid(logits).gather(1, experts)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * grouping.scale
+    elif kind == "softmax_topk":
+        weights = routing.probs.gather(1, experts)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        weights = torch.softmax(logits.gather(1, experts), dim=-1)
+    return Routing(experts, weights, routing.probs, logits)
+
+
+def _route(
+    logits: torch.Tensor, top_k: int, kind: str, bias: torch.Tensor | None, grouping: Grouping
+) -> Routing:
     if kind == "sigmoid":
         assert bias is not None, "the sigmoid router needs its bias"
         return sigmoid_route(logits, top_k, bias, grouping)

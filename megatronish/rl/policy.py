@@ -37,6 +37,7 @@ from megatronish.rl.rollouts import (
     shard_terms,
     weightless,
 )
+from megatronish.rl.routes import check_routes, routed
 from megatronish.rl.weights import hf_weights, load_hf_weights, load_start
 
 
@@ -66,19 +67,24 @@ class Policy:
 
     # ---- log-probabilities
 
-    def logprobs(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        """log p(seq[t] | seq[:t]) for t >= 1 of each sequence: float32 [len(seq) - 1] each."""
-        return self._forward_only(seqs)[0]
+    def logprobs(
+        self, seqs: list[list[int]], routes: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """log p(seq[t] | seq[:t]) for t >= 1 of each sequence: float32 [len(seq) - 1] each.
+        routes (a MoE's routing replay, rl.routes): each sequence's recorded experts, forced."""
+        return self._forward_only(seqs, routes)[0]
 
-    def entropies(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+    def entropies(
+        self, seqs: list[list[int]], routes: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """The entropy of the model's distribution at each position that has a next token:
         float32 [len(seq) - 1] each."""
-        return self._forward_only(seqs)[1]
+        return self._forward_only(seqs, routes)[1]
 
-    def _forward_only(self, seqs: list[list[int]]) -> tuple[list, list]:
-        check_seqs(seqs, self.derived.vocab_size, self.cfg.model.max_seq_len)
+    def _forward_only(self, seqs: list[list[int]], routes) -> tuple[list, list]:
+        self._check(seqs, routes)
         objective = PolicyObjective(self.ps, self.cfg.kernels.backend)
-        rows, batch = self._batch(seqs)
+        rows, batch = self._batch(seqs, routes)
         self.model.eval()
         try:
             self._run(batch, objective, forward_only=True)
@@ -102,6 +108,7 @@ class Policy:
         ref_logprobs: list[torch.Tensor] | None = None,
         old_logprobs: list[torch.Tensor] | None = None,
         max_completion_length: int | None = None,
+        routes: list[torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """One optimizer step of `loss` (rl.losses: grpo | dr_grpo | dapo | gspo) on these
         rollouts, at train.lr's schedule for the policy's step count: the gradients of
@@ -117,6 +124,7 @@ class Policy:
             ref_logprobs,
             old_logprobs,
             max_completion_length,
+            routes,
         )
         self.steps += 1
         self.data_parallel.step(lr_at(self.steps, self.cfg))
@@ -135,16 +143,18 @@ class Policy:
         ref_logprobs: list[torch.Tensor] | None = None,
         old_logprobs: list[torch.Tensor] | None = None,
         max_completion_length: int | None = None,
+        routes: list[torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """The gradients of `loss` on these rollouts, accumulated over the packed rows, reduced
         and clipped (train.grad_clip) in the parameters' .grad, without the update. Only
         completion tokens (positions >= prompt_len) count; old_logprobs None takes the
         policy's own (detached: the first ratio is 1); a k3 KL to ref_logprobs when kl_coef > 0;
-        dr_grpo divides by max_completion_length (default: the longest completion given).
+        dr_grpo divides by max_completion_length (default: the longest completion given);
+        routes replay a MoE's routing as logprobs() does.
         Log-probabilities come as logprobs() gives them. Returns loss, clip_fraction, kl (0
         without ref_logprobs), entropy (means over the completion tokens; gspo's clip fraction
         over sequences) and grad_norm (before clipping)."""
-        check_seqs(seqs, self.derived.vocab_size, self.cfg.model.max_seq_len)
+        self._check(seqs, routes)
         settings = LossSettings(loss, clip_low, clip_high, kl_coef)
         if kl_coef != 0.0 and ref_logprobs is None:
             raise UserError("ref_logprobs: needed when kl_coef is not 0 (k3 KL to the reference)")
@@ -152,7 +162,7 @@ class Policy:
         counts = completion_counts(seqs, prompt_lens)
         longest = max_completion_length or max(max(counts), 1)
         objective = PolicyObjective(self.ps, self.cfg.kernels.backend, settings)
-        rows, batch = self._batch(seqs)
+        rows, batch = self._batch(seqs, routes)
         mine = rows[self.ps.dp_rank :: self.ps.dp]
         for index, micro in enumerate(batch):
             terms = rollouts.terms(mine[index] if index < len(mine) else rows[0], loss, longest)
@@ -183,11 +193,17 @@ class Policy:
 
     # ---- micro-batches
 
-    def _batch(self, seqs: list[list[int]]) -> tuple[list, list[MicroBatch]]:
+    def _check(self, seqs: list[list[int]], routes: list[torch.Tensor] | None) -> None:
+        check_seqs(seqs, self.derived.vocab_size, self.cfg.model.max_seq_len)
+        if routes is not None:
+            check_routes(routes, seqs, self.cfg)
+
+    def _batch(self, seqs: list[list[int]], routes=None) -> tuple[list, list[MicroBatch]]:
         """(every packed row of seqs, this rank's micro-batches): the micro-batches of this dp
-        rank's rows (rows[dp_rank::dp]) as this cp rank's shards, then as many fillers (row 0
-        again) as make every dp rank's count the same (the gradient reduction and ZeRO-3's
-        gathers are collective per micro-batch)."""
+        rank's rows (rows[dp_rank::dp]) as this cp rank's shards (their documents with the
+        rows' routes, if any), then as many fillers (row 0 again) as make every dp rank's
+        count the same (the gradient reduction and ZeRO-3's gathers are collective per
+        micro-batch)."""
         ps = self.ps
         multiple = 2 * ps.cp if ps.cp > 1 else 1
         if self.model.sequence_parallel:
@@ -198,11 +214,14 @@ class Policy:
         batch = []
         for row in mine + [rows[0]] * fillers:
             tokens, targets, documents = row_tensors(row, seqs, ps.device)
+            documents = documents.shard(ps.cp, ps.cp_rank)
+            if routes is not None:
+                documents = routed(documents, row, routes, ps.cp, ps.cp_rank)
             batch.append(
                 MicroBatch(
                     shard_row(tokens, ps.cp, ps.cp_rank),
                     shard_row(targets, ps.cp, ps.cp_rank),
-                    documents=documents.shard(ps.cp, ps.cp_rank),
+                    documents=documents,
                 )
             )
         return rows, batch

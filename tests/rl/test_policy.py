@@ -7,7 +7,10 @@ gradients do not depend on the packing budget, and its loss and gradient norm do
 on the layout; the weights it streams are transformers' state_dict() bitwise at each layout
 (the MoE's: its file's tensors, experts one by one),
 it streams back what it loads, and an inference model refit at tp 1 from the tp 2 x pp 2
-stream gives the tp 1 policy's logits bitwise. One four-rank run holds every layout."""
+stream gives the tp 1 policy's logits bitwise. The stream comes in buckets of about
+bucket_mb. Routing replay: generate records the routes the policy would choose, and foreign
+routes forced at tp 2 x ep 2 and pp 2 x ep 2 with recompute give the training forward the
+forward-only log-probabilities bitwise. One four-rank run holds every layout."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from tests.tolerances import EXACT, RL_GRAD_REL, RL_LOGPROB_ABS
 
 transformers = pytest.importorskip("transformers")
 
+BUCKET_MB = 0.01  # 10486 bytes: the tiny models' embeddings are larger, a block's others smaller
 LENGTHS = [5, 17, 9, 12, 3, 20, 8, 22]  # 5 rows at 24 tokens: dp 2 runs a filler
 PROMPTS = [2, 6, 4, 1, 2, 10, 3, 7]
 LAYOUTS = {  # four ranks each; the model; dp shares out the rows
@@ -31,7 +35,13 @@ LAYOUTS = {  # four ranks each; the model; dp shares out the rows
     "tp2_pp2": ("llama", ["parallel.tp=2", "parallel.pp=2"]),
     "cp2": ("llama", ["parallel.cp=2"]),
     "moe_tp2_ep2": ("qwen3_moe", ["parallel.tp=2", "parallel.ep=2"]),
+    "moe_pp2_ep2_recompute": (
+        "qwen3_moe",
+        ["parallel.pp=2", "parallel.ep=2", "train.activation_checkpointing=full"],
+    ),
 }
+MOE = sorted(name for name, (model, _) in LAYOUTS.items() if model == "qwen3_moe")
+EXPERTS = 4
 DENSE = sorted(name for name, (model, _) in LAYOUTS.items() if model == "llama")
 SHAPE = dict(
     vocab_size=101,  # padded at tp 2
@@ -146,9 +156,60 @@ def single(hf_dir, tmp_path_factory) -> dict:
     return out
 
 
-def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path) -> dict:
+@pytest.fixture(scope="module")
+def moe_rollouts(hf_dirs, tmp_path_factory) -> dict:
+    """Rollouts of the tiny Qwen3-MoE sampled at temperature 1 by generate's engine (tp 1,
+    refit from a tp 1 Policy's stream) with their routes recorded, and that Policy's
+    log-probabilities of them, replaying the routes and not."""
+    from megatronish.distributed.layout import ParallelState
+    from megatronish.inference.generate import Generation, Sampling
+    from megatronish.inference.model import inference_model, refit
+    from megatronish.rl import Policy
+
+    tmp = tmp_path_factory.mktemp("moe")
+    policy = Policy(None, _settings(hf_dirs["qwen3_moe"], tmp))
+    engine = inference_model(policy.cfg, 101, ParallelState.single(torch.device("cpu")))
+    refit(engine, policy.hf_weights())
+    seqs, routes = [], []
+    for index, (seq, prompt_len) in enumerate(zip(_seqs()[:4], PROMPTS[:4])):
+        prompt = seq[: max(prompt_len, 1)]
+        allowed = torch.ones(101, dtype=torch.bool)
+        generation = Generation(engine, prompt, 6, Sampling(1.0), index, None, allowed, True)
+        seqs.append(prompt + list(generation))
+        routes.append(generation.routes)
+    return dict(
+        seqs=seqs,
+        routes=routes,
+        free=policy.logprobs(seqs),
+        replayed=policy.logprobs(seqs, routes),
+        policy=policy,
+    )
+
+
+def _replay(policy, rollouts: dict) -> dict:
+    """A MoE policy's results on the rollouts with foreign routes (each recorded expert
+    shifted by one, so that forcing them changes every token's experts): log-probabilities
+    forward only, and a step's metrics with old_logprobs None (the training forward's own)
+    and with those log-probabilities, with recompute and without."""
+    seqs, prompts = rollouts["seqs"], PROMPTS[: len(rollouts["seqs"])]
+    shifted = [(route + 1) % EXPERTS for route in rollouts["routes"]]
+    out = {"free": policy.logprobs(seqs), "replayed": policy.logprobs(seqs, shifted)}
+    args = dict(prompt_lens=prompts, advantages=[1.0, -0.5, 0.25, -2.0][: len(seqs)])
+    for name, old in (("own", None), ("forward_only", out["replayed"])):
+        out[name] = policy.gradients(seqs, **args, old_logprobs=old, routes=shifted)
+        policy.data_parallel.after_step()
+    recompute = policy.model.full_checkpoint
+    policy.model.full_checkpoint = False
+    out["no_recompute"] = policy.gradients(seqs, **args, routes=shifted)
+    policy.data_parallel.after_step()
+    policy.model.full_checkpoint = recompute
+    return out
+
+
+def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path, rollouts: dict) -> dict:
     from megatronish.distributed import comm
     from megatronish.rl import Policy
+    from megatronish.rl.stream import hf_buckets
 
     out = {}
     seqs = _seqs()
@@ -159,18 +220,26 @@ def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path) -> d
         out[name] = {
             "logprobs": policy.logprobs(seqs),
             "metrics": policy.gradients(seqs, **_step_args(seqs)),
-            "streamed": dict(policy.hf_weights(bucket_mb=0.01)),  # several rounds
+            "streamed": dict(policy.hf_weights(bucket_mb=BUCKET_MB)),  # several buckets
+            "buckets": [
+                {name: tensor.nbytes for name, tensor in bucket.items()}
+                for bucket in hf_buckets(policy.model, policy.cfg, policy.data_parallel, BUCKET_MB)
+            ],
         }
         policy.data_parallel.after_step()
+        if model == "qwen3_moe":
+            out[name]["replay"] = _replay(policy, rollouts)
         halved = {k: v * 0.5 for k, v in load_file(hf_dir / "model.safetensors").items()}
         policy.load_hf_weights(halved.items())
-        out[name]["reloaded"] = dict(policy.hf_weights(bucket_mb=0.01))
+        out[name]["reloaded"] = dict(policy.hf_weights(bucket_mb=BUCKET_MB))
     return out
 
 
 @pytest.fixture(scope="module")
-def layouts(hf_dirs, tmp_path_factory) -> list[dict]:
-    return run_on_ranks(_on_layouts, 4, hf_dirs, tmp_path_factory.mktemp("runs"), timeout=300)
+def layouts(hf_dirs, tmp_path_factory, moe_rollouts) -> list[dict]:
+    rollouts = {key: moe_rollouts[key] for key in ("seqs", "routes")}
+    tmp = tmp_path_factory.mktemp("runs")
+    return run_on_ranks(_on_layouts, 4, hf_dirs, tmp, rollouts, timeout=300)
 
 
 def test_logprobs_at_tp1_equal_transformers_log_softmax_at_the_tokens(single, reference):
@@ -222,6 +291,19 @@ def test_hf_weights_at_each_layout_are_transformers_state_dict_bitwise_on_rank0(
     assert all(not rank_results[layout]["streamed"] for rank_results in layouts[1:])
 
 
+@pytest.mark.parametrize("layout", ["tp2_pp2", "moe_tp2_ep2"])
+def test_hf_weights_stream_buckets_of_about_bucket_mb_that_together_are_the_stream(layout, layouts):
+    buckets, streamed = layouts[0][layout]["buckets"], layouts[0][layout]["streamed"]
+    budget = BUCKET_MB * 2**20
+    assert len(buckets) > 2
+    for bucket in buckets:  # a tensor larger than the budget is a bucket alone
+        assert sum(bucket.values()) <= budget or len(bucket) == 1, bucket
+    assert max(sum(b.values()) for b in buckets) < 2 * budget  # the largest tensor: 12928 bytes
+    names = [name for bucket in buckets for name in bucket]
+    assert sorted(names) == sorted(streamed) and len(names) == len(set(names))
+    assert all(not rank_results[layout]["buckets"] for rank_results in layouts[1:])
+
+
 def test_hf_weights_of_a_moe_at_tp2_ep2_are_its_files_tensors_bitwise_on_rank0(layouts, hf_dirs):
     want = load_file(hf_dirs["qwen3_moe"] / "model.safetensors")  # transformers fuses experts
     streamed = layouts[0]["moe_tp2_ep2"]["streamed"]
@@ -254,6 +336,45 @@ def test_refit_at_tp1_from_the_tp2_pp2_stream_gives_the_tp1_policys_logits_bitwi
         assert torch.equal(engine(tokens), policy.model(tokens))
 
 
+def test_generate_records_the_routes_the_policy_would_choose(moe_rollouts):
+    for seq, route in zip(moe_rollouts["seqs"], moe_rollouts["routes"], strict=True):
+        assert route.shape == (2, len(seq) - 1, 2)  # 2 MoE layers, the last token not fed
+    for ours, free in zip(moe_rollouts["replayed"], moe_rollouts["free"], strict=True):
+        torch.testing.assert_close(ours, free, rtol=EXACT, atol=RL_LOGPROB_ABS)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda r: r[:1], "routes[0]: shape [1, "),
+        (lambda r: r[:, :2], "routes[0]: 2 tokens for a 8-token sequence"),
+        (lambda r: r + EXPERTS, "routes[0]: an expert outside 0 .. 3"),
+    ],
+)
+def test_routes_that_do_not_fit_are_a_user_error_naming_them(change, named, moe_rollouts):
+    from megatronish.errors import UserError
+
+    seqs, routes = moe_rollouts["seqs"], moe_rollouts["routes"]
+    with pytest.raises(UserError, match=re.escape(named)):
+        moe_rollouts["policy"].logprobs(seqs, [change(routes[0]), *routes[1:]])
+
+
+@pytest.mark.parametrize("layout", MOE)
+def test_routing_replay_forces_the_experts_and_the_training_forward_gives_its_logprobs_bitwise(
+    layout, layouts
+):
+    for rank_results in layouts:
+        replay = rank_results[layout]["replay"]
+        assert not any(
+            torch.equal(a, b) for a, b in zip(replay["replayed"], replay["free"], strict=True)
+        )
+        # old_logprobs None: the training forward's own; equal metrics (bitwise) mean that
+        # forward (train mode, 1F1B, recompute) gave the forward-only logprobs bitwise
+        assert replay["forward_only"] == replay["own"]
+        assert replay["no_recompute"] == replay["own"]
+        assert replay["own"]["clip_fraction"] == 0.0
+
+
 @pytest.mark.parametrize(
     ("call", "named"),
     [
@@ -265,6 +386,10 @@ def test_refit_at_tp1_from_the_tp2_pp2_stream_gives_the_tp1_policys_logits_bitwi
         (
             lambda p, s: p.gradients(s, PROMPTS, [0.0] * len(s), old_logprobs=[[0.0]] * len(s)),
             "old_logprobs[0]: 1 values",
+        ),
+        (
+            lambda p, s: p.logprobs(s, routes=[torch.zeros(1, 2, 2)] * len(s)),
+            "routes: the model has no MoE layers",
         ),
     ],
 )
