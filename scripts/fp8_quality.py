@@ -22,35 +22,13 @@ whose metrics already hold --steps steps.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIG = REPO / "configs" / "tiny.yaml"  # its schedule and seed; the model is MODEL
-MODEL = [
-    "model.arch=llama",
-    "model.n_layer=2",
-    "model.d_model=128",
-    "model.n_head=4",
-    "model.n_kv_head=2",
-    "model.max_seq_len=128",
-]
-TRAIN = [
-    "train.seq_len=128",
-    "train.micro_batch_size=8",
-    "train.global_batch_size=8",
-    "train.lr=3e-3",
-    "train.min_lr=3e-4",
-    "train.warmup_steps=20",
-    "train.eval_every=0",
-    "checkpoint.save=false",
-]
-FIRST_SEED = 1234
+from quality_runs import FIRST_SEED, mean_curve, run_all, run_dir, train
+
+LR = ["train.lr=3e-3", "train.min_lr=3e-4"]
 NOISE = "bf16, other seeds"  # bf16 again with the next seeds: the run-to-run noise, not held
 RUNS = {
     "bf16": ["train.precision=bf16"],
@@ -61,37 +39,6 @@ RUNS = {
 }
 HELD = ("fp8 tensorwise", "fp8 blockwise")  # held to within LIMIT of bf16
 LIMIT = 0.02
-
-
-def train(sets: list[str], steps: int, every: int, out: Path, reuse: bool) -> dict[int, float]:
-    """Every every-th step's training loss of one run, averaged over the every steps up to
-    it (with reuse, from out's metrics where they hold `steps` steps, without training)."""
-    if reuse and all(s in (losses := _losses(out)) for s in range(1, steps + 1)):
-        return _means(losses, steps, every)
-    sets = MODEL + TRAIN + sets + [f"train.steps={steps}", "train.log_every=1"]
-    args = [sys.executable, "-m", "megatronish", "train", "--config", str(CONFIG)]
-    args += ["--set", f"run.out_dir={out}"]
-    for s in sets:
-        args += ["--set", s]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread a run, --jobs runs side by side
-    result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        sys.exit(f"{' '.join(sets)}: exit {result.returncode}\n{result.stderr[-2000:]}")
-    return _means(_losses(out), steps, every)
-
-
-def _losses(out: Path) -> dict[int, float]:
-    """step -> training loss of the run in out ({} before it has run)."""
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return {}
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    return {line["step"]: line["loss"] for line in lines if "loss" in line and "step" in line}
-
-
-def _means(losses: dict[int, float], steps: int, every: int) -> dict[int, float]:
-    ends = range(every, steps + 1, every)
-    return {end: sum(losses[s] for s in range(end - every + 1, end + 1)) / every for end in ends}
 
 
 def table(curves: dict[str, dict[int, float]], gaps: dict[str, float]) -> str:
@@ -145,11 +92,6 @@ def seeds_of(name: str, seeds: int) -> list[int]:
     return list(range(first, first + seeds))
 
 
-def mean_curve(curves: list[dict[int, float]]) -> dict[int, float]:
-    """The step-by-step mean of several runs' curves."""
-    return {step: sum(c[step] for c in curves) / len(curves) for step in curves[0]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -164,13 +106,11 @@ def main() -> None:
 
     def run(job: tuple[str, int]) -> dict[int, float]:
         name, seed = job
-        sets = [*RUNS[name], f"train.seed={seed}"]
-        where = out / f"{name.replace(' ', '_').replace(',', '')}_seed{seed}"
-        return train(sets, args.steps, args.every, where, args.reuse)
+        sets = [*LR, *RUNS[name], f"train.seed={seed}"]
+        return train(sets, args.steps, args.every, run_dir(out, name, seed), args.reuse)
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(args.jobs) as pool:
-        done = dict(zip(runs, pool.map(run, runs)))
+    done = run_all(args.jobs, run, runs)
     curves = {
         name: mean_curve([done[(name, seed)] for seed in seeds_of(name, args.seeds)])
         for name in RUNS
