@@ -155,5 +155,7 @@ class AsyncSaver:
 
     def close(self) -> None:
         """Stops the writer thread after the job it is running (a save not completed stays a
-        temporary directory)."""
+        temporary directory) and waits for it to end: a writer still alive as the interpreter
+        exits would be ended inside a torch call, which aborts the process (SIGABRT)."""
         self.thread.jobs.put(None)
+        self.thread.join()

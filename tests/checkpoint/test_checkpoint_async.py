@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +83,24 @@ def test_an_async_save_holds_the_state_of_its_step_and_is_complete_only_once_com
     assert expected.keys() == got.keys()
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
+
+
+def test_closing_an_async_saver_waits_for_its_writer_thread_to_end(tmp_path, monkeypatch):
+    # A writer left running as the interpreter exits is ended inside a torch call: SIGABRT.
+    writing = threading.Event()
+
+    def slow_write(path, tensors):
+        writing.set()
+        time.sleep(0.2)  # still writing when close() is called
+        return "00000000"
+
+    monkeypatch.setattr(async_save, "write_file", slow_write)
+    saver = async_save.AsyncSaver()
+    job = async_save.WriteJob(tmp_path, {"model.safetensors": {"w": torch.zeros(1)}}, None, {})
+    saver.thread.jobs.put(job)
+    assert writing.wait(timeout=TIMEOUT)
+    saver.close()
+    assert job.done.is_set() and not saver.thread.is_alive()
 
 
 def test_an_async_save_whose_copy_fails_is_reported_at_completion_and_never_taken(
