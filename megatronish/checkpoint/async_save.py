@@ -153,9 +153,11 @@ class AsyncSaver:
         directory, step = args.pop("directory"), args.pop("step")
         return complete_save(directory, job.tmp, step, job.checksums, job.error, **args)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Stops the writer thread after the job it is running (a save not completed stays a
-        temporary directory) and waits for it to end: a writer still alive as the interpreter
-        exits would be ended inside a torch call, which aborts the process (SIGABRT)."""
+        temporary directory) and, unless `wait` is false, waits for it to end: a writer still
+        alive as the interpreter exits would be ended inside a torch call, which aborts the
+        process (SIGABRT). A second Ctrl-C does not wait: it stops the run at once."""
         self.thread.jobs.put(None)
-        self.thread.join()
+        if wait:
+            self.thread.join()

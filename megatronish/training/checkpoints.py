@@ -259,10 +259,11 @@ class Saver:
         if path is not None and self.setup.ps.is_main:
             tqdm.write(f"saved {path}")
 
-    def close(self) -> None:
-        """Stops the writer thread (what it has not completed stays a temporary directory)."""
+    def close(self, wait: bool = True) -> None:
+        """Stops the writer thread (what it has not completed stays a temporary directory),
+        waiting for it to end unless `wait` is false (a second Ctrl-C: at once)."""
         if self.background is not None:
-            self.background.close()
+            self.background.close(wait)
 
 
 def trim_metrics(out_dir: Path, step: int) -> None:

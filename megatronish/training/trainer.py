@@ -190,7 +190,7 @@ class Trainer:
         metrics, bar = self.open_outputs()
         last: dict = {}
         window = StepWindow()
-        skipped_in_a_row, stopped = 0, False
+        skipped_in_a_row, stopped, interrupted = 0, False, False
         try:
             while self.step < cfg.train.steps and not stopped:
                 result = self.train_step()
@@ -220,8 +220,11 @@ class Trainer:
             self.saver.finish()  # checkpoint.async: the last save on disk before the run ends
             self.stop_signals.done()  # a Ctrl-C from here on no longer aborts
             self.data_parallel.make_whole()  # the model is whole when the run returns
+        except KeyboardInterrupt:  # a second Ctrl-C stops the run at once
+            interrupted = True
+            raise
         finally:
-            self.saver.close()
+            self.saver.close(wait=not interrupted)
             bar.close()
             metrics.close()
             self.profiler.close()
