@@ -62,9 +62,15 @@ def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tens
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         mask = None
-        if segments is not None or module.window is not None:
+        explicit = options["sinks"] is not None or options["softcap"] is not None
+        if segments is not None or module.window is not None or explicit:
             mask = reference.attention_mask(q.shape[2], q.device, True, segments, module.window)
         with module.tracker.fork():  # heads differ per tp rank: a per-rank stream
+            if explicit:  # SDPA has neither sinks nor soft-capping
+                scale = options["scale"] or 1.0 / math.sqrt(q.shape[-1])
+                return reference.explicit_attention(
+                    q, k, v, mask, scale, options["sinks"], options["softcap"], module.dropout
+                )
             return F.scaled_dot_product_attention(
                 q,
                 k,

@@ -98,12 +98,13 @@ def explicit_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
     """Attention with the scores written out: q [b, n, s_q, d], k [b, n, s_k, d] and v [b, n,
     s_k, d_v] (as many heads each), visible bool broadcasting to [b, n, s_q, s_k]; the scores
     soft-capped by softcap (if any), and sinks [n] (if any) joining each row's softmax as one
-    more logit that gives no value. Computed in fp32 (fp64 for fp64 inputs), returned in q's
-    dtype."""
+    more logit that gives no value; dropout on the probabilities (the sink's left out), from the
+    default stream. Computed in fp32 (fp64 for fp64 inputs), returned in q's dtype."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
     if softcap is not None:
@@ -115,6 +116,8 @@ def explicit_attention(
     probs = torch.softmax(scores, dim=-1)
     if sinks is not None:
         probs = probs[..., :-1]
+    if dropout > 0:
+        probs = torch.nn.functional.dropout(probs, dropout)
     return (probs @ v.to(dtype)).to(q.dtype)
 
 

@@ -1,5 +1,7 @@
 """Dropout randomness: recomputation replays the same masks, so activation checkpointing
-(selective or full) gives the same loss and gradients as keeping the activations."""
+(selective or full) gives the same loss and gradients as keeping the activations, bit for bit
+(the recomputed forward is the same arithmetic); also through GPT-OSS's sinks, biased experts and
+clamped SwiGLU and Gemma 3's sandwich norms, soft-capping and per-layer RoPE."""
 
 from __future__ import annotations
 
@@ -12,15 +14,40 @@ from megatronish.model import GPT
 from megatronish.objectives.registry import sequence_losses
 from tests.tolerances import FP32_FEW_OPS_REL, FP32_GRAD_ABS
 
+# Small settings of the families whose presets are published sizes: a sliding block then a full
+# one; GPT-OSS's 4 biased experts (every one routed some tokens) behind a clamp that binds.
+WINDOWS = ["model.sliding_window=5", "model.layer_types=[sliding_attention, full_attention]"]
+HEADS = ["model.n_head=4", "model.n_kv_head=2", "model.head_dim=8"]
+FAMILY_SETTINGS = {
+    "gpt2": [],
+    "llama": [],
+    "gemma3": [
+        *HEADS,
+        *WINDOWS,
+        "model.query_pre_attn_scalar=8",
+        "model.attn_logit_softcapping=2",
+        "model.final_logit_softcapping=3",
+    ],
+    "gpt_oss": [
+        *HEADS,
+        *WINDOWS,
+        "model.swiglu_limit=0.1",
+        "model.moe.num_experts=4",
+        "model.moe.top_k=2",
+        "model.moe.d_ff=24",
+    ],
+}
 
-def loss_and_grads(arch: str, checkpointing: str):
+
+def loss_and_grads(arch: str, checkpointing: str, dropout: float = 0.2):
     cfg = load_config(
         None,
         [
             f"model.arch={arch}",
+            *FAMILY_SETTINGS[arch],
             "model.n_layer=2",
             "model.d_model=32",
-            "model.dropout=0.2",
+            f"model.dropout={dropout}",
             "model.vocab_size=50",
             "model.max_seq_len=16",
             "train.seq_len=16",
@@ -37,12 +64,27 @@ def loss_and_grads(arch: str, checkpointing: str):
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", list(FAMILY_SETTINGS))
 @pytest.mark.parametrize("checkpointing", ["selective", "full"])
-def test_activation_checkpointing_replays_dropout_masks(arch, checkpointing):
+def test_activation_checkpointing_replays_dropout_masks_and_gives_the_same_bits(
+    arch, checkpointing
+):
     ref_loss, ref_grads = loss_and_grads(arch, "none")
     loss, grads = loss_and_grads(arch, checkpointing)
     assert loss == ref_loss
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+def test_attention_under_dropout_keeps_its_sinks_and_soft_capping(arch):
+    """A dropout too small to drop anything (1e-12: every keep probability rounds to 1 in fp32,
+    and its 1 / (1 - p) too) gives the loss and gradients of no dropout: the dropout path
+    computes the same attention, only in another order."""
+    ref_loss, ref_grads = loss_and_grads(arch, "none", dropout=0.0)
+    loss, grads = loss_and_grads(arch, "none", dropout=1e-12)
+    assert abs(loss - ref_loss) <= FP32_FEW_OPS_REL * abs(ref_loss)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(
             grads[name], grad, rtol=FP32_FEW_OPS_REL, atol=FP32_GRAD_ABS, msg=name
