@@ -149,27 +149,29 @@ def column_parallel_linear(
 def shared_input_linears(
     x: torch.Tensor, layers: Sequence[ColumnParallelLinear]
 ) -> list[torch.Tensor]:
-    """x [b, s(/t), in] times each column layer's weight (no bias): one gather (or copy) for
-    all, so backward sums their input gradients once, as one fused layer would (llama's gate
-    and up). Under their plan's overlap with sequence parallelism the gather is decomposed under
-    the GEMMs, the gathered input kept for the weight gradients. The layers share their group,
-    sequence parallelism and plan."""
+    """x [b, s(/t), in] times each column layer's weight, + its bias (GPT-OSS's gate and up;
+    after the GEMM, in the output's dtype): one gather (or copy) for all, so backward sums their
+    input gradients once, as one fused layer would (llama's gate and up). Under their plan's
+    overlap with sequence parallelism the gather is decomposed under the GEMMs, the gathered
+    input kept for the weight gradients. The layers share their group, sequence parallelism
+    and plan."""
     first = layers[0]
     settings = {(layer.tp_group, layer.sequence_parallel, layer.plan) for layer in layers}
     if len(settings) > 1:
         raise ValueError("shared_input_linears: the layers differ in group, sp or plan")
     x, group, plan = to_autocast_dtype(x), first.tp_group, first.plan
     adapted = any(layer.lora is not None for layer in layers)
+    biases = [layer.bias for layer in layers]
     if first.sequence_parallel and plan.overlap and not adapted:
-        weights, biases = [layer.weight for layer in layers], [None] * len(layers)
-        recipe, tokens = plan.recipe, plan.tokens
+        weights, recipe, tokens = [layer.weight for layer in layers], plan.recipe, plan.tokens
         return list(
             overlap.all_gather_linear(
                 x, weights, biases, group, keep_gathered=True, recipe=recipe, tokens=tokens
             )
         )
     x = mappings.to_tensor_parallel_region(x, group, first.sequence_parallel)  # [b, s, in]
-    return [layer.local(x) for layer in layers]
+    outs = [layer.local(x) for layer in layers]
+    return [out if b is None else out + b.to(out.dtype) for out, b in zip(outs, biases)]
 
 
 class ColumnParallelLinear(nn.Module):
