@@ -21,6 +21,13 @@ DEEPSEEK = [
     "model.moe.aux_loss_coef=0", "model.moe.n_shared_experts=2", "model.moe.first_k_dense=1",
     "model.mtp_depth=1",
 ]  # fmt: skip
+# GPT-OSS: sinks, biased attention and experts behind the clamped SwiGLU (a limit that binds),
+# the router's logit bias, top 2 of 4 softmaxed, a sliding block then a full one.
+GPT_OSS = [
+    "model.arch=gpt_oss", "model.n_kv_head=2", "model.head_dim=8", "model.n_layer=2",
+    "model.sliding_window=4", "model.layer_types=[sliding_attention, full_attention]",
+    "model.swiglu_limit=0.5", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_ff=24",
+]  # fmt: skip
 SP, FULL = ["parallel.sequence_parallel=true"], ["train.activation_checkpointing=full"]
 # fp8 experts with fp32 around them, a few steps: later steps are not held to 1e-5 (an fp32
 # rounding that moves a value across an fp8 rounding boundary changes its cast by a whole fp8
@@ -41,6 +48,7 @@ TWO_RANKS = {
     "ep2 fp8 tensorwise": (1, 1, 2, 1, 2, MOE + FP8 + TENSORWISE),
     "ep2 fp8 rowwise shared expert": (1, 1, 2, 1, 2, MOE + FP8 + ROWWISE + SHARED),
     "ep2 fp8 blockwise capacity": (1, 1, 2, 1, 2, MOE + CAPACITY + FP8 + BLOCKWISE),
+    "ep2 fp8 rowwise gpt_oss": (1, 1, 2, 1, 2, GPT_OSS + FP8 + ROWWISE),
 }  # fmt: skip
 FOUR_RANKS = {
     "ep2 tp2": (2, 1, 2, 1, 2, MOE),

@@ -12,7 +12,8 @@ metrics.jsonl reports equals a count made outside the model on the same router o
 ep = 2 checkpoint resumes at ep = 1 on the same curve and loads, evaluates and generates in one
 process; one-process training is deterministic; bad MoE settings exit 2 with one line. With the
 experts (and a shared expert) in fp8, fp32 around them, the first FP8_STEPS steps' losses, gradient
-norms and router metrics at ep 2 (tensorwise, rowwise, blockwise with capacity drops), tp 2 x
+norms and router metrics at ep 2 (tensorwise, rowwise, blockwise with capacity drops, and
+GPT-OSS's biased experts behind the clamped SwiGLU, rowwise), tp 2 x
 dp 2 x ep 2 with sequence parallelism (tensorwise, rowwise) and cp 2 x ep 2 (tensorwise) equal
 one process's to 1e-5: an expert's scales are per (expert, source) run of rows, reduced over the
 cp ranks, as one process scales a micro-batch's."""
