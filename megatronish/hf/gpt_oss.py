@@ -11,8 +11,9 @@ The published checkpoints store gate_up_proj and down_proj in MXFP4 (`mxfp4`): e
 of 32 values along each row) and <name>_scales (uint8 [E, rows, G], a group's power of two +
 127), rows the transposed tensor's ([E, 2 f, h / 32, 16] for gate_up_proj). Import dequantizes
 them as transformers' convert_moe_packed_tensors does (the same table, ldexp, transpose), so
-the weights are bit for bit transformers'. Export writes every tensor in fp32, the experts
-unquantized, and says so.
+the weights are bit for bit transformers'. Export writes gate_up_proj and down_proj in bf16
+(not MXFP4: a config.json without quantization_config) and every other tensor in fp32, and says
+so.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ FP4_VALUES = (
     -6.0,
 )
 """The E2M1 value of each 4-bit code (the sign its high bit)."""
+EXPORTED_EXPERTS = torch.bfloat16
+"""The dtype export writes gate_up_proj and down_proj in (the published checkpoints: MXFP4)."""
 COMPONENTS = {"qkv_bias": False, "qk_norm": False, "experts": True, "dense_blocks": False}
 
 
@@ -201,17 +204,19 @@ def to_hf(cfg: Config, derived: Derived, ours: Tensors) -> Tensors:
 
 
 def _fused_experts(ours: Tensors, src: str, dst: str, num_experts: int) -> Tensors:
-    """One block's experts in transformers' fused layout (gate and up interleaved)."""
+    """One block's experts in transformers' fused layout (gate and up interleaved), the two
+    tensors the published checkpoints store in MXFP4 in EXPORTED_EXPERTS."""
 
     def stacked(name: str) -> torch.Tensor:
         return torch.stack([ours[f"{src}mlp.experts.{e}.{name}"] for e in range(num_experts)])
 
     gate, up = stacked("gate.weight"), stacked("up.weight")  # [E, f, h]
     gate_bias, up_bias = stacked("gate.bias"), stacked("up.bias")  # [E, f]
+    gate_up = torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2)
     return {
-        dst + "gate_up_proj": torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2),
+        dst + "gate_up_proj": gate_up.to(EXPORTED_EXPERTS),
         dst + "gate_up_proj_bias": torch.stack([gate_bias, up_bias], dim=2).flatten(1, 2),
-        dst + "down_proj": stacked("down.weight").transpose(1, 2),
+        dst + "down_proj": stacked("down.weight").transpose(1, 2).to(EXPORTED_EXPERTS),
         dst + "down_proj_bias": stacked("down.bias"),
     }
 
@@ -262,5 +267,5 @@ FAMILY = Family(
     from_hf=from_hf,
     buffers=llama.FAMILY.buffers,
     training_only=llama.TRAINING_ONLY,
-    export_note="note: the experts are written unquantized (float32, not MXFP4)",
+    export_note="note: experts written in bf16 (the published checkpoint stores them in MXFP4)",
 )
