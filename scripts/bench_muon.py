@@ -175,17 +175,22 @@ def _zero1_rank(rank: int, port: int, config: str, sets: list[str], repeats: int
     owned = [m for m in matrices if id(m.param) in mine]
     update = muon.build([{**group, "params": [p for p in params if id(p) in mine],
                           "matrices": owned}], cfg)  # fmt: skip
-    with CommCounter() as counter:
-        layerwise = _layerwise(params, grads, owner, update, ps, repeats)
     flat = torch.cat([g.reshape(-1) for g in grads])
     flat = torch.cat([flat, flat.new_zeros(flat.numel() % 2)])  # a bucket padded to dp
     wholes = [m.local(m.param.detach()).bfloat16() for m in matrices]
     shards = [_half(w.reshape(-1), rank) for w in wholes]
-    with CommCounter() as other:
-        distributed = _distributed(flat, shards, [w.shape for w in wholes], cfg, ps, repeats)
+    counter, other = CommCounter(), CommCounter()
+    times: dict[str, list[float]] = {}
+    for _ in range(repeats):  # the two ways in turn: the same load on both
+        with counter:
+            parts = _layerwise(params, grads, owner, update, ps)
+        with other:
+            parts |= _distributed(flat, shards, [w.shape for w in wholes], cfg, ps)
+        for kind, seconds in parts.items():
+            times.setdefault(kind, []).append(seconds)
     momentum = sum(p.numel() for p in params if id(p) in mine) * 4
     out.put({
-        "rank": rank, **layerwise, **distributed,
+        "rank": rank, **{kind: min(seconds) for kind, seconds in times.items()},
         "layerwise_sent_bytes": counter.total_sent / repeats,
         "layerwise_momentum_bytes": momentum,
         "distributed_sent_bytes": other.total_sent / repeats,
@@ -195,25 +200,22 @@ def _zero1_rank(rank: int, port: int, config: str, sets: list[str], repeats: int
     dist.destroy_process_group()
 
 
-def _layerwise(params, grads, owner: dict, update, ps, repeats: int) -> dict:
-    """Seconds (best of repeats) of the layer-wise step's parts: Muon's gradients reduced to
-    their owners, the owner's update, its broadcasts."""
-    times = {"reduce": [], "update": [], "broadcast": []}
-    for _ in range(repeats):
-        for param, grad in zip(params, grads):
-            param.grad = grad.clone()
-        dist.barrier()
-        start = time.perf_counter()
-        reduce_gradients(params, ps, owners=owner)
-        reduced = time.perf_counter()
-        update.step()
-        updated = time.perf_counter()
-        for param in params:
-            comm.broadcast(param.data, owner[id(param)], ps.dp_cp_group)
-        done = time.perf_counter()
-        for kind, (a, b) in zip(times, [(start, reduced), (reduced, updated), (updated, done)]):
-            times[kind].append(b - a)
-    return {f"layerwise_{k}_s": min(v) for k, v in times.items()}
+def _layerwise(params, grads, owner: dict, update, ps) -> dict[str, float]:
+    """Seconds of the layer-wise step's parts: Muon's gradients reduced to their owners, the
+    owner's update, its broadcasts."""
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    dist.barrier()
+    start = time.perf_counter()
+    reduce_gradients(params, ps, owners=owner)
+    reduced = time.perf_counter()
+    update.step()
+    updated = time.perf_counter()
+    for param in params:
+        comm.broadcast(param.data, owner[id(param)], ps.dp_cp_group)
+    marks = [start, reduced, updated, time.perf_counter()]
+    kinds = ("reduce", "update", "broadcast")
+    return {f"layerwise_{k}_s": b - a for k, a, b in zip(kinds, marks, marks[1:])}
 
 
 def _half(flat: torch.Tensor, rank: int) -> torch.Tensor:
@@ -221,35 +223,30 @@ def _half(flat: torch.Tensor, rank: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(flat.numel() % 2)]).chunk(2)[rank]
 
 
-def _distributed(flat, shards, shapes, cfg, ps, repeats: int) -> dict:
-    """Seconds (best of repeats) of Distributed Muon's parts on the same matrices: their fp32
-    gradients reduce-scattered, each matrix's bf16 momentum shards all-gathered, Newton-Schulz
-    on every matrix, the updated shards all-gathered (fp32)."""
+def _distributed(flat, shards, shapes, cfg, ps) -> dict[str, float]:
+    """Seconds of Distributed Muon's parts on the same matrices: their fp32 gradients
+    reduce-scattered, each matrix's bf16 momentum shards all-gathered, Newton-Schulz on every
+    matrix, the updated shards all-gathered (fp32)."""
     settings = muon_settings(cfg)
-    coefficients, steps = tuple(settings.ns_coefficients), settings.ns_steps
-    times = {"scatter": [], "gather": [], "ns": [], "params": []}
-    for _ in range(repeats):
-        sent = flat.clone()
-        dist.barrier()
-        start = time.perf_counter()
-        comm.reduce_scatter_in_place(sent, ps.dp_cp_group)
-        scattered = time.perf_counter()
-        whole = []
-        for shard in shards:
-            gathered = shard.new_empty(2 * shard.numel())
-            comm.all_gather_into(gathered, shard, ps.dp_cp_group)
-            whole.append(gathered)
-        gathered_at = time.perf_counter()
-        for shape, full in zip(shapes, whole):
-            matrix = full[: shape[0] * shape[1]].view(shape)
-            newton_schulz(matrix, coefficients, steps, settings.eps)
-        ns = time.perf_counter()
-        comm.all_gather_in_place(sent, ps.dp_cp_group)
-        done = time.perf_counter()
-        marks = [start, scattered, gathered_at, ns, done]
-        for kind, a, b in zip(times, marks, marks[1:]):
-            times[kind].append(b - a)
-    return {f"distributed_{k}_s": min(v) for k, v in times.items()}
+    sent = flat.clone()
+    dist.barrier()
+    start = time.perf_counter()
+    comm.reduce_scatter_in_place(sent, ps.dp_cp_group)
+    scattered = time.perf_counter()
+    whole = []
+    for shard in shards:
+        gathered = shard.new_empty(2 * shard.numel())
+        comm.all_gather_into(gathered, shard, ps.dp_cp_group)
+        whole.append(gathered)
+    gathered_at = time.perf_counter()
+    for shape, full in zip(shapes, whole):
+        matrix = full[: shape[0] * shape[1]].view(shape)
+        newton_schulz(matrix, tuple(settings.ns_coefficients), settings.ns_steps, settings.eps)
+    ns = time.perf_counter()
+    comm.all_gather_in_place(sent, ps.dp_cp_group)
+    marks = [start, scattered, gathered_at, ns, time.perf_counter()]
+    kinds = ("scatter", "gather", "ns", "params")
+    return {f"distributed_{k}_s": b - a for k, a, b in zip(kinds, marks, marks[1:])}
 
 
 def zero1_dp2_times(config: str, sets: list[str], repeats: int) -> dict:
