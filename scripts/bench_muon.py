@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import time
 
 import torch
@@ -189,8 +190,12 @@ def _zero1_rank(rank: int, port: int, config: str, sets: list[str], repeats: int
         for kind, seconds in parts.items():
             times.setdefault(kind, []).append(seconds)
     momentum = sum(p.numel() for p in params if id(p) in mine) * 4
+    totals = {
+        f"{way}_totals": [sum(p) for p in zip(*(v for k, v in times.items() if way in k))]
+        for way in ("layerwise", "distributed")
+    }
     out.put({
-        "rank": rank, **{kind: min(seconds) for kind, seconds in times.items()},
+        "rank": rank, **{kind: min(seconds) for kind, seconds in times.items()}, **totals,
         "layerwise_sent_bytes": counter.total_sent / repeats,
         "layerwise_momentum_bytes": momentum,
         "distributed_sent_bytes": other.total_sent / repeats,
@@ -252,8 +257,16 @@ def _distributed(flat, shards, shapes, cfg, ps) -> dict[str, float]:
 def zero1_dp2_times(config: str, sets: list[str], repeats: int) -> dict:
     """Both ways at ZeRO-1 dp 2 on two gloo ranks of this host (the slower rank's seconds)."""
     results = _on_two_ranks(_zero1_rank, config, sets, repeats)
-    keys = [k for k in results[0] if k != "rank"]
-    return {f"dp2_{k}": max(r[k] for r in results) for k in keys}
+    keys = [k for k in results[0] if k != "rank" and not k.endswith("_totals")]
+    both = {  # each repeat's seconds of each way, the slower rank's
+        way: [max(pair) for pair in zip(*(r[f"{way}_totals"] for r in results))]
+        for way in ("layerwise", "distributed")
+    }
+    ratios = [d / w for w, d in zip(both["layerwise"], both["distributed"])]
+    return {
+        **{f"dp2_{k}": max(r[k] for r in results) for k in keys},
+        "dp2_ratio": statistics.median(ratios),
+    }
 
 
 def host() -> str:
@@ -348,7 +361,10 @@ def _print_dp2(dp2: dict) -> None:
         f"{dp2['distributed_momentum_bytes'] / 2**20:.1f} MiB + "
         f"{dp2['distributed_buffer_bytes'] / 2**20:.1f} MiB gathered"
     )
-    print(f"    ratio distributed / layer-wise: {distributed / layerwise:.2f}")
+    print(
+        f"    ratio distributed / layer-wise: {distributed / layerwise:.2f} of the best parts, "
+        f"{dp2['ratio']:.2f} the median of the repeats' (each runs both ways in turn)"
+    )
 
 
 if __name__ == "__main__":
