@@ -43,7 +43,8 @@ class DataParallel(ABC):
     for a module); with buckets=False every gradient takes the plain reduction and, under
     ZeRO, every parameter is owned whole (the reference the buckets are held to), as under ZeRO
     are those the optimizer needs whole (optim.needs_whole: Muon's matrices, the layer-wise
-    way: each updated by the one rank that owns it and broadcast)."""
+    way: each one's gradient reduced to the one rank that owns it, which updates and
+    broadcasts it)."""
 
     zero = False
     """Whether the optimizer state is split over the group (each rank saves its part)."""
