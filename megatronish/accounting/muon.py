@@ -106,10 +106,10 @@ def local_elements(matrices: list[MuonMatrix], tp: int) -> int:
 
 def whole_under_zero(cfg: Config, derived: Derived, pp_rank: int) -> tuple[int, int]:
     """(dense, expert) elements of stage pp_rank's Muon matrices on one rank that ZeRO 1 to 3
-    leave out of its buffer (0, 0 at optim.zero 0): each parameter whole, its gradient
-    all-reduced, owned by one rank of its group (the expert-data-parallel group for the
-    experts), which keeps its momentum and broadcasts it after the step (data_parallel.zero1,
-    the layer-wise way)."""
+    leave out of its buffer (0, 0 at optim.zero 0): each parameter whole, owned by one rank of
+    its group (the expert-data-parallel group for the experts), to which its gradient is reduced
+    and which keeps its momentum and broadcasts it after the step (data_parallel.zero1, the
+    layer-wise way)."""
     if cfg.optim.zero == 0:
         return 0, 0
     matrices = stage_matrices(cfg, derived, pp_rank)

@@ -18,14 +18,16 @@ accounting.comm_time and split by what hides them:
 - ep all-to-all (MoE dispatch and return): on the critical path, exposed.
 - cp ring (k, v and their gradients): each hop runs under the attention of one block, so only
   what exceeds the layer's attention time is exposed.
-- dp gradient reduction (all-reduce, or ZeRO reduce-scatter): with optim.overlap_grad_reduce
-  it runs under the stage's last backward: exposed is what exceeds that backward, and at
-  least the last bucket (optim.bucket_mb); without overlap, all of it. ZeRO-2 and 3
-  reduce-scatter after every micro-batch: under the m backwards, at least the last bucket of
-  each. The ZeRO-1 and 2 parameter all-gather likewise runs under the next step's first
-  forward; ZeRO-3's gathers (with optim.zero3_prefetch) under the m forwards and backwards
-  (at pp > 1 once, under the first forward), at least the first bucket of each pass. The
-  other dp and embedding collectives (loss, norms, tied embedding, flags) are exposed.
+- dp gradient reduction (all-reduce, or ZeRO reduce-scatter and, of Muon's matrices, the
+  reduce to their owners: (n-1)/n of its payload, as a broadcast): with
+  optim.overlap_grad_reduce it runs under the stage's last backward: exposed is what exceeds
+  that backward, and at least the last bucket (optim.bucket_mb); without overlap, all of it.
+  ZeRO-2 and 3 reduce-scatter after every micro-batch: under the m backwards, at least the
+  last bucket of each. The ZeRO-1 and 2 parameter all-gather likewise runs under the next
+  step's first forward; ZeRO-3's gathers (with optim.zero3_prefetch) under the m forwards and
+  backwards (at pp > 1 once, under the first forward), at least the first bucket of each
+  pass. The other dp and embedding collectives (loss, norms, tied embedding, flags) are
+  exposed.
 - pp: the point-to-point sends of activations and gradients are exposed (blocking in the
   schedule); the pipeline bubble is (pp - 1) / (v m) of the m micro-batches' time of the
   slowest stage, i.e. (pp - 1) / v of its time for one micro-batch.

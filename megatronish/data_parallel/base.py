@@ -43,7 +43,8 @@ class DataParallel(ABC):
     for a module); with buckets=False every gradient takes the plain reduction and, under
     ZeRO, every parameter is owned whole (the reference the buckets are held to), as under ZeRO
     are those the optimizer needs whole (optim.needs_whole: Muon's matrices, the layer-wise
-    way: each updated by the one rank that owns it and broadcast)."""
+    way: each one's gradient reduced to the one rank that owns it, which updates and
+    broadcasts it)."""
 
     zero = False
     """Whether the optimizer state is split over the group (each rank saves its part)."""
@@ -63,6 +64,8 @@ class DataParallel(ABC):
         self.layout = BucketLayout(members, ps, self.bucket_bytes, padded=self.zero, part_of=parts)
         self.buckets = self.layout.buckets
         self.outside = [p for p in self.params if not self.layout.holds(p)]
+        # under ZeRO: the parameters whose reduced gradient only their owner holds
+        self.to_owner = frozenset(id(p) for p in self.outside if id(p) in whole)
         self.micro_batches, self.active = 0, False
         self.calls: dict[nn.Parameter, int] = {}  # micro-batch gradients this step
         self._hooks: list = []
@@ -85,14 +88,20 @@ class DataParallel(ABC):
         started yet started, then each waited for), then those outside the buckets."""
         self.active = False
         self._finish_buckets()
-        reduce_gradients(self.outside, self.ps, self.bucket_bytes, self.reduce_dtype)
+        reduce_gradients(
+            self.outside, self.ps, self.bucket_bytes, self.reduce_dtype, self._reduced_to()
+        )
 
     def clip_grads(self, max_norm: float) -> float:
         """The global gradient norm (optim.clip; the last stage's copy of tied embeddings left
         out), the gradients scaled down to max_norm when it is exceeded (0: never). Returns
         the norm before clipping."""
         with_grad = [p for p in self.params if p.grad is not None]
-        counted = [(p, p.grad) for p in with_grad if not role(p).pipeline_duplicate]
+        counted = [
+            (p, p.grad)
+            for p in with_grad
+            if not role(p).pipeline_duplicate and id(p) not in self.to_owner
+        ]
         local = self._add_shard_squares(squares(counted, self.params[0].device))
         norm = global_norm(local, self.ps)
         clip_([p.grad for p in with_grad] + self._shard_grads(), norm, max_norm)
@@ -197,8 +206,14 @@ class DataParallel(ABC):
     def _finish_buckets(self) -> None:
         """Every bucket's reduction of the step done and divided by dp x cp."""
 
+    def _reduced_to(self) -> dict[int, int] | None:
+        """The parameters whose gradients are reduced to one rank (outside.reduce_gradients'
+        owners; None: every gradient all-reduced)."""
+        return None
+
     def _add_shard_squares(self, local: Squares) -> Squares:
-        """local with the squares of the gradients only this rank holds added (ZeRO)."""
+        """local with the squares of the gradients only this rank holds added (ZeRO: its
+        shards' and its own whole parameters' reduced to it)."""
         return local
 
     def _shard_grads(self) -> list:

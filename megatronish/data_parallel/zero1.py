@@ -31,8 +31,10 @@ class Zero1(Zero0):
     (outside.WholeOwners).
 
     Collectives per step: a reduce-scatter and a parameter all-gather per bucket, a broadcast
-    per parameter outside the buckets, and for the gradient norm an all-reduce of the shards'
-    squares over the dp x cp group (and one over the expert-data-parallel group with experts).
+    per parameter outside the buckets (the gradients of those the optimizer needs whole,
+    Muon's, reduced to their owner alone, which counts their squares as its shards'), and for
+    the gradient norm an all-reduce of the shards' squares over the dp x cp group (and one over
+    the expert-data-parallel group with experts).
     A checkpoint gathers each bucket's optimizer moments over its group."""
 
     zero = True
@@ -43,7 +45,7 @@ class Zero1(Zero0):
         for bucket in self.buckets:
             self.layout.cut_pieces(bucket, self._param_shard(bucket))
         self.pieces = [piece for bucket in self.buckets for piece in bucket.pieces]
-        self.owners = WholeOwners(self.outside, self.ps)
+        self.owners = WholeOwners(self.outside, self.ps, self.to_owner)
         self._hook_modules(uses)
 
     def _lay_out_grads(self) -> None:
@@ -100,15 +102,20 @@ class Zero1(Zero0):
         self._wait_params()  # a parameter no forward used
         self._reduce_all()
 
+    def _reduced_to(self) -> dict[int, int]:
+        return self.owners.reduced_to
+
     def _add_shard_squares(self, local: Squares) -> Squares:
-        """Adds the squares of this rank's shards, summed over the buckets' groups."""
-        if not self.buckets:
+        """Adds the squares of this rank's shards and of the gradients reduced to it alone
+        (owned whole: outside.WholeOwners), summed over their groups."""
+        if not self.buckets and not self.to_owner:
             return local
-        device = self.params[0].device
-        shards = squares([(piece.param, piece.grad) for piece in self.pieces], device)
+        whole = [p for p in self.params if id(p) in self.to_owner]
+        owned = [(p, p.grad) for p in whole if p.grad is not None]
+        shards = squares([(x.param, x.grad) for x in self.pieces] + owned, self.params[0].device)
         dense = torch.stack([shards.split, shards.replicated])
         comm.all_reduce(dense, self.ps.dp_cp_group, op=dist.ReduceOp.SUM)
-        if any(role(b.params[0]).is_expert for b in self.buckets):
+        if any(role(p).is_expert for p in [b.params[0] for b in self.buckets] + whole):
             comm.all_reduce(shards.expert, self.ps.edp_group, op=dist.ReduceOp.SUM)
         return Squares(
             local.split + dense[0], local.replicated + dense[1], local.expert + shards.expert

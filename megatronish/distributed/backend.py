@@ -77,6 +77,9 @@ class Backend:
             output, tensor.contiguous(), output_splits, input_splits, group=group
         )
 
+    def reduce(self, tensor: torch.Tensor, dst: int, group, async_op: bool):
+        return dist.reduce(tensor, dst=dst, group=group, async_op=async_op)
+
     def broadcast(self, tensor: torch.Tensor, src: int, group) -> None:
         dist.broadcast(tensor, src=src, group=group)
 

@@ -7,8 +7,8 @@ named after it (megatronish.observe.profile.comm_range).
 A ``CommCounter`` used as a context manager records, for each collective issued inside it, the
 payload size and the bytes this rank sends under the ring algorithm NCCL and gloo use for large
 messages: all-reduce 2 (n-1)/n x payload, all-gather and reduce-scatter (n-1)/n x the full
-tensor, broadcast (n-1)/n x payload. Tests and the benchmark compare these counts with the
-analytic formula.
+tensor, broadcast and reduce (n-1)/n x payload. Tests and the benchmark compare these counts
+with the analytic formula.
 """
 
 from __future__ import annotations

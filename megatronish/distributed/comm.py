@@ -211,6 +211,25 @@ def all_to_all(
     )
 
 
+def reduce(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None, async_op: bool = False):
+    """The sum of tensor over group into tensor on global rank dst (the other ranks' tensor is
+    left undefined); returns the work handle when async_op. Counted as a reduce of tensor, of
+    which a rank sends (n-1)/n: half an all-reduce's."""
+    n = group_size(group)
+    if n == 1:
+        return None
+    payload = _nbytes(tensor)
+    return observed(
+        "reduce",
+        group,
+        tensor,
+        payload,
+        payload * ((n - 1) / n),
+        lambda a: backend(group).reduce(tensor, dst, group, a),
+        async_op,
+    )
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> None:
     """Broadcasts tensor from global rank src to every rank of group."""
     n = group_size(group)

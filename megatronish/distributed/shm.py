@@ -1,5 +1,5 @@
-"""All-reduce, all-gather and ring shifts through shared memory, for a group of CPU processes
-on one host.
+"""All-reduce, reduce, all-gather and ring shifts through shared memory, for a group of CPU
+processes on one host.
 
 gloo moves tensors between processes on one machine over loopback TCP (about 1 GB/s here),
 which costs a CPU tensor-parallel step more than its matmuls can hide. Ranks of a group on one
@@ -155,6 +155,20 @@ class SharedMemoryGroup:
             _combine(parts, result, combine)
         return None
 
+    def reduce(self, tensor: torch.Tensor, root: int, async_op: bool = False) -> PendingCall | None:
+        """The sum of tensor over the group into tensor on rank `root` of the group, combined in
+        rank order as all_reduce combines it (the same bits); the other ranks publish theirs and
+        combine nothing. Asynchronous as all_reduce is."""
+        if self.rank == root:
+            return self.all_reduce(tensor, dist.ReduceOp.SUM, async_op=async_op)
+        per_slot = self.slot_bytes // tensor.element_size()
+        if async_op and tensor.numel() <= per_slot:
+            self._pending = PendingCall(self, self._publish(tensor), tensor, lambda parts: None)
+            return self._pending
+        for piece in tensor.view(-1).split(per_slot):
+            self._exchange(piece)
+        return None
+
     def reduce_scatter(self, tensor: torch.Tensor, async_op: bool = False) -> PendingCall | None:
         """Sums the 1-D tensor over the group into this rank's block of it (block r of
         tensor.chunk(size)), combined in rank order as all_reduce combines it, so the block has
@@ -263,6 +277,12 @@ class SharedMemoryBackend(Backend):
         if tensor.is_contiguous():
             return self.memory.reduce_scatter(tensor, async_op=async_op)
         return super().reduce_scatter_in_place(tensor, group, async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, group, async_op: bool):
+        if tensor.is_contiguous():
+            root = dist.get_group_rank(group, dst)
+            return self.memory.reduce(tensor, root, async_op=async_op)
+        return super().reduce(tensor, dst, group, async_op)
 
     def all_gather_in_place(self, tensor: torch.Tensor, group, async_op: bool):
         """Gathers at once (None: nothing left to wait for)."""

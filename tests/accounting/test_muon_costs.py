@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.memory import model_state_bytes
 from megatronish.accounting.muon import (
     local_elements,
@@ -74,6 +75,28 @@ def test_under_zero_a_rank_keeps_the_momentum_of_its_own_matrices_and_each_matri
     if zero == 3:
         copies = 2 * params if cfg.train.bf16_autocast else 0  # autocast's bf16 weights
         assert state["weights"] - copies == halved
+
+
+def test_under_zero_1_muons_matrices_reduced_to_their_owner_send_over_dp_what_adamw_sends():
+    # per matrix a reduce to its owner and the owner's broadcast, (n-1)/n of it each, in place
+    # of ZeRO-1's reduce-scatter and all-gather: dp_bytes is n / (n-1) x what a rank sends
+    def dp_bytes(cfg) -> int:
+        ops = collectives_per_step(cfg, derive(cfg, 2, vocab_size=257), 0)
+        return sum(
+            op.payload * op.count * (2 if op.kind == "all_reduce" else 1)
+            for op in ops
+            if op.group == "dp"
+        )
+
+    sets = ["parallel.dp=2", "optim.zero=1"]
+    muon = _config("llama gqa mtp", *sets)
+    adamw = load_config(CONFIGS / "tiny.yaml", [*CASES["llama gqa mtp"][1], MUON[1], *sets])
+    derived = derive(muon, 2, vocab_size=257)
+    reduced = sum(
+        op.payload for op in collectives_per_step(muon, derived, 0) if op.kind == "reduce"
+    )
+    assert reduced == 4 * local_elements(stage_matrices(muon, derived, 0), 1)
+    assert dp_bytes(muon) == dp_bytes(adamw)
 
 
 def test_newton_schulz_flops_count_the_iterations_gemms_on_the_wide_orientation():

@@ -101,7 +101,8 @@ def test_shared_memory_collectives_equal_the_exact_result_on_every_rank(world):
 
 def _block_collectives(rank, world, numel):
     """reduce_scatter_in_place leaves in this rank's block the bits all_reduce gives there;
-    all_gather_in_place fills every block with its rank's (ZeRO-1's two collectives)."""
+    all_gather_in_place fills every block with its rank's (ZeRO-1's two collectives); reduce
+    leaves the all-reduce's bits on its destination (the Muon matrices' under ZeRO)."""
     out = {}
     group = dist.new_group(list(range(world)))
     for path in ("gloo", "shared memory"):
@@ -125,12 +126,19 @@ def _block_collectives(rank, world, numel):
             want = torch.arange(world, dtype=torch.float32).repeat_interleave(numel // world)
             assert torch.equal(mine, want), (path, async_op)
             out[(path, async_op)] = scattered[block]
+            reduced = _values(rank, 7, numel, torch.float32)
+            handle = comm.reduce(reduced, world - 1, group, async_op=async_op)
+            if handle is not None:
+                handle.wait()
+            # in rank order through shared memory, and a + b however two gloo ranks add
+            if rank == world - 1 and (path == "shared memory" or world == 2):
+                assert torch.equal(reduced, whole), (path, async_op)
     comm.disable_shared_memory()
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_block_reduce_scatter_and_all_gather_equal_the_all_reduce_on_gloo_and_shared_memory(
+def test_block_reduce_scatter_all_gather_and_reduce_equal_the_all_reduce_on_gloo_and_shm(
     world,
 ):
     numel = 2400 * world  # 2400 elements a block: three 1000-element slots

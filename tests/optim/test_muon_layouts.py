@@ -124,6 +124,8 @@ ZERO_VARIANTS = {
     f"llama tp2 sp dp2 zero{z}": (2, 2, 1, LLAMA + SP + [f"optim.zero={z}"], None)
     for z in (1, 2, 3)
 }
+# the same layout at ZeRO-0 (Muon's gradients all-reduced), which ZeRO-1 equals bit for bit
+ZERO0 = {"llama tp2 sp dp2 zero0": (2, 2, 1, LLAMA + SP + ["optim.zero=0"], None)}
 
 
 SAVED = "llama tp2 sp dp2 zero2"  # saves at SAVED_AT, resumed at two layouts
@@ -133,10 +135,11 @@ RESUMED = {"tp2 sp dp2 zero2": (2, 2, LLAMA + SP, 2), "tp1 dp4 zero1": (1, 4, LL
 
 def _train_on_ranks(rank: int, world: int, dataset, ckpt_dir) -> dict:
     results = {}
-    for name, (tp, dp, pp, overrides, cp) in {**VARIANTS, **ZERO_VARIANTS}.items():
+    for name, (tp, dp, pp, overrides, cp) in {**VARIANTS, **ZERO_VARIANTS, **ZERO0}.items():
         save = [f"checkpoint.dir={ckpt_dir}", "checkpoint.save=true"] if name == SAVED else []
         cfg = make_config(tp, dp, pp, overrides + MUON + SHORT, dataset, save, cp=cp)
         trainer = make_trainer(cfg, world, dataset)
+        holding = _watch_muon_grads(trainer) if name in ZERO_VARIANTS else None
         every = SAVED_AT if name == SAVED else 0
         losses, norms, counter = train_counted(trainer, LAYOUT_STEPS, save_every=every)
         trainer.saver.finish()
@@ -145,7 +148,7 @@ def _train_on_ranks(rank: int, world: int, dataset, ckpt_dir) -> dict:
         gathered = (counter.payload_bytes.get("all_gather", 0), formula.get("all_gather", 0))
         results[name] = {"losses": losses, "norms": norms, "gathered": gathered}
         if name in ZERO_VARIANTS:
-            results[name].update(_zero_facts(trainer, counter, formula))
+            results[name].update(_zero_facts(trainer, counter, formula), holding=holding)
     resume = f"checkpoint.resume={ckpt_dir / f'step_{SAVED_AT:06d}'}"
     for name, (tp, dp, overrides, zero) in RESUMED.items():
         sets = overrides + MUON + SHORT + [f"optim.zero={zero}", resume]
@@ -155,10 +158,27 @@ def _train_on_ranks(rank: int, world: int, dataset, ckpt_dir) -> dict:
     return results
 
 
+def _watch_muon_grads(trainer) -> list[bool]:
+    """Records, at each step's gradient clipping (after the reductions), whether the Muon
+    parameters holding a gradient on this rank are exactly those it owns."""
+    data_parallel, holding = trainer.data_parallel, []
+    clip = data_parallel.clip_grads
+    every = MuonOptimizer().needs_whole(trainer.model)
+    update = data_parallel.update
+    owned = {id(p) for g in update.param_groups if g.get("muon") for p in g["params"]}
+
+    def clip_grads(max_norm: float) -> float:
+        holding.append({id(p) for p in every if p.grad is not None} == owned)
+        return clip(max_norm)
+
+    data_parallel.clip_grads = clip_grads
+    return holding
+
+
 def _zero_facts(trainer, counter, formula: dict) -> dict:
     """What a ZeRO run shows of Muon's layer-wise ownership: the elements of the momentum this
-    rank keeps and of every Muon matrix it holds a block of, and the broadcasts' bytes (counted,
-    the accounting's and sent)."""
+    rank keeps and of every Muon matrix it holds a block of, the broadcasts' and the reduces'
+    (of Muon's gradients to their owners) bytes: counted, the accounting's and sent."""
     update = trainer.data_parallel.update
     muon = [p for g in update.param_groups if g.get("muon") for p in g["params"]]
     every = {
@@ -169,11 +189,14 @@ def _zero_facts(trainer, counter, formula: dict) -> dict:
     )
     return {
         "momentum": (kept, sum(p.numel() for p in muon), sum(p.numel() for p in every.values())),
-        "broadcast": (
-            counter.payload_bytes.get("broadcast", 0),
-            formula.get("broadcast", 0),
-            counter.sent_bytes.get("broadcast", 0),
-        ),
+        **{
+            kind: (
+                counter.payload_bytes.get(kind, 0),
+                formula.get(kind, 0),
+                counter.sent_bytes.get(kind, 0),
+            )
+            for kind in ("broadcast", "reduce")
+        },
     }
 
 
@@ -208,7 +231,7 @@ def llama_reference(dataset):
 
 @pytest.mark.slow  # the 4-rank training run
 @pytest.mark.parametrize("name", list(ZERO_VARIANTS))
-def test_muon_under_zero_owns_matrices_whole_per_rank_and_gives_one_processs_curves(
+def test_muon_under_zero_owns_matrices_whole_reduces_their_gradients_to_the_owner_alone(
     name, four_ranks, llama_reference
 ):
     losses, norms = llama_reference
@@ -222,6 +245,14 @@ def test_muon_under_zero_owns_matrices_whole_per_rank_and_gives_one_processs_cur
         counted, formula, sent = got["broadcast"]
         assert counted == formula > 0
         assert sent == counted / 2
+        # Muon's gradients reduced to their owners (half an all-reduce's bytes sent), which
+        # alone hold them after the reduction
+        counted, formula, sent = got["reduce"]
+        assert counted == formula > 0
+        assert sent == counted / 2
+        assert got["holding"] == [True] * LAYOUT_STEPS
+        if name.endswith("zero1"):  # the same sums as ZeRO-0's all-reduce: the same bits
+            assert got["losses"] == rank_results[next(iter(ZERO0))]["losses"]
         kept, owned, every = got["momentum"]
         assert kept == owned < every  # momentum for the matrices this rank owns only
         momenta.append((kept, every, got["gathered"]))

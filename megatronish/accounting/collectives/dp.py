@@ -7,17 +7,18 @@ Per step at optim.zero = 0 (or dp x cp = 1): the all-reduce of every local gradi
 the experts' over their group). With optim.zero >= 1 instead a reduce-scatter of the gradient
 buffer (ZeRO-2 and 3: one after each of the A micro-batches) and an all-gather of the updated
 parameters (ZeRO-3: the modules' gathers before forward and backward, ``zero3_gathers``), 4 P
-bytes each, less the parameters outside the buffer (the sequence-parallel replicated ones,
-the pipeline's tied embedding copies and Muon's matrices, which are all-reduced and broadcast
-by their owners, the experts' over their group),
-and the shards' grad-norm partial sums (two fp64; one more over the experts' group); the
+bytes each, less the parameters outside the buffer (the sequence-parallel replicated ones and
+the pipeline's tied embedding copies, all-reduced, and Muon's matrices, reduced to their owner:
+(n-1)/n of the payload sent, half an all-reduce's; all broadcast by their owners, the experts'
+over their group), and the shards' grad-norm partial sums (two fp64; one more over the experts'
+group, where there are expert shards or Muon's expert matrices); the
 buckets are padded to a multiple of dp, which adds nothing when dp divides every bucket's size,
 as it does for these models at dp 2 and 4. Then the loss mean (one fp32).
 
 With optim.grad_reduce_dtype bf16 every gradient reduction over the data-parallel and expert
-groups (the all-reduces at ZeRO-0, the reduce-scatters, the all-reduce of the gradients outside
-the buffer) sends 2 bytes an element instead of 4; the parameter gathers and broadcasts, the
-norms and the loss mean are unchanged.
+groups (the all-reduces at ZeRO-0, the reduce-scatters, the all-reduce and reduce of the
+gradients outside the buffer) sends 2 bytes an element instead of 4; the parameter gathers and
+broadcasts, the norms and the loss mean are unchanged.
 """
 
 from __future__ import annotations
@@ -122,6 +123,14 @@ def _outside_bytes(step: Step) -> int:
     return outside
 
 
+def _muon_dense_bytes(step: Step) -> int:
+    """Muon's dense matrices on this rank under ZeRO, fp32 (none under model.lora): outside the
+    buffer, their gradients reduced to their owner alone."""
+    if step.cfg.model.lora is not None:
+        return 0
+    return whole_under_zero(step.cfg, step.derived, step.pp_rank)[0] * FP32_BYTES
+
+
 def _zero(step: Step) -> list[Collective]:
     """optim.zero >= 1 at dp x cp > 1: the buffer's buckets reduce-scattered (ZeRO-2 and 3:
     after every micro-batch) and their updated shards all-gathered (ZeRO-3: by each module,
@@ -132,13 +141,21 @@ def _zero(step: Step) -> list[Collective]:
     dense = _trained_bytes(step) - _expert_bytes(step) - outside
     ops = []
     broadcast = f"ZeRO-{zero} broadcasts of the parameters outside the buffer"
-    for size, whole, whose in ((dp, outside, ""), (edp, whole_experts, "expert ")):
-        if whole:
+    muon = _muon_dense_bytes(step)
+    for size, whole, owned, whose in (
+        (dp, outside, muon, ""),
+        (edp, whole_experts, whole_experts, "expert "),
+    ):
+        if whole - owned:
             what = f"{whose}gradients outside the buffer: average"
-            ops += [
-                _dp(what, "all_reduce", size, _wire(step, whole), 1, GRAD),
-                _dp(f"{broadcast} ({whose or 'dense'})", "broadcast", size, whole, 1, PARAMS),
-            ]
+            ops.append(_dp(what, "all_reduce", size, _wire(step, whole - owned), 1, GRAD))
+        if owned:
+            what = f"{whose}Muon matrices' gradients: average to their owner"
+            ops.append(_dp(what, "reduce", size, _wire(step, owned), 1, GRAD))
+        if whole:
+            ops.append(
+                _dp(f"{broadcast} ({whose or 'dense'})", "broadcast", size, whole, 1, PARAMS)
+            )
     passes = step.accum if zero >= 2 else 1  # reductions per step
     scatter = f"ZeRO-{zero} gradient reduce-scatter"
     expert_scatter = f"ZeRO-{zero} expert gradient reduce-scatter"
@@ -155,7 +172,7 @@ def _zero(step: Step) -> list[Collective]:
         ops += zero3_gathers(step, dense)
     what, norm = "gradient norm of the shards (split, replicated)", Purpose.GRADIENT_NORM
     ops.append(_dp(what, "all_reduce", dp, 2 * FP64_BYTES, 1, norm))
-    if experts:
+    if experts or whole_experts:
         what = "gradient norm of the expert shards"
         ops.append(_dp(what, "all_reduce", edp, FP64_BYTES, 1, norm))
     return ops
