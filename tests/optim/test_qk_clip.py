@@ -19,7 +19,7 @@ from megatronish.ops import reference
 from megatronish.optim.qk_clip import QKClip
 from tests.conftest import CONFIGS, invoke_cli, read_metrics
 from tests.parity import assert_check_fails_with_one_line
-from tests.tolerances import FP32_FEW_OPS_REL, FP32_REORDER, FP64_REORDER
+from tests.tolerances import EXACT, FP32_FEW_OPS_REL, FP32_REORDER, FP64_REORDER
 
 TAU = 1.0
 BOOST = 200.0  # head 1's query rows times this: its logits far over TAU, the others' under
@@ -98,14 +98,14 @@ def test_qk_clip_scales_a_gqa_heads_query_and_its_groups_key_by_the_square_root(
     root = math.sqrt(TAU / maxima[1].item())  # by hand, in fp64
     # group 0: head 1's query and the key it shares with head 0 by root; head 0's query and
     # the value as they were; group 1 untouched
-    assert torch.allclose(now[0, 1], was[0, 1] * root, rtol=FP32_FEW_OPS_REL, atol=0)
-    assert torch.allclose(now[0, 2], was[0, 2] * root, rtol=FP32_FEW_OPS_REL, atol=0)
+    assert torch.allclose(now[0, 1], was[0, 1] * root, rtol=FP32_FEW_OPS_REL, atol=EXACT)
+    assert torch.allclose(now[0, 2], was[0, 2] * root, rtol=FP32_FEW_OPS_REL, atol=EXACT)
     assert torch.equal(now[0, 0], was[0, 0]) and torch.equal(now[0, 3], was[0, 3])
     assert torch.equal(now[1], was[1])
     after = _largest_logits(model)
     assert after[1].item() == pytest.approx(TAU, rel=FP32_REORDER)  # clipped to tau
     assert after[0].item() == pytest.approx(maxima[0].item() * root, rel=FP32_REORDER)
-    assert torch.allclose(after[2:], maxima[2:], rtol=FP32_REORDER, atol=0)
+    assert torch.allclose(after[2:], maxima[2:], rtol=FP32_REORDER, atol=EXACT)
 
 
 def test_qk_clip_splits_mla_heads_as_the_paper_nope_by_the_root_rope_query_by_the_factor():
@@ -115,7 +115,7 @@ def test_qk_clip_splits_mla_heads_as_the_paper_nope_by_the_root_rope_query_by_th
     attention, gamma = model.blocks["0"].attn, TAU / maxima[1].item()
     q, q_was = attention.q_b.weight.view(4, 12, -1), before["q_b.weight"].view(4, 12, -1)
     kv, kv_was = attention.kv_b.weight.view(4, 14, -1), before["kv_b.weight"].view(4, 14, -1)
-    rel = dict(rtol=FP32_FEW_OPS_REL, atol=0)
+    rel = dict(rtol=FP32_FEW_OPS_REL, atol=EXACT)
     assert torch.allclose(q[1, :8], q_was[1, :8] * math.sqrt(gamma), **rel)  # query nope
     assert torch.allclose(q[1, 8:], q_was[1, 8:] * gamma, **rel)  # query rope: the factor
     assert torch.allclose(kv[1, :8], kv_was[1, :8] * math.sqrt(gamma), **rel)  # key nope
@@ -126,7 +126,7 @@ def test_qk_clip_splits_mla_heads_as_the_paper_nope_by_the_root_rope_query_by_th
         assert torch.equal(attention.get_parameter(name), before[name])
     after = _largest_logits(model)
     assert after[1].item() == pytest.approx(TAU, rel=FP32_REORDER)
-    assert torch.allclose(after[[0, 2, 3]], maxima[[0, 2, 3]], rtol=FP32_REORDER, atol=0)
+    assert torch.allclose(after[[0, 2, 3]], maxima[[0, 2, 3]], rtol=FP32_REORDER, atol=EXACT)
 
 
 def test_a_run_with_qk_clip_logs_max_attn_logit_every_logged_step(tmp_path):
