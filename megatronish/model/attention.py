@@ -55,8 +55,9 @@ def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tens
     over cp, SDPA with dropout on a per-rank stream, or ops.attention. In training, the
     module's logit_max (if any) takes in the logits."""
     options = score_options(module)
-    if module.logit_max is not None and module.training:  # QK-clip's record
-        module.logit_max.observe(q, k, options["scale"], module.window, documents, module.ring)
+    rows = None  # QK-clip's record: the kernel's buffer, or taken in already
+    if module.logit_max is not None and module.training:
+        rows = module.logit_max.record(q, k, v, module, documents)
     if module.ring is not None:
         shards = None if documents is None else documents.shards
         return ring_attention(
@@ -78,7 +79,12 @@ def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tens
                 is_causal=mask is None,
                 scale=options["scale"],
             )
-    return ops.attention(q, k, v, True, module.backend, segments, module.window, **options)
+    out = ops.attention(
+        q, k, v, True, module.backend, segments, module.window, **options, row_max=rows
+    )
+    if rows is not None:
+        module.logit_max.take_rows(rows)
+    return out
 
 
 def score_options(module) -> dict:

@@ -4,10 +4,13 @@ RoPE and before any soft-cap (the raw product is what grows; a cap only hides it
 query-key pairs the masks let through (causal, sliding window, documents; masked pairs never
 count). Attention sinks are no query-key logit and do not count.
 
-The torch computation, beside the attention's own (only when QK-clip is on): the scores of one
-sequence at a time, under no_grad. Under context parallelism a rank's queries meet every cp
-rank's keys: the keys are all-gathered over the cp group (counted as all_gather) and masked by
-the zigzag shards' global positions and, under document masks, by every shard's segments.
+Where the attention runs on the Triton kernels (ops.attention: no ring, no dropout, no
+soft-cap, whose kernels score after the cap) the forward kernel reports each query's largest
+score and the heads' maxima are taken from those. Elsewhere torch computes them beside the
+attention (only when QK-clip is on): the scores of one sequence at a time, under no_grad.
+Under context parallelism a rank's queries meet every cp rank's keys: the keys are
+all-gathered over the cp group (counted as all_gather) and masked by the zigzag shards' global
+positions and, under document masks, by every shard's segments.
 
 Shapes (legend in megatronish.model): b batch, n query heads, k kv heads (n query heads each
 reading kv head i // (n / k)), s this rank's sequence, S the keys' sequence, d head dim.
@@ -19,6 +22,7 @@ import math
 
 import torch
 
+from megatronish import ops
 from megatronish.context import Documents, Ring, zigzag_positions
 from megatronish.distributed import comm
 from megatronish.ops import reference
@@ -31,6 +35,20 @@ class LogitMax:
     def __init__(self) -> None:
         self.value: torch.Tensor | None = None
 
+    def record(self, q, k, v, module, documents: Documents | None) -> torch.Tensor | None:
+        """Takes in the logits of an attention module's (attention.attend's) q [b, n, s, d] and
+        k [b, k, s, d], or, where its forward runs on the Triton kernels, returns the fp32
+        [b, n, s] buffer the kernel is to fill (take_rows takes it in after)."""
+        plain = module.ring is None and module.dropout == 0 and module.softcap is None
+        if plain and ops.attention_backend(module.backend, q, v) == "triton":
+            return torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        self.observe(q, k, module.scale, module.window, documents, module.ring)
+        return None
+
+    def take_rows(self, rows: torch.Tensor) -> None:
+        """Takes in each query's largest logit, rows [b, n, s]."""
+        self._merge(rows.amax(dim=(0, 2)))
+
     @torch.no_grad()
     def observe(self, q, k, scale: float | None, window, documents, ring: Ring | None) -> None:
         """Takes in the logits of q [b, n, s, d] and k [b, k, s, d] (RoPE applied) under the
@@ -41,7 +59,9 @@ class LogitMax:
             visible = reference.attention_mask(q.shape[2], q.device, True, segments, window)
         else:
             k, visible = _ring_keys(k, ring, window, documents)
-        heads = head_logit_max(q, k, scale, visible).float()
+        self._merge(head_logit_max(q, k, scale, visible).float())
+
+    def _merge(self, heads: torch.Tensor) -> None:
         self.value = heads if self.value is None else torch.maximum(self.value, heads)
 
     def take(self) -> torch.Tensor | None:
