@@ -38,7 +38,6 @@ def _row_max64(q, k, visible, scale: float, softcap: float | None) -> torch.Tens
 
 # (window, documents, scale, softcap, sinks)
 CASES = {
-    "causal": (None, False, None, None, False),
     "window documents": (7, True, None, None, False),
     "scale softcap sinks": (None, False, 0.4, 2.0, True),
 }
