@@ -42,3 +42,8 @@ def check_optimizer(cfg: Config) -> None:
         "scaling of the query and key weights, so QK-clip cannot bound the logits (nor do "
         "q/k-normed logits need it); valid: optim.muon.qk_clip_tau null, or model.qk_norm false",
     )
+    require(
+        tau is None or cfg.model.lora is None,
+        f"optim.muon.qk_clip_tau: {tau} with model.lora: QK-clip scales the query and key "
+        "weights, which LoRA keeps frozen; valid: optim.muon.qk_clip_tau null, or no model.lora",
+    )

@@ -1,8 +1,9 @@
 """QK-clip (optim.muon.qk_clip_tau, MuonClip): each head's largest logit counts the pairs the
 masks let through only; after a step the head over tau has its query and key rows scaled as
 computed by hand (GQA: the shared key by the group's factor; MLA: the paper's split), so that
-its largest logit becomes tau; the run logs max_attn_logit; a tau <= 0 or one on a model with
-q/k norms is one line. The same result at every layout: tests/optim/test_muon_layouts.py."""
+its largest logit becomes tau; the run logs max_attn_logit; a tau <= 0, or one on a model with
+q/k norms or LoRA (frozen q and k weights), is one line. The same result at every layout:
+tests/optim/test_muon_layouts.py."""
 
 from __future__ import annotations
 
@@ -147,9 +148,10 @@ def test_a_run_with_qk_clip_logs_max_attn_logit_every_logged_step(tmp_path):
     [
         (["optim.muon.qk_clip_tau=-1"], "optim.muon.qk_clip_tau"),
         (["model.arch=qwen3", "optim.muon.qk_clip_tau=10"], "model.qk_norm"),
+        (["model.arch=llama", "model.lora.rank=4", "optim.muon.qk_clip_tau=10"], "model.lora"),
     ],
 )
-def test_a_tau_not_above_zero_or_on_q_k_norms_is_one_line_naming_its_keys(sets, key):
+def test_a_tau_not_above_zero_or_on_q_k_norms_or_lora_is_one_line_naming_its_keys(sets, key):
     args = ["--config", str(CONFIGS / "tiny.yaml"), "--set", "optim.name=muon"]
     for s in sets:
         args += ["--set", s]
