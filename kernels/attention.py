@@ -7,7 +7,9 @@ power-of-two rest, as DeepSeek's 192 = 128 + 64; dv a power of two 16..128). q [
 d], k [b, n_kv, s, d], v [b, n_kv, s, dv], o [b, n_head, s, dv]; scale 1/sqrt(d) unless
 given; lse [b, n_head, s] fp32 in base 2: lse = log2(sum_j 2^(s_j * log2(e))) with the scores
 s_j = q.k_j * scale, or c tanh(q.k_j * scale / c) under a soft-cap c (SOFTCAP), and with
-sinks (HAS_SINKS) one more term 2^(sink * log2(e)) per row, which gives no value.
+sinks (HAS_SINKS) one more term 2^(sink * log2(e)) per row, which gives no value. With
+HAS_ROW_MAX the forward also writes row_max [b, n_head, s] fp32: each row's largest score
+s_j (natural units; -inf for a row that sees no key), QK-clip's record.
 
 Forward: one program per (BLOCK_M queries, batch * head). It walks the key blocks with an online
 softmax (running max m, running sum l, fp32 accumulator), so no s x s matrix exists. Key
