@@ -7,7 +7,9 @@ power-of-two rest, as DeepSeek's 192 = 128 + 64; dv a power of two 16..128). q [
 d], k [b, n_kv, s, d], v [b, n_kv, s, dv], o [b, n_head, s, dv]; scale 1/sqrt(d) unless
 given; lse [b, n_head, s] fp32 in base 2: lse = log2(sum_j 2^(s_j * log2(e))) with the scores
 s_j = q.k_j * scale, or c tanh(q.k_j * scale / c) under a soft-cap c (SOFTCAP), and with
-sinks (HAS_SINKS) one more term 2^(sink * log2(e)) per row, which gives no value.
+sinks (HAS_SINKS) one more term 2^(sink * log2(e)) per row, which gives no value. With
+HAS_ROW_MAX the forward also writes row_max [b, n_head, s] fp32: each row's largest score
+s_j (natural units; -inf for a row that sees no key), QK-clip's record.
 
 Forward: one program per (BLOCK_M queries, batch * head). It walks the key blocks with an online
 softmax (running max m, running sum l, fp32 accumulator), so no s x s matrix exists. Key
@@ -128,6 +130,7 @@ def _attn_fwd_kernel(
     KSEG,
     BOUNDS,
     SINKS,
+    ROW_MAX,
     seq_len,
     n_head,
     group,
@@ -146,6 +149,7 @@ def _attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_ROW_MAX: tl.constexpr,
 ):
     # Causal: the last query blocks have the most keys; launch them first for a balanced tail.
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -282,6 +286,9 @@ def _attn_fwd_kernel(
         BLOCK_N,
         PREC,
     )
+    if HAS_ROW_MAX:  # each row's largest score, natural units (a row that saw no key: -inf)
+        row_offs = bh.to(tl.int64) * seq_len + offs_m
+        tl.store(ROW_MAX + row_offs, m_i * 0.6931471805599453, mask=row_mask)
     if DOCS or WINDOW:  # a row that saw no key (m_i -inf): output 0, lse -inf
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -313,13 +320,15 @@ def forward_launch(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    row_max: torch.Tensor | None = None,
 ) -> Launch:
     """The forward kernel's launch on contiguous q, k, v into out (any float dtype) and the
     base-2 lse, with the tiles attention_blocks picks for GPU arch `arch` (device_arch); with
     segments (the queries' and the keys', contiguous int32 [b, s]) under document masks; with
     a sliding window (None: none) over queries `offset` positions after the keys; scale and
     softcap as attention_tiles.score_args takes them; sinks: fp32 [n_head] in base 2 (a sink
-    times log2(e)), joined to every row's lse, or None."""
+    times log2(e)), joined to every row's lse, or None; row_max: fp32 [b, n_head, s] that gets
+    each row's largest score (natural units, after any soft-cap; QK-clip's record), or None."""
     b, n_head, seq_len, head_dim = q.shape
     first, rest = split_qk_dim(head_dim)
     blocks = attention_blocks(seq_len, head_dim, q.dtype, arch, v.shape[-1], softcap is not None)
@@ -342,11 +351,12 @@ def forward_launch(
         BLOCK_N=tile.block_n,
         PREC=dot_precision(q.dtype),
         HAS_SINKS=sinks is not None,
+        HAS_ROW_MAX=row_max is not None,
     )
     return Launch(
         _attn_fwd_kernel,
         grid=(triton.cdiv(seq_len, tile.block_m), b * n_head),
-        args=(q, k, v, out, lse, *docs, sinks, *scalars),
+        args=(q, k, v, out, lse, *docs, sinks, row_max, *scalars),
         constexprs=constexprs,
         num_warps=tile.num_warps,
         num_stages=blocks.num_stages,
@@ -366,15 +376,16 @@ def forward_pass(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, n_head, s, dv] in out_dtype (default q's), base-2 lse [b, n_head, s] fp32) of
     contiguous q, k, v (and segments, checked, or None; a sliding window or None; scale,
-    softcap and base-2 sinks as forward_launch takes them)."""
+    softcap, base-2 sinks and row_max as forward_launch takes them)."""
     b, n_head, seq_len, _ = q.shape
     out = q.new_empty(b, n_head, seq_len, v.shape[-1], dtype=out_dtype or q.dtype)
     lse = torch.empty(b, n_head, seq_len, device=q.device, dtype=torch.float32)
     if out.numel() > 0:
         arch = device_arch(q.device)
-        options = dict(scale=scale, softcap=softcap, sinks=sinks)
+        options = dict(scale=scale, softcap=softcap, sinks=sinks, row_max=row_max)
         forward_launch(q, k, v, out, lse, causal, arch, segments, window, offset, **options).run()
     return out, lse

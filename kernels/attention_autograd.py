@@ -75,7 +75,7 @@ def sink_grad(sinks2: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> t
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, segments, window, scale, sinks, softcap):
+    def forward(ctx, q, k, v, causal: bool, segments, window, scale, sinks, softcap, row_max):
         check_device(q, k, v, segments, sinks)
         check_shapes(q, k, v)
         window_args(window, 0, q.shape[2])  # bad options fail before any work
@@ -83,7 +83,7 @@ class _AttentionFunction(torch.autograd.Function):
         sinks2 = base2_sinks(sinks, q)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         segments = check_segments(q, None if segments is None else (segments, segments))
-        options = dict(scale=scale, softcap=softcap, sinks=sinks2)
+        options = dict(scale=scale, softcap=softcap, sinks=sinks2, row_max=row_max)
         out, lse = forward_pass(q, k, v, causal, segments, window=window, **options)
         ctx.save_for_backward(q, k, v, out, lse, sinks2)
         ctx.causal, ctx.segments, ctx.window = causal, segments, window
@@ -104,7 +104,7 @@ class _AttentionFunction(torch.autograd.Function):
         dsinks = None
         if sinks2 is not None and ctx.needs_input_grad[7]:
             dsinks = sink_grad(sinks2, lse, delta).to(ctx.sinks_dtype)
-        return dq, dk, dv, None, None, None, None, dsinks, None
+        return dq, dk, dv, None, None, None, None, dsinks, None, None
 
 
 def attention(
@@ -118,6 +118,7 @@ def attention(
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    row_max: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale, causal mask optional) v -> [b, n_head, s, dv] in q's dtype; scale
     1/sqrt(d) unless given.
@@ -130,8 +131,12 @@ def attention(
     skipped. window W (a sliding window): the query at i sees the keys at j with i - j < W
     only, and the key blocks out of every window are skipped. softcap c: the scores become
     c tanh(score / c) before the masks. sinks [n_head]: one logit per query head that joins
-    every row's softmax denominator and gives no value (its gradient flows). Raises ValueError
+    every row's softmax denominator and gives no value (its gradient flows). row_max: fp32
+    [b, n_head, s], contiguous, that the forward fills with each query's largest score (q.k
+    times scale, after any soft-cap; -inf where it sees no key), or None. Raises ValueError
     for head dims the kernels cannot tile (attention_tiles.check_shapes), for a window below
     1, a soft-cap not above 0 and sinks of another shape.
     """
-    return _AttentionFunction.apply(q, k, v, bool(causal), segments, window, scale, sinks, softcap)
+    return _AttentionFunction.apply(
+        q, k, v, bool(causal), segments, window, scale, sinks, softcap, row_max
+    )

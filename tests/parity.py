@@ -114,10 +114,12 @@ def train_losses(trainer) -> list[float]:
     return [trainer.train_step().loss for _ in range(trainer.cfg.train.steps - trainer.step)]
 
 
-def train_counted(trainer, steps: int, save_every: int = 0, mtp_losses: list | None = None):
+def train_counted(
+    trainer, steps: int, save_every: int = 0, mtp_losses: list | None = None, logits=None
+):
     """(losses, grad norms, CommCounter of the first step) of training to `steps`, saving a
     checkpoint every `save_every` steps (0: never); each step's multi-token prediction loss
-    appended to mtp_losses when given."""
+    appended to mtp_losses when given, and its max_attn_logit (QK-clip's) to logits."""
     from megatronish.distributed import comm
 
     losses, norms = [], []
@@ -127,6 +129,8 @@ def train_counted(trainer, steps: int, save_every: int = 0, mtp_losses: list | N
         norms.append(step.grad_norm)
         if mtp_losses is not None:
             mtp_losses.append(step.mtp_loss)
+        if logits is not None:
+            logits.append(trainer.qk_clip.metrics().get("max_attn_logit"))
 
     with comm.CommCounter() as counter:
         record(trainer.train_step())
@@ -156,9 +160,15 @@ def run_reference(overrides: list[str], dataset: Path, **sets) -> dict:
 
     cfg = make_config(1, 1, 1, overrides, dataset, [f"{k}={v}" for k, v in sets.items()])
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
-    mtp: list = []
-    losses, norms, _ = train_counted(trainer, STEPS, mtp_losses=mtp)
-    return {"losses": losses, "norms": norms, "mtp_losses": mtp, "trainer": trainer}
+    mtp, logits = [], []
+    losses, norms, _ = train_counted(trainer, STEPS, mtp_losses=mtp, logits=logits)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "mtp_losses": mtp,
+        "max_attn_logits": logits,
+        "trainer": trainer,
+    }
 
 
 def assert_close(

@@ -237,3 +237,9 @@ RL_GRAD_REL = reordered_sum_bound(100)
 # Llama's loss by 5e-4 at step 3 already.
 MUON_CURVE_REL = 3e-4
 MUON_NORM_REL = 3.3e-3
+# QK-clip's max_attn_logit (the largest logit of any head) under Muon: the same reference's
+# noise floor, measured the same way (every gradient moved by +-1e-7 and 2e-7 relative) over
+# the layout runs' 5 steps of the tiny Llama at tau 0.045: 4.2e-4 relative (0 at step 1, before
+# any update); the bound is that floor x 10. A max over heads follows one weight's rounding
+# where a loss averages many.
+MUON_LOGIT_REL = 4.2e-3

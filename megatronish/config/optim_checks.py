@@ -37,6 +37,13 @@ def check_optimizer(cfg: Config) -> None:
     tau = muon.qk_clip_tau
     require(tau is None or tau > 0, f"optim.muon.qk_clip_tau: {tau} must be > 0 (null: off)")
     require(
-        tau is None,
-        f"optim.muon.qk_clip_tau: {tau}: QK-clip is not supported yet; valid: null",
+        tau is None or not cfg.model.qk_norm or cfg.model.attention == "mla",
+        f"optim.muon.qk_clip_tau: {tau} with model.qk_norm true: the q/k RMSNorm undoes any "
+        "scaling of the query and key weights, so QK-clip cannot bound the logits (nor do "
+        "q/k-normed logits need it); valid: optim.muon.qk_clip_tau null, or model.qk_norm false",
+    )
+    require(
+        tau is None or cfg.model.lora is None,
+        f"optim.muon.qk_clip_tau: {tau} with model.lora: QK-clip scales the query and key "
+        "weights, which LoRA keeps frozen; valid: optim.muon.qk_clip_tau null, or no model.lora",
     )

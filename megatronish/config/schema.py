@@ -193,7 +193,10 @@ class MuonConfig:
     match_rms_adamw 0.2 sqrt(max(A, B)) (Moonlight: AdamW's lr and weight decay carry over),
     original sqrt(max(1, A / B))."""
     qk_clip_tau: float | None = None
-    """MuonClip's logit bound (null: off). Not supported yet: only null is valid."""
+    """MuonClip's logit bound tau (null: off; > 0): after each step, every attention head whose
+    largest pre-softmax logit of the step exceeded tau has its query and key weights scaled
+    down to bring it to tau (docs/training.md: QK-clip). Not with model.qk_norm (the norm
+    undoes the scaling); metrics.jsonl logs max_attn_logit."""
 
 
 @dataclass

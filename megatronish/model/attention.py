@@ -27,6 +27,7 @@ from megatronish.layers.linear import (
     mark_parallel,
 )
 from megatronish.model.adapters import column_adapters, row_adapter
+from megatronish.model.logit_max import LogitMax
 from megatronish.model.norm import Norm
 from megatronish.model.plan import BlockPlan
 from megatronish.model.recompute import checkpoint
@@ -51,8 +52,12 @@ def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tens
     """The attention core after RoPE of an attention module (its ring, backend, window, dropout
     and RNG tracker, and its score options: scale, sinks, softcap, None where it has none):
     q [b, n/t, s, d], k [b, k/t, s, d], v [b, k/t, s, d_v] -> [b, n/t, s, d_v]; ring attention
-    over cp, SDPA with dropout on a per-rank stream, or ops.attention."""
+    over cp, SDPA with dropout on a per-rank stream, or ops.attention. In training, the
+    module's logit_max (if any) takes in the logits."""
     options = score_options(module)
+    rows = None  # QK-clip's record: the kernel's buffer, or taken in already
+    if module.logit_max is not None and module.training:
+        rows = module.logit_max.record(q, k, v, module, documents)
     if module.ring is not None:
         shards = None if documents is None else documents.shards
         return ring_attention(
@@ -80,7 +85,12 @@ def attend(module, q, k, v, documents: Documents | None, segments) -> torch.Tens
                 is_causal=mask is None,
                 scale=options["scale"],
             )
-    return ops.attention(q, k, v, True, module.backend, segments, module.window, **options)
+    out = ops.attention(
+        q, k, v, True, module.backend, segments, module.window, **options, row_max=rows
+    )
+    if rows is not None:
+        module.logit_max.take_rows(rows)
+    return out
 
 
 def score_options(module) -> dict:
@@ -128,6 +138,7 @@ class Attention(nn.Module):
         self.cp, self.ring = derived.cp, plan.ring()
         scalar, self.softcap = model.query_pre_attn_scalar, model.attn_logit_softcapping
         self.scale = None if scalar is None else scalar**-0.5  # None: 1/sqrt(d)
+        self.logit_max = LogitMax() if plan.logit_max else None  # QK-clip's record
         self.register_parameter("sinks", None)  # this rank's heads' sink logits
         if plan.components.attention_sinks:  # normal(0, 0.02) as every matrix, as transformers
             self.sinks = nn.Parameter(torch.empty(self.local_heads))

@@ -47,6 +47,7 @@ from megatronish.layers.linear import (
 )
 from megatronish.layers.roles import set_role
 from megatronish.model.attention import attend, decode_mask, rope_positions
+from megatronish.model.logit_max import LogitMax
 from megatronish.model.norm import Norm
 from megatronish.model.plan import BlockPlan
 from megatronish.model.recompute import checkpoint
@@ -104,6 +105,7 @@ class LatentAttention(nn.Module):
         self.cp, self.ring = plan.derived.cp, plan.ring()
         self.window = attention_window(model, plan.index)
         self.scale = self.softcap = self.sinks = None  # the plain scores (attention.attend)
+        self.logit_max = LogitMax() if plan.logit_max else None  # QK-clip's record
         self.group = plan.ps.tp_group
         self.sequence_parallel = sp = plan.sequence_parallel
         shapes = mla_shapes(model)

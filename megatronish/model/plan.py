@@ -61,6 +61,8 @@ class BlockPlan:
     derived: Derived
     ps: ParallelState
     tracker: RNGTracker
+    logit_max: bool = False
+    """Whether its attention records each head's largest logit (optim.muon.qk_clip_tau set)."""
 
     def ring(self) -> Ring | None:
         """This rank's ring attention ring under context parallelism (cp > 1), else None."""
@@ -89,4 +91,5 @@ def block_plan(
         derived=derived,
         ps=ps,
         tracker=tracker,
+        logit_max=cfg.optim.muon is not None and cfg.optim.muon.qk_clip_tau is not None,
     )

@@ -117,6 +117,7 @@ def attention(
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    row_max: torch.Tensor | None = None,
 ):
     """Scaled dot-product attention, scale 1/sqrt(d) unless given: q [b, n_head, s, d], k [b,
     n_kv_head, s, d] and v [b, n_kv_head, s, dv] -> [b, n_head, s, dv]. With segments [b, s]
@@ -125,10 +126,14 @@ def attention(
     sliding window W (int), the query at i sees the keys at j with i - j < W only. The Triton
     kernels skip the blocks of keys that lie wholly in other documents or outside the window.
     softcap (logit soft-capping) and sinks [n_head] (a learned logit per head in every
-    softmax's denominator): reference.attention; the kernels take them too."""
+    softmax's denominator): reference.attention; the kernels take them too. row_max (Triton
+    only; QK-clip's record): fp32 [b, n_head, s] the forward kernel fills with each query's
+    largest score after any soft-cap."""
     options = dict(scale=scale, sinks=sinks, softcap=softcap)
     if attention_backend(backend, q, v) == "triton":
-        return _kernels().attention(q, k, v, causal, segments, window, **options)
+        return _kernels().attention(q, k, v, causal, segments, window, **options, row_max=row_max)
+    if row_max is not None:
+        raise ValueError("attention: row_max is the Triton kernels' (backend triton)")
     return reference.attention(
         q, k, v, causal, segments, window, scale=scale, sinks=sinks, softcap=softcap
     )

@@ -25,6 +25,7 @@ from megatronish.model import GPT
 from megatronish.model.precision import autocast
 from megatronish.objectives.batch import MicroBatch
 from megatronish.optim.optimizer import lr_at
+from megatronish.optim.qk_clip import QKClip
 from megatronish.pipeline.runner import Pipeline
 from megatronish.rl.gather import RowResults
 from megatronish.rl.losses import LossSettings
@@ -59,6 +60,7 @@ class Policy:
         torch.manual_seed(cfg.train.seed)
         self.model = GPT(cfg, derived, ps)
         self.data_parallel = data_parallel_for(self.model, cfg, ps)
+        self.qk_clip = QKClip(self.model, cfg, ps)  # optim.muon.qk_clip_tau
         self.pipeline = (
             Pipeline(self.model, ps, cfg.parallel.pp_schedule) if derived.pp > 1 else None
         )
@@ -129,7 +131,8 @@ class Policy:
         self.steps += 1
         self.data_parallel.step(lr_at(self.steps, self.cfg))
         self.data_parallel.after_step()
-        return metrics
+        self.qk_clip.after_step(applied=True)
+        return metrics | self.qk_clip.metrics()
 
     def gradients(
         self,

@@ -33,6 +33,7 @@ from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
 from megatronish.optim.optimizer import lr_at
+from megatronish.optim.qk_clip import QKClip
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults
 from megatronish.training.batches import next_batch, validation_loss
@@ -66,6 +67,7 @@ class Trainer:
         self.objective = objective_for(setup.cfg, setup.ps)  # what the steps minimize
         # The sigmoid router's routing biases and load spread (moe.balance).
         self.balancer = Balancer(self.model.moe_layers(), setup.cfg, setup.derived, setup.ps)
+        self.qk_clip = QKClip(self.model, setup.cfg, setup.ps)  # optim.muon.qk_clip_tau
         # Phase times of every step on this rank (observe.phase_times).
         self.timer = PhaseTimer(setup.cfg.observe.phase_times, setup.ps.device)
         self.observed = False  # whether a logged window has been observed yet
@@ -112,6 +114,7 @@ class Trainer:
                     self.data_parallel.step(lr_at(self.step + 1, self.cfg))
                 self.data_parallel.after_step()
                 self.balancer.after_step(applied=not verdict.skip)
+                self.qk_clip.after_step(applied=not verdict.skip)
         self.step += 1
         self.profiler.end_step(self.step)
         return StepResult(loss, grad_norm, verdict, self.mtp_loss)
@@ -272,7 +275,7 @@ class Trainer:
         }
         if result.mtp_loss is not None:
             last["mtp_loss"] = result.mtp_loss
-        last.update(self.moe_metrics())
+        last.update(self.moe_metrics() | self.qk_clip.metrics())
         last.update(self.observe_step())
         metrics.write(last)
         bar.set_postfix(**self.progress_postfix(last))

@@ -2,9 +2,10 @@
 gathered in bf16), so where the gradients are bitwise those of one process, so are the updates,
 and the gathers are counted as what they send; and training runs at tp 2 with sequence
 parallelism x dp 2, tp 2 x pp 2 interleaved, tp 2 x ep 2 with experts, and cp 2 x dp 2 give
-one process's losses and gradient norms within the reference's noise floor x 10
-(MUON_CURVE_REL, MUON_NORM_REL: Newton-Schulz in bf16 passes fp32 reorderings on amplified),
-their all-gathers' bytes those accounting.collectives counts."""
+one process's losses, gradient norms and QK-clip's max_attn_logit (tau set: it clips heads
+every step) within the reference's noise floor x 10 (MUON_CURVE_REL, MUON_NORM_REL,
+MUON_LOGIT_REL: Newton-Schulz in bf16 passes fp32 reorderings on amplified), their all-gathers'
+bytes (cp's QK-clip key gathers too) those accounting.collectives counts."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ from tests.parity import (
     train_counted,
 )
 from tests.ranks import run_on_ranks
-from tests.tolerances import MUON_CURVE_REL, MUON_NORM_REL
+from tests.tolerances import FP32_REORDER, MUON_CURVE_REL, MUON_LOGIT_REL, MUON_NORM_REL
 
-MUON = ["optim.name=muon", "train.weight_decay=0.1"]
+# QK-clip on: at tau 0.045 (the tiny model's largest logits start near 0.05) it clips heads
+# every step, so the curves and each step's max_attn_logit hold its reduction and scaling too
+MUON = ["optim.name=muon", "train.weight_decay=0.1", "optim.muon.qk_clip_tau=0.045"]
 LAYOUT_STEPS = 5  # the layouts' runs and their references: half the parity harness's
 SHORT = [f"train.steps={LAYOUT_STEPS}"]
 # A fused layer's repeating unit of rows (4 query rows, a key's 2 and a value's 2) and a
@@ -141,12 +144,13 @@ def _train_on_ranks(rank: int, world: int, dataset, ckpt_dir) -> dict:
         trainer = make_trainer(cfg, world, dataset)
         holding = _watch_muon_grads(trainer) if name in ZERO_VARIANTS else None
         every = SAVED_AT if name == SAVED else 0
-        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS, save_every=every)
+        logits: list = []
+        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS, every, logits=logits)
         trainer.saver.finish()
         setup = trainer.setup
         formula = formula_payload_by_kind(cfg, setup.derived, setup.ps.pp_rank)
         gathered = (counter.payload_bytes.get("all_gather", 0), formula.get("all_gather", 0))
-        results[name] = {"losses": losses, "norms": norms, "gathered": gathered}
+        results[name] = {"losses": losses, "norms": norms, "gathered": gathered, "logits": logits}
         if name in ZERO_VARIANTS:
             results[name].update(_zero_facts(trainer, counter, formula), holding=holding)
     resume = f"checkpoint.resume={ckpt_dir / f'step_{SAVED_AT:06d}'}"
@@ -200,6 +204,13 @@ def _zero_facts(trainer, counter, formula: dict) -> dict:
     }
 
 
+def assert_logits_close(got: list[float], want: list[float]) -> None:
+    """QK-clip's max_attn_logit of each step: the first (the same weights, maxima reduced over
+    other ranks) to fp32 reordering, every step to the reference's noise floor x 10."""
+    assert abs(got[0] - want[0]) <= FP32_REORDER * want[0]
+    assert_close(got, want, rel=MUON_LOGIT_REL, steps=LAYOUT_STEPS)
+
+
 @pytest.fixture(scope="module")
 def four_ranks(dataset, tmp_path_factory):
     ckpt_dir = tmp_path_factory.mktemp("muon-zero")
@@ -214,11 +225,14 @@ def test_muon_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
     settings = [o for o in VARIANTS[name][3] if not o.startswith(("parallel.", "train.micro"))]
     ref = run_reference(settings + MUON + SHORT, dataset)
     losses, norms = ref["losses"][:LAYOUT_STEPS], ref["norms"][:LAYOUT_STEPS]
+    logits = ref["max_attn_logits"][:LAYOUT_STEPS]
     assert losses[-1] < losses[0] - 0.2  # the runs really learn
+    assert logits[0] > 0.045  # QK-clip clips
     for rank_results in four_ranks:
         got = rank_results[name]
         assert_close(got["losses"], losses, rel=MUON_CURVE_REL, steps=LAYOUT_STEPS)
         assert_close(got["norms"], norms, rel=MUON_NORM_REL, steps=LAYOUT_STEPS)
+        assert_logits_close(got["logits"], logits)
         counted, formula = rank_results[name]["gathered"]
         assert counted == formula  # Muon's tp gathers (and SP's) as accounting counts them
 
@@ -226,7 +240,7 @@ def test_muon_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
 @pytest.fixture(scope="module")
 def llama_reference(dataset):
     ref = run_reference(LLAMA + MUON + SHORT, dataset)
-    return ref["losses"][:LAYOUT_STEPS], ref["norms"][:LAYOUT_STEPS]
+    return tuple(ref[key][:LAYOUT_STEPS] for key in ("losses", "norms", "max_attn_logits"))
 
 
 @pytest.mark.slow  # the 4-rank training run
@@ -234,12 +248,13 @@ def llama_reference(dataset):
 def test_muon_under_zero_owns_matrices_whole_reduces_their_gradients_to_the_owner_alone(
     name, four_ranks, llama_reference
 ):
-    losses, norms = llama_reference
+    losses, norms, logits = llama_reference
     momenta = []
     for rank_results in four_ranks:
         got = rank_results[name]
         assert_close(got["losses"], losses, rel=MUON_CURVE_REL, steps=LAYOUT_STEPS)
         assert_close(got["norms"], norms, rel=MUON_NORM_REL, steps=LAYOUT_STEPS)
+        assert_logits_close(got["logits"], logits)
         # the owners' updated matrices (and SP's norms) broadcast as accounting counts them,
         # of which (n - 1) / n is sent
         counted, formula, sent = got["broadcast"]

@@ -400,3 +400,21 @@ def test_a_bad_argument_is_a_user_error_naming_it_before_any_work(call, named, s
     with pytest.raises(UserError, match=re.escape(named)):
         call(policy, _seqs())
     assert all(p.grad is None for p in policy.model.parameters())
+
+
+def test_a_policy_step_under_muon_with_qk_clip_clips_and_reports_max_attn_logit(hf_dir, tmp_path):
+    from megatronish.rl import Policy
+
+    tau = ["optim.name=muon", "optim.muon.qk_clip_tau=0.01"]  # under the model's logits
+    policy = Policy(None, _settings(hf_dir, tmp_path) + tau)
+    attention = policy.model.blocks["0"].attn
+    before = attention.qkv.weight.detach().clone()
+    seqs = _seqs()
+    metrics = policy.step(seqs, **_step_args(seqs))
+    assert metrics["max_attn_logit"] > 1.0  # 100 times tau: every head is clipped hard
+    # per kv group: 2 query heads, the key, the value; the query and key rows shrank by the
+    # root of their heads' tau / max (~0.06 here), far below what one step's update moves
+    rows = attention.qkv.weight.view(2, 4, -1).norm(dim=-1)
+    was = before.view(2, 4, -1).norm(dim=-1)
+    assert (rows[:, :3] < 0.25 * was[:, :3]).all()
+    assert (rows[:, 3] > 0.9 * was[:, 3]).all()  # the values are Muon's alone

@@ -32,7 +32,7 @@ from megatronish.accounting.collectives.cp import cp_collectives
 from megatronish.accounting.collectives.dp import dp_collectives
 from megatronish.accounting.collectives.ep import ep_collectives
 from megatronish.accounting.collectives.fp8 import fp8_collectives
-from megatronish.accounting.collectives.muon import muon_collectives
+from megatronish.accounting.collectives.muon import muon_collectives, qk_clip_collectives
 from megatronish.accounting.collectives.pp import pp_collectives
 from megatronish.accounting.collectives.step import (
     Collective,
@@ -61,13 +61,14 @@ def collectives_per_step(
     """Every collective one rank of pipeline stage pp_rank issues in one optimizer step, from
     the config alone, and loss_masked: whether the run's loader masks the loss (SFT data; None:
     data.eod_mask_loss). Each dimension's (see the package doc and its module), in the order
-    tp, Muon's tp gathers, cp, fp8, ep, pp, dp, the routing biases' expert loads, then the step
-    agreement; none on a group of one rank or of no call."""
+    tp, Muon's tp gathers, cp, QK-clip's, fp8, ep, pp, dp, the routing biases' expert loads,
+    then the step agreement; none on a group of one rank or of no call."""
     step = step_of(cfg, derived, pp_rank, loss_masked)
     ops = [
         *tp_collectives(step),
         *muon_collectives(cfg, derived, pp_rank),
         *cp_collectives(step),
+        *qk_clip_collectives(step),
         *fp8_collectives(step),
         *ep_collectives(step),
         *pp_collectives(step),
