@@ -22,7 +22,7 @@ from megatronish.config import (
 )
 from megatronish.data import BatchLoader
 from megatronish.data.blend import BlendLoader, open_loader
-from megatronish.data.pairs import check_objective_data
+from megatronish.data.pairs import check_objective_data, is_preference
 from megatronish.data.sources import DataPlan, run_data
 from megatronish.distributed.layout import (
     ParallelState,
@@ -144,4 +144,6 @@ def write_data_report(
             flush=True,
         )
     if data.sft:
-        print("data: SFT examples, packed with document masks (each sees only itself)", flush=True)
+        pairs = is_preference(data.sources[0])
+        what = "preference pairs (one a sequence)" if pairs else "SFT examples"
+        print(f"data: {what}, packed with document masks (each sees only itself)", flush=True)

@@ -6,6 +6,7 @@ train.dpo settings out of range exit 2 with one line."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState
-from megatronish.objectives.dpo import DPO
+from megatronish.objectives.dpo import DPO, METRICS
 from megatronish.training.preference import REFERENCE_FILE
 from tests.conftest import invoke_cli
 from tests.objectives.test_dpo_curve import write_pairs
@@ -54,8 +55,10 @@ def _train(pairs: Path, out: Path, *sets: str):
 
 
 def _losses(out: Path) -> dict[int, float]:
+    """The loss of each step of metrics.jsonl, whose lines all log DPO's metrics too."""
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+    assert all(set(METRICS) <= set(line) for line in lines)
+    return {line["step"]: line["loss"] for line in lines}
 
 
 def test_a_resumed_dpo_run_keeps_its_reference_and_continues_the_uninterrupted_curve(tmp_path):
@@ -83,6 +86,7 @@ def test_a_resumed_dpo_run_keeps_its_reference_and_continues_the_uninterrupted_c
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
     resumed, want = _losses(tmp_path / "parts"), _losses(tmp_path / "whole")
+    assert want[1] == pytest.approx(math.log(2), rel=FP32_FEW_OPS_REL)  # its own reference
     assert resumed[3] == pytest.approx(want[3], rel=FP32_FEW_OPS_REL)
     (tmp_path / "parts" / "ckpt" / REFERENCE_FILE).unlink()
     lost = _train(pairs, tmp_path / "parts", "train.steps=4")
