@@ -131,7 +131,7 @@ class Trainer:
             )
             accum = inputs.shape[0]
             divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
-            if self.loader.masks_loss and self.ps.is_last_stage:
+            if self.loader.masks_loss and self.ps.is_last_stage and self.reference is None:
                 divisor = loss_divisor(targets, future_tokens, self.ps) / accum
             batch = micro_batches(inputs, targets, divisor, documents, future_tokens)
             if self.reference is not None:

@@ -4,7 +4,7 @@ pairs, our DPO run follows the curve of the DPO loss computed on transformers' l
 torch.optim.AdamW on the same pairs per step (tests/hf/curve.py's optimizer and schedule), its
 reference log-probabilities those of the initial weights. At tp 1 in this process, within
 PARITY_REL (tests/tolerances.py); the other layouts, in one 4-rank run, equal the tp 1 run
-within LAYOUT_CURVE_REL: tp 2 x dp 2 with sequence parallelism and ZeRO-1 for the whole curve
+within LAYOUT_CURVE_REL: tp 2 x dp 2 with sequence parallelism and ZeRO-3 for the whole curve
 (and so the reference within PARITY_REL), pp 2 x dp 2 and cp 2 x dp 2 for its first steps."""
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def layouts(curves, pairs) -> list[dict]:
     """Each rank's curves of the other layouts, in one 4-rank run."""
     settings = curves["settings"]
     runs = {  # name: ((tp, dp, pp, cp), settings, the steps of the 20-step schedule to run)
-        "tp2-dp2": ((2, 2, 1, 1), settings + [*SP, "optim.zero=1"], CURVE_STEPS),
+        "tp2-dp2": ((2, 2, 1, 1), settings + [*SP, "optim.zero=3"], CURVE_STEPS),
         "pp2-dp2": ((1, 2, 2, 1), settings, SHORT_STEPS),
         "cp2-dp2": ((1, 2, 1, 2), settings, SHORT_STEPS),
     }
