@@ -45,8 +45,8 @@ def pair_bounds(source: TokenSource, split: str, seq_len: int) -> tuple[np.ndarr
             f"{seq_len + 1} (a pair's two conversations share one sequence); raise "
             f"train.seq_len to at least {int(lengths.max()) - 1} or leave the record out"
         )
-    if not len(pairs) and split == "train":
-        raise UserError(f"{source.path}: the train split has no preference pairs")
+    if not len(pairs):
+        raise UserError(f"{source.path}: the {split} split has no preference pairs")
     return pairs, bounds
 
 

@@ -88,6 +88,9 @@ def test_a_resumed_dpo_run_keeps_its_reference_and_continues_the_uninterrupted_c
     resumed, want = _losses(tmp_path / "parts"), _losses(tmp_path / "whole")
     assert want[1] == pytest.approx(math.log(2), rel=FP32_FEW_OPS_REL)  # its own reference
     assert resumed[3] == pytest.approx(want[3], rel=FP32_FEW_OPS_REL)
+    evaluated = invoke_cli("eval", "--checkpoint", str(tmp_path / "parts" / "ckpt"))
+    assert evaluated.returncode == 2 and evaluated.stderr.count("\n") == 1, evaluated.stderr
+    assert "holds preference pairs, which have no validation loss" in evaluated.stderr
     (tmp_path / "parts" / "ckpt" / REFERENCE_FILE).unlink()
     lost = _train(pairs, tmp_path / "parts", "train.steps=4")
     assert lost.returncode == 2 and lost.stderr.count("\n") == 1, lost.stderr
