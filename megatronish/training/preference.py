@@ -20,12 +20,14 @@ import functools
 import io
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from megatronish.config import Config
 from megatronish.data.pairs import PairLoader
+from megatronish.data_parallel import DataParallel
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
@@ -37,6 +39,9 @@ from megatronish.training.batches import batch_tensors
 from megatronish.training.loss import batch_means
 from megatronish.training.resume import checkpoint_dir, resume_path
 
+if TYPE_CHECKING:
+    from megatronish.pipeline.runner import Pipeline
+
 REFERENCE_FILE = "dpo_reference.pt"
 
 
@@ -47,7 +52,7 @@ def reference_logps(
     objective: DPO,
     cfg: Config,
     ps: ParallelState,
-    pipeline=None,
+    pipeline: Pipeline | None = None,
 ) -> torch.Tensor:
     """The table fp32 [P, 2] of every train pair's chosen and rejected log-probabilities under
     the model now, on every rank: each dp rank computes its share of each global batch's worth
@@ -113,8 +118,17 @@ def load_reference(directory: Path, pairs: int, dataset_sha256: str) -> torch.Te
             f"{path}: missing; a DPO run resumes with the reference log-probabilities its "
             "first start saved there (start over with checkpoint.resume=never)"
         )
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if saved.get("dataset_sha256") != dataset_sha256 or saved["logps"].shape != (pairs, 2):
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: whatever torch raises
+        raise UserError(
+            f"{path}: unreadable ({type(exc).__name__}); start over with checkpoint.resume=never"
+        ) from None
+    if (
+        not isinstance(saved, dict)
+        or saved.get("dataset_sha256") != dataset_sha256
+        or saved["logps"].shape != (pairs, 2)
+    ):
         raise UserError(
             f"{path}: the reference log-probabilities of another dataset; resume with the data "
             "the run started with, or start over with checkpoint.resume=never"
@@ -128,24 +142,27 @@ def reference_for(
     model: torch.nn.Module,
     loader: PairLoader,
     objective: DPO,
-    pipeline,
-    data_parallel,
+    pipeline: Pipeline | None,
+    data_parallel: DataParallel,
     resumed: bool,
 ) -> torch.Tensor:
-    """The run's reference table: on a fresh start computed from the model's initial weights
-    (and saved into checkpoint.dir by rank 0 when the run saves checkpoints), on a resume the
-    one saved beside the checkpoint resumed from."""
+    """The run's reference table: on a fresh start computed from the model's initial weights,
+    on a resume the one saved beside the checkpoint resumed from; rank 0 saves it into
+    checkpoint.dir when the run saves checkpoints there and it is not there yet."""
     sha, pairs = loader.source.sha256, loader.source.meta["preference"]["pairs"]
+    saved_in = None
     if resumed:
         path = resume_path(cfg)
-        directory = path.parent if path is not None else checkpoint_dir(cfg)
-        return load_reference(directory, pairs, sha).to(ps.device)
-    model.eval()
-    table = reference_logps(model, loader, objective, cfg, ps, pipeline)
-    data_parallel.after_eval()
-    model.train()
-    if cfg.checkpoint.save and ps.is_main:
-        save_reference(checkpoint_dir(cfg), table, sha)
+        saved_in = path.parent if path is not None else checkpoint_dir(cfg)
+        table = load_reference(saved_in, pairs, sha).to(ps.device)
+    else:
+        model.eval()
+        table = reference_logps(model, loader, objective, cfg, ps, pipeline)
+        data_parallel.after_eval()
+        model.train()
+    directory = checkpoint_dir(cfg)
+    if cfg.checkpoint.save and ps.is_main and saved_in != directory:
+        save_reference(directory, table, sha)
     return table
 
 
