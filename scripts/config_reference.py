@@ -26,6 +26,7 @@ SECTIONS = {
     "LoraConfig": "model.lora",
     "ParallelConfig": "parallel",
     "TrainConfig": "train",
+    "DPOConfig": "train.dpo",
     "OptimConfig": "optim",
     "MuonConfig": "optim.muon",
     "DataConfig": "data",

@@ -59,6 +59,11 @@ from megatronish.cli.shared import user_errors
     is_flag=True,
     help="Inputs are JSON Lines of prompt/response or messages; store a loss mask (responses).",
 )
+@click.option(
+    "--preference",
+    is_flag=True,
+    help="Inputs are JSON Lines of {messages or prompt, chosen, rejected}: pairs for DPO.",
+)
 @click.option("--output", required=True, help="Directory (or Megatron prefix) to write to.")
 @user_errors
 def prepare(
@@ -72,6 +77,7 @@ def prepare(
     output_format,
     eod_id,
     sft,
+    preference,
     output,
 ):
     """Tokenize text into a training dataset (default input: the Python standard library); or
@@ -96,6 +102,7 @@ def prepare(
         val_fraction=val_fraction,
         seed=seed,
         sft=sft,
+        preference=preference,
     )
     if output_format == "megatron":
         from megatronish.data.indexed import read_indexed
@@ -112,7 +119,9 @@ def prepare(
         f"({meta['val_docs']:,} for validation), {meta['tokenizer']['kind']} tokenizer, "
         f"vocab {meta['vocab_size']:,}"
     )
-    if meta.get("sft"):
+    if meta.get("preference"):
+        click.echo(_preference_line(meta))
+    elif meta.get("sft"):
         click.echo(_sft_line(meta))
     for note in prepare_notes(meta):
         click.echo(note)
@@ -127,4 +136,11 @@ def _sft_line(meta: dict) -> str:
     return (
         f"sft: {meta['counted_tokens']:,} of the {meta['n_tokens']:,} tokens ({counted}) count "
         "in the loss"
+    )
+
+
+def _preference_line(meta: dict) -> str:
+    return (
+        f"preference: {meta['preference']['pairs']:,} pairs (chosen and rejected conversations "
+        f"sharing their prompt); {meta['counted_tokens']:,} response tokens count"
     )

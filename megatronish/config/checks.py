@@ -14,6 +14,7 @@ from megatronish.config.model_checks import (
     check_rope_scaling,
     check_score_options,
 )
+from megatronish.config.objective_checks import check_objective
 from megatronish.config.optim_checks import check_optimizer
 from megatronish.config.rules import VALID, DegreeError, divisors, require, require_degree
 from megatronish.config.schema import Config, TrainConfig
@@ -41,6 +42,7 @@ def value_checks(cfg: Config) -> None:
     check_partial_rotary(cfg)
     check_score_options(cfg)
     check_optimizer(cfg)
+    check_objective(cfg)
     check_lora(cfg.model.lora, cfg.model.components, cfg.model.moe.num_experts > 0)
     require(
         cfg.checkpoint.init_lora_from is None or cfg.model.lora is not None,

@@ -117,6 +117,12 @@ class TrainConfig:
     """Compute the validation loss every this many steps (and at the last step); 0: never."""
     eval_steps: int = 4
     """Global batches of the validation split per evaluation."""
+    objective: Literal["lm", "dpo"] = "lm"
+    """lm: next-token prediction (with multi-token prediction where model.mtp_depth > 0);
+    dpo: Direct Preference Optimization on a dataset from `prepare --preference` (train.dpo;
+    train.global_batch_size and micro_batch_size then count pairs)."""
+    dpo: DPOConfig | None = None
+    """DPO's settings (only with train.objective dpo; null: the defaults below)."""
 
     @property
     def bf16_autocast(self) -> bool:
@@ -125,6 +131,17 @@ class TrainConfig:
         if self.precision == "fp8":
             return self.fp8_high_precision == "bf16"
         return self.precision == "bf16"
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
+    """The strength of the pull towards the reference model (the initial weights), > 0."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: the DPO paper's -log sigmoid(beta * margin); ipo: (margin - 1 / (2 beta))^2 on
+    the log-ratios averaged over each response's tokens, as trl computes it."""
+    label_smoothing: float = 0.0
+    """sigmoid only: the share of pairs assumed flipped (conservative DPO), in [0, 0.5)."""
 
 
 @dataclass

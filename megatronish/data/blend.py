@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from megatronish.data.loader import BatchLoader, StepBatch, step_tensors
+from megatronish.data.pairs import PairLoader, is_preference
 from megatronish.data.sources import DataPlan, TokenSource, shared_eod_id
 from megatronish.errors import UserError
 
@@ -60,7 +61,8 @@ def open_loader(
     )
     if data.blended:
         return BlendLoader(data.sources, data.weights, split, **sizes)
-    return BatchLoader(data.sources[0], split, **sizes)
+    kind = PairLoader if is_preference(data.sources[0]) else BatchLoader
+    return kind(data.sources[0], split, **sizes)
 
 
 class BlendLoader:

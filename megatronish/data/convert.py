@@ -63,9 +63,10 @@ def prepare_any(
     source = _dataset_input(inputs, vocab_size, eod_id)
     if source is None and eod_id is not None:
         raise UserError("--eod-id: applies to a Megatron prefix input (--input PREFIX.idx) only")
-    if options.get("sft") and source is not None:
-        raise UserError(f"--sft: reads JSON Lines files; {source.path} is already a dataset")
-    masked = options.get("sft") or (source is not None and source.loss_mask is not None)
+    flag = "--preference" if options.get("preference") else "--sft" if options.get("sft") else ""
+    if flag and source is not None:
+        raise UserError(f"{flag}: reads JSON Lines files; {source.path} is already a dataset")
+    masked = bool(flag) or (source is not None and source.loss_mask is not None)
     if output_format == "megatron" and masked:
         raise UserError(
             "--output-format megatron: a Megatron indexed dataset cannot hold an SFT loss mask; "

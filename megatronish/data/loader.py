@@ -129,16 +129,22 @@ class BatchLoader:
         self.masks_loss = self.source.loss_mask is not None or eod_mask_loss
         self.knows_records = self.source.records_are_documents  # next_step_batch's starts
         self._build_runs()
-        self.n_samples = (self.stream_len - 1) // seq_len
-        if self.n_samples < 1:
-            what = "is empty" if self.stream_len == 0 else f"has only {self.stream_len} tokens"
-            raise UserError(
-                f"{self.dataset_dir}: the {split} split {what}, fewer than one sample of "
-                f"seq_len + 1 = {seq_len + 1} tokens; use a smaller train.seq_len or more data"
-            )
+        self.n_samples = self._count_samples()
         self.consumed_samples = 0
         self.seed_key = [seed]  # a blend gives each dataset its own: [seed, index]
         self._permutations: dict[int, np.ndarray] = {}
+
+    def _count_samples(self) -> int:
+        """N, the samples of the split (at least one, else a UserError)."""
+        n_samples = (self.stream_len - 1) // self.seq_len
+        if n_samples < 1:
+            what = "is empty" if self.stream_len == 0 else f"has only {self.stream_len} tokens"
+            raise UserError(
+                f"{self.dataset_dir}: the {self.split} split {what}, fewer than one sample of "
+                f"seq_len + 1 = {self.seq_len + 1} tokens; use a smaller train.seq_len or more "
+                "data"
+            )
+        return n_samples
 
     def _build_runs(self) -> None:
         """Maximal runs of consecutive documents of this split: file ranges and where each
@@ -251,13 +257,17 @@ class BatchLoader:
     def next_step_batch(self) -> StepBatch:
         """next_masked_step()'s batch and mask, with the record starts of a dataset whose
         records are its documents."""
-        share = self.global_batch_size // self.dp_size
-        first = self.consumed_samples + self.dp_rank * share
-        positions = np.arange(first, first + share, dtype=np.int64)
+        positions = self.step_positions()
         batch, mask = self.read_samples(positions)
         starts = self.read_starts(positions, batch) if self.knows_records else None
         self.consumed_samples += self.global_batch_size
         return step_tensors(batch, mask, starts, self.accum, self.micro_batch_size)
+
+    def step_positions(self) -> np.ndarray:
+        """The global positions of this dp rank's share of the next global batch, int64."""
+        share = self.global_batch_size // self.dp_size
+        first = self.consumed_samples + self.dp_rank * share
+        return np.arange(first, first + share, dtype=np.int64)
 
     def reset(self) -> None:
         """Back to the first sample of epoch 0 (evaluation runs the same batches every time)."""

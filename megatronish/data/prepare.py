@@ -38,6 +38,7 @@ from megatronish.data.dataset import (
     token_dtype,
 )
 from megatronish.data.encode import encode_corpus
+from megatronish.data.preference import PreferenceCorpus, pair_split
 from megatronish.data.sft import SFTCorpus
 from megatronish.data.template_sft import encode_conversations, load_tokenizer_dir
 from megatronish.data.tokenizer import (
@@ -82,6 +83,7 @@ def prepare_dataset(
     val_fraction: float = 0.01,
     seed: int = 1234,
     sft: bool = False,
+    preference: bool = False,
 ) -> Path:
     """Tokenizes `inputs` (files, directories, *.jsonl files; none: the built-in corpus) into a
     new dataset directory `output` and returns its path. tokenizer is "byte", "bpe" (trained on
@@ -89,7 +91,8 @@ def prepare_dataset(
     Face tokenizer directory (with sft, its chat template renders the records). Whole
     documents form the validation split: round(n_docs * val_fraction) of them (at least one
     when val_fraction > 0 and there are two or more), drawn by `seed`. sft: every input is SFT
-    JSON Lines (sft.py), and the dataset gets a loss mask. UserError, with nothing left at
+    JSON Lines (sft.py), and the dataset gets a loss mask; preference: every input is preference
+    JSON Lines (preference.py), stored as SFT examples in pairs. UserError, with nothing left at
     `output`, for a bad input, an existing non-empty output or a bad option; an OSError (a full
     disk) once the temporary directory is removed (the directories made above `output` are
     the caller's: prepare_any)."""
@@ -97,13 +100,16 @@ def prepare_dataset(
     _check_output_free(out)
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction {val_fraction}: must be at least 0 and below 1")
-    if sft and (not inputs or jsonl_field != "text"):
+    if sft and preference:
+        raise UserError("--sft, --preference: choose one (preference records hold two responses)")
+    if (sft or preference) and (not inputs or jsonl_field != "text"):
+        flag = "--preference" if preference else "--sft"
         raise UserError(
-            "--sft: give the JSON Lines files with --input (records with prompt and response, "
+            f"{flag}: give the JSON Lines files with --input (records with prompt and response, "
             "or messages; --jsonl-field does not apply)"
         )
     choice = resolve_tokenizer(tokenizer, vocab_size)
-    kind = SFTCorpus if sft else Corpus
+    kind = PreferenceCorpus if preference else SFTCorpus if sft else Corpus
     corpus = kind.from_inputs(inputs, glob_pattern, jsonl_field) if inputs else Corpus.builtin()
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -166,6 +172,7 @@ def write_dataset(
             f" ({len(corpus.skipped_files)} binary files skipped)" if corpus.skipped_files else ""
         )
         raise UserError(f"{', '.join(corpus.description)}: no text documents found{skipped}")
+    pairs = corpus.write_records(directory) if isinstance(corpus, PreferenceCorpus) else None
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -174,12 +181,13 @@ def write_dataset(
         "vocab_size": int(tok.vocab_size),
         "eot_id": int(tok.eot_id),
         "dtype": dtype.name,
-        **write_documents(directory, offsets, val_fraction, seed),
+        **write_documents(directory, offsets, val_fraction, seed, pairs is not None),
         "max_token_id": max_id,
         "sha256": digest,
         "sft": sft,
         "loss_mask": LOSS_MASK_FILE if sft else None,
         "counted_tokens": counted,
+        "preference": pairs,
         "chat_template": TEMPLATE_FILE if template is not None else None,
         "chat_template_source": template.name if template is not None else None,
         "builtin": corpus.is_builtin,
@@ -276,12 +284,16 @@ def prepare_notes(meta: dict[str, Any]) -> list[str]:
 
 
 def write_documents(
-    directory: Path, offsets: np.ndarray, val_fraction: float, seed: int
+    directory: Path, offsets: np.ndarray, val_fraction: float, seed: int, pairs: bool = False
 ) -> dict[str, Any]:
-    """Saves the document offsets and a drawn train/validation split of the documents into
-    `directory`; returns the metadata entries that count them."""
+    """Saves the document offsets and a drawn train/validation split of the documents (with
+    pairs, of the preference pairs) into `directory`; returns the metadata entries that count
+    them."""
     n_docs = len(offsets) - 1
-    split = split_documents(n_docs, val_fraction, seed)
+    if pairs:
+        split = pair_split(n_docs, lambda n: split_documents(n, val_fraction, seed))
+    else:
+        split = split_documents(n_docs, val_fraction, seed)
     np.save(directory / OFFSETS_FILE, offsets)
     np.save(directory / SPLIT_FILE, split)
     is_val = split == SPLITS["val"]

@@ -21,7 +21,7 @@ segment).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from megatronish.data.corpus import Corpus, jsonl_records
 from megatronish.errors import UserError
@@ -99,6 +99,10 @@ class SFTCorpus(Corpus):
     """A corpus of SFT JSON Lines files (every input file is read as JSON Lines): each record
     is one document, its pieces the template's segments, (text, ends_document, counted)."""
 
+    last_turn_only: ClassVar[bool] = False
+    """Whether only the last assistant message counts in the loss (preference pairs), not
+    every one."""
+
     def conversations(self) -> Iterator[tuple[str, list[dict[str, str]]]]:
         """(where: file:line, the record's messages) for every record, in order."""
         self.skipped_files = []
@@ -111,6 +115,8 @@ class SFTCorpus(Corpus):
         self.text_bytes = 0
         for _, messages in self.conversations():
             segments = render(messages)
+            if self.last_turn_only:
+                segments = [(text, False) for text, _ in segments[:-1]] + segments[-1:]
             for index, (text, counted) in enumerate(segments):
                 self.text_bytes += len(text.encode("utf-8"))
                 yield text, index == len(segments) - 1, counted

@@ -66,11 +66,17 @@ def _model_vocab_size(directory: Path) -> int | None:
 
 
 def conversation_ids(
-    template: ChatTemplate, tok: HFTokenizer, messages: list[dict[str, str]], where: str
+    template: ChatTemplate,
+    tok: HFTokenizer,
+    messages: list[dict[str, str]],
+    where: str,
+    last_turn_only: bool = False,
 ) -> tuple[list[int], np.ndarray]:
     """(the conversation's ids, uint8 loss mask [len(ids)]: 1 where the rule above counts the
-    token); UserError naming `where` for a template that fails on it or is not prefix-stable."""
+    token, with last_turn_only for the last assistant message alone); UserError naming `where`
+    for a template that fails on it or is not prefix-stable."""
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    turns = turns[-1:] if last_turn_only else turns
     texts = [_render(template, messages, False, where)]
     for i in turns:
         texts += [
@@ -121,7 +127,7 @@ def encode_conversations(
         masks: list[np.ndarray] = []
         end = 0
         for where, messages in corpus.conversations():
-            ids, mask = conversation_ids(template, tok, messages, where)
+            ids, mask = conversation_ids(template, tok, messages, where, corpus.last_turn_only)
             if not ids:
                 raise UserError(f"{where}: the chat template {template.name} renders nothing")
             corpus.text_bytes += sum(len(m["content"].encode("utf-8")) for m in messages)

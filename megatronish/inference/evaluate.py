@@ -31,6 +31,7 @@ def evaluate_checkpoint(
     counts those. An override that changes a model.* key (but model_match.MAY_DIFFER) is a
     UserError naming it: the model is the one the checkpoint was trained with."""
     from megatronish.data.blend import open_loader
+    from megatronish.data.pairs import is_preference
     from megatronish.data.sources import check_trained_tokenizer, run_data
     from megatronish.training.batches import validation_loss
     from megatronish.training.loss import counted_targets
@@ -53,6 +54,11 @@ def evaluate_checkpoint(
         "evaluate it on data of that tokenizer",
     )
     dataset = ", ".join(str(source.path) for source in data.sources)
+    if any(is_preference(source) for source in data.sources):
+        raise UserError(
+            f"data.path: {dataset} holds preference pairs, which have no validation loss; "
+            "evaluate the checkpoint on text or SFT data (--set data.path=DIR)"
+        )
     if data.vocab_size > ckpt.vocab_size:
         raise UserError(
             f"data.path: the dataset {dataset} has {data.vocab_size} token ids, more than the "

@@ -32,6 +32,9 @@ class MicroBatch:
     """With multi-token prediction, int64 [b, 2, D, s]: [:, 0, k - 1] the input tokens k
     positions ahead and [:, 1, k - 1] their targets (model.mtp.future_tokens_of of the whole
     sequences, then sharded like the tokens)."""
+    reference: torch.Tensor | None = None
+    """Under DPO, fp32 [b, 2]: the reference model's log-probability of each pair's chosen and
+    rejected response (the sums over their tokens; None in the pass that computes them)."""
 
 
 def micro_batches(

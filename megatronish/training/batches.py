@@ -16,6 +16,7 @@ import torch
 from megatronish.config import Config
 from megatronish.context import Documents, documents_at, documents_of, split_batch
 from megatronish.data import BatchLoader
+from megatronish.data.loader import StepBatch
 from megatronish.distributed.layout import ParallelState
 from megatronish.model.mtp import future_tokens_of, shard_future_tokens
 from megatronish.model.precision import autocast
@@ -38,13 +39,20 @@ def next_batch(
     tokens of the whole sequences; then split like them); with mtp_depth D > 0 the tokens and
     targets ahead (model.mtp.future_tokens_of of the whole sequences, then split like them)
     [accum, micro, 2, D, s / cp], else None."""
-    step = loader.next_step_batch()
+    return batch_tensors(loader.next_step_batch(), loader.eod_id, ps, document_mask, mtp_depth)
+
+
+def batch_tensors(
+    step: StepBatch, eod_id: int, ps: ParallelState, document_mask: bool, mtp_depth: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, Documents | None, torch.Tensor | None]:
+    """next_batch's tensors of a loader's step (documents end after eod_id where the step does
+    not give their starts)."""
     batch, loss_mask = step.tokens.to(ps.device), step.loss_mask  # [accum, micro, s + 1], [..., s]
     documents = future_tokens = None
     if document_mask and step.starts is not None:  # the dataset's records
         documents = documents_at(step.starts.to(ps.device)).shard(ps.cp, ps.cp_rank)
     elif document_mask:
-        documents = documents_of(batch[..., :-1], loader.eod_id).shard(ps.cp, ps.cp_rank)
+        documents = documents_of(batch[..., :-1], eod_id).shard(ps.cp, ps.cp_rank)
     if mtp_depth > 0:
         whole = split_batch(batch, 1, 0, loss_mask)
         whole_future = future_tokens_of(*whole, mtp_depth)

@@ -25,7 +25,7 @@ from megatronish.layers.cross_entropy import IGNORE_INDEX
 def mean_loss(value: torch.Tensor, ps: ParallelState) -> float:
     """Mean over the dp x cp group of a loss computed on the last pipeline stage, on every
     rank (the other stages contribute zeros to a sum over the pipeline)."""
-    return _means(value.reshape(1), ps)[0]
+    return batch_means(value.reshape(1), ps)[0]
 
 
 def mean_losses(
@@ -35,12 +35,13 @@ def mean_losses(
     the collectives of one."""
     if mtp is None:
         return mean_loss(main, ps), None
-    main_mean, mtp_mean = _means(torch.stack([main, mtp]), ps)
+    main_mean, mtp_mean = batch_means(torch.stack([main, mtp]), ps)
     return main_mean, mtp_mean
 
 
-def _means(values: torch.Tensor, ps: ParallelState) -> list[float]:
-    """mean_loss of each of values [n], in one all-reduce over each group."""
+def batch_means(values: torch.Tensor, ps: ParallelState) -> list[float]:
+    """mean_loss of each of values [n] (each the same on every tp rank), in one all-reduce over
+    each group."""
     values = values.detach().float().clone()
     if ps.dp_cp > 1:
         comm.all_reduce(values, ps.dp_cp_group)

@@ -7,10 +7,14 @@ import functools
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatronish.accounting.hardware import GPU_PEAK_TFLOPS
+
+if TYPE_CHECKING:
+    from megatronish.config import Config
 
 
 def peak_flops(device: torch.device) -> tuple[float, str]:
@@ -112,3 +116,23 @@ def summary_line(summary: dict, peak_source: str) -> str:
         line
         + f", {summary['tokens_per_s']:.0f} tokens/s, MFU {mfu_text(summary['mfu'], peak_source)}"
     )
+
+
+def progress_postfix(last: dict, peak_source: str, cfg: Config) -> dict[str, str]:
+    """What the progress bar shows of a metrics line: loss, tokens/s and MFU; the MoE
+    losses, imbalance (and dropped share, with a capacity factor); the peak memory."""
+    mfu = last["mfu"]  # over 100% it says why
+    postfix = dict(
+        loss=f"{last['loss']:.4f}",
+        tok_s=f"{last['tokens_per_s']:.0f}",
+        mfu=mfu_text(mfu, peak_source) if mfu > 1 else f"{100 * mfu:.1f}%",
+    )
+    if "moe_aux_loss" in last:
+        postfix["aux"] = f"{last['moe_aux_loss']:.3f}"
+        postfix["z"] = f"{last['moe_z_loss']:.2f}"
+        postfix["imb"] = f"{last['moe_imbalance']:.2f}"
+        if cfg.model.moe.capacity_factor is not None:
+            postfix["drop"] = f"{100 * last['moe_dropped_frac']:.1f}%"
+    if "peak_memory_gb" in last:
+        postfix["mem"] = f"{last['peak_memory_gb']:.2f}GiB"
+    return postfix

@@ -22,6 +22,7 @@ from megatronish.config import (
 )
 from megatronish.data import BatchLoader
 from megatronish.data.blend import BlendLoader, open_loader
+from megatronish.data.pairs import check_objective_data, is_preference
 from megatronish.data.sources import DataPlan, run_data
 from megatronish.distributed.layout import (
     ParallelState,
@@ -81,6 +82,7 @@ def _checked(cfg: Config, world: int) -> tuple[Config, DataPlan, Derived]:
         )
     cfg, data = run_data(cfg)
     check_start_tokenizer(cfg, data.sources)
+    check_objective_data(cfg.train.objective, data, cfg.train.seq_len)
     dataset_dir = data.sources[0].path
     data_vocab = data.vocab_size
     check_dataset_vocab(cfg, data_vocab, dataset_dir)
@@ -142,4 +144,6 @@ def write_data_report(
             flush=True,
         )
     if data.sft:
-        print("data: SFT examples, packed with document masks (each sees only itself)", flush=True)
+        pairs = is_preference(data.sources[0])
+        what = "preference pairs (one a sequence)" if pairs else "SFT examples"
+        print(f"data: {what}, packed with document masks (each sees only itself)", flush=True)

@@ -28,17 +28,22 @@ from megatronish.model import GPT
 from megatronish.model.precision import autocast
 from megatronish.moe import Balancer, step_metrics
 from megatronish.objectives.batch import micro_batches
-from megatronish.objectives.registry import objective_for
+from megatronish.objectives.registry import train_objective
 from megatronish.observe import flight
 from megatronish.observe.phases import PhaseTimer, gather_rows, straggler_line, summarize
 from megatronish.observe.profile import StepProfiler
 from megatronish.optim.optimizer import lr_at
 from megatronish.optim.qk_clip import QKClip
 from megatronish.pipeline.runner import Pipeline
-from megatronish.training import checkpoints, faults
+from megatronish.training import checkpoints, faults, preference
 from megatronish.training.batches import next_batch, validation_loss
 from megatronish.training.loss import loss_divisor, mean_losses
-from megatronish.training.metrics import MetricsWriter, mfu_text, peak_flops, summary_line
+from megatronish.training.metrics import (
+    MetricsWriter,
+    peak_flops,
+    progress_postfix,
+    summary_line,
+)
 from megatronish.training.resume import checkpoint_dir
 from megatronish.training.setup import Setup, make_loader, setup, write_data_report
 from megatronish.training.window import StepWindow
@@ -64,7 +69,7 @@ class Trainer:
         # The default stream (dropout on replicated activations) is the same on every rank.
         torch.manual_seed(setup.cfg.train.seed)
         self.model = GPT(setup.cfg, setup.derived, setup.ps)
-        self.objective = objective_for(setup.cfg, setup.ps)  # what the steps minimize
+        self.objective = train_objective(setup.cfg, setup.ps)  # what the steps minimize
         # The sigmoid router's routing biases and load spread (moe.balance).
         self.balancer = Balancer(self.model.moe_layers(), setup.cfg, setup.derived, setup.ps)
         self.qk_clip = QKClip(self.model, setup.cfg, setup.ps)  # optim.muon.qk_clip_tau
@@ -73,12 +78,7 @@ class Trainer:
         self.observed = False  # whether a logged window has been observed yet
         self.profiler = StepProfiler(setup.cfg, setup.ps.rank, setup.ps.device)
         self.pipeline = (
-            Pipeline(
-                self.model,
-                setup.ps,
-                setup.cfg.parallel.pp_schedule,
-                timer=self.timer,
-            )
+            Pipeline(self.model, setup.ps, setup.cfg.parallel.pp_schedule, timer=self.timer)
             if setup.derived.pp > 1
             else None
         )
@@ -92,6 +92,13 @@ class Trainer:
         # The step resumed from (checkpoint.resume), or None for a fresh start.
         self.resumed_from = checkpoints.start(setup, self.model, self.data_parallel, self.loader)
         self.step = self.resumed_from or 0
+        self.reference = None  # DPO: each pair's reference log-probabilities (preference.py)
+        if setup.cfg.train.objective == "dpo":
+            args = (self.loader, self.objective, self.pipeline, self.data_parallel)
+            resumed = self.resumed_from is not None
+            self.reference = preference.reference_for(
+                setup.cfg, setup.ps, self.model, *args, resumed
+            )
         self.mtp_loss: float | None = None  # of the last compute_gradients (model.mtp_depth)
         self.saved_step = self.resumed_from
         # Asks to stop at a step boundary once installed (train() installs it).
@@ -132,9 +139,11 @@ class Trainer:
             )
             accum = inputs.shape[0]
             divisor = None  # with a loss mask, from the global batch's counted tokens (loss.py)
-            if self.loader.masks_loss and self.ps.is_last_stage:
+            if self.loader.masks_loss and self.ps.is_last_stage and self.reference is None:
                 divisor = loss_divisor(targets, future_tokens, self.ps) / accum
             batch = micro_batches(inputs, targets, divisor, documents, future_tokens)
+            if self.reference is not None:
+                batch = preference.with_reference(batch, self.reference, self.loader.last_pairs)
         self.data_parallel.start_of_step(accum)
         self.model.set_moe_loss_scale(1.0 / accum)
         if self.pipeline is not None:
@@ -275,30 +284,12 @@ class Trainer:
         }
         if result.mtp_loss is not None:
             last["mtp_loss"] = result.mtp_loss
+        last.update(preference.step_metrics(self.objective, self.ps))
         last.update(self.moe_metrics() | self.qk_clip.metrics())
         last.update(self.observe_step())
         metrics.write(last)
-        bar.set_postfix(**self.progress_postfix(last))
+        bar.set_postfix(**progress_postfix(last, self.peak_source, self.cfg))
         return last
-
-    def progress_postfix(self, last: dict) -> dict[str, str]:
-        """What the progress bar shows of a metrics line: loss, tokens/s and MFU; the MoE
-        losses, imbalance (and dropped share, with a capacity factor); the peak memory."""
-        mfu = last["mfu"]  # over 100% it says why
-        postfix = dict(
-            loss=f"{last['loss']:.4f}",
-            tok_s=f"{last['tokens_per_s']:.0f}",
-            mfu=mfu_text(mfu, self.peak_source) if mfu > 1 else f"{100 * mfu:.1f}%",
-        )
-        if "moe_aux_loss" in last:
-            postfix["aux"] = f"{last['moe_aux_loss']:.3f}"
-            postfix["z"] = f"{last['moe_z_loss']:.2f}"
-            postfix["imb"] = f"{last['moe_imbalance']:.2f}"
-            if self.cfg.model.moe.capacity_factor is not None:
-                postfix["drop"] = f"{100 * last['moe_dropped_frac']:.1f}%"
-        if "peak_memory_gb" in last:
-            postfix["mem"] = f"{last['peak_memory_gb']:.2f}GiB"
-        return postfix
 
     def moe_metrics(self) -> dict:
         """The MoE layers' router metrics since the last logged step (every rank calls this;
