@@ -1,7 +1,7 @@
 """Direct Preference Optimization (train.objective dpo; Rafailov et al. 2023), with the losses
 of trl's DPOTrainer: each row of a micro-batch is a pair (data.pairs), its chosen conversation
 document 0 and its rejected one document 1; a response's log-probability is the sum of its
-counted targets' log-probabilities (the vocab-parallel ones of rl.token_stats).
+counted targets' log-probabilities (the vocab-parallel ones of layers.token_stats).
 
 With margin = (logp_c - ref_c) - (logp_r - ref_r), the reference log-probabilities those of the
 initial weights (micro.reference, computed once per pair: training.preference):
@@ -29,7 +29,7 @@ from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
 from megatronish.objectives.batch import MicroBatch
 from megatronish.objectives.interface import Losses, Objective
-from megatronish.rl.token_stats import token_logprobs
+from megatronish.layers.token_stats import token_logprobs
 
 if TYPE_CHECKING:
     from megatronish.model import GPT

@@ -1,5 +1,5 @@
 """The RL backend's objective: on the last stage, each packed micro-batch's per-token
-log-probabilities and entropies from the vocab-parallel logits (rl.token_stats), kept for the
+log-probabilities and entropies from the vocab-parallel logits (layers.token_stats), kept for the
 caller, and, when the step gave the micro-batch its loss terms, its share of the
 policy-gradient loss (rl.losses) as what backward differentiates.
 
@@ -18,7 +18,7 @@ from megatronish.distributed.layout import ParallelState
 from megatronish.objectives.batch import MicroBatch
 from megatronish.objectives.interface import Losses, Objective
 from megatronish.rl.losses import LossSettings, TokenTerms, policy_loss
-from megatronish.rl.token_stats import token_entropies, token_logprobs
+from megatronish.layers.token_stats import token_entropies, token_logprobs
 
 if TYPE_CHECKING:
     from megatronish.model import GPT
