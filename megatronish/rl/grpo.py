@@ -147,6 +147,8 @@ def _check(cfg) -> None:
         )
     if not rl.temperature > 0:
         raise UserError(f"rl.temperature: {rl.temperature}; must be > 0")
+    if rl.sft_lr is not None and not rl.sft_lr > 0:
+        raise UserError(f"rl.sft_lr: {rl.sft_lr}; must be > 0 (or null: train.lr)")
 
 
 def _ids(text: str) -> list[int]:
