@@ -57,7 +57,7 @@ def launch(
     this node; returns torchrun's exit status. With several nodes, waits up to rdzv_timeout
     seconds for all of them."""
     world = world_size_of(cfg)
-    _check_launch(cfg, world, nnodes, node_rank, rdzv_timeout)
+    _check_launch(cfg, world, nnodes, node_rank, rdzv_timeout, command)
     store_port = store_port_here(rdzv_endpoint) if nnodes > 1 and node_rank == 0 else None
     nproc = world // nnodes
     # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
@@ -97,9 +97,11 @@ def launch(
     return 0
 
 
-def _check_launch(cfg: Config, world: int, nnodes: int, node_rank: int, rdzv_timeout: int) -> None:
-    """The options, the config and the checkpoint directory checked before any process starts:
-    a mistake is one line here, not an error from every rank."""
+def _check_launch(
+    cfg: Config, world: int, nnodes: int, node_rank: int, rdzv_timeout: int, command: str
+) -> None:
+    """The options, the config (and rl's settings) and the checkpoint directory checked before
+    any process starts: a mistake is one line here, not an error from every rank."""
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is not valid for --nnodes {nnodes}")
     if rdzv_timeout < 1:
@@ -109,6 +111,10 @@ def _check_launch(cfg: Config, world: int, nnodes: int, node_rank: int, rdzv_tim
             f"world size tp * cp * dp * pp = {world} is not divisible by --nnodes {nnodes}"
         )
     check_config(cfg, world)
+    if command == "rl":
+        from megatronish.rl.grpo import check_rl
+
+        check_rl(cfg)
     if cfg.checkpoint.save:
         ensure_unlocked(checkpoint_dir(cfg))  # another run writing there
 

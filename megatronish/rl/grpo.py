@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatronish.config import Config, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.errors import UserError
 from megatronish.inference.generate import Generation, Sampling
@@ -51,10 +52,14 @@ def group_advantages(rewards: list[float], group: int) -> list[float]:
 
 def run_rl(config_path: str | None, overrides: list[str]) -> None:
     """The run: SFT, then GRPO, metrics to <run.out_dir>/metrics.jsonl."""
+    try:
+        check_rl(load_config(config_path, overrides))
+    except UserError as exc:  # the same on every rank of a torchrun: said once, by rank 0
+        exc.rank0_prints = True
+        raise
     with _one_thread():
         policy = Policy(config_path, overrides)
         cfg, ps = policy.cfg, policy.ps
-        _check(cfg)
         rng = random.Random(cfg.train.seed)
         writer = MetricsWriter(Path(cfg.run.out_dir), ps.is_main)
         try:
@@ -135,7 +140,8 @@ def _from_rank_0(ps: ParallelState, sample, *args) -> tuple:
     return box[0]
 
 
-def _check(cfg) -> None:
+def check_rl(cfg: Config) -> None:
+    """UserError naming the first setting of cfg that the built-in run cannot take."""
     rl = cfg.rl
     if cfg.model.vocab_size != VOCAB:
         raise UserError(f"model.vocab_size: {cfg.model.vocab_size}; the addition task has {VOCAB}")

@@ -76,10 +76,13 @@ def test_group_advantages_are_the_rewards_less_the_group_mean_over_its_std():
     assert got == pytest.approx(want, rel=FP64_REORDER)
 
 
+@pytest.mark.parametrize("launched", [False, True])
 @pytest.mark.parametrize("setting", ["rl.num_generations=1", "rl.sft_lr=0"])
-def test_a_bad_rl_setting_is_a_user_error_naming_it(setting, tmp_path):
+def test_a_bad_rl_setting_is_a_user_error_naming_it(setting, launched, tmp_path):
+    """In one process, and from `launch --command rl` before any rank starts."""
     sets = _sets([setting, f"run.out_dir={tmp_path}"])
-    result = invoke_cli("rl", "--config", CONFIG, *sets)
+    command = ["launch", "--command", "rl"] if launched else ["rl"]
+    result = invoke_cli(*command, "--config", CONFIG, *sets)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and setting.replace("=", ": ") in result.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
