@@ -73,13 +73,23 @@ def check(config_path, overrides, world_size):
     help="Seconds for the nodes to meet, and for node 0's endpoint to answer.",
 )
 @click.option("--max-restarts", type=int, default=0, show_default=True)
+@click.option(
+    "--command",
+    type=click.Choice(["train", "rl"]),
+    default="train",
+    show_default=True,
+    help="The command the ranks run: train, or rl (the built-in GRPO run).",
+)
 @user_errors
-def launch(config_path, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_timeout, max_restarts):
-    """Start `train` through torchrun with processes per node from the parallel degrees."""
+def launch(
+    config_path, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_timeout, max_restarts, command
+):
+    """Start `train` (or --command rl) through torchrun with processes per node from the
+    parallel degrees."""
     from megatronish.commands.launch import launch as run_launch
 
     cfg = load_config(config_path, overrides)
-    args = (nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout)
+    args = (nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout, command)
     sys.exit(run_launch(cfg, config_path, overrides, *args))
 
 

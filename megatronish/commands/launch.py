@@ -1,4 +1,5 @@
-"""`megatronish launch`: runs `megatronish train` under torchrun (torch.distributed.run).
+"""`megatronish launch`: runs `megatronish train` (or, with --command rl, `megatronish rl`) under
+torchrun (torch.distributed.run).
 
 The launcher passes SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) on to the ranks (torchrun is told to
 leave them alone), which save a checkpoint at the end of their step and exit 0, so the launch
@@ -50,11 +51,13 @@ def launch(
     rdzv_endpoint: str,
     max_restarts: int,
     rdzv_timeout: int,
+    command: str = "train",
 ) -> int:
-    """Starts tp * cp * dp * pp / nnodes processes on this node; returns torchrun's exit
-    status. With several nodes, waits up to rdzv_timeout seconds for all of them."""
+    """Starts tp * cp * dp * pp / nnodes processes of `megatronish <command>` (train or rl) on
+    this node; returns torchrun's exit status. With several nodes, waits up to rdzv_timeout
+    seconds for all of them."""
     world = world_size_of(cfg)
-    _check_launch(cfg, world, nnodes, node_rank, rdzv_timeout)
+    _check_launch(cfg, world, nnodes, node_rank, rdzv_timeout, command)
     store_port = store_port_here(rdzv_endpoint) if nnodes > 1 and node_rank == 0 else None
     nproc = world // nnodes
     # Share this node's cores between its processes (torchrun would otherwise warn and use 1).
@@ -67,7 +70,7 @@ def launch(
     if nnodes > 1:
         print(waiting_line(nnodes, rdzv_endpoint, rdzv_timeout), file=sys.stderr)
     rendezvous = (nnodes, node_rank, rdzv_endpoint, rdzv_timeout, store_port is not None)
-    args = torchrun_args(config_path, overrides, nproc, max_restarts, *rendezvous)
+    args = torchrun_args(config_path, overrides, nproc, max_restarts, *rendezvous, command)
     try:
         with faults.forward_stop_signals():
             torchrun.main(args)
@@ -94,9 +97,11 @@ def launch(
     return 0
 
 
-def _check_launch(cfg: Config, world: int, nnodes: int, node_rank: int, rdzv_timeout: int) -> None:
-    """The options, the config and the checkpoint directory checked before any process starts:
-    a mistake is one line here, not an error from every rank."""
+def _check_launch(
+    cfg: Config, world: int, nnodes: int, node_rank: int, rdzv_timeout: int, command: str
+) -> None:
+    """The options, the config (and rl's settings) and the checkpoint directory checked before
+    any process starts: a mistake is one line here, not an error from every rank."""
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise UserError(f"--node-rank {node_rank} is not valid for --nnodes {nnodes}")
     if rdzv_timeout < 1:
@@ -106,6 +111,10 @@ def _check_launch(cfg: Config, world: int, nnodes: int, node_rank: int, rdzv_tim
             f"world size tp * cp * dp * pp = {world} is not divisible by --nnodes {nnodes}"
         )
     check_config(cfg, world)
+    if command == "rl":
+        from megatronish.rl.grpo import check_rl
+
+        check_rl(cfg)
     if cfg.checkpoint.save:
         ensure_unlocked(checkpoint_dir(cfg))  # another run writing there
 
@@ -120,8 +129,9 @@ def torchrun_args(
     rdzv_endpoint: str,
     rdzv_timeout: int,
     hosts_store: bool,
+    command: str = "train",
 ) -> list[str]:
-    """torchrun's command line that starts `megatronish train` on nproc processes of this node:
+    """torchrun's command line that starts `megatronish <command>` on nproc processes of this node:
     standalone on one node, else a c10d rendezvous at rdzv_endpoint, whose store this node
     hosts when hosts_store (torchrun then fails where it cannot listen on the port, instead of
     dialling whatever holds it)."""
@@ -141,7 +151,7 @@ def torchrun_args(
         ]
     else:
         args += ["--standalone"]
-    args += ["-m", "megatronish", "train", "--config", config_path]
+    args += ["-m", "megatronish", command, "--config", config_path]
     for override in overrides:
         args += ["--set", override]
     return args

@@ -324,6 +324,8 @@ class RLConfig:
     # `megatronish rl`, the built-in GRPO run (megatronish.rl.grpo); train.steps its GRPO steps
     sft_steps: int = 0
     """Supervised steps on right answers before GRPO."""
+    sft_lr: float | None = None
+    """The learning rate of the supervised steps (None: train.lr's)."""
     prompts_per_step: int = 8
     """Problems a step (SFT: examples a step)."""
     num_generations: int = 8

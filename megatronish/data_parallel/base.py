@@ -128,10 +128,11 @@ class DataParallel(ABC):
     def make_whole(self) -> None:  # noqa: B027 (a level with nothing to do)
         """Every parameter whole on this rank (at the end of a run)."""
 
-    def whole_params(self, write_back: bool = False):
+    def whole_params(self, write_back: bool = False, params: list | None = None):
         """A context in which every parameter is whole (a checkpoint reads them, or with
-        write_back loads them, and the level takes its shards from them after); every rank of
-        the group enters it."""
+        write_back loads them, and the level takes its shards from them after), or at least
+        `params` (ZeRO-3 then gathers only what holds them); every rank of the group enters
+        it."""
         return contextlib.nullcontext()
 
     # ---- the checkpoint's optimizer state

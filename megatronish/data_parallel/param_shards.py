@@ -147,18 +147,26 @@ class ParamShards:
         self._ready(self.buckets)
 
     @contextlib.contextmanager
-    def gathered(self, write_back: bool = False):
-        """Every parameter whole inside the body (a checkpoint reads or writes them); with
-        write_back this rank's shards are taken from the parameters afterwards (they were
-        loaded). Every rank of the groups enters it."""
-        self.gather_all()
+    def gathered(self, write_back: bool = False, params: list | None = None):
+        """Every parameter whole inside the body (a checkpoint reads or writes them), or only
+        the buckets that hold `params` (the others stay shards: a stream of the weights holds
+        one piece at a time); with write_back this rank's shards are taken from the parameters
+        afterwards (they were loaded). Every rank of the buckets' groups enters it."""
+        if params is None:
+            buckets = self.buckets
+        else:
+            wanted = {id(param) for param in params}
+            buckets = [b for b in self.buckets if any(id(p) in wanted for p in b.params)]
+        self._ready(buckets)
         try:
             yield
         finally:
-            if write_back:
-                for bucket in self.buckets:
+            for bucket in buckets:
+                if write_back:
                     bucket.param_shard.copy_(bucket.full.view(bucket.size, -1)[bucket.rank])
-            self.free_all()
+                assert bucket.users == 0, "a module still uses its parameters"
+                bucket.held = False
+                self._free(bucket)
 
     # ---- the modules' hooks
 

@@ -149,7 +149,7 @@ class Zero1(Zero0):
     def make_whole(self) -> None:
         self._wait_params()
 
-    def whole_params(self, write_back: bool = False):
+    def whole_params(self, write_back: bool = False, params: list | None = None):
         self._wait_params()
         return contextlib.nullcontext()
 

@@ -59,8 +59,8 @@ class Zero3(Zero2):
     def make_whole(self) -> None:
         self.shards.gather_all()  # freed again after their next use
 
-    def whole_params(self, write_back: bool = False):
-        return self.shards.gathered(write_back)
+    def whole_params(self, write_back: bool = False, params: list | None = None):
+        return self.shards.gathered(write_back, params)
 
     def close(self) -> None:
         super().close()

@@ -148,8 +148,10 @@ class Generation:
         self.cached_tokens = 0
 
     def _agree(self, token: int) -> int:
-        value = torch.tensor([token], dtype=torch.int64, device=self.model.ps.device)
-        comm.broadcast(value, 0, None)
+        """The first tp rank's token, on every rank of the model's tp group."""
+        ps = self.model.ps
+        value = torch.tensor([token], dtype=torch.int64, device=ps.device)
+        comm.broadcast(value, ps.tp_ranks[0], ps.tp_group)
         return int(value.item())
 
     @torch.no_grad()

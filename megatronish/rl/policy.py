@@ -111,10 +111,12 @@ class Policy:
         old_logprobs: list[torch.Tensor] | None = None,
         max_completion_length: int | None = None,
         routes: list[torch.Tensor] | None = None,
+        lr: float | None = None,
     ) -> dict[str, float]:
         """One optimizer step of `loss` (rl.losses: grpo | dr_grpo | dapo | gspo) on these
-        rollouts, at train.lr's schedule for the policy's step count: the gradients of
-        `gradients` with the same arguments, then the update. Returns its metrics."""
+        rollouts, at lr (default: train.lr's schedule for the policy's step count): the
+        gradients of `gradients` with the same arguments, then the update. Returns its
+        metrics."""
         metrics = self.gradients(
             seqs,
             prompt_lens,
@@ -129,7 +131,7 @@ class Policy:
             routes,
         )
         self.steps += 1
-        self.data_parallel.step(lr_at(self.steps, self.cfg))
+        self.data_parallel.step(lr_at(self.steps, self.cfg) if lr is None else lr)
         self.data_parallel.after_step()
         self.qk_clip.after_step(applied=True)
         return metrics | self.qk_clip.metrics()

@@ -6,12 +6,14 @@ one Hugging Face tensor is made of (found by running the family's mapping once o
 tensors that carry their sources), and the units, in order, in buckets of about bucket_bytes
 (a unit larger than that is a bucket alone).
 
-Each bucket: its tensors made whole over tp (an all-gather along the split dim, vocab padding
-dropped) and, under ZeRO-3, over dp (the level's whole_params, entered once for the stream),
+Each bucket: its tensors made whole over dp under ZeRO-3 (the level's whole_params for the
+bucket's parameters alone: the ZeRO buckets that hold them are gathered, and freed once the
+bucket is copied out) and over tp (an all-gather along the split dim, vocab padding dropped),
 then brought to rank 0 (all_gather_object over the ep group, then the pp group); rank 0 maps
 them as `megatronish export` does (hf.exporter.hf_tensors) with shape-only stand-ins for the
 rest of the model, yields the bucket and drops it. So rank 0 holds one bucket's tensors (in
-our names and in theirs) at a time, bitwise the export's.
+our names and in theirs) at a time, bitwise the export's, and under ZeRO-3 every rank holds
+about one bucket's parameters whole beyond its shards.
 """
 
 from __future__ import annotations
@@ -106,19 +108,20 @@ def hf_buckets(
     """Each bucket's (Hugging Face name -> fp32 CPU tensor) on rank 0; every rank iterates
     (the others get nothing) since the gathering is collective."""
     ps: ParallelState = model.ps
-    with optimizer.whole_params():
-        specs = all_stage_specs(model, ps)
-        shapes = {name: tuple(spec.real_shape()) for name, spec in specs.items()}
-        local = {name: (param, index) for name, param, index in saved_tensors(model)}
-        one_cfg, one_derived = one_process(cfg)
-        for bucket in plan(cfg, shapes, int(bucket_mb * 2**20)):
+    specs = all_stage_specs(model, ps)
+    shapes = {name: tuple(spec.real_shape()) for name, spec in specs.items()}
+    local = {name: (param, index) for name, param, index in saved_tensors(model)}
+    one_cfg, one_derived = one_process(cfg)
+    for bucket in plan(cfg, shapes, int(bucket_mb * 2**20)):
+        params = [local[name][0] for name in bucket.ours if name in local]
+        with optimizer.whole_params(params=params):  # ZeRO-3: this bucket's, then freed
             ours = _bucket_on_rank0(bucket.ours, local, ps)
-            if not ps.is_main:
-                continue
-            stand_ins = {n: _stand_in(n, s) for n, s in shapes.items() if n not in ours}
-            mapped = hf_tensors(one_cfg, one_derived, {**stand_ins, **ours})
-            del ours, stand_ins
-            yield {name: mapped[name] for name in bucket.theirs}
+        if not ps.is_main:
+            continue
+        stand_ins = {n: _stand_in(n, s) for n, s in shapes.items() if n not in ours}
+        mapped = hf_tensors(one_cfg, one_derived, {**stand_ins, **ours})
+        del ours, stand_ins
+        yield {name: mapped[name] for name in bucket.theirs}
 
 
 @torch.no_grad()

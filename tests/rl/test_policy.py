@@ -5,12 +5,13 @@ Qwen3-MoE's at tp 2 x ep 2 (dp 2), on packed sequences of different lengths, the
 rank; its entropies are transformers'; a step's
 gradients do not depend on the packing budget, and its loss and gradient norm do not depend
 on the layout; the weights it streams are transformers' state_dict() bitwise at each layout
-(the MoE's: its file's tensors, experts one by one),
-it streams back what it loads, and an inference model refit at tp 1 from the tp 2 x pp 2
-stream gives the tp 1 policy's logits bitwise. The stream comes in buckets of about
-bucket_mb. Routing replay: generate records the routes the policy would choose, and foreign
-routes forced at tp 2 x ep 2 and pp 2 x ep 2 with recompute give the training forward the
-forward-only log-probabilities bitwise. One four-rank run holds every layout."""
+(the MoE's: its file's tensors, experts one by one), under ZeRO-3 gathering about a bucket's
+parameters at a time; it streams back what it loads, and an inference model refit at tp 1
+from the tp 2 x pp 2 stream gives the tp 1 policy's logits bitwise. The stream comes in
+buckets of about bucket_mb. Routing replay: generate records the routes the policy would
+choose, and foreign routes forced at tp 2 x ep 2 and pp 2 x ep 2 with recompute give the
+training forward the forward-only log-probabilities bitwise. One four-rank run holds every
+layout."""
 
 from __future__ import annotations
 
@@ -227,12 +228,36 @@ def _on_layouts(rank: int, world: int, hf_dirs: dict[str, Path], tmp: Path, roll
             ],
         }
         policy.data_parallel.after_step()
+        if "optim.zero=3" in layout:
+            out[name]["zero3_held"] = _zero3_held_while_streaming(policy)
         if model == "qwen3_moe":
             out[name]["replay"] = _replay(policy, rollouts)
         halved = {k: v * 0.5 for k, v in load_file(hf_dir / "model.safetensors").items()}
         policy.load_hf_weights(halved.items())
         out[name]["reloaded"] = dict(policy.hf_weights(bucket_mb=BUCKET_MB))
     return out
+
+
+def _zero3_held_while_streaming(policy) -> dict[str, int]:
+    """ZeRO-3's tally of whole parameter bytes held on this rank (its gathered buckets), at its
+    peak while the policy streams its weights, with the largest bucket's bytes and all of
+    them whole (what holding the stage's whole parameters for the stream would hold)."""
+    shards = policy.data_parallel.shards
+    start, peak = shards._start, [0]
+
+    def counted(bucket) -> None:
+        start(bucket)
+        held = sum(b.full.untyped_storage().nbytes() for b in shards.buckets)
+        peak[0] = max(peak[0], held)
+
+    shards._start = counted
+    try:
+        for _ in policy.hf_weights(bucket_mb=BUCKET_MB):
+            pass
+    finally:
+        del shards._start
+    sizes = [b.full.numel() * b.full.element_size() for b in shards.buckets]
+    return {"peak": peak[0], "largest": max(sizes), "whole": sum(sizes)}
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +327,15 @@ def test_hf_weights_stream_buckets_of_about_bucket_mb_that_together_are_the_stre
     names = [name for bucket in buckets for name in bucket]
     assert sorted(names) == sorted(streamed) and len(names) == len(set(names))
     assert all(not rank_results[layout]["buckets"] for rank_results in layouts[1:])
+
+
+def test_hf_weights_under_zero3_gathers_about_one_bucket_at_a_time_not_the_whole_model(layouts):
+    budget = BUCKET_MB * 2**20 / 2  # a rank's tp half of a bucket's whole tensors
+    for rank_results in layouts:
+        held = rank_results["tp2_sp_zero3"]["zero3_held"]
+        # a bucket's parameters, and the ZeRO buckets (one module's each) that straddle its ends
+        assert 0 < held["peak"] <= budget + 2 * held["largest"], held
+        assert held["peak"] < held["whole"] / 2, held
 
 
 def test_hf_weights_of_a_moe_at_tp2_ep2_are_its_files_tensors_bitwise_on_rank0(layouts, hf_dirs):
