@@ -27,9 +27,9 @@ from megatronish.config import Config
 from megatronish.config.objective_checks import dpo_settings
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
+from megatronish.layers.token_stats import token_logprobs
 from megatronish.objectives.batch import MicroBatch
 from megatronish.objectives.interface import Losses, Objective
-from megatronish.layers.token_stats import token_logprobs
 
 if TYPE_CHECKING:
     from megatronish.model import GPT

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatronish.distributed.layout import ParallelState
+from megatronish.layers.token_stats import token_entropies, token_logprobs
 from megatronish.objectives.batch import MicroBatch
 from megatronish.objectives.interface import Losses, Objective
 from megatronish.rl.losses import LossSettings, TokenTerms, policy_loss
-from megatronish.layers.token_stats import token_entropies, token_logprobs
 
 if TYPE_CHECKING:
     from megatronish.model import GPT
