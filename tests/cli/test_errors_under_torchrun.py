@@ -8,32 +8,24 @@ import sys
 
 import pytest
 
-from tests.conftest import CONFIGS, finish, invoke_cli, start
+from tests.conftest import CONFIGS, invoke_cli
+from tests.forked import fork_run
 
 pytestmark = pytest.mark.slow  # torchrun runs with bad configs
 
 BAD_LAYOUT = ["--set", "model.n_head=3", "--set", "parallel.tp=2"]
 MESSAGE = "model.n_head: 3 is not divisible by parallel.tp=2"
-TORCHRUN_TEST = "test_a_config_error_under_torchrun_is_said_once"
 
 
-def _torchrun_command(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torchrun-error") / "run"
+def test_a_config_error_under_torchrun_is_said_once(tmp_path):
+    """torchrun forked from the fork server (tests/forked.py); its ranks, real interpreters that
+    import torch and fail."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "megatronish", "train", "--config", str(CONFIGS / "tiny.yaml"), *BAD_LAYOUT,
-        "--set", f"run.out_dir={out}",
+        "--set", f"run.out_dir={tmp_path / 'run'}",
     ]  # fmt: skip
-    return command, {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-# Started with the session (conftest's side_checks): two ranks that import torch and fail.
-SIDE_CHECKS = {TORCHRUN_TEST: _torchrun_command}
-
-
-def test_a_config_error_under_torchrun_is_said_once(side_checks, tmp_path_factory):
-    started = side_checks.pop(TORCHRUN_TEST, None) or start(*_torchrun_command(tmp_path_factory))
-    result = finish(started, timeout=120)
+    result = fork_run(command, 120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     combined = result.stdout + result.stderr
     assert combined.count(MESSAGE) == 1, combined[-3000:]

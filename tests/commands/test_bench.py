@@ -10,6 +10,7 @@ formula."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -252,6 +253,21 @@ def test_bf16_activation_collectives_are_sent_in_bf16(two_rank_counts, name):
     assert_counts_equal_formula(two_rank_counts, name)
 
 
+@functools.cache
+def one_process_first_step(overrides: tuple[str, ...], dataset: Path) -> tuple[float, float]:
+    """The first step's (loss, gradient norm) of the run in one process: computed once for the
+    layouts of FP8_PARITY that share everything but their parallel.* keys."""
+    from megatronish.data.sources import run_data
+    from megatronish.distributed.layout import ParallelState
+    from megatronish.training.setup import Setup
+    from megatronish.training.trainer import Trainer
+
+    cfg, data = run_data(bench_config(1, 1, list(overrides), dataset))
+    derived = derive(cfg, 1, vocab_size=data.vocab_size)
+    first = Trainer(Setup(cfg, derived, ParallelState.single(), data)).train_step()
+    return first.loss, first.grad_norm
+
+
 @pytest.mark.parametrize(("ranks", "name"), FP8_PARITY)
 def test_fp8_first_step_at_tp2_and_cp2_equals_one_process(
     two_rank_counts, four_rank_counts, dataset, ranks, name
@@ -265,23 +281,16 @@ def test_fp8_first_step_at_tp2_and_cp2_equals_one_process(
     steps are not held to it: AdamW turns a whole-step change of a small gradient's cast into
     a full-size update (tp 2 and tp 1 losses measured equal to 1e-5 through step 9 of a
     20-step tiny llama run, 1e-4 apart by step 12)."""
-    from megatronish.data.sources import run_data
-    from megatronish.distributed.layout import ParallelState
-    from megatronish.training.setup import Setup
-    from megatronish.training.trainer import Trainer
-
     variants, per_rank = {
         "two": (TWO_RANKS, two_rank_counts),
         "four": (FOUR_RANKS, four_rank_counts),
     }[ranks]
     overrides = [o for o in variants[name][2] if not o.startswith("parallel.")]
-    cfg, data = run_data(bench_config(1, 1, overrides, dataset))
-    derived = derive(cfg, 1, vocab_size=data.vocab_size)
-    first = Trainer(Setup(cfg, derived, ParallelState.single(), data)).train_step()
+    first_loss, first_grad_norm = one_process_first_step(tuple(overrides), dataset)
     for rank, results in enumerate(per_rank):
         loss, grad_norm = results[name][2]
-        assert loss == pytest.approx(first.loss, rel=FP8_REORDER_REL), f"rank {rank} loss"
-        assert grad_norm == pytest.approx(first.grad_norm, rel=FP8_REORDER_REL), f"rank {rank}"
+        assert loss == pytest.approx(first_loss, rel=FP8_REORDER_REL), f"rank {rank} loss"
+        assert grad_norm == pytest.approx(first_grad_norm, rel=FP8_REORDER_REL), f"rank {rank}"
 
 
 @pytest.mark.parametrize("name", FP8_OVERLAP)

@@ -102,15 +102,27 @@ def metrics_lines(out_dir: Path) -> list[dict]:
 
 class Run:
     """One command in its own session, its output in files beside its run directory: forked
-    from the fork server (tests/forked.py) unless real, a subprocess."""
+    from the fork server (tests/forked.py) unless real, a subprocess. With ranks, the command
+    on that many ranks as torchrun starts them (forked_ranks); proc is rank 0's, its output
+    the run's."""
 
     def __init__(
-        self, command: list[str], out_dir: Path, name: str, env: dict[str, str], real: bool
+        self,
+        command: list[str],
+        out_dir: Path,
+        name: str,
+        env: dict[str, str],
+        real: bool,
+        ranks: int = 0,
     ):
         self.out_dir, self.marker = out_dir, f"run.out_dir={out_dir}"
         self.stdout_path = out_dir.parent / f"{name}.stdout"
         self.stderr_path = out_dir.parent / f"{name}.stderr"
         files = dict(stdout=self.stdout_path, stderr=self.stderr_path)
+        self.others: list = []  # the ranks after rank 0, with ranks
+        if ranks:
+            self.proc, *self.others = forked_ranks(command, ranks, env, out_dir.parent / name)
+            return
         if not real:
             self.proc = fork_popen(command, env=env, cwd=REPO, start_new_session=True, **files)
             return
@@ -152,20 +164,43 @@ class Run:
         return self.proc.wait(timeout=TIMEOUT)
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        for proc in (self.proc, *self.others):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
         for pid in processes_naming(self.marker):  # ranks that outlived it (a failed test)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
+def forked_ranks(command: list[str], world_size: int, env: dict[str, str], files: Path) -> list:
+    """command (a Python program) on world_size ranks as torchrun starts them (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each forked from the fork server in a session of its
+    own with env, writing to files.stdout and files.stderr (rank 0) or files.rank1.stdout ...:
+    for runs whose property is the ranks', not torchrun's or a fresh interpreter's."""
+    rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GROUP_RANK="0")
+    rendezvous.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    ranks = []
+    for rank in range(world_size):
+        prefix = f"{files}.rank{rank}" if rank else str(files)
+        outputs = dict(stdout=f"{prefix}.stdout", stderr=f"{prefix}.stderr")
+        rank_env = dict(env, **rendezvous, RANK=str(rank), LOCAL_RANK=str(rank))
+        ranks.append(fork_popen(command, env=rank_env, cwd=REPO, start_new_session=True, **outputs))
+    return ranks
+
+
 @contextlib.contextmanager
 def started(
-    command: list[str], out_dir: Path, name: str | None = None, real: bool = False, **env: str
+    command: list[str],
+    out_dir: Path,
+    name: str | None = None,
+    real: bool = False,
+    ranks: int = 0,
+    **env: str,
 ):
-    """command's Run (forked unless real), killed with whatever it started on leaving."""
-    run = Run(command, out_dir, name or out_dir.name, environment(**env), real)
+    """command's Run (forked unless real; on forked ranks with ranks), killed with whatever it
+    started on leaving."""
+    run = Run(command, out_dir, name or out_dir.name, environment(**env), real, ranks)
     try:
         yield run
     finally:
@@ -705,12 +740,14 @@ def test_a_rank_that_stops_calling_collectives_is_named_by_diagnose_from_every_r
     tmp_path, small_dataset
 ):
     """Rank 1 also starts 5 s after rank 0, past the 4 s timeout_s: joining the process group
-    waits for every rank's start (distributed.layout.JOIN_S), the collectives after it do not."""
+    waits for every rank's start (distributed.layout.JOIN_S), the collectives after it do not.
+    The ranks are forked as torchrun starts them: torchrun plays no part in the dumps."""
     out = tmp_path / "run"
     timeout_s = 4.0  # the watchdog reports a collective in flight for half of it, 2 s
-    command = faulty(out, small_dataset, "train.steps=100000", f"parallel.timeout_s={timeout_s}")
+    sets = ("train.steps=100000", f"parallel.timeout_s={timeout_s}")
+    command = faulty(out, small_dataset, *sets)[len(TORCHRUN) :]
     faults = dict(FAULT_RANK="1", FAULT_HANG_STEP="3", FAULT_HANG_S="6", FAULT_START_S="5")
-    with started(command, out, **faults) as run:
+    with started([sys.executable, *command], out, ranks=2, **faults) as run:
         run.wait_for_step(2)
         stalled = time.monotonic()
         debug = out / "debug"

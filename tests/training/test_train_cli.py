@@ -1,12 +1,11 @@
 """End to end: `megatronish train` gives the same loss curve at every layout. The tp = 2 and
 dp = 2 runs are the command on two fork-served ranks as torchrun starts them (tests/ranks.py);
 one `megatronish launch` (tp 2 x dp 2) is a real launcher and its ranks real processes, so its
-stderr holds whatever a launch prints; the single-process references run in this one
-(invoke_cli)."""
+stderr holds whatever a launch prints; the single-process references and the runs of the
+Triton kernels under its interpreter run in this one (invoke_cli)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
@@ -51,9 +50,9 @@ def _args(out, overrides: list[str]) -> list[str]:
 FINAL_LINES: dict[Path, str] = {}
 
 
-def train_here(tmp_path, name: str, overrides: list[str]):
-    """`megatronish train` in this process; its metrics."""
-    result = invoke_cli("train", *_args(tmp_path / name, overrides))
+def train_here(tmp_path, name: str, overrides: list[str], env: dict | None = None):
+    """`megatronish train` in this process (with env set while it runs); its metrics."""
+    result = invoke_cli("train", *_args(tmp_path / name, overrides), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     FINAL_LINES[tmp_path / name] = result.stdout.strip().splitlines()[-1]
     return read_metrics(tmp_path / name)
@@ -86,27 +85,25 @@ def _side_dir(tmp_path_factory, name: str):
     return tmp_path_factory.getbasetemp() / f"side-{name}"
 
 
-def _side_run(name: str, command: str, overrides: list[str], env: dict | None = None):
+def _side_run(name: str, command: str, overrides: list[str]):
     """A run that is a side check (conftest): started with the session, as it takes a core for
     longer than its test's own work. Its output goes to _side_dir(name)."""
 
     def start_it(tmp_path_factory):
         out = _side_dir(tmp_path_factory, name)
         out.mkdir()
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         args = _args(out / "run", overrides)
         return [sys.executable, "-m", "megatronish", command, *args], full_env
 
     return start_it
 
 
-def side_metrics(side_checks, tmp_path_factory, test: str, name: str, quiet: bool = False):
-    """The metrics of a side run, once it has finished; quiet: also that its stderr holds no
-    warning."""
+def side_metrics(side_checks, tmp_path_factory, test: str, name: str):
+    """The metrics of a side run, once it has finished with no warning on its stderr."""
     result = finish(side_checks.pop(test), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    if quiet:
-        assert_no_warnings(result.stderr)
+    assert_no_warnings(result.stderr)
     return read_metrics(_side_dir(tmp_path_factory, name) / "run")
 
 
@@ -145,7 +142,7 @@ LAUNCH_TEST = "test_cli_launch_at_tp2_dp2_with_zero1_and_sp_matches_tp1_with_no_
 def test_cli_launch_at_tp2_dp2_with_zero1_and_sp_matches_tp1_with_no_warnings_on_stderr(
     tmp_path_factory, side_checks, tp1_run
 ):
-    launched = side_metrics(side_checks, tmp_path_factory, LAUNCH_TEST, "tp2dp2", quiet=True)
+    launched = side_metrics(side_checks, tmp_path_factory, LAUNCH_TEST, "tp2dp2")
     assert_same_curve(launched, read_metrics(tp1_run("llama")))
 
 
@@ -171,32 +168,19 @@ TRITON_TINY = [
 ]
 
 
-TRITON_TEST = "test_cli_triton_kernels_interpreted_give_the_torch_losses"
-SIDE_CHECKS = {
-    LAUNCH_TEST: _side_run("tp2dp2", "launch", TINY + ARCH["llama"] + MIXED),
-    **{
-        f"{TRITON_TEST}[{arch}]": _side_run(
-            f"triton {arch}",
-            "train",
-            TRITON_TINY + [f"model.arch={arch}", "kernels.backend=triton"],
-            {"TRITON_INTERPRET": "1"},
-        )
-        for arch in ARCH
-        if importlib.util.find_spec("triton") is not None
-    },
-}
+SIDE_CHECKS = {LAUNCH_TEST: _side_run("tp2dp2", "launch", TINY + ARCH["llama"] + MIXED)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_cli_triton_kernels_interpreted_give_the_torch_losses(
-    tmp_path, tmp_path_factory, side_checks, arch
-):
+def test_cli_triton_kernels_interpreted_give_the_torch_losses(tmp_path, arch):
+    """Both runs in this process, whose kernels were imported under Triton's interpreter where
+    there is no GPU (tests/kernel_env.py): the backend reads TRITON_INTERPRET as it runs."""
     pytest.importorskip("triton")
     settings = TRITON_TINY + [f"model.arch={arch}"]
     torch_lines, _ = train_here(tmp_path, "torch", settings + ["kernels.backend=torch"])
-    test = f"{TRITON_TEST}[{arch}]"
-    triton_lines, _ = side_metrics(side_checks, tmp_path_factory, test, f"triton {arch}")
+    triton = settings + ["kernels.backend=triton"]
+    triton_lines, _ = train_here(tmp_path, "triton", triton, env={"TRITON_INTERPRET": "1"})
     assert [x["step"] for x in triton_lines] == [x["step"] for x in torch_lines] == [1, 2, 3, 4]
     for x, y in zip(triton_lines, torch_lines):
         for key in ("loss", "grad_norm"):  # the forward, and every kernel's backward
