@@ -42,6 +42,12 @@ LORA_SETTINGS = [
     f"model.lora.targets=[{','.join(TARGETS)}]",
 ]
 
+TALLY_SETTINGS = [
+    "model.lora.targets=[o_proj,up_proj,down_proj]",
+    "parallel.sequence_parallel=true",
+    "train.activation_checkpointing=full",
+]
+
 
 def tiny_llama(dataset: Path, path: Path) -> Path:
     """A tiny random Llama (fp32) on the dataset's vocabulary, saved with save_pretrained."""
@@ -105,6 +111,9 @@ def layouts(curves, dataset) -> list[dict]:
     # the first steps of the 20-step schedule: a ZeRO level that mishandles the frozen base
     # differs from the first step on
     runs |= {f"dp2-zero{z}": (1, 2, settings + [f"optim.zero={z}"], ZERO_STEPS) for z in (1, 2, 3)}
+    # one step for its collectives: no adapter on q, k, v or gate, under sequence parallelism
+    # and full recompute (accounting.collectives.lora's cases)
+    runs["tp2-sp-tally"] = (2, 1, settings + TALLY_SETTINGS, 1)
     return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
 
 
@@ -131,12 +140,25 @@ def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
             assert_close(ours, tp1, rel=LAYOUT_CURVE_REL, steps=len(tp1))
 
 
+@pytest.mark.slow  # a 2-rank run
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally"])
+def test_check_counts_the_collectives_a_lora_run_makes_at_tp2(layouts, layout):
+    for ranks in layouts:
+        assert ranks[layout]["payload"] == ranks[layout]["formula"]
+
+
 def train_layouts(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
-    """The losses and gradient norms of each run {name: (tp, dp, settings, steps to train)} on
-    these ranks."""
+    """The losses, gradient norms and first step's collective payloads (counted, and as
+    accounting counts them) of each run {name: (tp, dp, settings, steps to train)} on these
+    ranks."""
+    from megatronish.accounting.collectives import formula_payload_by_kind
+
     curves = {}
     for name, (tp, dp, settings, steps) in runs.items():
-        trainer = make_trainer(make_config(tp, dp, 1, settings, dataset), world, dataset)
-        losses, norms, _ = train_counted(trainer, steps)
+        cfg = make_config(tp, dp, 1, settings, dataset)
+        trainer = make_trainer(cfg, world, dataset)
+        losses, norms, counter = train_counted(trainer, steps)
+        formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
         curves[name] = {"losses": losses, "norms": norms}
+        curves[name] |= {"payload": dict(counter.payload_bytes), "formula": formula}
     return curves
