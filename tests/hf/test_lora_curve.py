@@ -115,7 +115,8 @@ def layouts(curves, dataset) -> list[dict]:
     runs["pp2-resumed"] = (1, 1, 2, settings + resume, RESUME_AT + PP_STEPS)
     # the first steps of the 20-step schedule: a ZeRO level that mishandles the frozen base
     # differs from the first step on
-    runs |= {f"dp2-zero{z}": (1, 2, 1, settings + [f"optim.zero={z}"], ZERO_STEPS) for z in (1, 2, 3)}
+    for zero in (1, 2, 3):
+        runs[f"dp2-zero{zero}"] = (1, 2, 1, settings + [f"optim.zero={zero}"], ZERO_STEPS)
     # one step for its collectives: no adapter on q, k, v or gate, under sequence parallelism
     # and full recompute (accounting.collectives.lora's cases)
     runs["tp2-sp-tally"] = (2, 1, 1, settings + TALLY_SETTINGS, 1)
