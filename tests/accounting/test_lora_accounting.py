@@ -45,3 +45,42 @@ def test_check_counts_the_data_parallel_reduction_of_the_adapters_alone():
         op for op in collectives_per_step(cfg, derived) if op.what.startswith("data-parallel")
     ]
     assert reduction.payload == 4 * adapters
+
+
+def test_plan_holds_the_measured_state_of_a_running_lora_model(dataset):
+    """After a step of a tiny LoRA llama (fp32: no bf16 copies), the distinct storages of its
+    parameters, gradients and AdamW state are plan's weights + grads + optimizer state, and
+    AdamW's step counts (an fp32 scalar a trained tensor, which plan leaves out)."""
+    from tests.data_parallel.test_zero_levels import _held_bytes
+    from tests.parity import LLAMA, make_config, make_trainer
+
+    cfg = make_config(1, 1, 1, LLAMA + LORA + ["train.precision=fp32"], dataset)
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+    trainer.train_step()
+    state = model_state_bytes(cfg, trainer.setup.derived, 0)
+    trained = sum(p.requires_grad for p in trainer.model.parameters())
+    held = state["weights"] + state["grads"] + state["optimizer"] + 4 * trained
+    assert _held_bytes(trainer) == held
+
+
+def test_a_lora_fine_tune_of_llama3_8b_fits_one_80gb_gpu_where_a_full_one_does_not():
+    """configs/llama3-8b.yaml on one GPU with full recompute: the frozen base is its fp32
+    weights and their bf16 copies (6 bytes a parameter), the rank-16 adapters on every
+    projection add their gradients and AdamW moments; without LoRA the model state alone (16
+    bytes a parameter) passes 80 GB."""
+    from megatronish.accounting.memory import estimate
+    from megatronish.accounting.parameters import local_parameter_count
+
+    sets = ["parallel.tp=1", "parallel.dp=1", "train.activation_checkpointing=full"]
+    lora = ["model.lora.rank=16", f"model.lora.targets={TARGETS}"]
+    cfg = load_config(CONFIGS / "llama3-8b.yaml", sets + lora)
+    full = load_config(CONFIGS / "llama3-8b.yaml", sets)
+    derived = derive(cfg, 1)
+    adapters, _ = adapter_counts(cfg, derived)
+    base = local_parameter_count(full, derive(full, 1))
+    assert 8.0e9 < base < 8.1e9 and 40e6 < adapters < 43e6  # peft's count at r 16: 41.9M
+    plan, whole = estimate(cfg, 1, 1), estimate(full, 1, 1)
+    gib = 2**30
+    assert plan.weights_gb * gib == 6 * (base + adapters)
+    assert (plan.grads_gb * gib, plan.optimizer_gb * gib) == (4 * adapters, 8 * adapters)
+    assert plan.total_gb < 80 < (whole.weights_gb + whole.grads_gb + whole.optimizer_gb)
