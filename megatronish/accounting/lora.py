@@ -56,3 +56,43 @@ def adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int
             total += r * inputs // t + d * r
             summed += d * r if row_summed else 0
     return total, summed
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def frozen_inputs(cfg: Config, derived: Derived, pp_rank: int = 0) -> set[str]:
+    """The first block's layers (qkv, proj, mlp_in: gate and up, down) whose input gradient a
+    LoRA run does not compute: on the first stage nothing before the first adapter needs a
+    gradient (the embedding is frozen): qkv's always, the attention projection's where q, k and
+    v have no adapter, the MLP's first projections' where the attention has none, and down's
+    where neither has, nor gate or up. Empty on other stages and without model.lora."""
+    blocks = stage_blocks(derived, pp_rank)
+    if cfg.model.lora is None or pp_rank != 0 or not blocks:
+        return set()
+    columns, rows = block_targets(cfg, derived, blocks[0])
+    qkv = bool(set(columns) & set(QKV))
+    attention = qkv or "o_proj" in rows  # the attention's output needs a gradient
+    mlp_in = attention or bool(set(columns) - set(QKV))
+    conditions = {"qkv": True, "proj": not qkv, "mlp_in": not attention, "down": not mlp_in}
+    return {layer for layer, frozen in conditions.items() if frozen}
+
+
+def frozen_input_casts(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
+    """Elements of the fp8 input-gradient weight casts (megatronish.fp8.gemm) that a LoRA run
+    does not make: those of the first block's ``frozen_inputs`` layers (dense ones; 0 unless
+    train.precision is fp8 and the block's attention is mha)."""
+    frozen = frozen_inputs(cfg, derived, pp_rank)
+    model, t = cfg.model, derived.tp
+    if cfg.train.precision != "fp8" or not frozen or model.block_attention(0) != "mha":
+        return 0
+    d, q = model.d_model, model.n_head * derived.head_dim
+    kv = derived.n_kv_head * derived.head_dim
+    d_ff = 0 if 0 in derived.moe_layers else derived.d_ff
+    sizes = {
+        "qkv": (q + 2 * kv) * d,
+        "proj": q * d,
+        "mlp_in": (2 if model.components.gated_mlp else 1) * d_ff * d,
+        "down": d_ff * d,
+    }
+    return sum(sizes[layer] for layer in frozen) // t

@@ -76,7 +76,7 @@ from megatronish.accounting.components import (
     norm,
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
-from megatronish.accounting.lora import adapter_counts
+from megatronish.accounting.lora import adapter_counts, frozen_input_casts
 from megatronish.accounting.muon import local_elements, stage_matrices, whole_under_zero
 from megatronish.accounting.parameters import (
     local_layer_params,
@@ -284,7 +284,8 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     if zero:  # each rank keeps the momentum of the matrices it owns
         muon = dense_whole / dp + expert_whole / edp
     copies = 2 * (params + frozen - fp8_params) if bf16 else 0
-    casts = 2 * fp8_params  # megatronish.fp8.gemm keeps them for the step (module doc)
+    # megatronish.fp8.gemm keeps them for the step (module doc); LoRA skips some backward's
+    casts = 2 * fp8_params - frozen_input_casts(cfg, derived, pp_rank)
     fp8 = cfg.train.precision == "fp8"
     biased = cfg.model.moe.router == "sigmoid"
     return {

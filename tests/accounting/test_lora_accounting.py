@@ -4,6 +4,8 @@ adapters' gradients alone; the adapter count is the built model's."""
 
 from __future__ import annotations
 
+import torch
+
 from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.lora import adapter_counts
 from megatronish.accounting.memory import model_state_bytes
@@ -84,3 +86,33 @@ def test_a_lora_fine_tune_of_llama3_8b_fits_one_80gb_gpu_where_a_full_one_does_n
     assert plan.weights_gb * gib == 6 * (base + adapters)
     assert (plan.grads_gb * gib, plan.optimizer_gb * gib) == (4 * adapters, 8 * adapters)
     assert plan.total_gb < 80 < (whole.weights_gb + whole.grads_gb + whole.optimizer_gb)
+
+
+def test_under_fp8_only_the_frozen_base_is_cast_and_plan_counts_its_casts():
+    """A LoRA model under fp8 keeps the fp8 casts of its base layers' weights alone, the
+    adapters getting bf16 copies as the norms do: forward's, and the input gradient's but for
+    the first block's qkv (its input needs no gradient: accounting.lora.frozen_inputs), and
+    plan's weights say so."""
+    from megatronish.accounting.lora import frozen_input_casts
+    from megatronish.accounting.memory import fp8_layer_params
+    from megatronish.fp8 import gemm
+    from megatronish.model.precision import autocast
+    from megatronish.objectives.registry import sequence_losses
+
+    cfg, derived = config(LORA + ["train.precision=fp8"])
+    model = GPT(cfg, derived, ParallelState.single())
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    with gemm.weights_fixed():
+        with autocast(cfg, torch.device("cpu")):
+            loss = sequence_losses(model, tokens, tokens).total
+        loss.backward()
+        casts = gemm._WEIGHT_CASTS.values()
+        kept = [q for made_by in casts for _, made in made_by.values() for q in made]
+        payload = sum(q.payload.numel() * q.payload.element_size() for q in kept)
+    base, qkv = fp8_layer_params(cfg, derived, 0), model.blocks["0"].attn.qkv.weight.numel()
+    assert frozen_input_casts(cfg, derived) == qkv
+    assert payload == 2 * base - qkv > 0
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    everything = sum(p.numel() for p in model.parameters())
+    copies = 2 * (everything - base)  # bf16 autocast's, of all but the fp8 layers' weights
+    assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * everything + copies + payload

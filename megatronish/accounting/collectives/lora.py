@@ -24,11 +24,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Purpose, Step
-from megatronish.accounting.lora import adapter_counts, block_targets
+from megatronish.accounting.lora import QKV, adapter_counts, block_targets, frozen_inputs
 from megatronish.accounting.parameters import stage_blocks
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-QKV = ("q_proj", "k_proj", "v_proj")
 REPLICATED = "replicated-parameter gradients"
 
 
@@ -64,26 +62,23 @@ def _fewer_calls(step: Step) -> dict[str, int]:
         # the down adapter saves tensors after the base's reduction: a recompute reruns it
         fewer["MLP down output (forward)"] = -sum("down_proj" in rows for _, rows in blocks)
     if step.first and blocks:
-        for what, calls in _frozen_start(step, *blocks[0]).items():
+        for what, calls in _frozen_start(step).items():
             fewer[what] = fewer.get(what, 0) + calls
     return fewer
 
 
-def _frozen_start(step: Step, columns: dict, rows: dict) -> dict[str, int]:
-    """The first block's backward collectives that do not run (module doc), given its
-    targets."""
-    qkv = bool(set(columns) & set(QKV))
-    attention = qkv or "o_proj" in rows  # its output needs a gradient
-    mlp_in = attention or bool(set(columns) - set(QKV))
+def _frozen_start(step: Step) -> dict[str, int]:
+    """The first block's backward collectives that do not run (module doc)."""
+    frozen = frozen_inputs(step.cfg, step.derived, step.pp_rank)
     fewer = {
-        "qkv input gradient (backward)": 1,
-        "MLP first projection input gradient (backward)": int(not attention),
+        "qkv input gradient (backward)": int("qkv" in frozen),
+        "MLP first projection input gradient (backward)": int("mlp_in" in frozen),
     }
     if step.sp:
         fewer["embedding output gradient (backward)"] = 1
-        fewer["qkv input (forward, backward)"] = int(not qkv)
-        fewer["attention projection output gradient (backward)"] = int(not qkv)
-        fewer["MLP down output gradient (backward)"] = int(not mlp_in)
+        fewer["qkv input (forward, backward)"] = int("proj" in frozen)  # no second gather
+        fewer["attention projection output gradient (backward)"] = int("proj" in frozen)
+        fewer["MLP down output gradient (backward)"] = int("down" in frozen)
     return fewer
 
 
