@@ -16,14 +16,23 @@
   and the gather of the attention projection's output gradient; nor, where its attention has
   none, its MLP's first projection input gradient; nor, where its attention and MLP gate and up
   have none, the gather of its MLP down's output gradient.
-Decomposed collectives (parallel.tp_comm_overlap) are counted as for the base model.
+- Under parallel.tp_comm_overlap with sequence parallelism a column layer with adapters
+  gathers its input whole (its adapters take the gathered input) and reduce-scatters its
+  gradient whole: qkv's where q, k or v has one, the MLP's first projections' where gate or up
+  has; the other layers' collectives are decomposed as the base model's.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from megatronish.accounting.collectives.step import FP32_BYTES, Collective, Purpose, Step
+from megatronish.accounting.collectives.step import (
+    FP32_BYTES,
+    Collective,
+    Purpose,
+    Split,
+    Step,
+)
 from megatronish.accounting.lora import QKV, adapter_counts, block_targets, frozen_inputs
 from megatronish.accounting.parameters import stage_blocks
 
@@ -35,13 +44,29 @@ def lora_tp_collectives(step: Step, ops: list[Collective]) -> list[Collective]:
     doc); `ops` unchanged without model.lora."""
     if step.cfg.model.lora is None or step.tp == 1:
         return ops
-    fewer = _fewer_calls(step)
-    ops = [
-        replace(op, count=op.count - fewer.get(op.what, 0) * step.accum)
-        for op in ops
-        if not op.what.startswith(REPLICATED)
-    ]
-    return ops + _adapter_collectives(step)
+    fewer, whole = _fewer_calls(step), _whole_gemms(step)
+    kept = []
+    for op in ops:
+        if op.what.startswith(REPLICATED):
+            continue
+        pieces = {Split.RING: step.tp - 1, Split.CHUNKS: step.tp}.get(op.split, 1)
+        op = replace(op, count=op.count - fewer.get(op.what, 0) * step.accum * pieces)
+        if op.split is Split.RING and op.under in whole:  # gathered whole, not on the ring
+            kind = "reduce_scatter" if "gradient" in op.what else "all_gather"
+            op = replace(op, kind=kind, payload=op.payload * step.tp, count=op.count // pieces)
+            op = replace(op, split=Split.WHOLE, under="")
+        kept.append(op)
+    return kept + _adapter_collectives(step)
+
+
+def _whole_gemms(step: Step) -> set[str]:
+    """The column layers with adapters, whose sequence-parallel gather and its gradient's
+    reduce-scatter parallel.tp_comm_overlap leaves whole (layers.linear: the adapters take the
+    gathered input): qkv where q, k or v has one, the MLP's first projections where gate or up
+    has."""
+    targets = {t for columns, _ in _stage_targets(step) for t in columns}
+    adapted = {"qkv": bool(targets & set(QKV)), "up": bool(targets - set(QKV))}
+    return {gemm for gemm, whole in adapted.items() if whole}
 
 
 def _stage_targets(step: Step) -> list[tuple[dict, dict]]:
