@@ -14,37 +14,85 @@ from megatronish.accounting.parameters import stage_blocks
 from megatronish.config import Config, Derived
 
 
+def block_targets(cfg: Config, derived: Derived, index: int) -> tuple[dict, dict]:
+    """({column-parallel target: its output rows}, {row-parallel target: its inputs}) of the
+    targets of model.lora that block `index` has (empty without model.lora)."""
+    lora, model, head_dim = cfg.model.lora, cfg.model, derived.head_dim
+    columns, rows = {}, {}
+    if lora is None:
+        return columns, rows
+    if model.block_attention(index) == "mha":
+        kv = derived.n_kv_head * head_dim
+        columns |= {"q_proj": model.n_head * head_dim, "k_proj": kv, "v_proj": kv}
+        rows |= {"o_proj": model.n_head * head_dim}
+    d_ff = derived.shared_d_ff if index in derived.moe_layers else derived.d_ff
+    if d_ff:
+        gated = model.components.gated_mlp
+        columns |= {"up_proj": d_ff} | ({"gate_proj": d_ff} if gated else {})
+        rows |= {"down_proj": d_ff}
+    targets = set(lora.targets)
+    return (
+        {n: v for n, v in columns.items() if n in targets},
+        {n: v for n, v in rows.items() if n in targets},
+    )
+
+
 def adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int, int]:
     """(adapter parameters one tp rank of stage pp_rank holds, those of them whose gradient is
     summed over tp first); (0, 0) without model.lora. Multi-token prediction blocks are not
     counted."""
-    lora, model = cfg.model.lora, cfg.model
+    lora = cfg.model.lora
     if lora is None:
         return 0, 0
-    t, r, d, head_dim = derived.tp, lora.rank, model.d_model, derived.head_dim
+    t, r, d = derived.tp, lora.rank, cfg.model.d_model
     row_summed = cfg.parallel.sequence_parallel and t > 1
     total = summed = 0
     for index in stage_blocks(derived, pp_rank):
-        moe = index in derived.moe_layers
-        d_ff = derived.shared_d_ff if moe else derived.d_ff
-        columns, rows = {}, {}
-        if model.block_attention(index) == "mha":
-            columns |= {"q_proj": model.n_head * head_dim}
-            columns |= {
-                "k_proj": derived.n_kv_head * head_dim,
-                "v_proj": derived.n_kv_head * head_dim,
-            }
-            rows |= {"o_proj": model.n_head * head_dim}
-        if d_ff:
-            gated = model.components.gated_mlp
-            columns |= {"up_proj": d_ff} | ({"gate_proj": d_ff} if gated else {})
-            rows |= {"down_proj": d_ff}
-        for name, out in columns.items():
-            if name in lora.targets:
-                total += r * d + out // t * r
-                summed += r * d if t > 1 else 0
-        for name, inputs in rows.items():
-            if name in lora.targets:
-                total += r * inputs // t + d * r
-                summed += d * r if row_summed else 0
+        columns, rows = block_targets(cfg, derived, index)
+        for out in columns.values():
+            total += r * d + out // t * r
+            summed += r * d if t > 1 else 0
+        for inputs in rows.values():
+            total += r * inputs // t + d * r
+            summed += d * r if row_summed else 0
     return total, summed
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def frozen_inputs(cfg: Config, derived: Derived, pp_rank: int = 0) -> set[str]:
+    """The first block's layers (qkv, proj, mlp_in: gate and up, down) whose input gradient a
+    LoRA run does not compute: on the first stage nothing before the first adapter needs a
+    gradient (the embedding is frozen): qkv's always, the attention projection's where q, k and
+    v have no adapter, the MLP's first projections' where the attention has none, and down's
+    where neither has, nor gate or up. Empty on other stages and without model.lora."""
+    blocks = stage_blocks(derived, pp_rank)
+    if cfg.model.lora is None or pp_rank != 0 or not blocks:
+        return set()
+    columns, rows = block_targets(cfg, derived, blocks[0])
+    qkv = bool(set(columns) & set(QKV))
+    attention = qkv or "o_proj" in rows  # the attention's output needs a gradient
+    mlp_in = attention or bool(set(columns) - set(QKV))
+    conditions = {"qkv": True, "proj": not qkv, "mlp_in": not attention, "down": not mlp_in}
+    return {layer for layer, frozen in conditions.items() if frozen}
+
+
+def frozen_input_casts(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
+    """Elements of the fp8 input-gradient weight casts (megatronish.fp8.gemm) that a LoRA run
+    does not make: those of the first block's ``frozen_inputs`` layers (dense ones; 0 unless
+    train.precision is fp8 and the block's attention is mha)."""
+    frozen = frozen_inputs(cfg, derived, pp_rank)
+    model, t = cfg.model, derived.tp
+    if cfg.train.precision != "fp8" or not frozen or model.block_attention(0) != "mha":
+        return 0
+    d, q = model.d_model, model.n_head * derived.head_dim
+    kv = derived.n_kv_head * derived.head_dim
+    d_ff = 0 if 0 in derived.moe_layers else derived.d_ff
+    sizes = {
+        "qkv": (q + 2 * kv) * d,
+        "proj": q * d,
+        "mlp_in": (2 if model.components.gated_mlp else 1) * d_ff * d,
+        "down": d_ff * d,
+    }
+    return sum(sizes[layer] for layer in frozen) // t

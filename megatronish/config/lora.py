@@ -12,6 +12,9 @@ from megatronish.config.rules import require
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# The fused experts' weights as peft targets them (LoraConfig.target_parameters, transformers 5's
+# Mixtral and Qwen3-MoE experts): not adapted here yet.
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj", "gate_up_proj")
 
 
 @dataclass
@@ -47,6 +50,11 @@ def check_lora(lora: LoraConfig | None, components: BlockComponents, experts: bo
     require(lora.targets, f"{key}.targets: empty; valid: {', '.join(TARGETS)}")
     valid = ", ".join(TARGETS)
     for target in lora.targets:
+        require(
+            target not in EXPERT_TARGETS,
+            f"{key}.targets: {target}: adapters on the experts' weights are not supported yet; "
+            f"valid: {valid} (the MLP's in a model without experts)",
+        )
         require(target in TARGETS, f"{key}.targets: unknown {target!r}; valid: {valid}")
     lacks = []
     if components.attention != "mha":

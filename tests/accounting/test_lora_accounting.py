@@ -4,6 +4,8 @@ adapters' gradients alone; the adapter count is the built model's."""
 
 from __future__ import annotations
 
+import torch
+
 from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.lora import adapter_counts
 from megatronish.accounting.memory import model_state_bytes
@@ -45,3 +47,72 @@ def test_check_counts_the_data_parallel_reduction_of_the_adapters_alone():
         op for op in collectives_per_step(cfg, derived) if op.what.startswith("data-parallel")
     ]
     assert reduction.payload == 4 * adapters
+
+
+def test_plan_holds_the_measured_state_of_a_running_lora_model(dataset):
+    """After a step of a tiny LoRA llama (fp32: no bf16 copies), the distinct storages of its
+    parameters, gradients and AdamW state are plan's weights + grads + optimizer state, and
+    AdamW's step counts (an fp32 scalar a trained tensor, which plan leaves out)."""
+    from tests.data_parallel.test_zero_levels import _held_bytes
+    from tests.parity import LLAMA, make_config, make_trainer
+
+    cfg = make_config(1, 1, 1, LLAMA + LORA + ["train.precision=fp32"], dataset)
+    trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+    trainer.train_step()
+    state = model_state_bytes(cfg, trainer.setup.derived, 0)
+    trained = sum(p.requires_grad for p in trainer.model.parameters())
+    held = state["weights"] + state["grads"] + state["optimizer"] + 4 * trained
+    assert _held_bytes(trainer) == held
+
+
+def test_a_lora_fine_tune_of_llama3_8b_fits_one_80gb_gpu_where_a_full_one_does_not():
+    """configs/llama3-8b.yaml on one GPU with full recompute: the frozen base is its fp32
+    weights and their bf16 copies (6 bytes a parameter), the rank-16 adapters on every
+    projection add their gradients and AdamW moments; without LoRA the model state alone (16
+    bytes a parameter) passes 80 GB."""
+    from megatronish.accounting.memory import estimate
+    from megatronish.accounting.parameters import local_parameter_count
+
+    sets = ["parallel.tp=1", "parallel.dp=1", "train.activation_checkpointing=full"]
+    lora = ["model.lora.rank=16", f"model.lora.targets={TARGETS}"]
+    cfg = load_config(CONFIGS / "llama3-8b.yaml", sets + lora)
+    full = load_config(CONFIGS / "llama3-8b.yaml", sets)
+    derived = derive(cfg, 1)
+    adapters, _ = adapter_counts(cfg, derived)
+    base = local_parameter_count(full, derive(full, 1))
+    assert 8.0e9 < base < 8.1e9 and 40e6 < adapters < 43e6  # peft's count at r 16: 41.9M
+    plan, whole = estimate(cfg, 1, 1), estimate(full, 1, 1)
+    gib = 2**30
+    assert plan.weights_gb * gib == 6 * (base + adapters)
+    assert (plan.grads_gb * gib, plan.optimizer_gb * gib) == (4 * adapters, 8 * adapters)
+    assert plan.total_gb < 80 < (whole.weights_gb + whole.grads_gb + whole.optimizer_gb)
+
+
+def test_under_fp8_only_the_frozen_base_is_cast_and_plan_counts_its_casts():
+    """A LoRA model under fp8 keeps the fp8 casts of its base layers' weights alone, the
+    adapters getting bf16 copies as the norms do: forward's, and the input gradient's but for
+    the first block's qkv (its input needs no gradient: accounting.lora.frozen_inputs), and
+    plan's weights say so."""
+    from megatronish.accounting.lora import frozen_input_casts
+    from megatronish.accounting.memory import fp8_layer_params
+    from megatronish.fp8 import gemm
+    from megatronish.model.precision import autocast
+    from megatronish.objectives.registry import sequence_losses
+
+    cfg, derived = config(LORA + ["train.precision=fp8"])
+    model = GPT(cfg, derived, ParallelState.single())
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    with gemm.weights_fixed():
+        with autocast(cfg, torch.device("cpu")):
+            loss = sequence_losses(model, tokens, tokens).total
+        loss.backward()
+        casts = gemm._WEIGHT_CASTS.values()
+        kept = [q for made_by in casts for _, made in made_by.values() for q in made]
+        payload = sum(q.payload.numel() * q.payload.element_size() for q in kept)
+    base, qkv = fp8_layer_params(cfg, derived, 0), model.blocks["0"].attn.qkv.weight.numel()
+    assert frozen_input_casts(cfg, derived) == qkv
+    assert payload == 2 * base - qkv > 0
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    everything = sum(p.numel() for p in model.parameters())
+    copies = 2 * (everything - base)  # bf16 autocast's, of all but the fp8 layers' weights
+    assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * everything + copies + payload

@@ -22,10 +22,23 @@ MOE = str(CONFIGS / "tiny-qwen3-moe.yaml")
             ["model.lora.targets=[gate_proj]"],
             "gate_proj is not a projection LoRA adapts in this model",
         ),
+        (
+            MOE,
+            ["model.lora.targets=[experts.gate_up_proj]"],
+            "experts.gate_up_proj: adapters on the experts' weights are not supported yet",
+        ),
         (GPT2, ["model.lora.rank=8"], "model.lora: gpt2's projections are c_attn"),
         (LLAMA, ["checkpoint.init_lora_from=adapter"], "checkpoint.init_lora_from: a LoRA"),
     ],
-    ids=["rank", "alpha", "unknown-target", "target-the-model-lacks", "gpt2", "adapter-no-lora"],
+    ids=[
+        "rank",
+        "alpha",
+        "unknown-target",
+        "target-the-model-lacks",
+        "expert-target",
+        "gpt2",
+        "adapter-no-lora",
+    ],
 )
 def test_a_bad_lora_setting_exits_2_in_one_line_naming_the_key(config, settings, needle):
     sets = [arg for setting in settings for arg in ("--set", setting)]

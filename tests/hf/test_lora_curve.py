@@ -2,8 +2,9 @@
 initialization, a LoRA run (model.lora on every projection, the base frozen) follows the loss
 curve and gradient norms of transformers + peft trained by torch.optim.AdamW (adapters
 trainable, everything else frozen) on the same batches (tests/hf/curve.py), and the runs at
-tp 2 and at dp 2 (ZeRO 1, 2, 3: the frozen base neither reduced nor sharded), and at tp 2 from
-the tp 1 run's checkpoint of step 10, equal the one at tp 1. All within the parity harness's
+tp 2, at pp 2 and at dp 2 (ZeRO 1, 2, 3: the frozen base neither reduced nor sharded), and at
+tp 2 and at pp 2 from the tp 1 run's checkpoint of step 10, equal the one at tp 1; the
+collectives of the runs at tp 2 are those `check` counts. All within the parity harness's
 1e-5 relative per step (tests/tolerances.py: the same fp32 arithmetic in another order; the
 adapters add two GEMMs of at most 72 terms per projection, and Adam's normalized update passes
 their rounding on unamplified)."""
@@ -35,11 +36,18 @@ pytest.importorskip("peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
 ZERO_STEPS = 5
+PP_STEPS = 3
 RESUME_AT = 10
 LORA_SETTINGS = [
     f"model.lora.rank={LORA['rank']}",
     f"model.lora.alpha={LORA['alpha']}",
     f"model.lora.targets=[{','.join(TARGETS)}]",
+]
+
+TALLY_SETTINGS = [
+    "model.lora.targets=[o_proj,up_proj,down_proj]",
+    "parallel.sequence_parallel=true",
+    "train.activation_checkpointing=full",
 ]
 
 
@@ -97,14 +105,24 @@ def curves(hf_dir, dataset, tmp_path_factory) -> dict:
 def layouts(curves, dataset) -> list[dict]:
     """Each rank's curves of the other layouts, in one 2-rank run."""
     settings, saved = curves["settings"], curves["saved"]
-    runs = {"tp2": (2, 1, settings, CURVE_STEPS)}
+    runs = {"tp2": (2, 1, 1, settings, CURVE_STEPS)}
     # the tp 1 checkpoint of step RESUME_AT (adapters, their AdamW state, the frozen base)
     # resharded to tp 2 and trained on
     resume = [f"checkpoint.resume={saved / f'step_{RESUME_AT:06d}'}", "checkpoint.save=false"]
-    runs["tp2-resumed"] = (2, 1, settings + resume, CURVE_STEPS)
+    runs["tp2-resumed"] = (2, 1, 1, settings + resume, CURVE_STEPS)
+    # at pp 2: its first steps, and the same checkpoint resharded across pp
+    runs["pp2"] = (1, 1, 2, settings, PP_STEPS)
+    runs["pp2-resumed"] = (1, 1, 2, settings + resume, RESUME_AT + PP_STEPS)
     # the first steps of the 20-step schedule: a ZeRO level that mishandles the frozen base
     # differs from the first step on
-    runs |= {f"dp2-zero{z}": (1, 2, settings + [f"optim.zero={z}"], ZERO_STEPS) for z in (1, 2, 3)}
+    for zero in (1, 2, 3):
+        runs[f"dp2-zero{zero}"] = (1, 2, 1, settings + [f"optim.zero={zero}"], ZERO_STEPS)
+    # one step for its collectives: no adapter on q, k, v or gate, under sequence parallelism
+    # and full recompute (accounting.collectives.lora's cases)
+    runs["tp2-sp-tally"] = (2, 1, 1, settings + TALLY_SETTINGS, 1)
+    # and with the linear layers' collectives decomposed: the adapted ones gather whole
+    overlap = ["parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"]
+    runs["tp2-sp-overlap-tally"] = (2, 1, 1, settings + overlap, 1)
     return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
 
 
@@ -119,8 +137,10 @@ def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
 
 
 @pytest.mark.slow  # a 2-rank run
-@pytest.mark.parametrize("layout", ["tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2-resumed"])
-def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
+@pytest.mark.parametrize(
+    "layout", ["tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2-resumed", "pp2", "pp2-resumed"]
+)
+def test_a_lora_run_at_tp2_pp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
     curves, layouts, layout
 ):
     for ranks in layouts:
@@ -131,12 +151,25 @@ def test_a_lora_run_at_tp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
             assert_close(ours, tp1, rel=LAYOUT_CURVE_REL, steps=len(tp1))
 
 
+@pytest.mark.slow  # a 2-rank run
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally"])
+def test_check_counts_the_collectives_a_lora_run_makes_at_tp2(layouts, layout):
+    for ranks in layouts:
+        assert ranks[layout]["payload"] == ranks[layout]["formula"]
+
+
 def train_layouts(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
-    """The losses and gradient norms of each run {name: (tp, dp, settings, steps to train)} on
-    these ranks."""
+    """The losses, gradient norms and first step's collective payloads (counted, and as
+    accounting counts them) of each run {name: (tp, dp, pp, settings, steps to train)} on these
+    ranks."""
+    from megatronish.accounting.collectives import formula_payload_by_kind
+
     curves = {}
-    for name, (tp, dp, settings, steps) in runs.items():
-        trainer = make_trainer(make_config(tp, dp, 1, settings, dataset), world, dataset)
-        losses, norms, _ = train_counted(trainer, steps)
+    for name, (tp, dp, pp, settings, steps) in runs.items():
+        cfg = make_config(tp, dp, pp, settings, dataset)
+        trainer = make_trainer(cfg, world, dataset)
+        losses, norms, counter = train_counted(trainer, steps)
+        formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
         curves[name] = {"losses": losses, "norms": norms}
+        curves[name] |= {"payload": dict(counter.payload_bytes), "formula": formula}
     return curves

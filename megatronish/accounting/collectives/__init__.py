@@ -32,6 +32,7 @@ from megatronish.accounting.collectives.cp import cp_collectives
 from megatronish.accounting.collectives.dp import dp_collectives
 from megatronish.accounting.collectives.ep import ep_collectives
 from megatronish.accounting.collectives.fp8 import fp8_collectives
+from megatronish.accounting.collectives.lora import lora_tp_collectives
 from megatronish.accounting.collectives.muon import muon_collectives, qk_clip_collectives
 from megatronish.accounting.collectives.pp import pp_collectives
 from megatronish.accounting.collectives.step import (
@@ -65,7 +66,7 @@ def collectives_per_step(
     then the step agreement; none on a group of one rank or of no call."""
     step = step_of(cfg, derived, pp_rank, loss_masked)
     ops = [
-        *tp_collectives(step),
+        *lora_tp_collectives(step, tp_collectives(step)),
         *muon_collectives(cfg, derived, pp_rank),
         *cp_collectives(step),
         *qk_clip_collectives(step),
