@@ -1,10 +1,10 @@
 """Context parallelism in training: at cp = 2 and 4, alone and with tp (and sequence
 parallelism), pp, dp and ZeRO-1, gpt2 and llama (GQA; yarn RoPE scaling and a sliding window
-shorter than the sequence after the first block, whose ring skips the blocks outside it), 20
-fp32 steps give the losses and gradient norms of cp = 1 within 1e-5 relative (the loss is the
-mean over every token whatever cp is, so neither it nor the gradients scale with cp); each rank
-sends the ring bytes the analytic count gives; checkpoints move between cp = 2 and cp = 1 on the
-uninterrupted curve; bad cp settings are one line."""
+shorter than the sequence after the first block, whose ring skips the blocks outside it), the
+first LAYOUT_STEPS fp32 steps give the losses and gradient norms of cp = 1's run within 1e-5
+relative (the loss is the mean over every token whatever cp is, so neither it nor the gradients
+scale with cp); each rank sends the ring bytes the analytic count gives; checkpoints move
+between cp = 2 and cp = 1 on the uninterrupted curve; bad cp settings are one line."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import CONFIGS, invoke_cli
 from tests.parity import (
+    LAYOUT_STEPS,
     MTP2,
     OVERLAP,
     SAVE_AT,
@@ -85,7 +86,7 @@ FOUR_RANKS = {
         2, 2, 1, 1, MLA + SP + ["train.activation_checkpointing=full", "model.mtp_depth=1"],
     ),
 }  # fmt: skip
-SAVED = "gpt2 cp2"  # also saves a checkpoint at step SAVE_AT
+SAVED = "gpt2 cp2"  # also saves a checkpoint at step SAVE_AT (of its LAYOUT_STEPS)
 
 
 def make_config(tp, cp, dp, pp, overrides, dataset, extra=()):
@@ -105,7 +106,8 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
         cfg = make_config(tp, cp, dp, pp, overrides, dataset, extra)
         trainer = make_trainer(cfg, world, dataset)
         mtp: list = []
-        losses, norms, counter = train_counted(trainer, STEPS, SAVE_AT if name == SAVED else 0, mtp)
+        save_every = SAVE_AT if name == SAVED else 0
+        losses, norms, counter = train_counted(trainer, LAYOUT_STEPS, save_every, mtp)
         formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
         results[name] = {
             "losses": losses,
@@ -121,7 +123,7 @@ _REFERENCES: dict = {}
 
 
 def reference(overrides: list[str], dataset: Path, save_dir: Path | None = None) -> dict:
-    """The one-rank run of these model settings (cached); saves steps 10 and 20 into save_dir."""
+    """The one-rank run of these model settings (cached); saves step SAVE_AT into save_dir."""
     from megatronish.distributed.layout import ParallelState
 
     key = (tuple(o for o in overrides if not o.startswith("optim.")), dataset)
@@ -162,13 +164,13 @@ def model_overrides(variant) -> list[str]:
 def test_cp2_losses_and_grad_norms_equal_cp1(name, two_ranks, dataset):
     ref = reference(model_overrides(TWO_RANKS[name]), dataset)
     assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
-    assert_curves_match(two_ranks, name, ref)
+    assert_curves_match(two_ranks, name, ref, LAYOUT_STEPS)
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_cp_with_tp_pp_dp_zero_losses_and_grad_norms_equal_cp1(name, four_ranks, dataset):
     ref = reference(model_overrides(FOUR_RANKS[name]), dataset)
-    assert_curves_match(four_ranks, name, ref)
+    assert_curves_match(four_ranks, name, ref, LAYOUT_STEPS)
 
 
 @pytest.mark.parametrize("group", ["two", "four"])
@@ -182,7 +184,7 @@ def test_every_rank_sends_the_ring_bytes_the_analytic_count_gives(group, two_ran
 def test_tp_comm_overlap_without_sequence_parallelism_at_tp2_cp2_equals_it_off_to_1e6(
     four_ranks,
 ):
-    assert_overlap_matches(four_ranks, "llama tp2 cp2")
+    assert_overlap_matches(four_ranks, "llama tp2 cp2", LAYOUT_STEPS)
 
 
 def _resume(rank, world, dataset, step_dir, cp):

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parity import GPT2, LLAMA, SP, make_config, make_trainer
+from tests.parity import GPT2, LAYOUT_STEPS, LLAMA, SP, make_config, make_trainer
 from tests.ranks import run_on_ranks
 from tests.tolerances import EXACT, ZERO_CURVE_REL
 
 pytestmark = pytest.mark.slow  # multi-rank training with and without the overlap
 
-STEPS = 8
 SMALL_BUCKETS = "optim.bucket_mb=0.01"  # 10 kB: many buckets
 TWO = {"gpt2 dp2": (1, 2, 1, GPT2), "llama dp2 zero1": (1, 2, 1, LLAMA + ["optim.zero=1"])}
 FOUR = {
@@ -37,7 +36,8 @@ def _curves(rank, world, variants, dataset):
     out = {}
     for name, (tp, dp, pp, overrides) in variants.items():
         for way, sets in WAYS.items():
-            cfg = make_config(tp, dp, pp, overrides + sets, dataset, [f"train.steps={STEPS}"])
+            short = [f"train.steps={LAYOUT_STEPS}"]
+            cfg = make_config(tp, dp, pp, overrides + sets, dataset, short)
             trainer = make_trainer(cfg, world, dataset)
             if way == "unbuffered":  # every gradient through data_parallel.outside
                 trainer.data_parallel.close()
@@ -46,7 +46,7 @@ def _curves(rank, world, variants, dataset):
                 trainer.data_parallel = unbuffered
             else:
                 assert len(trainer.data_parallel.buckets) > 3
-            steps = [trainer.train_step() for _ in range(STEPS)]
+            steps = [trainer.train_step() for _ in range(LAYOUT_STEPS)]
             out[(name, way)] = [(s.loss, s.grad_norm) for s in steps]
     return out
 

@@ -59,13 +59,15 @@ def _text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def train_runs(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
+def train_runs(
+    rank: int, world: int, runs: dict, dataset: Path, steps: int | None = None
+) -> dict[str, dict]:
     """The losses and gradient norms of each run {name: (tp, pp, settings)} on these ranks
-    (dp 1), in turn."""
+    (dp 1), in turn, over its first `steps` steps (default: all, train.steps)."""
     curves = {}
     for name, (tp, pp, settings) in runs.items():
         trainer = make_trainer(make_config(tp, 1, pp, settings, dataset), world, dataset)
-        losses, norms, _ = train_counted(trainer, trainer.cfg.train.steps)
+        losses, norms, _ = train_counted(trainer, steps or trainer.cfg.train.steps)
         curves[name] = {"losses": losses, "norms": norms}
     return curves
 

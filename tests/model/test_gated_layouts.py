@@ -1,15 +1,16 @@
-"""Qwen3.5's blocks at every layout (the parity harness, tests/parity.py): 10 fp32 steps give the
-losses and gradient norms of one process within 1e-5 relative, for the gated attention (its
-gates split over tp with the heads; RoPE on part of each head at the zigzag chunks' global
-positions under cp, or the positions within each document under document masks) and for
-Qwen3.5-MoE (experts split over ep, the shared expert's gate replicated, ZeRO-3 gathering
-it as any weight), and for the hybrid of both (3 Gated DeltaNet blocks to 1 gated full
-attention: the linear heads, their projections' rows, the convolution's channels and the decay
-and beta parameters split over tp; the state and the convolution restarting at each document)
-at tp 2 with sequence parallelism, pp 2, dp 2 at ZeRO-3 and, with experts, ep 2, each with
-document masks in one model and without in the other. Under document masks the runs read
-documents of 3 to 13 tokens, so every sample holds several: a layout that dropped the masks
-would miss every step's bound."""
+"""Qwen3.5's blocks at every layout (the parity harness, tests/parity.py): the first
+LAYOUT_STEPS fp32 steps give the losses and gradient norms of one process within 1e-5
+relative, for the gated attention (its gates split over tp with the heads; RoPE on part of each
+head at the zigzag chunks' global positions under cp, or the positions within each document
+under document masks) and for Qwen3.5-MoE (experts split over ep, the shared expert's gate
+replicated, ZeRO-3 gathering it as any weight), and for the hybrid of both (3 Gated DeltaNet
+blocks to 1 gated full attention: the linear heads, their projections' rows, the convolution's
+channels and the decay and beta parameters split over tp; the state and the convolution
+restarting at each document) at tp 2 with sequence parallelism, pp 2, dp 2 at ZeRO-3 and, with
+experts, ep 2, each with document masks in one model and without in the other. The hybrid's
+runs, and the others' under document masks, read documents of 3 to 13 tokens, so every sample
+holds several: a layout that dropped the masks would miss every step's bound (the hybrid's
+unmasked reference is the one that shows it)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.parity import (
+    LAYOUT_STEPS,
     SP,
-    STEPS,
     assert_curves_match,
     make_config,
     make_trainer,
@@ -80,8 +81,10 @@ VARIANTS = {
 
 
 def data_of(overrides: list[str], datasets: dict[str, Path]) -> Path:
-    """A variant's dataset: short documents (several in a sample) under document masks."""
-    return datasets["short documents" if DOCUMENTS[0] in overrides else "code"]
+    """A variant's dataset: short documents (several in a sample) under document masks and for
+    the hybrid (whose unmasked reference is then the masks' test's)."""
+    short = DOCUMENTS[0] in overrides or HYBRID[1] in overrides
+    return datasets["short documents" if short else "code"]
 
 
 def _train_on_ranks(rank: int, world: int, datasets: dict[str, Path]) -> dict:
@@ -89,7 +92,7 @@ def _train_on_ranks(rank: int, world: int, datasets: dict[str, Path]) -> dict:
     for name, (tp, cp, dp, pp, overrides) in VARIANTS.items():
         dataset = data_of(overrides, datasets)
         cfg = make_config(tp, dp, pp, overrides, dataset, cp=cp)
-        losses, norms, _ = train_counted(make_trainer(cfg, world, dataset), STEPS)
+        losses, norms, _ = train_counted(make_trainer(cfg, world, dataset), LAYOUT_STEPS)
         results[name] = {"losses": losses, "norms": norms, "mtp_losses": []}
     return results
 
@@ -112,7 +115,7 @@ def test_qwen3_5_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
     settings = [o for o in VARIANTS[name][4] if not o.startswith(("parallel.", "train.act"))]
     ref = reference(settings, data_of(settings, datasets))
     assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
-    assert_curves_match(four_ranks, name, ref)
+    assert_curves_match(four_ranks, name, ref, LAYOUT_STEPS)
 
 
 def test_a_layout_without_the_hybrids_document_masks_would_miss_every_steps_bound(datasets):
