@@ -102,7 +102,6 @@ def test_a_resumed_dpo_run_keeps_its_reference_and_continues_the_uninterrupted_c
     [
         (["train.objective=dpo", "train.dpo.beta=0"], "train.dpo.beta: 0.0 must be > 0"),
         (["train.dpo.beta=0.2"], "train.dpo: DPO's settings need train.objective dpo"),
-        (["train.objective=dpo", "train.eval_every=5"], "train.eval_every: 5: a DPO run"),
     ],
 )
 def test_dpo_settings_out_of_range_exit_2_with_one_line_naming_the_key(sets, says):
