@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from megatronish.config import Config
-from megatronish.data.pairs import PairLoader
+from megatronish.data.blend import open_loader
+from megatronish.data.pairs import PairLoader, check_objective_data
+from megatronish.data.sources import DataPlan
 from megatronish.data_parallel import DataParallel
 from megatronish.distributed import comm
 from megatronish.distributed.layout import ParallelState
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 REFERENCE_FILE = "dpo_reference.pt"
 RESUME_FIX = "start over with checkpoint.resume=never"
+EVAL_FIX = "eval of a DPO checkpoint reads its run's reference of the validation pairs there"
 
 
 @torch.no_grad()
@@ -135,6 +138,21 @@ def validation(
     if reference is not None:
         return validation_metrics(model, loader, objective, reference, cfg, ps, pipeline)
     return {"val_loss": validation_loss(model, loader, cfg, ps, pipeline)[0]}
+
+
+def evaluate_pairs(
+    model: torch.nn.Module, cfg: Config, data: DataPlan, ps: ParallelState, directory: Path
+) -> dict[str, float]:
+    """validation_metrics of `model` (a DPO run's, in eval mode, one process) and "pairs", the
+    validation pairs counted, against the reference table its run saved in `directory` (its
+    checkpoint.dir); UserError where the data or the table does not serve."""
+    check_objective_data(cfg.train.objective, data, cfg.train.seq_len)
+    loader = open_loader(cfg, data, "val")
+    assert isinstance(loader, PairLoader)
+    pairs, sha = loader.source.meta["preference"]["pairs"], loader.source.sha256
+    table = load_reference(directory, pairs, sha, ["val"], EVAL_FIX).to(ps.device)
+    metrics = validation_metrics(model, loader, DPO(cfg, ps), table, cfg, ps)
+    return {**metrics, "pairs": len(loader.pairs)}
 
 
 def save_reference(
