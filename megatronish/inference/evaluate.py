@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatronish.checkpoint.format import CONFIG_FILE
 from megatronish.checkpoint.model_match import model_differences, refuse_other_model
@@ -19,6 +19,9 @@ from megatronish.config import load_config
 from megatronish.distributed.layout import ParallelState, default_device
 from megatronish.errors import UserError
 from megatronish.inference.model import build_model
+
+if TYPE_CHECKING:
+    from megatronish.data.sources import DataPlan
 
 
 def evaluate_checkpoint(
@@ -59,17 +62,7 @@ def evaluate_checkpoint(
     )
     dataset = ", ".join(str(source.path) for source in data.sources)
     preference = any(is_preference(source) for source in data.sources)
-    if preference and cfg.train.objective != "dpo":
-        raise UserError(
-            f"data.path: {dataset} holds preference pairs, whose loss is a DPO run's; evaluate "
-            "a checkpoint of train.objective dpo on them, or this one on text or SFT data "
-            "(--set data.path=DIR)"
-        )
-    if data.vocab_size > ckpt.vocab_size:
-        raise UserError(
-            f"data.path: the dataset {dataset} has {data.vocab_size} token ids, more than the "
-            f"checkpoint's vocabulary ({ckpt.vocab_size})"
-        )
+    _refuse_data(dataset, preference and cfg.train.objective != "dpo", data, ckpt.vocab_size)
     ps = ParallelState.single(default_device())
     ckpt.check_in_background()  # every file, while the model is built
     model = build_model(ckpt, ps, cfg)
@@ -84,6 +77,22 @@ def evaluate_checkpoint(
         "perplexity": math.exp(min(val_loss, 700.0)),
         "tokens": int(counted_targets(targets)),
     }
+
+
+def _refuse_data(dataset: str, foreign_pairs: bool, data: DataPlan, vocab_size: int) -> None:
+    """UserError for preference pairs of a run other than DPO's (foreign_pairs), or data of more
+    token ids than the checkpoint's vocabulary."""
+    if foreign_pairs:
+        raise UserError(
+            f"data.path: {dataset} holds preference pairs, whose loss is a DPO run's; evaluate "
+            "a checkpoint of train.objective dpo on them, or this one on text or SFT data "
+            "(--set data.path=DIR)"
+        )
+    if data.vocab_size > vocab_size:
+        raise UserError(
+            f"data.path: the dataset {dataset} has {data.vocab_size} token ids, more than the "
+            f"checkpoint's vocabulary ({vocab_size})"
+        )
 
 
 def _other_data(overrides: tuple[str, ...]) -> tuple[str, ...]:
