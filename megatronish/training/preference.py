@@ -46,8 +46,14 @@ if TYPE_CHECKING:
     from megatronish.pipeline.runner import Pipeline
 
 REFERENCE_FILE = "dpo_reference.pt"
-RESUME_FIX = "start over with checkpoint.resume=never"
-EVAL_FIX = "eval of a DPO checkpoint reads its run's reference of the validation pairs there"
+RESUME_FIX = (
+    "a DPO run resumes with the reference log-probabilities its first start saved there, of "
+    "the data it started with; else start over with checkpoint.resume=never"
+)
+EVAL_FIX = (
+    "eval of a DPO checkpoint reads the validation pairs' reference log-probabilities its run "
+    "saved there: evaluate it in its run's checkpoint.dir, on the run's data"
+)
 
 
 @torch.no_grad()
@@ -178,10 +184,7 @@ def load_reference(
     when it is missing, of another dataset, or without the pairs of one of `splits`."""
     path = directory / REFERENCE_FILE
     if not path.is_file():
-        raise UserError(
-            f"{path}: missing; the reference log-probabilities a DPO run's first start saves "
-            f"there are needed; {fix}"
-        )
+        raise UserError(f"{path}: missing; {fix}")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated or foreign file: whatever torch raises
@@ -191,10 +194,7 @@ def load_reference(
         or saved.get("dataset_sha256") != dataset_sha256
         or saved["logps"].shape != (pairs, 2)
     ):
-        raise UserError(
-            f"{path}: the reference log-probabilities of another dataset; use the data the "
-            f"run started with, or {fix}"
-        )
+        raise UserError(f"{path}: the reference log-probabilities of another dataset; {fix}")
     missing = [split for split in splits if split not in saved.get("splits", ["train"])]
     if missing:
         raise UserError(
