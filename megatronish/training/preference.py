@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from megatronish.config import Config
-from megatronish.data.blend import open_loader
+from megatronish.data import BatchLoader
+from megatronish.data.blend import BlendLoader, open_loader
 from megatronish.data.pairs import PairLoader, check_objective_data
 from megatronish.data.sources import DataPlan
 from megatronish.data_parallel import DataParallel
@@ -38,6 +39,7 @@ from megatronish.files import write_file
 from megatronish.model.precision import autocast
 from megatronish.objectives.batch import MicroBatch, micro_batches
 from megatronish.objectives.dpo import DPO, METRICS
+from megatronish.objectives.interface import Objective
 from megatronish.training.batches import batch_tensors, validation_loss
 from megatronish.training.loss import batch_means
 from megatronish.training.resume import checkpoint_dir, resume_path
@@ -132,8 +134,8 @@ def with_reference(
 
 def validation(
     model: torch.nn.Module,
-    loader,
-    objective,
+    loader: BatchLoader | BlendLoader,
+    objective: Objective,
     reference: torch.Tensor | None,
     cfg: Config,
     ps: ParallelState,
@@ -142,6 +144,7 @@ def validation(
     """A run's validation metrics: {"val_loss"} of batches.validation_loss, or with a reference
     table (DPO) validation_metrics."""
     if reference is not None:
+        assert isinstance(loader, PairLoader) and isinstance(objective, DPO)
         return validation_metrics(model, loader, objective, reference, cfg, ps, pipeline)
     return {"val_loss": validation_loss(model, loader, cfg, ps, pipeline)[0]}
 
