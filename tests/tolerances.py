@@ -106,6 +106,12 @@ PARITY_LOGIT_SUM_ABS = 1e-3
 # reordered_sum_bound(128) = 1.5e-5 worst case per sum, averaged over every token in the loss:
 # 1e-5 relative.
 LAYOUT_CURVE_REL = 1e-5
+# A DPO reward (beta times a response's log-ratio) and their margin m, where the DPO loss (about
+# log 2, as -log sigmoid(m)) is held to a relative bound r: the loss moves by sigmoid(-m) dm,
+# about dm / 2, so a margin (and a reward, of which it is the difference) within r log 2 / 0.5
+# < 2 r matches the loss's bound.
+DPO_REWARD_ABS = 2 * PARITY_REL
+DPO_LAYOUT_REWARD_ABS = 2 * LAYOUT_CURVE_REL
 # How far OVERLAP may move a curve: the decomposition adds the same fp32 partial sums in another
 # order (megatronish.layers.overlap), each sum off by about one rounding, 2^-24 relative; the
 # loss and the gradient norm are means over every token and parameter of such sums, and 20

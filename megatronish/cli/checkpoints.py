@@ -16,16 +16,19 @@ from megatronish.cli.shared import checkpoint_option, set_option, user_errors
 @set_option
 @user_errors
 def eval_command(checkpoint_path, overrides):
-    """Validation loss and perplexity of a checkpoint; the last line is one JSON object."""
+    """Validation loss and perplexity of a checkpoint (of a DPO run on its pairs: the DPO loss
+    and rewards); the last line is one JSON object."""
     import json
 
     from megatronish.inference.evaluate import evaluate_checkpoint
 
     result = evaluate_checkpoint(checkpoint_path, overrides)
-    click.echo(
-        f"step {result['step']}: val_loss {result['val_loss']:.4f}, perplexity "
-        f"{result['perplexity']:.2f} ({result['tokens']:,} tokens of {result['dataset']})"
-    )
+    if "pairs" in result:  # a DPO run's checkpoint on its preference pairs
+        counted = f"accuracy {result['val_rewards/accuracies']:.3f} ({result['pairs']:,} pairs"
+    else:
+        counted = f"perplexity {result['perplexity']:.2f} ({result['tokens']:,} tokens"
+    loss = f"val_loss {result['val_loss']:.4f}"
+    click.echo(f"step {result['step']}: {loss}, {counted} of {result['dataset']})")
     click.echo(json.dumps(result))
 
 

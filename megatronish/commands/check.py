@@ -25,6 +25,7 @@ from megatronish.accounting.parameters import (
     parameter_count,
     stage_moe_layers,
 )
+from megatronish.commands.dpo_pass import reference_pass_lines
 from megatronish.config import (
     Config,
     Derived,
@@ -121,6 +122,7 @@ def check_config(
         lines += context_lines(cfg, derived)
     if derived.pp > 1:
         lines += pipeline_lines(cfg, derived)
+    lines += reference_pass_lines(cfg, model_flops_per_step(cfg, derived))  # DPO's
     return "\n".join(lines + ["ok"])
 
 

@@ -34,6 +34,7 @@ from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency
 from megatronish.accounting.step_time import StepTime, step_time
 from megatronish.commands import plan_report
 from megatronish.commands.check import data_vocab_size
+from megatronish.commands.dpo_pass import reference_pass_lines
 from megatronish.commands.plan_explain import explanation
 from megatronish.config import Config, derive, world_size_of
 from megatronish.errors import UserError
@@ -351,7 +352,8 @@ def plan(
         budget = tgt.memory_gib * HEADROOM
         if as_json:
             return plan_report.as_json(row, tgt.name, world, budget)
-        return plan_report.one_layout(row, tgt.title, budget, explanation([row], world, tgt))
+        text = plan_report.one_layout(row, tgt.title, budget, explanation([row], world, tgt))
+        return "\n".join([text, *_reference_lines(cfg, row)])
     if not candidate_layouts(cfg, world):
         raise UserError(
             f"no tensor-parallel degree in 1, 2, 4, 8 fits {world} GPUs with model.n_head="
@@ -366,4 +368,12 @@ def plan(
     if show < 0:
         raise UserError(f"--show {show}: must be >= 0 (0: every layout that fits)")
     explain = explanation(fits, world, tgt) if fits else []
-    return plan_report.report(cfg, table, fits, tgt.title, budget, show or len(fits), explain)
+    text = plan_report.report(cfg, table, fits, tgt.title, budget, show or len(fits), explain)
+    return "\n".join([text, *(_reference_lines(cfg, fits[0]) if fits else [])])
+
+
+def _reference_lines(cfg: Config, row: Row) -> list[str]:
+    """DPO's reference pass at this layout's predicted step (commands.dpo_pass)."""
+    if row.time is None:
+        return []
+    return reference_pass_lines(cfg, row.time.model_flops, row.time.step_time_s)

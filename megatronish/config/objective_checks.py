@@ -13,8 +13,8 @@ def dpo_settings(cfg: Config) -> DPOConfig:
 
 
 def check_objective(cfg: Config) -> None:
-    """train.dpo only with train.objective dpo, its values in range, and what DPO does not
-    combine with: an evaluation of a validation loss, multi-token prediction."""
+    """train.dpo only with train.objective dpo, its values in range, and no multi-token
+    prediction under DPO."""
     train = cfg.train
     if train.objective != "dpo":
         require(
@@ -33,10 +33,6 @@ def check_objective(cfg: Config) -> None:
         dpo.label_smoothing == 0 or dpo.loss == "sigmoid",
         f"train.dpo.label_smoothing: {dpo.label_smoothing} applies to train.dpo.loss sigmoid "
         f"only (train.dpo.loss is {dpo.loss}); valid: 0",
-    )
-    require(
-        train.eval_every == 0,
-        f"train.eval_every: {train.eval_every}: a DPO run has no validation loss; valid: 0",
     )
     require(
         cfg.model.mtp_depth == 0,

@@ -26,12 +26,17 @@ def is_preference(source: TokenSource) -> bool:
     return bool((source.meta or {}).get("preference"))
 
 
-def pair_bounds(source: TokenSource, split: str, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the dataset's indices of the pairs of `split` [n], their token offsets int64 [n, 3]:
-    chosen start, rejected start, end). UserError naming the first record whose pair has more
-    than seq_len + 1 tokens, or a split without pairs."""
+def split_pairs(source: TokenSource, split: str) -> np.ndarray:
+    """The dataset's indices of the pairs of `split` [n] (a pair's documents share a split)."""
     docs = np.flatnonzero(np.asarray(source.split) == SPLIT_NAMES.index(split))
-    pairs = docs[docs % 2 == 0] // 2
+    return docs[docs % 2 == 0] // 2
+
+
+def pair_bounds(source: TokenSource, split: str, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(split_pairs of `split` [n], their token offsets int64 [n, 3]: chosen start, rejected
+    start, end). UserError naming the first record whose pair has more than seq_len + 1
+    tokens, or a split without pairs."""
+    pairs = split_pairs(source, split)
     offsets = np.asarray(source.offsets, dtype=np.int64)
     bounds = np.stack([offsets[2 * pairs], offsets[2 * pairs + 1], offsets[2 * pairs + 2]], 1)
     lengths = bounds[:, 2] - bounds[:, 0]
@@ -65,6 +70,13 @@ class PairLoader(BatchLoader):
         self.consumed_samples += self.global_batch_size
         self.last_pairs = self.pairs[samples]
         return self.rows(samples)
+
+    def of_split(self, split: str) -> PairLoader | None:
+        """A loader of `split`'s pairs at this loader's sizes and ranks; None if it has none."""
+        if not len(split_pairs(self.source, split)):
+            return None
+        sizes = (self.seq_len, self.global_batch_size, self.micro_batch_size)
+        return PairLoader(self.source, split, *sizes, self.dp_rank, self.dp_size, self.seed)
 
     def rows(self, samples: np.ndarray) -> StepBatch:
         """The rows of these samples (pairs of the split), as a step's tensors: tokens

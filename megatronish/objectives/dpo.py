@@ -41,14 +41,16 @@ beta * (logp - ref) of each response, their difference, and the share where chos
 
 class DPO(Objective):
     """The DPO loss of pairs with their reference log-probabilities; without them (the
-    reference pass) it keeps each micro-batch's response log-probabilities in `logps`."""
+    reference pass, validation) it keeps each micro-batch's response log-probabilities and
+    token counts in `logps`."""
 
     name = "dpo"
 
     def __init__(self, cfg: Config, ps: ParallelState):
         self.ps, self.backend = ps, cfg.kernels.backend
         self.settings = dpo_settings(cfg)
-        self.logps: dict[int, torch.Tensor] = {}  # id(micro) -> [b, 2] (the reference pass)
+        # id(micro) -> [b, 2, 2]: the sums and token counts (the passes without a reference)
+        self.logps: dict[int, torch.Tensor] = {}
         self.totals = torch.zeros(len(METRICS), dtype=torch.float64)  # sums of micro means
         self.micro_count = 0
 
@@ -57,14 +59,12 @@ class DPO(Objective):
         logp = token_logprobs(logits, micro.targets, self.ps.tp_group, self.backend)  # [b, s]
         sums, counts = self.response_sums(logp, micro)  # [b, 2] each
         if micro.reference is None:
-            self.logps[id(micro)] = sums.detach()
+            self.logps[id(micro)] = torch.stack([sums.detach(), counts], -1)
             zero = sums.sum() * 0.0
             return Losses(zero.detach(), zero)
         ratios = sums - micro.reference.to(sums.device)  # [b, 2]: logp - ref
         loss = self.pair_losses(ratios, counts).mean()
-        rewards = self.settings.beta * ratios.detach()
-        margins = rewards[:, 0] - rewards[:, 1]
-        stats = torch.stack([*rewards.mean(0), margins.mean(), (margins > 0).float().mean()])
+        stats = self.reward_stats(ratios.detach())
         self.totals = self.totals.to(stats.device) + stats.double()  # no sync with the device
         self.micro_count += 1
         return Losses(loss.detach(), loss * self.ps.cp)
@@ -80,6 +80,12 @@ class DPO(Objective):
             -F.logsigmoid(beta * margin) * (1 - smoothing)
             - F.logsigmoid(-beta * margin) * smoothing
         )
+
+    def reward_stats(self, ratios: torch.Tensor) -> torch.Tensor:
+        """The means of METRICS [4] over pairs of log-ratios [b, 2]."""
+        rewards = self.settings.beta * ratios
+        margins = rewards[:, 0] - rewards[:, 1]
+        return torch.stack([*rewards.mean(0), margins.mean(), (margins > 0).float().mean()])
 
     def response_sums(
         self, logp: torch.Tensor, micro: MicroBatch

@@ -36,7 +36,7 @@ from megatronish.optim.optimizer import lr_at
 from megatronish.optim.qk_clip import QKClip
 from megatronish.pipeline.runner import Pipeline
 from megatronish.training import checkpoints, faults, preference
-from megatronish.training.batches import next_batch, validation_loss
+from megatronish.training.batches import next_batch
 from megatronish.training.loss import loss_divisor, mean_losses
 from megatronish.training.metrics import (
     MetricsWriter,
@@ -170,17 +170,21 @@ class Trainer:
     def autocast(self):
         return autocast(self.cfg, self.ps.device)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """The validation loss of the model now (batches.validation_loss), from the start of
-        the validation split."""
+        return self.validation()["val_loss"]
+
+    @torch.no_grad()
+    def validation(self) -> dict[str, float]:
+        """The validation metrics of the model now, from the start of the validation split
+        (preference.validation)."""
         assert self.val_loader is not None
         self.model.eval()
         self.val_loader.reset()
-        loss, _ = validation_loss(self.model, self.val_loader, self.cfg, self.ps, self.pipeline)
+        args = (self.objective, self.reference, self.cfg, self.ps, self.pipeline)
+        evaluated = preference.validation(self.model, self.val_loader, *args)
         self.data_parallel.after_eval()
         self.model.train()
-        return loss
+        return evaluated
 
     def write_run_files(self) -> None:
         if not self.ps.is_main:
@@ -220,9 +224,9 @@ class Trainer:
                     self.step % every == 0 or self.step == cfg.train.steps
                 ):
                     with window.paused():
-                        val_loss = self.evaluate()
-                    metrics.write({"step": self.step, "val_loss": val_loss})
-                    last = dict(last, val_loss=val_loss)
+                        evaluated = self.validation()
+                    metrics.write({"step": self.step, **evaluated})
+                    last = dict(last, **evaluated)
                 if checkpoints.due(self.step, cfg):
                     with window.paused():
                         self.save_checkpoint()

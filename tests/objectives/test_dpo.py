@@ -1,7 +1,8 @@
 """DPO's pair losses are trl's formulas (sigmoid with label smoothing as conservative DPO, IPO
 on the log-ratios averaged over each response's tokens); a resumed DPO run keeps the reference
-log-probabilities of the initial weights and continues the curve of an uninterrupted run; the
-train.dpo settings out of range exit 2 with one line."""
+log-probabilities of the initial weights and continues the curve of an uninterrupted run, and
+`eval` of its checkpoint gives the validation metrics the run logged (exit 2 without the
+reference); the train.dpo settings out of range exit 2 with one line."""
 
 from __future__ import annotations
 
@@ -57,11 +58,20 @@ def _train(pairs: Path, out: Path, *sets: str):
 def _losses(out: Path) -> dict[int, float]:
     """The loss of each step of metrics.jsonl, whose lines all log DPO's metrics too."""
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [line for line in lines if "loss" in line]  # not the validation's
     assert all(set(METRICS) <= set(line) for line in lines)
     return {line["step"]: line["loss"] for line in lines}
 
 
-def test_a_resumed_dpo_run_keeps_its_reference_and_continues_the_uninterrupted_curve(tmp_path):
+def _validation(out: Path) -> dict:
+    """The last validation line of metrics.jsonl."""
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "val_loss" in line][-1]
+
+
+def test_a_resumed_dpo_run_keeps_its_reference_continues_the_curve_and_eval_gives_its_val_metrics(
+    tmp_path,
+):
     root = tmp_path / "data"
     root.mkdir()
     pairs = root / "pairs"
@@ -74,7 +84,7 @@ def test_a_resumed_dpo_run_keeps_its_reference_and_continues_the_uninterrupted_c
         "--output",
         str(pairs),
         "--val-fraction",
-        "0",
+        "0.25",
     )
     assert prepared.returncode == 0, prepared.stderr
     whole = _train(pairs, tmp_path / "whole", "train.steps=3", "checkpoint.save=false")
@@ -82,16 +92,22 @@ def test_a_resumed_dpo_run_keeps_its_reference_and_continues_the_uninterrupted_c
     first = _train(pairs, tmp_path / "parts", "train.steps=2")
     assert first.returncode == 0, first.stderr
     assert (tmp_path / "parts" / "ckpt" / REFERENCE_FILE).is_file()
-    second = _train(pairs, tmp_path / "parts", "train.steps=3")
+    second = _train(pairs, tmp_path / "parts", "train.steps=3", "train.eval_every=3")
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
     resumed, want = _losses(tmp_path / "parts"), _losses(tmp_path / "whole")
     assert want[1] == pytest.approx(math.log(2), rel=FP32_FEW_OPS_REL)  # its own reference
     assert resumed[3] == pytest.approx(want[3], rel=FP32_FEW_OPS_REL)
     evaluated = invoke_cli("eval", "--checkpoint", str(tmp_path / "parts" / "ckpt"))
-    assert evaluated.returncode == 2 and evaluated.stderr.count("\n") == 1, evaluated.stderr
-    assert "holds preference pairs, which have no validation loss" in evaluated.stderr
+    assert evaluated.returncode == 0, evaluated.stderr
+    logged, printed = _validation(tmp_path / "parts"), json.loads(evaluated.stdout.splitlines()[-1])
+    assert logged["step"] == printed["step"] == 3 and printed["pairs"] == 4
+    for name in ["val_loss", *(f"val_{metric}" for metric in METRICS)]:
+        assert printed[name] == pytest.approx(logged[name], rel=FP32_FEW_OPS_REL, abs=EXACT)
     (tmp_path / "parts" / "ckpt" / REFERENCE_FILE).unlink()
+    evaluated = invoke_cli("eval", "--checkpoint", str(tmp_path / "parts" / "ckpt"))
+    assert evaluated.returncode == 2 and evaluated.stderr.count("\n") == 1, evaluated.stderr
+    assert f"{REFERENCE_FILE}: missing" in evaluated.stderr
     lost = _train(pairs, tmp_path / "parts", "train.steps=4")
     assert lost.returncode == 2 and lost.stderr.count("\n") == 1, lost.stderr
     assert f"{REFERENCE_FILE}: missing" in lost.stderr
@@ -102,7 +118,6 @@ def test_a_resumed_dpo_run_keeps_its_reference_and_continues_the_uninterrupted_c
     [
         (["train.objective=dpo", "train.dpo.beta=0"], "train.dpo.beta: 0.0 must be > 0"),
         (["train.dpo.beta=0.2"], "train.dpo: DPO's settings need train.objective dpo"),
-        (["train.objective=dpo", "train.eval_every=5"], "train.eval_every: 5: a DPO run"),
     ],
 )
 def test_dpo_settings_out_of_range_exit_2_with_one_line_naming_the_key(sets, says):
