@@ -79,11 +79,7 @@ def curves(hf_dir, dataset, tmp_path_factory) -> dict:
     try:
         trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
         model = trainer.model
-        adapters = {
-            name: p.detach().clone()
-            for name, p, _ in stored_tensors(model.named_parameters())
-            if p.requires_grad
-        }
+        adapters = trained_adapters(model)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         losses, norms, _ = train_counted(trainer, CURVE_STEPS, save_every=RESUME_AT)
         theirs = peft_reference(hf_dir, LORA, adapters)
@@ -124,6 +120,72 @@ def layouts(curves, dataset) -> list[dict]:
     overlap = ["parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"]
     runs["tp2-sp-overlap-tally"] = (2, 1, 1, settings + overlap, 1)
     return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
+
+
+def trained_adapters(model) -> dict[str, torch.Tensor]:
+    """The model's trained tensors by their stored names (one per expert), copied."""
+    return {
+        name: (p if j is None else p[j]).detach().clone()
+        for name, p, j in stored_tensors(model.named_parameters())
+        if p.requires_grad
+    }
+
+
+# A tiny Qwen3-MoE (transformers' fused experts) whose experts peft adapts by target_parameters.
+MOE_SHAPE = dict(
+    LLAMA_SHAPE,
+    num_hidden_layers=2,
+    head_dim=12,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+)
+MOE_LORA = dict(rank=4, alpha=8.0, targets=["v_proj", "experts.gate_up_proj", "experts.down_proj"])
+
+
+@pytest.fixture(scope="module")
+def moe_curves(dataset, tmp_path_factory) -> dict:
+    """Our tp 1 LoRA run of a tiny Qwen3-MoE with adapters on its experts, and peft's curve
+    from our initial adapters (its ParamWrapper on experts.gate_up_proj and down_proj)."""
+    hf_dir = tmp_path_factory.mktemp("lora-moe") / "qwen3-moe"
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=dataset_vocab_size(dataset), attn_implementation="eager", **MOE_SHAPE
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        transformers.Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
+    targets = ",".join(MOE_LORA["targets"])
+    settings = run_settings(hf_dir) + [
+        f"model.lora.rank={MOE_LORA['rank']}",
+        f"model.lora.alpha={MOE_LORA['alpha']}",
+        f"model.lora.targets=[{targets}]",
+    ]
+    cfg = make_config(1, 1, 1, settings, dataset)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+        adapters = trained_adapters(trainer.model)
+        losses, norms, _ = train_counted(trainer, CURVE_STEPS)
+        theirs = peft_reference(hf_dir, MOE_LORA, adapters)
+        decay = {name: True for name, _ in theirs.named_parameters()}
+        ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
+    finally:
+        torch.set_num_threads(threads)
+    return dict(
+        ours={"losses": losses, "norms": norms},
+        reference={"losses": ref_losses, "norms": ref_norms},
+        adapters=adapters,
+    )
+
+
+def test_a_lora_run_on_the_experts_follows_the_peft_adamw_curve_at_tp1(moe_curves):
+    reference, ours = moe_curves["reference"], moe_curves["ours"]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.1  # the adapters learn
+    assert any(".mlp.experts.3.gate_up.lora_A" in n for n in moe_curves["adapters"])
+    assert_close(ours["losses"], reference["losses"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+    assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
 
 
 def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
