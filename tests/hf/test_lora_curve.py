@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatronish import load_model
 from megatronish.data import dataset_vocab_size
 from megatronish.distributed.layout import ParallelState
 from megatronish.moe.experts import stored_tensors
+from tests.conftest import invoke_cli
 from tests.hf.curve import (
     CURVE_STEPS,
     LLAMA_SHAPE,
@@ -28,10 +30,10 @@ from tests.hf.curve import (
 )
 from tests.parity import assert_close, make_config, make_trainer, train_counted
 from tests.ranks import run_on_ranks
-from tests.tolerances import LAYOUT_CURVE_REL
+from tests.tolerances import LAYOUT_CURVE_REL, PARITY_LOGITS_ABS
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("peft")
+peft = pytest.importorskip("peft")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
@@ -122,13 +124,15 @@ def layouts(curves, dataset) -> list[dict]:
     return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
 
 
+def stored(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors by their stored names (one per expert)."""
+    named = stored_tensors(model.named_parameters())
+    return [(name, p if j is None else p[j]) for name, p, j in named]
+
+
 def trained_adapters(model) -> dict[str, torch.Tensor]:
     """The model's trained tensors by their stored names (one per expert), copied."""
-    return {
-        name: (p if j is None else p[j]).detach().clone()
-        for name, p, j in stored_tensors(model.named_parameters())
-        if p.requires_grad
-    }
+    return {name: t.detach().clone() for name, t in stored(model) if t.requires_grad}
 
 
 # A tiny Qwen3-MoE (transformers' fused experts) whose experts peft adapts by target_parameters.
@@ -146,9 +150,11 @@ MOE_LORA = dict(rank=4, alpha=8.0, targets=["v_proj", "experts.gate_up_proj", "e
 
 @pytest.fixture(scope="module")
 def moe_curves(dataset, tmp_path_factory) -> dict:
-    """Our tp 1 LoRA run of a tiny Qwen3-MoE with adapters on its experts, and peft's curve
-    from our initial adapters (its ParamWrapper on experts.gate_up_proj and down_proj)."""
-    hf_dir = tmp_path_factory.mktemp("lora-moe") / "qwen3-moe"
+    """Our tp 1 LoRA run of a tiny Qwen3-MoE with adapters on its experts (its checkpoint of
+    the last step kept), and peft's curve from our initial adapters (its ParamWrapper on
+    experts.gate_up_proj and down_proj)."""
+    root = tmp_path_factory.mktemp("lora-moe")
+    hf_dir = root / "qwen3-moe"
     config = transformers.Qwen3MoeConfig(
         vocab_size=dataset_vocab_size(dataset), attn_implementation="eager", **MOE_SHAPE
     )
@@ -161,13 +167,13 @@ def moe_curves(dataset, tmp_path_factory) -> dict:
         f"model.lora.alpha={MOE_LORA['alpha']}",
         f"model.lora.targets=[{targets}]",
     ]
-    cfg = make_config(1, 1, 1, settings, dataset)
+    cfg = make_config(1, 1, 1, settings + [f"checkpoint.dir={root / 'ckpt'}"], dataset)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
         adapters = trained_adapters(trainer.model)
-        losses, norms, _ = train_counted(trainer, CURVE_STEPS)
+        losses, norms, _ = train_counted(trainer, CURVE_STEPS, save_every=CURVE_STEPS)
         theirs = peft_reference(hf_dir, MOE_LORA, adapters)
         decay = {name: True for name, _ in theirs.named_parameters()}
         ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
@@ -177,6 +183,9 @@ def moe_curves(dataset, tmp_path_factory) -> dict:
         ours={"losses": losses, "norms": norms},
         reference={"losses": ref_losses, "norms": ref_norms},
         adapters=adapters,
+        hf=hf_dir,
+        root=root,
+        settings=settings,
     )
 
 
@@ -186,6 +195,35 @@ def test_a_lora_run_on_the_experts_follows_the_peft_adamw_curve_at_tp1(moe_curve
     assert any(".mlp.experts.3.gate_up.lora_A" in n for n in moe_curves["adapters"])
     assert_close(ours["losses"], reference["losses"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
     assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+
+
+def test_the_experts_adapters_export_to_peft_and_merged_with_our_logits_and_come_back(
+    moe_curves, dataset
+):
+    """`export --format peft` of the expert run loads in peft.PeftModel.from_pretrained with
+    our logits, `--format hf --merge-lora` in transformers too, and checkpoint.init_lora_from
+    of the peft export gives back the checkpoint's adapters."""
+    root = moe_curves["root"]
+    ckpt = root / "ckpt" / f"step_{CURVE_STEPS:06d}"
+    for args in (["--format", "peft"], ["--format", "hf", "--merge-lora"]):
+        out = str(root / args[1])
+        result = invoke_cli("export", "--checkpoint", str(ckpt), "--output", out, *args)
+        assert result.returncode == 0, result.stderr
+    ours = load_model(ckpt)
+    batch = torch.randint(0, ours.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ours(batch)
+        base = transformers.AutoModelForCausalLM.from_pretrained(moe_curves["hf"]).eval()
+        assert (base(batch).logits - expected).abs().max() > 100 * PARITY_LOGITS_ABS
+        adapted = peft.PeftModel.from_pretrained(base, root / "peft").eval()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(root / "hf").eval()
+        for model in (adapted, merged):
+            assert (model(batch).logits - expected).abs().max() <= PARITY_LOGITS_ABS
+    sets = moe_curves["settings"] + [f"checkpoint.init_lora_from={root / 'peft'}"]
+    trainer = make_trainer(make_config(1, 1, 1, sets, dataset), 1, dataset, ParallelState.single())
+    saved = dict(stored(ours.gpt))
+    for name, tensor in trained_adapters(trainer.model).items():
+        assert torch.equal(tensor, saved[name]), name
 
 
 def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
