@@ -78,7 +78,7 @@ from megatronish.accounting.components import (
     norm,
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
-from megatronish.accounting.lora import adapter_counts, frozen_input_casts
+from megatronish.accounting.lora import adapter_counts, expert_adapter_counts, frozen_input_casts
 from megatronish.accounting.muon import local_elements, stage_matrices, whole_under_zero
 from megatronish.accounting.parameters import (
     local_layer_params,
@@ -256,9 +256,11 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         outside += vocab
     dense_whole, expert_whole = whole_under_zero(cfg, derived, pp_rank)  # Muon's, under ZeRO
     outside += dense_whole
-    frozen = 0
+    frozen = expert_outside = 0  # the experts' adapters summed over tp: outside the buckets
     if cfg.model.lora is not None:  # the adapters train; the frozen base is weights alone
-        frozen, (params, outside), experts = params, adapter_counts(cfg, derived, pp_rank), 0
+        frozen, (params, outside) = params, adapter_counts(cfg, derived, pp_rank)
+        experts, summed = expert_adapter_counts(cfg, derived, pp_rank)  # whole: outside buckets
+        outside, expert_outside = outside - summed, summed
     buffered = params - experts - outside
 
     def kept(level: int, whole_outside: bool = True) -> tuple[float, float]:
@@ -266,13 +268,14 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         if zero < level:
             return params, experts
         rest = outside if whole_outside else outside / dp
-        mine = (experts - expert_whole) / edp + expert_whole / (1 if whole_outside else edp)
+        whole = expert_whole + expert_outside
+        mine = (experts - whole) / edp + whole / (1 if whole_outside else edp)
         return buffered / dp + rest + mine, mine
 
     weights, expert_weights = kept(3)
     grads, expert_grads = kept(2)
     state, expert_state = kept(1, whole_outside=False)
-    reduced = buffered + experts - expert_whole
+    reduced = buffered + experts - expert_whole - expert_outside
     gathered = _reduction_bytes(cfg, reduced) / 4 if dp > 1 else 0.0
     if zero == 3 and dp > 1:
         layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)

@@ -116,3 +116,44 @@ def test_under_fp8_only_the_frozen_base_is_cast_and_plan_counts_its_casts():
     everything = sum(p.numel() for p in model.parameters())
     copies = 2 * (everything - base)  # bf16 autocast's, of all but the fp8 layers' weights
     assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * everything + copies + payload
+
+
+EXPERT_LORA = [
+    "model.lora.rank=4",
+    "model.lora.targets=[q_proj,experts.gate_up_proj,experts.down_proj]",
+]
+
+
+def moe_config(extra: list[str], world: int = 1):
+    cfg = load_config(CONFIGS / "tiny-qwen3-moe.yaml", SETTINGS + EXPERT_LORA + extra)
+    return cfg, derive(cfg, world, vocab_size=257)
+
+
+def test_the_expert_adapter_count_is_the_built_models_trainable_expert_parameters():
+    from megatronish.accounting.lora import expert_adapter_counts
+    from megatronish.layers.roles import is_expert
+
+    cfg, derived = moe_config([])
+    model = GPT(cfg, derived, ParallelState.single())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    experts = sum(p.numel() for p in trained if is_expert(p))
+    assert expert_adapter_counts(cfg, derived) == (experts, 0) and experts > 0
+    assert adapter_counts(cfg, derived) == (sum(p.numel() for p in trained), 0)
+
+
+def test_check_reduces_the_expert_adapters_over_the_expert_data_parallel_group_alone():
+    from megatronish.accounting.lora import expert_adapter_counts
+
+    settings = ["parallel.dp=4", "parallel.ep=2", "train.micro_batch_size=4"]
+    cfg, derived = moe_config(settings, world=4)
+    experts, _ = expert_adapter_counts(cfg, derived)
+    dense = adapter_counts(cfg, derived)[0] - experts
+    reductions = {
+        (op.what, op.size): op.payload
+        for op in collectives_per_step(cfg, derived)
+        if op.purpose.name == "GRADIENT_REDUCTION"
+    }
+    assert experts > 0 and reductions == {
+        ("data-parallel gradient average", 4): 4 * dense,
+        ("expert gradient sum (expert-data-parallel)", 2): 4 * experts,
+    }

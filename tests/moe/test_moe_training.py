@@ -155,7 +155,8 @@ def test_moe_at_two_ranks_losses_norms_and_router_metrics_equal_one_process(
     name, two_ranks, dataset
 ):
     ref = reference(TWO_RANKS[name][-1], dataset)
-    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # the runs really learn
+    learned = 0.2 if "lora" in name else 0.5  # the adapters alone learn more slowly
+    assert ref["losses"][-1] < ref["losses"][0] - learned  # the runs really learn
     assert_curves_match(two_ranks, name, ref)
     assert_router_metrics_match(two_ranks, name, ref)
     if name == "ep2 capacity":
