@@ -278,12 +278,7 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     reduced = buffered + experts - expert_whole - expert_outside
     gathered = _reduction_bytes(cfg, reduced) / 4 if dp > 1 else 0.0
     if zero == 3 and dp > 1:
-        layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
-        # kept from forward to backward: the output layer, the MTP modules and (untied) the
-        # token embedding they look up in (data_parallel.param_shards: the last module's)
-        lookups = vocab if cfg.model.mtp_depth and not derived.tie_embeddings else 0
-        head = vocab + mtp_params(cfg, derived, pp_rank) + lookups if last else 0
-        gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
+        gathered += _zero3_gathered(cfg, derived, pp_rank, vocab, buffered + experts)
     fp8_params = fp8_layer_params(cfg, derived, pp_rank)
     muon = local_elements(stage_matrices(cfg, derived, pp_rank), derived.tp)
     if zero:  # each rank keeps the momentum of the matrices it owns
@@ -302,6 +297,22 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         + expert_state * (4 if cfg.optim.name == "muon" else 8)
         + (2 * experts if bf16 or fp8 else 0),  # their bf16 copies, or their fp8 casts
     }
+
+
+def _zero3_gathered(
+    cfg: Config, derived: Derived, pp_rank: int, vocab: int, sharded: float
+) -> float:
+    """Elements ZeRO-3 gathers for a step beside the reduction: every sharded one under pp,
+    else two layers' and the head's."""
+    if derived.pp > 1:
+        return sharded
+    layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
+    # kept from forward to backward: the output layer, the MTP modules and (untied) the
+    # token embedding they look up in (data_parallel.param_shards: the last module's)
+    lookups = vocab if cfg.model.mtp_depth and not derived.tie_embeddings else 0
+    last = pp_rank == derived.pp - 1
+    head = vocab + mtp_params(cfg, derived, pp_rank) + lookups if last else 0
+    return 2 * layer + head
 
 
 def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:
