@@ -4,6 +4,7 @@ adapters' gradients alone; the adapter count is the built model's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatronish.accounting.collectives import collectives_per_step
@@ -49,14 +50,19 @@ def test_check_counts_the_data_parallel_reduction_of_the_adapters_alone():
     assert reduction.payload == 4 * adapters
 
 
-def test_plan_holds_the_measured_state_of_a_running_lora_model(dataset):
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
+def test_plan_holds_the_measured_state_of_a_running_lora_model(dataset, experts):
     """After a step of a tiny LoRA llama (fp32: no bf16 copies), the distinct storages of its
     parameters, gradients and AdamW state are plan's weights + grads + optimizer state, and
-    AdamW's step counts (an fp32 scalar a trained tensor, which plan leaves out)."""
+    AdamW's step counts (an fp32 scalar a trained tensor, which plan leaves out); also with
+    experts and adapters on them."""
     from tests.data_parallel.test_zero_levels import _held_bytes
+    from tests.moe.layouts import LORA as MOE_LORA
+    from tests.moe.layouts import MOE
     from tests.parity import LLAMA, make_config, make_trainer
 
-    cfg = make_config(1, 1, 1, LLAMA + LORA + ["train.precision=fp32"], dataset)
+    model = MOE + MOE_LORA if experts else LLAMA + LORA
+    cfg = make_config(1, 1, 1, model + ["train.precision=fp32"], dataset)
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
     trainer.train_step()
     state = model_state_bytes(cfg, trainer.setup.derived, 0)

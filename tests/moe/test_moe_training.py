@@ -59,6 +59,7 @@ from tests.tolerances import (
 pytestmark = pytest.mark.slow  # multi-rank MoE training at every layout
 
 SAVED = "ep2"  # also saves a checkpoint at step SAVE_AT
+SAVED_LORA = "ep2 lora experts"  # and in save_dir / "lora"
 ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_frac")
 BIAS_METRICS = ("moe_load_spread", "moe_load_spread_mean", "moe_bias_range")
 
@@ -99,10 +100,11 @@ def _train_on_ranks(rank, world, variants, dataset, save_dir):
     results = {}
     for name, variant in variants.items():
         extra = []
-        if name == SAVED:
-            extra = ["checkpoint.save=true", f"checkpoint.dir={save_dir}"]
+        saved = {SAVED: save_dir, SAVED_LORA: save_dir / "lora"}.get(name)
+        if saved is not None:
+            extra = ["checkpoint.save=true", f"checkpoint.dir={saved}"]
         cfg = make_config(*variant, dataset, extra)
-        results[name] = _train(cfg, world, dataset, save_every=SAVE_AT if name == SAVED else 0)
+        results[name] = _train(cfg, world, dataset, save_every=SAVE_AT if saved else 0)
     return results
 
 
@@ -260,6 +262,24 @@ def test_an_ep2_checkpoint_resumes_at_ep1_on_the_same_curve_and_loads_evaluates_
     assert saved["layout"]["ep"] == 2
     assert "blocks.0.mlp.experts.3.down.weight" in saved["tensors"]
     assert "model_tp00_ep01.safetensors" in saved["files"]
+
+
+def test_an_ep2_lora_checkpoint_resumes_at_ep1_on_the_same_curve(two_ranks, dataset, save_dir):
+    """The experts' adapters and their AdamW state, saved by global expert id at ep 2, resharded
+    to one process: the remaining steps are the one-process run's."""
+    from megatronish.distributed.layout import ParallelState
+
+    overrides = TWO_RANKS[SAVED_LORA][-1]
+    ref = reference(overrides, dataset)
+    step = save_dir / "lora" / f"step_{SAVE_AT:06d}"
+    extra = [f"checkpoint.resume={step}", "checkpoint.save=false"]
+    trainer = make_trainer(
+        make_config(1, 1, 1, 1, 1, overrides, dataset, extra), 1, dataset, ParallelState.single()
+    )
+    assert trainer.resumed_from == SAVE_AT
+    assert_close(train_losses(trainer), ref["losses"][SAVE_AT:], steps=STEPS - SAVE_AT)
+    saved = json.loads((step / "metadata.json").read_text())
+    assert "blocks.1.mlp.experts.3.gate_up.lora_A" in saved["tensors"]
 
 
 def test_metrics_dropped_fraction_equals_a_count_outside_the_model(dataset, tmp_path, monkeypatch):
