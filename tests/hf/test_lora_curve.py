@@ -7,7 +7,9 @@ tp 2 and at pp 2 from the tp 1 run's checkpoint of step 10, equal the one at tp 
 collectives of the runs at tp 2 are those `check` counts. All within the parity harness's
 1e-5 relative per step (tests/tolerances.py: the same fp32 arithmetic in another order; the
 adapters add two GEMMs of at most 72 terms per projection, and Adam's normalized update passes
-their rounding on unamplified)."""
+their rounding on unamplified). A tiny Qwen3-MoE with adapters on its experts (peft's
+target_parameters experts.gate_up_proj and experts.down_proj) follows peft's curve too, and its
+exports load in peft and transformers with our logits."""
 
 from __future__ import annotations
 

@@ -1,22 +1,22 @@
-"""Mixture of experts in training: 20 fp32 dropless steps at ep = 2 (also with a shared expert
-and the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 x ep 2 with
-ZeRO-1, and dp = 2 at ep = 1 give the losses, gradient norms and router metrics (balancing and
-z-losses, imbalance) of one process within 1e-5 relative; so does DeepSeek-V3's MoE (sigmoid
-router in groups, routing biases moved every step, sequence-wise loss, shared experts, a dense
-first block, a MoE multi-token prediction block) at dp 2 x ep 2 with full recompute, tp 2 x
-dp 2 x ep 2 with sequence parallelism, and pp 2 x cp 2 with ZeRO-1 over the cp group, its
-routing biases within 1e-6 (ZeRO-2 and 3: tests/data_parallel/test_zero_levels.py); with a
-capacity factor the dropped
-fraction does not change with ep, nor with tp under sequence parallelism, and the one
-metrics.jsonl reports equals a count made outside the model on the same router output; an
-ep = 2 checkpoint resumes at ep = 1 on the same curve and loads, evaluates and generates in one
-process; one-process training is deterministic; bad MoE settings exit 2 with one line. With the
-experts (and a shared expert) in fp8, fp32 around them, the first FP8_STEPS steps' losses, gradient
-norms and router metrics at ep 2 (tensorwise, rowwise, blockwise with capacity drops, and
-GPT-OSS's biased experts behind the clamped SwiGLU, rowwise), tp 2 x
-dp 2 x ep 2 with sequence parallelism (tensorwise, rowwise) and cp 2 x ep 2 (tensorwise) equal
-one process's to 1e-5: an expert's scales are per (expert, source) run of rows, reduced over the
-cp ranks, as one process scales a micro-batch's."""
+"""Mixture of experts in training: 20 fp32 dropless steps at ep = 2 (also with a shared expert and
+the top-k-then-softmax router), ep 2 x tp 2, ep 2 x pp 2, ep 2 x cp 2, dp 4 x ep 2 with ZeRO-1,
+and dp = 2 at ep = 1 give the losses, gradient norms and router metrics (balancing and z-losses,
+imbalance) of one process within 1e-5 relative; so does DeepSeek-V3's MoE (sigmoid router in
+groups, routing biases moved every step, sequence-wise loss, shared experts, a dense first
+block, a MoE multi-token prediction block) at dp 2 x ep 2 with full recompute, tp 2 x dp 2 x ep
+2 with sequence parallelism, and pp 2 x cp 2 with ZeRO-1 over the cp group, its routing biases
+within 1e-6 (ZeRO-2 and 3: tests/data_parallel/test_zero_levels.py); with a capacity factor the
+dropped fraction does not change with ep, nor with tp under sequence parallelism, and the one
+metrics.jsonl reports equals a count made outside the model on the same router output; an ep = 2
+checkpoint resumes at ep = 1 on the same curve and loads, evaluates and generates in one process
+(a LoRA run's with adapters on the experts, trained at ep 2 and at ep 2 x tp 2 with sequence
+parallelism as one process trains it, resumes so too); one-process training is deterministic;
+bad MoE settings exit 2 with one line. With the experts (and a shared expert) in fp8, fp32
+around them, the first FP8_STEPS steps' losses, gradient norms and router metrics at ep 2
+(tensorwise, rowwise, blockwise with capacity drops, and GPT-OSS's biased experts behind the
+clamped SwiGLU, rowwise), tp 2 x dp 2 x ep 2 with sequence parallelism (tensorwise, rowwise) and
+cp 2 x ep 2 (tensorwise) equal one process's to 1e-5: an expert's scales are per (expert,
+source) run of rows, reduced over the cp ranks, as one process scales a micro-batch's."""
 
 from __future__ import annotations
 
