@@ -6,11 +6,14 @@ Per target of a block, r the rank, t tp, d d_model: a column-parallel projection
 output rows (q_proj n_head x head_dim, k_proj and v_proj n_kv_head x head_dim, gate_proj and
 up_proj d_ff) holds A r x d whole (its gradient summed over tp at t > 1) and B rows / t x r; a
 row-parallel one of `cols` inputs (o_proj n_head x head_dim, down_proj d_ff) holds A r x cols / t
-and B d x r whole (summed over tp under sequence parallelism at t > 1)."""
+and B d x r whole (summed over tp under sequence parallelism at t > 1). The experts' targets
+(moe.adapters), per local expert of a MoE block, f its d_ff: experts.gate_up_proj A r x d whole
+(summed over tp at t > 1) and B 2 f / t x r; experts.down_proj A r x f / t and B d x r whole
+(summed over tp at t > 1); their gradients reduced over the expert-data-parallel group."""
 
 from __future__ import annotations
 
-from megatronish.accounting.parameters import stage_blocks
+from megatronish.accounting.parameters import stage_blocks, stage_moe_layers
 from megatronish.config import Config, Derived
 
 
@@ -55,7 +58,25 @@ def adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int
         for inputs in rows.values():
             total += r * inputs // t + d * r
             summed += d * r if row_summed else 0
-    return total, summed
+    experts, experts_summed = expert_adapter_counts(cfg, derived, pp_rank)
+    return total + experts, summed + experts_summed
+
+
+def expert_adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int, int]:
+    """(the experts' adapter parameters one tp and ep rank of stage pp_rank holds, those of
+    them whose gradient is summed over tp first); (0, 0) without expert targets."""
+    lora = cfg.model.lora
+    targets = set(lora.targets) if lora is not None else set()
+    if not targets & {"experts.gate_up_proj", "experts.down_proj"}:
+        return 0, 0
+    t, r, d, f = derived.tp, lora.rank, cfg.model.d_model, derived.moe_d_ff
+    total = summed = 0
+    if "experts.gate_up_proj" in targets:
+        total, summed = r * d + 2 * (f // t) * r, r * d
+    if "experts.down_proj" in targets:
+        total, summed = total + r * (f // t) + d * r, summed + d * r
+    experts = stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts // derived.ep
+    return total * experts, (summed if t > 1 else 0) * experts
 
 
 QKV = ("q_proj", "k_proj", "v_proj")

@@ -78,7 +78,7 @@ from megatronish.accounting.components import (
     norm,
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
-from megatronish.accounting.lora import adapter_counts, frozen_input_casts
+from megatronish.accounting.lora import adapter_counts, expert_adapter_counts, frozen_input_casts
 from megatronish.accounting.muon import local_elements, stage_matrices, whole_under_zero
 from megatronish.accounting.parameters import (
     local_layer_params,
@@ -256,9 +256,11 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         outside += vocab
     dense_whole, expert_whole = whole_under_zero(cfg, derived, pp_rank)  # Muon's, under ZeRO
     outside += dense_whole
-    frozen = 0
+    frozen = expert_outside = 0  # the experts' adapters summed over tp: outside the buckets
     if cfg.model.lora is not None:  # the adapters train; the frozen base is weights alone
-        frozen, (params, outside), experts = params, adapter_counts(cfg, derived, pp_rank), 0
+        frozen, (params, outside) = params, adapter_counts(cfg, derived, pp_rank)
+        experts, summed = expert_adapter_counts(cfg, derived, pp_rank)  # whole: outside buckets
+        outside, expert_outside = outside - summed, summed
     buffered = params - experts - outside
 
     def kept(level: int, whole_outside: bool = True) -> tuple[float, float]:
@@ -266,21 +268,17 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         if zero < level:
             return params, experts
         rest = outside if whole_outside else outside / dp
-        mine = (experts - expert_whole) / edp + expert_whole / (1 if whole_outside else edp)
+        whole = expert_whole + expert_outside
+        mine = (experts - whole) / edp + whole / (1 if whole_outside else edp)
         return buffered / dp + rest + mine, mine
 
     weights, expert_weights = kept(3)
     grads, expert_grads = kept(2)
     state, expert_state = kept(1, whole_outside=False)
-    reduced = buffered + experts - expert_whole
+    reduced = buffered + experts - expert_whole - expert_outside
     gathered = _reduction_bytes(cfg, reduced) / 4 if dp > 1 else 0.0
     if zero == 3 and dp > 1:
-        layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
-        # kept from forward to backward: the output layer, the MTP modules and (untied) the
-        # token embedding they look up in (data_parallel.param_shards: the last module's)
-        lookups = vocab if cfg.model.mtp_depth and not derived.tie_embeddings else 0
-        head = vocab + mtp_params(cfg, derived, pp_rank) + lookups if last else 0
-        gathered += buffered + experts if derived.pp > 1 else 2 * layer + head
+        gathered += _zero3_gathered(cfg, derived, pp_rank, vocab, buffered + experts)
     fp8_params = fp8_layer_params(cfg, derived, pp_rank)
     muon = local_elements(stage_matrices(cfg, derived, pp_rank), derived.tp)
     if zero:  # each rank keeps the momentum of the matrices it owns
@@ -299,6 +297,22 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         + expert_state * (4 if cfg.optim.name == "muon" else 8)
         + (2 * experts if bf16 or fp8 else 0),  # their bf16 copies, or their fp8 casts
     }
+
+
+def _zero3_gathered(
+    cfg: Config, derived: Derived, pp_rank: int, vocab: int, sharded: float
+) -> float:
+    """Elements ZeRO-3 gathers for a step beside the reduction: every sharded one under pp,
+    else two layers' and the head's."""
+    if derived.pp > 1:
+        return sharded
+    layer = local_layer_params(cfg, derived, moe=stage_moe_layers(derived, pp_rank) > 0)
+    # kept from forward to backward: the output layer, the MTP modules and (untied) the
+    # token embedding they look up in (data_parallel.param_shards: the last module's)
+    lookups = vocab if cfg.model.mtp_depth and not derived.tie_embeddings else 0
+    last = pp_rank == derived.pp - 1
+    head = vocab + mtp_params(cfg, derived, pp_rank) + lookups if last else 0
+    return 2 * layer + head
 
 
 def fp8_layer_params(cfg: Config, derived: Derived, pp_rank: int) -> int:

@@ -102,7 +102,7 @@ class DataParallel(ABC):
             for p in with_grad
             if not role(p).pipeline_duplicate and id(p) not in self.to_owner
         ]
-        local = self._add_shard_squares(squares(counted, self.params[0].device))
+        local = self._add_shard_squares(squares(counted, self.params[0].device, self.ps.tp))
         norm = global_norm(local, self.ps)
         clip_([p.grad for p in with_grad] + self._shard_grads(), norm, max_norm)
         return norm

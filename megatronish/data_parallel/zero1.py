@@ -112,7 +112,8 @@ class Zero1(Zero0):
             return local
         whole = [p for p in self.params if id(p) in self.to_owner]
         owned = [(p, p.grad) for p in whole if p.grad is not None]
-        shards = squares([(x.param, x.grad) for x in self.pieces] + owned, self.params[0].device)
+        pieces = [(x.param, x.grad) for x in self.pieces] + owned
+        shards = squares(pieces, self.params[0].device, self.ps.tp)
         dense = torch.stack([shards.split, shards.replicated])
         comm.all_reduce(dense, self.ps.dp_cp_group, op=dist.ReduceOp.SUM)
         if any(role(p).is_expert for p in [b.params[0] for b in self.buckets] + whole):

@@ -24,7 +24,8 @@ from megatronish.hf.peft import (
     adapter_config,
     lora_adapters,
     merge_adapters,
-    to_peft_name,
+    merge_expert_adapters,
+    peft_tensors,
 )
 from megatronish.hf.registry import family_of_model
 from megatronish.hf.tokenizer import write_tokenizer
@@ -45,6 +46,8 @@ def export_hf(checkpoint: str, output: str, merge_lora: bool = False) -> list[st
     adapters = lora_adapters(ckpt, "--merge-lora" if merge_lora else None)
     ours = {name: ckpt.full(name).float() for name in ckpt.specs if name not in adapters}
     ckpt.verify()
+    if adapters:
+        merge_expert_adapters(ours, adapters, cfg)
     tensors = hf_tensors(cfg, derived, ours)
     if adapters:
         merge_adapters(tensors, adapters, cfg)
@@ -87,7 +90,7 @@ def export_peft(checkpoint: str, output: str) -> list[str]:
     cfg = inference_config(ckpt.config, ckpt.vocab_size, 1)
     adapters = lora_adapters(ckpt, "--format peft")
     ckpt.verify()
-    tensors = {to_peft_name(name): t.contiguous() for name, t in adapters.items()}
+    tensors = {name: t.contiguous() for name, t in peft_tensors(adapters).items()}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with nothing_left_on_failure(out, tmp):
         shutil.rmtree(tmp, ignore_errors=True)

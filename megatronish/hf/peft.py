@@ -14,6 +14,7 @@ from megatronish.checkpoint.load import restore_model
 from megatronish.checkpoint.reader import Checkpoint, FullTensors
 from megatronish.config import Config
 from megatronish.errors import UserError
+from megatronish.hf import peft_experts
 from megatronish.layers.lora import is_adapter
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -65,7 +66,8 @@ def init_lora_from(path: str, model, cfg: Config) -> None:
         if not (where / name).is_file():
             raise UserError(f"{key}: {where} has no {name}; give a PEFT adapter directory")
     theirs = json.loads((where / ADAPTER_CONFIG).read_text())
-    targets = sorted(set(theirs.get("target_modules") or []))
+    parameters = list(theirs.get("target_parameters") or [])
+    targets = sorted(set(theirs.get("target_modules") or []) | set(parameters))
     found = {"r": theirs.get("r"), "lora_alpha": theirs.get("lora_alpha"), "targets": targets}
     wanted = {"r": lora.rank, "lora_alpha": lora.alpha, "targets": sorted(set(lora.targets))}
     for field, value in wanted.items():
@@ -75,13 +77,20 @@ def init_lora_from(path: str, model, cfg: Config) -> None:
                 f"{value!r}; set model.lora to the adapter's"
             )
     tensors = load_file(str(where / ADAPTER_WEIGHTS))
-    ours = {_from_peft_name(k, where): t.float() for k, t in tensors.items()}
+    experts = (model.derived.moe_layers, cfg.model.moe.num_experts)
+    try:
+        ours = peft_experts.from_peft(tensors, parameters, *experts)
+    except KeyError as missing:
+        raise UserError(f"{key}: {where / ADAPTER_WEIGHTS} has no {missing}") from None
+    ours |= {_from_peft_name(k, where): t for k, t in tensors.items()}
+    ours = {name: t.float() for name, t in ours.items()}
     restore_model(FullTensors(ours, where / ADAPTER_WEIGHTS), model, part="adapters")
 
 
 def adapter_config(cfg: Config) -> dict:
     """adapter_config.json of the run's model.lora, as peft writes it."""
     lora = cfg.model.lora
+    parameters = [t for t in peft_experts.TARGETS if t in lora.targets]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -89,7 +98,8 @@ def adapter_config(cfg: Config) -> dict:
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": sorted(set(lora.targets)),
+        "target_modules": sorted(set(lora.targets) - set(parameters)),
+        "target_parameters": parameters,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -112,16 +122,32 @@ def lora_adapters(ckpt: Checkpoint, option: str | None) -> dict[str, torch.Tenso
     return adapters
 
 
+def peft_tensors(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft's file tensors {key: tensor} of our whole adapter tensors."""
+    dense = {n: t for n, t in adapters.items() if not peft_experts.is_expert_adapter(n)}
+    tensors = {to_peft_name(name): t for name, t in dense.items()}
+    return tensors | peft_experts.to_peft(adapters)
+
+
 def merge_adapters(
     tensors: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], cfg
 ) -> None:
-    """Adds each adapter's scale B A to its projection's weight in `tensors` (transformers'
-    names, model.layers.{i}.<module>.weight), in place."""
+    """Adds each dense adapter's scale B A to its projection's weight in `tensors`
+    (transformers' names, model.layers.{i}.<module>.weight), in place; the experts' merge
+    before the family's mapping (merge_expert_adapters)."""
     lora = cfg.model.lora
     scale = lora.alpha / lora.rank
     for name, a in adapters.items():
-        if not name.endswith("lora_A"):
+        if not name.endswith("lora_A") or peft_experts.is_expert_adapter(name):
             continue
         b = adapters[name[: -len("lora_A")] + "lora_B"]
         weight = to_peft_name(name)[len("base_model.model.") :].replace(".lora_A.weight", ".weight")
         tensors[weight] = tensors[weight] + scale * (b @ a)
+
+
+def merge_expert_adapters(
+    ours: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], cfg
+) -> None:
+    """Adds each expert adapter's scale B A to its expert's weight in `ours` (our names), in
+    place."""
+    peft_experts.merge(ours, adapters, cfg.model.lora.alpha / cfg.model.lora.rank)

@@ -69,8 +69,10 @@ class GroupedExperts(nn.Module):
         plan: LinearPlan = PLAIN,
         limit: float | None = None,
         biased: bool = False,
+        lora: nn.Module | None = None,
     ):
         super().__init__()
+        self.lora = lora  # moe.adapters.ExpertAdapters (model.lora's expert targets) or None
         local_ff = d_ff // tp
         self.backend, self.limit = backend, limit
         self.gate = nn.Parameter(torch.empty(num_local, local_ff, d_model))
@@ -106,9 +108,15 @@ class GroupedExperts(nn.Module):
         matmul = partial(self._matmul, offsets=offsets, counts=counts)
         g = self._biased(matmul(x, "gate"), self.gate_bias, offsets)  # [R, f/t]
         u = self._biased(matmul(x, "up"), self.up_bias, offsets)
+        lora = self.lora
+        delta = None if lora is None else lora.gate_up_delta(x, offsets, self.backend)
+        if delta is not None:
+            g, u = g + delta[0], u + delta[1]
         kind = "swiglu" if self.limit is None else "clamped_swiglu"
         hidden = ops.activate(kind, g, u, self.limit, backend=self.backend)
-        return self._biased(matmul(hidden, "down"), self.down_bias, offsets)  # [R, h]
+        out = self._biased(matmul(hidden, "down"), self.down_bias, offsets)  # [R, h]
+        delta = None if lora is None else lora.down_delta(hidden, offsets, self.backend)
+        return out if delta is None else out + delta
 
     def _matmul(
         self, rows: torch.Tensor, name: str, offsets: torch.Tensor, counts: list | None
@@ -141,11 +149,17 @@ def stored_tensors(named_parameters) -> list[tuple[str, nn.Parameter, int | None
     """Every tensor a checkpoint stores, from (name, parameter) pairs: (name, param, None) for
     a plain parameter, and for stacked experts one (blocks.<i>.mlp.experts.<e>.<w>.weight, or
     .<w>.bias for <w>_bias, param, j) per local expert j of global id e; the tensor is
-    param[j]."""
+    param[j]. The experts' LoRA adapters (moe.adapters) are stored as
+    blocks.<i>.mlp.experts.<e>.<adapter>.lora_A (or lora_B)."""
     out: list[tuple[str, nn.Parameter, int | None]] = []
     for name, param in named_parameters:
         if not is_expert(param):
             out.append((name, param, None))
+            continue
+        if ".lora." in name:  # <experts>.lora.<adapter>.lora_A
+            experts, _, adapter = name.partition(".lora.")
+            ids = role(param).expert_ids
+            out += [(f"{experts}.{e}.{adapter}", param, j) for j, e in enumerate(ids)]
             continue
         module, _, weight = name.rpartition(".")
         weight, kind = (

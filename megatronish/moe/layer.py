@@ -39,6 +39,7 @@ from megatronish.layers.linear import mark_parallel, to_autocast_dtype
 from megatronish.layers.plan import LinearPlan
 from megatronish.layers.roles import set_role
 from megatronish.moe import replay
+from megatronish.moe.adapters import expert_adapters
 from megatronish.moe.dispatch import capacity_keep, capacity_of, combine, dispatch, make_plan
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.router import (
@@ -166,6 +167,7 @@ class MoELayer(nn.Module):
             experts,
             model.activation_limit,
             parts.biased_experts,
+            expert_adapters(model.lora, local, ps.ep_rank * local, model.d_model, derived),
         )
         self.shared = shared
         gated = shared is not None and moe.shared_expert_gate

@@ -34,13 +34,20 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
 
 
-def squares(grads: list[tuple[nn.Parameter, torch.Tensor]], device: torch.device) -> Squares:
-    """The Squares of grads ((parameter, its gradient or a part of it) pairs)."""
-    experts = [g for p, g in grads if role(p).is_expert]
+def squares(
+    grads: list[tuple[nn.Parameter, torch.Tensor]], device: torch.device, tp: int = 1
+) -> Squares:
+    """The Squares of grads ((parameter, its gradient or a part of it) pairs). An expert
+    tensor replicated over the tp group's tp ranks (a LoRA adapter's: moe.adapters) counts
+    1 / tp on each, as the experts' squares are summed over tp."""
+    experts = [(p, g) for p, g in grads if role(p).is_expert]
     dense = [(p, g) for p, g in grads if not role(p).is_expert]
     split = [g for p, g in dense if role(p).tp_split_dim is not None]
     replicated = [g for p, g in dense if role(p).tp_split_dim is None]
-    return Squares(*(_sum_of_squares(kind, device) for kind in (split, replicated, experts)))
+    expert_split = [g for p, g in experts if role(p).tp_split_dim is not None]
+    expert_whole = [g for p, g in experts if role(p).tp_split_dim is None]
+    expert = _sum_of_squares(expert_split, device) + _sum_of_squares(expert_whole, device) / tp
+    return Squares(_sum_of_squares(split, device), _sum_of_squares(replicated, device), expert)
 
 
 def global_norm(local: Squares, ps: ParallelState) -> float:

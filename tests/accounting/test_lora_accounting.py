@@ -4,6 +4,7 @@ adapters' gradients alone; the adapter count is the built model's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatronish.accounting.collectives import collectives_per_step
@@ -49,14 +50,19 @@ def test_check_counts_the_data_parallel_reduction_of_the_adapters_alone():
     assert reduction.payload == 4 * adapters
 
 
-def test_plan_holds_the_measured_state_of_a_running_lora_model(dataset):
+@pytest.mark.parametrize("experts", [False, True], ids=["dense", "experts"])
+def test_plan_holds_the_measured_state_of_a_running_lora_model(dataset, experts):
     """After a step of a tiny LoRA llama (fp32: no bf16 copies), the distinct storages of its
     parameters, gradients and AdamW state are plan's weights + grads + optimizer state, and
-    AdamW's step counts (an fp32 scalar a trained tensor, which plan leaves out)."""
+    AdamW's step counts (an fp32 scalar a trained tensor, which plan leaves out); also with
+    experts and adapters on them."""
     from tests.data_parallel.test_zero_levels import _held_bytes
+    from tests.moe.layouts import LORA as MOE_LORA
+    from tests.moe.layouts import MOE
     from tests.parity import LLAMA, make_config, make_trainer
 
-    cfg = make_config(1, 1, 1, LLAMA + LORA + ["train.precision=fp32"], dataset)
+    model = MOE + MOE_LORA if experts else LLAMA + LORA
+    cfg = make_config(1, 1, 1, model + ["train.precision=fp32"], dataset)
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
     trainer.train_step()
     state = model_state_bytes(cfg, trainer.setup.derived, 0)
@@ -116,3 +122,44 @@ def test_under_fp8_only_the_frozen_base_is_cast_and_plan_counts_its_casts():
     everything = sum(p.numel() for p in model.parameters())
     copies = 2 * (everything - base)  # bf16 autocast's, of all but the fp8 layers' weights
     assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * everything + copies + payload
+
+
+EXPERT_LORA = [
+    "model.lora.rank=4",
+    "model.lora.targets=[q_proj,experts.gate_up_proj,experts.down_proj]",
+]
+
+
+def moe_config(extra: list[str], world: int = 1):
+    cfg = load_config(CONFIGS / "tiny-qwen3-moe.yaml", SETTINGS + EXPERT_LORA + extra)
+    return cfg, derive(cfg, world, vocab_size=257)
+
+
+def test_the_expert_adapter_count_is_the_built_models_trainable_expert_parameters():
+    from megatronish.accounting.lora import expert_adapter_counts
+    from megatronish.layers.roles import is_expert
+
+    cfg, derived = moe_config([])
+    model = GPT(cfg, derived, ParallelState.single())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    experts = sum(p.numel() for p in trained if is_expert(p))
+    assert expert_adapter_counts(cfg, derived) == (experts, 0) and experts > 0
+    assert adapter_counts(cfg, derived) == (sum(p.numel() for p in trained), 0)
+
+
+def test_check_reduces_the_expert_adapters_over_the_expert_data_parallel_group_alone():
+    from megatronish.accounting.lora import expert_adapter_counts
+
+    settings = ["parallel.dp=4", "parallel.ep=2", "train.micro_batch_size=4"]
+    cfg, derived = moe_config(settings, world=4)
+    experts, _ = expert_adapter_counts(cfg, derived)
+    dense = adapter_counts(cfg, derived)[0] - experts
+    reductions = {
+        (op.what, op.size): op.payload
+        for op in collectives_per_step(cfg, derived)
+        if op.purpose.name == "GRADIENT_REDUCTION"
+    }
+    assert experts > 0 and reductions == {
+        ("data-parallel gradient average", 4): 4 * dense,
+        ("expert gradient sum (expert-data-parallel)", 2): 4 * experts,
+    }

@@ -218,20 +218,27 @@ LLAMA_SHAPE = dict(
 
 def peft_reference(hf_dir: Path, lora: dict, adapters: dict[str, torch.Tensor]) -> nn.Module:
     """The transformers model of hf_dir (fp32, eager attention) under peft's LoRA of `lora`
-    (rank, alpha, targets), its adapters set to ours ({our name: full tensor}), train mode."""
+    (rank, alpha, targets: the experts' as target_parameters), its adapters set to ours ({our
+    name: full tensor, one per expert}), train mode."""
     import peft
     import transformers
 
-    from megatronish.hf.peft import to_peft_name
+    from megatronish.hf.peft import peft_tensors
+    from megatronish.hf.peft_experts import TARGETS
 
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
+    targets = lora["targets"]
     config = peft.LoraConfig(
-        r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=0.0, target_modules=lora["targets"]
+        r=lora["rank"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=0.0,
+        target_modules=[t for t in targets if t not in TARGETS] or None,
+        target_parameters=[t for t in TARGETS if t in targets] or None,
     )
     model = peft.get_peft_model(base, config)
     named = dict(model.named_parameters())
     wanted = {n for n, p in named.items() if p.requires_grad}
-    theirs = {to_peft_name(n).replace(".weight", ".default.weight"): t for n, t in adapters.items()}
+    theirs = {n.replace(".weight", ".default.weight"): t for n, t in peft_tensors(adapters).items()}
     assert set(theirs) == wanted, sorted(set(theirs) ^ wanted)
     with torch.no_grad():
         for name, tensor in theirs.items():

@@ -7,7 +7,9 @@ tp 2 and at pp 2 from the tp 1 run's checkpoint of step 10, equal the one at tp 
 collectives of the runs at tp 2 are those `check` counts. All within the parity harness's
 1e-5 relative per step (tests/tolerances.py: the same fp32 arithmetic in another order; the
 adapters add two GEMMs of at most 72 terms per projection, and Adam's normalized update passes
-their rounding on unamplified)."""
+their rounding on unamplified). A tiny Qwen3-MoE with adapters on its experts (peft's
+target_parameters experts.gate_up_proj and experts.down_proj) follows peft's curve too, and its
+exports load in peft and transformers with our logits."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatronish import load_model
 from megatronish.data import dataset_vocab_size
 from megatronish.distributed.layout import ParallelState
 from megatronish.moe.experts import stored_tensors
+from tests.conftest import invoke_cli
 from tests.hf.curve import (
     CURVE_STEPS,
     LLAMA_SHAPE,
@@ -28,10 +32,10 @@ from tests.hf.curve import (
 )
 from tests.parity import assert_close, make_config, make_trainer, train_counted
 from tests.ranks import run_on_ranks
-from tests.tolerances import LAYOUT_CURVE_REL
+from tests.tolerances import LAYOUT_CURVE_REL, PARITY_LOGITS_ABS
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("peft")
+peft = pytest.importorskip("peft")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
@@ -79,11 +83,7 @@ def curves(hf_dir, dataset, tmp_path_factory) -> dict:
     try:
         trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
         model = trainer.model
-        adapters = {
-            name: p.detach().clone()
-            for name, p, _ in stored_tensors(model.named_parameters())
-            if p.requires_grad
-        }
+        adapters = trained_adapters(model)
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         losses, norms, _ = train_counted(trainer, CURVE_STEPS, save_every=RESUME_AT)
         theirs = peft_reference(hf_dir, LORA, adapters)
@@ -124,6 +124,108 @@ def layouts(curves, dataset) -> list[dict]:
     overlap = ["parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"]
     runs["tp2-sp-overlap-tally"] = (2, 1, 1, settings + overlap, 1)
     return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
+
+
+def stored(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors by their stored names (one per expert)."""
+    named = stored_tensors(model.named_parameters())
+    return [(name, p if j is None else p[j]) for name, p, j in named]
+
+
+def trained_adapters(model) -> dict[str, torch.Tensor]:
+    """The model's trained tensors by their stored names (one per expert), copied."""
+    return {name: t.detach().clone() for name, t in stored(model) if t.requires_grad}
+
+
+# A tiny Qwen3-MoE (transformers' fused experts) whose experts peft adapts by target_parameters.
+MOE_SHAPE = dict(
+    LLAMA_SHAPE,
+    num_hidden_layers=2,
+    head_dim=12,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+)
+MOE_LORA = dict(rank=4, alpha=8.0, targets=["v_proj", "experts.gate_up_proj", "experts.down_proj"])
+
+
+@pytest.fixture(scope="module")
+def moe_curves(dataset, tmp_path_factory) -> dict:
+    """Our tp 1 LoRA run of a tiny Qwen3-MoE with adapters on its experts (its checkpoint of
+    the last step kept), and peft's curve from our initial adapters (its ParamWrapper on
+    experts.gate_up_proj and down_proj)."""
+    root = tmp_path_factory.mktemp("lora-moe")
+    hf_dir = root / "qwen3-moe"
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=dataset_vocab_size(dataset), attn_implementation="eager", **MOE_SHAPE
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        transformers.Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
+    targets = ",".join(MOE_LORA["targets"])
+    settings = run_settings(hf_dir) + [
+        f"model.lora.rank={MOE_LORA['rank']}",
+        f"model.lora.alpha={MOE_LORA['alpha']}",
+        f"model.lora.targets=[{targets}]",
+    ]
+    cfg = make_config(1, 1, 1, settings + [f"checkpoint.dir={root / 'ckpt'}"], dataset)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+        adapters = trained_adapters(trainer.model)
+        losses, norms, _ = train_counted(trainer, CURVE_STEPS, save_every=CURVE_STEPS)
+        theirs = peft_reference(hf_dir, MOE_LORA, adapters)
+        decay = {name: True for name, _ in theirs.named_parameters()}
+        ref_losses, ref_norms = reference_curve(theirs, decay, cfg, dataset)
+    finally:
+        torch.set_num_threads(threads)
+    return dict(
+        ours={"losses": losses, "norms": norms},
+        reference={"losses": ref_losses, "norms": ref_norms},
+        adapters=adapters,
+        hf=hf_dir,
+        root=root,
+        settings=settings,
+    )
+
+
+def test_a_lora_run_on_the_experts_follows_the_peft_adamw_curve_at_tp1(moe_curves):
+    reference, ours = moe_curves["reference"], moe_curves["ours"]
+    assert reference["losses"][-1] < reference["losses"][0] - 0.1  # the adapters learn
+    assert any(".mlp.experts.3.gate_up.lora_A" in n for n in moe_curves["adapters"])
+    assert_close(ours["losses"], reference["losses"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+    assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+
+
+def test_the_experts_adapters_export_to_peft_and_merged_with_our_logits_and_come_back(
+    moe_curves, dataset
+):
+    """`export --format peft` of the expert run loads in peft.PeftModel.from_pretrained with
+    our logits, `--format hf --merge-lora` in transformers too, and checkpoint.init_lora_from
+    of the peft export gives back the checkpoint's adapters."""
+    root = moe_curves["root"]
+    ckpt = root / "ckpt" / f"step_{CURVE_STEPS:06d}"
+    for args in (["--format", "peft"], ["--format", "hf", "--merge-lora"]):
+        out = str(root / args[1])
+        result = invoke_cli("export", "--checkpoint", str(ckpt), "--output", out, *args)
+        assert result.returncode == 0, result.stderr
+    ours = load_model(ckpt)
+    batch = torch.randint(0, ours.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ours(batch)
+        base = transformers.AutoModelForCausalLM.from_pretrained(moe_curves["hf"]).eval()
+        assert (base(batch).logits - expected).abs().max() > 100 * PARITY_LOGITS_ABS
+        adapted = peft.PeftModel.from_pretrained(base, root / "peft").eval()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(root / "hf").eval()
+        for model in (adapted, merged):
+            assert (model(batch).logits - expected).abs().max() <= PARITY_LOGITS_ABS
+    sets = moe_curves["settings"] + [f"checkpoint.init_lora_from={root / 'peft'}"]
+    trainer = make_trainer(make_config(1, 1, 1, sets, dataset), 1, dataset, ParallelState.single())
+    saved = dict(stored(ours.gpt))
+    for name, tensor in trained_adapters(trainer.model).items():
+        assert torch.equal(tensor, saved[name]), name
 
 
 def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):

@@ -47,6 +47,16 @@ def test_kernel_forward_and_gradients_equal_float64_with_empty_groups(counts):
         torch.testing.assert_close(g.double(), w, rtol=FP32_REORDER, atol=FP32_REORDER, msg=name)
 
 
+@pytest.mark.parametrize("k, n", [(4, 12), (12, 4)], ids=["lora-a", "lora-b"])
+def test_kernel_at_the_experts_lora_ranks_equals_float64(k, n):
+    """The experts' LoRA adapters (moe.adapters) run it with the rank as k or n."""
+    x, weight, offsets, dy = _case([5, 0, 7, 3], k=k, n=n)
+    got = _grads(kernels.grouped_mm, x, weight, offsets, dy)
+    want = _grads(reference.grouped_mm, x.double(), weight.double(), offsets, dy.double())
+    for name, g, w in zip(("y", "dx", "dw"), got, want):
+        torch.testing.assert_close(g.double(), w, rtol=FP32_REORDER, atol=FP32_REORDER, msg=name)
+
+
 def test_torch_loop_equals_a_per_row_product_in_float64():
     x, weight, offsets, _ = _case([3, 0, 4, 1], k=6, n=5, dtype=torch.float64)
     w = weight.transpose(1, 2)

@@ -36,6 +36,11 @@ FP8_STEPS = 2
 FP8 = ["train.precision=fp8", "train.fp8_high_precision=fp32", f"train.steps={FP8_STEPS}"]
 TENSORWISE, ROWWISE = ["train.fp8_recipe=tensorwise"], ["train.fp8_recipe=rowwise"]
 BLOCKWISE, SHARED = ["train.fp8_recipe=blockwise"], ["model.moe.shared_expert=true"]
+# LoRA on q_proj and the experts (their adapters split over ep and tp), the base frozen.
+LORA = [
+    "model.lora.rank=4", "model.lora.alpha=8", "train.lr=0.02",
+    "model.lora.targets=[q_proj, experts.gate_up_proj, experts.down_proj]",
+]  # fmt: skip
 # name -> (tp, cp, dp, pp, ep, overrides); the reference of each is its overrides at one rank.
 TWO_RANKS = {
     "ep2": (1, 1, 2, 1, 2, MOE),
@@ -49,6 +54,7 @@ TWO_RANKS = {
     "ep2 fp8 rowwise shared expert": (1, 1, 2, 1, 2, MOE + FP8 + ROWWISE + SHARED),
     "ep2 fp8 blockwise capacity": (1, 1, 2, 1, 2, MOE + CAPACITY + FP8 + BLOCKWISE),
     "ep2 fp8 rowwise gpt_oss": (1, 1, 2, 1, 2, GPT_OSS + FP8 + ROWWISE),
+    "ep2 lora experts": (1, 1, 2, 1, 2, MOE + LORA),
 }  # fmt: skip
 FOUR_RANKS = {
     "ep2 tp2": (2, 1, 2, 1, 2, MOE),
@@ -70,4 +76,5 @@ FOUR_RANKS = {
     ),
     "ep2 tp2 sequence parallel fp8 rowwise": (2, 1, 2, 1, 2, MOE + SP + FP8 + ROWWISE),
     "ep2 cp2 fp8 tensorwise": (1, 2, 2, 1, 2, MOE + FP8 + TENSORWISE),
+    "ep2 tp2 sequence parallel lora experts": (2, 1, 2, 1, 2, MOE + SP + LORA),
 }  # fmt: skip

@@ -38,7 +38,7 @@ from megatronish.accounting.collectives.step import (
 from megatronish.accounting.components.embedding import position_params
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.components.norm import weights as norm_weights
-from megatronish.accounting.lora import adapter_counts
+from megatronish.accounting.lora import adapter_counts, expert_adapter_counts
 from megatronish.accounting.muon import whole_under_zero
 from megatronish.accounting.parameters import (
     local_parameter_count,
@@ -96,17 +96,21 @@ def _trained_bytes(step: Step) -> int:
 
 
 def _expert_bytes(step: Step) -> int:
-    """The stage's trained expert parameters on this rank, fp32 (none under model.lora)."""
+    """The stage's trained expert parameters on this rank, fp32 (under model.lora the experts'
+    adapters)."""
     if step.cfg.model.lora is not None:
-        return 0
+        return expert_adapter_counts(step.cfg, step.derived, step.pp_rank)[0] * FP32_BYTES
     return step.moe_layers * local_parameters(step.cfg, step.derived, True) * FP32_BYTES
 
 
 def _bucketed_expert_bytes(step: Step) -> int:
-    """The stage's expert parameters in ZeRO's expert buffer, fp32 (not Muon's, kept whole)."""
-    return (
-        _expert_bytes(step) - whole_under_zero(step.cfg, step.derived, step.pp_rank)[1] * FP32_BYTES
+    """The stage's expert parameters in ZeRO's expert buffer, fp32 (not Muon's, kept whole,
+    nor the experts' adapters summed over tp first)."""
+    cfg, derived, pp_rank = step.cfg, step.derived, step.pp_rank
+    whole = (
+        whole_under_zero(cfg, derived, pp_rank)[1] + expert_adapter_counts(cfg, derived, pp_rank)[1]
     )
+    return _expert_bytes(step) - whole * FP32_BYTES
 
 
 def _outside_bytes(step: Step) -> int:
@@ -114,8 +118,9 @@ def _outside_bytes(step: Step) -> int:
     first, and Muon's dense matrices), fp32: whole parameters, all-reduced and broadcast by their
     owners."""
     derived = step.derived
-    if step.cfg.model.lora is not None:  # the adapters summed over tp first
-        return adapter_counts(step.cfg, derived, step.pp_rank)[1] * FP32_BYTES
+    if step.cfg.model.lora is not None:  # the dense adapters summed over tp first
+        summed = adapter_counts(step.cfg, derived, step.pp_rank)[1]
+        return (summed - expert_adapter_counts(step.cfg, derived, step.pp_rank)[1]) * FP32_BYTES
     outside = tp_summed_grad_count(step.cfg, derived, step.pp_rank) * FP32_BYTES
     outside += whole_under_zero(step.cfg, derived, step.pp_rank)[0] * FP32_BYTES
     if derived.pp > 1 and derived.last_stage_embedding and (step.first or step.last):
