@@ -78,7 +78,7 @@ from megatronish.accounting.components import (
     norm,
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
-from megatronish.accounting.lora import adapter_counts, frozen_input_casts
+from megatronish.accounting.lora import adapter_counts, bf16_held_weights, frozen_input_casts
 from megatronish.accounting.muon import local_elements, stage_matrices, whole_under_zero
 from megatronish.accounting.parameters import (
     local_layer_params,
@@ -287,10 +287,11 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
         muon = dense_whole / dp + expert_whole / edp
     copies = 2 * (params + frozen - fp8_params) if bf16 else 0
     casts = 2 * fp8_params - frozen_input_casts(cfg, derived, pp_rank)  # fp8.gemm keeps them
+    held, held_fp8 = bf16_held_weights(cfg, derived, pp_rank)  # bf16 alone: no fp32 master
     fp8 = cfg.train.precision == "fp8"
     biased = cfg.model.moe.router == "sigmoid"
     return {
-        "weights": (weights + frozen) * 4 + copies + casts,
+        "weights": (weights + frozen) * 4 + copies + casts - 4 * held + 2 * held_fp8,
         "grads": grads * 4,
         "optimizer": state * 8 - muon * 4,  # Muon: one fp32 momentum, AdamW two moments
         "buffers": stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts * 4 * biased,

@@ -4,10 +4,11 @@ adapters' gradients alone; the adapter count is the built model's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatronish.accounting.collectives import collectives_per_step
-from megatronish.accounting.lora import adapter_counts
+from megatronish.accounting.lora import adapter_counts, bf16_held_weights
 from megatronish.accounting.memory import model_state_bytes
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
@@ -49,25 +50,36 @@ def test_check_counts_the_data_parallel_reduction_of_the_adapters_alone():
     assert reduction.payload == 4 * adapters
 
 
-def test_plan_holds_the_measured_state_of_a_running_lora_model(dataset):
-    """After a step of a tiny LoRA llama (fp32: no bf16 copies), the distinct storages of its
-    parameters, gradients and AdamW state are plan's weights + grads + optimizer state, and
-    AdamW's step counts (an fp32 scalar a trained tensor, which plan leaves out)."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plan_holds_the_measured_state_of_a_running_lora_model(dataset, precision):
+    """After a step of a tiny LoRA llama, the distinct storages of its parameters, gradients and
+    AdamW state are plan's weights + grads + optimizer state, and AdamW's step counts (an fp32
+    scalar a trained tensor, which plan leaves out), less (bf16) the bf16 copies autocast makes
+    during a step of the weights held in fp32 (plan counts them; the frozen linear weights are
+    held in bf16 alone, so they have none)."""
     from tests.data_parallel.test_zero_levels import _held_bytes
     from tests.parity import LLAMA, make_config, make_trainer
 
-    cfg = make_config(1, 1, 1, LLAMA + LORA + ["train.precision=fp32"], dataset)
+    cfg = make_config(1, 1, 1, LLAMA + LORA + [f"train.precision={precision}"], dataset)
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
     trainer.train_step()
-    state = model_state_bytes(cfg, trainer.setup.derived, 0)
-    trained = sum(p.requires_grad for p in trainer.model.parameters())
-    held = state["weights"] + state["grads"] + state["optimizer"] + 4 * trained
-    assert _held_bytes(trainer) == held
+    derived = trainer.setup.derived
+    state = model_state_bytes(cfg, derived, 0)
+    params = list(trainer.model.parameters())
+    trained = sum(p.requires_grad for p in params)
+    held, _ = bf16_held_weights(cfg, derived)
+    in_bf16 = sum(p.numel() for p in params if p.dtype == torch.bfloat16)
+    assert in_bf16 == held and (held > 0) == (precision == "bf16")
+    assert not any(p.requires_grad for p in params if p.dtype == torch.bfloat16)
+    copies = 2 * (sum(p.numel() for p in params) - held) if precision == "bf16" else 0
+    planned = state["weights"] + state["grads"] + state["optimizer"] + 4 * trained
+    assert _held_bytes(trainer) == planned - copies
 
 
 def test_a_lora_fine_tune_of_llama3_8b_fits_one_80gb_gpu_where_a_full_one_does_not():
-    """configs/llama3-8b.yaml on one GPU with full recompute: the frozen base is its fp32
-    weights and their bf16 copies (6 bytes a parameter), the rank-16 adapters on every
+    """configs/llama3-8b.yaml on one GPU with full recompute: the frozen base is its linear
+    layers' weights in bf16 alone (2 bytes a parameter) and the rest (embeddings, norms) in fp32
+    with their bf16 copies (6 bytes), the rank-16 adapters on every
     projection add their gradients and AdamW moments; without LoRA the model state alone (16
     bytes a parameter) passes 80 GB."""
     from megatronish.accounting.memory import estimate
@@ -83,7 +95,11 @@ def test_a_lora_fine_tune_of_llama3_8b_fits_one_80gb_gpu_where_a_full_one_does_n
     assert 8.0e9 < base < 8.1e9 and 40e6 < adapters < 43e6  # peft's count at r 16: 41.9M
     plan, whole = estimate(cfg, 1, 1), estimate(full, 1, 1)
     gib = 2**30
-    assert plan.weights_gb * gib == 6 * (base + adapters)
+    held, _ = bf16_held_weights(cfg, derived)
+    embedding = 128256 * 4096  # the token embedding's; the output layer's is held
+    assert base - embedding - held == 32 * 2 * 4096 + 4096  # the norms
+    assert plan.weights_gb * gib == 6 * (base + adapters) - 4 * held
+    assert plan.weights_gb < 18.5  # 2 bytes a linear weight, 6 the embeddings'
     assert (plan.grads_gb * gib, plan.optimizer_gb * gib) == (4 * adapters, 8 * adapters)
     assert plan.total_gb < 80 < (whole.weights_gb + whole.grads_gb + whole.optimizer_gb)
 
@@ -115,4 +131,8 @@ def test_under_fp8_only_the_frozen_base_is_cast_and_plan_counts_its_casts():
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     everything = sum(p.numel() for p in model.parameters())
     copies = 2 * (everything - base)  # bf16 autocast's, of all but the fp8 layers' weights
-    assert model_state_bytes(cfg, derived, 0)["weights"] == 4 * everything + copies + payload
+    held, held_fp8 = bf16_held_weights(cfg, derived)  # bf16 alone: 2 bytes, not 4
+    in_bf16 = sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16)
+    assert in_bf16 == held and held_fp8 > 0
+    weights = 4 * everything + copies + payload - 2 * held_fp8 - 4 * (held - held_fp8)
+    assert model_state_bytes(cfg, derived, 0)["weights"] == weights
