@@ -158,18 +158,39 @@ def test_check_counts_the_collectives_a_lora_run_makes_at_tp2(layouts, layout):
         assert ranks[layout]["payload"] == ranks[layout]["formula"]
 
 
+@pytest.mark.slow  # a 2-rank run
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally"])
+def test_no_frozen_weight_gets_a_weight_gradient_gemm_at_tp2(layouts, layout):
+    """The linear layers' own backward passes (every frozen layer's at tp 2, the adapters'
+    being autograd's) compute no weight gradient: layers.formats' GEMM for one never runs."""
+    for ranks in layouts:
+        assert ranks[layout]["weight_gemms"] == 0
+
+
 def train_layouts(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
-    """The losses, gradient norms and first step's collective payloads (counted, and as
-    accounting counts them) of each run {name: (tp, dp, pp, settings, steps to train)} on these
-    ranks."""
+    """The losses, gradient norms, first step's collective payloads (counted, and as accounting
+    counts them) and the layers' weight-gradient GEMMs of each run {name: (tp, dp, pp, settings,
+    steps to train)} on these ranks."""
     from megatronish.accounting.collectives import formula_payload_by_kind
+    from megatronish.layers.formats import HighPrecision
+
+    gemms, plain = [], HighPrecision.grad_weight
+
+    def counted(self, *args):
+        gemms.append(1)
+        return plain(self, *args)
 
     curves = {}
-    for name, (tp, dp, pp, settings, steps) in runs.items():
-        cfg = make_config(tp, dp, pp, settings, dataset)
-        trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, steps)
-        formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
-        curves[name] = {"losses": losses, "norms": norms}
-        curves[name] |= {"payload": dict(counter.payload_bytes), "formula": formula}
+    HighPrecision.grad_weight = counted  # the weight-gradient GEMMs the layers' backward makes
+    try:
+        for name, (tp, dp, pp, settings, steps) in runs.items():
+            cfg = make_config(tp, dp, pp, settings, dataset)
+            trainer = make_trainer(cfg, world, dataset)
+            gemms.clear()
+            losses, norms, counter = train_counted(trainer, steps)
+            formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
+            curves[name] = {"losses": losses, "norms": norms, "weight_gemms": len(gemms)}
+            curves[name] |= {"payload": dict(counter.payload_bytes), "formula": formula}
+    finally:
+        HighPrecision.grad_weight = plain
     return curves
