@@ -58,6 +58,19 @@ def adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int
     return total, summed
 
 
+def adapter_parameters(cfg: Config, derived: Derived) -> int:
+    """The adapters' parameters in the whole model (every block, unsplit): what their GEMMs
+    take per token (accounting.flops); 0 without model.lora."""
+    lora, d = cfg.model.lora, cfg.model.d_model
+    if lora is None:
+        return 0
+    total = 0
+    for index in range(cfg.model.n_layer):
+        columns, rows = block_targets(cfg, derived, index)
+        total += sum(lora.rank * (d + n) for n in [*columns.values(), *rows.values()])
+    return total
+
+
 def bf16_held_weights(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int, int]:
     """(frozen weights one tp rank of stage pp_rank holds in bf16 alone, those of them in fp8
     layers) under model.lora with bf16 autocast (model.adapters.freeze_base; else (0, 0)): the

@@ -136,3 +136,19 @@ def test_under_fp8_only_the_frozen_base_is_cast_and_plan_counts_its_casts():
     assert in_bf16 == held and held_fp8 > 0
     weights = 4 * everything + copies + payload - 2 * held_fp8 - 4 * (held - held_fp8)
     assert model_state_bytes(cfg, derived, 0)["weights"] == weights
+
+
+def test_a_lora_steps_flops_are_the_ones_it_does_without_the_frozen_weight_gradients():
+    """MFU's FLOPs under model.lora (accounting.flops): the adapters' GEMMs forward and
+    backward (6 per adapter parameter and token, their count the built model's) and no weight
+    gradient for the frozen matmul weights (2 per parameter and token fewer than the base)."""
+    from megatronish.accounting.flops import matmul_params, model_flops_per_step
+    from megatronish.accounting.lora import adapter_parameters
+
+    cfg, derived = config(LORA)
+    base_cfg, base_derived = config([])
+    adapters = adapter_parameters(cfg, derived)
+    assert adapters == adapter_counts(cfg, derived)[0] > 0  # tp 1: the built model's
+    tokens, frozen = derived.tokens_per_step, matmul_params(base_cfg, base_derived)
+    base = model_flops_per_step(base_cfg, base_derived)
+    assert model_flops_per_step(cfg, derived) == base + (6 * adapters - 2 * frozen) * tokens
