@@ -37,6 +37,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
 ZERO_STEPS = 5
 PP_STEPS = 3
+BF16_STEPS = 3
 RESUME_AT = 10
 LORA_SETTINGS = [
     f"model.lora.rank={LORA['rank']}",
@@ -134,6 +135,28 @@ def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
     )
     assert_close(ours["losses"], reference["losses"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
     assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
+
+
+def test_under_bf16_the_frozen_base_is_held_in_bf16_alone_and_trains_as_from_fp32_masters(
+    curves, dataset
+):
+    """train.precision bf16: the frozen linear weights are bf16 parameters and nothing else
+    holds them (no fp32 master: model.adapters.freeze_base), and the first steps are bitwise
+    those of the same run whose frozen weights are fp32 masters that autocast casts to bf16 at
+    each use, as before (the same bf16 values enter the same GEMMs)."""
+    settings = curves["settings"] + ["train.precision=bf16"]
+    runs = {}
+    for masters in (False, True):
+        cfg = make_config(1, 1, 1, settings, dataset)
+        trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+        params = list(trainer.model.parameters())
+        held = [p for p in params if p.dtype == torch.bfloat16]
+        assert held and not any(p.requires_grad for p in held)
+        assert all(p.dtype == torch.float32 for p in params if p.requires_grad)
+        for param in held if masters else []:
+            param.data = param.data.float()
+        runs[masters] = train_counted(trainer, BF16_STEPS)[:2]
+    assert runs[False] == runs[True]
 
 
 @pytest.mark.slow  # a 2-rank run
