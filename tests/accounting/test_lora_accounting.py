@@ -14,6 +14,7 @@ from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
 from tests.conftest import CONFIGS
+from tests.tolerances import FP64_REORDER
 
 TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 SETTINGS = ["model.n_layer=2", "model.vocab_size=257"]
@@ -152,3 +153,27 @@ def test_a_lora_steps_flops_are_the_ones_it_does_without_the_frozen_weight_gradi
     tokens, frozen = derived.tokens_per_step, matmul_params(base_cfg, base_derived)
     base = model_flops_per_step(base_cfg, base_derived)
     assert model_flops_per_step(cfg, derived) == base + (6 * adapters - 2 * frozen) * tokens
+
+
+def test_a_lora_layers_backward_times_its_input_gradient_gemms_alone():
+    """plan's step time (accounting.layer_time): a LoRA layer's backward is the base layer's
+    without the frozen weights' gradient GEMMs, each timed as the roofline times it."""
+    from megatronish.accounting.components import ATTENTION, mlp
+    from megatronish.accounting.hardware import device_named
+    from megatronish.accounting.layer_time import layer_time
+    from megatronish.accounting.roofline import GPU_EFFICIENCY, gemm_time
+
+    device = device_named("H100")
+    cfg, derived = config(LORA + ["train.precision=bf16"])
+    base_cfg, base_derived = config(["train.precision=bf16"])
+    T = cfg.train.micro_batch_size * cfg.train.seq_len
+    model = cfg.model
+    gemms = ATTENTION[model.components.attention].gemms(model, derived, T, T)
+    gemms += mlp.gemms(model, T, derived.d_ff)
+    weight_grads = sum(gemm_time(k, n, m, device, 2, GPU_EFFICIENCY, False)[0] for m, n, k in gemms)
+    times = [
+        layer_time(c, d, device, GPU_EFFICIENCY, False, "flash")
+        for c, d in ((cfg, derived), (base_cfg, base_derived))
+    ]
+    assert times[0].forward == times[1].forward
+    assert times[0].backward == pytest.approx(times[1].backward - weight_grads, rel=FP64_REORDER)
