@@ -124,6 +124,9 @@ def layouts(curves, dataset) -> list[dict]:
     # and with the linear layers' collectives decomposed: the adapted ones gather whole
     overlap = ["parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"]
     runs["tp2-sp-overlap-tally"] = (2, 1, 1, settings + overlap, 1)
+    # fp8 rowwise at cp 2: the frozen weights' gradient GEMMs, whose scales cp reduces, do not run
+    fp8 = ["parallel.cp=2", "train.precision=fp8", "train.fp8_recipe=rowwise"]
+    runs["cp2-fp8-tally"] = (1, 1, 1, settings + fp8, 1)
     return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
 
 
@@ -175,7 +178,7 @@ def test_a_lora_run_at_tp2_pp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
 
 
 @pytest.mark.slow  # a 2-rank run
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally", "cp2-fp8-tally"])
 def test_check_counts_the_collectives_a_lora_run_makes_at_tp2(layouts, layout):
     for ranks in layouts:
         assert ranks[layout]["payload"] == ranks[layout]["formula"]
