@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from megatronish.accounting.components import attention_at, gated_deltanet, mlp
 from megatronish.accounting.components import moe as moe_cost
+from megatronish.accounting.lora import adapter_parameters
 from megatronish.config import Config, Derived, attention_window
 
 
@@ -50,11 +51,26 @@ def attention_flops_per_token(cfg: Config, derived: Derived) -> int:
     return full + linear * gated_deltanet.rule_flops_per_token(model)
 
 
+def forward_flops_per_step(cfg: Config, derived: Derived) -> float:
+    """Forward FLOPs of one optimizer step: per token 2 x matmul parameters (and the LoRA
+    adapters', accounting.lora.adapter_parameters) + attention_flops_per_token."""
+    return float(_forward_per_token(cfg, derived) * derived.tokens_per_step)
+
+
+def _forward_per_token(cfg: Config, derived: Derived) -> int:
+    params = matmul_params(cfg, derived) + adapter_parameters(cfg, derived)
+    return 2 * params + attention_flops_per_token(cfg, derived)
+
+
 def model_flops_per_step(cfg: Config, derived: Derived) -> float:
     """Training FLOPs of one optimizer step (Narayanan et al. 2021, written for any MLP):
     3 x forward, forward per token = 2 x matmul parameters + 4 l s h for attention scores and
     values (attention_flops_per_token: s min(s, W) under a sliding window W); x 4/3 with full
-    recompute. With d_ff = 4h this is 72 B s l h^2 (1 + s/6h + V/12lh)."""
-    forward = 2 * matmul_params(cfg, derived) + attention_flops_per_token(cfg, derived)
+    recompute. With d_ff = 4h this is 72 B s l h^2 (1 + s/6h + V/12lh). Under model.lora the
+    FLOPs a step does: the adapters' GEMMs counted, and no weight gradient for the frozen
+    weights (2 x their parameters per token fewer; the first block's input gradients that do
+    not run, accounting.lora.frozen_inputs, stay counted)."""
     passes = 4 if cfg.train.activation_checkpointing == "full" else 3
-    return float(passes * forward * derived.tokens_per_step)
+    frozen = matmul_params(cfg, derived) if cfg.model.lora is not None else 0
+    per_token = passes * _forward_per_token(cfg, derived) - 2 * frozen
+    return float(per_token * derived.tokens_per_step)

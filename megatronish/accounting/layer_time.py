@@ -6,7 +6,9 @@ accounting.roofline). Communication is not here (accounting.comm_time).
 Legend: T = b s / cp tokens a rank holds, h hidden, a heads and k kv heads of d dims, t tp,
 f d_ff, V the padded vocab, c bytes a 16-bit (bf16) or fp32 activation element. A GEMM
 [m, k] x [k, n] forward has two of the same FLOPs backward: the input gradient [m, n] x [n, k]
-and the weight gradient [k, m] x [m, n].
+and the weight gradient [k, m] x [m, n]; under model.lora the input gradient alone (the base
+weights are frozen: layers.linear computes no gradient for them; the adapters' small GEMMs are
+not timed).
 
 GEMMs a layer forward: qkv [T, h] x [h, (a + 2k) d / t] (a more with Qwen3.5's query gate),
 projection [T, a d / t] x [a d / t, h] (multi-head latent attention and a linear-attention block
@@ -79,18 +81,26 @@ class LayerTime:
 
 class _Timer:
     """Roofline times on one device at one activation width; fmt: the numeric format of the
-    GEMMs of ``gemm`` asked to run in it (megatronish.layers.formats)."""
+    GEMMs of ``gemm`` asked to run in it (megatronish.layers.formats); frozen: the weights get
+    no gradient (model.lora), so backward is the input gradient alone."""
 
-    def __init__(self, device: Device, eff: Efficiency, width: int, fmt: Format = HIGH_PRECISION):
+    def __init__(
+        self,
+        device: Device,
+        eff: Efficiency,
+        width: int,
+        fmt: Format = HIGH_PRECISION,
+        frozen: bool = False,
+    ):
         self.device, self.bw, self.eff, self.width = device, device.hbm_tb_s * 1e12, eff, width
-        self.format = fmt
+        self.format, self.frozen = fmt, frozen
 
     def gemm(
         self, m: int, n: int, k: int, backward: bool = False, batch: int = 1, fp8: bool = False
     ) -> float:
         """One GEMM forward, or its two gradient GEMMs; `batch` of them in one kernel; fp8 (with
         the timer's format fp8): at the fp8 peak, plus the bytes of its casts (the format's)."""
-        shapes = [(m, k, n), (k, n, m)] if backward else [(m, n, k)]
+        shapes = [(m, k, n), (k, n, m)][: 1 if self.frozen else 2] if backward else [(m, n, k)]
         fp8 = fp8 and self.format.fp8_gemms
         total = 0.0
         for mm, nn, kk in shapes:
@@ -119,7 +129,7 @@ def layer_time(
     one rank."""
     model, train, tp = cfg.model, cfg.train, derived.tp
     width = 2 if train.bf16_autocast else 4
-    timer = _Timer(device, eff, width, train_format(train))
+    timer = _Timer(device, eff, width, train_format(train), model.lora is not None)
     s = train.seq_len // derived.cp
     T, h, hd = train.micro_batch_size * s, model.d_model, derived.head_dim
     heads, kv = model.n_head // tp, derived.n_kv_head // tp
@@ -180,7 +190,8 @@ def linear_gemms(cfg: Config, derived: Derived, device: Device, eff: Efficiency)
     down, shared_down and linear_out, which the all-gather of their output gradient runs
     under."""
     train = cfg.train
-    timer = _Timer(device, eff, 2 if train.bf16_autocast else 4, train_format(train))
+    width, frozen = 2 if train.bf16_autocast else 4, cfg.model.lora is not None
+    timer = _Timer(device, eff, width, train_format(train), frozen)
     shapes = linear_shapes(cfg, derived)
     gemms = {name: timer.gemm(*shape, fp8=name in FP8_LINEARS) for name, shape in shapes.items()}
     if "linear_out" in shapes:  # one gathered input, four projections run on it chunk by chunk
@@ -211,17 +222,15 @@ def linear_shapes(cfg: Config, derived: Derived) -> dict[str, tuple[int, int, in
 
 def gemm_table(cfg: Config, derived: Derived, device: Device, eff: Efficiency) -> list[dict]:
     """The forward and gradient GEMMs of each linear of one micro-batch on one rank (pass
-    forward, input_grad or weight_grad; their m, n, k), with the share of the peak each
-    reaches and whether it is memory-bound: what plan reports of a layer's GEMMs."""
+    forward, input_grad or weight_grad, none under model.lora; their m, n, k), with the share of
+    the peak each reaches and whether it is memory-bound: what plan reports of a layer's
+    GEMMs."""
     width, fp8 = 2 if cfg.train.bf16_autocast else 4, cfg.train.precision == "fp8"
     rows = []
     for name, (m, n, k) in linear_shapes(cfg, derived).items():
         low = fp8 and name in FP8_LINEARS
-        for kind, (mm, nn, kk) in (
-            ("forward", (m, n, k)),
-            ("input_grad", (m, k, n)),
-            ("weight_grad", (k, n, m)),
-        ):
+        passes = [("forward", (m, n, k)), ("input_grad", (m, k, n)), ("weight_grad", (k, n, m))]
+        for kind, (mm, nn, kk) in passes[: 2 if cfg.model.lora is not None else 3]:
             seconds, bound = gemm_time(mm, nn, kk, device, width, eff, low)
             peak = device.fp8_tflops * 1e12 if low else device.peak_flops
             share = 2.0 * mm * nn * kk / seconds / peak
@@ -292,7 +301,7 @@ def output_time(cfg: Config, derived: Derived, device: Device, eff: Efficiency) 
     """The final norm, the output layer and the cross entropy of one micro-batch on the last
     stage (full recompute does not rerun them)."""
     width = 2 if cfg.train.bf16_autocast else 4
-    timer = _Timer(device, eff, width)
+    timer = _Timer(device, eff, width, frozen=cfg.model.lora is not None)
     T, h = cfg.train.micro_batch_size * cfg.train.seq_len // derived.cp, cfg.model.d_model
     v_local = derived.padded_vocab_size // derived.tp
     sp = cfg.parallel.sequence_parallel and derived.tp > 1
@@ -312,7 +321,7 @@ def mtp_projection_time(
     three norms and eh_proj (2h -> h, on the rank's sequence share under sequence parallelism);
     full recompute does not rerun them (only the module's block)."""
     width = 2 if cfg.train.bf16_autocast else 4
-    timer = _Timer(device, eff, width)
+    timer = _Timer(device, eff, width, frozen=cfg.model.lora is not None)
     T, h = cfg.train.micro_batch_size * cfg.train.seq_len // derived.cp, cfg.model.d_model
     N = T // derived.tp if cfg.parallel.sequence_parallel and derived.tp > 1 else T
     norms = timer.stream(3 * 2 * N * h, 3)

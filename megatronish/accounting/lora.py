@@ -79,6 +79,47 @@ def expert_adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tu
     return total * experts, (summed if t > 1 else 0) * experts
 
 
+def adapter_parameters(cfg: Config, derived: Derived) -> int:
+    """The adapters' parameters in the whole model (every block, unsplit): what their GEMMs
+    take per token (accounting.flops); 0 without model.lora."""
+    lora, d = cfg.model.lora, cfg.model.d_model
+    if lora is None:
+        return 0
+    total = 0
+    for index in range(cfg.model.n_layer):
+        columns, rows = block_targets(cfg, derived, index)
+        total += sum(lora.rank * (d + n) for n in [*columns.values(), *rows.values()])
+    return total
+
+
+def bf16_held_weights(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int, int]:
+    """(frozen weights one tp rank of stage pp_rank holds in bf16 alone, those of them in fp8
+    layers) under model.lora with bf16 autocast (model.adapters.freeze_base; else (0, 0)): the
+    weights of the blocks' mha attention projections and dense MLPs (fp8 layers under fp8) and
+    of the untied output layer. The linear layers of MLA, Gated DeltaNet and multi-token
+    prediction blocks are held so too but not counted here (plan over-counts them 4 bytes)."""
+    if cfg.model.lora is None or not cfg.train.bf16_autocast:
+        return 0, 0
+    model, t, d, head_dim = cfg.model, derived.tp, cfg.model.d_model, derived.head_dim
+    blocks = 0
+    for index in stage_blocks(derived, pp_rank):
+        if model.block_attention(index) == "mha":
+            q, kv = model.n_head * head_dim, derived.n_kv_head * head_dim
+            blocks += (2 * q + 2 * kv) * d // t
+        d_ff = derived.shared_d_ff if index in derived.moe_layers else derived.d_ff
+        blocks += (3 if model.components.gated_mlp else 2) * d_ff * d // t
+    last = pp_rank == derived.pp - 1 and not derived.tie_embeddings
+    head = derived.padded_vocab_size // t * d if last else 0
+    return blocks + head, blocks if cfg.train.precision == "fp8" else 0
+
+
+def bf16_held_saving(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
+    """Bytes the bf16_held_weights save against fp32 weights with their bf16 copies (an fp8
+    layer's: with its fp8 casts, no copy): 4 a weight, 2 an fp8 layer's."""
+    held, fp8 = bf16_held_weights(cfg, derived, pp_rank)
+    return 4 * held - 2 * fp8
+
+
 QKV = ("q_proj", "k_proj", "v_proj")
 
 

@@ -11,7 +11,8 @@ dp x cp / ep ranks that hold the same experts):
   them as they are; it keeps each such weight's two fp8 casts, for the forward and for the
   input gradient, for the whole step: 2 bytes a weight, at any optim.zero; under model.lora
   not the input gradient's of the first block's layers whose input needs no gradient,
-  accounting.lora.frozen_inputs); the DeepSeek
+  accounting.lora.frozen_inputs; the frozen linear weights a LoRA run holds in bf16 alone 2
+  bytes, no fp32 master nor copy: accounting.lora.bf16_held_weights); the DeepSeek
   router's routing bias, experts x fp32 per MoE layer, a buffer without gradient or AdamW state
   ("buffers"); optim.zero = 1 divides the AdamW state by D, 2 the gradients too, 3 the weights
   too (``model_state_bytes``; ZeRO-2 and 3 keep the parameters outside the gradient buffer,
@@ -78,7 +79,12 @@ from megatronish.accounting.components import (
     norm,
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
-from megatronish.accounting.lora import adapter_counts, expert_adapter_counts, frozen_input_casts
+from megatronish.accounting.lora import (
+    adapter_counts,
+    bf16_held_saving,
+    expert_adapter_counts,
+    frozen_input_casts,
+)
 from megatronish.accounting.muon import local_elements, stage_matrices, whole_under_zero
 from megatronish.accounting.parameters import (
     local_layer_params,
@@ -284,9 +290,9 @@ def model_state_bytes(cfg: Config, derived: Derived, pp_rank: int) -> dict[str, 
     if zero:  # each rank keeps the momentum of the matrices it owns
         muon = dense_whole / dp + expert_whole / edp
     copies = 2 * (params + frozen - fp8_params) if bf16 else 0
+    copies -= bf16_held_saving(cfg, derived, pp_rank)  # LoRA's frozen weights held in bf16
     casts = 2 * fp8_params - frozen_input_casts(cfg, derived, pp_rank)  # fp8.gemm keeps them
-    fp8 = cfg.train.precision == "fp8"
-    biased = cfg.model.moe.router == "sigmoid"
+    fp8, biased = cfg.train.precision == "fp8", cfg.model.moe.router == "sigmoid"
     return {
         "weights": (weights + frozen) * 4 + copies + casts,
         "grads": grads * 4,

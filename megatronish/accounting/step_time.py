@@ -63,7 +63,11 @@ from megatronish.accounting.collectives import Purpose, collectives_per_step
 from megatronish.accounting.collectives.step import FP32_BYTES, GRAD_REDUCE_BYTES
 from megatronish.accounting.comm_time import Mesh, collective_seconds
 from megatronish.accounting.components.moe import local_parameters
-from megatronish.accounting.flops import attention_flops_per_token, model_flops_per_step
+from megatronish.accounting.flops import (
+    attention_flops_per_token,
+    forward_flops_per_step,
+    model_flops_per_step,
+)
 from megatronish.accounting.hardware import Device
 from megatronish.accounting.layer_time import (
     embedding_time,
@@ -142,7 +146,8 @@ def flops_per_step(cfg: Config, derived: Derived) -> tuple[float, float]:
         # output layer, nor the modules' eh_proj and their output layer.
         h, depth = model.d_model, model.mtp_depth
         head = (1 + depth) * 2 * h * derived.vocab_size + depth * 2 * 2 * h * h
-        return model_flops, model_flops + (model_flops / 3 - head * derived.tokens_per_step)
+        forward = forward_flops_per_step(plain, derived)
+        return model_flops, model_flops + (forward - head * derived.tokens_per_step)
     if train.activation_checkpointing == "selective":
         return model_flops, model_flops + attention
     return model_flops, model_flops

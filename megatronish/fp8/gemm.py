@@ -247,26 +247,31 @@ def grad_weight_gemm(
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """x W^T with the three GEMMs in fp8; saves x and the weight in their own precision."""
+    """x W^T with the three GEMMs in fp8; saves x and the weight in their own precision. A
+    weight that needs no gradient (LoRA's frozen base) gets none: no weight-gradient GEMM, x
+    not kept for it."""
 
     @staticmethod
     def forward(ctx, x, weight, recipe, split):
         x2d = x.reshape(-1, x.shape[-1])
         out, scales = forward_gemm(x2d, weight, recipe, split)
-        ctx.save_for_backward(x)
+        ctx.weight_grad = weight.requires_grad
+        if ctx.weight_grad:
+            ctx.save_for_backward(x)
         ctx.weight = weight  # itself (not a recompute's copy): the key of its kept casts
         ctx.recipe, ctx.split, ctx.scales = recipe, split, scales
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,), weight = ctx.saved_tensors, ctx.weight
+        weight, recipe, split = ctx.weight, ctx.recipe, ctx.split
         dy = grad_out.reshape(-1, grad_out.shape[-1])
-        x2d = x.reshape(-1, x.shape[-1])
-        recipe, split = ctx.recipe, ctx.split
         grad_in, scales = grad_input_gemm(dy, weight, recipe, split, ctx.scales)
-        grad_weight = grad_weight_gemm(dy, x2d, recipe, split, scales)
         grad_in = grad_in.view(*grad_out.shape[:-1], grad_in.shape[-1])
+        if not ctx.weight_grad:
+            return grad_in, None, None, None
+        (x,) = ctx.saved_tensors
+        grad_weight = grad_weight_gemm(dy, x.reshape(-1, x.shape[-1]), recipe, split, scales)
         return grad_in, grad_weight.to(weight.dtype), None, None
 
 

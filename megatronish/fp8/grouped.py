@@ -158,12 +158,13 @@ def experts_grad_weight(
 
 
 class _Fp8Experts(torch.autograd.Function):
-    """The experts' x W_e^T with the three GEMMs in fp8; saves x and the weight as they are."""
+    """The experts' x W_e^T with the three GEMMs in fp8; saves x and the weight as they are. A
+    weight that needs no gradient (LoRA's frozen base) gets none: no weight-gradient GEMMs."""
 
     @staticmethod
     def forward(ctx, x, weight, counts, recipe, split):
         out, scales = experts_forward(x, weight, counts, recipe, split)
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x if weight.requires_grad else None)
         ctx.weight = weight  # itself (not a recompute's copy): the key of its kept casts
         ctx.counts, ctx.recipe, ctx.split, ctx.scales = counts, recipe, split, scales
         return out
@@ -173,6 +174,8 @@ class _Fp8Experts(torch.autograd.Function):
         (x,), weight = ctx.saved_tensors, ctx.weight
         counts, recipe, split = ctx.counts, ctx.recipe, ctx.split
         grad_in, scales = experts_grad_input(grad_out, weight, counts, recipe, split, ctx.scales)
+        if x is None:
+            return grad_in, None, None, None, None
         grad_weight = experts_grad_weight(grad_out, x, weight, counts, recipe, split, scales)
         return grad_in, grad_weight, None, None, None
 

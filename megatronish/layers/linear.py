@@ -72,7 +72,9 @@ def init_sharded(
 class _ColumnLinear(torch.autograd.Function):
     """X A^T + b whose backward all-reduces dX asynchronously while computing dA (or, with
     sequence parallelism, all-gathers X forward and reduce-scatters dX backward); the three
-    GEMMs in the layer's numeric format (megatronish.layers.formats)."""
+    GEMMs in the layer's numeric format (megatronish.layers.formats). A weight that needs no
+    gradient (LoRA's frozen base) gets none: no dA GEMM, no input kept or gathered again for
+    it."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, fmt, split):
@@ -81,24 +83,27 @@ class _ColumnLinear(torch.autograd.Function):
         ctx.has_bias = bias is not None
         full_x = mappings.gather_seq(x, group) if sequence_parallel else x
         out, ctx.casts = fmt.forward(full_x, weight, bias, split)
-        ctx.save_for_backward(x if sequence_parallel else full_x)
+        ctx.weight_grad = weight.requires_grad
+        if ctx.weight_grad:
+            ctx.save_for_backward(x if sequence_parallel else full_x)
         ctx.weight = weight  # itself (not a recompute's copy): the key of its fp8 casts
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,), weight = ctx.saved_tensors, ctx.weight
-        group, fmt, split = ctx.group, ctx.format, ctx.split
-        full_x = mappings.gather_seq(x, group) if ctx.sequence_parallel else x
+        weight, group, fmt, split = ctx.weight, ctx.group, ctx.format, ctx.split
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_in, casts = fmt.grad_input(grad_out, weight, split, ctx.casts)
         handle = None
         if not ctx.sequence_parallel:
             grad_in = grad_in.contiguous()
             handle = comm.all_reduce(grad_in, group, async_op=True)
-        # The weight gradient overlaps the all-reduce.
-        x_2d = full_x.reshape(-1, full_x.shape[-1])
-        grad_weight = fmt.grad_weight(grad_2d, x_2d, weight, split, casts)
+        grad_weight = None
+        if ctx.weight_grad:  # the weight gradient overlaps the all-reduce
+            (x,) = ctx.saved_tensors
+            full_x = mappings.gather_seq(x, group) if ctx.sequence_parallel else x
+            x_2d = full_x.reshape(-1, full_x.shape[-1])
+            grad_weight = fmt.grad_weight(grad_2d, x_2d, weight, split, casts)
         grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
         if handle is not None:
             handle.wait()

@@ -8,7 +8,9 @@ sums change order: docs/parallelism.md (Communication under the GEMMs); with fp8
 
 Shapes: b batch, s sequence, t tp group size, c = s / t; weights [out, in] as in nn.Linear.
 Every transfer goes through megatronish.distributed.comm: a ring hop counts as "tp_ring" (the
-chunk's bytes), a chunk's all-reduce as an all_reduce of the chunk.
+chunk's bytes), a chunk's all-reduce as an all_reduce of the chunk. A weight that needs no
+gradient (LoRA's frozen base) gets none: no weight-gradient GEMM, and nothing kept or gathered
+again for one.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def _summed(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
 
 
 class _AllGatherLinear(torch.autograd.Function):
-    """x [b, c, in] -> (x all-gathered times w_i, + b_i, for each weight), decomposed."""
+    """x [b, c, in] -> (x all-gathered times w_i, + b_i, for each weight), decomposed. Weights
+    that need no gradient (LoRA's frozen base) get none; where none needs one, nothing is kept
+    or gathered again for the weight gradients."""
 
     @staticmethod
     def forward(ctx, x, group, keep_gathered, fmt, split, count, *params):
@@ -52,14 +56,15 @@ class _AllGatherLinear(torch.autograd.Function):
         ctx.ring, ctx.format, ctx.split, ctx.keep_gathered = ring, fmt, split, keep_gathered
         ctx.weights = weights  # themselves (not a recompute's copies): the keys of their casts
         ctx.has_bias = [bias is not None for bias in biases]
-        saved = torch.cat(kept, dim=1) if keep_gathered else fmt.again(kept[ring.rank], x)
-        ctx.save_for_backward(saved)
+        ctx.weight_grads = [weight.requires_grad for weight in weights]
+        if any(ctx.weight_grads):
+            saved = torch.cat(kept, dim=1) if keep_gathered else fmt.again(kept[ring.rank], x)
+            ctx.save_for_backward(saved)
         return tuple(torch.cat(pieces, dim=1) for pieces in outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        (saved,), ring, fmt, split = ctx.saved_tensors, ctx.ring, ctx.format, ctx.split
-        weights = ctx.weights
+        ring, fmt, split, weights = ctx.ring, ctx.format, ctx.split, ctx.weights
         grads = [grad.contiguous() for grad in grad_outs]  # [b, s, out / t] each
         casts = fmt.grad_operands(grads, weights, split, ctx.states)
         reduce = RingReduceScatter(ring)
@@ -67,32 +72,46 @@ class _AllGatherLinear(torch.autograd.Function):
         def reduce_next() -> None:  # this rank's partial of the next block of dx
             reduce.add(fmt.grad_block(casts, reduce.destination, ring.size, grads[0]))
 
-        weight_grads, gathered = [None] * len(weights), saved
-        if ctx.keep_gathered:
+        weight_grads = [None] * len(weights)
+        if not any(ctx.weight_grads):
             for _ in range(ring.size):
                 reduce_next()
-        else:  # gather x again, chunk by chunk, under the dx GEMMs
-            chunks = [None] * ring.size
-            for source, chunk in gather_chunks(ring, saved):
-                reduce_next()
-                if not fmt.chunked_weight_grad:
-                    chunks[source] = chunk
-                    continue
-                for i, (grad, weight) in enumerate(zip(grads, weights)):
-                    part = rows(seq_block(grad, source, ring.size))
-                    term = fmt.grad_weight(part, rows(chunk), weight, split, None)
-                    weight_grads[i] = _summed(weight_grads[i], term)
-            gathered = None if fmt.chunked_weight_grad else torch.cat(chunks, dim=1)
-        if gathered is not None:  # one GEMM a weight, on the gathered input
-            weight_grads = [
-                fmt.grad_weight_of(grad, gathered, weight, split, cast)
-                for grad, weight, cast in zip(grads, weights, casts)
-            ]
+        else:
+            weight_grads = _gathered_weight_grads(ctx, grads, casts, reduce_next)
         bias_grads = [
             rows(grad).sum(0).to(weight.dtype) if has_bias else None
             for grad, weight, has_bias in zip(grads, weights, ctx.has_bias)
         ]
         return reduce.result, None, None, None, None, None, *weight_grads, *bias_grads
+
+
+def _gathered_weight_grads(ctx, grads: list, casts, reduce_next) -> list:
+    """_AllGatherLinear's weight gradients (None for a weight that needs none), each block of
+    dx reduced by reduce_next under them: on the kept gathered input, or on x gathered again
+    chunk by chunk under the dx GEMMs."""
+    (saved,), ring, fmt, split = ctx.saved_tensors, ctx.ring, ctx.format, ctx.split
+    needed = zip(grads, ctx.weights, ctx.weight_grads)
+    wanted = [(i, grad, weight) for i, (grad, weight, need) in enumerate(needed) if need]
+    weight_grads, gathered = [None] * len(grads), saved
+    if ctx.keep_gathered:
+        for _ in range(ring.size):
+            reduce_next()
+    else:
+        chunks = [None] * ring.size
+        for source, chunk in gather_chunks(ring, saved):
+            reduce_next()
+            if not fmt.chunked_weight_grad:
+                chunks[source] = chunk
+                continue
+            for i, grad, weight in wanted:
+                part = rows(seq_block(grad, source, ring.size))
+                term = fmt.grad_weight(part, rows(chunk), weight, split, None)
+                weight_grads[i] = _summed(weight_grads[i], term)
+        gathered = None if fmt.chunked_weight_grad else torch.cat(chunks, dim=1)
+    if gathered is not None:  # one GEMM a weight, on the gathered input
+        for i, grad, weight in wanted:
+            weight_grads[i] = fmt.grad_weight_of(grad, gathered, weight, split, casts[i])
+    return weight_grads
 
 
 class _LinearReduceScatter(torch.autograd.Function):
@@ -107,7 +126,7 @@ class _LinearReduceScatter(torch.autograd.Function):
             block = fmt.block(x_op, reduce.destination, ring.size, x)
             reduce.add(fmt.chunk_linear(block, w_op, None, split, x))
         ctx.ring, ctx.format, ctx.split, ctx.weight = ring, fmt, split, weight
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x if weight.requires_grad else None)
         return reduce.result  # [b, c, out]
 
     @staticmethod
@@ -120,13 +139,15 @@ class _LinearReduceScatter(torch.autograd.Function):
         for source, chunk in gather_chunks(ring, grad):  # chunk [b, c, out]
             mine = casts if source == ring.rank else fmt.grad_received(chunk, casts, split)
             pieces[source] = fmt.grad_block(mine, 0, 1, grad)
+            if x is None:  # a weight without gradient (LoRA's frozen base)
+                continue
             if fmt.chunked_weight_grad:
                 x_part = rows(seq_block(x, source, ring.size))
                 term = fmt.grad_weight(rows(chunk), x_part, weight, split, None)
                 weight_grad = _summed(weight_grad, term)
             else:
                 chunks[source] = chunk
-        if not fmt.chunked_weight_grad:
+        if x is not None and not fmt.chunked_weight_grad:
             full = rows(torch.cat(chunks, dim=1))
             weight_grad = fmt.grad_weight(full, rows(x), weight, split, casts[0][2])
         return torch.cat(pieces, dim=1), weight_grad, None, None, None
@@ -148,13 +169,15 @@ class _LinearAllReduce(torch.autograd.Function):
         for work in works:
             work.wait()
         ctx.format, ctx.split, ctx.weight = fmt, split, weight
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x if weight.requires_grad else None)
         return torch.cat(pieces, dim=1)
 
     @staticmethod
     def backward(ctx, grad):
         (x,), weight, fmt, split = ctx.saved_tensors, ctx.weight, ctx.format, ctx.split
         grad_in, state = fmt.grad_input(grad, weight, split, ctx.states[0])
+        if x is None:  # a weight without gradient (LoRA's frozen base)
+            return grad_in, None, None, None, None
         weight_grad = fmt.grad_weight(rows(grad), rows(x), weight, split, state)
         return grad_in, weight_grad, None, None, None
 

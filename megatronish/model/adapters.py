@@ -3,9 +3,11 @@ where its layer is built, and the freezing of everything else."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from megatronish.config import ModelConfig
+from megatronish.layers.linear import ColumnParallelLinear, RowParallelLinear
 from megatronish.layers.lora import ColumnAdapters, Lora, RowAdapter, is_adapter
 from megatronish.model.plan import BlockPlan
 
@@ -41,8 +43,16 @@ def row_adapter(
     return RowAdapter(lora, d_in, d_out, group, sp, plan.tracker)
 
 
-def freeze_base(model: nn.Module) -> None:
+def freeze_base(model: nn.Module, bf16: bool) -> None:
     """Every parameter but the adapters' frozen: no gradient, so no optimizer state and no
-    data-parallel reduction (both take the parameters that require a gradient)."""
+    data-parallel reduction (both take the parameters that require a gradient). bf16 (bf16
+    autocast: train.precision bf16 or fp8): the linear layers' frozen weights are held in bf16
+    alone, the copy autocast would make of them, with no fp32 master (never updated, they need
+    none); the embeddings, norms and biases stay fp32 (the residual stream's precision)."""
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+    if not bf16:
+        return
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.weight.data = module.weight.data.to(torch.bfloat16)

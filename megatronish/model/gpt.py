@@ -110,7 +110,7 @@ class GPT(nn.Module):
         self.to(ps.device)
         init_weights(self, cfg.train.seed, model.n_layer)
         if model.lora is not None:
-            freeze_base(self)
+            freeze_base(self, cfg.train.bf16_autocast)
 
     def forward_param_uses(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """(module, the parameters used from its call on) in the order a forward calls the

@@ -41,6 +41,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 LORA = dict(rank=4, alpha=8.0, targets=TARGETS)
 ZERO_STEPS = 5
 PP_STEPS = 3
+BF16_STEPS = 3
 RESUME_AT = 10
 LORA_SETTINGS = [
     f"model.lora.rank={LORA['rank']}",
@@ -123,6 +124,9 @@ def layouts(curves, dataset) -> list[dict]:
     # and with the linear layers' collectives decomposed: the adapted ones gather whole
     overlap = ["parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"]
     runs["tp2-sp-overlap-tally"] = (2, 1, 1, settings + overlap, 1)
+    # fp8 rowwise at cp 2: the frozen weights' gradient GEMMs, whose scales cp reduces, do not run
+    fp8 = ["parallel.cp=2", "train.precision=fp8", "train.fp8_recipe=rowwise"]
+    runs["cp2-fp8-tally"] = (1, 1, 1, settings + fp8, 1)
     return run_on_ranks(train_layouts, 2, runs, dataset, timeout=300)
 
 
@@ -238,6 +242,28 @@ def test_a_lora_run_follows_the_peft_adamw_curve_at_tp1(curves):
     assert_close(ours["norms"], reference["norms"], rel=LAYOUT_CURVE_REL, steps=CURVE_STEPS)
 
 
+def test_under_bf16_the_frozen_base_is_held_in_bf16_alone_and_trains_as_from_fp32_masters(
+    curves, dataset
+):
+    """train.precision bf16: the frozen linear weights are bf16 parameters and nothing else
+    holds them (no fp32 master: model.adapters.freeze_base), and the first steps are bitwise
+    those of the same run whose frozen weights are fp32 masters that autocast casts to bf16 at
+    each use, as before (the same bf16 values enter the same GEMMs)."""
+    settings = curves["settings"] + ["train.precision=bf16"]
+    runs = {}
+    for masters in (False, True):
+        cfg = make_config(1, 1, 1, settings, dataset)
+        trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
+        params = list(trainer.model.parameters())
+        held = [p for p in params if p.dtype == torch.bfloat16]
+        assert held and not any(p.requires_grad for p in held)
+        assert all(p.dtype == torch.float32 for p in params if p.requires_grad)
+        for param in held if masters else []:
+            param.data = param.data.float()
+        runs[masters] = train_counted(trainer, BF16_STEPS)[:2]
+    assert runs[False] == runs[True]
+
+
 @pytest.mark.slow  # a 2-rank run
 @pytest.mark.parametrize(
     "layout", ["tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "tp2-resumed", "pp2", "pp2-resumed"]
@@ -254,24 +280,45 @@ def test_a_lora_run_at_tp2_pp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
 
 
 @pytest.mark.slow  # a 2-rank run
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally", "cp2-fp8-tally"])
 def test_check_counts_the_collectives_a_lora_run_makes_at_tp2(layouts, layout):
     for ranks in layouts:
         assert ranks[layout]["payload"] == ranks[layout]["formula"]
 
 
+@pytest.mark.slow  # a 2-rank run
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally"])
+def test_no_frozen_weight_gets_a_weight_gradient_gemm_at_tp2(layouts, layout):
+    """The linear layers' own backward passes (every frozen layer's at tp 2, the adapters'
+    being autograd's) compute no weight gradient: layers.formats' GEMM for one never runs."""
+    for ranks in layouts:
+        assert ranks[layout]["weight_gemms"] == 0
+
+
 def train_layouts(rank: int, world: int, runs: dict, dataset: Path) -> dict[str, dict]:
-    """The losses, gradient norms and first step's collective payloads (counted, and as
-    accounting counts them) of each run {name: (tp, dp, pp, settings, steps to train)} on these
-    ranks."""
+    """The losses, gradient norms, first step's collective payloads (counted, and as accounting
+    counts them) and the layers' weight-gradient GEMMs of each run {name: (tp, dp, pp, settings,
+    steps to train)} on these ranks."""
     from megatronish.accounting.collectives import formula_payload_by_kind
+    from megatronish.layers.formats import HighPrecision
+
+    gemms, plain = [], HighPrecision.grad_weight
+
+    def counted(self, *args):
+        gemms.append(1)
+        return plain(self, *args)
 
     curves = {}
-    for name, (tp, dp, pp, settings, steps) in runs.items():
-        cfg = make_config(tp, dp, pp, settings, dataset)
-        trainer = make_trainer(cfg, world, dataset)
-        losses, norms, counter = train_counted(trainer, steps)
-        formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
-        curves[name] = {"losses": losses, "norms": norms}
-        curves[name] |= {"payload": dict(counter.payload_bytes), "formula": formula}
+    HighPrecision.grad_weight = counted  # the weight-gradient GEMMs the layers' backward makes
+    try:
+        for name, (tp, dp, pp, settings, steps) in runs.items():
+            cfg = make_config(tp, dp, pp, settings, dataset)
+            trainer = make_trainer(cfg, world, dataset)
+            gemms.clear()
+            losses, norms, counter = train_counted(trainer, steps)
+            formula = formula_payload_by_kind(cfg, trainer.setup.derived, trainer.ps.pp_rank)
+            curves[name] = {"losses": losses, "norms": norms, "weight_gemms": len(gemms)}
+            curves[name] |= {"payload": dict(counter.payload_bytes), "formula": formula}
+    finally:
+        HighPrecision.grad_weight = plain
     return curves

@@ -17,7 +17,7 @@ T = b s the GEMMs' tokens (a cp rank's share), out and in the layer's full sizes
   input-gradient GEMM, one each per logical matrix of its rows (the qkv's q, k and v: 3 (T +
   in), with Qwen3.5's output gate 4; megatronish.fp8.parts), and a row layer's input and weight
   rows (T + out) in the forward; over cp the weight-gradient GEMM's per-feature scales over the
-  tokens (out / t + in, or out + in / t).
+  tokens (out / t + in, or out + in / t), which a LoRA run's frozen weights do not run.
 - blockwise: none (a shard holds whole tiles and blocks: config.derive).
 
 An MoE layer's routed experts (gate and up column-split, down row-split over tp; E_l = E / ep
@@ -233,7 +233,8 @@ def _gemms(step: Step, layer: AmaxLayer, forward_runs: int) -> list[AmaxGemm]:
         else:
             rows = [AmaxGemm("forward", tp, group.rows * t, tp, per_weight * out, forward_runs, 1)]
         width = out // step.tp + inner if column else out + inner // step.tp
-        rows.append(AmaxGemm("weight gradient", cp, runs * width * c, set(), 0, weights, 0))
+        if step.cfg.model.lora is None:  # LoRA's frozen weights get no gradient GEMM
+            rows.append(AmaxGemm("weight gradient", cp, runs * width * c, set(), 0, weights, 0))
     return [row for row in rows if row.values or row.weight_values]
 
 

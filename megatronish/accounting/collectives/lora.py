@@ -6,14 +6,16 @@
   of its gradient backward, per micro-batch (the forward again under full recompute).
 - The adapters' gradients summed over tp (accounting.lora.adapter_counts) replace the
   replicated parameters' (the norms are frozen).
-- A column layer with adapters (q, k, v) gathers its input once under sequence parallelism and
-  keeps it: no second gather in backward.
+- No frozen weight gets a gradient (layers.linear, layers.overlap, fp8.gemm: no weight-gradient
+  GEMM), so under sequence parallelism no column layer gathers its input again in backward for
+  one: not qkv, a lone MLP up or the LM head (a column layer with adapters gathers its input
+  once and keeps it for them).
 - Under full recompute the MLP down's forward reduction reruns where down_proj has an adapter
   (the adapter saves its tensors after the base's reduction).
 - Nothing before the first adapter needs a gradient (the embedding is frozen): on the first
   stage the embedding's gradient all-gather (sequence parallel) and the first block's qkv input
-  gradient do not run; nor, where that block's q, k and v have no adapter, qkv's second gather
-  and the gather of the attention projection's output gradient; nor, where its attention has
+  gradient do not run; nor, where that block's q, k and v have no adapter, the gather of the
+  attention projection's output gradient; nor, where its attention has
   none, its MLP's first projection input gradient; nor, where its attention and MLP gate and up
   have none, the gather of its MLP down's output gradient.
 - Under parallel.tp_comm_overlap with sequence parallelism a column layer with adapters
@@ -33,6 +35,7 @@ from megatronish.accounting.collectives.step import (
     Split,
     Step,
 )
+from megatronish.accounting.components import attention_of, mlp
 from megatronish.accounting.lora import QKV, adapter_counts, block_targets, frozen_inputs
 from megatronish.accounting.parameters import stage_blocks
 
@@ -79,9 +82,9 @@ def _fewer_calls(step: Step) -> dict[str, int]:
     """Calls per micro-batch, by the collective's name, that the base model's count has and a
     LoRA run does not make (negative: calls the LoRA run makes in addition)."""
     blocks = _stage_targets(step)
-    fewer = {"qkv input (forward, backward)": 0, "MLP down output (forward)": 0}
-    if step.sp:  # adapted qkv layers keep their gathered input
-        fewer["qkv input (forward, backward)"] = sum(bool(set(c) & set(QKV)) for c, _ in blocks)
+    fewer = {"MLP down output (forward)": 0}
+    if step.sp:
+        fewer |= _no_gather_again(step)
     full = step.cfg.train.activation_checkpointing == "full"
     if full and not (step.cfg.model.dropout > 0 or step.overlap):  # tp's down_runs 1
         # the down adapter saves tensors after the base's reduction: a recompute reruns it
@@ -101,10 +104,26 @@ def _frozen_start(step: Step) -> dict[str, int]:
     }
     if step.sp:
         fewer["embedding output gradient (backward)"] = 1
-        fewer["qkv input (forward, backward)"] = int("proj" in frozen)  # no second gather
         fewer["attention projection output gradient (backward)"] = int("proj" in frozen)
         fewer["MLP down output gradient (backward)"] = int("down" in frozen)
     return fewer
+
+
+def _no_gather_again(step: Step) -> dict[str, int]:
+    """The sequence-parallel gathers again in backward, for a weight gradient, that a LoRA run
+    does not make (module doc): qkv's, a lone MLP up's and the LM head's."""
+    model = step.cfg.model
+    column, _ = attention_of(model).tp_inputs(model, step.b * step.s, step.operand_bytes)
+    qkv = step.layers - step.linear_layers if column else 0
+    lone_up = 0 if mlp.keeps_gathered(model) else step.layers - step.moe_layers
+    heads = 1 + step.mtp if step.last else 0
+    return {
+        "qkv input (forward, backward)": qkv,
+        "qkv input again (backward)": qkv,
+        "MLP input (forward, backward)": lone_up,
+        "MLP input again (backward)": lone_up,
+        "LM head input (forward, backward)": heads,
+    }
 
 
 def _adapter_collectives(step: Step) -> list[Collective]:
