@@ -44,27 +44,31 @@ def adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int
     """(adapter parameters one tp rank of stage pp_rank holds, those of them whose gradient is
     summed over tp first); (0, 0) without model.lora. Multi-token prediction blocks are not
     counted."""
-    lora = cfg.model.lora
-    if lora is None:
+    if cfg.model.lora is None:
         return 0, 0
-    t, r, d = derived.tp, lora.rank, cfg.model.d_model
-    row_summed = cfg.parallel.sequence_parallel and t > 1
-    total = summed = 0
-    for index in stage_blocks(derived, pp_rank):
-        columns, rows = block_targets(cfg, derived, index)
-        for out in columns.values():
-            total += r * d + out // t * r
-            summed += r * d if t > 1 else 0
-        for inputs in rows.values():
-            total += r * inputs // t + d * r
-            summed += d * r if row_summed else 0
+    counts = [_dense_adapters(cfg, derived, i) for i in stage_blocks(derived, pp_rank)]
     experts, experts_summed = expert_adapter_counts(cfg, derived, pp_rank)
-    return total + experts, summed + experts_summed
+    return (
+        sum(total for total, _ in counts) + experts,
+        sum(summed for _, summed in counts) + experts_summed,
+    )
 
 
-def expert_adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int, int]:
-    """(the experts' adapter parameters one tp and ep rank of stage pp_rank holds, those of
-    them whose gradient is summed over tp first); (0, 0) without expert targets."""
+def _dense_adapters(cfg: Config, derived: Derived, index: int) -> tuple[int, int]:
+    """(block `index`'s adapter parameters on one tp rank but the experts', those of them
+    whose gradient is summed over tp first)."""
+    t, r, d = derived.tp, cfg.model.lora.rank, cfg.model.d_model
+    row_summed = cfg.parallel.sequence_parallel and t > 1
+    columns, rows = block_targets(cfg, derived, index)
+    total = sum(r * d + out // t * r for out in columns.values())
+    total += sum(r * inputs // t + d * r for inputs in rows.values())
+    summed = len(columns) * r * d if t > 1 else 0
+    return total, summed + (len(rows) * d * r if row_summed else 0)
+
+
+def _layer_expert_adapters(cfg: Config, derived: Derived) -> tuple[int, int]:
+    """(the experts' adapter parameters of one MoE layer on one tp and ep rank, those of them
+    whose gradient is summed over tp first); (0, 0) without expert targets."""
     lora = cfg.model.lora
     targets = set(lora.targets) if lora is not None else set()
     if not targets & {"experts.gate_up_proj", "experts.down_proj"}:
@@ -75,7 +79,7 @@ def expert_adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tu
         total, summed = r * d + 2 * (f // t) * r, r * d
     if "experts.down_proj" in targets:
         total, summed = total + r * (f // t) + d * r, summed + d * r
-    experts = stage_moe_layers(derived, pp_rank) * cfg.model.moe.num_experts // derived.ep
+    experts = cfg.model.moe.num_experts // derived.ep
     return total * experts, (summed if t > 1 else 0) * experts
 
 
@@ -118,6 +122,30 @@ def bf16_held_saving(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     layer's: with its fp8 casts, no copy): 4 a weight, 2 an fp8 layer's."""
     held, fp8 = bf16_held_weights(cfg, derived, pp_rank)
     return 4 * held - 2 * fp8
+
+
+def expert_adapter_counts(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int, int]:
+    """(the experts' adapter parameters one tp and ep rank of stage pp_rank holds, those of
+    them whose gradient is summed over tp first); (0, 0) without expert targets."""
+    total, summed = _layer_expert_adapters(cfg, derived)
+    layers = stage_moe_layers(derived, pp_rank)
+    return total * layers, summed * layers
+
+
+def last_block_buffered(cfg: Config, derived: Derived, pp_rank: int = 0) -> tuple[int, int]:
+    """(dense, expert) adapter parameters in ZeRO's buffers (those whose gradient is not
+    summed over tp first) of the last block of stage pp_rank that has any: under ZeRO-3 the
+    last module with parameters in the buffers, which keeps them gathered from its forward to
+    its backward (data_parallel.param_shards). (0, 0) without model.lora."""
+    if cfg.model.lora is None:
+        return 0, 0
+    expert, expert_summed = _layer_expert_adapters(cfg, derived)
+    for index in reversed(stage_blocks(derived, pp_rank)):
+        total, summed = _dense_adapters(cfg, derived, index)
+        experts = expert - expert_summed if index in derived.moe_layers else 0
+        if total - summed or experts:
+            return total - summed, experts
+    return 0, 0
 
 
 QKV = ("q_proj", "k_proj", "v_proj")

@@ -4,10 +4,11 @@ curve and gradient norms of transformers + peft trained by torch.optim.AdamW (ad
 trainable, everything else frozen) on the same batches (tests/hf/curve.py), and the runs at
 tp 2, at pp 2 and at dp 2 (ZeRO 1, 2, 3: the frozen base neither reduced nor sharded), and at
 tp 2 and at pp 2 from the tp 1 run's checkpoint of step 10, equal the one at tp 1; the
-collectives of the runs at tp 2 are those `check` counts. All within the parity harness's
-1e-5 relative per step (tests/tolerances.py: the same fp32 arithmetic in another order; the
-adapters add two GEMMs of at most 72 terms per projection, and Adam's normalized update passes
-their rounding on unamplified). A tiny Qwen3-MoE with adapters on its experts (peft's
+collectives of the runs at tp 2 and at dp 2 (ZeRO-3's gathers of the adapters alone, the last
+block's kept from its forward to its backward) are those `check` counts. All within the parity
+harness's 1e-5 relative per step (tests/tolerances.py: the same fp32 arithmetic in another
+order; the adapters add two GEMMs of at most 72 terms per projection, and Adam's normalized
+update passes their rounding on unamplified). A tiny Qwen3-MoE with adapters on its experts (peft's
 target_parameters experts.gate_up_proj and experts.down_proj) follows peft's curve too, and its
 exports load in peft and transformers with our logits."""
 
@@ -280,8 +281,14 @@ def test_a_lora_run_at_tp2_pp2_or_dp2_at_every_zero_level_equals_the_run_at_tp1(
 
 
 @pytest.mark.slow  # a 2-rank run
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally", "cp2-fp8-tally"])
-def test_check_counts_the_collectives_a_lora_run_makes_at_tp2(layouts, layout):
+@pytest.mark.parametrize(
+    "layout",
+    ["tp2", "tp2-sp-tally", "tp2-sp-overlap-tally", "cp2-fp8-tally"]
+    + ["dp2-zero1", "dp2-zero2", "dp2-zero3"],
+)
+def test_check_counts_the_collectives_a_lora_run_makes_at_tp2_and_at_dp2_at_every_zero_level(
+    layouts, layout
+):
     for ranks in layouts:
         assert ranks[layout]["payload"] == ranks[layout]["formula"]
 

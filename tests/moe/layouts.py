@@ -76,5 +76,8 @@ FOUR_RANKS = {
     ),
     "ep2 tp2 sequence parallel fp8 rowwise": (2, 1, 2, 1, 2, MOE + SP + FP8 + ROWWISE),
     "ep2 cp2 fp8 tensorwise": (1, 2, 2, 1, 2, MOE + FP8 + TENSORWISE),
-    "ep2 tp2 sequence parallel lora experts": (2, 1, 2, 1, 2, MOE + SP + LORA),
+    "ep2 tp2 sequence parallel zero3 lora experts": (
+        2, 1, 2, 1, 2, MOE + SP + LORA + ["optim.zero=3"],
+    ),
+    "dp4 ep2 zero3 lora experts": (1, 1, 4, 1, 2, MOE + LORA + ["optim.zero=3"]),
 }  # fmt: skip

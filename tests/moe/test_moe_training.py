@@ -10,9 +10,10 @@ tests/data_parallel/test_zero_levels.py); with a capacity factor the dropped fra
 change with ep, nor with tp under sequence parallelism, and the one metrics.jsonl reports equals
 a count made outside the model on the same router output; an ep = 2 checkpoint resumes at ep = 1
 on the same curve and loads, evaluates and generates in one process (a LoRA run's with adapters
-on the experts, trained at ep 2 and at ep 2 x tp 2 with sequence parallelism as one process
-trains it, resumes so too); one-process training is deterministic; bad MoE settings exit 2 with
-one line. With the experts (and a shared expert) in fp8, fp32 around them, the first FP8_STEPS
+on the experts, trained as one process trains it at ep 2, and under ZeRO-3, whose gathers (of
+the adapters alone) are those `check` counts, at ep 2 x tp 2 with sequence parallelism and at
+dp 4 x ep 2, resumes so too); one-process training is deterministic; bad MoE settings exit 2
+with one line. With the experts (and a shared expert) in fp8, fp32 around them, the first FP8_STEPS
 steps' losses, gradient norms and router metrics at ep 2 (tensorwise, rowwise, blockwise with
 capacity drops, and GPT-OSS's biased experts behind the clamped SwiGLU, rowwise), tp 2 x dp 2 x
 ep 2 with sequence parallelism (tensorwise, rowwise) and cp 2 x ep 2 (tensorwise) equal one

@@ -38,7 +38,11 @@ from megatronish.accounting.collectives.step import (
 from megatronish.accounting.components.embedding import position_params
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.components.norm import weights as norm_weights
-from megatronish.accounting.lora import adapter_counts, expert_adapter_counts
+from megatronish.accounting.lora import (
+    adapter_counts,
+    expert_adapter_counts,
+    last_block_buffered,
+)
 from megatronish.accounting.muon import whole_under_zero
 from megatronish.accounting.parameters import (
     local_parameter_count,
@@ -205,10 +209,11 @@ def zero3_gathers(step: Step, dense: int) -> list[Collective]:
     of the buffer's dense buckets. At pp = 1 every micro-batch gathers each bucket before its
     module's forward, the tied embedding's (with multi-token prediction the embedding's) again
     for the output layer, and each bucket again before its backward but the last module's (the
-    final norm, the output layer and the multi-token prediction modules) and the tied
-    embedding's, which stay from their forward, and the embeddings', whose backward reads
-    no weight; at pp > 1 each bucket once a step (kept to its end)."""
-    model, derived, dp, accum = step.cfg.model, step.derived, step.dp_cp, step.accum
+    final norm, the output layer and the multi-token prediction modules; under model.lora the
+    last block with adapters in the buffers, whose experts' too) and the tied embedding's, which
+    stay from their forward, and the embeddings', whose backward reads no weight; at pp > 1
+    each bucket once a step (kept to its end)."""
+    derived, dp, accum = step.derived, step.dp_cp, step.accum
     experts, edp = _bucketed_expert_bytes(step), _edp(step)
     if derived.pp > 1:
         return [
@@ -229,18 +234,31 @@ def zero3_gathers(step: Step, dense: int) -> list[Collective]:
                 PARAMS,
             ),
         ]
+    backward, again, kept_experts = _zero3_backward(step, dense)
+    ag = "all_gather"
+    return [
+        _dp("ZeRO-3 parameter all-gather (forward)", ag, dp, dense, accum, PARAMS),
+        _dp("ZeRO-3 embedding all-gather again (output layer, MTP)", ag, dp, again, accum, PARAMS),
+        _dp("ZeRO-3 parameter all-gather (backward)", ag, dp, backward, accum, PARAMS),
+        _dp("ZeRO-3 expert all-gather (forward)", ag, edp, experts, accum, PARAMS),
+        _dp("ZeRO-3 expert all-gather (backward)", ag, edp, experts - kept_experts, accum, PARAMS),
+    ]
+
+
+def _zero3_backward(step: Step, dense: int) -> tuple[int, int, int]:
+    """(the dense buckets' bytes gathered for a micro-batch's backward, the embedding's gathered
+    again in its forward, the expert buckets' bytes kept from its forward to its backward) at
+    pp = 1 (zero3_gathers). Under model.lora the buffers hold the adapters alone: the last
+    block with some keeps its own, and nothing is gathered again."""
+    if step.cfg.model.lora is not None:
+        kept, kept_experts = last_block_buffered(step.cfg, step.derived, step.pp_rank)
+        return dense - kept * FP32_BYTES, 0, kept_experts * FP32_BYTES
+    model, derived = step.cfg.model, step.derived
     norm = norm_weights(model) * FP32_BYTES
     vocab = derived.padded_vocab_size // step.tp * step.h * FP32_BYTES
     tied = vocab if derived.tie_embeddings else 0
     kept = (0 if step.sp else norm) + (0 if derived.tie_embeddings else vocab) + _mtp_bytes(step)
     positions = position_params(model) * FP32_BYTES
     lookups = (0 if derived.tie_embeddings else vocab) + positions  # not gathered for backward
-    backward = dense - kept - tied - lookups
     again = vocab if derived.last_stage_embedding else 0  # the output layer's, MTP's lookups
-    ag = "all_gather"
-    return [
-        _dp("ZeRO-3 parameter all-gather (forward)", ag, dp, dense, accum, PARAMS),
-        _dp("ZeRO-3 embedding all-gather again (output layer, MTP)", ag, dp, again, accum, PARAMS),
-        _dp("ZeRO-3 parameter all-gather (backward)", ag, dp, backward, accum, PARAMS),
-        _dp("ZeRO-3 expert all-gather (forward, backward)", ag, edp, experts, 2 * accum, PARAMS),
-    ]
+    return dense - kept - tied - lookups, again, 0
