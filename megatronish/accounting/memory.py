@@ -71,13 +71,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from megatronish.accounting.collectives import formula_bytes_per_step
-from megatronish.accounting.components import (
-    attention_at,
-    attention_of,
-    gated_deltanet,
-    mlp,
-    norm,
-)
+from megatronish.accounting.components import attention_at, attention_of, gated_deltanet, mlp, norm
 from megatronish.accounting.components.moe import local_parameters, router_params
 from megatronish.accounting.lora import (
     adapter_counts,
