@@ -71,6 +71,7 @@ from functools import partial
 
 from megatronish.accounting.collectives import formula_bytes_per_step
 from megatronish.accounting.components import (
+    ATTENTION,
     attention_at,
     attention_of,
     gated_deltanet,
@@ -79,6 +80,7 @@ from megatronish.accounting.components import (
 )
 from megatronish.accounting.components.moe import local_parameters, router_params
 from megatronish.accounting.lora import adapter_counts, frozen_input_casts
+from megatronish.accounting.memo import per_config
 from megatronish.accounting.muon import local_elements, stage_matrices, whole_under_zero
 from megatronish.accounting.parameters import (
     local_layer_params,
@@ -145,6 +147,16 @@ def activation_bytes_per_layer(
     """Bytes transformer block `index` (its attention of its own kind) keeps for backward for
     one micro-batch (see module doc); s is a rank's share of the sequence, seq_len /
     parallel.cp."""
+    kind = cfg.model.block_attention(index)
+    return _kind_activation_bytes(cfg, None, tp, sequence_parallel, recompute, kind)
+
+
+@per_config
+def _kind_activation_bytes(
+    cfg: Config, derived: None, tp: int, sequence_parallel: bool, recompute: str, kind: str
+) -> float:
+    """``activation_bytes_per_layer`` of a block whose attention is of `kind` (the only way
+    its index counts)."""
     s, b, h = cfg.train.seq_len // cfg.parallel.cp, cfg.train.micro_batch_size, cfg.model.d_model
     sbh = s * b * h
     width = 1.0 if cfg.train.bf16_autocast else 2.0  # the formula counts 16-bit values
@@ -152,9 +164,9 @@ def activation_bytes_per_layer(
         kept = 2 * sbh / (tp if sequence_parallel else 1)
         return kept * width
     model = cfg.model
-    attention, heads, replicated, latents = attention_at(model, index).activations(model)
+    attention, heads, replicated, latents = ATTENTION[kind].activations(model)
     mixer = 0  # Gated DeltaNet's own count, in bytes
-    if model.block_attention(index) == "gated_deltanet":
+    if kind == "gated_deltanet":
         selective, cp, bytes_16 = recompute == "selective", cfg.parallel.cp, int(2 * width)
         mixer = gated_deltanet.kept_bytes(model, tp, cp, b, s, bytes_16, selective)
     mlp_whole, mlp_split = mlp.activations(model)
