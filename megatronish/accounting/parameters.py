@@ -6,10 +6,12 @@ sequence parallelism; the query and key norms at any tp): sums over the componen
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
-from megatronish.accounting.components import attention_at, embedding, mlp, norm
+from megatronish.accounting.components import ATTENTION, attention_at, embedding, mlp, norm
 from megatronish.accounting.components import moe as moe_cost
+from megatronish.accounting.memo import per_config, per_model
 from megatronish.config import Config, Derived
 
 
@@ -18,8 +20,14 @@ def layer_params(
 ) -> int:
     """Parameters of transformer block `index` on one of tp ranks (tp 1: all of them, the MLP
     dense): its attention, its norms and its MLP (moe: the MoE MLP on one rank)."""
+    return _kind_params(cfg, derived, tp, moe, cfg.model.block_attention(index))
+
+
+@per_model
+def _kind_params(cfg: Config, derived: Derived, tp: int, moe: bool, kind: str) -> int:
+    """``layer_params`` of a block whose attention is of `kind` (the only way its index counts)."""
     model = cfg.model
-    attn = attention_at(model, index).parameters(model, derived, tp)
+    attn = ATTENTION[kind].parameters(model, derived, tp)
     ffn = (
         moe_cost.local_parameters(cfg, derived)
         if moe
@@ -59,6 +67,7 @@ def approx_tp_rank_parameters(cfg: Config, derived: Derived, total: int) -> int:
     return (total - replicated) // derived.tp + replicated
 
 
+@per_model
 def local_parameter_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Parameters one tp rank of pipeline stage pp_rank holds (the padded vocab included): the
     elements its data-parallel gradient all-reduce (or ZeRO reduce-scatter and all-gather)
@@ -97,6 +106,7 @@ def local_layer_params(cfg: Config, derived: Derived, moe: bool = False, index: 
     return layer_params(cfg, derived, derived.tp, moe, index)
 
 
+@functools.lru_cache(maxsize=4096)  # a Derived never changes; the planner asks again and again
 def stage_moe_layers(derived: Derived, pp_rank: int) -> int:
     """MoE layers on pipeline stage pp_rank, the multi-token prediction blocks' on the last
     among them (mtp_moe_layers)."""
@@ -133,6 +143,7 @@ def sequence_parallel_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0
     return norms + attn + mtp + final_norm + routers
 
 
+@per_config
 def tp_summed_grad_count(cfg: Config, derived: Derived, pp_rank: int = 0) -> int:
     """Elements of the replicated parameters whose gradients the trainer sums over the tp group
     on stage pp_rank (outside the gradient buckets): under sequence parallelism those of

@@ -11,7 +11,8 @@ from megatronish.accounting.collectives import Purpose, Split, collectives_per_s
 from megatronish.accounting.components import gated_deltanet
 from megatronish.accounting.components.moe import local_parameters
 from megatronish.accounting.flops import model_flops_per_step
-from megatronish.accounting.memory import decode_cache_elements, model_state_bytes
+from megatronish.accounting.memory import decode_cache_elements
+from megatronish.accounting.model_state import model_state_bytes
 from megatronish.accounting.muon import (
     STATE_LABEL,
     gather_payload,

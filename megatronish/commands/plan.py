@@ -29,6 +29,7 @@ from typing import NamedTuple
 from megatronish.accounting.cluster import Cluster, cluster_gpu, cluster_named
 from megatronish.accounting.comm_time import ring_ratio
 from megatronish.accounting.hardware import Device, device_named
+from megatronish.accounting.memo import remembering
 from megatronish.accounting.memory import Estimate, estimate, layout_config
 from megatronish.accounting.roofline import GPU_EFFICIENCY, Efficiency
 from megatronish.accounting.step_time import StepTime, step_time
@@ -339,6 +340,22 @@ def plan(
 ) -> str:
     """The report `megatronish plan` prints (one JSON object with as_json); `show`: the fastest
     fitting layouts it lists (0: all); `cluster`: --cluster."""
+    with remembering():  # the configs plan builds never change
+        return _plan(cfg, gpus, gpu, memory_gb, layout, as_json, device, calibration, show, cluster)
+
+
+def _plan(
+    cfg: Config,
+    gpus: int | None,
+    gpu: str | None,
+    memory_gb: float | None,
+    layout: str | None,
+    as_json: bool,
+    device: str,
+    calibration: str | None,
+    show: int,
+    cluster: str | None,
+) -> str:
     if cfg.model.vocab_size is None:  # the data's vocabulary, as training takes it
         model = dataclasses.replace(cfg.model, vocab_size=data_vocab_size(cfg))
         cfg = dataclasses.replace(cfg, model=model)

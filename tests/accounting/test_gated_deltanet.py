@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatronish.accounting.components import gated_deltanet
 from megatronish.accounting.flops import attention_flops_per_token
 from megatronish.accounting.layer_time import linear_shapes
-from megatronish.accounting.memory import fp8_layer_params
+from megatronish.accounting.model_state import fp8_layer_params
 from megatronish.accounting.parameters import local_parameter_count, parameter_count
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState

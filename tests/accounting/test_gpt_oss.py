@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatronish.accounting.flops import attention_flops_per_token
-from megatronish.accounting.memory import fp8_layer_params
+from megatronish.accounting.model_state import fp8_layer_params
 from megatronish.accounting.parameters import local_parameter_count, parameter_count
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState

@@ -9,7 +9,7 @@ import torch
 
 from megatronish.accounting.collectives import collectives_per_step
 from megatronish.accounting.lora import adapter_counts, bf16_held_weights
-from megatronish.accounting.memory import model_state_bytes
+from megatronish.accounting.model_state import model_state_bytes
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState
 from megatronish.model import GPT
@@ -118,7 +118,7 @@ def test_under_fp8_only_the_frozen_base_is_cast_and_plan_counts_its_casts():
     the first block's qkv (its input needs no gradient: accounting.lora.frozen_inputs), and
     plan's weights say so."""
     from megatronish.accounting.lora import frozen_input_casts
-    from megatronish.accounting.memory import fp8_layer_params
+    from megatronish.accounting.model_state import fp8_layer_params
     from megatronish.fp8 import gemm
     from megatronish.model.precision import autocast
     from megatronish.objectives.registry import sequence_losses

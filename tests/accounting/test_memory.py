@@ -13,12 +13,8 @@ import pytest
 import torch
 
 from megatronish.accounting.components import attention, gated_deltanet
-from megatronish.accounting.memory import (
-    activation_bytes_per_layer,
-    estimate,
-    fp8_layer_params,
-    model_state_bytes,
-)
+from megatronish.accounting.memory import activation_bytes_per_layer, estimate
+from megatronish.accounting.model_state import fp8_layer_params, model_state_bytes
 from megatronish.accounting.parameters import local_layer_params, local_parameter_count
 from megatronish.config import derive, load_config
 from megatronish.distributed.layout import ParallelState

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatronish.accounting.collectives import collectives_per_step
-from megatronish.accounting.memory import model_state_bytes
+from megatronish.accounting.model_state import model_state_bytes
 from megatronish.accounting.muon import (
     local_elements,
     newton_schulz_flops,

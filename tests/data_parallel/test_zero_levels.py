@@ -140,7 +140,7 @@ def _train(cfg, world, dataset, save: bool = False, capture: bool = False) -> di
     (ZeRO-0, overlap off) its first reduction: "reduced", and of the same local gradients the
     fp32 average "fp32" and the mean of the ranks' magnitudes "magnitude"."""
     from megatronish.accounting.collectives import formula_payload_by_kind
-    from megatronish.accounting.memory import model_state_bytes
+    from megatronish.accounting.model_state import model_state_bytes
     from megatronish.distributed import comm
 
     trainer = make_trainer(cfg, world, dataset)
