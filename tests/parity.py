@@ -158,14 +158,14 @@ def reference(overrides: list[str], dataset: Path) -> dict:
     return _REFERENCES[key]
 
 
-def run_reference(overrides: list[str], dataset: Path, **sets) -> dict:
-    """A fresh one-process run of STEPS steps (not cached), with `sets` as extra settings."""
+def run_reference(overrides: list[str], dataset: Path, steps: int = STEPS, **sets) -> dict:
+    """A fresh one-process run of `steps` steps (not cached), with `sets` as extra settings."""
     from megatronish.distributed.layout import ParallelState
 
     cfg = make_config(1, 1, 1, overrides, dataset, [f"{k}={v}" for k, v in sets.items()])
     trainer = make_trainer(cfg, 1, dataset, ParallelState.single())
     mtp, logits = [], []
-    losses, norms, _ = train_counted(trainer, STEPS, mtp_losses=mtp, logits=logits)
+    losses, norms, _ = train_counted(trainer, steps, mtp_losses=mtp, logits=logits)
     return {
         "losses": losses,
         "norms": norms,

@@ -31,7 +31,7 @@ from tests.hf.curve import (
     reference_curve,
     run_settings,
 )
-from tests.parity import assert_close, make_config, make_trainer, train_counted
+from tests.parity import LAYOUT_STEPS, assert_close, make_config, make_trainer, train_counted
 from tests.ranks import run_on_ranks
 from tests.tolerances import LAYOUT_CURVE_REL, PARITY_LOGITS_ABS
 
@@ -44,6 +44,7 @@ ZERO_STEPS = 5
 PP_STEPS = 3
 BF16_STEPS = 3
 RESUME_AT = 10
+RESUMED_STEPS = 3  # the runs resharded from the checkpoint of step RESUME_AT train this many
 LORA_SETTINGS = [
     f"model.lora.rank={LORA['rank']}",
     f"model.lora.alpha={LORA['alpha']}",
@@ -107,14 +108,15 @@ def curves(hf_dir, dataset, tmp_path_factory) -> dict:
 def layouts(curves, dataset) -> list[dict]:
     """Each rank's curves of the other layouts, in one 2-rank run."""
     settings, saved = curves["settings"], curves["saved"]
-    runs = {"tp2": (2, 1, 1, settings, CURVE_STEPS)}
+    # the first LAYOUT_STEPS at tp 2, where a layout that splits or reduces wrongly parts
+    runs = {"tp2": (2, 1, 1, settings, LAYOUT_STEPS)}
     # the tp 1 checkpoint of step RESUME_AT (adapters, their AdamW state, the frozen base)
     # resharded to tp 2 and trained on
     resume = [f"checkpoint.resume={saved / f'step_{RESUME_AT:06d}'}", "checkpoint.save=false"]
-    runs["tp2-resumed"] = (2, 1, 1, settings + resume, CURVE_STEPS)
+    runs["tp2-resumed"] = (2, 1, 1, settings + resume, RESUME_AT + RESUMED_STEPS)
     # at pp 2: its first steps, and the same checkpoint resharded across pp
     runs["pp2"] = (1, 1, 2, settings, PP_STEPS)
-    runs["pp2-resumed"] = (1, 1, 2, settings + resume, RESUME_AT + PP_STEPS)
+    runs["pp2-resumed"] = (1, 1, 2, settings + resume, RESUME_AT + RESUMED_STEPS)
     # the first steps of the 20-step schedule: a ZeRO level that mishandles the frozen base
     # differs from the first step on
     for zero in (1, 2, 3):

@@ -9,6 +9,9 @@ bytes (cp's QK-clip key gathers too) those accounting.collectives counts."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -217,15 +220,21 @@ def four_ranks(dataset, tmp_path_factory):
     return run_on_ranks(_train_on_ranks, 4, dataset, ckpt_dir, timeout=400)
 
 
+@functools.cache
+def muon_reference(settings: tuple[str, ...], dataset: Path) -> tuple[list[float], ...]:
+    """The one-process run's LAYOUT_STEPS losses, gradient norms and max_attn_logits, once per
+    settings (LLAMA's serves the pp 2, cp 2 and ZeRO layouts)."""
+    ref = run_reference([*settings, *MUON, *SHORT], dataset, steps=LAYOUT_STEPS)
+    return tuple(ref[key] for key in ("losses", "norms", "max_attn_logits"))
+
+
 @pytest.mark.slow  # a 4-rank training run
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_muon_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
     name, four_ranks, dataset
 ):
     settings = [o for o in VARIANTS[name][3] if not o.startswith(("parallel.", "train.micro"))]
-    ref = run_reference(settings + MUON + SHORT, dataset)
-    losses, norms = ref["losses"][:LAYOUT_STEPS], ref["norms"][:LAYOUT_STEPS]
-    logits = ref["max_attn_logits"][:LAYOUT_STEPS]
+    losses, norms, logits = muon_reference(tuple(settings), dataset)
     assert losses[-1] < losses[0] - 0.2  # the runs really learn
     assert logits[0] > 0.045  # QK-clip clips
     for rank_results in four_ranks:
@@ -237,18 +246,12 @@ def test_muon_at_every_layout_gives_the_losses_and_grad_norms_of_one_process(
         assert counted == formula  # Muon's tp gathers (and SP's) as accounting counts them
 
 
-@pytest.fixture(scope="module")
-def llama_reference(dataset):
-    ref = run_reference(LLAMA + MUON + SHORT, dataset)
-    return tuple(ref[key][:LAYOUT_STEPS] for key in ("losses", "norms", "max_attn_logits"))
-
-
 @pytest.mark.slow  # the 4-rank training run
 @pytest.mark.parametrize("name", list(ZERO_VARIANTS))
 def test_muon_under_zero_owns_matrices_whole_reduces_their_gradients_to_the_owner_alone(
-    name, four_ranks, llama_reference
+    name, four_ranks, dataset
 ):
-    losses, norms, logits = llama_reference
+    losses, norms, logits = muon_reference(tuple(LLAMA), dataset)
     momenta = []
     for rank_results in four_ranks:
         got = rank_results[name]
